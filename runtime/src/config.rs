@@ -1,0 +1,180 @@
+//! Model hyper-parameters, read from GGUF metadata or a Hugging Face `config.json`.
+
+use crate::gguf::GgufFile;
+use crate::{Result, RuntimeError};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    Llama,
+    Qwen2,
+}
+
+impl Arch {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "llama" | "LlamaForCausalLM" => Ok(Arch::Llama),
+            "qwen2" | "Qwen2ForCausalLM" => Ok(Arch::Qwen2),
+            other => Err(RuntimeError::UnknownArch(other.to_string())),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub n_layers: usize,
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn_dim: usize,
+    pub vocab_size: usize,
+    pub rope_theta: f32,
+    pub rms_eps: f32,
+    pub max_ctx: usize,
+    /// q/k/v projections carry biases (qwen2).
+    pub qkv_bias: bool,
+    /// RoPE rotates adjacent pairs (GGUF llama) rather than halves (HF layout, qwen2).
+    pub rope_interleaved: bool,
+}
+
+impl ModelConfig {
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(RuntimeError::Config(m));
+        if self.n_layers == 0 || self.d_model == 0 || self.n_heads == 0 || self.n_kv_heads == 0 {
+            return bad("layers, width and head counts must be positive".into());
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return bad(format!(
+                "{} heads are not a multiple of {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return bad(format!("head_dim {} must be even for RoPE", self.head_dim));
+        }
+        if self.vocab_size == 0 || self.max_ctx == 0 {
+            return bad("vocab size and context must be positive".into());
+        }
+        Ok(())
+    }
+
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let arch_s = g
+            .meta_str("general.architecture")
+            .ok_or_else(|| RuntimeError::Corrupt {
+                path: g.path.display().to_string(),
+                reason: "no general.architecture".into(),
+            })?;
+        let arch = Arch::parse(&arch_s)?;
+        let a = arch.name();
+        let need = |k: &str| {
+            g.meta_u64(&format!("{a}.{k}"))
+                .map(|v| v as usize)
+                .ok_or_else(|| RuntimeError::Config(format!("GGUF lacks `{a}.{k}`")))
+        };
+        let d_model = need("embedding_length")?;
+        let n_heads = need("attention.head_count")?;
+        let n_kv_heads = g
+            .meta_u64(&format!("{a}.attention.head_count_kv"))
+            .map(|v| v as usize)
+            .unwrap_or(n_heads);
+        let head_dim = g
+            .meta_u64(&format!("{a}.attention.key_length"))
+            .map(|v| v as usize)
+            .unwrap_or(d_model / n_heads.max(1));
+        let vocab_size = match g.meta("tokenizer.ggml.tokens") {
+            Some(v) => v.to_vec().map(|v| v.len()).unwrap_or(0),
+            None => 0,
+        };
+        let vocab_size = if vocab_size > 0 {
+            vocab_size
+        } else {
+            g.meta_u64(&format!("{a}.vocab_size"))
+                .map(|v| v as usize)
+                .unwrap_or(0)
+        };
+        let cfg = Self {
+            arch,
+            n_layers: need("block_count")?,
+            d_model,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn_dim: need("feed_forward_length")?,
+            vocab_size,
+            rope_theta: g
+                .meta_f32(&format!("{a}.rope.freq_base"))
+                .unwrap_or(10000.0),
+            rms_eps: g
+                .meta_f32(&format!("{a}.attention.layer_norm_rms_epsilon"))
+                .unwrap_or(1e-6),
+            max_ctx: need("context_length")?,
+            qkv_bias: arch == Arch::Qwen2,
+            rope_interleaved: arch == Arch::Llama,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// From a Hugging Face `config.json`.
+    pub fn from_hf_json(text: &str) -> Result<Self> {
+        #[derive(Deserialize)]
+        struct Hf {
+            architectures: Option<Vec<String>>,
+            model_type: Option<String>,
+            hidden_size: usize,
+            intermediate_size: usize,
+            num_hidden_layers: usize,
+            num_attention_heads: usize,
+            num_key_value_heads: Option<usize>,
+            head_dim: Option<usize>,
+            vocab_size: usize,
+            rope_theta: Option<f32>,
+            rms_norm_eps: Option<f32>,
+            max_position_embeddings: Option<usize>,
+        }
+        let hf: Hf = serde_json::from_str(text)
+            .map_err(|e| RuntimeError::Config(format!("config.json: {e}")))?;
+        let arch_name = hf
+            .model_type
+            .clone()
+            .or_else(|| hf.architectures.as_ref().and_then(|a| a.first().cloned()))
+            .unwrap_or_default();
+        let arch = Arch::parse(&arch_name)?;
+        let cfg = Self {
+            arch,
+            n_layers: hf.num_hidden_layers,
+            d_model: hf.hidden_size,
+            n_heads: hf.num_attention_heads,
+            n_kv_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
+            head_dim: hf
+                .head_dim
+                .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+            ffn_dim: hf.intermediate_size,
+            vocab_size: hf.vocab_size,
+            rope_theta: hf.rope_theta.unwrap_or(10000.0),
+            rms_eps: hf.rms_norm_eps.unwrap_or(1e-6),
+            max_ctx: hf.max_position_embeddings.unwrap_or(2048),
+            qkv_bias: arch == Arch::Qwen2,
+            rope_interleaved: false,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}

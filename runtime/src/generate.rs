@@ -1,0 +1,138 @@
+//! Plain autoregressive decoding over the runtime (the baseline every speculative arm is compared
+//! with, and `dspark generate --drafter none`).
+
+use crate::model::{ForwardOptions, LogitsMode, Model, SeqInput};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::{Result, RuntimeError};
+use kernels::rng::Rng;
+use kernels::sampling::{SamplingParams, sample_logits};
+use std::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct GenerateParams {
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub seed: u64,
+    /// Prefill chunk size (tokens per forward).
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 128,
+            sampling: SamplingParams::greedy(),
+            seed: 0,
+            prefill_chunk: 256,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateOutput {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    /// "stop" (a stop token) or "length" (max_tokens or the context end).
+    pub finish_reason: &'static str,
+    pub prompt_tokens: usize,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+}
+
+/// Validates a request before any work: non-empty prompt, max_tokens ≥ 1, sampling values, and
+/// a prompt that leaves room for at least one generated token.
+pub fn validate(model: &Model, prompt: &[u32], p: &GenerateParams) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(RuntimeError::Invalid("the prompt is empty".into()));
+    }
+    if p.max_tokens == 0 {
+        return Err(RuntimeError::Invalid(
+            "max_tokens must be at least 1".into(),
+        ));
+    }
+    p.sampling.validate()?;
+    if prompt.len() + 1 > model.cfg.max_ctx {
+        return Err(RuntimeError::ContextOverflow {
+            tokens: prompt.len() + 1,
+            ctx: model.cfg.max_ctx,
+        });
+    }
+    Ok(())
+}
+
+pub fn generate(
+    model: &Model,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    p: &GenerateParams,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenerateOutput> {
+    validate(model, prompt, p)?;
+    let total = (prompt.len() + p.max_tokens).min(model.cfg.max_ctx);
+    let mut cache = model.new_cache(total, 16)?;
+    let seq = cache.new_seq();
+    let t0 = Instant::now();
+    let mut logits = Vec::new();
+    let chunks: Vec<&[u32]> = prompt.chunks(p.prefill_chunk.max(1)).collect();
+    for (i, c) in chunks.iter().enumerate() {
+        let mode = if i + 1 == chunks.len() {
+            LogitsMode::Last
+        } else {
+            LogitsMode::None
+        };
+        let out = model.forward(
+            &mut cache,
+            &[SeqInput {
+                seq,
+                tokens: c,
+                logits: mode,
+            }],
+            &ForwardOptions::default(),
+        )?;
+        if mode == LogitsMode::Last {
+            logits = out.row(0, 0).to_vec();
+        }
+    }
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut rng = Rng::new(p.seed);
+    let mut seen: Vec<u32> = prompt.to_vec();
+    let mut out_ids = Vec::new();
+    let mut dec = StreamDecoder::new();
+    let mut finish = "length";
+    loop {
+        let next = sample_logits(&logits, &seen, &p.sampling, &mut rng);
+        if tok.is_stop(next) {
+            finish = "stop";
+            break;
+        }
+        out_ids.push(next);
+        seen.push(next);
+        if let Some(s) = dec.push(tok, next)? {
+            on_text(&s);
+        }
+        if out_ids.len() >= p.max_tokens || prompt.len() + out_ids.len() >= model.cfg.max_ctx {
+            break;
+        }
+        let o = model.forward(
+            &mut cache,
+            &[SeqInput {
+                seq,
+                tokens: &[next],
+                logits: LogitsMode::Last,
+            }],
+            &ForwardOptions::default(),
+        )?;
+        logits = o.row(0, 0).to_vec();
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+    let text = tok.decode(&out_ids, true)?;
+    Ok(GenerateOutput {
+        token_ids: out_ids,
+        text,
+        finish_reason: finish,
+        prompt_tokens: prompt.len(),
+        prefill_s,
+        decode_s,
+    })
+}

@@ -1,0 +1,423 @@
+//! Paged KV cache owned by the caller (the engine), not by the model.
+//!
+//! Storage is a pool of fixed-size blocks per layer; each sequence has a block table. Speculative
+//! decoding appends k+1 positions per verification and keeps only the accepted prefix, so
+//! [`KvCache::truncate`] returns every block past the new length to the free list at once. Shared
+//! prefixes are forked by reference count; a write into a shared block copies it first
+//! (copy-on-write), so forks never see each other's tokens. [`KvCache::check`] verifies that every
+//! block is either free or referenced exactly `refcount` times: no leaks, ever.
+
+use crate::RuntimeError;
+use std::collections::HashMap;
+
+/// Opaque sequence handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+#[derive(Clone, Debug)]
+pub struct KvConfig {
+    pub n_layers: usize,
+    /// n_kv_heads × head_dim.
+    pub kv_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Table {
+    blocks: Vec<u32>,
+    len: usize,
+}
+
+pub struct KvCache {
+    cfg: KvConfig,
+    /// Per layer: num_blocks × block_size × kv_dim.
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    refcount: Vec<u32>,
+    free: Vec<u32>,
+    seqs: HashMap<SeqId, Table>,
+    next_id: u64,
+}
+
+impl KvCache {
+    pub fn new(cfg: KvConfig) -> Result<Self, RuntimeError> {
+        if cfg.block_size == 0 || cfg.num_blocks == 0 || cfg.kv_dim == 0 {
+            return Err(RuntimeError::Config(
+                "KV cache needs block_size, num_blocks and kv_dim > 0".into(),
+            ));
+        }
+        let per_layer = cfg.num_blocks * cfg.block_size * cfg.kv_dim;
+        Ok(Self {
+            k: (0..cfg.n_layers).map(|_| vec![0f32; per_layer]).collect(),
+            v: (0..cfg.n_layers).map(|_| vec![0f32; per_layer]).collect(),
+            refcount: vec![0; cfg.num_blocks],
+            free: (0..cfg.num_blocks as u32).rev().collect(),
+            seqs: HashMap::new(),
+            next_id: 0,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &KvConfig {
+        &self.cfg
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Tokens that could still be appended across all sequences (whole free blocks only).
+    pub fn free_tokens(&self) -> usize {
+        self.free.len() * self.cfg.block_size
+    }
+
+    pub fn new_seq(&mut self) -> SeqId {
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(id, Table::default());
+        id
+    }
+
+    pub fn len(&self, seq: SeqId) -> Result<usize, RuntimeError> {
+        Ok(self.table(seq)?.len)
+    }
+
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.seqs.contains_key(&seq)
+    }
+
+    pub fn num_seqs(&self) -> usize {
+        self.seqs.len()
+    }
+
+    fn table(&self, seq: SeqId) -> Result<&Table, RuntimeError> {
+        self.seqs.get(&seq).ok_or(RuntimeError::UnknownSeq(seq.0))
+    }
+
+    fn alloc(&mut self) -> Result<u32, RuntimeError> {
+        let b = self.free.pop().ok_or(RuntimeError::KvFull)?;
+        debug_assert_eq!(self.refcount[b as usize], 0);
+        self.refcount[b as usize] = 1;
+        Ok(b)
+    }
+
+    fn release(&mut self, b: u32) {
+        let rc = &mut self.refcount[b as usize];
+        debug_assert!(*rc > 0, "double free of block {b}");
+        *rc -= 1;
+        if *rc == 0 {
+            self.free.push(b);
+        }
+    }
+
+    fn copy_block(&mut self, from: u32, to: u32) {
+        let n = self.cfg.block_size * self.cfg.kv_dim;
+        let (f, t) = (from as usize * n, to as usize * n);
+        for l in 0..self.cfg.n_layers {
+            self.k[l].copy_within(f..f + n, t);
+            self.v[l].copy_within(f..f + n, t);
+        }
+    }
+
+    /// Blocks needed to grow `seq` to `new_len` (including a copy-on-write of a shared tail).
+    pub fn blocks_needed(&self, seq: SeqId, new_len: usize) -> Result<usize, RuntimeError> {
+        let t = self.table(seq)?;
+        let bs = self.cfg.block_size;
+        let have = t.blocks.len();
+        let want = new_len.div_ceil(bs);
+        let mut n = want.saturating_sub(have);
+        if new_len > t.len && t.len % bs != 0 {
+            let last = t.blocks[t.len / bs];
+            if self.refcount[last as usize] > 1 {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Makes room for positions `len..new_len` of `seq` (allocation is all-or-nothing).
+    /// The positions become valid only through [`KvCache::set_len`] after they are written.
+    pub fn reserve(&mut self, seq: SeqId, new_len: usize) -> Result<(), RuntimeError> {
+        let need = self.blocks_needed(seq, new_len)?;
+        if need > self.free.len() {
+            return Err(RuntimeError::KvFull);
+        }
+        let bs = self.cfg.block_size;
+        let t = self.table(seq)?.clone();
+        let mut blocks = t.blocks;
+        if new_len > t.len && t.len % bs != 0 {
+            let i = t.len / bs;
+            let last = blocks[i];
+            if self.refcount[last as usize] > 1 {
+                let nb = self.alloc()?;
+                self.copy_block(last, nb);
+                self.release(last);
+                blocks[i] = nb;
+            }
+        }
+        while blocks.len() < new_len.div_ceil(bs) {
+            let b = self.alloc()?;
+            blocks.push(b);
+        }
+        if let Some(tb) = self.seqs.get_mut(&seq) {
+            tb.blocks = blocks;
+        }
+        Ok(())
+    }
+
+    /// Marks positions `0..len` as written; `len` must be covered by reserved blocks.
+    pub fn set_len(&mut self, seq: SeqId, len: usize) -> Result<(), RuntimeError> {
+        let bs = self.cfg.block_size;
+        let t = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(RuntimeError::UnknownSeq(seq.0))?;
+        if len > t.blocks.len() * bs {
+            return Err(RuntimeError::Config(format!(
+                "set_len {len} beyond reserved {}",
+                t.blocks.len() * bs
+            )));
+        }
+        t.len = len;
+        Ok(())
+    }
+
+    /// Rolls `seq` back to `len` tokens and frees every whole block past it.
+    pub fn truncate(&mut self, seq: SeqId, len: usize) -> Result<(), RuntimeError> {
+        let bs = self.cfg.block_size;
+        let t = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(RuntimeError::UnknownSeq(seq.0))?;
+        if len > t.len {
+            return Err(RuntimeError::Config(format!(
+                "truncate to {len} beyond length {}",
+                t.len
+            )));
+        }
+        t.len = len;
+        let keep = len.div_ceil(bs);
+        let dropped: Vec<u32> = t.blocks.drain(keep..).collect();
+        for b in dropped {
+            self.release(b);
+        }
+        Ok(())
+    }
+
+    /// A new sequence sharing `seq`'s first `len` tokens (whole blocks by reference).
+    pub fn fork(&mut self, seq: SeqId, len: usize) -> Result<SeqId, RuntimeError> {
+        let t = self.table(seq)?;
+        if len > t.len {
+            return Err(RuntimeError::Config(format!(
+                "fork at {len} beyond length {}",
+                t.len
+            )));
+        }
+        let blocks: Vec<u32> = t.blocks[..len.div_ceil(self.cfg.block_size)].to_vec();
+        for &b in &blocks {
+            self.refcount[b as usize] += 1;
+        }
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(id, Table { blocks, len });
+        Ok(id)
+    }
+
+    /// Drops a sequence and releases its blocks.
+    pub fn remove(&mut self, seq: SeqId) -> Result<(), RuntimeError> {
+        let t = self
+            .seqs
+            .remove(&seq)
+            .ok_or(RuntimeError::UnknownSeq(seq.0))?;
+        for b in t.blocks {
+            self.release(b);
+        }
+        Ok(())
+    }
+
+    /// Physical slot of `pos` in `seq` (block × block_size + offset).
+    #[inline]
+    pub fn slot(&self, seq: SeqId, pos: usize) -> Result<usize, RuntimeError> {
+        let t = self.table(seq)?;
+        let bs = self.cfg.block_size;
+        let b = *t
+            .blocks
+            .get(pos / bs)
+            .ok_or_else(|| RuntimeError::Config(format!("position {pos} not reserved")))?;
+        Ok(b as usize * bs + pos % bs)
+    }
+
+    /// Slots of positions `0..n` (for attention reads).
+    pub fn slots(&self, seq: SeqId, n: usize, out: &mut Vec<u32>) -> Result<(), RuntimeError> {
+        let t = self.table(seq)?;
+        let bs = self.cfg.block_size;
+        if n > t.blocks.len() * bs {
+            return Err(RuntimeError::Config(format!("position {n} not reserved")));
+        }
+        out.clear();
+        for p in 0..n {
+            out.push(t.blocks[p / bs] * bs as u32 + (p % bs) as u32);
+        }
+        Ok(())
+    }
+
+    pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+        let d = self.cfg.kv_dim;
+        self.k[layer][slot * d..(slot + 1) * d].copy_from_slice(k);
+        self.v[layer][slot * d..(slot + 1) * d].copy_from_slice(v);
+    }
+
+    /// Read access to one layer's K and V pools (slot-major, kv_dim each).
+    pub fn layer(&self, layer: usize) -> (&[f32], &[f32]) {
+        (&self.k[layer], &self.v[layer])
+    }
+
+    /// Checks the allocator invariants; an error names the first violation.
+    pub fn check(&self) -> Result<(), RuntimeError> {
+        let mut refs = vec![0u32; self.cfg.num_blocks];
+        for t in self.seqs.values() {
+            if t.blocks.len() < t.len.div_ceil(self.cfg.block_size) {
+                return Err(RuntimeError::Invariant(
+                    "sequence longer than its blocks".into(),
+                ));
+            }
+            for &b in &t.blocks {
+                refs[b as usize] += 1;
+            }
+        }
+        let mut is_free = vec![false; self.cfg.num_blocks];
+        for &b in &self.free {
+            if is_free[b as usize] {
+                return Err(RuntimeError::Invariant(format!(
+                    "block {b} twice on the free list"
+                )));
+            }
+            is_free[b as usize] = true;
+        }
+        for b in 0..self.cfg.num_blocks {
+            if refs[b] != self.refcount[b] {
+                return Err(RuntimeError::Invariant(format!(
+                    "block {b}: refcount {} but {} references",
+                    self.refcount[b], refs[b]
+                )));
+            }
+            if (refs[b] == 0) != is_free[b] {
+                return Err(RuntimeError::Invariant(format!(
+                    "block {b} leaked or used while free"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kernels::rng::Rng;
+
+    fn cache(blocks: usize) -> KvCache {
+        KvCache::new(KvConfig {
+            n_layers: 2,
+            kv_dim: 4,
+            block_size: 4,
+            num_blocks: blocks,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn append_truncate_returns_blocks() {
+        let mut c = cache(8);
+        let s = c.new_seq();
+        c.reserve(s, 10).unwrap();
+        c.set_len(s, 10).unwrap();
+        assert_eq!(c.free_blocks(), 5);
+        c.truncate(s, 5).unwrap();
+        assert_eq!(c.free_blocks(), 6);
+        c.truncate(s, 0).unwrap();
+        assert_eq!(c.free_blocks(), 8);
+        c.check().unwrap();
+    }
+
+    #[test]
+    fn fork_is_copy_on_write() {
+        let mut c = cache(8);
+        let a = c.new_seq();
+        c.reserve(a, 6).unwrap();
+        for p in 0..6 {
+            let s = c.slot(a, p).unwrap();
+            c.write(0, s, &[p as f32; 4], &[p as f32; 4]);
+        }
+        c.set_len(a, 6).unwrap();
+        let b = c.fork(a, 6).unwrap();
+        assert_eq!(c.free_blocks(), 6);
+        // b appends into the shared half-full block: it must get its own copy.
+        c.reserve(b, 7).unwrap();
+        let sb = c.slot(b, 6).unwrap();
+        c.write(0, sb, &[99.0; 4], &[99.0; 4]);
+        c.set_len(b, 7).unwrap();
+        assert_ne!(c.slot(a, 5).unwrap(), c.slot(b, 5).unwrap());
+        assert_eq!(c.layer(0).0[c.slot(b, 5).unwrap() * 4], 5.0);
+        assert_eq!(c.slot(a, 0).unwrap(), c.slot(b, 0).unwrap());
+        c.check().unwrap();
+        c.remove(a).unwrap();
+        c.remove(b).unwrap();
+        assert_eq!(c.free_blocks(), 8);
+        c.check().unwrap();
+    }
+
+    #[test]
+    fn full_cache_is_an_error_not_a_partial_allocation() {
+        let mut c = cache(2);
+        let s = c.new_seq();
+        assert!(matches!(c.reserve(s, 9), Err(RuntimeError::KvFull)));
+        assert_eq!(c.free_blocks(), 2);
+        assert!(c.reserve(SeqId(999), 1).is_err());
+    }
+
+    #[test]
+    fn ten_thousand_random_commit_rollback_cycles_leak_nothing() {
+        let mut c = cache(64);
+        let mut rng = Rng::new(42);
+        let mut live: Vec<SeqId> = Vec::new();
+        for _ in 0..10_000 {
+            match rng.below(10) {
+                0 if live.len() < 12 => live.push(c.new_seq()),
+                1 if !live.is_empty() => {
+                    let s = live.swap_remove(rng.below(live.len()));
+                    c.remove(s).unwrap();
+                }
+                2 if !live.is_empty() => {
+                    let s = live[rng.below(live.len())];
+                    let len = c.len(s).unwrap();
+                    let at = rng.below(len + 1);
+                    if let Ok(f) = c.fork(s, at) {
+                        live.push(f);
+                    }
+                }
+                _ if !live.is_empty() => {
+                    // A verification cycle: append k+1, keep a random accepted prefix.
+                    let s = live[rng.below(live.len())];
+                    let len = c.len(s).unwrap();
+                    let k = 1 + rng.below(9);
+                    if c.reserve(s, len + k).is_ok() {
+                        c.set_len(s, len + k).unwrap();
+                        let keep = len + rng.below(k + 1);
+                        c.truncate(s, keep).unwrap();
+                    } else if len > 0 {
+                        c.truncate(s, rng.below(len)).unwrap();
+                    }
+                }
+                _ => {}
+            }
+            c.check().unwrap();
+        }
+        for s in live {
+            c.remove(s).unwrap();
+        }
+        assert_eq!(c.free_blocks(), 64);
+        c.check().unwrap();
+    }
+}

@@ -1,0 +1,717 @@
+//! The transformer (llama / qwen2 family: RMSNorm, RoPE, GQA attention, SwiGLU) over a flattened
+//! variable-length batch.
+//!
+//! One [`Model::forward`] takes several sequences, each with its own number of new tokens (a
+//! prefill chunk, 1 for decode, k+1 for verification), writes their K/V into the caller's
+//! [`KvCache`] and returns logits for the positions asked for — every new position when verifying.
+//! All tokens of the batch go through each matmul together, so each weight block is read once.
+
+use crate::config::{Arch, ModelConfig};
+use crate::gguf::GgufFile;
+use crate::kv::{KvCache, KvConfig, SeqId};
+use crate::weights::{Fused, Linear};
+use crate::{Result, RuntimeError};
+use candle_core::{DType, Device, Tensor};
+use kernels::Isa;
+use kernels::ops::{self, Rope};
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+/// Which logits a sequence wants back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsMode {
+    None,
+    Last,
+    All,
+}
+
+/// One sequence's slice of a batched forward: its new tokens start at the cache's current length.
+#[derive(Clone, Debug)]
+pub struct SeqInput<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    pub logits: LogitsMode,
+}
+
+/// What to capture besides logits.
+#[derive(Clone, Debug, Default)]
+pub struct ForwardOptions {
+    /// Return the final-norm hidden state (the LM head's input) of every new token.
+    pub hidden: bool,
+    /// Return the residual stream after these layers (0-based) for every new token.
+    pub layers: Vec<usize>,
+}
+
+#[derive(Debug, Default)]
+pub struct ForwardOutput {
+    /// Rows of `vocab` logits, sequence by sequence, for the positions each asked for.
+    pub logits: Vec<f32>,
+    /// Per sequence: first logits row and row count.
+    pub logit_rows: Vec<(usize, usize)>,
+    /// Per sequence: index of its first token in the flattened batch.
+    pub token_offsets: Vec<usize>,
+    /// n_tokens × d_model, when asked for.
+    pub hidden: Option<Vec<f32>>,
+    /// One n_tokens × d_model buffer per requested layer.
+    pub layer_hidden: Vec<Vec<f32>>,
+    pub vocab: usize,
+}
+
+impl ForwardOutput {
+    /// Logits row `j` of sequence `i`.
+    pub fn row(&self, i: usize, j: usize) -> &[f32] {
+        let (start, _) = self.logit_rows[i];
+        let r = start + j;
+        &self.logits[r * self.vocab..(r + 1) * self.vocab]
+    }
+    /// All logits rows of sequence `i`.
+    pub fn rows_of(&self, i: usize) -> &[f32] {
+        let (start, n) = self.logit_rows[i];
+        &self.logits[start * self.vocab..(start + n) * self.vocab]
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Threads for this model's pool (0 = all cores).
+    pub threads: usize,
+    /// Dequantize every weight to f32 (the reference forward).
+    pub dense: bool,
+    /// Kernel path; `None` picks the fastest the CPU has.
+    pub isa: Option<Isa>,
+    /// Cap on the context (RoPE table, KV sizing); `None` uses the model's.
+    pub max_ctx: Option<usize>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            threads: 0,
+            dense: false,
+            isa: None,
+            max_ctx: None,
+        }
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    qkv: Fused,
+    qkv_bias: Option<Vec<f32>>,
+    wo: Linear,
+    ffn_norm: Vec<f32>,
+    gate_up: Fused,
+    down: Linear,
+}
+
+pub struct Model {
+    pub cfg: ModelConfig,
+    embed: Linear,
+    head: Option<Linear>,
+    layers: Vec<Layer>,
+    out_norm: Vec<f32>,
+    rope: Rope,
+    isa: Isa,
+    pool: Arc<rayon::ThreadPool>,
+    /// Human-readable description of the weights (e.g. "gguf Q4_1+Q8_0").
+    pub weights_desc: String,
+}
+
+/// Source of named tensors during loading.
+trait TensorSource {
+    fn linear(&mut self, name: &str, dense: bool) -> Result<Linear>;
+    fn vector(&mut self, name: &str) -> Result<Vec<f32>>;
+    fn has(&self, name: &str) -> bool;
+}
+
+struct GgufSource<'a> {
+    g: &'a mut GgufFile,
+    types: HashMap<&'static str, usize>,
+}
+
+impl TensorSource for GgufSource<'_> {
+    fn linear(&mut self, name: &str, dense: bool) -> Result<Linear> {
+        let raw = self.g.read(name)?;
+        *self.types.entry(raw.ty.name()).or_default() += 1;
+        Linear::from_raw(&raw, dense)
+    }
+    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
+        let raw = self.g.read(name)?;
+        Ok(kernels::quant::dequantize(raw.ty, &raw.data, raw.elems())?)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.g.has(name)
+    }
+}
+
+struct SafetensorsSource {
+    tensors: HashMap<String, Tensor>,
+}
+
+impl SafetensorsSource {
+    fn get(&self, name: &str) -> Result<Tensor> {
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| RuntimeError::MissingTensor(name.to_string()))?;
+        match t.dtype() {
+            DType::F32 | DType::F16 | DType::BF16 => Ok(t.to_dtype(DType::F32)?),
+            other => Err(RuntimeError::UnsupportedQuant {
+                tensor: name.to_string(),
+                dtype: format!("{other:?}"),
+            }),
+        }
+    }
+}
+
+impl TensorSource for SafetensorsSource {
+    fn linear(&mut self, name: &str, _dense: bool) -> Result<Linear> {
+        let t = self.get(name)?;
+        if t.rank() != 2 {
+            return Err(RuntimeError::Config(format!("`{name}` is not a matrix")));
+        }
+        Ok(Linear::Dense(t.contiguous()?))
+    }
+    fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
+        Ok(self.get(name)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
+/// Tensor names of one checkpoint convention.
+struct Names {
+    embed: &'static str,
+    head: &'static str,
+    out_norm: &'static str,
+    layer: fn(usize, &str) -> String,
+}
+
+const GGUF_NAMES: Names = Names {
+    embed: "token_embd.weight",
+    head: "output.weight",
+    out_norm: "output_norm.weight",
+    layer: |i, n| {
+        let n = match n {
+            "attn_norm" => "attn_norm.weight",
+            "q" => "attn_q.weight",
+            "k" => "attn_k.weight",
+            "v" => "attn_v.weight",
+            "q_bias" => "attn_q.bias",
+            "k_bias" => "attn_k.bias",
+            "v_bias" => "attn_v.bias",
+            "o" => "attn_output.weight",
+            "ffn_norm" => "ffn_norm.weight",
+            "gate" => "ffn_gate.weight",
+            "up" => "ffn_up.weight",
+            _ => "ffn_down.weight",
+        };
+        format!("blk.{i}.{n}")
+    },
+};
+
+const HF_NAMES: Names = Names {
+    embed: "model.embed_tokens.weight",
+    head: "lm_head.weight",
+    out_norm: "model.norm.weight",
+    layer: |i, n| {
+        let n = match n {
+            "attn_norm" => "input_layernorm.weight",
+            "q" => "self_attn.q_proj.weight",
+            "k" => "self_attn.k_proj.weight",
+            "v" => "self_attn.v_proj.weight",
+            "q_bias" => "self_attn.q_proj.bias",
+            "k_bias" => "self_attn.k_proj.bias",
+            "v_bias" => "self_attn.v_proj.bias",
+            "o" => "self_attn.o_proj.weight",
+            "ffn_norm" => "post_attention_layernorm.weight",
+            "gate" => "mlp.gate_proj.weight",
+            "up" => "mlp.up_proj.weight",
+            _ => "mlp.down_proj.weight",
+        };
+        format!("model.layers.{i}.{n}")
+    },
+};
+
+impl Model {
+    /// Loads a GGUF file or a Hugging Face directory (config.json + *.safetensors).
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
+        if path.is_dir() {
+            Self::load_hf(path, opts)
+        } else {
+            let mut g = GgufFile::open(path)?;
+            Self::load_gguf(&mut g, opts)
+        }
+    }
+
+    pub fn load_gguf(g: &mut GgufFile, opts: &LoadOptions) -> Result<Self> {
+        let cfg = ModelConfig::from_gguf(g)?;
+        let mut src = GgufSource {
+            g,
+            types: HashMap::new(),
+        };
+        let mut m = Self::build(cfg, &mut src, &GGUF_NAMES, opts)?;
+        let mut types: Vec<String> = src.types.iter().map(|(k, v)| format!("{k}×{v}")).collect();
+        types.sort();
+        m.weights_desc = format!(
+            "gguf {}{}",
+            types.join(" "),
+            if opts.dense { " (dequantized f32)" } else { "" }
+        );
+        Ok(m)
+    }
+
+    pub fn load_hf(dir: &Path, opts: &LoadOptions) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path)
+            .map_err(|_| RuntimeError::NotFound(cfg_path.display().to_string()))?;
+        let cfg = ModelConfig::from_hf_json(&text)?;
+        let mut tensors = HashMap::new();
+        let mut files: Vec<_> = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(RuntimeError::NotFound(format!(
+                "{}/*.safetensors",
+                dir.display()
+            )));
+        }
+        for f in files {
+            let t = candle_core::safetensors::load(&f, &Device::Cpu).map_err(|e| {
+                RuntimeError::Corrupt {
+                    path: f.display().to_string(),
+                    reason: e.to_string(),
+                }
+            })?;
+            tensors.extend(t);
+        }
+        let mut src = SafetensorsSource { tensors };
+        let mut m = Self::build(cfg, &mut src, &HF_NAMES, opts)?;
+        m.weights_desc = "safetensors (f32)".into();
+        Ok(m)
+    }
+
+    fn build(
+        mut cfg: ModelConfig,
+        src: &mut dyn TensorSource,
+        names: &Names,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        if let Some(c) = opts.max_ctx {
+            cfg.max_ctx = cfg.max_ctx.min(c);
+        }
+        let isa = opts.isa.unwrap_or_else(Isa::detect);
+        let threads = if opts.threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            opts.threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("dspark-model-{i}"))
+            .build()
+            .map_err(|e| RuntimeError::Config(format!("thread pool: {e}")))?;
+        let dense = opts.dense;
+        let embed = src.linear(names.embed, dense)?;
+        if embed.rows() != cfg.vocab_size || embed.cols() != cfg.d_model {
+            return Err(RuntimeError::Config(format!(
+                "embedding is {}x{}, config says vocab {} × width {}",
+                embed.rows(),
+                embed.cols(),
+                cfg.vocab_size,
+                cfg.d_model
+            )));
+        }
+        let head = if src.has(names.head) {
+            Some(src.linear(names.head, dense)?)
+        } else {
+            None
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let n = |s: &str| (names.layer)(i, s);
+            let q = src.linear(&n("q"), dense)?;
+            let k = src.linear(&n("k"), dense)?;
+            let v = src.linear(&n("v"), dense)?;
+            if q.rows() != cfg.q_dim() || k.rows() != cfg.kv_dim() || v.rows() != cfg.kv_dim() {
+                return Err(RuntimeError::Config(format!(
+                    "layer {i}: q/k/v shapes disagree with the config"
+                )));
+            }
+            let qkv_bias = if cfg.qkv_bias {
+                let mut b = src.vector(&n("q_bias"))?;
+                b.extend(src.vector(&n("k_bias"))?);
+                b.extend(src.vector(&n("v_bias"))?);
+                Some(b)
+            } else {
+                None
+            };
+            let gate = src.linear(&n("gate"), dense)?;
+            let up = src.linear(&n("up"), dense)?;
+            layers.push(Layer {
+                attn_norm: src.vector(&n("attn_norm"))?,
+                qkv: Fused::new(vec![q, k, v])?,
+                qkv_bias,
+                wo: src.linear(&n("o"), dense)?,
+                ffn_norm: src.vector(&n("ffn_norm"))?,
+                gate_up: Fused::new(vec![gate, up])?,
+                down: src.linear(&n("down"), dense)?,
+            });
+        }
+        let out_norm = src.vector(names.out_norm)?;
+        let rope = Rope::new(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.max_ctx,
+            cfg.rope_interleaved,
+        );
+        Ok(Self {
+            cfg,
+            embed,
+            head,
+            layers,
+            out_norm,
+            rope,
+            isa,
+            pool: Arc::new(pool),
+            weights_desc: String::new(),
+        })
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    /// Bytes of weights one forward streams.
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.qkv.bytes() + l.wo.bytes() + l.gate_up.bytes() + l.down.bytes())
+            .sum();
+        layers + self.head.as_ref().unwrap_or(&self.embed).bytes()
+    }
+
+    /// A KV cache sized for `tokens` positions in blocks of `block_size`.
+    pub fn new_cache(&self, tokens: usize, block_size: usize) -> Result<KvCache> {
+        KvCache::new(KvConfig {
+            n_layers: self.cfg.n_layers,
+            kv_dim: self.cfg.kv_dim(),
+            block_size,
+            num_blocks: tokens.div_ceil(block_size).max(1),
+        })
+    }
+
+    /// Forward over a flattened batch; see the module docs.
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        batch: &[SeqInput<'_>],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOutput> {
+        for l in &opts.layers {
+            if *l >= self.cfg.n_layers {
+                return Err(RuntimeError::Invalid(format!(
+                    "layer {l} out of range (model has {})",
+                    self.cfg.n_layers
+                )));
+            }
+        }
+        // Positions and validation first, then all-or-nothing KV reservation.
+        let mut starts = Vec::with_capacity(batch.len());
+        for s in batch {
+            let start = cache.len(s.seq)?;
+            let end = start + s.tokens.len();
+            if end > self.cfg.max_ctx {
+                return Err(RuntimeError::ContextOverflow {
+                    tokens: end,
+                    ctx: self.cfg.max_ctx,
+                });
+            }
+            if let Some(&t) = s
+                .tokens
+                .iter()
+                .find(|&&t| t as usize >= self.cfg.vocab_size)
+            {
+                return Err(RuntimeError::Invalid(format!(
+                    "token id {t} outside the vocabulary of {}",
+                    self.cfg.vocab_size
+                )));
+            }
+            starts.push(start);
+        }
+        for (i, s) in batch.iter().enumerate() {
+            if let Err(e) = cache.reserve(s.seq, starts[i] + s.tokens.len()) {
+                for (j, s2) in batch.iter().enumerate().take(i) {
+                    cache.truncate(s2.seq, starts[j])?;
+                }
+                return Err(e);
+            }
+        }
+        let pool = self.pool.clone();
+        let out = pool.install(|| self.forward_inner(cache, batch, &starts, opts));
+        match out {
+            Ok(o) => {
+                for (i, s) in batch.iter().enumerate() {
+                    cache.set_len(s.seq, starts[i] + s.tokens.len())?;
+                }
+                Ok(o)
+            }
+            Err(e) => {
+                for (i, s) in batch.iter().enumerate() {
+                    cache.truncate(s.seq, starts[i])?;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn forward_inner(
+        &self,
+        cache: &mut KvCache,
+        batch: &[SeqInput<'_>],
+        starts: &[usize],
+        opts: &ForwardOptions,
+    ) -> Result<ForwardOutput> {
+        let c = &self.cfg;
+        let d = c.d_model;
+        let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
+        let isa = self.isa;
+        // Flattened token metadata.
+        let mut tok_seq = Vec::with_capacity(n);
+        let mut tok_pos = Vec::with_capacity(n);
+        let mut token_offsets = Vec::with_capacity(batch.len());
+        let mut x = vec![0f32; n * d];
+        let mut ti = 0;
+        for (i, s) in batch.iter().enumerate() {
+            token_offsets.push(ti);
+            for (j, &t) in s.tokens.iter().enumerate() {
+                self.embed_row(t as usize, &mut x[ti * d..(ti + 1) * d])?;
+                tok_seq.push(i);
+                tok_pos.push(starts[i] + j);
+                ti += 1;
+            }
+        }
+        let mut out = ForwardOutput {
+            token_offsets,
+            vocab: c.vocab_size,
+            ..Default::default()
+        };
+        if n == 0 {
+            out.logit_rows = vec![(0, 0); batch.len()];
+            return Ok(out);
+        }
+        // Slots of every token's own position and of each sequence's full attended range.
+        let mut slots_of_seq: Vec<Vec<u32>> = Vec::with_capacity(batch.len());
+        for (i, s) in batch.iter().enumerate() {
+            let mut v = Vec::new();
+            cache.slots(s.seq, starts[i] + s.tokens.len(), &mut v)?;
+            slots_of_seq.push(v);
+        }
+        let qd = c.q_dim();
+        let kvd = c.kv_dim();
+        let qkv_dim = qd + 2 * kvd;
+        let mut xn = vec![0f32; n * d];
+        let mut qkv = vec![0f32; n * qkv_dim];
+        let mut att = vec![0f32; n * qd];
+        let mut proj = vec![0f32; n * d];
+        let mut gu = vec![0f32; n * 2 * c.ffn_dim];
+        let mut act = vec![0f32; n * c.ffn_dim];
+        let mut tmp = Vec::new();
+        let mut layer_hidden = Vec::with_capacity(opts.layers.len());
+        for (li, layer) in self.layers.iter().enumerate() {
+            for t in 0..n {
+                ops::rms_norm(
+                    &x[t * d..(t + 1) * d],
+                    &layer.attn_norm,
+                    c.rms_eps,
+                    &mut xn[t * d..(t + 1) * d],
+                );
+            }
+            layer.qkv.forward(&xn, n, &mut qkv, isa, &mut tmp)?;
+            for t in 0..n {
+                let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
+                if let Some(b) = &layer.qkv_bias {
+                    for (r, bv) in row.iter_mut().zip(b) {
+                        *r += bv;
+                    }
+                }
+                let (q, kv) = row.split_at_mut(qd);
+                self.rope.apply(q, tok_pos[t]);
+                self.rope.apply(&mut kv[..kvd], tok_pos[t]);
+                let slot = slots_of_seq[tok_seq[t]][tok_pos[t]] as usize;
+                cache.write(li, slot, &kv[..kvd], &kv[kvd..]);
+            }
+            self.attention(cache, li, &qkv, &tok_seq, &tok_pos, &slots_of_seq, &mut att);
+            layer.wo.forward(&att, n, &mut proj, isa)?;
+            for (xv, pv) in x.iter_mut().zip(&proj) {
+                *xv += pv;
+            }
+            for t in 0..n {
+                ops::rms_norm(
+                    &x[t * d..(t + 1) * d],
+                    &layer.ffn_norm,
+                    c.rms_eps,
+                    &mut xn[t * d..(t + 1) * d],
+                );
+            }
+            layer.gate_up.forward(&xn, n, &mut gu, isa, &mut tmp)?;
+            let f = c.ffn_dim;
+            for t in 0..n {
+                ops::silu_mul(
+                    &gu[t * 2 * f..(t + 1) * 2 * f],
+                    &mut act[t * f..(t + 1) * f],
+                );
+            }
+            layer.down.forward(&act, n, &mut proj, isa)?;
+            for (xv, pv) in x.iter_mut().zip(&proj) {
+                *xv += pv;
+            }
+            if opts.layers.contains(&li) {
+                layer_hidden.push((li, x.clone()));
+            }
+        }
+        // Keep the caller's requested order.
+        out.layer_hidden = opts
+            .layers
+            .iter()
+            .map(|l| {
+                layer_hidden
+                    .iter()
+                    .find(|(li, _)| li == l)
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or_default()
+            })
+            .collect();
+        for t in 0..n {
+            ops::rms_norm(
+                &x[t * d..(t + 1) * d],
+                &self.out_norm,
+                c.rms_eps,
+                &mut xn[t * d..(t + 1) * d],
+            );
+        }
+        // Gather the rows that want logits, then one head matmul over all of them.
+        let mut rows = Vec::new();
+        for (i, s) in batch.iter().enumerate() {
+            let first = rows.len();
+            let off = out.token_offsets[i];
+            match s.logits {
+                LogitsMode::None => {}
+                LogitsMode::Last => {
+                    if !s.tokens.is_empty() {
+                        rows.push(off + s.tokens.len() - 1);
+                    }
+                }
+                LogitsMode::All => rows.extend(off..off + s.tokens.len()),
+            }
+            out.logit_rows.push((first, rows.len() - first));
+        }
+        if !rows.is_empty() {
+            let mut hsel = vec![0f32; rows.len() * d];
+            for (j, &r) in rows.iter().enumerate() {
+                hsel[j * d..(j + 1) * d].copy_from_slice(&xn[r * d..(r + 1) * d]);
+            }
+            let mut logits = vec![0f32; rows.len() * c.vocab_size];
+            self.head.as_ref().unwrap_or(&self.embed).forward(
+                &hsel,
+                rows.len(),
+                &mut logits,
+                isa,
+            )?;
+            out.logits = logits;
+        }
+        if opts.hidden {
+            out.hidden = Some(xn);
+        }
+        Ok(out)
+    }
+
+    fn embed_row(&self, t: usize, out: &mut [f32]) -> Result<()> {
+        match &self.embed {
+            Linear::Quant(q) => {
+                q.dequantize_row(t, out);
+                Ok(())
+            }
+            Linear::Dense(w) => {
+                let v = w.get(t)?.to_vec1::<f32>()?;
+                out.copy_from_slice(&v);
+                Ok(())
+            }
+        }
+    }
+
+    /// Causal GQA attention of every new token over its own sequence's cached positions `0..=pos`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        cache: &KvCache,
+        layer: usize,
+        qkv: &[f32],
+        tok_seq: &[usize],
+        tok_pos: &[usize],
+        slots_of_seq: &[Vec<u32>],
+        att: &mut [f32],
+    ) {
+        let c = &self.cfg;
+        let hd = c.head_dim;
+        let qd = c.q_dim();
+        let kvd = c.kv_dim();
+        let qkv_dim = qd + 2 * kvd;
+        let group = c.n_heads / c.n_kv_heads;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (kpool, vpool) = cache.layer(layer);
+        let isa = self.isa;
+        let work = |(idx, o): (usize, &mut [f32])| {
+            let t = idx / c.n_heads;
+            let h = idx % c.n_heads;
+            let g = h / group;
+            let q = &qkv[t * qkv_dim + h * hd..t * qkv_dim + (h + 1) * hd];
+            let slots = &slots_of_seq[tok_seq[t]][..=tok_pos[t]];
+            let mut scores: Vec<f32> = slots
+                .iter()
+                .map(|&s| {
+                    let k = &kpool[s as usize * kvd + g * hd..s as usize * kvd + (g + 1) * hd];
+                    ops::dot(isa, q, k) * scale
+                })
+                .collect();
+            ops::softmax(&mut scores);
+            o.fill(0.0);
+            for (&s, &p) in slots.iter().zip(&scores) {
+                let v = &vpool[s as usize * kvd + g * hd..s as usize * kvd + (g + 1) * hd];
+                ops::axpy(isa, p, v, o);
+            }
+        };
+        let total_work: usize = tok_pos.iter().map(|p| p + 1).sum::<usize>() * c.n_heads * hd;
+        if total_work < 200_000 {
+            att.chunks_mut(hd).enumerate().for_each(work);
+        } else {
+            att.par_chunks_mut(hd).enumerate().for_each(work);
+        }
+    }
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("cfg", &self.cfg)
+            .field("weights", &self.weights_desc)
+            .finish()
+    }
+}
+
+/// Convenience: the architecture name for display.
+pub fn arch_name(a: Arch) -> &'static str {
+    a.name()
+}

@@ -1,0 +1,194 @@
+//! Tokenizer from a `tokenizer.json` or from the GGUF's own metadata (BPE vocabulary, merges,
+//! pre-tokenizer), plus the chat template and the stop tokens that go with it.
+//!
+//! candle's GGUF builder maps SmolLM2's `smollm` pre-tokenizer to GPT-2's default, which adds a
+//! prefix space and gives wrong ids; `smollm` is digits-split + byte-level without prefix space
+//! (ids then equal llama.cpp's), so we set that pipeline ourselves.
+
+use crate::gguf::GgufFile;
+use crate::{Result, RuntimeError};
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use std::path::Path;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::processors::PostProcessorWrapper;
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Token ids that end generation (the model's EOS and end-of-turn markers).
+    pub stop_ids: Vec<u32>,
+    pub bos: Option<(u32, String)>,
+    pub eos: Option<(u32, String)>,
+    pub chat_template: Option<String>,
+}
+
+fn tok_err(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Tokenizer(e.to_string())
+}
+
+impl Tokenizer {
+    /// From a GGUF file path or a Hugging Face directory.
+    pub fn load(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            Self::from_hf_dir(path)
+        } else {
+            Self::from_gguf(&GgufFile::open(path)?)
+        }
+    }
+
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let mut inner = tokenizers::Tokenizer::from_gguf(&g.content).map_err(tok_err)?;
+        let pre = g.meta_str("tokenizer.ggml.pre").unwrap_or_default();
+        if pre == "smollm" {
+            inner.with_pre_tokenizer(Some(Sequence::new(vec![
+                Digits::new(true).into(),
+                ByteLevel::new(false, true, true).into(),
+            ])));
+            inner.with_decoder(Some(ByteLevelDecoder::new(false, true, true)));
+            inner.with_post_processor(None::<PostProcessorWrapper>);
+        }
+        let id_tok = |key: &str| -> Option<(u32, String)> {
+            let id = g.meta_u64(key)? as u32;
+            let s = inner.id_to_token(id)?;
+            Some((id, s))
+        };
+        let bos = id_tok("tokenizer.ggml.bos_token_id");
+        let eos = id_tok("tokenizer.ggml.eos_token_id");
+        let chat_template = g.meta_str("tokenizer.chat_template");
+        Ok(Self::finish(inner, bos, eos, chat_template))
+    }
+
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let tj = dir.join("tokenizer.json");
+        if !tj.exists() {
+            return Err(RuntimeError::NotFound(tj.display().to_string()));
+        }
+        let inner = tokenizers::Tokenizer::from_file(&tj).map_err(tok_err)?;
+        let mut bos = None;
+        let mut eos = None;
+        let mut chat_template = None;
+        if let Ok(text) = std::fs::read_to_string(dir.join("tokenizer_config.json")) {
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(tok_err)?;
+            let tok_of = |k: &str| -> Option<(u32, String)> {
+                let s = match &v[k] {
+                    serde_json::Value::String(s) => s.clone(),
+                    serde_json::Value::Object(o) => o.get("content")?.as_str()?.to_string(),
+                    _ => return None,
+                };
+                Some((inner.token_to_id(&s)?, s))
+            };
+            bos = tok_of("bos_token");
+            eos = tok_of("eos_token");
+            chat_template = v["chat_template"].as_str().map(|s| s.to_string());
+        }
+        Ok(Self::finish(inner, bos, eos, chat_template))
+    }
+
+    fn finish(
+        inner: tokenizers::Tokenizer,
+        bos: Option<(u32, String)>,
+        eos: Option<(u32, String)>,
+        chat_template: Option<String>,
+    ) -> Self {
+        let mut stop_ids: Vec<u32> = eos.iter().map(|(id, _)| *id).collect();
+        for s in [
+            "<|im_end|>",
+            "<|endoftext|>",
+            "<|eot_id|>",
+            "<|end_of_text|>",
+        ] {
+            if let Some(id) = inner.token_to_id(s) {
+                if !stop_ids.contains(&id) {
+                    stop_ids.push(id);
+                }
+            }
+        }
+        Self {
+            inner,
+            stop_ids,
+            bos,
+            eos,
+            chat_template,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Encodes text; special-token strings in it (e.g. `<|im_start|>`) map to their ids.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(tok_err)?
+            .get_ids()
+            .to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special).map_err(tok_err)
+    }
+
+    pub fn is_stop(&self, id: u32) -> bool {
+        self.stop_ids.contains(&id)
+    }
+
+    pub fn token_str(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
+    /// A stable hash of the vocabulary (id → token), used to check that two models share one.
+    pub fn vocab_hash(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for id in 0..self.vocab_size() as u32 {
+            if let Some(t) = self.inner.id_to_token(id) {
+                h.update(id.to_le_bytes());
+                h.update(t.as_bytes());
+            }
+        }
+        format!("{:x}", h.finalize())
+    }
+}
+
+/// Incremental detokenizer: emits text only once it is valid UTF-8 and stable, so multi-token
+/// characters are never split in a stream.
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl Default for StreamDecoder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StreamDecoder {
+    pub fn new() -> Self {
+        Self {
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+        }
+    }
+
+    /// Adds one token; returns newly completed text, if any.
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<Option<String>> {
+        self.ids.push(id);
+        let prev = tok.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = tok.decode(&self.ids[self.prefix..], true)?;
+        if now.len() > prev.len() && !now.ends_with('\u{fffd}') {
+            let new = now.get(prev.len()..).unwrap_or("").to_string();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(Some(new))
+        } else {
+            Ok(None)
+        }
+    }
+}

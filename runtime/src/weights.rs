@@ -1,0 +1,162 @@
+//! Linear layers over either the quantized kernels or dense f32 (dequantized reference weights
+//! and Hugging Face checkpoints).
+
+use crate::Result;
+use crate::gguf::RawTensor;
+use candle_core::{Device, Tensor};
+use kernels::quant::{repack_q4, repack_q8};
+use kernels::{InternalFormat, Isa, QMatrix, QWeights};
+
+/// One weight matrix, `rows` outputs × `cols` inputs.
+pub enum Linear {
+    /// Repacked quantized blocks, multiplied with f32 activations.
+    Quant(QMatrix),
+    /// Dense f32 `[rows, cols]`, multiplied with candle's f32 GEMM.
+    Dense(Tensor),
+}
+
+impl Linear {
+    /// Builds from raw GGUF bytes. Quantized types are repacked unless `dense` asks for the
+    /// f32-dequantized reference.
+    pub fn from_raw(raw: &RawTensor, dense: bool) -> Result<Self> {
+        let (rows, cols) = match raw.dims.as_slice() {
+            [r, c] => (*r, *c),
+            d => {
+                return Err(crate::RuntimeError::Config(format!(
+                    "expected a matrix, got dims {d:?}"
+                )));
+            }
+        };
+        match raw.ty.internal() {
+            Some(fmt) if !dense => {
+                let w = match fmt {
+                    InternalFormat::Q4 => QWeights::Q4(repack_q4(raw.ty, &raw.data, rows * cols)?),
+                    InternalFormat::Q8 => QWeights::Q8(repack_q8(raw.ty, &raw.data, rows * cols)?),
+                };
+                Ok(Linear::Quant(QMatrix::new(rows, cols, w)?))
+            }
+            _ => {
+                let v = kernels::quant::dequantize(raw.ty, &raw.data, rows * cols)?;
+                Ok(Linear::Dense(Tensor::from_vec(
+                    v,
+                    (rows, cols),
+                    &Device::Cpu,
+                )?))
+            }
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        match self {
+            Linear::Quant(q) => q.rows,
+            Linear::Dense(t) => t.dims()[0],
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match self {
+            Linear::Quant(q) => q.cols,
+            Linear::Dense(t) => t.dims()[1],
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            Linear::Quant(q) => q.bytes(),
+            Linear::Dense(t) => t.elem_count() * 4,
+        }
+    }
+
+    /// Stacks along rows when every part has the same representation (fused QKV / gate-up).
+    pub fn concat(parts: Vec<Linear>) -> Result<Vec<Linear>> {
+        let all_quant = parts.iter().all(|p| matches!(p, Linear::Quant(_)));
+        let all_dense = parts.iter().all(|p| matches!(p, Linear::Dense(_)));
+        if all_quant {
+            let qs: Vec<&QMatrix> = parts
+                .iter()
+                .filter_map(|p| match p {
+                    Linear::Quant(q) => Some(q),
+                    Linear::Dense(_) => None,
+                })
+                .collect();
+            if let Some(q) = QMatrix::concat_rows(&qs) {
+                return Ok(vec![Linear::Quant(q)]);
+            }
+        } else if all_dense {
+            let ts: Vec<&Tensor> = parts
+                .iter()
+                .filter_map(|p| match p {
+                    Linear::Dense(t) => Some(t),
+                    Linear::Quant(_) => None,
+                })
+                .collect();
+            return Ok(vec![Linear::Dense(Tensor::cat(&ts, 0)?)]);
+        }
+        Ok(parts)
+    }
+
+    /// `out[t][r] = Σ_c W[r][c] x[t][c]` for `m` rows of `x`.
+    pub fn forward(&self, x: &[f32], m: usize, out: &mut [f32], isa: Isa) -> Result<()> {
+        match self {
+            Linear::Quant(q) => {
+                q.matmul(&x[..m * q.cols], m, &mut out[..m * q.rows], isa);
+                Ok(())
+            }
+            Linear::Dense(w) => {
+                let cols = w.dims()[1];
+                let rows = w.dims()[0];
+                let xt = Tensor::from_slice(&x[..m * cols], (m, cols), &Device::Cpu)?;
+                let y = xt.matmul(&w.t()?)?;
+                let v = y.flatten_all()?.to_vec1::<f32>()?;
+                out[..m * rows].copy_from_slice(&v);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A group of linears applied to the same input whose outputs are laid side by side
+/// (`[q | k | v]`, `[gate | up]`), fused into one matmul when their formats agree.
+pub struct Fused {
+    parts: Vec<Linear>,
+    pub out_dim: usize,
+}
+
+impl Fused {
+    pub fn new(parts: Vec<Linear>) -> Result<Self> {
+        let out_dim = parts.iter().map(|p| p.rows()).sum();
+        Ok(Self {
+            parts: Linear::concat(parts)?,
+            out_dim,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.bytes()).sum()
+    }
+
+    pub fn forward(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        isa: Isa,
+        tmp: &mut Vec<f32>,
+    ) -> Result<()> {
+        if self.parts.len() == 1 {
+            return self.parts[0].forward(x, m, out, isa);
+        }
+        let mut off = 0;
+        for p in &self.parts {
+            let r = p.rows();
+            tmp.resize(m * r, 0.0);
+            p.forward(x, m, tmp, isa)?;
+            for t in 0..m {
+                out[t * self.out_dim + off..t * self.out_dim + off + r]
+                    .copy_from_slice(&tmp[t * r..(t + 1) * r]);
+            }
+            off += r;
+        }
+        Ok(())
+    }
+}
