@@ -43,7 +43,7 @@ unsafe impl Sync for OutPtr {}
 
 fn tile_of(isa: Isa) -> usize {
     match isa {
-        Isa::Avx512 => 8,
+        Isa::Avx512 | Isa::Avx512Bf16 => 8,
         _ => 4,
     }
 }
@@ -139,6 +139,8 @@ impl QMatrix {
         // Enough chunks to balance threads, big enough that a task amortizes its scheduling cost.
         let chunk = (n / (threads * 4)).clamp(16, 512);
         let tile = tile_of(isa);
+        #[cfg(target_arch = "x86_64")]
+        let xb: Vec<u16> = if isa == Isa::Avx512Bf16 { to_bf16(&x[..m * self.cols]) } else { Vec::new() };
         let optr = OutPtr(out.as_mut_ptr());
         let n_chunks = n.div_ceil(chunk);
         let cols = self.cols;
@@ -152,6 +154,22 @@ impl QMatrix {
                 let xt = &x[t0 * cols..(t0 + tn) * cols];
                 for r in r0..r1 {
                     let mut res = [0f32; MAX_TILE];
+                    #[cfg(target_arch = "x86_64")]
+                    if isa == Isa::Avx512Bf16 {
+                        let xbt = &xb[t0 * cols..(t0 + tn) * cols];
+                        // SAFETY: Avx512Bf16 is only constructed when the CPU reports it.
+                        unsafe {
+                            match &self.w {
+                                QWeights::Q4(b) => x86::dispatch_q4_bf16(&b[r * kb..(r + 1) * kb], xbt, cols, tn, &mut res),
+                                QWeights::Q8(b) => x86::dispatch_q8_bf16(&b[r * kb..(r + 1) * kb], xbt, cols, tn, &mut res),
+                            }
+                        }
+                        for (j, v) in res.iter().enumerate().take(tn) {
+                            // SAFETY: (t0 + j, r) is inside m × n and owned by this chunk alone.
+                            unsafe { *optr.0.add((t0 + j) * n + r) = *v };
+                        }
+                        continue;
+                    }
                     match &self.w {
                         QWeights::Q4(b) => {
                             dot_q4(isa, &b[r * kb..(r + 1) * kb], xt, cols, tn, &mut res)
@@ -194,10 +212,50 @@ impl QMatrix {
     }
 }
 
+/// f32 → bf16 bits, round to nearest even (what `vcvtne2ps2bf16` does; NaN stays NaN).
+pub fn bf16_bits(v: f32) -> u16 {
+    let b = v.to_bits();
+    if v.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+fn to_bf16(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|&v| bf16_bits(v)).collect()
+}
+
+impl QMatrix {
+    /// Scalar reference of the bf16 path: weights and activations rounded to bf16, products
+    /// accumulated in f32.
+    pub fn matmul_ref_bf16(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        let mut wrow = vec![0f32; self.cols];
+        for r in 0..self.rows {
+            self.dequantize_row(r, &mut wrow);
+            for w in wrow.iter_mut() {
+                *w = bf16_to_f32(bf16_bits(*w));
+            }
+            for t in 0..m {
+                let xr = &x[t * self.cols..(t + 1) * self.cols];
+                let mut acc = 0f32;
+                for (a, b) in wrow.iter().zip(xr) {
+                    acc += a * bf16_to_f32(bf16_bits(*b));
+                }
+                out[t * self.rows + r] = acc;
+            }
+        }
+    }
+}
+
 fn dot_q4(isa: Isa, w: &[BlockQ4], x: &[f32], cols: usize, tn: usize, res: &mut [f32; MAX_TILE]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::dispatch_q4_avx512(w, x, cols, tn, res) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dispatch_q4_avx512(w, x, cols, tn, res) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::dispatch_q4_avx2(w, x, cols, tn, res) },
         _ => dot_scalar(w, x, cols, tn, res, |b: &BlockQ4, o: &mut [f32; QK]| {
@@ -209,7 +267,7 @@ fn dot_q4(isa: Isa, w: &[BlockQ4], x: &[f32], cols: usize, tn: usize, res: &mut 
 fn dot_q8(isa: Isa, w: &[BlockQ8], x: &[f32], cols: usize, tn: usize, res: &mut [f32; MAX_TILE]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::dispatch_q8_avx512(w, x, cols, tn, res) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dispatch_q8_avx512(w, x, cols, tn, res) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { x86::dispatch_q8_avx2(w, x, cols, tn, res) },
         _ => dot_scalar(w, x, cols, tn, res, |b: &BlockQ8, o: &mut [f32; QK]| {
@@ -365,6 +423,78 @@ mod x86 {
             6 => q8_512::<6>(w, x, cols, res),
             7 => q8_512::<7>(w, x, cols, res),
             _ => q8_512::<8>(w, x, cols, res),
+        }
+    }
+
+    // ---- AVX-512 BF16: a block decodes to one vector of 32 bf16; one dot per token. ----
+
+    macro_rules! body_bf16 {
+        ($w:ident, $x:ident, $cols:ident, $res:ident, $tn:ident, $dec:ident) => {{
+            let mut a0 = [_mm512_setzero_ps(); $tn];
+            let mut a1 = [_mm512_setzero_ps(); $tn];
+            let xp = $x.as_ptr();
+            let kb = $w.len();
+            let mut b = 0;
+            // Two blocks per step: two independent accumulator chains per token.
+            while b + 1 < kb {
+                let (l0, h0) = $dec($w.get_unchecked(b));
+                let (l1, h1) = $dec($w.get_unchecked(b + 1));
+                let w0 = _mm512_cvtne2ps_pbh(h0, l0);
+                let w1 = _mm512_cvtne2ps_pbh(h1, l1);
+                for j in 0..$tn {
+                    let p = xp.add(j * $cols + b * 32);
+                    a0[j] = _mm512_dpbf16_ps(a0[j], w0, std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _)));
+                    a1[j] = _mm512_dpbf16_ps(a1[j], w1, std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p.add(32) as *const _)));
+                }
+                b += 2;
+            }
+            if b < kb {
+                let (l0, h0) = $dec($w.get_unchecked(b));
+                let w0 = _mm512_cvtne2ps_pbh(h0, l0);
+                for j in 0..$tn {
+                    let p = xp.add(j * $cols + b * 32);
+                    a0[j] = _mm512_dpbf16_ps(a0[j], w0, std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _)));
+                }
+            }
+            for j in 0..$tn {
+                $res[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+            }
+        }};
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    unsafe fn q4_bf16<const TN: usize>(w: &[BlockQ4], x: &[u16], cols: usize, res: &mut [f32; MAX_TILE]) {
+        body_bf16!(w, x, cols, res, TN, dec_q4_512)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    unsafe fn q8_bf16<const TN: usize>(w: &[BlockQ8], x: &[u16], cols: usize, res: &mut [f32; MAX_TILE]) {
+        body_bf16!(w, x, cols, res, TN, dec_q8_512)
+    }
+
+    pub(super) unsafe fn dispatch_q4_bf16(w: &[BlockQ4], x: &[u16], cols: usize, tn: usize, res: &mut [f32; MAX_TILE]) {
+        match tn {
+            1 => q4_bf16::<1>(w, x, cols, res),
+            2 => q4_bf16::<2>(w, x, cols, res),
+            3 => q4_bf16::<3>(w, x, cols, res),
+            4 => q4_bf16::<4>(w, x, cols, res),
+            5 => q4_bf16::<5>(w, x, cols, res),
+            6 => q4_bf16::<6>(w, x, cols, res),
+            7 => q4_bf16::<7>(w, x, cols, res),
+            _ => q4_bf16::<8>(w, x, cols, res),
+        }
+    }
+
+    pub(super) unsafe fn dispatch_q8_bf16(w: &[BlockQ8], x: &[u16], cols: usize, tn: usize, res: &mut [f32; MAX_TILE]) {
+        match tn {
+            1 => q8_bf16::<1>(w, x, cols, res),
+            2 => q8_bf16::<2>(w, x, cols, res),
+            3 => q8_bf16::<3>(w, x, cols, res),
+            4 => q8_bf16::<4>(w, x, cols, res),
+            5 => q8_bf16::<5>(w, x, cols, res),
+            6 => q8_bf16::<6>(w, x, cols, res),
+            7 => q8_bf16::<7>(w, x, cols, res),
+            _ => q8_bf16::<8>(w, x, cols, res),
         }
     }
 
@@ -533,9 +663,16 @@ mod tests {
                     .sum();
             }
         }
+        let mut want_bf16 = vec![0f32; m * mat.rows];
+        mat.matmul_ref_bf16(&x, m, &mut want_bf16);
+        for (i, (a, b)) in want.iter().zip(&want_bf16).enumerate() {
+            // bf16 rounds each operand by at most 2^-8 relative (unit roundoff).
+            assert!((a - b).abs() <= 8e-3 * scale[i] + 1e-6, "bf16 ref vs f32 ref {a} {b}");
+        }
         for isa in Isa::available() {
             let mut got = vec![f32::NAN; m * mat.rows];
             mat.matmul(&x, m, &mut got, isa);
+            let want = if isa == Isa::Avx512Bf16 { &want_bf16 } else { &want };
             for (i, (a, b)) in want.iter().zip(&got).enumerate() {
                 let tol = 1e-5 * scale[i] + 1e-6;
                 assert!(
@@ -574,6 +711,14 @@ mod tests {
                 check(&q8, m, &mut rng);
             }
         }
+    }
+
+    #[test]
+    fn bf16_rounding_is_nearest_even() {
+        assert_eq!(bf16_bits(1.0), 0x3f80);
+        assert_eq!(bf16_to_f32(bf16_bits(1.0 + 1.0 / 256.0)), 1.0); // tie → even
+        assert_eq!(bf16_to_f32(bf16_bits(1.0 + 3.0 / 256.0)), 1.0 + 4.0 / 256.0);
+        assert!(bf16_to_f32(bf16_bits(f32::NAN)).is_nan());
     }
 
     #[test]

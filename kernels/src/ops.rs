@@ -48,7 +48,7 @@ unsafe fn axpy_avx2(alpha: f32, x: &[f32], y: &mut [f32]) {
 pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe { dot_avx2(a, b) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { dot_avx2(a, b) },
         _ => dot_body(a, b),
     }
 }
@@ -58,7 +58,7 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 pub fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 => unsafe { axpy_avx2(alpha, x, y) },
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { axpy_avx2(alpha, x, y) },
         _ => axpy_body(alpha, x, y),
     }
 }

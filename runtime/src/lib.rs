@@ -17,6 +17,7 @@ pub mod generate;
 pub mod gguf;
 pub mod kv;
 pub mod model;
+pub mod tiny;
 pub mod tokenizer;
 pub mod weights;
 

@@ -114,6 +114,11 @@ impl Tokenizer {
         }
     }
 
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
+    pub fn save_json(&self, path: &Path) -> Result<()> {
+        self.inner.save(path, false).map_err(tok_err)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

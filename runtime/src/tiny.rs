@@ -1,0 +1,220 @@
+//! Tiny seeded models generated in code: real GGUF files (written with candle's GGUF writer, with
+//! real quantized tensors and a byte-level BPE tokenizer in the metadata) that load through the
+//! same path as the real checkpoints. They keep unit and integration tests fast and need no
+//! download. Same seed, same file.
+
+use crate::Result;
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use kernels::rng::Rng;
+use std::path::Path;
+
+/// Shape and weight types of a tiny model.
+#[derive(Clone, Debug)]
+pub struct TinySpec {
+    pub arch: &'static str,
+    pub n_layers: usize,
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub ffn_dim: usize,
+    pub max_ctx: usize,
+    /// Type of the attention / FFN matrices.
+    pub dtype: GgmlDType,
+    /// Type of the token embedding (also the tied head).
+    pub embed_dtype: GgmlDType,
+    /// Store a separate `output.weight` instead of tying it to the embedding.
+    pub separate_head: bool,
+    /// Token-string variant: tiny models with different `vocab_variant` have different vocabularies.
+    pub vocab_variant: u8,
+    pub seed: u64,
+}
+
+impl TinySpec {
+    /// A llama-architecture model of width 64 with Q4_1 layers and Q8_0 tied embeddings
+    /// (the same quant mix as SmolLM2).
+    pub fn llama(seed: u64) -> Self {
+        Self {
+            arch: "llama",
+            n_layers: 2,
+            d_model: 64,
+            n_heads: 4,
+            n_kv_heads: 2,
+            ffn_dim: 128,
+            max_ctx: 512,
+            dtype: GgmlDType::Q4_1,
+            embed_dtype: GgmlDType::Q8_0,
+            separate_head: false,
+            vocab_variant: 0,
+            seed,
+        }
+    }
+
+    /// A qwen2-architecture model (QKV biases) of width 256 with K-quant layers and a separate
+    /// Q6_K head (the Qwen2.5-Coder mix).
+    pub fn qwen2(seed: u64) -> Self {
+        Self {
+            arch: "qwen2",
+            n_layers: 2,
+            d_model: 256,
+            n_heads: 4,
+            n_kv_heads: 2,
+            ffn_dim: 512,
+            max_ctx: 512,
+            dtype: GgmlDType::Q4K,
+            embed_dtype: GgmlDType::Q8_0,
+            separate_head: true,
+            vocab_variant: 0,
+            seed,
+        }
+    }
+}
+
+/// GPT-2's byte → printable-char mapping used by byte-level BPE vocabularies.
+pub fn byte_chars() -> Vec<char> {
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut cs: Vec<u32> = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    let mut out = vec![' '; 256];
+    for (b, c) in bs.iter().zip(cs) {
+        out[*b as usize] = char::from_u32(c).unwrap_or('?');
+    }
+    out
+}
+
+pub const TINY_CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// Vocabulary: 256 byte tokens, a few merges, and the ChatML specials.
+fn vocab(variant: u8) -> (Vec<String>, Vec<String>, Vec<u32>) {
+    let bc = byte_chars();
+    let mut tokens: Vec<String> = bc.iter().map(|c| c.to_string()).collect();
+    let sp = bc[b' ' as usize];
+    let merges_src = [("t", "h"), ("th", "e"), (&*sp.to_string(), "t"), ("i", "n"), ("e", "r")];
+    let mut merges = Vec::new();
+    for (a, b) in merges_src {
+        merges.push(format!("{a} {b}"));
+        tokens.push(format!("{a}{b}"));
+    }
+    if variant != 0 {
+        tokens.push(format!("variant{variant}"));
+    }
+    let mut types = vec![1u32; tokens.len()];
+    for s in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] {
+        tokens.push(s.to_string());
+        types.push(3);
+    }
+    (tokens, merges, types)
+}
+
+fn qtensor(rng: &mut Rng, rows: usize, cols: usize, scale: f32, dtype: GgmlDType) -> Result<QTensor> {
+    let v: Vec<f32> = (0..rows * cols).map(|_| rng.normal() as f32 * scale).collect();
+    let t = if cols == 0 { Tensor::from_vec(v, rows, &Device::Cpu)? } else { Tensor::from_vec(v, (rows, cols), &Device::Cpu)? };
+    Ok(QTensor::quantize(&t, dtype)?)
+}
+
+fn vector(rng: &mut Rng, n: usize, base: f32, jitter: f32) -> Result<QTensor> {
+    let v: Vec<f32> = (0..n).map(|_| base + rng.normal() as f32 * jitter).collect();
+    Ok(QTensor::quantize(&Tensor::from_vec(v, n, &Device::Cpu)?, GgmlDType::F32)?)
+}
+
+/// Writes the tiny model to `path` (a GGUF file).
+pub fn write_gguf(spec: &TinySpec, path: &Path) -> Result<()> {
+    let mut rng = Rng::new(spec.seed);
+    let (tokens, merges, types) = vocab(spec.vocab_variant);
+    let vocab_size = tokens.len();
+    let a = spec.arch;
+    let hd = spec.d_model / spec.n_heads;
+    let kvd = hd * spec.n_kv_heads;
+    let d = spec.d_model;
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    // Embedding scale large enough that greedy decoding is not a constant token.
+    tensors.push(("token_embd.weight".into(), qtensor(&mut rng, vocab_size, d, 1.0, spec.embed_dtype)?));
+    if spec.separate_head {
+        tensors.push(("output.weight".into(), qtensor(&mut rng, vocab_size, d, 0.5, GgmlDType::Q6K.min_for(d))?));
+    }
+    tensors.push(("output_norm.weight".into(), vector(&mut rng, d, 1.0, 0.1)?));
+    let ws = 1.0 / (d as f32).sqrt();
+    for i in 0..spec.n_layers {
+        let p = |n: &str| format!("blk.{i}.{n}");
+        tensors.push((p("attn_norm.weight"), vector(&mut rng, d, 1.0, 0.1)?));
+        tensors.push((p("attn_q.weight"), qtensor(&mut rng, d, d, ws, spec.dtype)?));
+        tensors.push((p("attn_k.weight"), qtensor(&mut rng, kvd, d, ws, spec.dtype)?));
+        tensors.push((p("attn_v.weight"), qtensor(&mut rng, kvd, d, ws, spec.dtype)?));
+        if a == "qwen2" {
+            tensors.push((p("attn_q.bias"), vector(&mut rng, d, 0.0, 0.1)?));
+            tensors.push((p("attn_k.bias"), vector(&mut rng, kvd, 0.0, 0.1)?));
+            tensors.push((p("attn_v.bias"), vector(&mut rng, kvd, 0.0, 0.1)?));
+        }
+        tensors.push((p("attn_output.weight"), qtensor(&mut rng, d, d, ws, spec.dtype)?));
+        tensors.push((p("ffn_norm.weight"), vector(&mut rng, d, 1.0, 0.1)?));
+        tensors.push((p("ffn_gate.weight"), qtensor(&mut rng, spec.ffn_dim, d, ws, spec.dtype)?));
+        tensors.push((p("ffn_up.weight"), qtensor(&mut rng, spec.ffn_dim, d, ws, spec.dtype)?));
+        let fs = 1.0 / (spec.ffn_dim as f32).sqrt();
+        tensors.push((p("ffn_down.weight"), qtensor(&mut rng, d, spec.ffn_dim, fs, spec.dtype.min_for(spec.ffn_dim))?));
+    }
+    let u = |v: usize| Value::U32(v as u32);
+    let strs = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
+    let metadata: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(a.into())),
+        ("general.name".into(), Value::String(format!("tiny-{a}-{}", spec.seed))),
+        (format!("{a}.block_count"), u(spec.n_layers)),
+        (format!("{a}.embedding_length"), u(d)),
+        (format!("{a}.feed_forward_length"), u(spec.ffn_dim)),
+        (format!("{a}.attention.head_count"), u(spec.n_heads)),
+        (format!("{a}.attention.head_count_kv"), u(spec.n_kv_heads)),
+        (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (format!("{a}.rope.freq_base"), Value::F32(10000.0)),
+        (format!("{a}.context_length"), u(spec.max_ctx)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String(if a == "qwen2" { "qwen2" } else { "smollm" }.into())),
+        ("tokenizer.ggml.tokens".into(), strs(&tokens)),
+        ("tokenizer.ggml.merges".into(), strs(&merges)),
+        ("tokenizer.ggml.token_type".into(), Value::Array(types.iter().map(|&t| Value::I32(t as i32)).collect())),
+        ("tokenizer.ggml.bos_token_id".into(), u(vocab_size - 2)),
+        ("tokenizer.ggml.eos_token_id".into(), u(vocab_size - 1)),
+        ("tokenizer.chat_template".into(), Value::String(TINY_CHAT_TEMPLATE.into())),
+    ];
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    gguf_file::write(&mut f, &md, &ts)?;
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// Writes (once per process and path) and returns the path of a tiny model in the temp dir.
+pub fn tiny_model_path(spec: &TinySpec, name: &str) -> Result<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("dspark-tiny-{}", std::process::id()));
+    let path = dir.join(format!("{name}.gguf"));
+    if !path.exists() {
+        write_gguf(spec, &path)?;
+    }
+    Ok(path)
+}
+
+trait MinFor {
+    /// K-quants need rows that are multiples of 256; fall back to Q8_0 for narrower ones.
+    fn min_for(self, cols: usize) -> GgmlDType;
+}
+
+impl MinFor for GgmlDType {
+    fn min_for(self, cols: usize) -> GgmlDType {
+        match self {
+            GgmlDType::Q4K | GgmlDType::Q6K if cols % 256 != 0 => GgmlDType::Q8_0,
+            other => other,
+        }
+    }
+}

@@ -1,0 +1,339 @@
+//! Runtime tests on tiny seeded models generated in code (fast, no download).
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
+use dspark_runtime::tiny::{TinySpec, tiny_model_path, write_gguf};
+use dspark_runtime::{LoadOptions, Model, RuntimeError, Tokenizer};
+use kernels::rng::Rng;
+use kernels::{GgmlType, Isa};
+use std::collections::HashMap;
+
+fn load(spec: &TinySpec, name: &str, dense: bool) -> Model {
+    let p = tiny_model_path(spec, name).unwrap();
+    Model::load(&p, &LoadOptions { threads: 2, dense, ..Default::default() }).unwrap()
+}
+
+fn kl(a: &[f32], b: &[f32]) -> f64 {
+    let (mut pa, mut pb) = (a.to_vec(), b.to_vec());
+    kernels::ops::softmax(&mut pa);
+    kernels::ops::softmax(&mut pb);
+    pa.iter().zip(&pb).filter(|(x, _)| **x > 0.0).map(|(x, y)| *x as f64 * ((*x as f64).ln() - (y.max(1e-30) as f64).ln())).sum()
+}
+
+#[test]
+fn ggml_decoders_equal_candle_bit_for_bit() {
+    let mut rng = Rng::new(3);
+    for (dt, ours) in [
+        (GgmlDType::Q4_1, GgmlType::Q4_1),
+        (GgmlDType::Q5_0, GgmlType::Q5_0),
+        (GgmlDType::Q8_0, GgmlType::Q8_0),
+        (GgmlDType::Q4K, GgmlType::Q4K),
+        (GgmlDType::Q6K, GgmlType::Q6K),
+        (GgmlDType::F16, GgmlType::F16),
+    ] {
+        let v: Vec<f32> = (0..4 * 512).map(|_| rng.normal() as f32).collect();
+        let t = Tensor::from_vec(v, (4, 512), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, dt).unwrap();
+        let raw = q.data().unwrap();
+        let want: Vec<f32> = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let got = kernels::quant::dequantize(ours, &raw, 4 * 512).unwrap();
+        assert_eq!(want, got, "{dt:?}");
+    }
+}
+
+#[test]
+fn quantized_forward_tracks_the_dequantized_reference() {
+    for (spec, name) in [(TinySpec::llama(1), "ref-llama"), (TinySpec::qwen2(2), "ref-qwen2")] {
+        let q = load(&spec, name, false);
+        let d = load(&spec, name, true);
+        let toks: Vec<u32> = (0..40).map(|i| (i * 37 % 250) as u32).collect();
+        let run = |m: &Model| {
+            let mut c = m.new_cache(64, 16).unwrap();
+            let s = c.new_seq();
+            m.forward(&mut c, &[SeqInput { seq: s, tokens: &toks, logits: LogitsMode::All }], &ForwardOptions::default())
+                .unwrap()
+        };
+        let (oq, od) = (run(&q), run(&d));
+        let v = oq.vocab;
+        let mut agree = 0;
+        let mut kl_sum = 0.0;
+        for p in 0..toks.len() {
+            let (a, b) = (&od.logits[p * v..(p + 1) * v], &oq.logits[p * v..(p + 1) * v]);
+            agree += (kernels::sampling::argmax(a) == kernels::sampling::argmax(b)) as usize;
+            kl_sum += kl(a, b);
+        }
+        assert!(agree >= toks.len() - 1, "{name}: top-1 agreement {agree}/{}", toks.len());
+        assert!(kl_sum / (toks.len() as f64) < 1e-3, "{name}: mean KL {}", kl_sum / toks.len() as f64);
+    }
+}
+
+#[test]
+fn varlen_batch_equals_per_request_forwards() {
+    for (spec, name) in [(TinySpec::llama(5), "varlen-llama"), (TinySpec::qwen2(6), "varlen-qwen2")] {
+        let m = load(&spec, name, false);
+        let prompts: Vec<Vec<u32>> = vec![(0..23).map(|i| (i * 11 % 250) as u32).collect(), vec![7, 8, 9], (0..40).map(|i| (i * 3 % 250) as u32).collect()];
+        let news: Vec<Vec<u32>> = vec![vec![1, 2, 3, 4, 5], vec![9], vec![100, 101, 102, 103, 104, 105, 106, 107, 108]];
+        // Separately: prefill then the new tokens.
+        let mut want = Vec::new();
+        for (p, n) in prompts.iter().zip(&news) {
+            let mut c = m.new_cache(128, 16).unwrap();
+            let s = c.new_seq();
+            m.forward(&mut c, &[SeqInput { seq: s, tokens: p, logits: LogitsMode::None }], &ForwardOptions::default()).unwrap();
+            let o = m.forward(&mut c, &[SeqInput { seq: s, tokens: n, logits: LogitsMode::All }], &ForwardOptions::default()).unwrap();
+            want.push(o.logits);
+        }
+        // Together: one prefill batch, then one varlen batch with different positions.
+        let mut c = m.new_cache(512, 16).unwrap();
+        let seqs: Vec<_> = (0..3).map(|_| c.new_seq()).collect();
+        let pre: Vec<SeqInput<'_>> = seqs.iter().zip(&prompts).map(|(&s, p)| SeqInput { seq: s, tokens: p, logits: LogitsMode::Last }).collect();
+        m.forward(&mut c, &pre, &ForwardOptions::default()).unwrap();
+        let ins: Vec<SeqInput<'_>> = seqs.iter().zip(&news).map(|(&s, n)| SeqInput { seq: s, tokens: n, logits: LogitsMode::All }).collect();
+        let o = m.forward(&mut c, &ins, &ForwardOptions::default()).unwrap();
+        for i in 0..3 {
+            let got = o.rows_of(i);
+            assert_eq!(got.len(), want[i].len());
+            for (a, b) in got.iter().zip(&want[i]) {
+                assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{name} seq {i}: {a} vs {b}");
+            }
+        }
+        c.check().unwrap();
+    }
+}
+
+#[test]
+fn verification_window_equals_stepwise_decode_and_rollback_is_exact() {
+    let m = load(&TinySpec::llama(9), "window", false);
+    let prompt: Vec<u32> = (0..30).map(|i| (i * 13 % 250) as u32).collect();
+    let window = [40u32, 41, 42, 43, 44, 45];
+    let mut c = m.new_cache(128, 8).unwrap();
+    let s = c.new_seq();
+    let f = ForwardOptions::default();
+    m.forward(&mut c, &[SeqInput { seq: s, tokens: &prompt, logits: LogitsMode::None }], &f).unwrap();
+    let block = m.forward(&mut c, &[SeqInput { seq: s, tokens: &window, logits: LogitsMode::All }], &f).unwrap();
+    // Roll back the whole window (some blocks are returned), then decode step by step.
+    let free_before = c.free_blocks();
+    c.truncate(s, prompt.len()).unwrap();
+    assert!(c.free_blocks() > free_before);
+    for (j, &t) in window.iter().enumerate() {
+        let o = m.forward(&mut c, &[SeqInput { seq: s, tokens: &[t], logits: LogitsMode::Last }], &f).unwrap();
+        for (a, b) in o.row(0, 0).iter().zip(block.row(0, j)) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "pos {j}: {a} vs {b}");
+        }
+    }
+    c.check().unwrap();
+}
+
+#[test]
+fn hidden_states_feed_the_head_and_layers_are_captured() {
+    let m = load(&TinySpec::llama(4), "hidden", true);
+    let mut c = m.new_cache(64, 16).unwrap();
+    let s = c.new_seq();
+    let toks = [5u32, 6, 7, 8];
+    let o = m
+        .forward(&mut c, &[SeqInput { seq: s, tokens: &toks, logits: LogitsMode::All }], &ForwardOptions { hidden: true, layers: vec![1, 0] })
+        .unwrap();
+    let d = m.cfg.d_model;
+    let h = o.hidden.as_ref().unwrap();
+    assert_eq!(h.len(), toks.len() * d);
+    assert_eq!(o.layer_hidden.len(), 2);
+    assert!(o.layer_hidden.iter().all(|l| l.len() == toks.len() * d));
+    assert_ne!(o.layer_hidden[0], o.layer_hidden[1]);
+    // Bad layer index is an error, not a panic.
+    let e = m.forward(&mut c, &[SeqInput { seq: s, tokens: &[1], logits: LogitsMode::Last }], &ForwardOptions { hidden: false, layers: vec![99] });
+    assert!(matches!(e, Err(RuntimeError::Invalid(_))));
+}
+
+/// llama.cpp's conversion permutes q/k rows so that adjacent-pair RoPE equals HF's half RoPE.
+fn permute_rows(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
+    let hd = rows / n_head;
+    let mut out = vec![0f32; w.len()];
+    for h in 0..n_head {
+        for j in 0..hd / 2 {
+            for c2 in 0..2 {
+                let src = h * hd + c2 * hd / 2 + j;
+                let dst = h * hd + 2 * j + c2;
+                out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn hugging_face_directory_equals_the_permuted_gguf() {
+    use candle_core::quantized::gguf_file::{self, Value};
+    let (d, heads, kvh, ffn, layers, vocab) = (64usize, 4usize, 2usize, 96usize, 2usize, 300usize);
+    let hd = d / heads;
+    let mut rng = Rng::new(77);
+    let mut mk = |r: usize, c: usize, s: f32| -> Vec<f32> { (0..r * c).map(|_| rng.normal() as f32 * s).collect() };
+    let dir = std::env::temp_dir().join(format!("dspark-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut hf: HashMap<String, Tensor> = HashMap::new();
+    let mut gg: Vec<(String, QTensor)> = Vec::new();
+    let t2 = |v: &[f32], r: usize, c: usize| Tensor::from_vec(v.to_vec(), (r, c), &Device::Cpu).unwrap();
+    let t1 = |v: &[f32]| Tensor::from_vec(v.to_vec(), v.len(), &Device::Cpu).unwrap();
+    let q32 = |t: &Tensor| QTensor::quantize(t, GgmlDType::F32).unwrap();
+    let emb = mk(vocab, d, 1.0);
+    hf.insert("model.embed_tokens.weight".into(), t2(&emb, vocab, d));
+    gg.push(("token_embd.weight".into(), q32(&t2(&emb, vocab, d))));
+    let norm: Vec<f32> = (0..d).map(|i| 1.0 + 0.01 * i as f32).collect();
+    hf.insert("model.norm.weight".into(), t1(&norm));
+    gg.push(("output_norm.weight".into(), q32(&t1(&norm))));
+    let ws = 1.0 / (d as f32).sqrt();
+    for l in 0..layers {
+        let wq = mk(d, d, ws);
+        let wk = mk(kvh * hd, d, ws);
+        let wv = mk(kvh * hd, d, ws);
+        let wo = mk(d, d, ws);
+        let wg = mk(ffn, d, ws);
+        let wu = mk(ffn, d, ws);
+        let wd = mk(d, ffn, 0.1);
+        let hp = |n: &str| format!("model.layers.{l}.{n}");
+        let gp = |n: &str| format!("blk.{l}.{n}");
+        for (h, g, w, r, c, perm) in [
+            ("self_attn.q_proj.weight", "attn_q.weight", &wq, d, d, Some(heads)),
+            ("self_attn.k_proj.weight", "attn_k.weight", &wk, kvh * hd, d, Some(kvh)),
+            ("self_attn.v_proj.weight", "attn_v.weight", &wv, kvh * hd, d, None),
+            ("self_attn.o_proj.weight", "attn_output.weight", &wo, d, d, None),
+            ("mlp.gate_proj.weight", "ffn_gate.weight", &wg, ffn, d, None),
+            ("mlp.up_proj.weight", "ffn_up.weight", &wu, ffn, d, None),
+            ("mlp.down_proj.weight", "ffn_down.weight", &wd, d, ffn, None),
+        ] {
+            hf.insert(hp(h), t2(w, r, c));
+            let gw = match perm {
+                Some(nh) => permute_rows(w, r, c, nh),
+                None => w.clone(),
+            };
+            gg.push((gp(g), q32(&t2(&gw, r, c))));
+        }
+        hf.insert(hp("input_layernorm.weight"), t1(&norm));
+        hf.insert(hp("post_attention_layernorm.weight"), t1(&norm));
+        gg.push((gp("attn_norm.weight"), q32(&t1(&norm))));
+        gg.push((gp("ffn_norm.weight"), q32(&t1(&norm))));
+    }
+    // HF directory: f16 on disk for some tensors exercises the dtype conversion.
+    let hf16: HashMap<String, Tensor> = hf
+        .into_iter()
+        .map(|(k, v)| if k.contains("mlp") { (k, v.to_dtype(candle_core::DType::BF16).unwrap().to_dtype(candle_core::DType::F32).unwrap()) } else { (k, v) })
+        .collect();
+    candle_core::safetensors::save(&hf16, dir.join("model.safetensors")).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        format!(r#"{{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":{d},"intermediate_size":{ffn},"num_hidden_layers":{layers},"num_attention_heads":{heads},"num_key_value_heads":{kvh},"vocab_size":{vocab},"rope_theta":10000.0,"rms_norm_eps":1e-5,"max_position_embeddings":256,"tie_word_embeddings":true}}"#),
+    )
+    .unwrap();
+    let a = "llama";
+    let u = |v: usize| Value::U32(v as u32);
+    let md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(a.into())),
+        ("llama.block_count".into(), u(layers)),
+        ("llama.embedding_length".into(), u(d)),
+        ("llama.feed_forward_length".into(), u(ffn)),
+        ("llama.attention.head_count".into(), u(heads)),
+        ("llama.attention.head_count_kv".into(), u(kvh)),
+        ("llama.attention.layer_norm_rms_epsilon".into(), Value::F32(1e-5)),
+        ("llama.rope.freq_base".into(), Value::F32(10000.0)),
+        ("llama.context_length".into(), u(256)),
+        ("llama.vocab_size".into(), u(vocab)),
+    ];
+    // The GGUF copy uses the same bf16-rounded MLP weights.
+    let gg: Vec<(String, QTensor)> = gg
+        .into_iter()
+        .map(|(k, q)| {
+            if k.contains("ffn_gate") || k.contains("ffn_up") || k.contains("ffn_down") {
+                let t = q.dequantize(&Device::Cpu).unwrap().to_dtype(candle_core::DType::BF16).unwrap().to_dtype(candle_core::DType::F32).unwrap();
+                (k, q32(&t))
+            } else {
+                (k, q)
+            }
+        })
+        .collect();
+    let gpath = dir.join("same.gguf");
+    let mut f = std::fs::File::create(&gpath).unwrap();
+    let mdr: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tsr: Vec<(&str, &QTensor)> = gg.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &mdr, &tsr).unwrap();
+    drop(f);
+    let opts = LoadOptions { threads: 1, ..Default::default() };
+    let mh = Model::load(&dir, &opts).unwrap();
+    let mg = Model::load(&gpath, &opts).unwrap();
+    assert!(!mh.cfg.rope_interleaved && mg.cfg.rope_interleaved);
+    let toks: Vec<u32> = (0..20).map(|i| (i * 7 % vocab) as u32).collect();
+    let run = |m: &Model| {
+        let mut c = m.new_cache(64, 16).unwrap();
+        let s = c.new_seq();
+        m.forward(&mut c, &[SeqInput { seq: s, tokens: &toks, logits: LogitsMode::All }], &ForwardOptions::default()).unwrap().logits
+    };
+    let (a1, b1) = (run(&mh), run(&mg));
+    for (x, y) in a1.iter().zip(&b1) {
+        assert!((x - y).abs() < 1e-3 * (1.0 + x.abs()), "{x} vs {y}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tokenizer_round_trips_and_hf_json_matches_gguf() {
+    let p = tiny_model_path(&TinySpec::llama(1), "tok").unwrap();
+    let t = Tokenizer::load(&p).unwrap();
+    let text = "<|im_start|>user\nthe theater in 2024: café 🚀<|im_end|>\n";
+    let ids = t.encode(text).unwrap();
+    assert_eq!(ids[0], t.encode("<|im_start|>").unwrap()[0]);
+    assert!(ids.contains(&(t.vocab_size() as u32 - 1)), "special <|im_end|> is one token");
+    assert_eq!(t.decode(&ids, false).unwrap(), text);
+    let dir = std::env::temp_dir().join(format!("dspark-tokjson-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    t.save_json(&dir.join("tokenizer.json")).unwrap();
+    let t2 = Tokenizer::from_hf_dir(&dir).unwrap();
+    assert_eq!(t2.encode(text).unwrap(), ids);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_model_files_are_clear_errors() {
+    let dir = std::env::temp_dir().join(format!("dspark-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let o = LoadOptions::default();
+    // Missing.
+    assert!(matches!(Model::load(&dir.join("nope.gguf"), &o), Err(RuntimeError::NotFound(_))));
+    // Not a GGUF.
+    std::fs::write(dir.join("junk.gguf"), b"definitely not a gguf file").unwrap();
+    assert!(matches!(Model::load(&dir.join("junk.gguf"), &o), Err(RuntimeError::Corrupt { .. })));
+    // Truncated.
+    let good = tiny_model_path(&TinySpec::llama(1), "bad-src").unwrap();
+    let bytes = std::fs::read(&good).unwrap();
+    std::fs::write(dir.join("trunc.gguf"), &bytes[..bytes.len() - 1000]).unwrap();
+    let e = Model::load(&dir.join("trunc.gguf"), &o).unwrap_err();
+    assert!(matches!(e, RuntimeError::Corrupt { .. }), "{e}");
+    // Unknown architecture.
+    let mut s = TinySpec::llama(1);
+    s.arch = "gpt9";
+    write_gguf(&s, &dir.join("arch.gguf")).unwrap();
+    let e = Model::load(&dir.join("arch.gguf"), &o).unwrap_err();
+    assert!(matches!(e, RuntimeError::UnknownArch(ref a) if a == "gpt9"), "{e}");
+    // Unsupported quant type.
+    let mut s = TinySpec::llama(1);
+    s.dtype = GgmlDType::Q4_0;
+    write_gguf(&s, &dir.join("q40.gguf")).unwrap();
+    let e = Model::load(&dir.join("q40.gguf"), &o).unwrap_err();
+    assert!(matches!(e, RuntimeError::UnsupportedQuant { .. }), "{e}");
+    assert!(e.to_string().contains("Q4_0"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn context_overflow_and_kv_exhaustion_are_errors() {
+    let m = load(&TinySpec::llama(1), "ctx", false);
+    let long: Vec<u32> = vec![5; m.cfg.max_ctx + 1];
+    let e = dspark_runtime::generate::validate(&m, &long, &Default::default()).unwrap_err();
+    assert!(matches!(e, RuntimeError::ContextOverflow { .. }));
+    let mut c = m.new_cache(32, 16).unwrap();
+    let s = c.new_seq();
+    let e = m.forward(&mut c, &[SeqInput { seq: s, tokens: &[1; 40], logits: LogitsMode::Last }], &ForwardOptions::default());
+    assert!(matches!(e, Err(RuntimeError::KvFull)));
+    assert_eq!(c.len(s).unwrap(), 0);
+    c.check().unwrap();
+    let e = m.forward(&mut c, &[SeqInput { seq: s, tokens: &[99999], logits: LogitsMode::Last }], &ForwardOptions::default());
+    assert!(matches!(e, Err(RuntimeError::Invalid(_))));
+    let _ = Isa::detect();
+}
