@@ -140,7 +140,11 @@ impl QMatrix {
         let chunk = (n / (threads * 4)).clamp(16, 512);
         let tile = tile_of(isa);
         #[cfg(target_arch = "x86_64")]
-        let xb: Vec<u16> = if isa == Isa::Avx512Bf16 { to_bf16(&x[..m * self.cols]) } else { Vec::new() };
+        let xb: Vec<u16> = if isa == Isa::Avx512Bf16 {
+            to_bf16(&x[..m * self.cols])
+        } else {
+            Vec::new()
+        };
         let optr = OutPtr(out.as_mut_ptr());
         let n_chunks = n.div_ceil(chunk);
         let cols = self.cols;
@@ -160,8 +164,20 @@ impl QMatrix {
                         // SAFETY: Avx512Bf16 is only constructed when the CPU reports it.
                         unsafe {
                             match &self.w {
-                                QWeights::Q4(b) => x86::dispatch_q4_bf16(&b[r * kb..(r + 1) * kb], xbt, cols, tn, &mut res),
-                                QWeights::Q8(b) => x86::dispatch_q8_bf16(&b[r * kb..(r + 1) * kb], xbt, cols, tn, &mut res),
+                                QWeights::Q4(b) => x86::dispatch_q4_bf16(
+                                    &b[r * kb..(r + 1) * kb],
+                                    xbt,
+                                    cols,
+                                    tn,
+                                    &mut res,
+                                ),
+                                QWeights::Q8(b) => x86::dispatch_q8_bf16(
+                                    &b[r * kb..(r + 1) * kb],
+                                    xbt,
+                                    cols,
+                                    tn,
+                                    &mut res,
+                                ),
                             }
                         }
                         for (j, v) in res.iter().enumerate().take(tn) {
@@ -443,8 +459,18 @@ mod x86 {
                 let w1 = _mm512_cvtne2ps_pbh(h1, l1);
                 for j in 0..$tn {
                     let p = xp.add(j * $cols + b * 32);
-                    a0[j] = _mm512_dpbf16_ps(a0[j], w0, std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _)));
-                    a1[j] = _mm512_dpbf16_ps(a1[j], w1, std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p.add(32) as *const _)));
+                    a0[j] = _mm512_dpbf16_ps(
+                        a0[j],
+                        w0,
+                        std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _)),
+                    );
+                    a1[j] = _mm512_dpbf16_ps(
+                        a1[j],
+                        w1,
+                        std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                            p.add(32) as *const _
+                        )),
+                    );
                 }
                 b += 2;
             }
@@ -453,7 +479,11 @@ mod x86 {
                 let w0 = _mm512_cvtne2ps_pbh(h0, l0);
                 for j in 0..$tn {
                     let p = xp.add(j * $cols + b * 32);
-                    a0[j] = _mm512_dpbf16_ps(a0[j], w0, std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _)));
+                    a0[j] = _mm512_dpbf16_ps(
+                        a0[j],
+                        w0,
+                        std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _)),
+                    );
                 }
             }
             for j in 0..$tn {
@@ -463,16 +493,32 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
-    unsafe fn q4_bf16<const TN: usize>(w: &[BlockQ4], x: &[u16], cols: usize, res: &mut [f32; MAX_TILE]) {
+    unsafe fn q4_bf16<const TN: usize>(
+        w: &[BlockQ4],
+        x: &[u16],
+        cols: usize,
+        res: &mut [f32; MAX_TILE],
+    ) {
         body_bf16!(w, x, cols, res, TN, dec_q4_512)
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
-    unsafe fn q8_bf16<const TN: usize>(w: &[BlockQ8], x: &[u16], cols: usize, res: &mut [f32; MAX_TILE]) {
+    unsafe fn q8_bf16<const TN: usize>(
+        w: &[BlockQ8],
+        x: &[u16],
+        cols: usize,
+        res: &mut [f32; MAX_TILE],
+    ) {
         body_bf16!(w, x, cols, res, TN, dec_q8_512)
     }
 
-    pub(super) unsafe fn dispatch_q4_bf16(w: &[BlockQ4], x: &[u16], cols: usize, tn: usize, res: &mut [f32; MAX_TILE]) {
+    pub(super) unsafe fn dispatch_q4_bf16(
+        w: &[BlockQ4],
+        x: &[u16],
+        cols: usize,
+        tn: usize,
+        res: &mut [f32; MAX_TILE],
+    ) {
         match tn {
             1 => q4_bf16::<1>(w, x, cols, res),
             2 => q4_bf16::<2>(w, x, cols, res),
@@ -485,7 +531,13 @@ mod x86 {
         }
     }
 
-    pub(super) unsafe fn dispatch_q8_bf16(w: &[BlockQ8], x: &[u16], cols: usize, tn: usize, res: &mut [f32; MAX_TILE]) {
+    pub(super) unsafe fn dispatch_q8_bf16(
+        w: &[BlockQ8],
+        x: &[u16],
+        cols: usize,
+        tn: usize,
+        res: &mut [f32; MAX_TILE],
+    ) {
         match tn {
             1 => q8_bf16::<1>(w, x, cols, res),
             2 => q8_bf16::<2>(w, x, cols, res),
@@ -667,12 +719,19 @@ mod tests {
         mat.matmul_ref_bf16(&x, m, &mut want_bf16);
         for (i, (a, b)) in want.iter().zip(&want_bf16).enumerate() {
             // bf16 rounds each operand by at most 2^-8 relative (unit roundoff).
-            assert!((a - b).abs() <= 8e-3 * scale[i] + 1e-6, "bf16 ref vs f32 ref {a} {b}");
+            assert!(
+                (a - b).abs() <= 8e-3 * scale[i] + 1e-6,
+                "bf16 ref vs f32 ref {a} {b}"
+            );
         }
         for isa in Isa::available() {
             let mut got = vec![f32::NAN; m * mat.rows];
             mat.matmul(&x, m, &mut got, isa);
-            let want = if isa == Isa::Avx512Bf16 { &want_bf16 } else { &want };
+            let want = if isa == Isa::Avx512Bf16 {
+                &want_bf16
+            } else {
+                &want
+            };
             for (i, (a, b)) in want.iter().zip(&got).enumerate() {
                 let tol = 1e-5 * scale[i] + 1e-6;
                 assert!(

@@ -63,37 +63,288 @@ pub fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// RMSNorm: `out = x / sqrt(mean(x²) + eps) * w`.
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let ss: f32 = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+/// One attention task: `R` query rows (`q`, R × hd) that share one KV head `g`, each attending
+/// causally to its first `lims[r]` positions of a paged cache.
+///
+/// Layout (see the runtime's `KvCache`): the K pool stores each block of `bs` positions
+/// transposed per head, `[block][head][dim][bs]`, so the scores of a whole block are `hd` vector
+/// FMAs of a broadcast query element against a contiguous row — no horizontal sums. The V pool is
+/// `[block][bs][kv_heads·hd]`. Grouping every query of a sequence and KV head (GQA heads ×
+/// verified tokens) reads each cached block once per task.
+#[allow(clippy::too_many_arguments)]
+pub fn attend(isa: Isa, a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { attend_avx512(a, scores, out) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { attend_avx2(a, scores, out) },
+        _ => attend_body(a, scores, out),
+    }
+}
+
+/// Inputs of [`attend`].
+pub struct AttendArgs<'a> {
+    pub q: &'a [f32],
+    pub lims: &'a [usize],
+    pub kpool: &'a [f32],
+    pub vpool: &'a [f32],
+    /// The sequence's block table.
+    pub blocks: &'a [u32],
+    pub bs: usize,
+    pub n_kv: usize,
+    pub g: usize,
+    pub hd: usize,
+    pub scale: f32,
+}
+
+#[inline(always)]
+fn attend_body(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let r_n = a.lims.len();
+    let l = a.lims.iter().copied().max().unwrap_or(0);
+    let (hd, bs) = (a.hd, a.bs);
+    let kvd = a.n_kv * hd;
+    let nb = l.div_ceil(bs);
+    let lp = nb * bs;
+    scores.clear();
+    scores.resize(r_n * lp, 0.0);
+    let mut acc = vec![0f32; bs];
+    for (bi, &blk) in a.blocks[..nb].iter().enumerate() {
+        let kt = &a.kpool[(blk as usize * a.n_kv + a.g) * hd * bs..][..hd * bs];
+        for r in 0..r_n {
+            if bi * bs >= a.lims[r] {
+                continue;
+            }
+            let q = &a.q[r * hd..(r + 1) * hd];
+            let dst = &mut scores[r * lp + bi * bs..r * lp + (bi + 1) * bs];
+            if bs == 16 {
+                // Fixed-width accumulator: stays in one vector register.
+                block_scores::<16>(q, kt, a.scale, dst);
+            } else {
+                acc.fill(0.0);
+                for (d, &qd) in q.iter().enumerate() {
+                    for (x, k) in acc.iter_mut().zip(&kt[d * bs..(d + 1) * bs]) {
+                        *x = qd.mul_add(*k, *x);
+                    }
+                }
+                for (s, x) in dst.iter_mut().zip(&acc) {
+                    *s = x * a.scale;
+                }
+            }
+        }
+    }
+    for r in 0..r_n {
+        softmax_body(&mut scores[r * lp..r * lp + a.lims[r]]);
+    }
+    out[..r_n * hd].fill(0.0);
+    for r in 0..r_n {
+        let w = &scores[r * lp..r * lp + a.lims[r]];
+        let o = &mut out[r * hd..(r + 1) * hd];
+        match hd {
+            64 => weighted_values::<64>(w, a, kvd, o),
+            128 => weighted_values::<128>(w, a, kvd, o),
+            _ => {
+                for (p, &wp) in w.iter().enumerate() {
+                    let slot = a.blocks[p / bs] as usize * bs + p % bs;
+                    axpy_body(wp, &a.vpool[slot * kvd + a.g * hd..][..hd], o);
+                }
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn block_scores<const BS: usize>(q: &[f32], kt: &[f32], scale: f32, dst: &mut [f32]) {
+    // Four partial sums break the FMA latency chain over the head dimension.
+    let mut acc = [[0f32; BS]; 4];
+    let hd4 = q.len() / 4 * 4;
+    for d in (0..hd4).step_by(4) {
+        for (u, a) in acc.iter_mut().enumerate() {
+            let qd = q[d + u];
+            let row: &[f32; BS] = kt[(d + u) * BS..(d + u + 1) * BS]
+                .try_into()
+                .expect("row of BS keys");
+            for j in 0..BS {
+                a[j] = qd.mul_add(row[j], a[j]);
+            }
+        }
+    }
+    for d in hd4..q.len() {
+        let row: &[f32; BS] = kt[d * BS..(d + 1) * BS].try_into().expect("row of BS keys");
+        for j in 0..BS {
+            acc[0][j] = q[d].mul_add(row[j], acc[0][j]);
+        }
+    }
+    for j in 0..BS {
+        dst[j] = ((acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j])) * scale;
+    }
+}
+
+/// `out = Σ_p w[p] · V[p]` for one query row, accumulators in registers (two chains).
+#[inline(always)]
+fn weighted_values<const HD: usize>(w: &[f32], a: &AttendArgs<'_>, kvd: usize, out: &mut [f32]) {
+    let mut a0 = [0f32; HD];
+    let mut a1 = [0f32; HD];
+    let row = |p: usize| -> &[f32; HD] {
+        let slot = a.blocks[p / a.bs] as usize * a.bs + p % a.bs;
+        a.vpool[slot * kvd + a.g * HD..][..HD]
+            .try_into()
+            .expect("HD values")
+    };
+    let n2 = w.len() / 2 * 2;
+    for p in (0..n2).step_by(2) {
+        let (v0, v1) = (row(p), row(p + 1));
+        let (w0, w1) = (w[p], w[p + 1]);
+        for i in 0..HD {
+            a0[i] = w0.mul_add(v0[i], a0[i]);
+            a1[i] = w1.mul_add(v1[i], a1[i]);
+        }
+    }
+    if n2 < w.len() {
+        let v0 = row(n2);
+        for i in 0..HD {
+            a0[i] = w[n2].mul_add(v0[i], a0[i]);
+        }
+    }
+    for i in 0..HD {
+        out[i] = a0[i] + a1[i];
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn attend_avx512(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    attend_body(a, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    attend_body(a, scores, out)
+}
+
+#[inline(always)]
+fn rms_norm_body(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let ss = dot_body(x, x) / x.len() as f32;
     let scale = 1.0 / (ss + eps).sqrt();
     for ((o, xi), wi) in out.iter_mut().zip(x).zip(w) {
         *o = xi * scale * wi;
     }
 }
 
-/// SwiGLU on a fused `[gate | up]` row: `out[i] = silu(gate[i]) * up[i]`.
-pub fn silu_mul(gate_up: &[f32], out: &mut [f32]) {
+#[inline(always)]
+fn silu_mul_body(gate_up: &[f32], out: &mut [f32]) {
     let f = out.len();
     let (g, u) = gate_up.split_at(f);
     for i in 0..f {
         let gi = g[i];
-        out[i] = gi / (1.0 + (-gi).exp()) * u[i];
+        out[i] = gi / (1.0 + fast_exp(-gi)) * u[i];
     }
 }
 
-/// In-place softmax; returns nothing, leaves a probability vector.
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rms_norm_avx2(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    rms_norm_body(x, w, eps, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(gate_up: &[f32], out: &mut [f32]) {
+    silu_mul_body(gate_up, out)
+}
+
+/// RMSNorm: `out = x / sqrt(mean(x²) + eps) * w`.
+pub fn rms_norm(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { rms_norm_avx2(x, w, eps, out) },
+        _ => rms_norm_body(x, w, eps, out),
     }
-    let inv = 1.0 / sum;
+}
+
+/// SwiGLU on a fused `[gate | up]` row: `out[i] = silu(gate[i]) * up[i]`.
+pub fn silu_mul(isa: Isa, gate_up: &[f32], out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { silu_mul_avx2(gate_up, out) },
+        _ => silu_mul_body(gate_up, out),
+    }
+}
+
+/// `e^x` without a libm call (Cephes `expf` polynomial, ≤ 2 ulp on [-87, 88]), written so
+/// the compiler vectorizes loops over it. Inputs below -87 give 0.
+#[inline(always)]
+pub fn fast_exp(x0: f32) -> f32 {
+    let x = x0.clamp(-87.0, 88.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = x - n * 0.693_359_4 + n * 2.121_944_4e-4;
+    let r2 = r * r;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 0.5;
+    let e = p * r2 + r + 1.0;
+    let v = f32::from_bits(((n as i32 + 127) << 23) as u32) * e;
+    if x0 < -87.0 { 0.0 } else { v }
+}
+
+/// Sum with 16 independent partial sums (a plain `+=` loop does not vectorize: float addition
+/// is not reassociated).
+#[inline(always)]
+fn sum_body(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let rem: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for j in 0..16 {
+            acc[j] += c[j];
+        }
+    }
+    acc.iter().sum::<f32>() + rem
+}
+
+#[inline(always)]
+fn max_body(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let rem = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    for c in chunks {
+        for j in 0..16 {
+            acc[j] = if c[j] > acc[j] { c[j] } else { acc[j] };
+        }
+    }
+    acc.iter().fold(rem, |a, &b| if b > a { b } else { a })
+}
+
+#[inline(always)]
+fn softmax_body(x: &mut [f32]) {
+    let max = max_body(x);
+    for v in x.iter_mut() {
+        *v = fast_exp(*v - max);
+    }
+    let inv = 1.0 / sum_body(x);
     for v in x.iter_mut() {
         *v *= inv;
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_avx2(x: &mut [f32]) {
+    softmax_body(x)
+}
+
+/// In-place softmax (leaves a probability vector).
+pub fn softmax(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        // SAFETY: the features were just detected.
+        return unsafe { softmax_avx2(x) };
+    }
+    softmax_body(x)
 }
 
 /// Precomputed RoPE cos/sin table for `max_pos` positions.
@@ -173,6 +424,108 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn attend_matches_naive_causal_attention() {
+        let mut rng = Rng::new(9);
+        let (hd, n_kv, g, bs, n_blocks) = (16usize, 3usize, 1usize, 8usize, 6usize);
+        let kvd = n_kv * hd;
+        // Logical K/V per position, then laid out as the cache does.
+        let k: Vec<f32> = (0..n_blocks * bs * kvd)
+            .map(|_| rng.normal() as f32)
+            .collect();
+        let v: Vec<f32> = (0..n_blocks * bs * kvd)
+            .map(|_| rng.normal() as f32)
+            .collect();
+        let blocks: Vec<u32> = vec![4, 0, 5, 2, 1, 3];
+        let mut kpool = vec![0f32; n_blocks * bs * kvd];
+        let mut vpool = vec![0f32; n_blocks * bs * kvd];
+        for p in 0..n_blocks * bs {
+            let (b, off) = (blocks[p / bs] as usize, p % bs);
+            for h in 0..n_kv {
+                for d in 0..hd {
+                    kpool[((b * n_kv + h) * hd + d) * bs + off] = k[p * kvd + h * hd + d];
+                }
+            }
+            vpool[(b * bs + off) * kvd..][..kvd].copy_from_slice(&v[p * kvd..][..kvd]);
+        }
+        let lims = [5usize, 17, 30, 1, 48];
+        let q: Vec<f32> = (0..lims.len() * hd).map(|_| rng.normal() as f32).collect();
+        for isa in Isa::available() {
+            let mut out = vec![0f32; lims.len() * hd];
+            let mut sc = Vec::new();
+            let args = AttendArgs {
+                q: &q,
+                lims: &lims,
+                kpool: &kpool,
+                vpool: &vpool,
+                blocks: &blocks,
+                bs,
+                n_kv,
+                g,
+                hd,
+                scale: 0.25,
+            };
+            attend(isa, &args, &mut sc, &mut out);
+            for (r, &lim) in lims.iter().enumerate() {
+                let mut s: Vec<f64> = (0..lim)
+                    .map(|p| {
+                        0.25 * (0..hd)
+                            .map(|d| (q[r * hd + d] * k[p * kvd + g * hd + d]) as f64)
+                            .sum::<f64>()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = s.iter().map(|v| (v - m).exp()).sum();
+                for x in s.iter_mut() {
+                    *x = (*x - m).exp() / z;
+                }
+                for i in 0..hd {
+                    let want: f64 = (0..lim)
+                        .map(|p| s[p] * v[p * kvd + g * hd + i] as f64)
+                        .sum();
+                    assert!(
+                        (want - out[r * hd + i] as f64).abs() < 1e-4,
+                        "{isa:?} r{r} i{i}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn norm_and_silu_match_naive() {
+        let x: Vec<f32> = (0..96).map(|i| (i as f32 * 0.3).sin() * 4.0).collect();
+        let w: Vec<f32> = (0..48).map(|i| 1.0 + i as f32 * 0.01).collect();
+        for isa in Isa::available() {
+            let mut o = vec![0f32; 48];
+            rms_norm(isa, &x[..48], &w, 1e-5, &mut o);
+            let ms: f32 = x[..48].iter().map(|v| v * v).sum::<f32>() / 48.0;
+            for i in 0..48 {
+                assert!((o[i] - x[i] / (ms + 1e-5).sqrt() * w[i]).abs() < 1e-5);
+            }
+            silu_mul(isa, &x, &mut o);
+            for i in 0..48 {
+                let g = x[i];
+                assert!((o[i] - g / (1.0 + (-g).exp()) * x[48 + i]).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn fast_exp_is_accurate() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            let got = fast_exp(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.0137;
+        }
+        assert!(worst < 5e-7, "relative error {worst}");
+        assert_eq!(fast_exp(-1000.0), 0.0);
+        assert!(fast_exp(-87.0) < 1e-37);
     }
 
     #[test]

@@ -6,6 +6,10 @@
 //! prefixes are forked by reference count; a write into a shared block copies it first
 //! (copy-on-write), so forks never see each other's tokens. [`KvCache::check`] verifies that every
 //! block is either free or referenced exactly `refcount` times: no leaks, ever.
+//!
+//! Layout per layer: K is `[block][kv_head][head_dim][block_size]` (each block transposed, so
+//! attention scores a whole block with vertical FMAs), V is `[block][block_size][kv_dim]`. Both
+//! keep a block contiguous, so copy-on-write copies one range.
 
 use crate::RuntimeError;
 use std::collections::HashMap;
@@ -17,8 +21,8 @@ pub struct SeqId(pub u64);
 #[derive(Clone, Debug)]
 pub struct KvConfig {
     pub n_layers: usize,
-    /// n_kv_heads × head_dim.
-    pub kv_dim: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
     pub block_size: usize,
     pub num_blocks: usize,
 }
@@ -40,14 +44,20 @@ pub struct KvCache {
     next_id: u64,
 }
 
+impl KvConfig {
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+}
+
 impl KvCache {
     pub fn new(cfg: KvConfig) -> Result<Self, RuntimeError> {
-        if cfg.block_size == 0 || cfg.num_blocks == 0 || cfg.kv_dim == 0 {
+        if cfg.block_size == 0 || cfg.num_blocks == 0 || cfg.kv_dim() == 0 {
             return Err(RuntimeError::Config(
                 "KV cache needs block_size, num_blocks and kv_dim > 0".into(),
             ));
         }
-        let per_layer = cfg.num_blocks * cfg.block_size * cfg.kv_dim;
+        let per_layer = cfg.num_blocks * cfg.block_size * cfg.kv_dim();
         Ok(Self {
             k: (0..cfg.n_layers).map(|_| vec![0f32; per_layer]).collect(),
             v: (0..cfg.n_layers).map(|_| vec![0f32; per_layer]).collect(),
@@ -112,7 +122,7 @@ impl KvCache {
     }
 
     fn copy_block(&mut self, from: u32, to: u32) {
-        let n = self.cfg.block_size * self.cfg.kv_dim;
+        let n = self.cfg.block_size * self.cfg.kv_dim();
         let (f, t) = (from as usize * n, to as usize * n);
         for l in 0..self.cfg.n_layers {
             self.k[l].copy_within(f..f + n, t);
@@ -262,10 +272,37 @@ impl KvCache {
         Ok(())
     }
 
+    /// Writes one position's K and V (each `kv_dim` floats, heads side by side).
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
-        let d = self.cfg.kv_dim;
-        self.k[layer][slot * d..(slot + 1) * d].copy_from_slice(k);
+        let (bs, hd, nkv) = (self.cfg.block_size, self.cfg.head_dim, self.cfg.n_kv_heads);
+        let d = nkv * hd;
+        let (b, off) = (slot / bs, slot % bs);
+        let kp = &mut self.k[layer];
+        for h in 0..nkv {
+            let base = (b * nkv + h) * hd * bs + off;
+            for i in 0..hd {
+                kp[base + i * bs] = k[h * hd + i];
+            }
+        }
         self.v[layer][slot * d..(slot + 1) * d].copy_from_slice(v);
+    }
+
+    /// K of one position (gathered from the transposed block), for tests and debugging.
+    pub fn read_k(&self, layer: usize, slot: usize) -> Vec<f32> {
+        let (bs, hd, nkv) = (self.cfg.block_size, self.cfg.head_dim, self.cfg.n_kv_heads);
+        let (b, off) = (slot / bs, slot % bs);
+        let mut out = vec![0f32; nkv * hd];
+        for h in 0..nkv {
+            for i in 0..hd {
+                out[h * hd + i] = self.k[layer][(b * nkv + h) * hd * bs + i * bs + off];
+            }
+        }
+        out
+    }
+
+    /// The block table of `seq`.
+    pub fn blocks(&self, seq: SeqId) -> Result<&[u32], RuntimeError> {
+        Ok(&self.table(seq)?.blocks)
     }
 
     /// Read access to one layer's K and V pools (slot-major, kv_dim each).
@@ -359,7 +396,8 @@ mod tests {
         c.write(0, sb, &[99.0; 4], &[99.0; 4]);
         c.set_len(b, 7).unwrap();
         assert_ne!(c.slot(a, 5).unwrap(), c.slot(b, 5).unwrap());
-        assert_eq!(c.layer(0).0[c.slot(b, 5).unwrap() * 4], 5.0);
+        assert_eq!(c.read_k(0, c.slot(b, 5).unwrap()), vec![5.0; 4]);
+        assert_eq!(c.layer(0).1[c.slot(b, 6).unwrap() * 4], 99.0);
         assert_eq!(c.slot(a, 0).unwrap(), c.slot(b, 0).unwrap());
         c.check().unwrap();
         c.remove(a).unwrap();

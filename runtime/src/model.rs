@@ -18,6 +18,7 @@ use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Which logits a sequence wants back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +43,17 @@ pub struct ForwardOptions {
     pub hidden: bool,
     /// Return the residual stream after these layers (0-based) for every new token.
     pub layers: Vec<usize>,
+    /// Measure where the forward's time goes ([`ForwardOutput::profile`]).
+    pub profile: bool,
+}
+
+/// Seconds spent per part of one forward.
+#[derive(Clone, Debug, Default)]
+pub struct ForwardProfile {
+    pub matmul_s: f64,
+    pub attention_s: f64,
+    pub head_s: f64,
+    pub other_s: f64,
 }
 
 #[derive(Debug, Default)]
@@ -57,6 +69,7 @@ pub struct ForwardOutput {
     /// One n_tokens × d_model buffer per requested layer.
     pub layer_hidden: Vec<Vec<f32>>,
     pub vocab: usize,
+    pub profile: Option<ForwardProfile>,
 }
 
 impl ForwardOutput {
@@ -407,7 +420,8 @@ impl Model {
     pub fn new_cache(&self, tokens: usize, block_size: usize) -> Result<KvCache> {
         KvCache::new(KvConfig {
             n_layers: self.cfg.n_layers,
-            kv_dim: self.cfg.kv_dim(),
+            n_kv_heads: self.cfg.n_kv_heads,
+            head_dim: self.cfg.head_dim,
             block_size,
             num_blocks: tokens.div_ceil(block_size).max(1),
         })
@@ -503,6 +517,11 @@ impl Model {
                 ti += 1;
             }
         }
+        let batch_tokens: Vec<(usize, usize)> = batch
+            .iter()
+            .zip(&token_offsets)
+            .map(|(s, &o)| (o, s.tokens.len()))
+            .collect();
         let mut out = ForwardOutput {
             token_offsets,
             vocab: c.vocab_size,
@@ -519,6 +538,11 @@ impl Model {
             cache.slots(s.seq, starts[i] + s.tokens.len(), &mut v)?;
             slots_of_seq.push(v);
         }
+        let blocks_owned: Vec<Vec<u32>> = batch
+            .iter()
+            .map(|s| cache.blocks(s.seq).map(|b| b.to_vec()))
+            .collect::<Result<_>>()?;
+        let blocks_of_seq: Vec<&[u32]> = blocks_owned.iter().map(|b| b.as_slice()).collect();
         let qd = c.q_dim();
         let kvd = c.kv_dim();
         let qkv_dim = qd + 2 * kvd;
@@ -530,16 +554,21 @@ impl Model {
         let mut act = vec![0f32; n * c.ffn_dim];
         let mut tmp = Vec::new();
         let mut layer_hidden = Vec::with_capacity(opts.layers.len());
+        let mut prof = ForwardProfile::default();
+        let mut clock = Clock::new(opts.profile);
         for (li, layer) in self.layers.iter().enumerate() {
             for t in 0..n {
                 ops::rms_norm(
+                    isa,
                     &x[t * d..(t + 1) * d],
                     &layer.attn_norm,
                     c.rms_eps,
                     &mut xn[t * d..(t + 1) * d],
                 );
             }
+            clock.lap(&mut prof.other_s);
             layer.qkv.forward(&xn, n, &mut qkv, isa, &mut tmp)?;
+            clock.lap(&mut prof.matmul_s);
             for t in 0..n {
                 let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
                 if let Some(b) = &layer.qkv_bias {
@@ -553,28 +582,45 @@ impl Model {
                 let slot = slots_of_seq[tok_seq[t]][tok_pos[t]] as usize;
                 cache.write(li, slot, &kv[..kvd], &kv[kvd..]);
             }
-            self.attention(cache, li, &qkv, &tok_seq, &tok_pos, &slots_of_seq, &mut att);
+            clock.lap(&mut prof.other_s);
+            self.attention(
+                cache,
+                li,
+                &qkv,
+                &batch_tokens,
+                &tok_pos,
+                &blocks_of_seq,
+                &mut att,
+            );
+            clock.lap(&mut prof.attention_s);
             layer.wo.forward(&att, n, &mut proj, isa)?;
+            clock.lap(&mut prof.matmul_s);
             for (xv, pv) in x.iter_mut().zip(&proj) {
                 *xv += pv;
             }
             for t in 0..n {
                 ops::rms_norm(
+                    isa,
                     &x[t * d..(t + 1) * d],
                     &layer.ffn_norm,
                     c.rms_eps,
                     &mut xn[t * d..(t + 1) * d],
                 );
             }
+            clock.lap(&mut prof.other_s);
             layer.gate_up.forward(&xn, n, &mut gu, isa, &mut tmp)?;
+            clock.lap(&mut prof.matmul_s);
             let f = c.ffn_dim;
             for t in 0..n {
                 ops::silu_mul(
+                    isa,
                     &gu[t * 2 * f..(t + 1) * 2 * f],
                     &mut act[t * f..(t + 1) * f],
                 );
             }
+            clock.lap(&mut prof.other_s);
             layer.down.forward(&act, n, &mut proj, isa)?;
+            clock.lap(&mut prof.matmul_s);
             for (xv, pv) in x.iter_mut().zip(&proj) {
                 *xv += pv;
             }
@@ -596,6 +642,7 @@ impl Model {
             .collect();
         for t in 0..n {
             ops::rms_norm(
+                isa,
                 &x[t * d..(t + 1) * d],
                 &self.out_norm,
                 c.rms_eps,
@@ -618,6 +665,7 @@ impl Model {
             }
             out.logit_rows.push((first, rows.len() - first));
         }
+        clock.lap(&mut prof.other_s);
         if !rows.is_empty() {
             let mut hsel = vec![0f32; rows.len() * d];
             for (j, &r) in rows.iter().enumerate() {
@@ -631,6 +679,10 @@ impl Model {
                 isa,
             )?;
             out.logits = logits;
+        }
+        clock.lap(&mut prof.head_s);
+        if opts.profile {
+            out.profile = Some(prof);
         }
         if opts.hidden {
             out.hidden = Some(xn);
@@ -653,51 +705,100 @@ impl Model {
     }
 
     /// Causal GQA attention of every new token over its own sequence's cached positions `0..=pos`.
+    /// One task per (sequence, KV head, chunk of queries): all query heads of the group and all
+    /// new tokens of the sequence share each K/V row read.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         cache: &KvCache,
         layer: usize,
         qkv: &[f32],
-        tok_seq: &[usize],
+        batch_tokens: &[(usize, usize)],
         tok_pos: &[usize],
-        slots_of_seq: &[Vec<u32>],
+        blocks_of_seq: &[&[u32]],
         att: &mut [f32],
     ) {
         let c = &self.cfg;
         let hd = c.head_dim;
         let qd = c.q_dim();
-        let kvd = c.kv_dim();
-        let qkv_dim = qd + 2 * kvd;
+        let qkv_dim = qd + 2 * c.kv_dim();
         let group = c.n_heads / c.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
         let (kpool, vpool) = cache.layer(layer);
         let isa = self.isa;
-        let work = |(idx, o): (usize, &mut [f32])| {
-            let t = idx / c.n_heads;
-            let h = idx % c.n_heads;
-            let g = h / group;
-            let q = &qkv[t * qkv_dim + h * hd..t * qkv_dim + (h + 1) * hd];
-            let slots = &slots_of_seq[tok_seq[t]][..=tok_pos[t]];
-            let mut scores: Vec<f32> = slots
-                .iter()
-                .map(|&s| {
-                    let k = &kpool[s as usize * kvd + g * hd..s as usize * kvd + (g + 1) * hd];
-                    ops::dot(isa, q, k) * scale
-                })
-                .collect();
-            ops::softmax(&mut scores);
-            o.fill(0.0);
-            for (&s, &p) in slots.iter().zip(&scores) {
-                let v = &vpool[s as usize * kvd + g * hd..s as usize * kvd + (g + 1) * hd];
-                ops::axpy(isa, p, v, o);
+        // Tasks: (sequence index, kv head, first token, token count).
+        const QROWS: usize = 12;
+        let mut tasks = Vec::new();
+        for (si, &(t0, nt)) in batch_tokens.iter().enumerate() {
+            let per = (QROWS / group).max(1);
+            for g in 0..c.n_kv_heads {
+                let mut a = 0;
+                while a < nt {
+                    let b = (a + per).min(nt);
+                    tasks.push((si, g, t0 + a, b - a));
+                    a = b;
+                }
             }
+        }
+        let run = |&(si, g, t0, nt): &(usize, usize, usize, usize)| -> Vec<f32> {
+            let mut q = Vec::with_capacity(nt * group * hd);
+            let mut lims = Vec::with_capacity(nt * group);
+            for t in t0..t0 + nt {
+                for h in g * group..(g + 1) * group {
+                    q.extend_from_slice(&qkv[t * qkv_dim + h * hd..t * qkv_dim + (h + 1) * hd]);
+                    lims.push(tok_pos[t] + 1);
+                }
+            }
+            let mut out = vec![0f32; nt * group * hd];
+            let mut scores = Vec::new();
+            let args = ops::AttendArgs {
+                q: &q,
+                lims: &lims,
+                kpool,
+                vpool,
+                blocks: blocks_of_seq[si],
+                bs: cache.config().block_size,
+                n_kv: c.n_kv_heads,
+                g,
+                hd,
+                scale,
+            };
+            ops::attend(isa, &args, &mut scores, &mut out);
+            out
         };
         let total_work: usize = tok_pos.iter().map(|p| p + 1).sum::<usize>() * c.n_heads * hd;
-        if total_work < 200_000 {
-            att.chunks_mut(hd).enumerate().for_each(work);
+        let results: Vec<Vec<f32>> = if total_work < 100_000 || tasks.len() == 1 {
+            tasks.iter().map(run).collect()
         } else {
-            att.par_chunks_mut(hd).enumerate().for_each(work);
+            tasks.par_iter().map(run).collect()
+        };
+        for (&(_, g, t0, nt), out) in tasks.iter().zip(results) {
+            for (j, t) in (t0..t0 + nt).enumerate() {
+                for (hh, h) in (g * group..(g + 1) * group).enumerate() {
+                    let src = &out[(j * group + hh) * hd..(j * group + hh + 1) * hd];
+                    att[t * qd + h * hd..t * qd + (h + 1) * hd].copy_from_slice(src);
+                }
+            }
+        }
+    }
+}
+
+/// Lap timer that costs nothing when disabled.
+struct Clock {
+    last: Option<Instant>,
+}
+
+impl Clock {
+    fn new(on: bool) -> Self {
+        Self {
+            last: on.then(Instant::now),
+        }
+    }
+    fn lap(&mut self, acc: &mut f64) {
+        if let Some(l) = self.last {
+            let now = Instant::now();
+            *acc += (now - l).as_secs_f64();
+            self.last = Some(now);
         }
     }
 }

@@ -73,7 +73,10 @@ impl TinySpec {
 
 /// GPT-2's byte → printable-char mapping used by byte-level BPE vocabularies.
 pub fn byte_chars() -> Vec<char> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut cs: Vec<u32> = bs.clone();
     let mut n = 0;
     for b in 0..256u32 {
@@ -97,7 +100,13 @@ fn vocab(variant: u8) -> (Vec<String>, Vec<String>, Vec<u32>) {
     let bc = byte_chars();
     let mut tokens: Vec<String> = bc.iter().map(|c| c.to_string()).collect();
     let sp = bc[b' ' as usize];
-    let merges_src = [("t", "h"), ("th", "e"), (&*sp.to_string(), "t"), ("i", "n"), ("e", "r")];
+    let merges_src = [
+        ("t", "h"),
+        ("th", "e"),
+        (&*sp.to_string(), "t"),
+        ("i", "n"),
+        ("e", "r"),
+    ];
     let mut merges = Vec::new();
     for (a, b) in merges_src {
         merges.push(format!("{a} {b}"));
@@ -114,15 +123,32 @@ fn vocab(variant: u8) -> (Vec<String>, Vec<String>, Vec<u32>) {
     (tokens, merges, types)
 }
 
-fn qtensor(rng: &mut Rng, rows: usize, cols: usize, scale: f32, dtype: GgmlDType) -> Result<QTensor> {
-    let v: Vec<f32> = (0..rows * cols).map(|_| rng.normal() as f32 * scale).collect();
-    let t = if cols == 0 { Tensor::from_vec(v, rows, &Device::Cpu)? } else { Tensor::from_vec(v, (rows, cols), &Device::Cpu)? };
+fn qtensor(
+    rng: &mut Rng,
+    rows: usize,
+    cols: usize,
+    scale: f32,
+    dtype: GgmlDType,
+) -> Result<QTensor> {
+    let v: Vec<f32> = (0..rows * cols)
+        .map(|_| rng.normal() as f32 * scale)
+        .collect();
+    let t = if cols == 0 {
+        Tensor::from_vec(v, rows, &Device::Cpu)?
+    } else {
+        Tensor::from_vec(v, (rows, cols), &Device::Cpu)?
+    };
     Ok(QTensor::quantize(&t, dtype)?)
 }
 
 fn vector(rng: &mut Rng, n: usize, base: f32, jitter: f32) -> Result<QTensor> {
-    let v: Vec<f32> = (0..n).map(|_| base + rng.normal() as f32 * jitter).collect();
-    Ok(QTensor::quantize(&Tensor::from_vec(v, n, &Device::Cpu)?, GgmlDType::F32)?)
+    let v: Vec<f32> = (0..n)
+        .map(|_| base + rng.normal() as f32 * jitter)
+        .collect();
+    Ok(QTensor::quantize(
+        &Tensor::from_vec(v, n, &Device::Cpu)?,
+        GgmlDType::F32,
+    )?)
 }
 
 /// Writes the tiny model to `path` (a GGUF file).
@@ -136,9 +162,15 @@ pub fn write_gguf(spec: &TinySpec, path: &Path) -> Result<()> {
     let d = spec.d_model;
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     // Embedding scale large enough that greedy decoding is not a constant token.
-    tensors.push(("token_embd.weight".into(), qtensor(&mut rng, vocab_size, d, 1.0, spec.embed_dtype)?));
+    tensors.push((
+        "token_embd.weight".into(),
+        qtensor(&mut rng, vocab_size, d, 1.0, spec.embed_dtype)?,
+    ));
     if spec.separate_head {
-        tensors.push(("output.weight".into(), qtensor(&mut rng, vocab_size, d, 0.5, GgmlDType::Q6K.min_for(d))?));
+        tensors.push((
+            "output.weight".into(),
+            qtensor(&mut rng, vocab_size, d, 0.5, GgmlDType::Q6K.min_for(d))?,
+        ));
     }
     tensors.push(("output_norm.weight".into(), vector(&mut rng, d, 1.0, 0.1)?));
     let ws = 1.0 / (d as f32).sqrt();
@@ -146,41 +178,80 @@ pub fn write_gguf(spec: &TinySpec, path: &Path) -> Result<()> {
         let p = |n: &str| format!("blk.{i}.{n}");
         tensors.push((p("attn_norm.weight"), vector(&mut rng, d, 1.0, 0.1)?));
         tensors.push((p("attn_q.weight"), qtensor(&mut rng, d, d, ws, spec.dtype)?));
-        tensors.push((p("attn_k.weight"), qtensor(&mut rng, kvd, d, ws, spec.dtype)?));
-        tensors.push((p("attn_v.weight"), qtensor(&mut rng, kvd, d, ws, spec.dtype)?));
+        tensors.push((
+            p("attn_k.weight"),
+            qtensor(&mut rng, kvd, d, ws, spec.dtype)?,
+        ));
+        tensors.push((
+            p("attn_v.weight"),
+            qtensor(&mut rng, kvd, d, ws, spec.dtype)?,
+        ));
         if a == "qwen2" {
             tensors.push((p("attn_q.bias"), vector(&mut rng, d, 0.0, 0.1)?));
             tensors.push((p("attn_k.bias"), vector(&mut rng, kvd, 0.0, 0.1)?));
             tensors.push((p("attn_v.bias"), vector(&mut rng, kvd, 0.0, 0.1)?));
         }
-        tensors.push((p("attn_output.weight"), qtensor(&mut rng, d, d, ws, spec.dtype)?));
+        tensors.push((
+            p("attn_output.weight"),
+            qtensor(&mut rng, d, d, ws, spec.dtype)?,
+        ));
         tensors.push((p("ffn_norm.weight"), vector(&mut rng, d, 1.0, 0.1)?));
-        tensors.push((p("ffn_gate.weight"), qtensor(&mut rng, spec.ffn_dim, d, ws, spec.dtype)?));
-        tensors.push((p("ffn_up.weight"), qtensor(&mut rng, spec.ffn_dim, d, ws, spec.dtype)?));
+        tensors.push((
+            p("ffn_gate.weight"),
+            qtensor(&mut rng, spec.ffn_dim, d, ws, spec.dtype)?,
+        ));
+        tensors.push((
+            p("ffn_up.weight"),
+            qtensor(&mut rng, spec.ffn_dim, d, ws, spec.dtype)?,
+        ));
         let fs = 1.0 / (spec.ffn_dim as f32).sqrt();
-        tensors.push((p("ffn_down.weight"), qtensor(&mut rng, d, spec.ffn_dim, fs, spec.dtype.min_for(spec.ffn_dim))?));
+        tensors.push((
+            p("ffn_down.weight"),
+            qtensor(
+                &mut rng,
+                d,
+                spec.ffn_dim,
+                fs,
+                spec.dtype.min_for(spec.ffn_dim),
+            )?,
+        ));
     }
     let u = |v: usize| Value::U32(v as u32);
     let strs = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
     let metadata: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(a.into())),
-        ("general.name".into(), Value::String(format!("tiny-{a}-{}", spec.seed))),
+        (
+            "general.name".into(),
+            Value::String(format!("tiny-{a}-{}", spec.seed)),
+        ),
         (format!("{a}.block_count"), u(spec.n_layers)),
         (format!("{a}.embedding_length"), u(d)),
         (format!("{a}.feed_forward_length"), u(spec.ffn_dim)),
         (format!("{a}.attention.head_count"), u(spec.n_heads)),
         (format!("{a}.attention.head_count_kv"), u(spec.n_kv_heads)),
-        (format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (
+            format!("{a}.attention.layer_norm_rms_epsilon"),
+            Value::F32(1e-5),
+        ),
         (format!("{a}.rope.freq_base"), Value::F32(10000.0)),
         (format!("{a}.context_length"), u(spec.max_ctx)),
         ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".into(), Value::String(if a == "qwen2" { "qwen2" } else { "smollm" }.into())),
+        (
+            "tokenizer.ggml.pre".into(),
+            Value::String(if a == "qwen2" { "qwen2" } else { "smollm" }.into()),
+        ),
         ("tokenizer.ggml.tokens".into(), strs(&tokens)),
         ("tokenizer.ggml.merges".into(), strs(&merges)),
-        ("tokenizer.ggml.token_type".into(), Value::Array(types.iter().map(|&t| Value::I32(t as i32)).collect())),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(types.iter().map(|&t| Value::I32(t as i32)).collect()),
+        ),
         ("tokenizer.ggml.bos_token_id".into(), u(vocab_size - 2)),
         ("tokenizer.ggml.eos_token_id".into(), u(vocab_size - 1)),
-        ("tokenizer.chat_template".into(), Value::String(TINY_CHAT_TEMPLATE.into())),
+        (
+            "tokenizer.chat_template".into(),
+            Value::String(TINY_CHAT_TEMPLATE.into()),
+        ),
     ];
     let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();

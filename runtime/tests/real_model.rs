@@ -10,7 +10,11 @@ use std::sync::OnceLock;
 fn model_path() -> PathBuf {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| {
-        let home = dspark_runtime::fetch::dspark_home(std::env::var_os("DSPARK_HOME").map(PathBuf::from).as_deref());
+        let home = dspark_runtime::fetch::dspark_home(
+            std::env::var_os("DSPARK_HOME")
+                .map(PathBuf::from)
+                .as_deref(),
+        );
         dspark_runtime::fetch::resolve("smollm2-135m", &home, "python3", &mut |m| eprintln!("{m}"))
             .expect("smollm2-135m must be fetchable (run `dspark fetch-model smollm2-135m`)")
     })
@@ -19,7 +23,16 @@ fn model_path() -> PathBuf {
 
 fn model() -> &'static Model {
     static M: OnceLock<Model> = OnceLock::new();
-    M.get_or_init(|| Model::load(&model_path(), &LoadOptions { threads: 2, ..Default::default() }).unwrap())
+    M.get_or_init(|| {
+        Model::load(
+            &model_path(),
+            &LoadOptions {
+                threads: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    })
 }
 
 fn tokenizer() -> &'static Tokenizer {
@@ -30,9 +43,25 @@ fn tokenizer() -> &'static Tokenizer {
 #[test]
 fn smollm2_answers_paris_in_chat_mode() {
     let t = tokenizer();
-    let prompt = ChatTemplate::from_tokenizer(t).unwrap().render(&[Message::new("user", "What is the capital of France?")], true).unwrap();
+    let prompt = ChatTemplate::from_tokenizer(t)
+        .unwrap()
+        .render(
+            &[Message::new("user", "What is the capital of France?")],
+            true,
+        )
+        .unwrap();
     let ids = t.encode(&prompt).unwrap();
-    let out = generate(model(), t, &ids, &GenerateParams { max_tokens: 24, ..Default::default() }, &mut |_| {}).unwrap();
+    let out = generate(
+        model(),
+        t,
+        &ids,
+        &GenerateParams {
+            max_tokens: 24,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
     assert!(out.text.contains("Paris"), "answer: {:?}", out.text);
 }
 
@@ -43,11 +72,28 @@ fn quantized_forward_matches_f32_dequantized_reference_on_512_positions() {
     let ids = t.encode(text).unwrap();
     assert!(ids.len() >= 512, "eval text has only {} tokens", ids.len());
     let ids = &ids[..512];
-    let reference = Model::load(&model_path(), &LoadOptions { threads: 2, dense: true, ..Default::default() }).unwrap();
+    let reference = Model::load(
+        &model_path(),
+        &LoadOptions {
+            threads: 2,
+            dense: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let run = |m: &Model| {
         let mut c = m.new_cache(600, 16).unwrap();
         let s = c.new_seq();
-        m.forward(&mut c, &[SeqInput { seq: s, tokens: ids, logits: LogitsMode::All }], &ForwardOptions::default()).unwrap()
+        m.forward(
+            &mut c,
+            &[SeqInput {
+                seq: s,
+                tokens: ids,
+                logits: LogitsMode::All,
+            }],
+            &ForwardOptions::default(),
+        )
+        .unwrap()
     };
     let (q, d) = (run(model()), run(&reference));
     let v = q.vocab;
@@ -59,24 +105,40 @@ fn quantized_forward_matches_f32_dequantized_reference_on_512_positions() {
         let (mut pa, mut pb) = (a.to_vec(), b.to_vec());
         kernels::ops::softmax(&mut pa);
         kernels::ops::softmax(&mut pb);
-        kl += pa.iter().zip(&pb).filter(|(x, _)| **x > 0.0).map(|(x, y)| *x as f64 * ((*x as f64).ln() - (y.max(1e-30) as f64).ln())).sum::<f64>();
+        kl += pa
+            .iter()
+            .zip(&pb)
+            .filter(|(x, _)| **x > 0.0)
+            .map(|(x, y)| *x as f64 * ((*x as f64).ln() - (y.max(1e-30) as f64).ln()))
+            .sum::<f64>();
     }
     let top1 = agree as f64 / ids.len() as f64;
     let mean_kl = kl / ids.len() as f64;
-    eprintln!("smollm2-135m vs f32 reference: top-1 {:.4}, mean KL {:.6} ({})", top1, mean_kl, model().isa().name());
+    eprintln!(
+        "smollm2-135m vs f32 reference: top-1 {:.4}, mean KL {:.6} ({})",
+        top1,
+        mean_kl,
+        model().isa().name()
+    );
     assert!(top1 >= 0.99, "top-1 agreement {top1}");
     assert!(mean_kl < 0.01, "mean KL {mean_kl}");
 }
 
 #[test]
 fn tokenization_equals_llama_cpp_on_the_corpus() {
-    let v: serde_json::Value = serde_json::from_str(include_str!("data/tokenizer_ref_smollm2.json")).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(include_str!("data/tokenizer_ref_smollm2.json")).unwrap();
     let t = tokenizer();
     let cases = v["cases"].as_array().unwrap();
     assert!(cases.len() >= 20);
     for c in cases {
         let text = c["text"].as_str().unwrap();
-        let want: Vec<u32> = c["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let want: Vec<u32> = c["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
         assert_eq!(t.encode(text).unwrap(), want, "text: {text:?}");
     }
 }
@@ -85,21 +147,48 @@ fn tokenization_equals_llama_cpp_on_the_corpus() {
 fn varlen_batch_equals_separate_forwards_on_the_real_model() {
     let m = model();
     let t = tokenizer();
-    let texts = ["def add(a, b):\n    return a + b\n", "The weather today is", "1, 2, 3, 4, 5, 6, 7, 8"];
+    let texts = [
+        "def add(a, b):\n    return a + b\n",
+        "The weather today is",
+        "1, 2, 3, 4, 5, 6, 7, 8",
+    ];
     let ids: Vec<Vec<u32>> = texts.iter().map(|s| t.encode(s).unwrap()).collect();
     let mut want = Vec::new();
     for i in &ids {
         let mut c = m.new_cache(64, 16).unwrap();
         let s = c.new_seq();
-        want.push(m.forward(&mut c, &[SeqInput { seq: s, tokens: i, logits: LogitsMode::All }], &ForwardOptions::default()).unwrap().logits);
+        want.push(
+            m.forward(
+                &mut c,
+                &[SeqInput {
+                    seq: s,
+                    tokens: i,
+                    logits: LogitsMode::All,
+                }],
+                &ForwardOptions::default(),
+            )
+            .unwrap()
+            .logits,
+        );
     }
     let mut c = m.new_cache(256, 16).unwrap();
     let seqs: Vec<_> = ids.iter().map(|_| c.new_seq()).collect();
-    let ins: Vec<SeqInput<'_>> = seqs.iter().zip(&ids).map(|(&s, i)| SeqInput { seq: s, tokens: i, logits: LogitsMode::All }).collect();
+    let ins: Vec<SeqInput<'_>> = seqs
+        .iter()
+        .zip(&ids)
+        .map(|(&s, i)| SeqInput {
+            seq: s,
+            tokens: i,
+            logits: LogitsMode::All,
+        })
+        .collect();
     let o = m.forward(&mut c, &ins, &ForwardOptions::default()).unwrap();
     for (i, w) in want.iter().enumerate() {
         for (a, b) in o.rows_of(i).iter().zip(w) {
-            assert!((a - b).abs() <= 1e-3 * (1.0 + a.abs()), "seq {i}: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-3 * (1.0 + a.abs()),
+                "seq {i}: {a} vs {b}"
+            );
         }
     }
 }

@@ -11,14 +11,26 @@ use std::collections::HashMap;
 
 fn load(spec: &TinySpec, name: &str, dense: bool) -> Model {
     let p = tiny_model_path(spec, name).unwrap();
-    Model::load(&p, &LoadOptions { threads: 2, dense, ..Default::default() }).unwrap()
+    Model::load(
+        &p,
+        &LoadOptions {
+            threads: 2,
+            dense,
+            ..Default::default()
+        },
+    )
+    .unwrap()
 }
 
 fn kl(a: &[f32], b: &[f32]) -> f64 {
     let (mut pa, mut pb) = (a.to_vec(), b.to_vec());
     kernels::ops::softmax(&mut pa);
     kernels::ops::softmax(&mut pb);
-    pa.iter().zip(&pb).filter(|(x, _)| **x > 0.0).map(|(x, y)| *x as f64 * ((*x as f64).ln() - (y.max(1e-30) as f64).ln())).sum()
+    pa.iter()
+        .zip(&pb)
+        .filter(|(x, _)| **x > 0.0)
+        .map(|(x, y)| *x as f64 * ((*x as f64).ln() - (y.max(1e-30) as f64).ln()))
+        .sum()
 }
 
 #[test]
@@ -36,7 +48,13 @@ fn ggml_decoders_equal_candle_bit_for_bit() {
         let t = Tensor::from_vec(v, (4, 512), &Device::Cpu).unwrap();
         let q = QTensor::quantize(&t, dt).unwrap();
         let raw = q.data().unwrap();
-        let want: Vec<f32> = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let want: Vec<f32> = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let got = kernels::quant::dequantize(ours, &raw, 4 * 512).unwrap();
         assert_eq!(want, got, "{dt:?}");
     }
@@ -44,57 +62,128 @@ fn ggml_decoders_equal_candle_bit_for_bit() {
 
 #[test]
 fn quantized_forward_tracks_the_dequantized_reference() {
-    for (spec, name) in [(TinySpec::llama(1), "ref-llama"), (TinySpec::qwen2(2), "ref-qwen2")] {
+    for (spec, name) in [
+        (TinySpec::llama(1), "ref-llama"),
+        (TinySpec::qwen2(2), "ref-qwen2"),
+    ] {
         let q = load(&spec, name, false);
         let d = load(&spec, name, true);
         let toks: Vec<u32> = (0..40).map(|i| (i * 37 % 250) as u32).collect();
         let run = |m: &Model| {
             let mut c = m.new_cache(64, 16).unwrap();
             let s = c.new_seq();
-            m.forward(&mut c, &[SeqInput { seq: s, tokens: &toks, logits: LogitsMode::All }], &ForwardOptions::default())
-                .unwrap()
+            m.forward(
+                &mut c,
+                &[SeqInput {
+                    seq: s,
+                    tokens: &toks,
+                    logits: LogitsMode::All,
+                }],
+                &ForwardOptions::default(),
+            )
+            .unwrap()
         };
         let (oq, od) = (run(&q), run(&d));
         let v = oq.vocab;
         let mut agree = 0;
         let mut kl_sum = 0.0;
         for p in 0..toks.len() {
-            let (a, b) = (&od.logits[p * v..(p + 1) * v], &oq.logits[p * v..(p + 1) * v]);
+            let (a, b) = (
+                &od.logits[p * v..(p + 1) * v],
+                &oq.logits[p * v..(p + 1) * v],
+            );
             agree += (kernels::sampling::argmax(a) == kernels::sampling::argmax(b)) as usize;
             kl_sum += kl(a, b);
         }
-        assert!(agree >= toks.len() - 1, "{name}: top-1 agreement {agree}/{}", toks.len());
-        assert!(kl_sum / (toks.len() as f64) < 1e-3, "{name}: mean KL {}", kl_sum / toks.len() as f64);
+        assert!(
+            agree >= toks.len() - 1,
+            "{name}: top-1 agreement {agree}/{}",
+            toks.len()
+        );
+        assert!(
+            kl_sum / (toks.len() as f64) < 1e-3,
+            "{name}: mean KL {}",
+            kl_sum / toks.len() as f64
+        );
     }
 }
 
 #[test]
 fn varlen_batch_equals_per_request_forwards() {
-    for (spec, name) in [(TinySpec::llama(5), "varlen-llama"), (TinySpec::qwen2(6), "varlen-qwen2")] {
+    for (spec, name) in [
+        (TinySpec::llama(5), "varlen-llama"),
+        (TinySpec::qwen2(6), "varlen-qwen2"),
+    ] {
         let m = load(&spec, name, false);
-        let prompts: Vec<Vec<u32>> = vec![(0..23).map(|i| (i * 11 % 250) as u32).collect(), vec![7, 8, 9], (0..40).map(|i| (i * 3 % 250) as u32).collect()];
-        let news: Vec<Vec<u32>> = vec![vec![1, 2, 3, 4, 5], vec![9], vec![100, 101, 102, 103, 104, 105, 106, 107, 108]];
+        let prompts: Vec<Vec<u32>> = vec![
+            (0..23).map(|i| (i * 11 % 250) as u32).collect(),
+            vec![7, 8, 9],
+            (0..40).map(|i| (i * 3 % 250) as u32).collect(),
+        ];
+        let news: Vec<Vec<u32>> = vec![
+            vec![1, 2, 3, 4, 5],
+            vec![9],
+            vec![100, 101, 102, 103, 104, 105, 106, 107, 108],
+        ];
         // Separately: prefill then the new tokens.
         let mut want = Vec::new();
         for (p, n) in prompts.iter().zip(&news) {
             let mut c = m.new_cache(128, 16).unwrap();
             let s = c.new_seq();
-            m.forward(&mut c, &[SeqInput { seq: s, tokens: p, logits: LogitsMode::None }], &ForwardOptions::default()).unwrap();
-            let o = m.forward(&mut c, &[SeqInput { seq: s, tokens: n, logits: LogitsMode::All }], &ForwardOptions::default()).unwrap();
+            m.forward(
+                &mut c,
+                &[SeqInput {
+                    seq: s,
+                    tokens: p,
+                    logits: LogitsMode::None,
+                }],
+                &ForwardOptions::default(),
+            )
+            .unwrap();
+            let o = m
+                .forward(
+                    &mut c,
+                    &[SeqInput {
+                        seq: s,
+                        tokens: n,
+                        logits: LogitsMode::All,
+                    }],
+                    &ForwardOptions::default(),
+                )
+                .unwrap();
             want.push(o.logits);
         }
         // Together: one prefill batch, then one varlen batch with different positions.
         let mut c = m.new_cache(512, 16).unwrap();
         let seqs: Vec<_> = (0..3).map(|_| c.new_seq()).collect();
-        let pre: Vec<SeqInput<'_>> = seqs.iter().zip(&prompts).map(|(&s, p)| SeqInput { seq: s, tokens: p, logits: LogitsMode::Last }).collect();
+        let pre: Vec<SeqInput<'_>> = seqs
+            .iter()
+            .zip(&prompts)
+            .map(|(&s, p)| SeqInput {
+                seq: s,
+                tokens: p,
+                logits: LogitsMode::Last,
+            })
+            .collect();
         m.forward(&mut c, &pre, &ForwardOptions::default()).unwrap();
-        let ins: Vec<SeqInput<'_>> = seqs.iter().zip(&news).map(|(&s, n)| SeqInput { seq: s, tokens: n, logits: LogitsMode::All }).collect();
+        let ins: Vec<SeqInput<'_>> = seqs
+            .iter()
+            .zip(&news)
+            .map(|(&s, n)| SeqInput {
+                seq: s,
+                tokens: n,
+                logits: LogitsMode::All,
+            })
+            .collect();
         let o = m.forward(&mut c, &ins, &ForwardOptions::default()).unwrap();
         for i in 0..3 {
             let got = o.rows_of(i);
             assert_eq!(got.len(), want[i].len());
             for (a, b) in got.iter().zip(&want[i]) {
-                assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{name} seq {i}: {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                    "{name} seq {i}: {a} vs {b}"
+                );
             }
         }
         c.check().unwrap();
@@ -109,16 +198,48 @@ fn verification_window_equals_stepwise_decode_and_rollback_is_exact() {
     let mut c = m.new_cache(128, 8).unwrap();
     let s = c.new_seq();
     let f = ForwardOptions::default();
-    m.forward(&mut c, &[SeqInput { seq: s, tokens: &prompt, logits: LogitsMode::None }], &f).unwrap();
-    let block = m.forward(&mut c, &[SeqInput { seq: s, tokens: &window, logits: LogitsMode::All }], &f).unwrap();
+    m.forward(
+        &mut c,
+        &[SeqInput {
+            seq: s,
+            tokens: &prompt,
+            logits: LogitsMode::None,
+        }],
+        &f,
+    )
+    .unwrap();
+    let block = m
+        .forward(
+            &mut c,
+            &[SeqInput {
+                seq: s,
+                tokens: &window,
+                logits: LogitsMode::All,
+            }],
+            &f,
+        )
+        .unwrap();
     // Roll back the whole window (some blocks are returned), then decode step by step.
     let free_before = c.free_blocks();
     c.truncate(s, prompt.len()).unwrap();
     assert!(c.free_blocks() > free_before);
     for (j, &t) in window.iter().enumerate() {
-        let o = m.forward(&mut c, &[SeqInput { seq: s, tokens: &[t], logits: LogitsMode::Last }], &f).unwrap();
+        let o = m
+            .forward(
+                &mut c,
+                &[SeqInput {
+                    seq: s,
+                    tokens: &[t],
+                    logits: LogitsMode::Last,
+                }],
+                &f,
+            )
+            .unwrap();
         for (a, b) in o.row(0, 0).iter().zip(block.row(0, j)) {
-            assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "pos {j}: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                "pos {j}: {a} vs {b}"
+            );
         }
     }
     c.check().unwrap();
@@ -131,7 +252,19 @@ fn hidden_states_feed_the_head_and_layers_are_captured() {
     let s = c.new_seq();
     let toks = [5u32, 6, 7, 8];
     let o = m
-        .forward(&mut c, &[SeqInput { seq: s, tokens: &toks, logits: LogitsMode::All }], &ForwardOptions { hidden: true, layers: vec![1, 0] })
+        .forward(
+            &mut c,
+            &[SeqInput {
+                seq: s,
+                tokens: &toks,
+                logits: LogitsMode::All,
+            }],
+            &ForwardOptions {
+                hidden: true,
+                layers: vec![1, 0],
+                ..Default::default()
+            },
+        )
         .unwrap();
     let d = m.cfg.d_model;
     let h = o.hidden.as_ref().unwrap();
@@ -140,7 +273,18 @@ fn hidden_states_feed_the_head_and_layers_are_captured() {
     assert!(o.layer_hidden.iter().all(|l| l.len() == toks.len() * d));
     assert_ne!(o.layer_hidden[0], o.layer_hidden[1]);
     // Bad layer index is an error, not a panic.
-    let e = m.forward(&mut c, &[SeqInput { seq: s, tokens: &[1], logits: LogitsMode::Last }], &ForwardOptions { hidden: false, layers: vec![99] });
+    let e = m.forward(
+        &mut c,
+        &[SeqInput {
+            seq: s,
+            tokens: &[1],
+            logits: LogitsMode::Last,
+        }],
+        &ForwardOptions {
+            layers: vec![99],
+            ..Default::default()
+        },
+    );
     assert!(matches!(e, Err(RuntimeError::Invalid(_))));
 }
 
@@ -166,12 +310,15 @@ fn hugging_face_directory_equals_the_permuted_gguf() {
     let (d, heads, kvh, ffn, layers, vocab) = (64usize, 4usize, 2usize, 96usize, 2usize, 300usize);
     let hd = d / heads;
     let mut rng = Rng::new(77);
-    let mut mk = |r: usize, c: usize, s: f32| -> Vec<f32> { (0..r * c).map(|_| rng.normal() as f32 * s).collect() };
+    let mut mk = |r: usize, c: usize, s: f32| -> Vec<f32> {
+        (0..r * c).map(|_| rng.normal() as f32 * s).collect()
+    };
     let dir = std::env::temp_dir().join(format!("dspark-hf-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut hf: HashMap<String, Tensor> = HashMap::new();
     let mut gg: Vec<(String, QTensor)> = Vec::new();
-    let t2 = |v: &[f32], r: usize, c: usize| Tensor::from_vec(v.to_vec(), (r, c), &Device::Cpu).unwrap();
+    let t2 =
+        |v: &[f32], r: usize, c: usize| Tensor::from_vec(v.to_vec(), (r, c), &Device::Cpu).unwrap();
     let t1 = |v: &[f32]| Tensor::from_vec(v.to_vec(), v.len(), &Device::Cpu).unwrap();
     let q32 = |t: &Tensor| QTensor::quantize(t, GgmlDType::F32).unwrap();
     let emb = mk(vocab, d, 1.0);
@@ -192,10 +339,38 @@ fn hugging_face_directory_equals_the_permuted_gguf() {
         let hp = |n: &str| format!("model.layers.{l}.{n}");
         let gp = |n: &str| format!("blk.{l}.{n}");
         for (h, g, w, r, c, perm) in [
-            ("self_attn.q_proj.weight", "attn_q.weight", &wq, d, d, Some(heads)),
-            ("self_attn.k_proj.weight", "attn_k.weight", &wk, kvh * hd, d, Some(kvh)),
-            ("self_attn.v_proj.weight", "attn_v.weight", &wv, kvh * hd, d, None),
-            ("self_attn.o_proj.weight", "attn_output.weight", &wo, d, d, None),
+            (
+                "self_attn.q_proj.weight",
+                "attn_q.weight",
+                &wq,
+                d,
+                d,
+                Some(heads),
+            ),
+            (
+                "self_attn.k_proj.weight",
+                "attn_k.weight",
+                &wk,
+                kvh * hd,
+                d,
+                Some(kvh),
+            ),
+            (
+                "self_attn.v_proj.weight",
+                "attn_v.weight",
+                &wv,
+                kvh * hd,
+                d,
+                None,
+            ),
+            (
+                "self_attn.o_proj.weight",
+                "attn_output.weight",
+                &wo,
+                d,
+                d,
+                None,
+            ),
             ("mlp.gate_proj.weight", "ffn_gate.weight", &wg, ffn, d, None),
             ("mlp.up_proj.weight", "ffn_up.weight", &wu, ffn, d, None),
             ("mlp.down_proj.weight", "ffn_down.weight", &wd, d, ffn, None),
@@ -215,7 +390,19 @@ fn hugging_face_directory_equals_the_permuted_gguf() {
     // HF directory: f16 on disk for some tensors exercises the dtype conversion.
     let hf16: HashMap<String, Tensor> = hf
         .into_iter()
-        .map(|(k, v)| if k.contains("mlp") { (k, v.to_dtype(candle_core::DType::BF16).unwrap().to_dtype(candle_core::DType::F32).unwrap()) } else { (k, v) })
+        .map(|(k, v)| {
+            if k.contains("mlp") {
+                (
+                    k,
+                    v.to_dtype(candle_core::DType::BF16)
+                        .unwrap()
+                        .to_dtype(candle_core::DType::F32)
+                        .unwrap(),
+                )
+            } else {
+                (k, v)
+            }
+        })
         .collect();
     candle_core::safetensors::save(&hf16, dir.join("model.safetensors")).unwrap();
     std::fs::write(
@@ -232,7 +419,10 @@ fn hugging_face_directory_equals_the_permuted_gguf() {
         ("llama.feed_forward_length".into(), u(ffn)),
         ("llama.attention.head_count".into(), u(heads)),
         ("llama.attention.head_count_kv".into(), u(kvh)),
-        ("llama.attention.layer_norm_rms_epsilon".into(), Value::F32(1e-5)),
+        (
+            "llama.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(1e-5),
+        ),
         ("llama.rope.freq_base".into(), Value::F32(10000.0)),
         ("llama.context_length".into(), u(256)),
         ("llama.vocab_size".into(), u(vocab)),
@@ -242,7 +432,13 @@ fn hugging_face_directory_equals_the_permuted_gguf() {
         .into_iter()
         .map(|(k, q)| {
             if k.contains("ffn_gate") || k.contains("ffn_up") || k.contains("ffn_down") {
-                let t = q.dequantize(&Device::Cpu).unwrap().to_dtype(candle_core::DType::BF16).unwrap().to_dtype(candle_core::DType::F32).unwrap();
+                let t = q
+                    .dequantize(&Device::Cpu)
+                    .unwrap()
+                    .to_dtype(candle_core::DType::BF16)
+                    .unwrap()
+                    .to_dtype(candle_core::DType::F32)
+                    .unwrap();
                 (k, q32(&t))
             } else {
                 (k, q)
@@ -255,7 +451,10 @@ fn hugging_face_directory_equals_the_permuted_gguf() {
     let tsr: Vec<(&str, &QTensor)> = gg.iter().map(|(k, v)| (k.as_str(), v)).collect();
     gguf_file::write(&mut f, &mdr, &tsr).unwrap();
     drop(f);
-    let opts = LoadOptions { threads: 1, ..Default::default() };
+    let opts = LoadOptions {
+        threads: 1,
+        ..Default::default()
+    };
     let mh = Model::load(&dir, &opts).unwrap();
     let mg = Model::load(&gpath, &opts).unwrap();
     assert!(!mh.cfg.rope_interleaved && mg.cfg.rope_interleaved);
@@ -263,7 +462,17 @@ fn hugging_face_directory_equals_the_permuted_gguf() {
     let run = |m: &Model| {
         let mut c = m.new_cache(64, 16).unwrap();
         let s = c.new_seq();
-        m.forward(&mut c, &[SeqInput { seq: s, tokens: &toks, logits: LogitsMode::All }], &ForwardOptions::default()).unwrap().logits
+        m.forward(
+            &mut c,
+            &[SeqInput {
+                seq: s,
+                tokens: &toks,
+                logits: LogitsMode::All,
+            }],
+            &ForwardOptions::default(),
+        )
+        .unwrap()
+        .logits
     };
     let (a1, b1) = (run(&mh), run(&mg));
     for (x, y) in a1.iter().zip(&b1) {
@@ -279,7 +488,10 @@ fn tokenizer_round_trips_and_hf_json_matches_gguf() {
     let text = "<|im_start|>user\nthe theater in 2024: café 🚀<|im_end|>\n";
     let ids = t.encode(text).unwrap();
     assert_eq!(ids[0], t.encode("<|im_start|>").unwrap()[0]);
-    assert!(ids.contains(&(t.vocab_size() as u32 - 1)), "special <|im_end|> is one token");
+    assert!(
+        ids.contains(&(t.vocab_size() as u32 - 1)),
+        "special <|im_end|> is one token"
+    );
     assert_eq!(t.decode(&ids, false).unwrap(), text);
     let dir = std::env::temp_dir().join(format!("dspark-tokjson-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -295,10 +507,16 @@ fn bad_model_files_are_clear_errors() {
     std::fs::create_dir_all(&dir).unwrap();
     let o = LoadOptions::default();
     // Missing.
-    assert!(matches!(Model::load(&dir.join("nope.gguf"), &o), Err(RuntimeError::NotFound(_))));
+    assert!(matches!(
+        Model::load(&dir.join("nope.gguf"), &o),
+        Err(RuntimeError::NotFound(_))
+    ));
     // Not a GGUF.
     std::fs::write(dir.join("junk.gguf"), b"definitely not a gguf file").unwrap();
-    assert!(matches!(Model::load(&dir.join("junk.gguf"), &o), Err(RuntimeError::Corrupt { .. })));
+    assert!(matches!(
+        Model::load(&dir.join("junk.gguf"), &o),
+        Err(RuntimeError::Corrupt { .. })
+    ));
     // Truncated.
     let good = tiny_model_path(&TinySpec::llama(1), "bad-src").unwrap();
     let bytes = std::fs::read(&good).unwrap();
@@ -310,7 +528,10 @@ fn bad_model_files_are_clear_errors() {
     s.arch = "gpt9";
     write_gguf(&s, &dir.join("arch.gguf")).unwrap();
     let e = Model::load(&dir.join("arch.gguf"), &o).unwrap_err();
-    assert!(matches!(e, RuntimeError::UnknownArch(ref a) if a == "gpt9"), "{e}");
+    assert!(
+        matches!(e, RuntimeError::UnknownArch(ref a) if a == "gpt9"),
+        "{e}"
+    );
     // Unsupported quant type.
     let mut s = TinySpec::llama(1);
     s.dtype = GgmlDType::Q4_0;
@@ -329,11 +550,27 @@ fn context_overflow_and_kv_exhaustion_are_errors() {
     assert!(matches!(e, RuntimeError::ContextOverflow { .. }));
     let mut c = m.new_cache(32, 16).unwrap();
     let s = c.new_seq();
-    let e = m.forward(&mut c, &[SeqInput { seq: s, tokens: &[1; 40], logits: LogitsMode::Last }], &ForwardOptions::default());
+    let e = m.forward(
+        &mut c,
+        &[SeqInput {
+            seq: s,
+            tokens: &[1; 40],
+            logits: LogitsMode::Last,
+        }],
+        &ForwardOptions::default(),
+    );
     assert!(matches!(e, Err(RuntimeError::KvFull)));
     assert_eq!(c.len(s).unwrap(), 0);
     c.check().unwrap();
-    let e = m.forward(&mut c, &[SeqInput { seq: s, tokens: &[99999], logits: LogitsMode::Last }], &ForwardOptions::default());
+    let e = m.forward(
+        &mut c,
+        &[SeqInput {
+            seq: s,
+            tokens: &[99999],
+            logits: LogitsMode::Last,
+        }],
+        &ForwardOptions::default(),
+    );
     assert!(matches!(e, Err(RuntimeError::Invalid(_))));
     let _ = Isa::detect();
 }
