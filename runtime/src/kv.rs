@@ -357,7 +357,8 @@ mod tests {
     fn cache(blocks: usize) -> KvCache {
         KvCache::new(KvConfig {
             n_layers: 2,
-            kv_dim: 4,
+            n_kv_heads: 2,
+            head_dim: 2,
             block_size: 4,
             num_blocks: blocks,
         })
