@@ -48,6 +48,9 @@ pub struct VerifyCurveArgs {
     pub reps: usize,
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// SVG plot of T(k)/T(1) per (ctx, batch).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -193,6 +196,38 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
         "model": a.model, "threads": model.threads(), "isa": model.isa().name(),
         "weights": model.weights_desc, "command": command_line(), "points": points,
     });
+    if let Some(p) = &a.plot {
+        let mut series = Vec::new();
+        for &ctx in &a.ctx {
+            for &batch in &a.batch {
+                let pts: Vec<(f64, f64)> = points
+                    .iter()
+                    .filter(|p| p["ctx"] == ctx && p["batch"] == batch)
+                    .map(|p| {
+                        (
+                            p["k"].as_f64().unwrap_or(0.0),
+                            p["ms_min"].as_f64().unwrap_or(0.0),
+                        )
+                    })
+                    .collect();
+                if let Some(&(_, base)) = pts.first() {
+                    let pts = pts.iter().map(|&(k, ms)| (k, ms / base)).collect();
+                    series.push(crate::plot::Series {
+                        name: format!("ctx {ctx}, batch {batch}"),
+                        points: pts,
+                    });
+                }
+            }
+        }
+        let svg = crate::plot::line_chart(
+            &format!("{}: forward cost vs k", a.model),
+            "new tokens per sequence (k)",
+            "T(k) / T(1)",
+            &series,
+        );
+        std::fs::write(p, svg)?;
+        eprintln!("wrote {}", p.display());
+    }
     write_json(&a.json, &v)
 }
 

@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod config;
 pub mod generate;
+pub mod plot;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

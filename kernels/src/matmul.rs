@@ -715,6 +715,17 @@ mod tests {
                     .sum();
             }
         }
+        let mut big = vec![0f32; m * mat.rows];
+        for r in 0..mat.rows {
+            mat.dequantize_row(r, &mut wrow);
+            for t in 0..m {
+                big[t * mat.rows + r] = wrow
+                    .iter()
+                    .zip(&x[t * mat.cols..])
+                    .map(|(a, b)| (a * b).abs())
+                    .fold(0.0, f32::max);
+            }
+        }
         let mut want_bf16 = vec![0f32; m * mat.rows];
         mat.matmul_ref_bf16(&x, m, &mut want_bf16);
         for (i, (a, b)) in want.iter().zip(&want_bf16).enumerate() {
@@ -733,7 +744,15 @@ mod tests {
                 &want
             };
             for (i, (a, b)) in want.iter().zip(&got).enumerate() {
-                let tol = 1e-5 * scale[i] + 1e-6;
+                // The SIMD decode fuses d·q + m into one rounding; where that lands a weight on the
+                // other side of a bf16 rounding boundary it moves by one bf16 ulp (2^-8 relative),
+                // so the bf16 path also allows a few such flips (bounded by the largest product).
+                let flips = if isa == Isa::Avx512Bf16 {
+                    4.0 * (1.0 / 256.0) * big[i]
+                } else {
+                    0.0
+                };
+                let tol = 1e-5 * scale[i] + 1e-6 + flips;
                 assert!(
                     (a - b).abs() <= tol,
                     "{isa:?} elem {i}: ref {a} got {b} tol {tol}"

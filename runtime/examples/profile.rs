@@ -1,6 +1,6 @@
 //! Where a forward's time goes at k = 1 and k = 8 (ctx 256, batch 1).
 use dspark_runtime::model::*;
-use dspark_runtime::*;
+use dspark_runtime::{LoadOptions, Model};
 fn main() {
     let p = std::path::PathBuf::from(std::env::args().nth(1).unwrap());
     let m = Model::load(&p, &LoadOptions::default()).unwrap();
