@@ -14,9 +14,40 @@ pub enum BenchCmd {
     VerifyCurve(VerifyCurveArgs),
     /// Autoregressive tokens/s at batch 1 and 8, with llama.cpp on the same GGUF when installed.
     Decode(DecodeArgs),
+    /// Speculative decoding end to end: `none` and the drafter at each γ, same prompts, one run.
+    Spec(SpecArgs),
     /// Per-position top-1 agreement and KL of the quantized forward against the f32-dequantized
     /// reference forward of the same weights, over real text.
     Accuracy(AccuracyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct SpecArgs {
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub model: String,
+    /// ngram | draft-model[:NAME]
+    #[arg(long, default_value = "ngram")]
+    pub drafter: String,
+    /// chat | code | math
+    #[arg(long, default_value = "code")]
+    pub prompts: String,
+    #[arg(long, default_value_t = 1)]
+    pub concurrency: usize,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Draft lengths to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub gammas: Vec<usize>,
+    /// Use only the first N prompts of the set.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Fixed γ (no per-request gate).
+    #[arg(long)]
+    pub no_gate: bool,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -75,6 +106,7 @@ pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::VerifyCurve(a) => verify_curve(g, a),
         BenchCmd::Decode(a) => decode(g, a),
         BenchCmd::Accuracy(a) => accuracy(g, a),
+        BenchCmd::Spec(a) => spec_bench(g, a),
     }
 }
 
@@ -447,4 +479,145 @@ fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
         "top1_agreement": agree as f64 / n, "mean_kl": kl / n, "max_kl": kl_max,
     });
     write_json(&a.json, &out)
+}
+
+/// The prompt sets shipped with the repository (`prompts/*.txt`, one prompt per line).
+pub fn prompt_set(name: &str) -> anyhow::Result<Vec<String>> {
+    let text = match name {
+        "chat" => include_str!("../../prompts/chat.txt"),
+        "code" => include_str!("../../prompts/code.txt"),
+        "math" => include_str!("../../prompts/math.txt"),
+        other => anyhow::bail!("unknown prompt set `{other}` (chat, code, math)"),
+    };
+    Ok(text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| l.to_string())
+        .collect())
+}
+
+fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
+    use specdec::{Event, ProposerKind, Request};
+    if a.concurrency == 0 {
+        anyhow::bail!("--concurrency must be at least 1");
+    }
+    if let Some(&bad) = a.gammas.iter().find(|&&x| x == 0 || x > specdec::MAX_GAMMA) {
+        anyhow::bail!("gamma {bad} out of range 1..={}", specdec::MAX_GAMMA);
+    }
+    let sampling = kernels::sampling::SamplingParams {
+        temperature: a.temperature,
+        ..Default::default()
+    };
+    sampling.validate()?;
+    let kind = ProposerKind::parse(&a.drafter, crate::spec::default_draft_for(&a.model))?;
+    let target = crate::spec::load_target(g, &a.model)?;
+    let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
+    let mut prompts = prompt_set(&a.prompts)?;
+    if let Some(n) = a.limit {
+        prompts.truncate(n);
+    }
+    let ids: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            Ok(target
+                .tok
+                .encode(&tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?)?)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut arms: Vec<(ProposerKind, usize)> = vec![(ProposerKind::None, 0)];
+    for &gm in &a.gammas {
+        arms.push((kind.clone(), gm));
+    }
+    let mut drafts = crate::spec::DraftCache::default();
+    let mut results = Vec::new();
+    println!(
+        "{:<28} {:>5} {:>9} {:>9} {:>9} {:>10}  accept/pos",
+        "drafter", "gamma", "tok/s", "tpot_ms", "ttft_ms", "per_call"
+    );
+    let mut base_tok_s = None;
+    for (k, gm) in arms {
+        let proposer = crate::spec::build_proposer(g, &k, &target, &mut drafts)?;
+        let mut e = crate::spec::engine(&target, proposer, gm.max(1), !a.no_gate, a.concurrency)?;
+        let t0 = Instant::now();
+        let mut next = 0usize;
+        let mut in_flight = 0usize;
+        let mut out_tokens = 0usize;
+        let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
+        let mut tpot = Vec::new();
+        let mut ttft = Vec::new();
+        loop {
+            while in_flight < a.concurrency && next < ids.len() {
+                let mut r = Request::new(next as u64, ids[next].clone(), a.max_tokens);
+                r.params = sampling.clone();
+                r.seed = next as u64;
+                e.add(r)?;
+                next += 1;
+                in_flight += 1;
+            }
+            if in_flight == 0 {
+                break;
+            }
+            for ev in e.step()? {
+                match ev {
+                    Event::Tokens { id, tokens, .. } => {
+                        out_tokens += tokens.len();
+                        outputs[id as usize].extend(tokens);
+                    }
+                    Event::Finished { metrics, .. } => {
+                        in_flight -= 1;
+                        tpot.push(metrics.tpot_s());
+                        ttft.push(metrics.ttft_s);
+                    }
+                }
+            }
+        }
+        let wall = t0.elapsed().as_secs_f64();
+        let tot = e.totals();
+        let mean = |v: &[f64]| {
+            if v.is_empty() {
+                0.0
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
+        };
+        let tok_s = out_tokens as f64 / wall;
+        let base = *base_tok_s.get_or_insert(tok_s);
+        let acc = tot.accept_per_pos();
+        println!(
+            "{:<28} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>10.2}  {:?}   ({:.2}x)",
+            k.label(),
+            gm,
+            tok_s,
+            mean(&tpot) * 1e3,
+            mean(&ttft) * 1e3,
+            tot.committed_per_call(),
+            acc.iter()
+                .map(|v| (v * 100.0).round() / 100.0)
+                .collect::<Vec<_>>(),
+            tok_s / base
+        );
+        results.push((k.label(), gm, outputs, json!({
+            "drafter": k.label(), "gamma": gm, "tok_s": tok_s, "tpot_ms": mean(&tpot) * 1e3, "ttft_ms": mean(&ttft) * 1e3,
+            "committed_per_call": tot.committed_per_call(), "accept_per_pos": acc, "speedup": tok_s / base,
+            "drafted_tokens": tot.drafted_tokens, "accepted_tokens": tot.accepted_tokens, "wasted_tokens": tot.wasted_tokens,
+            "accepted_prefix_hist": tot.prefix_hist, "draft_s": tot.draft_s, "verify_s": tot.verify_s, "wall_s": wall,
+            "output_tokens": out_tokens,
+        })));
+    }
+    // Greedy runs must agree token for token across arms (lossless check on real prompts).
+    let greedy_identical = a.temperature == 0.0 && results.iter().all(|r| r.2 == results[0].2);
+    if a.temperature == 0.0 {
+        println!("greedy outputs identical across arms: {greedy_identical}");
+    }
+    let v = json!({
+        "model": a.model, "prompts": a.prompts, "n_prompts": ids.len(), "concurrency": a.concurrency,
+        "temperature": a.temperature, "max_tokens": a.max_tokens, "gate": !a.no_gate, "threads": target.model.threads(),
+        "command": command_line(), "greedy_outputs_identical": if a.temperature == 0.0 { json!(greedy_identical) } else { json!(null) },
+        "arms": results.iter().map(|r| r.3.clone()).collect::<Vec<_>>(),
+    });
+    write_json(&a.json, &v)?;
+    if a.temperature == 0.0 && !greedy_identical {
+        anyhow::bail!("greedy outputs differ between arms: speculation was not lossless");
+    }
+    Ok(())
 }

@@ -3,9 +3,8 @@
 use crate::config::Global;
 use clap::Args;
 use dspark_runtime::chat::{ChatTemplate, Message};
-use dspark_runtime::generate::{GenerateParams, generate};
-use dspark_runtime::{Model, Tokenizer};
 use kernels::sampling::SamplingParams;
+use specdec::{Event, ProposerKind, Request};
 use std::io::Write;
 
 #[derive(Args, Debug)]
@@ -32,6 +31,15 @@ pub struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// none | ngram | draft-model[:NAME]
+    #[arg(long, default_value = "none")]
+    pub drafter: String,
+    /// Draft length (1..=32).
+    #[arg(long, default_value_t = 4)]
+    pub gamma: usize,
+    /// Keep the draft length fixed instead of letting the per-request gate adapt it.
+    #[arg(long)]
+    pub no_gate: bool,
 }
 
 pub fn run(g: &Global, a: GenerateArgs) -> anyhow::Result<()> {
@@ -48,52 +56,75 @@ pub fn run(g: &Global, a: GenerateArgs) -> anyhow::Result<()> {
     if a.prompt.is_empty() {
         anyhow::bail!("--prompt is empty");
     }
-    let path = g.resolve_model(&a.model)?;
-    let model = Model::load(&path, &g.load_opts())?;
-    let tok = Tokenizer::load(&path)?;
+    if a.gamma == 0 || a.gamma > specdec::MAX_GAMMA {
+        anyhow::bail!(
+            "--gamma must be in 1..={}, got {}",
+            specdec::MAX_GAMMA,
+            a.gamma
+        );
+    }
+    let kind = ProposerKind::parse(&a.drafter, crate::spec::default_draft_for(&a.model))?;
+    let target = crate::spec::load_target(g, &a.model)?;
+    let tok = target.tok.clone();
     let text = if a.chat {
         ChatTemplate::from_tokenizer(&tok)?.render(&[Message::new("user", &a.prompt)], true)?
     } else {
         a.prompt.clone()
     };
     let ids = tok.encode(&text)?;
-    let params = GenerateParams {
-        max_tokens: a.max_tokens,
-        sampling,
-        seed: a.seed,
-        ..Default::default()
-    };
-    let json = a.json;
+    let mut drafts = crate::spec::DraftCache::default();
+    let proposer = crate::spec::build_proposer(g, &kind, &target, &mut drafts)?;
+    let mut engine = crate::spec::engine(&target, proposer, a.gamma, !a.no_gate, 1)?;
+    let mut req = Request::new(1, ids, a.max_tokens);
+    req.params = sampling;
+    req.seed = a.seed;
+    engine.add(req)?;
     let mut stdout = std::io::stdout();
-    let out = generate(&model, &tok, &ids, &params, &mut |s| {
-        if !json {
-            let _ = stdout.write_all(s.as_bytes());
-            let _ = stdout.flush();
+    let mut token_ids = Vec::new();
+    let mut full = String::new();
+    let mut finish = None;
+    while !engine.is_idle() {
+        for ev in engine.step()? {
+            match ev {
+                Event::Tokens { tokens, text, .. } => {
+                    token_ids.extend(tokens);
+                    full.push_str(&text);
+                    if !a.json {
+                        let _ = stdout.write_all(text.as_bytes());
+                        let _ = stdout.flush();
+                    }
+                }
+                Event::Finished {
+                    reason, metrics, ..
+                } => finish = Some((reason, metrics)),
+            }
         }
-    })?;
-    let n = out.token_ids.len();
-    let tps = if out.decode_s > 0.0 {
-        n as f64 / out.decode_s
+    }
+    let (reason, m) = finish.ok_or_else(|| anyhow::anyhow!("the request did not finish"))?;
+    let n = token_ids.len();
+    let decode_s = (m.e2e_s - m.ttft_s).max(1e-9);
+    let tps = if n > 1 {
+        (n - 1) as f64 / decode_s
     } else {
         0.0
     };
-    if json {
+    if a.json {
+        let mut metrics = m.summary();
+        metrics["tok_s"] = serde_json::json!(tps);
+        metrics["drafter"] = serde_json::json!(kind.label());
         println!(
             "{}",
-            serde_json::json!({
-                "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                "metrics": {"prompt_tokens": out.prompt_tokens, "completion_tokens": n,
-                            "prefill_s": out.prefill_s, "decode_s": out.decode_s, "tok_s": tps}
-            })
+            serde_json::json!({"text": full, "token_ids": token_ids, "finish_reason": reason.as_str(), "metrics": metrics})
         );
     } else {
         println!();
         eprintln!(
-            "[{} prompt + {n} tokens, {:.1} tok/s decode, prefill {:.0} ms, finish: {}]",
-            out.prompt_tokens,
-            tps,
-            out.prefill_s * 1000.0,
-            out.finish_reason
+            "[{} prompt + {n} tokens, {tps:.1} tok/s, TTFT {:.0} ms, {:.2} tokens/target call, drafter {}, finish: {}]",
+            m.prompt_tokens,
+            m.ttft_s * 1000.0,
+            m.committed_per_call(),
+            kind.label(),
+            reason.as_str()
         );
     }
     Ok(())

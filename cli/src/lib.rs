@@ -7,6 +7,7 @@ pub mod bench;
 pub mod config;
 pub mod generate;
 pub mod plot;
+pub mod spec;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -4,11 +4,13 @@
 //! * [`matmul`]: quantized matmul that reads each weight block once for all tokens of a batch,
 //!   with AVX-512 / AVX2 paths chosen at run time and a portable fallback.
 //! * [`ops`]: f32 vector ops (dot, axpy, RMSNorm, SiLU, softmax, RoPE) used by the runtime.
+//! * [`accept`]: lossless speculative acceptance (min(1, p/q), residual, bonus) and greedy.
 //! * [`sampling`]: sampling transforms (temperature, top-k, top-p, penalties) and seeded sampling.
 //! * [`rng`]: the seeded RNG injected everywhere randomness is used.
 //!
 //! This is the one crate where `unsafe` is allowed (SIMD intrinsics).
 
+pub mod accept;
 pub mod matmul;
 pub mod ops;
 pub mod quant;

@@ -268,6 +268,9 @@ pub fn write_gguf(spec: &TinySpec, path: &Path) -> Result<()> {
 
 /// Writes (once per process and path) and returns the path of a tiny model in the temp dir.
 pub fn tiny_model_path(spec: &TinySpec, name: &str) -> Result<std::path::PathBuf> {
+    // Tests run in parallel threads: one writer at a time.
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("dspark-tiny-{}", std::process::id()));
     let path = dir.join(format!("{name}.gguf"));
     if !path.exists() {

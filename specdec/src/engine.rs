@@ -1,0 +1,924 @@
+//! The engine loop: admission, chunked prefill, drafting, one flattened forward for every
+//! request's verification window, lossless acceptance, per-request commit and rollback.
+//!
+//! Per request the KV cache holds every committed token but the last one (the "pending" token,
+//! fed as the first position of the next window). A cycle feeds `[pending, x_1..x_K]`, gets K+1
+//! target distributions, accepts a prefix x_1..x_a plus one more token (residual sample or
+//! bonus), keeps `pending, x_1..x_a` in the KV and rolls the rest back. Stop tokens, stop strings
+//! and max_tokens are honoured inside a block: nothing after them is committed.
+
+use crate::metrics::RequestMetrics;
+use crate::proposer::{DraftBlock, ProposeReq, Proposer};
+use crate::{MAX_GAMMA, Result, SpecError};
+use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
+use dspark_runtime::tokenizer::StreamDecoder;
+use dspark_runtime::{KvCache, Model, SeqId, Tokenizer};
+use kernels::accept::{verify, verify_greedy};
+use kernels::rng::Rng;
+use kernels::sampling::{SamplingParams, argmax, probs, sample};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Default draft length (per-request override allowed).
+    pub gamma: usize,
+    /// Tokens per forward (prefill chunks + every verification window).
+    pub max_batch_tokens: usize,
+    pub max_running: usize,
+    /// KV cache capacity in tokens.
+    pub kv_tokens: usize,
+    pub block_size: usize,
+    pub prefill_chunk: usize,
+    /// Per-request gate that turns speculation down (or off) where it cannot pay.
+    pub gate: bool,
+    /// Check the per-cycle invariants (committed tokens, positions, KV length) every step.
+    pub check_invariants: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            gamma: 4,
+            max_batch_tokens: 512,
+            max_running: 64,
+            kv_tokens: 32 * 1024,
+            block_size: 16,
+            prefill_chunk: 256,
+            gate: true,
+            check_invariants: true,
+        }
+    }
+}
+
+impl EngineConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.gamma > MAX_GAMMA {
+            return Err(SpecError::Invalid(format!(
+                "gamma {} out of range 0..={MAX_GAMMA}",
+                self.gamma
+            )));
+        }
+        if self.max_batch_tokens < 1 + self.gamma
+            || self.max_running == 0
+            || self.prefill_chunk == 0
+        {
+            return Err(SpecError::Invalid("max_batch_tokens must hold one verification window; max_running and prefill_chunk > 0".into()));
+        }
+        Ok(())
+    }
+}
+
+/// A generation request.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    /// Stop strings (matched on the decoded output; needs a tokenizer).
+    pub stop: Vec<String>,
+    pub seed: u64,
+    /// Draft length for this request (default: the engine's).
+    pub gamma: Option<usize>,
+}
+
+impl Request {
+    pub fn new(id: u64, prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            id,
+            prompt,
+            params: SamplingParams::greedy(),
+            max_tokens,
+            stop: Vec::new(),
+            seed: id,
+            gamma: None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// Tokens committed this cycle and the text they complete.
+    Tokens {
+        id: u64,
+        tokens: Vec<u32>,
+        text: String,
+    },
+    Finished {
+        id: u64,
+        reason: FinishReason,
+        metrics: RequestMetrics,
+    },
+}
+
+/// Relative forward cost T(n)/T(1) for n tokens, measured at start.
+#[derive(Clone, Debug)]
+pub struct CostModel {
+    pub rel: Vec<f64>,
+}
+
+impl CostModel {
+    /// Times forwards of 1..=max_n tokens on a scratch sequence (median of `reps`).
+    pub fn measure(model: &Model, max_n: usize, reps: usize) -> Result<Self> {
+        let mut cache = model.new_cache(128 + max_n + 16, 16)?;
+        let s = cache.new_seq();
+        let ctx: Vec<u32> = (0..64u32)
+            .map(|i| 1 + (i * 7919) % (model.cfg.vocab_size as u32 - 1))
+            .collect();
+        model.forward(
+            &mut cache,
+            &[SeqInput {
+                seq: s,
+                tokens: &ctx,
+                logits: LogitsMode::None,
+            }],
+            &ForwardOptions::default(),
+        )?;
+        let mut ms = Vec::new();
+        for n in 1..=max_n {
+            let toks: Vec<u32> = ctx[..n.min(ctx.len())].to_vec();
+            let mut t = Vec::new();
+            for _ in 0..reps.max(1) {
+                let t0 = Instant::now();
+                model.forward(
+                    &mut cache,
+                    &[SeqInput {
+                        seq: s,
+                        tokens: &toks,
+                        logits: LogitsMode::All,
+                    }],
+                    &ForwardOptions::default(),
+                )?;
+                t.push(t0.elapsed().as_secs_f64());
+                cache.truncate(s, ctx.len())?;
+            }
+            t.sort_by(|a, b| a.total_cmp(b));
+            ms.push(t[t.len() / 2]);
+        }
+        let base = ms[0].max(1e-9);
+        // Enforce monotonicity (noise can make T(n+1) < T(n)).
+        let mut rel: Vec<f64> = ms.iter().map(|v| v / base).collect();
+        for i in 1..rel.len() {
+            rel[i] = rel[i].max(rel[i - 1]);
+        }
+        rel[0] = 1.0;
+        Ok(Self { rel })
+    }
+
+    /// Flat cost (every window costs one decode): the gate then only reacts to acceptance.
+    pub fn flat(max_n: usize) -> Self {
+        Self {
+            rel: vec![1.0; max_n.max(1)],
+        }
+    }
+
+    fn of(&self, n: usize) -> f64 {
+        self.rel.get(n - 1).copied().unwrap_or_else(|| {
+            *self.rel.last().unwrap_or(&1.0) * n as f64 / self.rel.len().max(1) as f64
+        })
+    }
+}
+
+/// Per-request speculation gate: picks K maximizing expected committed tokens per unit cost,
+/// E(K)/C(K) with E(K) = Σ_{i≤K} α^i and C(K) = T(K+1)/T(1) + K·draft_cost, from a running
+/// estimate α of per-token acceptance. K = 0 turns speculation off; it is re-probed every
+/// `PROBE_EVERY` cycles so a request whose text turns repetitive gets speculation back.
+#[derive(Clone, Debug)]
+struct Gate {
+    alpha: f64,
+    off_cycles: usize,
+}
+
+const PROBE_EVERY: usize = 8;
+
+impl Gate {
+    fn new() -> Self {
+        Self {
+            alpha: 0.6,
+            off_cycles: 0,
+        }
+    }
+
+    fn observe(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        let trials = (accepted + 1).min(drafted) as f64;
+        let rate = accepted as f64 / trials;
+        let w = 0.3 * trials / (trials + 1.0);
+        self.alpha = (1.0 - w) * self.alpha + w * rate;
+    }
+
+    fn choose(&mut self, gamma: usize, cost: &CostModel, draft_cost: f64) -> usize {
+        let mut best = (1.0f64, 0usize);
+        let mut e = 1.0;
+        let mut ai = 1.0;
+        for k in 1..=gamma {
+            ai *= self.alpha;
+            e += ai;
+            let c = cost.of(k + 1) + k as f64 * draft_cost;
+            let v = e / c;
+            if v > best.0 * 1.02 {
+                best = (v, k);
+            }
+        }
+        if best.1 == 0 {
+            self.off_cycles += 1;
+            if self.off_cycles >= PROBE_EVERY {
+                self.off_cycles = 0;
+                return gamma.min(2);
+            }
+        } else {
+            self.off_cycles = 0;
+        }
+        best.1
+    }
+}
+
+#[derive(PartialEq, Eq)]
+enum Phase {
+    Prefill,
+    Decode,
+}
+
+struct Seq {
+    req: Request,
+    kv: SeqId,
+    /// Prompt and committed output.
+    tokens: Vec<u32>,
+    prefilled: usize,
+    phase: Phase,
+    rng_draft: Rng,
+    rng_accept: Rng,
+    metrics: RequestMetrics,
+    gate: Gate,
+    text: String,
+    /// Bytes of `text` already streamed (the rest may be the start of a stop string).
+    sent: usize,
+    decoder: StreamDecoder,
+    arrived: Instant,
+    last_emit: Option<Instant>,
+    finished: Option<FinishReason>,
+    /// Tokens reserved in the KV budget at admission.
+    reserved: usize,
+}
+
+impl Seq {
+    fn output_len(&self) -> usize {
+        self.tokens.len() - self.req.prompt.len()
+    }
+}
+
+pub struct Engine {
+    model: Arc<Model>,
+    tok: Option<Arc<Tokenizer>>,
+    cache: KvCache,
+    proposer: Box<dyn Proposer>,
+    cfg: EngineConfig,
+    cost: CostModel,
+    waiting: VecDeque<(Request, Instant)>,
+    running: Vec<Seq>,
+    reserved_tokens: usize,
+    totals: RequestMetrics,
+    /// EMA of drafting time per drafted token relative to one decode forward.
+    draft_cost: f64,
+    decode_ema: f64,
+    pub steps: usize,
+}
+
+impl Engine {
+    pub fn new(
+        model: Arc<Model>,
+        tok: Option<Arc<Tokenizer>>,
+        proposer: Box<dyn Proposer>,
+        cfg: EngineConfig,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let cost = if cfg.gate && cfg.gamma > 0 {
+            CostModel::measure(&model, cfg.gamma + 1, 3)?
+        } else {
+            CostModel::flat(cfg.gamma + 1)
+        };
+        Self::with_cost(model, tok, proposer, cfg, cost)
+    }
+
+    /// Like [`Engine::new`] with a given cost model (tests, or a profile measured elsewhere).
+    pub fn with_cost(
+        model: Arc<Model>,
+        tok: Option<Arc<Tokenizer>>,
+        proposer: Box<dyn Proposer>,
+        cfg: EngineConfig,
+        cost: CostModel,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let cache = model.new_cache(cfg.kv_tokens, cfg.block_size)?;
+        Ok(Self {
+            model,
+            tok,
+            cache,
+            proposer,
+            cfg,
+            cost,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            reserved_tokens: 0,
+            totals: RequestMetrics::default(),
+            draft_cost: 0.0,
+            decode_ema: 0.0,
+            steps: 0,
+        })
+    }
+
+    pub fn cost_model(&self) -> &CostModel {
+        &self.cost
+    }
+
+    pub fn proposer_name(&self) -> &str {
+        self.proposer.name()
+    }
+
+    pub fn totals(&self) -> &RequestMetrics {
+        &self.totals
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Validates and queues a request.
+    pub fn add(&mut self, req: Request) -> Result<()> {
+        if req.prompt.is_empty() {
+            return Err(SpecError::Invalid("the prompt is empty".into()));
+        }
+        if req.max_tokens == 0 {
+            return Err(SpecError::Invalid("max_tokens must be at least 1".into()));
+        }
+        req.params.validate()?;
+        if let Some(g) = req.gamma {
+            if g > MAX_GAMMA {
+                return Err(SpecError::Invalid(format!(
+                    "gamma {g} out of range 0..={MAX_GAMMA}"
+                )));
+            }
+        }
+        if !req.stop.is_empty() && self.tok.is_none() {
+            return Err(SpecError::Invalid("stop strings need a tokenizer".into()));
+        }
+        if req.stop.iter().any(|s| s.is_empty()) {
+            return Err(SpecError::Invalid("stop strings must not be empty".into()));
+        }
+        if let Some(&t) = req
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.model.cfg.vocab_size)
+        {
+            return Err(SpecError::Invalid(format!(
+                "token id {t} outside the vocabulary"
+            )));
+        }
+        let ctx = self.model.cfg.max_ctx;
+        if req.prompt.len() + 1 > ctx {
+            return Err(SpecError::Runtime(
+                dspark_runtime::RuntimeError::ContextOverflow {
+                    tokens: req.prompt.len() + 1,
+                    ctx,
+                },
+            ));
+        }
+        if self.footprint(&req) > self.cfg.kv_tokens {
+            return Err(SpecError::Invalid(format!(
+                "request needs {} KV tokens, the cache holds {}",
+                self.footprint(&req),
+                self.cfg.kv_tokens
+            )));
+        }
+        if self.waiting.iter().any(|(r, _)| r.id == req.id)
+            || self.running.iter().any(|s| s.req.id == req.id)
+        {
+            return Err(SpecError::Duplicate(req.id));
+        }
+        self.waiting.push_back((req, Instant::now()));
+        Ok(())
+    }
+
+    fn footprint(&self, req: &Request) -> usize {
+        let gamma = req.gamma.unwrap_or(self.cfg.gamma);
+        (req.prompt.len() + req.max_tokens + gamma + 1).min(self.model.cfg.max_ctx + gamma + 1)
+            + self.cfg.block_size
+    }
+
+    /// Cancels a waiting or running request; its KV blocks are released at once.
+    pub fn cancel(&mut self, id: u64) -> Result<Option<Event>> {
+        if let Some(i) = self.waiting.iter().position(|(r, _)| r.id == id) {
+            self.waiting.remove(i);
+            return Ok(Some(Event::Finished {
+                id,
+                reason: FinishReason::Cancelled,
+                metrics: RequestMetrics::default(),
+            }));
+        }
+        if let Some(i) = self.running.iter().position(|s| s.req.id == id) {
+            let s = self.running.swap_remove(i);
+            let m = s.metrics.clone();
+            self.release(s)?;
+            return Ok(Some(Event::Finished {
+                id,
+                reason: FinishReason::Cancelled,
+                metrics: m,
+            }));
+        }
+        Err(SpecError::UnknownRequest(id))
+    }
+
+    fn release(&mut self, s: Seq) -> Result<()> {
+        self.cache.remove(s.kv)?;
+        self.proposer.finish(s.req.id);
+        self.reserved_tokens -= s.reserved;
+        Ok(())
+    }
+
+    fn admit(&mut self) -> Result<()> {
+        while self.running.len() < self.cfg.max_running {
+            let Some((req, _)) = self.waiting.front() else {
+                break;
+            };
+            let need = self.footprint(req);
+            if self.reserved_tokens + need > self.cfg.kv_tokens {
+                break;
+            }
+            let Some((req, arrived)) = self.waiting.pop_front() else {
+                break;
+            };
+            let kv = self.cache.new_seq();
+            let metrics = RequestMetrics {
+                prompt_tokens: req.prompt.len(),
+                ..Default::default()
+            };
+            self.reserved_tokens += need;
+            self.running.push(Seq {
+                kv,
+                tokens: req.prompt.clone(),
+                prefilled: 0,
+                phase: Phase::Prefill,
+                rng_draft: Rng::new(req.seed ^ 0x5eed_d4af_7a11_0001),
+                rng_accept: Rng::new(req.seed),
+                metrics,
+                gate: Gate::new(),
+                text: String::new(),
+                sent: 0,
+                decoder: StreamDecoder::new(),
+                arrived,
+                last_emit: None,
+                finished: None,
+                reserved: need,
+                req,
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs one engine cycle and returns the events it produced.
+    pub fn step(&mut self) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        self.admit()?;
+        if self.running.is_empty() {
+            return Ok(events);
+        }
+        self.steps += 1;
+        // 1. Plan: verification windows first (they hold KV already), then prefill chunks.
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut ks: Vec<Option<usize>> = vec![None; self.running.len()];
+        let ctx = self.model.cfg.max_ctx;
+        for (i, s) in self.running.iter_mut().enumerate() {
+            if s.phase != Phase::Decode || budget == 0 {
+                continue;
+            }
+            let gamma = s.req.gamma.unwrap_or(self.cfg.gamma);
+            let remaining = s.req.max_tokens - s.output_len();
+            let room = ctx.saturating_sub(s.tokens.len());
+            let mut k = if self.cfg.gate {
+                s.gate.choose(gamma, &self.cost, self.draft_cost)
+            } else {
+                gamma
+            };
+            k = k
+                .min(remaining.saturating_sub(1))
+                .min(room.saturating_sub(1))
+                .min(budget - 1);
+            ks[i] = Some(k);
+            budget -= 1 + k;
+        }
+        let mut chunks: Vec<Option<(usize, usize)>> = vec![None; self.running.len()];
+        for (i, s) in self.running.iter().enumerate() {
+            if s.phase != Phase::Prefill || budget == 0 {
+                continue;
+            }
+            let n = (s.req.prompt.len() - s.prefilled)
+                .min(self.cfg.prefill_chunk)
+                .min(budget);
+            chunks[i] = Some((s.prefilled, n));
+            budget -= n;
+        }
+        // 2. Draft.
+        let t_draft = Instant::now();
+        let drafting: Vec<usize> = (0..self.running.len())
+            .filter(|&i| ks[i].is_some_and(|k| k > 0))
+            .collect();
+        let mut drafts: Vec<DraftBlock> = vec![DraftBlock::default(); self.running.len()];
+        if !drafting.is_empty() {
+            let mut reqs: Vec<ProposeReq<'_>> = Vec::with_capacity(drafting.len());
+            let mut it = self.running.iter_mut().enumerate();
+            for &i in &drafting {
+                let s = loop {
+                    match it.next() {
+                        Some((j, s)) if j == i => break s,
+                        Some(_) => continue,
+                        None => {
+                            return Err(SpecError::Invariant("draft index out of range".into()));
+                        }
+                    }
+                };
+                reqs.push(ProposeReq {
+                    id: s.req.id,
+                    context: &s.tokens,
+                    k: ks[i].unwrap_or(0),
+                    params: &s.req.params,
+                    rng: &mut s.rng_draft,
+                });
+            }
+            let blocks = self.proposer.propose(&mut reqs)?;
+            for (&i, mut b) in drafting.iter().zip(blocks) {
+                let k = ks[i].unwrap_or(0);
+                b.tokens.truncate(k);
+                b.dists.truncate(k);
+                if b.dists.len() != b.tokens.len() {
+                    return Err(SpecError::Invariant(
+                        "proposer returned tokens without distributions".into(),
+                    ));
+                }
+                if let Some(&t) = b
+                    .tokens
+                    .iter()
+                    .find(|&&t| t as usize >= self.model.cfg.vocab_size)
+                {
+                    return Err(SpecError::Invariant(format!(
+                        "proposer drafted token {t} outside the vocabulary"
+                    )));
+                }
+                drafts[i] = b;
+            }
+        }
+        let draft_s = t_draft.elapsed().as_secs_f64();
+        let n_drafted: usize = drafts.iter().map(|d| d.tokens.len()).sum();
+        // 3. One forward over every window and chunk.
+        let mut windows: Vec<Vec<u32>> = vec![Vec::new(); self.running.len()];
+        let mut idx = Vec::new();
+        for (i, s) in self.running.iter().enumerate() {
+            if ks[i].is_some() {
+                let mut w = Vec::with_capacity(1 + drafts[i].tokens.len());
+                w.push(
+                    *s.tokens
+                        .last()
+                        .ok_or_else(|| SpecError::Invariant("decode without a token".into()))?,
+                );
+                w.extend_from_slice(&drafts[i].tokens);
+                windows[i] = w;
+                idx.push((i, LogitsMode::All));
+            } else if let Some((from, n)) = chunks[i] {
+                windows[i] = s.req.prompt[from..from + n].to_vec();
+                let last = from + n == s.req.prompt.len();
+                idx.push((
+                    i,
+                    if last {
+                        LogitsMode::Last
+                    } else {
+                        LogitsMode::None
+                    },
+                ));
+            }
+        }
+        let inputs: Vec<SeqInput<'_>> = idx
+            .iter()
+            .map(|&(i, mode)| SeqInput {
+                seq: self.running[i].kv,
+                tokens: &windows[i],
+                logits: mode,
+            })
+            .collect();
+        let t_fwd = Instant::now();
+        let out = self
+            .model
+            .forward(&mut self.cache, &inputs, &ForwardOptions::default())?;
+        let verify_s = t_fwd.elapsed().as_secs_f64();
+        let batch_tokens: usize = windows.iter().map(|w| w.len()).sum();
+        if n_drafted > 0 && batch_tokens > 0 {
+            // Drafting cost per drafted token relative to one token's share of a forward.
+            let per_tok = verify_s / batch_tokens as f64;
+            let rel = (draft_s / n_drafted as f64) / (per_tok * batch_tokens as f64).max(1e-9);
+            self.draft_cost = if self.draft_cost == 0.0 {
+                rel
+            } else {
+                0.8 * self.draft_cost + 0.2 * rel
+            };
+        }
+        self.decode_ema = if self.decode_ema == 0.0 {
+            verify_s
+        } else {
+            0.9 * self.decode_ema + 0.1 * verify_s
+        };
+        // 4. Accept, commit, roll back.
+        for (j, &(i, _)) in idx.iter().enumerate() {
+            let vocab = out.vocab;
+            let rows = out.rows_of(j).to_vec();
+            let s = &mut self.running[i];
+            if let Some((from, n)) = chunks[i] {
+                s.prefilled = from + n;
+                if s.prefilled < s.req.prompt.len() {
+                    continue;
+                }
+                // Prefill done: the first token comes from the last prompt position.
+                let t0 = Instant::now();
+                let first = sample_one(&rows[..vocab], &s.tokens, &s.req.params, &mut s.rng_accept);
+                s.metrics.accept_s += t0.elapsed().as_secs_f64();
+                s.phase = Phase::Decode;
+                s.metrics.ttft_s = s.arrived.elapsed().as_secs_f64();
+                commit_tokens(s, &[first], self.tok.as_deref(), ctx, &mut events)?;
+                continue;
+            }
+            // Verification window.
+            let d = &drafts[i];
+            let k = d.tokens.len();
+            let t0 = Instant::now();
+            let verdict = if s.req.params.is_greedy() {
+                let mut am = Vec::with_capacity(k + 1);
+                for r in 0..=k {
+                    let row = &rows[r * vocab..(r + 1) * vocab];
+                    if s.req.params.has_penalties() {
+                        let mut seen = s.tokens.clone();
+                        seen.extend_from_slice(&d.tokens[..r]);
+                        am.push(argmax(&probs(row, &seen, &s.req.params)));
+                    } else {
+                        am.push(argmax(row));
+                    }
+                }
+                verify_greedy(&d.tokens, &am)
+            } else {
+                let mut ps: Vec<Vec<f32>> = Vec::with_capacity(k + 1);
+                for r in 0..=k {
+                    let mut seen = s.tokens.clone();
+                    seen.extend_from_slice(&d.tokens[..r]);
+                    ps.push(probs(
+                        &rows[r * vocab..(r + 1) * vocab],
+                        &seen,
+                        &s.req.params,
+                    ));
+                }
+                let pr: Vec<&[f32]> = ps.iter().map(|v| v.as_slice()).collect();
+                let qs: Vec<kernels::accept::DraftDist<'_>> =
+                    d.dists.iter().map(|q| q.as_draft()).collect();
+                verify(&d.tokens, &qs, &pr, &mut s.rng_accept)
+            };
+            s.metrics.accept_s += t0.elapsed().as_secs_f64();
+            s.metrics.target_calls += 1;
+            s.metrics.verify_s += verify_s;
+            s.metrics.draft_s += if n_drafted > 0 {
+                draft_s * k as f64 / n_drafted as f64
+            } else {
+                0.0
+            };
+            s.metrics
+                .record_block(k, verdict.accepted, verdict.bonus && k > 0);
+            s.gate.observe(k, verdict.accepted);
+            let kv_before = s.tokens.len() - 1;
+            let mut new: Vec<u32> = d.tokens[..verdict.accepted].to_vec();
+            new.push(verdict.next);
+            let committed = commit_tokens(s, &new, self.tok.as_deref(), ctx, &mut events)?;
+            if committed < new.len() {
+                // A stop condition cut the block: the accepted drafts after it are waste too.
+                s.metrics.wasted_tokens += verdict.accepted.saturating_sub(committed);
+            }
+            let t0 = Instant::now();
+            // KV keeps pending + accepted drafts; the new pending token is not in the KV yet.
+            self.cache
+                .truncate(s.kv, kv_before + 1 + verdict.accepted.min(committed))?;
+            s.metrics.rollback_s += t0.elapsed().as_secs_f64();
+        }
+        // 5. Proposer state, finished requests, invariants.
+        let mut i = 0;
+        while i < self.running.len() {
+            if let Some(reason) = self.running[i].finished {
+                let mut s = self.running.swap_remove(i);
+                s.metrics.e2e_s = s.arrived.elapsed().as_secs_f64();
+                s.metrics.completion_tokens = s.output_len();
+                self.totals.merge(&s.metrics);
+                events.push(Event::Finished {
+                    id: s.req.id,
+                    reason,
+                    metrics: s.metrics.clone(),
+                });
+                self.release(s)?;
+            } else {
+                let s = &self.running[i];
+                if s.phase == Phase::Decode {
+                    self.proposer.commit(s.req.id, &s.tokens)?;
+                }
+                i += 1;
+            }
+        }
+        if self.cfg.check_invariants {
+            self.check_invariants()?;
+        }
+        Ok(events)
+    }
+
+    /// Per-cycle invariants: a decoding request's KV holds exactly its committed tokens but the
+    /// pending one; a prefilling request's KV holds exactly its prefilled prompt tokens.
+    pub fn check_invariants(&self) -> Result<()> {
+        for s in &self.running {
+            let kv = self.cache.len(s.kv)?;
+            let want = match s.phase {
+                Phase::Prefill => s.prefilled,
+                Phase::Decode => s.tokens.len() - 1,
+            };
+            if kv != want {
+                return Err(SpecError::Invariant(format!(
+                    "request {}: KV length {kv}, expected {want}",
+                    s.req.id
+                )));
+            }
+            if s.tokens[..s.req.prompt.len()] != s.req.prompt[..] {
+                return Err(SpecError::Invariant(format!(
+                    "request {}: prompt tokens changed",
+                    s.req.id
+                )));
+            }
+            if s.output_len() > s.req.max_tokens {
+                return Err(SpecError::Invariant(format!(
+                    "request {}: more than max_tokens committed",
+                    s.req.id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the KV allocator (no leaked blocks); with nothing running every block is free.
+    pub fn check_kv(&self) -> Result<()> {
+        self.cache.check()?;
+        if self.running.is_empty() && self.cache.num_seqs() != 0 {
+            return Err(SpecError::Invariant(
+                "sequences left in the KV cache".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn kv_free_blocks(&self) -> usize {
+        self.cache.free_blocks()
+    }
+
+    /// Runs until every queued request finishes; returns all events in order.
+    pub fn run_to_completion(&mut self) -> Result<Vec<Event>> {
+        let mut all = Vec::new();
+        while !self.is_idle() {
+            all.extend(self.step()?);
+        }
+        Ok(all)
+    }
+}
+
+fn sample_one(logits: &[f32], seen: &[u32], p: &SamplingParams, rng: &mut Rng) -> u32 {
+    if p.is_greedy() {
+        if p.has_penalties() {
+            argmax(&probs(logits, seen, p))
+        } else {
+            argmax(logits)
+        }
+    } else {
+        sample(&probs(logits, seen, p), rng)
+    }
+}
+
+/// Appends tokens in order until a stop condition; returns how many were committed (a stop
+/// token itself counts as consumed but is not part of the output). Text that could still be the
+/// start of a stop string is held back until it is not (or the request ends).
+fn commit_tokens(
+    s: &mut Seq,
+    new: &[u32],
+    tok: Option<&Tokenizer>,
+    ctx: usize,
+    events: &mut Vec<Event>,
+) -> Result<usize> {
+    let mut emitted = Vec::new();
+    let mut consumed = 0;
+    for &t in new {
+        consumed += 1;
+        if tok.is_some_and(|tk| tk.is_stop(t)) {
+            s.finished = Some(FinishReason::Stop);
+            break;
+        }
+        s.tokens.push(t);
+        emitted.push(t);
+        if let Some(tk) = tok {
+            if let Some(delta) = s.decoder.push(tk, t)? {
+                let before = s.text.len();
+                s.text.push_str(&delta);
+                if let Some(cut) = find_stop(&s.text, &s.req.stop, before) {
+                    s.text.truncate(cut);
+                    s.finished = Some(FinishReason::Stop);
+                    break;
+                }
+            }
+        }
+        if s.output_len() >= s.req.max_tokens || s.tokens.len() >= ctx {
+            s.finished = Some(FinishReason::Length);
+            break;
+        }
+    }
+    let safe = if s.finished.is_some() {
+        s.text.len()
+    } else {
+        s.text.len() - held_back(&s.text, &s.req.stop)
+    };
+    let text = if safe > s.sent {
+        s.text[s.sent..safe].to_string()
+    } else {
+        String::new()
+    };
+    s.sent = s.sent.max(safe);
+    if !emitted.is_empty() || !text.is_empty() {
+        let now = Instant::now();
+        if let Some(prev) = s.last_emit {
+            s.metrics.itl_s.push((now - prev).as_secs_f64());
+        }
+        s.last_emit = Some(now);
+        events.push(Event::Tokens {
+            id: s.req.id,
+            tokens: emitted.clone(),
+            text,
+        });
+    }
+    Ok(if s.finished.is_some() {
+        emitted.len()
+    } else {
+        consumed
+    })
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of a stop string.
+fn held_back(text: &str, stops: &[String]) -> usize {
+    let mut best = 0;
+    for st in stops {
+        for l in (1..st.len()).rev() {
+            if l <= best || l > text.len() {
+                continue;
+            }
+            if text.is_char_boundary(text.len() - l)
+                && st.is_char_boundary(l)
+                && text.ends_with(&st[..l])
+            {
+                best = l;
+                break;
+            }
+        }
+    }
+    best
+}
+
+/// Byte offset of the earliest stop string that ends after `from` (only new text can complete one).
+fn find_stop(text: &str, stops: &[String], from: usize) -> Option<usize> {
+    stops
+        .iter()
+        .filter_map(|st| {
+            let start = from.saturating_sub(st.len() - 1);
+            let start = (start..=from)
+                .find(|&i| text.is_char_boundary(i))
+                .unwrap_or(from);
+            text[start..].find(st.as_str()).map(|p| start + p)
+        })
+        .min()
+}

@@ -1,0 +1,156 @@
+//! Per-request and per-engine speculative metrics (seed §31): what the benchmark contract reports
+//! — committed tokens per target call, per-position acceptance, the accepted-prefix histogram,
+//! bonus rate, wasted verification, draft / verify / accept / rollback time, TTFT, TPOT, ITL.
+
+use serde::Serialize;
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RequestMetrics {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Target forwards this request took part in after its prefill (decode / verify cycles).
+    pub target_calls: usize,
+    /// Cycles that verified at least one drafted token.
+    pub spec_calls: usize,
+    pub drafted_tokens: usize,
+    pub accepted_tokens: usize,
+    pub bonus_tokens: usize,
+    /// Drafted tokens that were verified and rejected (or cut by a stop condition).
+    pub wasted_tokens: usize,
+    /// `proposed[k]`, `accepted[k]`: drafts at block position k (0-based) and how many survived.
+    pub proposed_at: Vec<usize>,
+    pub accepted_at: Vec<usize>,
+    /// `prefix_hist[a]`: verifications that accepted exactly `a` drafts.
+    pub prefix_hist: Vec<usize>,
+    pub draft_s: f64,
+    pub verify_s: f64,
+    pub accept_s: f64,
+    pub rollback_s: f64,
+    pub ttft_s: f64,
+    pub e2e_s: f64,
+    /// Gaps between successive streamed chunks (a cycle's committed tokens arrive together).
+    pub itl_s: Vec<f64>,
+}
+
+impl RequestMetrics {
+    pub fn record_block(&mut self, drafted: usize, accepted: usize, bonus: bool) {
+        if self.proposed_at.len() < drafted {
+            self.proposed_at.resize(drafted, 0);
+            self.accepted_at.resize(drafted, 0);
+        }
+        for k in 0..drafted {
+            self.proposed_at[k] += 1;
+            if k < accepted {
+                self.accepted_at[k] += 1;
+            }
+        }
+        if drafted > 0 {
+            if self.prefix_hist.len() <= drafted {
+                self.prefix_hist.resize(drafted + 1, 0);
+            }
+            self.prefix_hist[accepted] += 1;
+            self.spec_calls += 1;
+        }
+        self.drafted_tokens += drafted;
+        self.accepted_tokens += accepted;
+        self.wasted_tokens += drafted - accepted;
+        self.bonus_tokens += bonus as usize;
+    }
+
+    /// Conditional acceptance at each block position: P(accept k | reached k).
+    pub fn accept_per_pos(&self) -> Vec<f64> {
+        self.proposed_at
+            .iter()
+            .zip(&self.accepted_at)
+            .map(|(&p, &a)| if p == 0 { 0.0 } else { a as f64 / p as f64 })
+            .collect()
+    }
+
+    /// Output tokens per target forward (after the first token, which the prefill produced).
+    pub fn committed_per_call(&self) -> f64 {
+        if self.target_calls == 0 {
+            1.0
+        } else {
+            (self.completion_tokens.saturating_sub(1)) as f64 / self.target_calls as f64
+        }
+    }
+
+    pub fn tpot_s(&self) -> f64 {
+        if self.completion_tokens <= 1 {
+            0.0
+        } else {
+            (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1) as f64
+        }
+    }
+
+    /// Adds another request's counters (engine totals).
+    pub fn merge(&mut self, o: &RequestMetrics) {
+        self.prompt_tokens += o.prompt_tokens;
+        self.completion_tokens += o.completion_tokens;
+        self.target_calls += o.target_calls;
+        self.spec_calls += o.spec_calls;
+        self.drafted_tokens += o.drafted_tokens;
+        self.accepted_tokens += o.accepted_tokens;
+        self.bonus_tokens += o.bonus_tokens;
+        self.wasted_tokens += o.wasted_tokens;
+        for (dst, src) in [
+            (&mut self.proposed_at, &o.proposed_at),
+            (&mut self.accepted_at, &o.accepted_at),
+            (&mut self.prefix_hist, &o.prefix_hist),
+        ] {
+            if dst.len() < src.len() {
+                dst.resize(src.len(), 0);
+            }
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d += s;
+            }
+        }
+        self.draft_s += o.draft_s;
+        self.verify_s += o.verify_s;
+        self.accept_s += o.accept_s;
+        self.rollback_s += o.rollback_s;
+        self.ttft_s += o.ttft_s;
+        self.e2e_s += o.e2e_s;
+        self.itl_s.extend_from_slice(&o.itl_s);
+    }
+
+    /// A JSON summary (with derived rates) for CLIs and benchmarks.
+    pub fn summary(&self) -> serde_json::Value {
+        let itl_mean = if self.itl_s.is_empty() {
+            0.0
+        } else {
+            self.itl_s.iter().sum::<f64>() / self.itl_s.len() as f64
+        };
+        serde_json::json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "target_calls": self.target_calls,
+            "committed_per_call": self.committed_per_call(),
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "bonus_rate": if self.spec_calls == 0 { 0.0 } else { self.bonus_tokens as f64 / self.spec_calls as f64 },
+            "wasted_tokens": self.wasted_tokens,
+            "accept_per_pos": self.accept_per_pos(),
+            "accepted_prefix_hist": self.prefix_hist,
+            "draft_s": self.draft_s, "verify_s": self.verify_s, "accept_s": self.accept_s, "rollback_s": self.rollback_s,
+            "ttft_s": self.ttft_s, "tpot_s": self.tpot_s(), "itl_mean_s": itl_mean, "e2e_s": self.e2e_s,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[test]
+    fn block_records_add_up() {
+        let mut m = RequestMetrics::default();
+        m.record_block(4, 2, false);
+        m.record_block(4, 4, true);
+        m.record_block(0, 0, true);
+        assert_eq!(m.proposed_at, vec![2, 2, 2, 2]);
+        assert_eq!(m.accepted_at, vec![2, 2, 1, 1]);
+        assert_eq!(m.prefix_hist, vec![0, 0, 1, 0, 1]);
+        assert_eq!(m.wasted_tokens, 2);
+        assert_eq!(m.accept_per_pos(), vec![1.0, 1.0, 0.5, 0.5]);
+    }
+}

@@ -1,0 +1,344 @@
+//! Proposers: whatever drafts a block of tokens for the target to verify.
+//!
+//! A proposer returns, per request, the drafted tokens and the distribution each was drawn from
+//! (after the same sampling transform the target uses), which is what lossless acceptance needs;
+//! optionally a per-position confidence (the DSpark drafter's). Deterministic proposers (n-gram
+//! lookup, greedy drafting) report [`Dist::OneHot`].
+
+use crate::{Result, SpecError};
+use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
+use dspark_runtime::{KvCache, Model, SeqId, Tokenizer};
+use kernels::rng::Rng;
+use kernels::sampling::{SamplingParams, argmax, probs, sample};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A drafted token's proposal distribution.
+#[derive(Clone, Debug)]
+pub enum Dist {
+    Dense(Vec<f32>),
+    Sparse(Vec<(u32, f32)>),
+    OneHot,
+}
+
+impl Dist {
+    pub fn as_draft(&self) -> kernels::accept::DraftDist<'_> {
+        match self {
+            Dist::Dense(v) => kernels::accept::DraftDist::Dense(v),
+            Dist::Sparse(v) => kernels::accept::DraftDist::Sparse(v),
+            Dist::OneHot => kernels::accept::DraftDist::OneHot,
+        }
+    }
+}
+
+/// One request's drafted block.
+#[derive(Clone, Debug, Default)]
+pub struct DraftBlock {
+    pub tokens: Vec<u32>,
+    pub dists: Vec<Dist>,
+    /// Per-position confidence that the token survives verification, when the drafter has one.
+    pub confidence: Option<Vec<f32>>,
+}
+
+/// What the engine asks of a proposer for one request.
+pub struct ProposeReq<'a> {
+    pub id: u64,
+    /// Every committed token of the request (prompt and output).
+    pub context: &'a [u32],
+    /// At most this many tokens.
+    pub k: usize,
+    pub params: &'a SamplingParams,
+    /// The request's drafting RNG.
+    pub rng: &'a mut Rng,
+}
+
+pub trait Proposer: Send {
+    fn name(&self) -> &str;
+    /// Drafts blocks for several requests at once.
+    fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>>;
+    /// The request's committed tokens after a verification (rejected drafts are gone).
+    fn commit(&mut self, _id: u64, _context: &[u32]) -> Result<()> {
+        Ok(())
+    }
+    /// The request ended; release its state.
+    fn finish(&mut self, _id: u64) {}
+}
+
+/// Which proposer to build.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProposerKind {
+    None,
+    Ngram,
+    /// An independent small model sharing the target's tokenizer (model name or path).
+    DraftModel(String),
+}
+
+impl ProposerKind {
+    /// `none`, `ngram`, `draft-model[:NAME]` (default draft for the target via `default_draft`).
+    pub fn parse(s: &str, default_draft: Option<&str>) -> Result<Self> {
+        match s {
+            "none" => Ok(Self::None),
+            "ngram" => Ok(Self::Ngram),
+            "draft-model" => default_draft
+                .map(|d| Self::DraftModel(d.to_string()))
+                .ok_or_else(|| {
+                    SpecError::Invalid(
+                        "this target has no default draft model; use draft-model:NAME".into(),
+                    )
+                }),
+            other => match other.strip_prefix("draft-model:") {
+                Some(name) if !name.is_empty() => Ok(Self::DraftModel(name.to_string())),
+                _ => Err(SpecError::Invalid(format!(
+                    "unknown drafter `{other}` (none, ngram, draft-model[:NAME])"
+                ))),
+            },
+        }
+    }
+    pub fn label(&self) -> String {
+        match self {
+            Self::None => "none".into(),
+            Self::Ngram => "ngram".into(),
+            Self::DraftModel(m) => format!("draft-model:{m}"),
+        }
+    }
+}
+
+/// No speculation.
+pub struct NoProposer;
+
+impl Proposer for NoProposer {
+    fn name(&self) -> &str {
+        "none"
+    }
+    fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
+        Ok(reqs.iter().map(|_| DraftBlock::default()).collect())
+    }
+}
+
+/// Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
+/// (n = max_n down to 1) and propose what followed it.
+pub struct NgramProposer {
+    pub max_n: usize,
+}
+
+impl Default for NgramProposer {
+    fn default() -> Self {
+        Self { max_n: 3 }
+    }
+}
+
+impl NgramProposer {
+    pub fn lookup(&self, ctx: &[u32], k: usize) -> Vec<u32> {
+        let len = ctx.len();
+        for n in (1..=self.max_n.min(len.saturating_sub(1))).rev() {
+            let pat = &ctx[len - n..];
+            // Most recent match that is not the suffix itself.
+            let mut i = len - n;
+            while i > 0 {
+                i -= 1;
+                if &ctx[i..i + n] == pat {
+                    let start = i + n;
+                    let end = (start + k).min(len);
+                    if end > start {
+                        return ctx[start..end].to_vec();
+                    }
+                }
+            }
+        }
+        Vec::new()
+    }
+}
+
+impl Proposer for NgramProposer {
+    fn name(&self) -> &str {
+        "ngram"
+    }
+    fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
+        Ok(reqs
+            .iter()
+            .map(|r| {
+                let tokens = if r.k == 0 {
+                    Vec::new()
+                } else {
+                    self.lookup(r.context, r.k)
+                };
+                let dists = tokens.iter().map(|_| Dist::OneHot).collect();
+                DraftBlock {
+                    tokens,
+                    dists,
+                    confidence: None,
+                }
+            })
+            .collect())
+    }
+}
+
+/// An independent small model with the target's tokenizer, drafting autoregressively with its
+/// own KV cache (rolled back to the committed prefix after each verification).
+pub struct DraftModelProposer {
+    model: Arc<Model>,
+    cache: KvCache,
+    seqs: HashMap<u64, (SeqId, Vec<u32>)>,
+    label: String,
+}
+
+impl DraftModelProposer {
+    /// Refuses a draft model whose vocabulary differs from the target's.
+    pub fn new(
+        model: Arc<Model>,
+        draft_tok: &Tokenizer,
+        target_tok: &Tokenizer,
+        target_vocab: usize,
+        kv_tokens: usize,
+        label: &str,
+    ) -> Result<Self> {
+        if model.cfg.vocab_size != target_vocab {
+            return Err(SpecError::Incompatible(format!(
+                "draft model has {} logits, target has {}",
+                model.cfg.vocab_size, target_vocab
+            )));
+        }
+        if draft_tok.vocab_hash() != target_tok.vocab_hash() {
+            return Err(SpecError::Incompatible(
+                "draft and target tokenizers differ (vocabulary hash mismatch)".into(),
+            ));
+        }
+        let cache = model.new_cache(kv_tokens, 16)?;
+        Ok(Self {
+            model,
+            cache,
+            seqs: HashMap::new(),
+            label: label.to_string(),
+        })
+    }
+}
+
+impl Proposer for DraftModelProposer {
+    fn name(&self) -> &str {
+        &self.label
+    }
+
+    fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
+        let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
+        // Catch-up feed: committed tokens the draft KV has not seen (usually 1–2).
+        let mut feeds: Vec<Vec<u32>> = Vec::with_capacity(reqs.len());
+        for r in reqs.iter() {
+            let entry = match self.seqs.get(&r.id) {
+                Some(e) => e.clone(),
+                None => {
+                    let s = self.cache.new_seq();
+                    self.seqs.insert(r.id, (s, Vec::new()));
+                    (s, Vec::new())
+                }
+            };
+            let (s, fed) = entry;
+            let common = fed
+                .iter()
+                .zip(r.context.iter())
+                .take_while(|(a, b)| a == b)
+                .count();
+            self.cache.truncate(s, common)?;
+            feeds.push(r.context[common..].to_vec());
+            if let Some(e) = self.seqs.get_mut(&r.id) {
+                e.1.truncate(common);
+            }
+        }
+        let max_k = reqs.iter().map(|r| r.k).max().unwrap_or(0);
+        for step in 0..max_k {
+            let active: Vec<usize> = (0..reqs.len())
+                .filter(|&i| reqs[i].k > step && !feeds[i].is_empty())
+                .collect();
+            if active.is_empty() {
+                break;
+            }
+            let inputs: Vec<SeqInput<'_>> = active
+                .iter()
+                .map(|&i| SeqInput {
+                    seq: self.seqs[&reqs[i].id].0,
+                    tokens: &feeds[i],
+                    logits: LogitsMode::Last,
+                })
+                .collect();
+            let o = self
+                .model
+                .forward(&mut self.cache, &inputs, &ForwardOptions::default())?;
+            let mut next_feeds = feeds.clone();
+            for (j, &i) in active.iter().enumerate() {
+                let r = &mut reqs[i];
+                let logits = o.row(j, 0);
+                if let Some(e) = self.seqs.get_mut(&r.id) {
+                    e.1.extend_from_slice(&feeds[i]);
+                }
+                let mut seen: Vec<u32> = r.context.to_vec();
+                seen.extend_from_slice(&out[i].tokens);
+                let (tok, dist) = if r.params.is_greedy() {
+                    let p = probs(logits, &seen, r.params);
+                    (argmax(&p), Dist::OneHot)
+                } else {
+                    let p = probs(logits, &seen, r.params);
+                    let t = sample(&p, r.rng);
+                    (t, Dist::Dense(p))
+                };
+                out[i].tokens.push(tok);
+                out[i].dists.push(dist);
+                next_feeds[i] = vec![tok];
+            }
+            for (i, f) in next_feeds.into_iter().enumerate() {
+                if !active.contains(&i) {
+                    feeds[i].clear();
+                } else {
+                    feeds[i] = f;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn commit(&mut self, id: u64, context: &[u32]) -> Result<()> {
+        if let Some((s, fed)) = self.seqs.get_mut(&id) {
+            let common = fed
+                .iter()
+                .zip(context.iter())
+                .take_while(|(a, b)| a == b)
+                .count();
+            fed.truncate(common);
+            self.cache.truncate(*s, common)?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, id: u64) {
+        if let Some((s, _)) = self.seqs.remove(&id) {
+            let _ = self.cache.remove(s);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ngram_finds_the_latest_longest_match() {
+        let p = NgramProposer::default();
+        // ... 1 2 3 [4 5] ... 1 2 3 → propose 4 5
+        assert_eq!(p.lookup(&[1, 2, 3, 4, 5, 9, 1, 2, 3], 2), vec![4, 5]);
+        assert_eq!(p.lookup(&[7, 8, 9], 4), Vec::<u32>::new());
+        // Falls back to shorter n; the proposal is capped by k and by the context end.
+        assert_eq!(p.lookup(&[5, 6, 7, 5], 3), vec![6, 7, 5]);
+    }
+
+    #[test]
+    fn drafter_names_parse() {
+        assert_eq!(
+            ProposerKind::parse("ngram", None).unwrap(),
+            ProposerKind::Ngram
+        );
+        assert_eq!(
+            ProposerKind::parse("draft-model:x", None).unwrap(),
+            ProposerKind::DraftModel("x".into())
+        );
+        assert!(ProposerKind::parse("draft-model", None).is_err());
+        assert!(ProposerKind::parse("medusa", None).is_err());
+    }
+}

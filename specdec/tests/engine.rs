@@ -1,0 +1,402 @@
+//! Engine tests on tiny seeded models: greedy parity with plain decoding for every proposer
+//! (including EOS, stop strings and max_tokens landing mid-block, alone and under continuous
+//! batching), the sampled distribution with speculation on vs off, KV hygiene and bad input.
+
+use dspark_runtime::generate::{GenerateParams, generate};
+use dspark_runtime::tiny::{TinySpec, tiny_model_path};
+use dspark_runtime::{LoadOptions, Model, Tokenizer};
+use kernels::sampling::SamplingParams;
+use specdec::engine::CostModel;
+use specdec::proposer::{DraftModelProposer, NgramProposer, NoProposer};
+use specdec::{Engine, EngineConfig, Event, FinishReason, Proposer, Request};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+struct Fixture {
+    target: Arc<Model>,
+    draft: Arc<Model>,
+    tok: Arc<Tokenizer>,
+    draft_tok: Tokenizer,
+}
+
+fn fixture() -> Fixture {
+    // Target and draft share the tokenizer; the draft is a different (smaller-seed) model.
+    let tp = tiny_model_path(&TinySpec::llama(11), "engine-target").unwrap();
+    let mut ds = TinySpec::llama(12);
+    ds.n_layers = 1;
+    let dp = tiny_model_path(&ds, "engine-draft").unwrap();
+    let opts = LoadOptions {
+        threads: 1,
+        ..Default::default()
+    };
+    Fixture {
+        target: Arc::new(Model::load(&tp, &opts).unwrap()),
+        draft: Arc::new(Model::load(&dp, &opts).unwrap()),
+        tok: Arc::new(Tokenizer::load(&tp).unwrap()),
+        draft_tok: Tokenizer::load(&dp).unwrap(),
+    }
+}
+
+fn proposers(f: &Fixture) -> Vec<(&'static str, Box<dyn Proposer>)> {
+    vec![
+        ("none", Box::new(NoProposer)),
+        ("ngram", Box::new(NgramProposer::default())),
+        (
+            "draft-model",
+            Box::new(
+                DraftModelProposer::new(
+                    f.draft.clone(),
+                    &f.draft_tok,
+                    &f.tok,
+                    f.target.cfg.vocab_size,
+                    4096,
+                    "draft-model:tiny",
+                )
+                .unwrap(),
+            ),
+        ),
+    ]
+}
+
+fn prompts(f: &Fixture, n: usize) -> Vec<Vec<u32>> {
+    let words = [
+        "the", "theater", "in", "there", "inner", "rather", "then", "bit", "tin",
+    ];
+    (0..n)
+        .map(|i| {
+            let mut s = String::new();
+            for j in 0..(3 + i % 7) {
+                s.push_str(words[(i * 7 + j * 3) % words.len()]);
+                s.push(' ');
+            }
+            f.tok.encode(&s).unwrap()
+        })
+        .collect()
+}
+
+fn collect(events: Vec<Event>) -> HashMap<u64, (Vec<u32>, String, FinishReason)> {
+    let mut out: HashMap<u64, (Vec<u32>, String, FinishReason)> = HashMap::new();
+    for e in events {
+        match e {
+            Event::Tokens { id, tokens, text } => {
+                let ent =
+                    out.entry(id)
+                        .or_insert((Vec::new(), String::new(), FinishReason::Cancelled));
+                ent.0.extend(tokens);
+                ent.1.push_str(&text);
+            }
+            Event::Finished { id, reason, .. } => {
+                out.entry(id)
+                    .or_insert((Vec::new(), String::new(), FinishReason::Cancelled))
+                    .2 = reason;
+            }
+        }
+    }
+    out
+}
+
+fn cfg(gamma: usize) -> EngineConfig {
+    EngineConfig {
+        gamma,
+        kv_tokens: 8192,
+        max_batch_tokens: 256,
+        gate: false,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn greedy_output_equals_plain_greedy_for_every_proposer_alone_and_batched() {
+    let f = fixture();
+    let ps = prompts(&f, 50);
+    // max_tokens values that land mid-block for every gamma.
+    let max_tokens = |i: usize| 5 + (i * 7) % 23;
+    let want: Vec<Vec<u32>> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            generate(
+                &f.target,
+                &f.tok,
+                p,
+                &GenerateParams {
+                    max_tokens: max_tokens(i),
+                    ..Default::default()
+                },
+                &mut |_| {},
+            )
+            .unwrap()
+            .token_ids
+        })
+        .collect();
+    for (name, proposer) in proposers(&f) {
+        for gamma in [1usize, 3, 4] {
+            if name == "none" && gamma > 1 {
+                continue;
+            }
+            let mut e = Engine::with_cost(
+                f.target.clone(),
+                Some(f.tok.clone()),
+                proposer_clone(&f, name),
+                cfg(gamma),
+                CostModel::flat(gamma + 1),
+            )
+            .unwrap();
+            // Continuous batching: everything queued at once, admitted as room allows.
+            for (i, p) in ps.iter().enumerate() {
+                e.add(Request::new(i as u64, p.clone(), max_tokens(i)))
+                    .unwrap();
+            }
+            let got = collect(e.run_to_completion().unwrap());
+            for (i, w) in want.iter().enumerate() {
+                assert_eq!(&got[&(i as u64)].0, w, "{name} γ={gamma} prompt {i}");
+            }
+            e.check_kv().unwrap();
+            assert_eq!(e.kv_free_blocks(), 8192 / 16);
+        }
+        drop(proposer);
+    }
+}
+
+fn proposer_clone(f: &Fixture, name: &str) -> Box<dyn Proposer> {
+    proposers(f)
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, p)| p)
+        .unwrap()
+}
+
+#[test]
+fn stop_strings_and_eos_cut_blocks_exactly_like_plain_decoding() {
+    let f = fixture();
+    let ps = prompts(&f, 20);
+    for name in ["ngram", "draft-model"] {
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            proposer_clone(&f, name),
+            cfg(4),
+            CostModel::flat(5),
+        )
+        .unwrap();
+        let mut want = Vec::new();
+        for (i, p) in ps.iter().enumerate() {
+            let full = generate(
+                &f.target,
+                &f.tok,
+                p,
+                &GenerateParams {
+                    max_tokens: 40,
+                    ..Default::default()
+                },
+                &mut |_| {},
+            )
+            .unwrap();
+            // A stop string taken from the middle of the plain output.
+            let stop = full.text.chars().skip(6).take(3).collect::<String>();
+            let mut r = Request::new(i as u64, p.clone(), 40);
+            if stop.chars().count() == 3 {
+                r.stop = vec![stop.clone()];
+            }
+            let cut = if r.stop.is_empty() {
+                full.text.clone()
+            } else {
+                full.text[..full.text.find(&stop).unwrap()].to_string()
+            };
+            want.push((cut, full.finish_reason));
+            e.add(r).unwrap();
+        }
+        let got = collect(e.run_to_completion().unwrap());
+        for (i, (text, _)) in want.iter().enumerate() {
+            assert_eq!(&got[&(i as u64)].1, text, "{name} prompt {i}");
+        }
+        e.check_kv().unwrap();
+    }
+}
+
+#[test]
+fn sampled_first_and_second_tokens_match_with_speculation_on_and_off() {
+    // Same prompt, many seeds: the empirical distribution of (first, second) output token with the
+    // draft model on must match speculation off. Bound: two independent samples of n draws over
+    // m cells each have E[TV] ≤ ½√(m/n); with McDiarmid at 99.9% each, TV(a, b) < √(m/n) + 2√(ln(1000)/(2n)).
+    let f = fixture();
+    let prompt = f.tok.encode("the theater in there ").unwrap();
+    let n = 3000u64;
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        ..Default::default()
+    };
+    let mut hists = Vec::new();
+    for name in ["none", "draft-model"] {
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            proposer_clone(&f, name),
+            EngineConfig {
+                max_running: 64,
+                ..cfg(3)
+            },
+            CostModel::flat(4),
+        )
+        .unwrap();
+        for seed in 0..n {
+            let mut r = Request::new(seed, prompt.clone(), 2);
+            r.params = params.clone();
+            r.seed = seed * 7919 + 1;
+            e.add(r).unwrap();
+        }
+        let got = collect(e.run_to_completion().unwrap());
+        let mut first: HashMap<u32, u64> = HashMap::new();
+        let mut second: HashMap<u32, u64> = HashMap::new();
+        for (_, (toks, _, _)) in got {
+            *first.entry(toks[0]).or_default() += 1;
+            if toks.len() > 1 {
+                *second.entry(toks[1]).or_default() += 1;
+            }
+        }
+        hists.push((first, second));
+        e.check_kv().unwrap();
+    }
+    for which in 0..2 {
+        let (a, b) = if which == 0 {
+            (&hists[0].0, &hists[1].0)
+        } else {
+            (&hists[0].1, &hists[1].1)
+        };
+        let keys: std::collections::HashSet<u32> = a.keys().chain(b.keys()).copied().collect();
+        let (na, nb) = (
+            a.values().sum::<u64>() as f64,
+            b.values().sum::<u64>() as f64,
+        );
+        let tv: f64 = 0.5
+            * keys
+                .iter()
+                .map(|k| {
+                    (*a.get(k).unwrap_or(&0) as f64 / na - *b.get(k).unwrap_or(&0) as f64 / nb)
+                        .abs()
+                })
+                .sum::<f64>();
+        let m = keys.len() as f64;
+        let bound = (m / n as f64).sqrt() + 2.0 * ((1000f64).ln() / (2.0 * n as f64)).sqrt();
+        assert!(
+            tv < bound,
+            "token {} TV {tv} ≥ {bound} over {m} cells",
+            which + 1
+        );
+    }
+}
+
+#[test]
+fn cancellation_and_bad_input() {
+    let f = fixture();
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        Box::new(NgramProposer::default()),
+        cfg(4),
+        CostModel::flat(5),
+    )
+    .unwrap();
+    let p = f.tok.encode("the theater in").unwrap();
+    assert!(e.add(Request::new(1, vec![], 5)).is_err());
+    assert!(e.add(Request::new(1, p.clone(), 0)).is_err());
+    let mut r = Request::new(1, p.clone(), 5);
+    r.params.temperature = -1.0;
+    assert!(e.add(r).is_err());
+    let mut r = Request::new(1, p.clone(), 5);
+    r.params.top_p = 1.5;
+    assert!(e.add(r).is_err());
+    let mut r = Request::new(1, p.clone(), 5);
+    r.gamma = Some(1000);
+    assert!(e.add(r).is_err());
+    assert!(e.add(Request::new(1, vec![999_999], 5)).is_err());
+    assert!(
+        EngineConfig {
+            gamma: 99,
+            ..Default::default()
+        }
+        .validate()
+        .is_err()
+    );
+    // Cancel mid-stream frees the KV.
+    e.add(Request::new(7, p.clone(), 50)).unwrap();
+    e.add(Request::new(8, p.clone(), 50)).unwrap();
+    assert!(
+        e.add(Request::new(8, p.clone(), 50)).is_err(),
+        "duplicate id"
+    );
+    e.step().unwrap();
+    e.step().unwrap();
+    assert!(matches!(
+        e.cancel(7).unwrap(),
+        Some(Event::Finished {
+            reason: FinishReason::Cancelled,
+            ..
+        })
+    ));
+    assert!(e.cancel(7).is_err());
+    e.run_to_completion().unwrap();
+    e.check_kv().unwrap();
+    assert_eq!(e.kv_free_blocks(), 8192 / 16);
+}
+
+#[test]
+fn incompatible_draft_vocabulary_is_refused() {
+    let f = fixture();
+    let mut s = TinySpec::llama(13);
+    s.vocab_variant = 1;
+    let p = tiny_model_path(&s, "engine-other-vocab").unwrap();
+    let other = Arc::new(
+        Model::load(
+            &p,
+            &LoadOptions {
+                threads: 1,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let other_tok = Tokenizer::load(&p).unwrap();
+    let e = DraftModelProposer::new(
+        other,
+        &other_tok,
+        &f.tok,
+        f.target.cfg.vocab_size,
+        1024,
+        "x",
+    );
+    assert!(e.is_err());
+}
+
+#[test]
+fn metrics_count_what_happened() {
+    let f = fixture();
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        proposer_clone(&f, "draft-model"),
+        cfg(4),
+        CostModel::flat(5),
+    )
+    .unwrap();
+    let p = f.tok.encode("the theater in there").unwrap();
+    e.add(Request::new(1, p, 30)).unwrap();
+    let events = e.run_to_completion().unwrap();
+    let m = events
+        .iter()
+        .find_map(|ev| {
+            if let Event::Finished { metrics, .. } = ev {
+                Some(metrics.clone())
+            } else {
+                None
+            }
+        })
+        .unwrap();
+    assert_eq!(m.completion_tokens, 30);
+    assert!(m.target_calls >= 30 / 5 && m.target_calls < 30);
+    assert_eq!(m.accepted_tokens + m.wasted_tokens, m.drafted_tokens);
+    assert_eq!(m.prefix_hist.iter().sum::<usize>(), m.spec_calls);
+    assert!(m.committed_per_call() >= 1.0);
+    assert!(m.ttft_s > 0.0 && m.e2e_s >= m.ttft_s);
+}
