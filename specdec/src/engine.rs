@@ -281,6 +281,9 @@ struct Seq {
     finished: Option<FinishReason>,
     /// Tokens reserved in the KV budget at admission.
     reserved: usize,
+    /// Whether the proposer has drafted for this request before (its first drafting call also
+    /// catches the drafter up on the whole prompt, which says nothing about steady-state cost).
+    drafted_before: bool,
 }
 
 impl Seq {
@@ -495,6 +498,7 @@ impl Engine {
                 last_emit: None,
                 finished: None,
                 reserved: need,
+                drafted_before: false,
                 req,
             });
         }
@@ -594,6 +598,10 @@ impl Engine {
         }
         let draft_s = t_draft.elapsed().as_secs_f64();
         let n_drafted: usize = drafts.iter().map(|d| d.tokens.len()).sum();
+        let steady = drafting.iter().all(|&i| self.running[i].drafted_before);
+        for &i in &drafting {
+            self.running[i].drafted_before = true;
+        }
         // 3. One forward over every window and chunk.
         let mut windows: Vec<Vec<u32>> = vec![Vec::new(); self.running.len()];
         let mut idx = Vec::new();
@@ -635,7 +643,7 @@ impl Engine {
             .forward(&mut self.cache, &inputs, &ForwardOptions::default())?;
         let verify_s = t_fwd.elapsed().as_secs_f64();
         let batch_tokens: usize = windows.iter().map(|w| w.len()).sum();
-        if n_drafted > 0 && batch_tokens > 0 {
+        if steady && n_drafted > 0 && batch_tokens > 0 {
             // Drafting cost per drafted token relative to one token's share of a forward.
             let per_tok = verify_s / batch_tokens as f64;
             let rel = (draft_s / n_drafted as f64) / (per_tok * batch_tokens as f64).max(1e-9);

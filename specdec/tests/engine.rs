@@ -400,3 +400,78 @@ fn metrics_count_what_happened() {
     assert!(m.committed_per_call() >= 1.0);
     assert!(m.ttft_s > 0.0 && m.e2e_s >= m.ttft_s);
 }
+
+/// The default real model: speculative greedy output equals plain greedy token for token.
+#[test]
+fn real_model_greedy_parity_with_ngram() {
+    let home = dspark_runtime::fetch::dspark_home(
+        std::env::var_os("DSPARK_HOME")
+            .map(std::path::PathBuf::from)
+            .as_deref(),
+    );
+    let path =
+        dspark_runtime::fetch::resolve("smollm2-135m", &home, "python3", &mut |m| eprintln!("{m}"))
+            .expect("smollm2-135m fetchable");
+    let model = Arc::new(
+        Model::load(
+            &path,
+            &LoadOptions {
+                threads: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let tok = Arc::new(Tokenizer::load(&path).unwrap());
+    let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&tok).unwrap();
+    let texts = [
+        "Write a Python function that checks if a number is prime.",
+        "List the planets of the solar system in order.",
+        "Write a SQL query that selects the ten most recent orders from an orders table.",
+        "What is 17 times 23? Show your steps.",
+    ];
+    let mut e = Engine::with_cost(
+        model.clone(),
+        Some(tok.clone()),
+        Box::new(NgramProposer::default()),
+        cfg(4),
+        CostModel::flat(5),
+    )
+    .unwrap();
+    let mut want = Vec::new();
+    for (i, t) in texts.iter().enumerate() {
+        let ids = tok
+            .encode(
+                &tmpl
+                    .render(&[dspark_runtime::chat::Message::new("user", t)], true)
+                    .unwrap(),
+            )
+            .unwrap();
+        let max = 40 + i * 3;
+        want.push(
+            generate(
+                &model,
+                &tok,
+                &ids,
+                &GenerateParams {
+                    max_tokens: max,
+                    ..Default::default()
+                },
+                &mut |_| {},
+            )
+            .unwrap()
+            .token_ids,
+        );
+        e.add(Request::new(i as u64, ids, max)).unwrap();
+    }
+    let events = e.run_to_completion().unwrap();
+    let got = collect(events);
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&got[&(i as u64)].0, w, "prompt {i}");
+    }
+    assert!(
+        e.totals().accepted_tokens > 0,
+        "ngram never accepted anything: the test would not exercise speculation"
+    );
+    e.check_kv().unwrap();
+}
