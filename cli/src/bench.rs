@@ -487,7 +487,14 @@ pub fn prompt_set(name: &str) -> anyhow::Result<Vec<String>> {
         "chat" => include_str!("../../prompts/chat.txt"),
         "code" => include_str!("../../prompts/code.txt"),
         "math" => include_str!("../../prompts/math.txt"),
-        other => anyhow::bail!("unknown prompt set `{other}` (chat, code, math)"),
+        "all" => {
+            return Ok(["chat", "code", "math"]
+                .iter()
+                .map(|s| prompt_set(s))
+                .collect::<anyhow::Result<Vec<_>>>()?
+                .concat());
+        }
+        other => anyhow::bail!("unknown prompt set `{other}` (chat, code, math, all)"),
     };
     Ok(text
         .lines()

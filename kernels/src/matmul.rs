@@ -32,6 +32,9 @@ pub struct QMatrix {
     pub w: QWeights,
 }
 
+/// From this many tokens on, the bf16 path decodes a chunk of rows once and reuses it.
+const PREDECODE_MIN_TOKENS: usize = 16;
+
 /// Largest token tile (AVX-512 holds 8 tokens × 2 accumulators + 2 decoded halves in 32 zmm).
 const MAX_TILE: usize = 8;
 
@@ -152,6 +155,50 @@ impl QMatrix {
             let r0 = c * chunk;
             let r1 = (r0 + chunk).min(n);
             let optr = optr;
+            // Many tokens: decode this chunk's rows to bf16 once, then every token tile reuses
+            // them (otherwise each block is re-decoded once per tile).
+            #[cfg(target_arch = "x86_64")]
+            if isa == Isa::Avx512Bf16 && m >= PREDECODE_MIN_TOKENS {
+                let mut wb = vec![0u16; (r1 - r0) * cols];
+                for r in r0..r1 {
+                    let dst = &mut wb[(r - r0) * cols..(r - r0 + 1) * cols];
+                    // SAFETY: Avx512Bf16 is only constructed when the CPU reports it.
+                    unsafe {
+                        match &self.w {
+                            QWeights::Q4(b) => {
+                                x86::decode_row_q4_bf16(&b[r * kb..(r + 1) * kb], dst)
+                            }
+                            QWeights::Q8(b) => {
+                                x86::decode_row_q8_bf16(&b[r * kb..(r + 1) * kb], dst)
+                            }
+                        }
+                    }
+                }
+                let mut t0 = 0;
+                while t0 < m {
+                    let tn = (m - t0).min(tile);
+                    let xbt = &xb[t0 * cols..(t0 + tn) * cols];
+                    for r in r0..r1 {
+                        let mut res = [0f32; MAX_TILE];
+                        // SAFETY: as above.
+                        unsafe {
+                            x86::dispatch_pre_bf16(
+                                &wb[(r - r0) * cols..(r - r0 + 1) * cols],
+                                xbt,
+                                cols,
+                                tn,
+                                &mut res,
+                            )
+                        };
+                        for (j, v) in res.iter().enumerate().take(tn) {
+                            // SAFETY: (t0 + j, r) is inside m × n and owned by this chunk alone.
+                            unsafe { *optr.0.add((t0 + j) * n + r) = *v };
+                        }
+                    }
+                    t0 += tn;
+                }
+                return;
+            }
             let mut t0 = 0;
             while t0 < m {
                 let tn = (m - t0).min(tile);
@@ -512,6 +559,80 @@ mod x86 {
         body_bf16!(w, x, cols, res, TN, dec_q8_512)
     }
 
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    pub(super) unsafe fn decode_row_q4_bf16(w: &[BlockQ4], out: &mut [u16]) {
+        for (b, wb) in w.iter().enumerate() {
+            let (l, h) = dec_q4_512(wb);
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
+            _mm512_storeu_si512(out.as_mut_ptr().add(b * 32) as *mut _, v);
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    pub(super) unsafe fn decode_row_q8_bf16(w: &[BlockQ8], out: &mut [u16]) {
+        for (b, wb) in w.iter().enumerate() {
+            let (l, h) = dec_q8_512(wb);
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(h, l));
+            _mm512_storeu_si512(out.as_mut_ptr().add(b * 32) as *mut _, v);
+        }
+    }
+
+    /// Dot of one pre-decoded bf16 row with TN bf16 token rows.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")]
+    unsafe fn pre_bf16<const TN: usize>(
+        w: &[u16],
+        x: &[u16],
+        cols: usize,
+        res: &mut [f32; MAX_TILE],
+    ) {
+        let mut a0 = [_mm512_setzero_ps(); TN];
+        let mut a1 = [_mm512_setzero_ps(); TN];
+        let ld = |p: *const u16| {
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _))
+        };
+        let (wp, xp) = (w.as_ptr(), x.as_ptr());
+        let kb = cols / 32;
+        let mut b = 0;
+        while b + 1 < kb {
+            let w0 = ld(wp.add(b * 32));
+            let w1 = ld(wp.add(b * 32 + 32));
+            for j in 0..TN {
+                let p = xp.add(j * cols + b * 32);
+                a0[j] = _mm512_dpbf16_ps(a0[j], w0, ld(p));
+                a1[j] = _mm512_dpbf16_ps(a1[j], w1, ld(p.add(32)));
+            }
+            b += 2;
+        }
+        if b < kb {
+            let w0 = ld(wp.add(b * 32));
+            for j in 0..TN {
+                a0[j] = _mm512_dpbf16_ps(a0[j], w0, ld(xp.add(j * cols + b * 32)));
+            }
+        }
+        for j in 0..TN {
+            res[j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+        }
+    }
+
+    pub(super) unsafe fn dispatch_pre_bf16(
+        w: &[u16],
+        x: &[u16],
+        cols: usize,
+        tn: usize,
+        res: &mut [f32; MAX_TILE],
+    ) {
+        match tn {
+            1 => pre_bf16::<1>(w, x, cols, res),
+            2 => pre_bf16::<2>(w, x, cols, res),
+            3 => pre_bf16::<3>(w, x, cols, res),
+            4 => pre_bf16::<4>(w, x, cols, res),
+            5 => pre_bf16::<5>(w, x, cols, res),
+            6 => pre_bf16::<6>(w, x, cols, res),
+            7 => pre_bf16::<7>(w, x, cols, res),
+            _ => pre_bf16::<8>(w, x, cols, res),
+        }
+    }
+
     pub(super) unsafe fn dispatch_q4_bf16(
         w: &[BlockQ4],
         x: &[u16],
@@ -772,7 +893,7 @@ mod tests {
             (130, 896),
             (9, 256),
         ] {
-            for &m in &[1usize, 2, 3, 4, 5, 7, 8, 9, 17] {
+            for &m in &[1usize, 2, 3, 4, 5, 7, 8, 9, 17, 40] {
                 let q4 = QMatrix::new(
                     rows,
                     cols,
