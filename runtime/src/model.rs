@@ -398,6 +398,33 @@ impl Model {
         })
     }
 
+    /// The token embedding, dequantized to f32 (vocab × d_model), e.g. for a drafter that shares it.
+    pub fn embedding_f32(&self) -> Result<Vec<f32>> {
+        Self::dense_rows(&self.embed, self.cfg.vocab_size, self.cfg.d_model)
+    }
+
+    /// The LM head, dequantized to f32 (vocab × d_model); the embedding when tied.
+    pub fn head_f32(&self) -> Result<Vec<f32>> {
+        Self::dense_rows(
+            self.head.as_ref().unwrap_or(&self.embed),
+            self.cfg.vocab_size,
+            self.cfg.d_model,
+        )
+    }
+
+    fn dense_rows(l: &Linear, rows: usize, cols: usize) -> Result<Vec<f32>> {
+        match l {
+            Linear::Quant(q) => {
+                let mut out = vec![0f32; rows * cols];
+                for (r, o) in out.chunks_exact_mut(cols).enumerate() {
+                    q.dequantize_row(r, o);
+                }
+                Ok(out)
+            }
+            Linear::Dense(t) => Ok(t.flatten_all()?.to_vec1::<f32>()?),
+        }
+    }
+
     pub fn isa(&self) -> Isa {
         self.isa
     }

@@ -1,0 +1,30 @@
+//! The DSpark drafter (../shared/DESIGN.md §4): a parallel backbone that drafts a whole block in
+//! one forward, conditioned on hidden states of a few target layers, plus a low-rank Markov head
+//! that restores dependency inside the block and a confidence head that predicts per-position
+//! survival. The target's embedding and LM head are frozen and shared.
+
+#![deny(rust_2018_idioms)]
+#![forbid(unsafe_code)]
+
+pub mod model;
+pub mod train;
+
+pub use model::{DrafterConfig, DsparkDrafter};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DrafterError {
+    #[error("drafter checkpoint {path}: {reason}")]
+    Checkpoint { path: String, reason: String },
+    #[error("drafter belongs to another target: {0}")]
+    WrongTarget(String),
+    #[error("invalid: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Runtime(#[from] dspark_runtime::RuntimeError),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T, E = DrafterError> = std::result::Result<T, E>;

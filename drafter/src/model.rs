@@ -1,0 +1,495 @@
+//! DSpark drafter model on candle tensors (used for training with autograd and for drafting).
+//!
+//! Block of γ positions `[anchor, mask, …, mask]`; each drafter layer's queries are the block,
+//! its keys/values are the projected target context features followed by the block itself (the
+//! block attends to the context and to each other, bidirectionally: one forward drafts the whole
+//! block). `base_k = head(norm(h_k))` with the target's frozen head; the Markov head adds
+//! `W1[x_{k−1}]·W2` (rank r, x_0 = anchor); confidence `c_k = σ(w·[h_k; W1[x_{k−1}]] + b)` never
+//! sees x_k. Sequential Temperature Scaling divides position k's confidence logit by T_k.
+
+use crate::{DrafterError, Result};
+use candle_core::{D, DType, Device, Module, Tensor};
+use candle_nn::{Linear, VarBuilder, VarMap, linear_no_bias};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DrafterConfig {
+    /// Identity of the target this drafter belongs to.
+    pub target_arch: String,
+    pub target_vocab_hash: String,
+    pub target_layers: usize,
+    /// Target layers whose hidden states are the context features (low, middle, high).
+    pub feature_layers: Vec<usize>,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub ffn_dim: usize,
+    pub vocab: usize,
+    /// Block length the drafter was trained for.
+    pub gamma: usize,
+    /// Markov head rank (0 = parallel-only ablation).
+    pub rank: usize,
+    /// Context features attended to (most recent committed positions).
+    pub context: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f32,
+    /// Per-position confidence temperatures (Sequential Temperature Scaling), 1.0 = uncalibrated.
+    pub sts: Vec<f32>,
+}
+
+impl DrafterConfig {
+    /// Defaults for a target: features from layers n/6, n/2 and n−2, one layer at the target's
+    /// width, rank min(256, vocab/64).
+    pub fn for_target(
+        cfg: &dspark_runtime::ModelConfig,
+        vocab_hash: &str,
+        gamma: usize,
+        layers: usize,
+        rank: usize,
+    ) -> Self {
+        let n = cfg.n_layers;
+        Self {
+            target_arch: cfg.arch.name().to_string(),
+            target_vocab_hash: vocab_hash.to_string(),
+            target_layers: n,
+            feature_layers: vec![n / 6, n / 2, n.saturating_sub(2)],
+            d_model: cfg.d_model,
+            n_layers: layers,
+            n_heads: cfg.n_heads,
+            ffn_dim: cfg.ffn_dim,
+            vocab: cfg.vocab_size,
+            gamma,
+            rank,
+            context: 32,
+            rms_eps: cfg.rms_eps as f64,
+            rope_theta: 10000.0,
+            sts: vec![1.0; gamma],
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.gamma == 0 || self.gamma > 32 {
+            return Err(DrafterError::Invalid(format!(
+                "gamma {} out of range 1..=32",
+                self.gamma
+            )));
+        }
+        if self.d_model % self.n_heads != 0 || (self.d_model / self.n_heads) % 2 != 0 {
+            return Err(DrafterError::Invalid(
+                "d_model must split into even-width heads".into(),
+            ));
+        }
+        if self.feature_layers.is_empty()
+            || self.feature_layers.iter().any(|&l| l >= self.target_layers)
+        {
+            return Err(DrafterError::Invalid(
+                "feature layers must be target layers".into(),
+            ));
+        }
+        if self.sts.len() != self.gamma {
+            return Err(DrafterError::Invalid(
+                "one STS temperature per block position".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+struct Layer {
+    n1: Tensor,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    n2: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+pub struct DsparkDrafter {
+    pub cfg: DrafterConfig,
+    pub varmap: VarMap,
+    fuse: Linear,
+    mask: Tensor,
+    layers: Vec<Layer>,
+    out_norm: Tensor,
+    w1: Option<Tensor>,
+    w2: Option<Tensor>,
+    conf: Linear,
+    /// Frozen target embedding and LM head, vocab × d.
+    embed: Tensor,
+    head: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// Output of a block forward.
+pub struct BlockOut {
+    /// Drafter hidden after its final norm, B × γ × d.
+    pub h: Tensor,
+    /// Base logits (no Markov bias), B × γ × V.
+    pub base: Tensor,
+}
+
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(w)
+}
+
+impl DsparkDrafter {
+    /// A freshly initialized drafter (seeded) for a target whose embedding and head are given.
+    pub fn new(cfg: DrafterConfig, embed: Tensor, head: Tensor, seed: u64) -> Result<Self> {
+        cfg.validate()?;
+        let varmap = VarMap::new();
+        let m = Self::build(cfg, &varmap, embed, head)?;
+        reseed(&varmap, seed)?;
+        Ok(Self { varmap, ..m })
+    }
+
+    fn build(cfg: DrafterConfig, varmap: &VarMap, embed: Tensor, head: Tensor) -> Result<Self> {
+        let vb = VarBuilder::from_varmap(varmap, DType::F32, &Device::Cpu);
+        let d = cfg.d_model;
+        let ones = |vb: VarBuilder<'_>, n: usize, name: &str| {
+            vb.get_with_hints(n, name, candle_nn::Init::Const(1.0))
+        };
+        let nf = cfg.feature_layers.len();
+        let fuse = linear_no_bias(nf * d, d, vb.pp("fuse"))?;
+        let mask = vb.get_with_hints(
+            d,
+            "mask",
+            candle_nn::Init::Randn {
+                mean: 0.0,
+                stdev: 0.02,
+            },
+        )?;
+        let mut layers = Vec::new();
+        for i in 0..cfg.n_layers {
+            let v = vb.pp(format!("layer{i}"));
+            layers.push(Layer {
+                n1: ones(v.clone(), d, "n1")?,
+                wq: linear_no_bias(d, d, v.pp("wq"))?,
+                wk: linear_no_bias(d, d, v.pp("wk"))?,
+                wv: linear_no_bias(d, d, v.pp("wv"))?,
+                wo: linear_no_bias(d, d, v.pp("wo"))?,
+                n2: ones(v.clone(), d, "n2")?,
+                gate: linear_no_bias(d, cfg.ffn_dim, v.pp("gate"))?,
+                up: linear_no_bias(d, cfg.ffn_dim, v.pp("up"))?,
+                down: linear_no_bias(cfg.ffn_dim, d, v.pp("down"))?,
+            });
+        }
+        let out_norm = ones(vb.clone(), d, "out_norm")?;
+        let (w1, w2) = if cfg.rank > 0 {
+            (
+                Some(vb.get_with_hints(
+                    (cfg.vocab, cfg.rank),
+                    "markov.w1",
+                    candle_nn::Init::Randn {
+                        mean: 0.0,
+                        stdev: 0.02,
+                    },
+                )?),
+                Some(vb.get_with_hints(
+                    (cfg.rank, cfg.vocab),
+                    "markov.w2",
+                    candle_nn::Init::Const(0.0),
+                )?),
+            )
+        } else {
+            (None, None)
+        };
+        let conf = candle_nn::linear(d + cfg.rank, 1, vb.pp("conf"))?;
+        let hd = d / cfg.n_heads;
+        let max_pos = cfg.context + cfg.gamma;
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f32 / hd as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(max_pos * hd / 2);
+        let mut sin = Vec::with_capacity(max_pos * hd / 2);
+        for p in 0..max_pos {
+            for f in &inv {
+                cos.push((p as f32 * f).cos());
+                sin.push((p as f32 * f).sin());
+            }
+        }
+        let cos = Tensor::from_vec(cos, (max_pos, hd / 2), &Device::Cpu)?;
+        let sin = Tensor::from_vec(sin, (max_pos, hd / 2), &Device::Cpu)?;
+        Ok(Self {
+            cfg,
+            varmap: varmap.clone(),
+            fuse,
+            mask,
+            layers,
+            out_norm,
+            w1,
+            w2,
+            conf,
+            embed,
+            head,
+            cos,
+            sin,
+        })
+    }
+
+    /// Trainable parameter count.
+    pub fn num_params(&self) -> usize {
+        self.varmap.all_vars().iter().map(|v| v.elem_count()).sum()
+    }
+
+    /// One parallel forward: `feats` B × C × (F·d) context features, `anchors` B token ids.
+    pub fn block(&self, feats: &Tensor, anchors: &Tensor) -> Result<BlockOut> {
+        let (b, c, _) = feats.dims3()?;
+        let g = self.cfg.gamma;
+        let d = self.cfg.d_model;
+        let nh = self.cfg.n_heads;
+        let hd = d / nh;
+        let ctx = self.fuse.forward(feats)?; // B × C × d
+        let a = self.embed.index_select(anchors, 0)?.unsqueeze(1)?; // B × 1 × d
+        let mut x = if g > 1 {
+            Tensor::cat(
+                &[
+                    a,
+                    self.mask.reshape((1, 1, d))?.broadcast_as((b, g - 1, d))?,
+                ],
+                1,
+            )?
+        } else {
+            a
+        };
+        let cos_q = self.cos.narrow(0, c, g)?;
+        let sin_q = self.sin.narrow(0, c, g)?;
+        let cos_k = self.cos.narrow(0, 0, c + g)?;
+        let sin_k = self.sin.narrow(0, 0, c + g)?;
+        for l in &self.layers {
+            let xn = rms_norm(&x, &l.n1, self.cfg.rms_eps)?;
+            let cn = rms_norm(&ctx, &l.n1, self.cfg.rms_eps)?;
+            let kv_in = Tensor::cat(&[cn, xn.clone()], 1)?; // B × (C+γ) × d
+            let heads =
+                |t: Tensor, n: usize| t.reshape((b, n, nh, hd))?.transpose(1, 2)?.contiguous();
+            let q = heads(l.wq.forward(&xn)?, g)?;
+            let k = heads(l.wk.forward(&kv_in)?, c + g)?;
+            let v = heads(l.wv.forward(&kv_in)?, c + g)?;
+            let q = candle_nn::rotary_emb::rope(&q, &cos_q, &sin_q)?;
+            let k = candle_nn::rotary_emb::rope(&k, &cos_k, &sin_k)?;
+            let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let o = att.matmul(&v)?.transpose(1, 2)?.reshape((b, g, d))?;
+            x = (x + l.wo.forward(&o)?)?;
+            let xn = rms_norm(&x, &l.n2, self.cfg.rms_eps)?;
+            let ff = (candle_nn::ops::silu(&l.gate.forward(&xn)?)? * l.up.forward(&xn)?)?;
+            x = (x + l.down.forward(&ff)?)?;
+        }
+        let h = rms_norm(&x, &self.out_norm, self.cfg.rms_eps)?;
+        let base = h.broadcast_matmul(&self.head.t()?)?;
+        Ok(BlockOut { h, base })
+    }
+
+    /// Markov bias W1[prev]·W2 (B × γ × V) and W1[prev] (B × γ × r); `prev` B × γ token ids.
+    pub fn markov(&self, prev: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        match (&self.w1, &self.w2) {
+            (Some(w1), Some(w2)) => {
+                let (b, g) = prev.dims2()?;
+                let e = w1
+                    .index_select(&prev.flatten_all()?, 0)?
+                    .reshape((b, g, self.cfg.rank))?;
+                let bias = e.broadcast_matmul(w2)?;
+                Ok(Some((bias, e)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Confidence logits (B × γ), before STS.
+    pub fn conf_logits(&self, h: &Tensor, markov_e: Option<&Tensor>) -> Result<Tensor> {
+        let inp = match markov_e {
+            Some(e) => Tensor::cat(&[h, e], D::Minus1)?,
+            None => h.clone(),
+        };
+        Ok(self.conf.forward(&inp)?.squeeze(D::Minus1)?)
+    }
+
+    /// Training forward with teacher forcing: logits B × γ × V and confidence logits B × γ.
+    pub fn forward_train(
+        &self,
+        feats: &Tensor,
+        anchors: &Tensor,
+        prev: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let o = self.block(feats, anchors)?;
+        let mk = self.markov(prev)?;
+        let logits = match &mk {
+            Some((bias, _)) => (&o.base + bias)?,
+            None => o.base.clone(),
+        };
+        let conf = self.conf_logits(&o.h, mk.as_ref().map(|m| &m.1))?;
+        Ok((logits, conf))
+    }
+
+    /// Saves weights (safetensors) and config (JSON) into `dir`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir)?;
+        self.varmap.save(dir.join("drafter.safetensors"))?;
+        std::fs::write(
+            dir.join("drafter.json"),
+            serde_json::to_string_pretty(&self.cfg)
+                .map_err(|e| DrafterError::Invalid(e.to_string()))?,
+        )?;
+        Ok(())
+    }
+
+    /// Loads a checkpoint for a target (identified by architecture and vocabulary hash); refuses
+    /// a checkpoint trained for another target.
+    pub fn load(
+        dir: &Path,
+        target_arch: &str,
+        vocab_hash: &str,
+        embed: Tensor,
+        head: Tensor,
+    ) -> Result<Self> {
+        let bad = |reason: String| DrafterError::Checkpoint {
+            path: dir.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(dir.join("drafter.json"))
+            .map_err(|e| bad(format!("drafter.json: {e}")))?;
+        let cfg: DrafterConfig =
+            serde_json::from_str(&text).map_err(|e| bad(format!("drafter.json: {e}")))?;
+        cfg.validate()?;
+        if cfg.target_arch != target_arch || cfg.target_vocab_hash != vocab_hash {
+            return Err(DrafterError::WrongTarget(format!(
+                "checkpoint is for a {} target with vocabulary {}…, this target is {} with {}…",
+                cfg.target_arch,
+                &cfg.target_vocab_hash[..12.min(cfg.target_vocab_hash.len())],
+                target_arch,
+                &vocab_hash[..12.min(vocab_hash.len())]
+            )));
+        }
+        let mut varmap = VarMap::new();
+        let m = Self::build(cfg, &varmap, embed, head)?;
+        // Loading sets the values of the variables the model already holds.
+        varmap
+            .load(dir.join("drafter.safetensors"))
+            .map_err(|e| bad(format!("drafter.safetensors: {e}")))?;
+        Ok(Self { varmap, ..m })
+    }
+}
+
+/// Re-initializes every variable from our seeded RNG (candle's CPU RNG cannot be seeded), so the
+/// same seed gives the same drafter: norms 1, Markov W2 and biases 0, mask and W1 N(0, 0.02²),
+/// matrices N(0, 1/fan_in).
+fn reseed(varmap: &VarMap, seed: u64) -> Result<()> {
+    let data = varmap
+        .data()
+        .lock()
+        .map_err(|_| DrafterError::Invalid("variable map poisoned".into()))?;
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    let mut rng = kernels::rng::Rng::new(seed);
+    for name in names {
+        let var = &data[name];
+        let shape = var.shape().clone();
+        let n = shape.elem_count();
+        let vals: Vec<f32> = if name.ends_with("n1") || name.ends_with("n2") || name == "out_norm" {
+            vec![1.0; n]
+        } else if name.ends_with("bias") || name == "markov.w2" {
+            vec![0.0; n]
+        } else if name == "mask" || name == "markov.w1" {
+            (0..n).map(|_| rng.normal() as f32 * 0.02).collect()
+        } else {
+            let fan_in = *shape.dims().last().unwrap_or(&1) as f64;
+            (0..n)
+                .map(|_| (rng.normal() / fan_in.sqrt()) as f32)
+                .collect()
+        };
+        var.set(&Tensor::from_vec(vals, shape, &Device::Cpu)?)?;
+    }
+    Ok(())
+}
+
+/// The frozen embedding and head of a runtime model as candle tensors.
+pub fn target_tensors(target: &dspark_runtime::Model) -> Result<(Tensor, Tensor)> {
+    let (v, d) = (target.cfg.vocab_size, target.cfg.d_model);
+    let e = Tensor::from_vec(target.embedding_f32()?, (v, d), &Device::Cpu)?;
+    let h = Tensor::from_vec(target.head_f32()?, (v, d), &Device::Cpu)?;
+    Ok((e, h))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::{TrainConfig, loss, make_batch, teacher};
+    use dspark_runtime::tiny::{TinySpec, tiny_model_path};
+    use dspark_runtime::{LoadOptions, Model, Tokenizer};
+
+    fn tiny() -> (Model, Tokenizer) {
+        let p = tiny_model_path(&TinySpec::llama(21), "drafter-target").unwrap();
+        (
+            Model::load(
+                &p,
+                &LoadOptions {
+                    threads: 1,
+                    ..Default::default()
+                },
+            )
+            .unwrap(),
+            Tokenizer::load(&p).unwrap(),
+        )
+    }
+
+    #[test]
+    fn training_reduces_the_loss_and_checkpoints_round_trip() {
+        let (m, tok) = tiny();
+        let (e, h) = target_tensors(&m).unwrap();
+        let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
+        cfg.feature_layers = vec![0, 1];
+        cfg.context = 8;
+        let dr = DsparkDrafter::new(cfg, e.clone(), h.clone(), 3).unwrap();
+        assert!(dr.num_params() > 0);
+        let text = "the theater in there then rather inner bit tin ".repeat(20);
+        let data = tok.encode(&text).unwrap();
+        let tc = TrainConfig {
+            steps: 60,
+            batch: 8,
+            chunk: 48,
+            lr: 3e-3,
+            warmup: 5,
+            ..Default::default()
+        };
+        let ch = teacher(&m, &data[..48], &dr.cfg.feature_layers).unwrap();
+        let anchors: Vec<usize> = (8..40).step_by(4).collect();
+        let bt = make_batch(&ch, &dr, &anchors).unwrap();
+        let before = loss(&dr, &bt, &tc).unwrap().0.to_scalar::<f32>().unwrap();
+        crate::train::train(&m, &dr, &data, &tc, 0, &mut |_| Ok(())).unwrap();
+        let after = loss(&dr, &bt, &tc).unwrap().0.to_scalar::<f32>().unwrap();
+        assert!(after < 0.8 * before, "loss {before} -> {after}");
+        // Save, load, same outputs; wrong target refused; corrupt checkpoint refused.
+        let dir = std::env::temp_dir().join(format!("dspark-drafter-{}", std::process::id()));
+        dr.save(&dir).unwrap();
+        let back =
+            DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e.clone(), h.clone()).unwrap();
+        let (a, _) = dr.forward_train(&bt.feats, &bt.anchors, &bt.prev).unwrap();
+        let (b, _) = back
+            .forward_train(&bt.feats, &bt.anchors, &bt.prev)
+            .unwrap();
+        let diff = (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff < 1e-5, "{diff}");
+        assert!(matches!(
+            DsparkDrafter::load(&dir, "llama", "another-vocab", e.clone(), h.clone()),
+            Err(DrafterError::WrongTarget(_))
+        ));
+        std::fs::write(dir.join("drafter.safetensors"), b"garbage").unwrap();
+        assert!(matches!(
+            DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e, h),
+            Err(DrafterError::Checkpoint { .. })
+        ));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
