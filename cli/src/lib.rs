@@ -8,6 +8,7 @@ pub mod config;
 pub mod generate;
 pub mod plot;
 pub mod spec;
+pub mod train;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -36,6 +37,8 @@ pub enum Command {
     Models,
     /// Autoregressive generation, streamed to the terminal.
     Generate(generate::GenerateArgs),
+    /// Train a DSpark drafter for a target on CPU.
+    TrainDrafter(train::TrainArgs),
     /// Benchmarks (write JSON with --json FILE).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -98,5 +101,6 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Generate(a) => generate::run(&g, a),
         Command::Bench(b) => bench::run(&g, b),
+        Command::TrainDrafter(a) => train::run(&g, a),
     }
 }

@@ -15,13 +15,23 @@ pub fn default_draft_for(target: &str) -> Option<&'static str> {
 }
 
 pub struct Loaded {
+    pub name: String,
     pub model: Arc<Model>,
     pub tok: Arc<Tokenizer>,
+}
+
+/// The shipped DSpark drafter of a target, if the repository has one.
+pub fn default_dspark_for(target: &str) -> Option<std::path::PathBuf> {
+    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../drafters")
+        .join(target);
+    p.join("drafter.json").exists().then_some(p)
 }
 
 pub fn load_target(g: &Global, name: &str) -> anyhow::Result<Loaded> {
     let path = g.resolve_model(name)?;
     Ok(Loaded {
+        name: name.to_string(),
         model: Arc::new(Model::load(&path, &g.load_opts())?),
         tok: Arc::new(Tokenizer::load(&path)?),
     })
@@ -37,6 +47,26 @@ pub fn build_proposer(
     Ok(match kind {
         ProposerKind::None => Box::new(NoProposer),
         ProposerKind::Ngram => Box::new(NgramProposer::default()),
+        ProposerKind::Dspark(dir) => {
+            let dir = match dir {
+                Some(d) => std::path::PathBuf::from(d),
+                None => default_dspark_for(&target.name).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "no shipped DSpark drafter for `{}` yet; train one with `dspark train-drafter` and pass --drafter dspark:DIR",
+                        target.name
+                    )
+                })?,
+            };
+            let (e, h) = drafter::model::target_tensors(&target.model)?;
+            let dr = drafter::DsparkDrafter::load(
+                &dir,
+                target.model.cfg.arch.name(),
+                &target.tok.vocab_hash(),
+                e,
+                h,
+            )?;
+            Box::new(drafter::DsparkProposer::new(dr, &kind.label()))
+        }
         ProposerKind::DraftModel(name) => {
             let d = drafts.get(g, name)?;
             Box::new(DraftModelProposer::new(

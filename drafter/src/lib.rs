@@ -7,9 +7,11 @@
 #![forbid(unsafe_code)]
 
 pub mod model;
+pub mod proposer;
 pub mod train;
 
 pub use model::{DrafterConfig, DsparkDrafter};
+pub use proposer::DsparkProposer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DrafterError {

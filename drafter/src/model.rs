@@ -232,6 +232,25 @@ impl DsparkDrafter {
         })
     }
 
+    /// Starts the drafter's final norm at the target's, so its hidden states enter the frozen LM
+    /// head at the scale the head was trained for.
+    pub fn init_out_norm(&self, w: &[f32]) -> Result<()> {
+        if w.len() != self.cfg.d_model {
+            return Err(DrafterError::Invalid(
+                "output norm width differs from d_model".into(),
+            ));
+        }
+        let data = self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| DrafterError::Invalid("variable map poisoned".into()))?;
+        if let Some(v) = data.get("out_norm") {
+            v.set(&Tensor::from_vec(w.to_vec(), w.len(), &Device::Cpu)?)?;
+        }
+        Ok(())
+    }
+
     /// Trainable parameter count.
     pub fn num_params(&self) -> usize {
         self.varmap.all_vars().iter().map(|v| v.elem_count()).sum()
@@ -435,6 +454,34 @@ mod tests {
             .unwrap(),
             Tokenizer::load(&p).unwrap(),
         )
+    }
+
+    #[test]
+    fn confidence_at_k_never_depends_on_the_token_at_k() {
+        let (m, tok) = tiny();
+        let (e, h) = target_tensors(&m).unwrap();
+        let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
+        cfg.feature_layers = vec![0, 1];
+        cfg.context = 8;
+        let dr = DsparkDrafter::new(cfg, e, h, 5).unwrap();
+        let feats = Tensor::zeros((1, 8, 2 * m.cfg.d_model), DType::F32, &Device::Cpu).unwrap();
+        let anchors = Tensor::from_vec(vec![5u32], 1, &Device::Cpu).unwrap();
+        // prev = [x0, x1, x2, x3]; changing x2 (the token drafted at position 2) must leave the
+        // confidences of positions 0..=2 unchanged and may change position 3's.
+        let a = Tensor::from_vec(vec![5u32, 7, 9, 11], (1, 4), &Device::Cpu).unwrap();
+        let b = Tensor::from_vec(vec![5u32, 7, 200, 11], (1, 4), &Device::Cpu).unwrap();
+        let (_, ca) = dr.forward_train(&feats, &anchors, &a).unwrap();
+        let (_, cb) = dr.forward_train(&feats, &anchors, &b).unwrap();
+        let (ca, cb): (Vec<f32>, Vec<f32>) = (
+            ca.flatten_all().unwrap().to_vec1().unwrap(),
+            cb.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        assert_eq!(ca[..2], cb[..2]);
+        assert_ne!(
+            ca[2], cb[2],
+            "position 2 conditions on prev[2] = x_2's predecessor slot"
+        );
+        assert_eq!(ca[3], cb[3]);
     }
 
     #[test]

@@ -398,6 +398,11 @@ impl Model {
         })
     }
 
+    /// The final RMSNorm weights (the LM head's input scale).
+    pub fn out_norm_weights(&self) -> &[f32] {
+        &self.out_norm
+    }
+
     /// The token embedding, dequantized to f32 (vocab × d_model), e.g. for a drafter that shares it.
     pub fn embedding_f32(&self) -> Result<Vec<f32>> {
         Self::dense_rows(&self.embed, self.cfg.vocab_size, self.cfg.d_model)

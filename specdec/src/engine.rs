@@ -638,9 +638,12 @@ impl Engine {
             })
             .collect();
         let t_fwd = Instant::now();
-        let out = self
-            .model
-            .forward(&mut self.cache, &inputs, &ForwardOptions::default())?;
+        let fopts = ForwardOptions {
+            layers: self.proposer.feature_layers(),
+            ..Default::default()
+        };
+        let out = self.model.forward(&mut self.cache, &inputs, &fopts)?;
+        let d_model = self.model.cfg.d_model;
         let verify_s = t_fwd.elapsed().as_secs_f64();
         let batch_tokens: usize = windows.iter().map(|w| w.len()).sum();
         if steady && n_drafted > 0 && batch_tokens > 0 {
@@ -664,6 +667,10 @@ impl Engine {
             let rows = out.rows_of(j).to_vec();
             let s = &mut self.running[i];
             if let Some((from, n)) = chunks[i] {
+                if !fopts.layers.is_empty() {
+                    let rows = feature_rows(&out, out.token_offsets[j], n, d_model);
+                    self.proposer.observe(s.req.id, from, &rows)?;
+                }
                 s.prefilled = from + n;
                 if s.prefilled < s.req.prompt.len() {
                     continue;
@@ -728,6 +735,11 @@ impl Engine {
             if committed < new.len() {
                 // A stop condition cut the block: the accepted drafts after it are waste too.
                 s.metrics.wasted_tokens += verdict.accepted.saturating_sub(committed);
+            }
+            if !fopts.layers.is_empty() && s.finished.is_none() {
+                // Positions now committed in the KV: the old pending token and the accepted drafts.
+                let rows = feature_rows(&out, out.token_offsets[j], 1 + verdict.accepted, d_model);
+                self.proposer.observe(s.req.id, kv_before, &rows)?;
             }
             let t0 = Instant::now();
             // KV keeps pending + accepted drafts; the new pending token is not in the KV yet.
@@ -817,6 +829,18 @@ impl Engine {
         }
         Ok(all)
     }
+}
+
+/// Rows `off..off + n` of the captured layers, each row the layers side by side.
+fn feature_rows(out: &dspark_runtime::ForwardOutput, off: usize, n: usize, d: usize) -> Vec<f32> {
+    let nl = out.layer_hidden.len();
+    let mut rows = Vec::with_capacity(n * nl * d);
+    for t in off..off + n {
+        for lh in &out.layer_hidden {
+            rows.extend_from_slice(&lh[t * d..(t + 1) * d]);
+        }
+    }
+    rows
 }
 
 fn sample_one(logits: &[f32], seen: &[u32], p: &SamplingParams, rng: &mut Rng) -> u32 {

@@ -62,6 +62,16 @@ pub trait Proposer: Send {
     }
     /// The request ended; release its state.
     fn finish(&mut self, _id: u64) {}
+    /// Target layers whose hidden states this proposer conditions on (none by default).
+    fn feature_layers(&self) -> Vec<usize> {
+        Vec::new()
+    }
+    /// Target features of newly committed positions `start..start + n` of a request, each row
+    /// the requested layers side by side (`n × layers·d`). Rows arrive in position order; a
+    /// position is reported once, after it is committed.
+    fn observe(&mut self, _id: u64, _start: usize, _rows: &[f32]) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Which proposer to build.
@@ -71,6 +81,8 @@ pub enum ProposerKind {
     Ngram,
     /// An independent small model sharing the target's tokenizer (model name or path).
     DraftModel(String),
+    /// A trained DSpark drafter checkpoint directory (`dspark` alone: the shipped default).
+    Dspark(Option<String>),
 }
 
 impl ProposerKind {
@@ -79,6 +91,7 @@ impl ProposerKind {
         match s {
             "none" => Ok(Self::None),
             "ngram" => Ok(Self::Ngram),
+            "dspark" => Ok(Self::Dspark(None)),
             "draft-model" => default_draft
                 .map(|d| Self::DraftModel(d.to_string()))
                 .ok_or_else(|| {
@@ -86,10 +99,14 @@ impl ProposerKind {
                         "this target has no default draft model; use draft-model:NAME".into(),
                     )
                 }),
-            other => match other.strip_prefix("draft-model:") {
-                Some(name) if !name.is_empty() => Ok(Self::DraftModel(name.to_string())),
+            other => match (
+                other.strip_prefix("draft-model:"),
+                other.strip_prefix("dspark:"),
+            ) {
+                (Some(name), _) if !name.is_empty() => Ok(Self::DraftModel(name.to_string())),
+                (_, Some(dir)) if !dir.is_empty() => Ok(Self::Dspark(Some(dir.to_string()))),
                 _ => Err(SpecError::Invalid(format!(
-                    "unknown drafter `{other}` (none, ngram, draft-model[:NAME])"
+                    "unknown drafter `{other}` (none, ngram, draft-model[:NAME], dspark[:DIR])"
                 ))),
             },
         }
@@ -99,6 +116,8 @@ impl ProposerKind {
             Self::None => "none".into(),
             Self::Ngram => "ngram".into(),
             Self::DraftModel(m) => format!("draft-model:{m}"),
+            Self::Dspark(None) => "dspark".into(),
+            Self::Dspark(Some(d)) => format!("dspark:{d}"),
         }
     }
 }

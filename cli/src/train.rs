@@ -1,0 +1,188 @@
+//! `dspark train-drafter`: trains a DSpark drafter against a frozen target on CPU.
+
+use crate::config::Global;
+use clap::Args;
+use drafter::model::{DrafterConfig, DsparkDrafter, target_tensors};
+use drafter::train::{TrainConfig, train};
+use dspark_runtime::{Model, Tokenizer};
+use std::path::{Path, PathBuf};
+
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// Target model name or path.
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub target: String,
+    /// Text files or directories (searched recursively for source and documentation files).
+    #[arg(long, num_args = 1.., required = true)]
+    pub data: Vec<PathBuf>,
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 2000)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 7)]
+    pub gamma: usize,
+    #[arg(long, default_value_t = 1)]
+    pub layers: usize,
+    /// Markov head rank (0 = parallel-only ablation).
+    #[arg(long, default_value_t = 64)]
+    pub rank: usize,
+    /// Blocks per step.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Tokens per target forward.
+    #[arg(long, default_value_t = 192)]
+    pub chunk: usize,
+    #[arg(long, default_value_t = 2e-3)]
+    pub lr: f64,
+    /// Stop reading training text after this many bytes.
+    #[arg(long, default_value_t = 20_000_000)]
+    pub max_bytes: usize,
+    #[arg(long, default_value_t = 200)]
+    pub save_every: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Continue from the checkpoint in --out.
+    #[arg(long)]
+    pub resume: bool,
+}
+
+const EXTS: &[&str] = &[
+    "rs", "py", "md", "txt", "c", "h", "cpp", "js", "ts", "go", "java", "toml", "json", "sh",
+    "rst", "html",
+];
+
+fn collect_files(p: &Path, out: &mut Vec<PathBuf>) {
+    if p.is_file() {
+        out.push(p.to_path_buf());
+        return;
+    }
+    let Ok(rd) = std::fs::read_dir(p) else { return };
+    let mut entries: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    entries.sort();
+    for e in entries {
+        if e.is_dir() {
+            collect_files(&e, out);
+        } else if e
+            .extension()
+            .and_then(|x| x.to_str())
+            .is_some_and(|x| EXTS.contains(&x))
+        {
+            out.push(e);
+        }
+    }
+}
+
+/// Reads training text (files in sorted order, up to `max_bytes`) and tokenizes it, with the
+/// end-of-text token between files.
+pub fn load_data(
+    paths: &[PathBuf],
+    tok: &Tokenizer,
+    max_bytes: usize,
+) -> anyhow::Result<(Vec<u32>, usize, usize)> {
+    let mut files = Vec::new();
+    for p in paths {
+        if !p.exists() {
+            anyhow::bail!("training data path {} does not exist", p.display());
+        }
+        collect_files(p, &mut files);
+    }
+    let sep = tok.stop_ids.first().copied().unwrap_or(0);
+    let (mut ids, mut bytes, mut used) = (Vec::new(), 0usize, 0usize);
+    for f in files {
+        if bytes >= max_bytes {
+            break;
+        }
+        let Ok(text) = std::fs::read_to_string(&f) else {
+            continue;
+        };
+        if text.len() < 64 {
+            continue;
+        }
+        bytes += text.len();
+        used += 1;
+        ids.extend(tok.encode(&text)?);
+        ids.push(sep);
+    }
+    Ok((ids, used, bytes))
+}
+
+pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
+    if a.gamma == 0 || a.gamma > 32 {
+        anyhow::bail!("--gamma must be in 1..=32");
+    }
+    let path = g.resolve_model(&a.target)?;
+    let target = Model::load(&path, &g.load_opts())?;
+    let tok = Tokenizer::load(&path)?;
+    let (embed, head) = target_tensors(&target)?;
+    let (data, files, bytes) = load_data(&a.data, &tok, a.max_bytes)?;
+    eprintln!(
+        "training text: {files} files, {:.1} MB, {} tokens",
+        bytes as f64 / 1e6,
+        data.len()
+    );
+    let state = a.out.join("train_state.json");
+    let (dr, start) = if a.resume && state.exists() {
+        let st: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
+        let step = st["step"].as_u64().unwrap_or(0) as usize;
+        eprintln!("resuming from step {step}");
+        (
+            DsparkDrafter::load(
+                &a.out,
+                target.cfg.arch.name(),
+                &tok.vocab_hash(),
+                embed,
+                head,
+            )?,
+            step,
+        )
+    } else {
+        let cfg =
+            DrafterConfig::for_target(&target.cfg, &tok.vocab_hash(), a.gamma, a.layers, a.rank);
+        (DsparkDrafter::new(cfg, embed, head, a.seed)?, 0)
+    };
+    eprintln!(
+        "drafter: {:.2} M trainable parameters, γ = {}, rank {}",
+        dr.num_params() as f64 / 1e6,
+        dr.cfg.gamma,
+        dr.cfg.rank
+    );
+    let tc = TrainConfig {
+        steps: a.steps,
+        batch: a.batch,
+        chunk: a.chunk,
+        lr: a.lr,
+        seed: a.seed,
+        ..Default::default()
+    };
+    let t0 = std::time::Instant::now();
+    let mut ema: Option<f64> = None;
+    let out = a.out.clone();
+    let cmd = std::env::args().collect::<Vec<_>>().join(" ");
+    train(&target, &dr, &data, &tc, start, &mut |s| {
+        let e = ema.map_or(s.loss, |e| 0.95 * e + 0.05 * s.loss);
+        ema = Some(e);
+        if s.step % 10 == 0 || s.step + 1 == tc.steps {
+            eprintln!(
+                "step {:>6}/{}  loss {:.4} (ema {:.4})  ce {:.3}  tv {:.3}  conf {:.3}  lr {:.2e}  {:.0} blocks·pos/s  {:.0}s",
+                s.step + 1,
+                tc.steps,
+                s.loss,
+                e,
+                s.ce,
+                s.tv,
+                s.conf,
+                s.lr,
+                s.tok_s,
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        if (s.step + 1) % a.save_every == 0 || s.step + 1 == tc.steps {
+            dr.save(&out)?;
+            let st = serde_json::json!({"step": s.step + 1, "loss_ema": e, "command": cmd});
+            std::fs::write(out.join("train_state.json"), st.to_string())?;
+        }
+        Ok(())
+    })?;
+    eprintln!("saved {}", a.out.display());
+    Ok(())
+}

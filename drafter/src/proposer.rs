@@ -1,0 +1,139 @@
+//! The DSpark drafter behind the engine's `Proposer` trait: it keeps the target features of each
+//! request's committed positions (reported by the engine after every forward), drafts a block in
+//! one parallel forward, then samples left to right with the Markov bias of the previously
+//! sampled token, reporting q_k (after the request's sampling transform) and the calibrated
+//! confidence c_k, which never depends on x_k.
+
+use crate::model::DsparkDrafter;
+use candle_core::{Device, Tensor};
+use kernels::sampling::{argmax, probs, sample};
+use specdec::SpecError;
+use specdec::proposer::{Dist, DraftBlock, ProposeReq, Proposer};
+use std::collections::HashMap;
+
+pub struct DsparkProposer {
+    dr: DsparkDrafter,
+    /// Per request: feature rows of committed positions 0..n (row = layers side by side).
+    feats: HashMap<u64, Vec<f32>>,
+    label: String,
+}
+
+fn err(e: impl std::fmt::Display) -> SpecError {
+    SpecError::Invariant(format!("dspark drafter: {e}"))
+}
+
+impl DsparkProposer {
+    pub fn new(dr: DsparkDrafter, label: &str) -> Self {
+        Self {
+            dr,
+            feats: HashMap::new(),
+            label: label.to_string(),
+        }
+    }
+
+    fn row_len(&self) -> usize {
+        self.dr.cfg.feature_layers.len() * self.dr.cfg.d_model
+    }
+
+    /// Context window (C rows, zero-padded at the front when the request is shorter).
+    fn window(&self, id: u64) -> Vec<f32> {
+        let (c, rl) = (self.dr.cfg.context, self.row_len());
+        let mut w = vec![0f32; c * rl];
+        if let Some(f) = self.feats.get(&id) {
+            let n = f.len() / rl;
+            let take = n.min(c);
+            w[(c - take) * rl..].copy_from_slice(&f[(n - take) * rl..]);
+        }
+        w
+    }
+}
+
+impl Proposer for DsparkProposer {
+    fn name(&self) -> &str {
+        &self.label
+    }
+
+    fn feature_layers(&self) -> Vec<usize> {
+        self.dr.cfg.feature_layers.clone()
+    }
+
+    fn observe(&mut self, id: u64, start: usize, rows: &[f32]) -> specdec::Result<()> {
+        let rl = self.row_len();
+        let f = self.feats.entry(id).or_default();
+        // Positions past `start` were rolled back; a gap (never expected) is zero-filled.
+        f.resize(start * rl, 0.0);
+        f.extend_from_slice(rows);
+        Ok(())
+    }
+
+    fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> specdec::Result<Vec<DraftBlock>> {
+        let active: Vec<usize> = (0..reqs.len())
+            .filter(|&i| reqs[i].k > 0 && !reqs[i].context.is_empty())
+            .collect();
+        let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
+        if active.is_empty() {
+            return Ok(out);
+        }
+        let (c, rl, g) = (self.dr.cfg.context, self.row_len(), self.dr.cfg.gamma);
+        let mut feats = Vec::with_capacity(active.len() * c * rl);
+        let mut anchors = Vec::with_capacity(active.len());
+        for &i in &active {
+            feats.extend(self.window(reqs[i].id));
+            anchors.push(*reqs[i].context.last().unwrap_or(&0));
+        }
+        let b = active.len();
+        let ft = Tensor::from_vec(feats, (b, c, rl), &Device::Cpu).map_err(err)?;
+        let at = Tensor::from_vec(anchors.clone(), b, &Device::Cpu).map_err(err)?;
+        let o = self.dr.block(&ft, &at).map_err(err)?;
+        for (bi, &i) in active.iter().enumerate() {
+            let r = &mut reqs[i];
+            let k = r.k.min(g);
+            let base = o.base.get(bi).map_err(err)?; // γ × V
+            let h = o.h.get(bi).map_err(err)?; // γ × d
+            let mut prev = anchors[bi];
+            let mut seen = r.context.to_vec();
+            let mut conf = Vec::with_capacity(k);
+            for kk in 0..k {
+                let pt = Tensor::from_vec(vec![prev], (1, 1), &Device::Cpu).map_err(err)?;
+                let mk = self.dr.markov(&pt).map_err(err)?;
+                let mut logits = base.get(kk).map_err(err)?;
+                if let Some((bias, _)) = &mk {
+                    logits = (logits + bias.flatten_all().map_err(err)?).map_err(err)?;
+                }
+                let logits: Vec<f32> = logits.to_vec1().map_err(err)?;
+                let hk = h
+                    .get(kk)
+                    .map_err(err)?
+                    .reshape((1, 1, self.dr.cfg.d_model))
+                    .map_err(err)?;
+                let z: f32 = self
+                    .dr
+                    .conf_logits(&hk, mk.as_ref().map(|m| &m.1))
+                    .map_err(err)?
+                    .flatten_all()
+                    .map_err(err)?
+                    .to_vec1::<f32>()
+                    .map_err(err)?[0];
+                let t = self.dr.cfg.sts.get(kk).copied().unwrap_or(1.0).max(1e-3);
+                conf.push(1.0 / (1.0 + (-z / t).exp()));
+                let (tok, dist) = if r.params.is_greedy() {
+                    let p = probs(&logits, &seen, r.params);
+                    (argmax(&p), Dist::OneHot)
+                } else {
+                    let p = probs(&logits, &seen, r.params);
+                    (sample(&p, r.rng), Dist::Dense(p))
+                };
+                out[i].tokens.push(tok);
+                out[i].dists.push(dist);
+                seen.push(tok);
+                prev = tok;
+            }
+            out[i].confidence = Some(conf);
+        }
+        Ok(out)
+    }
+
+    fn finish(&mut self, id: u64) {
+        self.feats.remove(&id);
+    }
+}
