@@ -263,7 +263,13 @@ impl DsparkDrafter {
         let d = self.cfg.d_model;
         let nh = self.cfg.n_heads;
         let hd = d / nh;
-        let ctx = self.fuse.forward(feats)?; // B × C × d
+        // Each target layer's hidden state is RMS-normalized before fusing: residual streams carry
+        // "massive activation" channels (~10⁴ in SmolLM2) that would otherwise swamp the fuse.
+        let nf = self.cfg.feature_layers.len();
+        let fr = feats.reshape((b, c, nf, d))?;
+        let fr =
+            fr.broadcast_div(&(fr.sqr()?.mean_keepdim(D::Minus1)? + self.cfg.rms_eps)?.sqrt()?)?;
+        let ctx = self.fuse.forward(&fr.reshape((b, c, nf * d))?)?; // B × C × d
         let a = self.embed.index_select(anchors, 0)?.unsqueeze(1)?; // B × 1 × d
         let mut x = if g > 1 {
             Tensor::cat(
