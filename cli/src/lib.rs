@@ -39,6 +39,8 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Train a DSpark drafter for a target on CPU.
     TrainDrafter(train::TrainArgs),
+    /// Fit the drafter's per-position confidence temperatures (STS) on held-out prompts.
+    CalibrateDrafter(train::CalibrateArgs),
     /// Benchmarks (write JSON with --json FILE).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -102,5 +104,6 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(a) => generate::run(&g, a),
         Command::Bench(b) => bench::run(&g, b),
         Command::TrainDrafter(a) => train::run(&g, a),
+        Command::CalibrateDrafter(a) => train::calibrate(&g, a),
     }
 }

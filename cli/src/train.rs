@@ -186,3 +186,138 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
     eprintln!("saved {}", a.out.display());
     Ok(())
 }
+
+#[derive(Args, Debug)]
+pub struct CalibrateArgs {
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub target: String,
+    /// Drafter checkpoint directory (its drafter.json gets the fitted temperatures).
+    #[arg(long)]
+    pub drafter: PathBuf,
+    /// Held-out prompt set: chat | code | math | all.
+    #[arg(long, default_value = "all")]
+    pub prompts: String,
+    #[arg(long, default_value_t = 24)]
+    pub limit: usize,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+fn cumulative_ece(obs: &[drafter::calibrate::Observed], temps: &[f32]) -> Vec<f64> {
+    let g = temps.len();
+    let mut prefix = vec![1.0f64; obs.len()];
+    let mut out = Vec::new();
+    for k in 0..g {
+        let rows: Vec<usize> = (0..obs.len())
+            .filter(|&i| obs[i].logits.len() > k)
+            .collect();
+        if rows.is_empty() {
+            break;
+        }
+        let mut p = Vec::new();
+        let mut y = Vec::new();
+        for &i in &rows {
+            prefix[i] *= 1.0 / (1.0 + (-(obs[i].logits[k] as f64) / temps[k] as f64).exp());
+            p.push(prefix[i]);
+            y.push(obs[i].accepted > k);
+        }
+        out.push(drafter::calibrate::ece(&p, &y, 15));
+    }
+    out
+}
+
+pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
+    use specdec::{Event, Request};
+    let target = crate::spec::load_target(g, &a.target)?;
+    let (e, h) = drafter::model::target_tensors(&target.model)?;
+    let mut dr = DsparkDrafter::load(
+        &a.drafter,
+        target.model.cfg.arch.name(),
+        &target.tok.vocab_hash(),
+        e,
+        h,
+    )?;
+    let gamma = dr.cfg.gamma;
+    dr.cfg.sts = vec![1.0; gamma];
+    let cfg_before = dr.cfg.clone();
+    let proposer = Box::new(drafter::DsparkProposer::new(dr, "dspark"));
+    let mut eng = crate::spec::engine(&target, proposer, gamma, false, 8)?;
+    let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
+    let mut prompts = crate::bench::prompt_set(&a.prompts)?;
+    prompts.truncate(a.limit);
+    for (i, p) in prompts.iter().enumerate() {
+        let ids = target
+            .tok
+            .encode(&tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?)?;
+        let mut r = Request::new(i as u64, ids, a.max_tokens);
+        r.params.temperature = a.temperature;
+        r.seed = i as u64;
+        eng.add(r)?;
+    }
+    let mut blocks = Vec::new();
+    while !eng.is_idle() {
+        for ev in eng.step()? {
+            if let Event::Finished { metrics, .. } = ev {
+                blocks.extend(metrics.conf_blocks);
+            }
+        }
+    }
+    let obs: Vec<drafter::calibrate::Observed> = blocks
+        .iter()
+        .map(|(c, acc)| drafter::calibrate::Observed {
+            logits: c
+                .iter()
+                .map(|&v| {
+                    let v = v.clamp(1e-6, 1.0 - 1e-6);
+                    (v / (1.0 - v)).ln()
+                })
+                .collect(),
+            accepted: *acc,
+        })
+        .collect();
+    if obs.is_empty() {
+        anyhow::bail!("no verified blocks with confidences were observed");
+    }
+    let ones = vec![1.0f32; gamma];
+    let before = cumulative_ece(&obs, &ones);
+    let temps = drafter::calibrate::fit_sts(&obs, gamma, 15);
+    let after = cumulative_ece(&obs, &temps);
+    // ROC-AUC of the per-position (conditional) confidence for "accepted at k | reached k".
+    let (mut sc, mut lab) = (Vec::new(), Vec::new());
+    for o in &obs {
+        for (k, &z) in o.logits.iter().enumerate() {
+            if o.accepted >= k {
+                sc.push(z as f64);
+                lab.push(o.accepted > k);
+            }
+        }
+    }
+    let auc = drafter::calibrate::roc_auc(&sc, &lab);
+    let tau = eng.totals().committed_per_call();
+    println!("blocks {}  τ {:.2}  ROC-AUC {:.3}", obs.len(), tau, auc);
+    for k in 0..after.len() {
+        println!(
+            "position {}: T {:.2}  ECE before {:.3}  after {:.3}",
+            k + 1,
+            temps[k],
+            before[k],
+            after[k]
+        );
+    }
+    let mut cfg = cfg_before;
+    cfg.sts = temps.clone();
+    std::fs::write(
+        a.drafter.join("drafter.json"),
+        serde_json::to_string_pretty(&cfg)?,
+    )?;
+    let v = serde_json::json!({"blocks": obs.len(), "tau": tau, "auc": auc, "ece_before": before, "ece_after": after,
+        "sts": temps, "command": std::env::args().collect::<Vec<_>>().join(" ")});
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
+    }
+    Ok(())
+}

@@ -727,6 +727,11 @@ impl Engine {
             };
             s.metrics
                 .record_block(k, verdict.accepted, verdict.bonus && k > 0);
+            if let Some(c) = &d.confidence {
+                s.metrics
+                    .conf_blocks
+                    .push((c[..k.min(c.len())].to_vec(), verdict.accepted));
+            }
             s.gate.observe(k, verdict.accepted);
             let kv_before = s.tokens.len() - 1;
             let mut new: Vec<u32> = d.tokens[..verdict.accepted].to_vec();

@@ -30,6 +30,9 @@ pub struct RequestMetrics {
     pub e2e_s: f64,
     /// Gaps between successive streamed chunks (a cycle's committed tokens arrive together).
     pub itl_s: Vec<f64>,
+    /// Per verified block with drafter confidences: (c_1..c_K, accepted) — calibration data.
+    #[serde(skip)]
+    pub conf_blocks: Vec<(Vec<f32>, usize)>,
 }
 
 impl RequestMetrics {
@@ -112,6 +115,7 @@ impl RequestMetrics {
         self.ttft_s += o.ttft_s;
         self.e2e_s += o.e2e_s;
         self.itl_s.extend_from_slice(&o.itl_s);
+        self.conf_blocks.extend(o.conf_blocks.iter().cloned());
     }
 
     /// A JSON summary (with derived rates) for CLIs and benchmarks.
