@@ -451,44 +451,6 @@ mod x86 {
         body512!(w, x, cols, res, TN, dec_q8_512)
     }
 
-    pub(super) unsafe fn dispatch_q4_avx512(
-        w: &[BlockQ4],
-        x: &[f32],
-        cols: usize,
-        tn: usize,
-        res: &mut [f32; MAX_TILE],
-    ) {
-        match tn {
-            1 => q4_512::<1>(w, x, cols, res),
-            2 => q4_512::<2>(w, x, cols, res),
-            3 => q4_512::<3>(w, x, cols, res),
-            4 => q4_512::<4>(w, x, cols, res),
-            5 => q4_512::<5>(w, x, cols, res),
-            6 => q4_512::<6>(w, x, cols, res),
-            7 => q4_512::<7>(w, x, cols, res),
-            _ => q4_512::<8>(w, x, cols, res),
-        }
-    }
-
-    pub(super) unsafe fn dispatch_q8_avx512(
-        w: &[BlockQ8],
-        x: &[f32],
-        cols: usize,
-        tn: usize,
-        res: &mut [f32; MAX_TILE],
-    ) {
-        match tn {
-            1 => q8_512::<1>(w, x, cols, res),
-            2 => q8_512::<2>(w, x, cols, res),
-            3 => q8_512::<3>(w, x, cols, res),
-            4 => q8_512::<4>(w, x, cols, res),
-            5 => q8_512::<5>(w, x, cols, res),
-            6 => q8_512::<6>(w, x, cols, res),
-            7 => q8_512::<7>(w, x, cols, res),
-            _ => q8_512::<8>(w, x, cols, res),
-        }
-    }
-
     // ---- AVX-512 BF16: a block decodes to one vector of 32 bf16; one dot per token. ----
 
     macro_rules! body_bf16 {
@@ -614,63 +576,6 @@ mod x86 {
         }
     }
 
-    pub(super) unsafe fn dispatch_pre_bf16(
-        w: &[u16],
-        x: &[u16],
-        cols: usize,
-        tn: usize,
-        res: &mut [f32; MAX_TILE],
-    ) {
-        match tn {
-            1 => pre_bf16::<1>(w, x, cols, res),
-            2 => pre_bf16::<2>(w, x, cols, res),
-            3 => pre_bf16::<3>(w, x, cols, res),
-            4 => pre_bf16::<4>(w, x, cols, res),
-            5 => pre_bf16::<5>(w, x, cols, res),
-            6 => pre_bf16::<6>(w, x, cols, res),
-            7 => pre_bf16::<7>(w, x, cols, res),
-            _ => pre_bf16::<8>(w, x, cols, res),
-        }
-    }
-
-    pub(super) unsafe fn dispatch_q4_bf16(
-        w: &[BlockQ4],
-        x: &[u16],
-        cols: usize,
-        tn: usize,
-        res: &mut [f32; MAX_TILE],
-    ) {
-        match tn {
-            1 => q4_bf16::<1>(w, x, cols, res),
-            2 => q4_bf16::<2>(w, x, cols, res),
-            3 => q4_bf16::<3>(w, x, cols, res),
-            4 => q4_bf16::<4>(w, x, cols, res),
-            5 => q4_bf16::<5>(w, x, cols, res),
-            6 => q4_bf16::<6>(w, x, cols, res),
-            7 => q4_bf16::<7>(w, x, cols, res),
-            _ => q4_bf16::<8>(w, x, cols, res),
-        }
-    }
-
-    pub(super) unsafe fn dispatch_q8_bf16(
-        w: &[BlockQ8],
-        x: &[u16],
-        cols: usize,
-        tn: usize,
-        res: &mut [f32; MAX_TILE],
-    ) {
-        match tn {
-            1 => q8_bf16::<1>(w, x, cols, res),
-            2 => q8_bf16::<2>(w, x, cols, res),
-            3 => q8_bf16::<3>(w, x, cols, res),
-            4 => q8_bf16::<4>(w, x, cols, res),
-            5 => q8_bf16::<5>(w, x, cols, res),
-            6 => q8_bf16::<6>(w, x, cols, res),
-            7 => q8_bf16::<7>(w, x, cols, res),
-            _ => q8_bf16::<8>(w, x, cols, res),
-        }
-    }
-
     // ---- AVX2: a block decodes to four ymm (8 elements each). ----
 
     #[inline(always)]
@@ -747,35 +652,59 @@ mod x86 {
         body256!(w, x, cols, res, TN, dec_q8_256)
     }
 
-    pub(super) unsafe fn dispatch_q4_avx2(
-        w: &[BlockQ4],
-        x: &[f32],
-        cols: usize,
-        tn: usize,
-        res: &mut [f32; MAX_TILE],
-    ) {
-        match tn {
-            1 => q4_256::<1>(w, x, cols, res),
-            2 => q4_256::<2>(w, x, cols, res),
-            3 => q4_256::<3>(w, x, cols, res),
-            _ => q4_256::<4>(w, x, cols, res),
-        }
+    /// `tn` (1..=max tile) → the const-generic kernel instantiated for it.
+    macro_rules! dispatch {
+        ($name:ident, $f:ident, $w:ty, $x:ty, [$($n:literal),*], $last:literal) => {
+            pub(super) unsafe fn $name(w: &[$w], x: &[$x], cols: usize, tn: usize, res: &mut [f32; MAX_TILE]) {
+                match tn {
+                    $($n => $f::<$n>(w, x, cols, res),)*
+                    _ => $f::<$last>(w, x, cols, res),
+                }
+            }
+        };
     }
-
-    pub(super) unsafe fn dispatch_q8_avx2(
-        w: &[BlockQ8],
-        x: &[f32],
-        cols: usize,
-        tn: usize,
-        res: &mut [f32; MAX_TILE],
-    ) {
-        match tn {
-            1 => q8_256::<1>(w, x, cols, res),
-            2 => q8_256::<2>(w, x, cols, res),
-            3 => q8_256::<3>(w, x, cols, res),
-            _ => q8_256::<4>(w, x, cols, res),
-        }
-    }
+    dispatch!(
+        dispatch_q4_avx512,
+        q4_512,
+        BlockQ4,
+        f32,
+        [1, 2, 3, 4, 5, 6, 7],
+        8
+    );
+    dispatch!(
+        dispatch_q8_avx512,
+        q8_512,
+        BlockQ8,
+        f32,
+        [1, 2, 3, 4, 5, 6, 7],
+        8
+    );
+    dispatch!(
+        dispatch_pre_bf16,
+        pre_bf16,
+        u16,
+        u16,
+        [1, 2, 3, 4, 5, 6, 7],
+        8
+    );
+    dispatch!(
+        dispatch_q4_bf16,
+        q4_bf16,
+        BlockQ4,
+        u16,
+        [1, 2, 3, 4, 5, 6, 7],
+        8
+    );
+    dispatch!(
+        dispatch_q8_bf16,
+        q8_bf16,
+        BlockQ8,
+        u16,
+        [1, 2, 3, 4, 5, 6, 7],
+        8
+    );
+    dispatch!(dispatch_q4_avx2, q4_256, BlockQ4, f32, [1, 2, 3], 4);
+    dispatch!(dispatch_q8_avx2, q8_256, BlockQ8, f32, [1, 2, 3], 4);
 }
 
 #[cfg(test)]

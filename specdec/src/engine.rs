@@ -664,7 +664,7 @@ impl Engine {
         // 4. Accept, commit, roll back.
         for (j, &(i, _)) in idx.iter().enumerate() {
             let vocab = out.vocab;
-            let rows = out.rows_of(j).to_vec();
+            let rows = out.rows_of(j);
             let s = &mut self.running[i];
             if let Some((from, n)) = chunks[i] {
                 if !fopts.layers.is_empty() {
