@@ -19,6 +19,8 @@ pub enum BenchCmd {
     /// Per-position top-1 agreement and KL of the quantized forward against the f32-dequantized
     /// reference forward of the same weights, over real text.
     Accuracy(AccuracyArgs),
+    /// Load against a running router (`dspark up`): TTFT, TPOT, ITL, tokens/s, wire bytes.
+    Serve(crate::serve_bench::ServeArgs),
 }
 
 #[derive(Args, Debug)]
@@ -107,6 +109,7 @@ pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Decode(a) => decode(g, a),
         BenchCmd::Accuracy(a) => accuracy(g, a),
         BenchCmd::Spec(a) => spec_bench(g, a),
+        BenchCmd::Serve(a) => crate::serve_bench::run(a),
     }
 }
 

@@ -54,6 +54,14 @@ impl Global {
         )?)
     }
 
+    pub fn hub(&self) -> drafter::build::ModelHub {
+        drafter::build::ModelHub {
+            home: self.home.clone(),
+            python: self.python.clone(),
+            opts: self.load_opts(),
+        }
+    }
+
     pub fn load_opts(&self) -> dspark_runtime::LoadOptions {
         dspark_runtime::LoadOptions {
             threads: self.threads,

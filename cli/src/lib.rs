@@ -7,8 +7,10 @@ pub mod bench;
 pub mod config;
 pub mod generate;
 pub mod plot;
+pub mod serve_bench;
 pub mod spec;
 pub mod train;
+pub mod up;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -44,6 +46,11 @@ pub enum Command {
     /// Benchmarks (write JSON with --json FILE).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// Start the whole cluster on loopback: scheduler, draft and target workers, router.
+    Up(up::UpArgs),
+    /// One cluster piece: `dspark scheduler|target-worker|draft-worker|router --help`.
+    #[command(external_subcommand)]
+    Service(Vec<String>),
 }
 
 pub fn run() -> ExitCode {
@@ -58,6 +65,16 @@ pub fn run() -> ExitCode {
             };
         }
     };
+    if matches!(cli.cmd, Command::Service(_)) {
+        // Services log at info by default (their own subscriber).
+        return match dispatch(cli) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
@@ -74,7 +91,45 @@ pub fn run() -> ExitCode {
     }
 }
 
+/// Runs a service subcommand (its own flags, parsed by its crate).
+fn service(argv: Vec<String>) -> anyhow::Result<()> {
+    use clap::Parser;
+    let name = argv.first().cloned().unwrap_or_default();
+    let rt = tokio::runtime::Runtime::new()?;
+    dspark_scheduler::init_tracing();
+    match name.as_str() {
+        "scheduler" => {
+            let a =
+                dspark_scheduler::SchedulerArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+            let eof = a.exit_on_stdin_eof;
+            rt.block_on(dspark_scheduler::serve(
+                a,
+                dspark_scheduler::shutdown_signal(eof),
+            ))?;
+        }
+        "target-worker" => {
+            let a = target_worker::TargetArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+            rt.block_on(target_worker::run(a))?;
+        }
+        "draft-worker" => {
+            let a = draft_worker::DraftArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+            rt.block_on(draft_worker::run(a))?;
+        }
+        "router" => {
+            let a = router::RouterArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+            rt.block_on(router::run(a))?;
+        }
+        other => anyhow::bail!(
+            "unknown command `{other}` (see `dspark --help`; services: scheduler, target-worker, draft-worker, router)"
+        ),
+    }
+    Ok(())
+}
+
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    if let Command::Service(argv) = cli.cmd {
+        return service(argv);
+    }
     let g = cli.global.validate()?;
     match cli.cmd {
         Command::FetchModel { name } => {
@@ -105,5 +160,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(b) => bench::run(&g, b),
         Command::TrainDrafter(a) => train::run(&g, a),
         Command::CalibrateDrafter(a) => train::calibrate(&g, a),
+        Command::Up(a) => up::run(&g, a),
+        Command::Service(_) => anyhow::bail!("service commands are dispatched above"),
     }
 }

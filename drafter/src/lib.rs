@@ -6,6 +6,7 @@
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
+pub mod build;
 pub mod calibrate;
 pub mod model;
 pub mod proposer;

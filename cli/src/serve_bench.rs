@@ -1,0 +1,265 @@
+//! `dspark bench serve`: a load generator against the router's OpenAI API. Open loop (Poisson
+//! arrivals at --rate) or closed loop (--concurrency users, each sending its next request when
+//! the last one ends), streaming, with `include_usage` to read the speculative statistics.
+
+use clap::Args;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    /// Model name sent in requests (default: the first of /v1/models).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// chat | code | math | all
+    #[arg(long, default_value = "chat")]
+    pub prompts: String,
+    /// Open loop: Poisson arrivals per second.
+    #[arg(long, conflicts_with = "concurrency")]
+    pub rate: Option<f64>,
+    /// Closed loop: users sending back to back.
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Seconds of load (requests in flight at the end are awaited and counted).
+    #[arg(long, default_value_t = 30.0)]
+    pub duration: f64,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Label stored with the result (e.g. the arm's name).
+    #[arg(long, default_value = "")]
+    pub label: String,
+    #[arg(long, env = "DSPARK_API_KEY")]
+    pub api_key: Option<String>,
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+#[derive(Default, Clone, Debug)]
+struct Sample {
+    ok: bool,
+    error: String,
+    ttft: f64,
+    e2e: f64,
+    itl: Vec<f64>,
+    tokens: u64,
+    usage: Value,
+}
+
+async fn one(client: &reqwest::Client, a: &ServeArgs, model: &str, prompt: &str) -> Sample {
+    let t0 = Instant::now();
+    let mut s = Sample::default();
+    let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": a.max_tokens, "temperature": a.temperature, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let mut req = client
+        .post(format!("{}/v1/chat/completions", a.url))
+        .json(&body);
+    if let Some(k) = &a.api_key {
+        req = req.bearer_auth(k);
+    }
+    let resp = match req.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            s.error = e.to_string();
+            return s;
+        }
+    };
+    if !resp.status().is_success() {
+        s.error = format!("HTTP {}", resp.status());
+        return s;
+    }
+    let mut stream = resp.bytes_stream();
+    let mut buf = String::new();
+    let mut last: Option<Instant> = None;
+    while let Some(chunk) = stream.next().await {
+        let Ok(chunk) = chunk else {
+            s.error = "stream broke".into();
+            return s;
+        };
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(p) = buf.find("\n\n") {
+            let ev: String = buf.drain(..p + 2).collect();
+            let Some(data) = ev.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                s.ok = s.error.is_empty();
+                s.e2e = t0.elapsed().as_secs_f64();
+                return s;
+            }
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            if v.get("error").is_some() {
+                s.error = v["error"]["message"]
+                    .as_str()
+                    .unwrap_or("error")
+                    .to_string();
+                continue;
+            }
+            if !v["usage"].is_null() {
+                s.tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                s.usage = v["usage"].clone();
+            }
+            let has_text = v["choices"][0]["delta"]["content"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty());
+            if has_text {
+                let now = Instant::now();
+                match last {
+                    None => s.ttft = t0.elapsed().as_secs_f64(),
+                    Some(l) => s.itl.push((now - l).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+        }
+    }
+    s.error = "stream ended without [DONE]".into();
+    s
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.duration > 0.0, "--duration must be positive");
+    let prompts = crate::bench::prompt_set(&a.prompts)?;
+    let rt = tokio::runtime::Runtime::new()?;
+    let out = rt.block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(600))
+            .build()?;
+        let model = match &a.model {
+            Some(m) => m.clone(),
+            None => {
+                let mut r = client.get(format!("{}/v1/models", a.url));
+                if let Some(k) = &a.api_key {
+                    r = r.bearer_auth(k);
+                }
+                let v: Value = r.send().await?.json().await?;
+                v["data"][0]["id"]
+                    .as_str()
+                    .ok_or_else(|| anyhow::anyhow!("{}/v1/models lists no model", a.url))?
+                    .to_string()
+            }
+        };
+        let (a2, client, model) = (Arc::new(a.clone()), Arc::new(client), Arc::new(model));
+        let prompts = Arc::new(prompts);
+        let t0 = Instant::now();
+        let end = t0 + Duration::from_secs_f64(a.duration);
+        let mut tasks = Vec::new();
+        let mode;
+        if let Some(rate) = a.rate {
+            anyhow::ensure!(rate > 0.0, "--rate must be positive");
+            mode = json!({"mode": "open", "rate": rate});
+            let mut rng = kernels::rng::Rng::new(7);
+            let mut next = Instant::now();
+            let mut i = 0usize;
+            while next < end {
+                tokio::time::sleep_until(next.into()).await;
+                let (a, c, m, p) = (a2.clone(), client.clone(), model.clone(), prompts.clone());
+                let k = i % p.len();
+                tasks.push(tokio::spawn(
+                    async move { vec![one(&c, &a, &m, &p[k]).await] },
+                ));
+                i += 1;
+                let u = rng.uniform().max(1e-12);
+                next += Duration::from_secs_f64(-u.ln() / rate);
+            }
+        } else {
+            let c = a.concurrency.unwrap_or(1).max(1);
+            mode = json!({"mode": "closed", "concurrency": c});
+            for u in 0..c {
+                let (a, cl, m, p) = (a2.clone(), client.clone(), model.clone(), prompts.clone());
+                tasks.push(tokio::spawn(async move {
+                    let mut v = Vec::new();
+                    let mut i = u;
+                    while Instant::now() < end {
+                        v.push(one(&cl, &a, &m, &p[i % p.len()]).await);
+                        i += c;
+                    }
+                    v
+                }));
+            }
+        }
+        let mut samples = Vec::new();
+        for t in tasks {
+            samples.extend(t.await?);
+        }
+        let wall = t0.elapsed().as_secs_f64();
+        anyhow::Ok(summarize(&a, &model, mode, samples, wall))
+    })?;
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    if let Some(p) = &a.json {
+        if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(d)?;
+        }
+        std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn summarize(a: &ServeArgs, model: &str, mode: Value, s: Vec<Sample>, wall: f64) -> Value {
+    let ok: Vec<&Sample> = s.iter().filter(|x| x.ok).collect();
+    let errors: Vec<&str> = s
+        .iter()
+        .filter(|x| !x.ok)
+        .map(|x| x.error.as_str())
+        .collect();
+    let tokens: u64 = ok.iter().map(|x| x.tokens).sum();
+    let mut ttft: Vec<f64> = ok.iter().map(|x| x.ttft * 1e3).collect();
+    let mut tpot: Vec<f64> = ok
+        .iter()
+        .filter(|x| x.tokens > 1)
+        .map(|x| (x.e2e - x.ttft) / (x.tokens - 1) as f64 * 1e3)
+        .collect();
+    let mut itl: Vec<f64> = ok
+        .iter()
+        .flat_map(|x| x.itl.iter().map(|v| v * 1e3))
+        .collect();
+    let user: Vec<f64> = ok
+        .iter()
+        .filter(|x| x.e2e > 0.0)
+        .map(|x| x.tokens as f64 / x.e2e)
+        .collect();
+    let u = |k: &str| -> f64 {
+        ok.iter()
+            .map(|x| x.usage["dspark"][k].as_f64().unwrap_or(0.0))
+            .sum()
+    };
+    let cycles = u("remote_draft_cycles");
+    json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "label": a.label, "url": a.url, "model": model, "prompts": a.prompts,
+        "load": mode, "duration_s": wall, "max_tokens": a.max_tokens, "temperature": a.temperature,
+        "requests": s.len(), "ok": ok.len(), "errors": errors.len(),
+        "first_errors": errors.iter().take(3).collect::<Vec<_>>(),
+        "tok_s": tokens as f64 / wall,
+        "user_tok_s": if user.is_empty() { 0.0 } else { user.iter().sum::<f64>() / user.len() as f64 },
+        "ttft_ms": {"p50": pct(&mut ttft, 0.5), "p99": pct(&mut ttft, 0.99)},
+        "tpot_ms": {"p50": pct(&mut tpot, 0.5), "p99": pct(&mut tpot, 0.99)},
+        "itl_ms": {"p50": pct(&mut itl, 0.5), "p99": pct(&mut itl, 0.99)},
+        "completion_tokens": tokens,
+        "tokens_per_forward": if u("verify_forwards") > 0.0 { tokens as f64 / u("verify_forwards") } else { 0.0 },
+        "wire": {
+            "bytes_to_draft_per_token": if tokens > 0 { u("bytes_to_draft") / tokens as f64 } else { 0.0 },
+            "bytes_from_draft_per_token": if tokens > 0 { u("bytes_from_draft") / tokens as f64 } else { 0.0 },
+            "remote_draft_cycles": cycles,
+            "fallback_draft_cycles": u("fallback_draft_cycles"),
+            "rtt_ms_per_cycle": if cycles > 0.0 { u("draft_rtt_ms") / cycles } else { 0.0 },
+            "grpc_overhead_ms_per_cycle": if cycles > 0.0 { (u("draft_rtt_ms") - u("draft_compute_ms")) / cycles } else { 0.0 },
+        }
+    })
+}

@@ -1,0 +1,264 @@
+//! `dspark up`: the whole cluster on loopback — scheduler, draft workers, target workers and
+//! the router as child processes of this one — and `dspark scheduler|target-worker|draft-worker|
+//! router` to run one piece.
+
+use crate::config::Global;
+use clap::Args;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// Target model served.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub target: String,
+    /// Drafter hosted by the draft workers: ngram | draft-model[:NAME] | dspark[:DIR]
+    /// (default: the shipped DSpark drafter for the target, else ngram).
+    #[arg(long)]
+    pub drafter: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    pub draft_workers: usize,
+    #[arg(long, default_value_t = 1)]
+    pub target_workers: usize,
+    /// Run the drafter inside each target worker instead of in draft workers (for comparison).
+    #[arg(long)]
+    pub in_process_drafter: bool,
+    /// etcd endpoints for discovery (default: workers register with the scheduler directly).
+    #[arg(long)]
+    pub etcd: Option<String>,
+    /// Router port.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Draft length.
+    #[arg(long, default_value_t = 4)]
+    pub gamma: usize,
+    /// Requests each target worker decodes at once.
+    #[arg(long, default_value_t = 16)]
+    pub max_running: usize,
+    /// Require this bearer token on /v1/*.
+    #[arg(long, env = "DSPARK_API_KEY")]
+    pub api_key: Option<String>,
+    /// Seconds to wait for the cluster to come up.
+    #[arg(long, default_value_t = 600)]
+    pub startup_timeout: u64,
+}
+
+struct Children(Vec<(String, Child)>);
+
+impl Children {
+    fn spawn(&mut self, name: &str, args: &[String]) -> anyhow::Result<()> {
+        let exe = std::env::current_exe()?;
+        let mut cmd = Command::new(exe);
+        cmd.args(args)
+            .arg("--exit-on-stdin-eof")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::inherit());
+        let c = cmd.spawn()?;
+        self.0.push((name.to_string(), c));
+        Ok(())
+    }
+
+    fn exited(&mut self) -> Option<String> {
+        for (n, c) in &mut self.0 {
+            if let Ok(Some(st)) = c.try_wait() {
+                return Some(format!("{n} exited ({st})"));
+            }
+        }
+        None
+    }
+
+    /// SIGTERM (through `kill`), then SIGKILL after a grace period.
+    fn stop(&mut self) {
+        for (_, c) in &mut self.0 {
+            let _ = Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+        let t0 = Instant::now();
+        for (n, c) in &mut self.0 {
+            loop {
+                match c.try_wait() {
+                    Ok(Some(_)) => break,
+                    _ if t0.elapsed() > Duration::from_secs(5) => {
+                        eprintln!("{n} did not stop; killing it");
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        break;
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        }
+        self.0.clear();
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
+    if a.draft_workers == 0 && !a.in_process_drafter {
+        eprintln!("no draft workers: target workers decode with their local fallback drafter");
+    }
+    anyhow::ensure!(a.target_workers >= 1, "--target-workers must be at least 1");
+    // Fetch once here so the children do not race for the download.
+    g.resolve_model(&a.target)?;
+    let drafter = a
+        .drafter
+        .clone()
+        .unwrap_or_else(|| drafter::build::default_kind_for(&a.target).label());
+    let mut common = vec![
+        "--python".to_string(),
+        g.python.clone(),
+        "--home".into(),
+        g.home.display().to_string(),
+    ];
+    let disc: Vec<String> = match &a.etcd {
+        Some(e) => vec!["--etcd".into(), e.clone()],
+        None => Vec::new(),
+    };
+    let sport = free_port()?;
+    let sched_url = format!("http://127.0.0.1:{sport}");
+    let mut kids = Children(Vec::new());
+    let mut s = vec![
+        "scheduler".to_string(),
+        "--listen".into(),
+        format!("127.0.0.1:{sport}"),
+    ];
+    s.extend(disc.clone());
+    kids.spawn("scheduler", &s)?;
+    let reg: Vec<String> = if a.etcd.is_some() {
+        disc.clone()
+    } else {
+        vec!["--scheduler".into(), sched_url.clone()]
+    };
+    common.extend(["--threads".into(), g.threads.to_string()]);
+    let drafts = if a.in_process_drafter {
+        0
+    } else {
+        a.draft_workers
+    };
+    for i in 0..drafts {
+        let mut d = vec![
+            "draft-worker".to_string(),
+            "--target".into(),
+            a.target.clone(),
+            "--drafter".into(),
+            drafter.clone(),
+            "--id".into(),
+            format!("draft-{i}"),
+        ];
+        d.extend(reg.clone());
+        d.extend(common.clone());
+        kids.spawn(&format!("draft-worker {i}"), &d)?;
+    }
+    for i in 0..a.target_workers {
+        let mut t = vec![
+            "target-worker".to_string(),
+            "--model".into(),
+            a.target.clone(),
+            "--id".into(),
+            format!("target-{i}"),
+            "--gamma".into(),
+            a.gamma.to_string(),
+            "--max-running".into(),
+            a.max_running.to_string(),
+        ];
+        if a.in_process_drafter {
+            t.extend(["--local-drafter".into(), drafter.clone()]);
+        }
+        t.extend(reg.clone());
+        t.extend(common.clone());
+        kids.spawn(&format!("target-worker {i}"), &t)?;
+    }
+    let listen = format!("{}:{}", a.host, a.port);
+    let mut r = vec![
+        "router".to_string(),
+        "--listen".into(),
+        listen.clone(),
+        "--model".into(),
+        a.target.clone(),
+        "--scheduler".into(),
+        sched_url,
+    ];
+    if let Some(k) = &a.api_key {
+        r.extend(["--api-key".into(), k.clone()]);
+    }
+    r.extend(common[..4].iter().cloned());
+    kids.spawn("router", &r)?;
+    // Ready when the router sees every worker.
+    let url = format!("http://{listen}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let t0 = Instant::now();
+    loop {
+        if let Some(e) = kids.exited() {
+            anyhow::bail!("cluster failed to start: {e}");
+        }
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(a.startup_timeout),
+            "cluster not ready after {} s",
+            a.startup_timeout
+        );
+        let ready = rt.block_on(async {
+            let r = reqwest::get(format!("{url}/ready")).await.ok()?;
+            let v: serde_json::Value = r.json().await.ok()?;
+            Some(
+                v["target_workers"].as_u64()? as usize >= a.target_workers
+                    && v["draft_workers"].as_u64()? as usize >= drafts,
+            )
+        });
+        if ready == Some(true) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    println!(
+        "\ndspark cluster up in {:.1} s: router {url} · {} target worker(s) · {} draft worker(s) ({drafter}{})",
+        t0.elapsed().as_secs_f64(),
+        a.target_workers,
+        drafts,
+        if a.in_process_drafter {
+            ", in-process"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\nCtrl-C stops the cluster.",
+        a.target
+    );
+    let stop = rt.block_on(async {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => return None,
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => futures::future::pending::<()>().await } } => return None,
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                    if let Some(e) = kids.exited() { return Some(e); }
+                }
+            }
+        }
+    });
+    eprintln!("stopping the cluster");
+    kids.stop();
+    match stop {
+        Some(e) => anyhow::bail!("a cluster process died: {e}"),
+        None => Ok(()),
+    }
+}

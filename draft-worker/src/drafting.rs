@@ -1,0 +1,335 @@
+//! The drafting thread: per-request draft context kept in step with the target, one batched
+//! `propose` over every waiting round of every stream.
+
+use crate::{DraftArgs, DraftError, Result};
+use dspark_proto::{DraftBlock, DraftCall, DraftReply, Dtype, QKind, Tensor};
+use kernels::rng::Rng;
+use specdec::proposer::{Dist, NgramProposer, ProposeReq};
+use specdec::{MAX_GAMMA, Proposer, ProposerKind};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// The loaded drafter and what the wire needs to know about it.
+pub struct DraftHost {
+    pub proposer: Box<dyn Proposer>,
+    pub drafter: String,
+    pub vocab: usize,
+    pub vocab_hash: String,
+    pub feature_layers: Vec<usize>,
+    /// Floats per feature row (layers × d_model).
+    pub row_len: usize,
+    pub max_gamma: usize,
+}
+
+impl DraftHost {
+    pub fn load(hub: &drafter::build::ModelHub, a: &DraftArgs) -> Result<Self> {
+        let kind = match &a.drafter {
+            Some(k) => ProposerKind::parse(k, drafter::build::default_draft_for(&a.target))?,
+            None => drafter::build::default_kind_for(&a.target),
+        };
+        if kind == ProposerKind::None {
+            return Err(DraftError::Config(
+                "a draft worker needs a drafter (ngram, draft-model, dspark)".into(),
+            ));
+        }
+        let path = hub.resolve(&a.target)?;
+        let (proposer, vocab, vocab_hash, d_model): (Box<dyn Proposer>, usize, String, usize) =
+            if kind == ProposerKind::Ngram {
+                let tok = dspark_runtime::Tokenizer::load(&path)?;
+                (
+                    Box::new(NgramProposer::default()),
+                    tok.vocab_size(),
+                    tok.vocab_hash(),
+                    0,
+                )
+            } else {
+                let target = hub.load(&a.target)?;
+                let mut cache = drafter::build::DraftCache::default();
+                let p = drafter::build::build_proposer(hub, &kind, &target, &mut cache)?;
+                (
+                    p,
+                    target.model.cfg.vocab_size,
+                    target.tok.vocab_hash(),
+                    target.model.cfg.d_model,
+                )
+            };
+        let feature_layers = proposer.feature_layers();
+        Ok(Self {
+            drafter: kind.label(),
+            row_len: feature_layers.len() * d_model,
+            feature_layers,
+            vocab,
+            vocab_hash,
+            proposer,
+            max_gamma: MAX_GAMMA,
+        })
+    }
+}
+
+/// Work for the drafting thread.
+pub enum Job {
+    Round {
+        stream: u64,
+        call: DraftCall,
+        reply: tokio::sync::oneshot::Sender<DraftReply>,
+    },
+    /// The stream closed: free its requests.
+    Drop { stream: u64 },
+}
+
+struct ReqState {
+    tokens: Vec<u32>,
+    rng: Rng,
+}
+
+/// Per-request state and the proposer; owned by the drafting thread.
+pub struct Drafting {
+    host: DraftHost,
+    ids: HashMap<(u64, u64), u64>,
+    states: HashMap<u64, ReqState>,
+    next_id: u64,
+}
+
+fn bad(m: impl Into<String>) -> String {
+    m.into()
+}
+
+impl Drafting {
+    pub fn new(host: DraftHost) -> Self {
+        Self {
+            host,
+            ids: HashMap::new(),
+            states: HashMap::new(),
+            next_id: 1,
+        }
+    }
+
+    pub fn active(&self) -> usize {
+        self.states.len()
+    }
+
+    /// Runs until the job channel closes.
+    pub fn run(
+        mut self,
+        rx: std::sync::mpsc::Receiver<Job>,
+        load: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        while let Ok(first) = rx.recv() {
+            let mut jobs = vec![first];
+            while let Ok(j) = rx.try_recv() {
+                jobs.push(j);
+            }
+            let mut rounds = Vec::new();
+            for j in jobs {
+                match j {
+                    Job::Drop { stream } => self.drop_stream(stream),
+                    Job::Round {
+                        stream,
+                        call,
+                        reply,
+                    } => rounds.push((stream, call, reply)),
+                }
+            }
+            if !rounds.is_empty() {
+                for (reply, r) in self.rounds(rounds) {
+                    let _ = reply.send(r);
+                }
+            }
+            load.store(self.active(), std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn drop_stream(&mut self, stream: u64) {
+        let gone: Vec<(u64, u64)> = self.ids.keys().filter(|k| k.0 == stream).copied().collect();
+        for k in gone {
+            if let Some(g) = self.ids.remove(&k) {
+                self.states.remove(&g);
+                self.host.proposer.finish(g);
+            }
+        }
+    }
+
+    fn check(&self, call: &DraftCall) -> Result<(), String> {
+        for it in &call.items {
+            if it.k as usize > self.host.max_gamma {
+                return Err(bad(format!(
+                    "request {}: k = {} exceeds the drafter's maximum {}",
+                    it.seq, it.k, self.host.max_gamma
+                )));
+            }
+            if let Some(&t) = it.tokens.iter().find(|&&t| t as usize >= self.host.vocab) {
+                return Err(bad(format!(
+                    "request {}: token {t} outside the vocabulary ({})",
+                    it.seq, self.host.vocab
+                )));
+            }
+            if let Some(s) = &it.sampling {
+                s.to_params()
+                    .map_err(|e| bad(format!("request {}: {e}", it.seq)))?;
+            }
+            if let Some(f) = &it.features {
+                let v = f
+                    .to_f32()
+                    .map_err(|e| bad(format!("request {}: features: {e}", it.seq)))?;
+                if self.host.row_len == 0 || v.len() % self.host.row_len != 0 {
+                    return Err(bad(format!(
+                        "request {}: features of {} floats do not split into rows of {}",
+                        it.seq,
+                        v.len(),
+                        self.host.row_len
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies every round's syncs, drafts all of them in one `propose`, builds the replies.
+    fn rounds(
+        &mut self,
+        rounds: Vec<(u64, DraftCall, tokio::sync::oneshot::Sender<DraftReply>)>,
+    ) -> Vec<(tokio::sync::oneshot::Sender<DraftReply>, DraftReply)> {
+        let t0 = Instant::now();
+        let mut out = Vec::with_capacity(rounds.len());
+        // (round index, item index, global id, k, params)
+        let mut want = Vec::new();
+        let mut replies: Vec<DraftReply> = Vec::with_capacity(rounds.len());
+        for (ri, (stream, call, _)) in rounds.iter().enumerate() {
+            let mut rep = DraftReply {
+                step: call.step,
+                ..Default::default()
+            };
+            for &seq in &call.finished {
+                if let Some(g) = self.ids.remove(&(*stream, seq)) {
+                    self.states.remove(&g);
+                    self.host.proposer.finish(g);
+                }
+            }
+            if let Err(e) = self.check(call) {
+                rep.error = e;
+                replies.push(rep);
+                continue;
+            }
+            for it in &call.items {
+                let g = *self.ids.entry((*stream, it.seq)).or_insert_with(|| {
+                    self.next_id += 1;
+                    self.next_id
+                });
+                let st = self.states.entry(g).or_insert_with(|| ReqState {
+                    tokens: Vec::new(),
+                    rng: Rng::new(it.seed ^ 0x5eed_d4af),
+                });
+                if it.sync_from as usize > st.tokens.len() {
+                    rep.blocks.push(DraftBlock {
+                        seq: it.seq,
+                        need_sync: true,
+                        have_tokens: st.tokens.len() as u32,
+                        ..Default::default()
+                    });
+                    continue;
+                }
+                st.tokens.truncate(it.sync_from as usize);
+                st.tokens.extend_from_slice(&it.tokens);
+                let r = self
+                    .host
+                    .proposer
+                    .commit(g, &st.tokens)
+                    .and_then(|_| match &it.features {
+                        Some(f) => {
+                            let rows = f.to_f32().unwrap_or_default();
+                            self.host.proposer.observe(g, it.feat_from as usize, &rows)
+                        }
+                        None => Ok(()),
+                    });
+                if let Err(e) = r {
+                    rep.error = format!("request {}: {e}", it.seq);
+                    break;
+                }
+                let params = it
+                    .sampling
+                    .as_ref()
+                    .and_then(|s| s.to_params().ok())
+                    .unwrap_or_else(kernels::sampling::SamplingParams::greedy);
+                rep.blocks.push(DraftBlock {
+                    seq: it.seq,
+                    have_tokens: st.tokens.len() as u32,
+                    ..Default::default()
+                });
+                want.push((ri, rep.blocks.len() - 1, g, it.k as usize, params));
+            }
+            replies.push(rep);
+        }
+        // One propose over every round's requests.
+        want.retain(|w| replies[w.0].error.is_empty() && w.3 > 0);
+        if !want.is_empty() {
+            let by_g: HashMap<u64, usize> =
+                want.iter().enumerate().map(|(i, w)| (w.2, i)).collect();
+            let mut order = Vec::with_capacity(want.len());
+            let mut reqs = Vec::with_capacity(want.len());
+            for (g, st) in self.states.iter_mut() {
+                if let Some(&wi) = by_g.get(g) {
+                    order.push(wi);
+                    reqs.push(ProposeReq {
+                        id: *g,
+                        context: &st.tokens,
+                        k: want[wi].3,
+                        params: &want[wi].4,
+                        rng: &mut st.rng,
+                    });
+                }
+            }
+            match self.host.proposer.propose(&mut reqs) {
+                Ok(blocks) => {
+                    for (wi, b) in order.into_iter().zip(blocks) {
+                        let (ri, bi, _, k, _) = want[wi];
+                        fill(&mut replies[ri].blocks[bi], b, k, self.host.vocab);
+                    }
+                }
+                Err(e) => {
+                    for w in &want {
+                        replies[w.0].error = format!("drafting failed: {e}");
+                    }
+                }
+            }
+        }
+        let us = t0.elapsed().as_micros() as u64;
+        for ((_, _, tx), mut rep) in rounds.into_iter().zip(replies) {
+            rep.compute_us = us;
+            out.push((tx, rep));
+        }
+        out
+    }
+}
+
+/// Puts a drafted block on the wire: tokens, confidences, and q (one-hot, or dense rows when
+/// the drafter sampled from a full distribution).
+fn fill(m: &mut DraftBlock, b: specdec::proposer::DraftBlock, k: usize, vocab: usize) {
+    let n = b.tokens.len().min(k);
+    m.tokens = b.tokens[..n].to_vec();
+    m.confidence = b
+        .confidence
+        .map(|c| c[..n.min(c.len())].to_vec())
+        .unwrap_or_default();
+    let dense = b.dists[..n].iter().any(|d| !matches!(d, Dist::OneHot));
+    if !dense {
+        m.q_kind = QKind::OneHot as i32;
+        return;
+    }
+    let mut rows = vec![0f32; n * vocab];
+    for (i, d) in b.dists[..n].iter().enumerate() {
+        let row = &mut rows[i * vocab..(i + 1) * vocab];
+        match d {
+            Dist::Dense(v) => row.copy_from_slice(&v[..vocab.min(v.len())]),
+            Dist::Sparse(v) => {
+                for &(t, p) in v {
+                    if (t as usize) < vocab {
+                        row[t as usize] = p;
+                    }
+                }
+            }
+            Dist::OneHot => row[m.tokens[i] as usize] = 1.0,
+        }
+    }
+    m.q_kind = QKind::Dense as i32;
+    m.q = Some(Tensor::from_f32(&rows, &[n, vocab], Dtype::F32));
+}

@@ -1,0 +1,147 @@
+//! The draft worker: hosts one drafter and serves `dspark.v1.DraftWorker`.
+//!
+//! Each target worker holds one long-lived bidirectional stream; every message is one drafting
+//! round for a batch of its requests. A single drafting thread batches the rounds of every
+//! stream that are waiting, so requests of several target workers share one drafter forward.
+//! Per request the worker keeps the committed tokens (and, for DSpark, the target's context
+//! features) in step with the target: each round carries only what changed since the last
+//! round the target saw acknowledged, and a worker that lost a request's state (restart, new
+//! stream) says so and gets it resent in full.
+
+#![deny(rust_2018_idioms)]
+#![forbid(unsafe_code)]
+
+pub mod drafting;
+pub mod service;
+
+use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DraftError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Drafter(#[from] drafter::DrafterError),
+    #[error(transparent)]
+    Spec(#[from] specdec::SpecError),
+    #[error(transparent)]
+    Runtime(#[from] dspark_runtime::RuntimeError),
+    #[error(transparent)]
+    Sched(#[from] dspark_scheduler::SchedError),
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T, E = DraftError> = std::result::Result<T, E>;
+
+#[derive(Parser, Debug, Clone)]
+#[command(name = "draft-worker", about = "dspark draft worker")]
+pub struct DraftArgs {
+    /// Target model the drafts are for (name or path): its tokenizer, and for DSpark its
+    /// embedding and LM head.
+    #[arg(long, env = "DSPARK_TARGET", default_value = "smollm2-135m")]
+    pub target: String,
+    /// ngram | draft-model[:NAME] | dspark[:DIR] (default: the shipped DSpark drafter, else ngram).
+    #[arg(long, env = "DSPARK_DRAFTER")]
+    pub drafter: Option<String>,
+    /// gRPC listen address (port 0 picks a free port; the bound address is registered).
+    #[arg(long, env = "DSPARK_DRAFT_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Scheduler URL for static registration.
+    #[arg(long, env = "DSPARK_SCHEDULER")]
+    pub scheduler: Option<String>,
+    /// etcd endpoints (comma-separated); registration through an etcd lease instead.
+    #[arg(long, env = "DSPARK_ETCD")]
+    pub etcd: Option<String>,
+    /// Worker id (default: draft-<port>).
+    #[arg(long, env = "DSPARK_WORKER_ID")]
+    pub id: Option<String>,
+    /// Registration TTL in milliseconds.
+    #[arg(long, env = "DSPARK_TTL_MS", default_value_t = 3000)]
+    pub ttl_ms: u64,
+    /// Requests this worker drafts for at once (placement capacity).
+    #[arg(long, env = "DSPARK_DRAFT_CAPACITY", default_value_t = 256)]
+    pub capacity: u32,
+    #[arg(long, env = "DSPARK_HOME")]
+    pub home: Option<PathBuf>,
+    #[arg(long, env = "DSPARK_PYTHON", default_value = "python3")]
+    pub python: String,
+    /// Compute threads (0 = all cores).
+    #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// Exit when stdin closes (set by `dspark up` so children never outlive it).
+    #[arg(long, hide = true)]
+    pub exit_on_stdin_eof: bool,
+}
+
+/// Loads the drafter, binds, registers, serves until a shutdown signal.
+pub async fn run(args: DraftArgs) -> Result<()> {
+    let disc = dspark_scheduler::discovery::Discovery::from_args(
+        args.scheduler.as_deref(),
+        args.etcd.as_deref(),
+    )
+    .ok();
+    let hub = drafter::build::ModelHub {
+        home: dspark_runtime::fetch::dspark_home(args.home.as_deref()),
+        python: args.python.clone(),
+        opts: dspark_runtime::LoadOptions {
+            threads: args.threads,
+            ..Default::default()
+        },
+    };
+    let (a2, hub2) = (args.clone(), hub.clone());
+    let host = tokio::task::spawn_blocking(move || drafting::DraftHost::load(&hub2, &a2))
+        .await
+        .map_err(|e| DraftError::Config(format!("loader: {e}")))??;
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let addr = listener.local_addr()?;
+    let id = args
+        .id
+        .clone()
+        .unwrap_or_else(|| format!("draft-{}", addr.port()));
+    let info = dspark_proto::WorkerInfo {
+        id: id.clone(),
+        role: dspark_scheduler::placement::ROLE_DRAFT.into(),
+        address: addr.to_string(),
+        model: args.target.clone(),
+        vocab_hash: host.vocab_hash.clone(),
+        capacity: args.capacity,
+        load: 0,
+        drafter: host.drafter.clone(),
+        max_context: 0,
+        ttl_ms: args.ttl_ms as u32,
+        feature_layers: host.feature_layers.iter().map(|&l| l as u32).collect(),
+        max_gamma: host.max_gamma as u32,
+    };
+    let svc = service::DraftService::start(host, info.clone());
+    let load = svc.load_counter();
+    if let Some(disc) = disc {
+        let info2 = info.clone();
+        dspark_scheduler::discovery::spawn_registrar(
+            disc,
+            std::time::Duration::from_millis(args.ttl_ms),
+            std::sync::Arc::new(move || {
+                let mut i = info2.clone();
+                i.load = load.load(std::sync::atomic::Ordering::Relaxed) as u32;
+                i
+            }),
+        );
+    }
+    println!("draft worker {id} ({}) listening on {addr}", info.drafter);
+    tonic::transport::Server::builder()
+        .add_service(
+            dspark_proto::draft_worker_server::DraftWorkerServer::new(svc)
+                .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(dspark_proto::MAX_MESSAGE_BYTES),
+        )
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            dspark_scheduler::shutdown_signal(args.exit_on_stdin_eof),
+        )
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,8 @@
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    dspark_scheduler::init_tracing();
+    draft_worker::run(draft_worker::DraftArgs::parse()).await?;
+    Ok(())
+}

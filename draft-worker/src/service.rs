@@ -1,0 +1,136 @@
+//! `dspark.v1.DraftWorker`: one bidirectional stream per target worker.
+
+use crate::drafting::{DraftHost, Drafting, Job};
+use dspark_proto::draft_worker_server::DraftWorker;
+use dspark_proto::{DraftCall, DraftReply, InfoRequest, WorkerInfo};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+#[derive(Clone)]
+pub struct DraftService {
+    jobs: std::sync::mpsc::Sender<Job>,
+    info: WorkerInfo,
+    streams: Arc<AtomicU64>,
+    load: Arc<AtomicUsize>,
+}
+
+impl DraftService {
+    /// Starts the drafting thread.
+    pub fn start(host: DraftHost, info: WorkerInfo) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let load = Arc::new(AtomicUsize::new(0));
+        let l2 = Arc::clone(&load);
+        std::thread::Builder::new()
+            .name("drafting".into())
+            .spawn(move || Drafting::new(host).run(rx, l2))
+            .expect("spawning the drafting thread");
+        Self {
+            jobs: tx,
+            info,
+            streams: Arc::new(AtomicU64::new(0)),
+            load,
+        }
+    }
+
+    /// Requests with draft state (reported as load).
+    pub fn load_counter(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.load)
+    }
+}
+
+type ReplyStream = Pin<Box<dyn Stream<Item = Result<DraftReply, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl DraftWorker for DraftService {
+    type DraftStream = ReplyStream;
+
+    async fn draft(
+        &self,
+        req: Request<Streaming<DraftCall>>,
+    ) -> Result<Response<Self::DraftStream>, Status> {
+        let stream_no = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut calls = req.into_inner();
+        let jobs = self.jobs.clone();
+        let info = self.info.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<DraftReply, Status>>(16);
+        tokio::spawn(async move {
+            let mut last_step: Option<u64> = None;
+            let mut first = true;
+            loop {
+                let call = match calls.next().await {
+                    Some(Ok(c)) => c,
+                    Some(Err(s)) => {
+                        tracing::debug!(stream = stream_no, "stream error: {}", s.message());
+                        break;
+                    }
+                    None => break,
+                };
+                if first {
+                    first = false;
+                    if !call.vocab_hash.is_empty() && call.vocab_hash != info.vocab_hash {
+                        let _ = tx
+                            .send(Err(Status::failed_precondition(format!(
+                                "draft worker serves vocabulary {} (model {}), the target has {}",
+                                info.vocab_hash, info.model, call.vocab_hash
+                            ))))
+                            .await;
+                        break;
+                    }
+                    tracing::info!(
+                        stream = stream_no,
+                        target = call.target_worker,
+                        "target worker connected"
+                    );
+                }
+                if let Some(last) = last_step.filter(|&l| call.step <= l) {
+                    let rep = DraftReply {
+                        step: call.step,
+                        error: format!("stale or reordered step {} (last {last})", call.step),
+                        ..Default::default()
+                    };
+                    if tx.send(Ok(rep)).await.is_err() {
+                        break;
+                    }
+                    continue;
+                }
+                last_step = Some(call.step);
+                let (rtx, rrx) = tokio::sync::oneshot::channel();
+                if jobs
+                    .send(Job::Round {
+                        stream: stream_no,
+                        call,
+                        reply: rtx,
+                    })
+                    .is_err()
+                {
+                    let _ = tx
+                        .send(Err(Status::unavailable("drafting thread gone")))
+                        .await;
+                    break;
+                }
+                let Ok(rep) = rrx.await else {
+                    let _ = tx
+                        .send(Err(Status::internal("drafting thread dropped a round")))
+                        .await;
+                    break;
+                };
+                if tx.send(Ok(rep)).await.is_err() {
+                    break;
+                }
+            }
+            let _ = jobs.send(Job::Drop { stream: stream_no });
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        let mut i = self.info.clone();
+        i.load = self.load.load(Ordering::Relaxed) as u32;
+        Ok(Response::new(i))
+    }
+}

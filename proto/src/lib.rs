@@ -1,0 +1,160 @@
+//! The `dspark.v1` wire protocol (generated from `proto/dspark/v1/dspark.proto`) and the tensor
+//! codec: raw little-endian bytes with dtype and shape, checked on decode.
+
+#![deny(rust_2018_idioms)]
+#![forbid(unsafe_code)]
+
+pub mod v1 {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("dspark.v1");
+}
+
+pub use v1::*;
+
+/// Largest gRPC message either side accepts (a drafting round for many requests fits easily;
+/// anything bigger is a bug or an attack and is refused with `OUT_OF_RANGE`).
+pub const MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("tensor: {0}")]
+    Tensor(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Tensor {
+    /// Encodes f32 values in the given dtype (f16/bf16 halve the bytes).
+    pub fn from_f32(values: &[f32], shape: &[usize], dtype: Dtype) -> Self {
+        let mut data = Vec::with_capacity(values.len() * 4);
+        match dtype {
+            Dtype::F16 => {
+                for v in values {
+                    data.extend_from_slice(&half::f16::from_f32(*v).to_le_bytes());
+                }
+            }
+            Dtype::Bf16 => {
+                for v in values {
+                    data.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
+                }
+            }
+            Dtype::F32 | Dtype::Unspecified => {
+                for v in values {
+                    data.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        let dtype = if dtype == Dtype::Unspecified {
+            Dtype::F32
+        } else {
+            dtype
+        };
+        Self {
+            dtype: dtype as i32,
+            shape: shape.iter().map(|&s| s as u32).collect(),
+            data,
+        }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().map(|&s| s as usize).product()
+    }
+
+    /// Decodes to f32, checking that dtype, shape and byte length agree.
+    pub fn to_f32(&self) -> Result<Vec<f32>, WireError> {
+        let dtype = Dtype::try_from(self.dtype)
+            .map_err(|_| WireError::Tensor(format!("unknown dtype {}", self.dtype)))?;
+        let width = match dtype {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::Bf16 => 2,
+            Dtype::Unspecified => return Err(WireError::Tensor("dtype unspecified".into())),
+        };
+        let n = self.numel();
+        if n.checked_mul(width) != Some(self.data.len()) {
+            return Err(WireError::Tensor(format!(
+                "shape {:?} × {width} bytes ≠ {} bytes of data",
+                self.shape,
+                self.data.len()
+            )));
+        }
+        Ok(match dtype {
+            Dtype::F32 => self
+                .data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Dtype::F16 => self
+                .data
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            _ => self
+                .data
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_round_trip_each_dtype() {
+        let v: Vec<f32> = (0..24).map(|i| i as f32 * 0.25 - 3.0).collect();
+        for dt in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
+            let t = Tensor::from_f32(&v, &[4, 6], dt);
+            assert_eq!(t.to_f32().unwrap(), v, "{dt:?}");
+        }
+        assert_eq!(Tensor::from_f32(&v, &[4, 6], Dtype::F16).data.len(), 48);
+    }
+
+    #[test]
+    fn tensor_rejects_bad_shapes_and_dtypes() {
+        let mut t = Tensor::from_f32(&[1.0, 2.0, 3.0], &[3], Dtype::F32);
+        t.shape = vec![4];
+        assert!(t.to_f32().is_err());
+        t.shape = vec![u32::MAX, u32::MAX, u32::MAX];
+        assert!(t.to_f32().is_err());
+        t.shape = vec![3];
+        t.dtype = 99;
+        assert!(t.to_f32().is_err());
+    }
+}
+
+impl From<&kernels::sampling::SamplingParams> for Sampling {
+    fn from(p: &kernels::sampling::SamplingParams) -> Self {
+        Self {
+            temperature: p.temperature,
+            top_k: p.top_k as u32,
+            top_p: p.top_p,
+            repetition_penalty: p.repetition_penalty,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+        }
+    }
+}
+
+impl Sampling {
+    /// The sampling parameters, validated (a zero `top_p` / `repetition_penalty` on the wire
+    /// means "off", as proto3 defaults are zero).
+    pub fn to_params(&self) -> Result<kernels::sampling::SamplingParams, WireError> {
+        let p = kernels::sampling::SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k as usize,
+            top_p: if self.top_p == 0.0 { 1.0 } else { self.top_p },
+            repetition_penalty: if self.repetition_penalty == 0.0 {
+                1.0
+            } else {
+                self.repetition_penalty
+            },
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+        };
+        p.validate()
+            .map_err(|e| WireError::Invalid(format!("sampling: {e}")))?;
+        Ok(p)
+    }
+}

@@ -1,0 +1,181 @@
+//! The router's view of the cluster: placement through the scheduler, with the last known view
+//! as a fallback so a slow or absent scheduler never stops traffic.
+
+use dspark_proto::scheduler_client::SchedulerClient;
+use dspark_proto::target_worker_client::TargetWorkerClient;
+use dspark_proto::{ClusterRequest, PlaceRequest, WorkerInfo};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+const SCHEDULER_TIMEOUT: Duration = Duration::from_millis(300);
+
+#[derive(Debug)]
+pub enum PlaceError {
+    /// No target worker known.
+    NoTarget,
+    /// Every target worker is at capacity.
+    Full,
+}
+
+pub struct Cluster {
+    scheduler: Option<String>,
+    /// Static workers (`--targets`, `--drafts`) when there is no scheduler.
+    view: RwLock<Vec<WorkerInfo>>,
+    channels: Mutex<HashMap<String, Channel>>,
+    /// Requests this router has in flight per target address (local placement).
+    local_load: Mutex<HashMap<String, u32>>,
+}
+
+impl Cluster {
+    pub fn new(scheduler: Option<String>, statics: Vec<WorkerInfo>) -> Arc<Self> {
+        Arc::new(Self {
+            scheduler: scheduler.map(|s| dspark_scheduler::discovery::normalize_url(&s)),
+            view: RwLock::new(statics),
+            channels: Mutex::new(HashMap::new()),
+            local_load: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Refreshes the view from the scheduler every `period` (no-op without one).
+    pub fn spawn_refresh(self: &Arc<Self>, period: Duration) {
+        let Some(url) = self.scheduler.clone() else {
+            return;
+        };
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                if let Ok(ch) = me.channel_for_url(&url) {
+                    let mut c = SchedulerClient::new(ch);
+                    if let Ok(Ok(v)) =
+                        tokio::time::timeout(SCHEDULER_TIMEOUT, c.cluster(ClusterRequest {})).await
+                    {
+                        if let Ok(mut w) = me.view.write() {
+                            *w = v.into_inner().workers;
+                        }
+                    }
+                }
+                tokio::time::sleep(period).await;
+            }
+        });
+    }
+
+    pub fn workers(&self) -> Vec<WorkerInfo> {
+        self.view.read().map(|v| v.clone()).unwrap_or_default()
+    }
+
+    pub fn targets(&self) -> Vec<WorkerInfo> {
+        self.workers()
+            .into_iter()
+            .filter(|w| w.role == dspark_scheduler::placement::ROLE_TARGET)
+            .collect()
+    }
+
+    /// Sum of target capacities (admission control).
+    pub fn capacity(&self) -> usize {
+        self.targets().iter().map(|t| t.capacity as usize).sum()
+    }
+
+    fn channel_for_url(&self, url: &str) -> Result<Channel, String> {
+        let mut m = self.channels.lock().map_err(|_| "poisoned".to_string())?;
+        if let Some(c) = m.get(url) {
+            return Ok(c.clone());
+        }
+        let c = Endpoint::from_shared(url.to_string())
+            .map_err(|e| e.to_string())?
+            .connect_timeout(Duration::from_millis(500))
+            .tcp_nodelay(true)
+            .connect_lazy();
+        m.insert(url.to_string(), c.clone());
+        Ok(c)
+    }
+
+    pub fn target_client(&self, addr: &str) -> Result<TargetWorkerClient<Channel>, String> {
+        let ch = self.channel_for_url(&dspark_scheduler::discovery::normalize_url(addr))?;
+        Ok(TargetWorkerClient::new(ch)
+            .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(dspark_proto::MAX_MESSAGE_BYTES))
+    }
+
+    /// A target (and draft) for a new request; `exclude` lists target ids that just failed.
+    pub async fn place(
+        &self,
+        model: &str,
+        exclude: &[String],
+    ) -> Result<(WorkerInfo, Option<WorkerInfo>), PlaceError> {
+        if exclude.is_empty() {
+            if let Some(url) = &self.scheduler {
+                if let Ok(ch) = self.channel_for_url(url) {
+                    let mut c = SchedulerClient::new(ch);
+                    let r = tokio::time::timeout(
+                        SCHEDULER_TIMEOUT,
+                        c.place(PlaceRequest {
+                            model: model.to_string(),
+                            ..Default::default()
+                        }),
+                    )
+                    .await;
+                    match r {
+                        Ok(Ok(p)) => {
+                            let p = p.into_inner();
+                            if let Some(t) = p.target {
+                                return Ok((t, p.draft));
+                            }
+                        }
+                        Ok(Err(s)) if s.code() == tonic::Code::ResourceExhausted => {
+                            return Err(PlaceError::Full);
+                        }
+                        Ok(Err(s))
+                            if s.code() == tonic::Code::Unavailable
+                                && s.message().starts_with("no target") =>
+                        {
+                            return Err(PlaceError::NoTarget);
+                        }
+                        _ => tracing::debug!("scheduler unavailable; placing from the last view"),
+                    }
+                }
+            }
+        }
+        self.place_locally(exclude)
+    }
+
+    fn place_locally(
+        &self,
+        exclude: &[String],
+    ) -> Result<(WorkerInfo, Option<WorkerInfo>), PlaceError> {
+        let view = self.workers();
+        let load = self
+            .local_load
+            .lock()
+            .map(|l| l.clone())
+            .unwrap_or_default();
+        let targets: Vec<&WorkerInfo> = view
+            .iter()
+            .filter(|w| w.role == dspark_scheduler::placement::ROLE_TARGET)
+            .filter(|w| !exclude.contains(&w.id))
+            .collect();
+        if targets.is_empty() {
+            return Err(PlaceError::NoTarget);
+        }
+        let t = targets
+            .iter()
+            .filter(|t| load.get(&t.address).copied().unwrap_or(0) < t.capacity.max(1))
+            .min_by_key(|t| (load.get(&t.address).copied().unwrap_or(0), t.id.clone()))
+            .ok_or(PlaceError::Full)?;
+        let d = view
+            .iter()
+            .filter(|w| w.role == dspark_scheduler::placement::ROLE_DRAFT)
+            .filter(|w| w.vocab_hash == t.vocab_hash || w.vocab_hash.is_empty())
+            .min_by_key(|w| (w.load, w.id.clone()))
+            .cloned();
+        Ok(((*t).clone(), d))
+    }
+
+    pub fn track(&self, addr: &str, delta: i32) {
+        if let Ok(mut l) = self.local_load.lock() {
+            let e = l.entry(addr.to_string()).or_insert(0);
+            *e = (*e as i64 + delta as i64).max(0) as u32;
+        }
+    }
+}

@@ -1,0 +1,853 @@
+//! The router: OpenAI-compatible HTTP in front of the cluster.
+//!
+//! It tokenizes (and renders chat templates), validates, applies admission control, asks the
+//! scheduler for a placement (or uses its last cluster view), and streams the target worker's
+//! committed tokens back as JSON or server-sent events. A target worker that fails mid-stream
+//! is replaced: the request continues on another worker from the tokens already delivered.
+
+#![deny(rust_2018_idioms)]
+#![forbid(unsafe_code)]
+
+pub mod cluster;
+pub mod metrics;
+pub mod openai;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Parser;
+use dspark_proto::{GenerateRequest, SpecStats, WorkerInfo, generate_event};
+use dspark_runtime::Tokenizer;
+use dspark_runtime::chat::{ChatTemplate, Message};
+use metrics::Metrics;
+use openai::{ApiError, ChatRequest, CompletionRequest, GenSettings, Prompt};
+use serde_json::{Value, json};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio_stream::StreamExt;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Runtime(#[from] dspark_runtime::RuntimeError),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "dspark-router",
+    about = "OpenAI-compatible router of a dspark cluster"
+)]
+pub struct RouterArgs {
+    /// HTTP listen address.
+    #[arg(long, env = "DSPARK_ROUTER_LISTEN", default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// Model served (name or path): its tokenizer and chat template live here.
+    #[arg(long, env = "DSPARK_MODEL", default_value = "smollm2-135m")]
+    pub model: String,
+    /// Name clients use in `model` (default: --model).
+    #[arg(long, env = "DSPARK_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+    /// Scheduler URL (placement and cluster view).
+    #[arg(long, env = "DSPARK_SCHEDULER")]
+    pub scheduler: Option<String>,
+    /// Static target workers (host:port, comma-separated) when running without a scheduler.
+    #[arg(long, env = "DSPARK_TARGETS", value_delimiter = ',')]
+    pub targets: Vec<String>,
+    /// Static draft workers (host:port, comma-separated).
+    #[arg(long, env = "DSPARK_DRAFTS", value_delimiter = ',')]
+    pub drafts: Vec<String>,
+    /// Require `Authorization: Bearer KEY` on /v1/*.
+    #[arg(long, env = "DSPARK_API_KEY")]
+    pub api_key: Option<String>,
+    /// Largest max_tokens a request may ask for.
+    #[arg(long, env = "DSPARK_MAX_TOKENS_LIMIT", default_value_t = 4096)]
+    pub max_tokens_limit: usize,
+    /// max_tokens when a request gives none (completions; chat uses the rest of the context up
+    /// to the limit).
+    #[arg(long, default_value_t = 16)]
+    pub default_max_tokens: usize,
+    /// Requests in flight before 429 (0 = the sum of target worker capacities).
+    #[arg(long, env = "DSPARK_MAX_INFLIGHT", default_value_t = 0)]
+    pub max_inflight: usize,
+    #[arg(long, env = "DSPARK_HOME")]
+    pub home: Option<PathBuf>,
+    #[arg(long, env = "DSPARK_PYTHON", default_value = "python3")]
+    pub python: String,
+    #[arg(long, hide = true)]
+    pub exit_on_stdin_eof: bool,
+}
+
+pub struct App {
+    pub tok: Arc<Tokenizer>,
+    pub template: Option<ChatTemplate>,
+    pub name: String,
+    pub cluster: Arc<cluster::Cluster>,
+    pub metrics: Metrics,
+    pub api_key: Option<String>,
+    pub max_tokens_limit: usize,
+    pub default_max_tokens: usize,
+    pub max_inflight: usize,
+    seq: AtomicU64,
+}
+
+/// Failovers per request before giving up.
+const MAX_FAILOVERS: usize = 2;
+/// Largest request body.
+const MAX_BODY: usize = 8 * 1024 * 1024;
+
+pub fn random_u64() -> u64 {
+    static CTR: AtomicU64 = AtomicU64::new(0);
+    let t = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let mut r = kernels::rng::Rng::new(t ^ CTR.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed));
+    r.next_u64()
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl App {
+    pub fn new(args: &RouterArgs) -> Result<Arc<Self>, RouterError> {
+        let home = dspark_runtime::fetch::dspark_home(args.home.as_deref());
+        let path = dspark_runtime::fetch::resolve(&args.model, &home, &args.python, &mut |m| {
+            eprintln!("{m}")
+        })?;
+        let tok = Arc::new(Tokenizer::load(&path)?);
+        let template = ChatTemplate::from_tokenizer(&tok).ok();
+        let mut statics = Vec::new();
+        for (role, list) in [("target", &args.targets), ("draft", &args.drafts)] {
+            for (i, a) in list.iter().enumerate() {
+                if a.parse::<SocketAddr>().is_err() {
+                    return Err(RouterError::Config(format!("`{a}` is not host:port")));
+                }
+                statics.push(WorkerInfo {
+                    id: format!("{role}-{i}"),
+                    role: role.into(),
+                    address: a.clone(),
+                    model: args.model.clone(),
+                    vocab_hash: tok.vocab_hash(),
+                    capacity: 16,
+                    max_context: 0,
+                    ..Default::default()
+                });
+            }
+        }
+        if args.scheduler.is_none() && args.targets.is_empty() {
+            return Err(RouterError::Config(
+                "the router needs --scheduler URL or --targets host:port,...".into(),
+            ));
+        }
+        let cluster = cluster::Cluster::new(args.scheduler.clone(), statics);
+        cluster.spawn_refresh(Duration::from_millis(500));
+        Ok(Arc::new(Self {
+            tok,
+            template,
+            name: args
+                .served_model_name
+                .clone()
+                .unwrap_or_else(|| args.model.clone()),
+            cluster,
+            metrics: Metrics::default(),
+            api_key: args.api_key.clone(),
+            max_tokens_limit: args.max_tokens_limit,
+            default_max_tokens: args.default_max_tokens,
+            max_inflight: args.max_inflight,
+            seq: AtomicU64::new(0),
+        }))
+    }
+
+    fn next_id(&self, prefix: &str) -> String {
+        format!(
+            "{prefix}-{:x}{:04x}",
+            random_u64() >> 16,
+            self.seq.fetch_add(1, Ordering::Relaxed) & 0xffff
+        )
+    }
+}
+
+pub fn app(state: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics_text))
+        .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .with_state(state)
+}
+
+pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
+    let a2 = args.clone();
+    let state = tokio::task::spawn_blocking(move || App::new(&a2))
+        .await
+        .map_err(|e| RouterError::Config(e.to_string()))??;
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    println!("router listening on http://{}", listener.local_addr()?);
+    axum::serve(listener, app(state))
+        .with_graceful_shutdown(dspark_scheduler::shutdown_signal(args.exit_on_stdin_eof))
+        .await?;
+    Ok(())
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "not_found_error", "no such route")
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn ready(State(app): State<Arc<App>>) -> Response {
+    let t = app.cluster.targets();
+    let body = json!({"ready": !t.is_empty(), "target_workers": t.len(),
+        "draft_workers": app.cluster.workers().len() - t.len()});
+    let code = if t.is_empty() {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    (code, Json(body)).into_response()
+}
+
+async fn metrics_text(State(app): State<Arc<App>>) -> String {
+    app.metrics.render()
+}
+
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
+    auth(&app, &headers)?;
+    Ok(Json(json!({"object": "list", "data": [
+        {"id": app.name, "object": "model", "created": 0, "owned_by": "dspark"}]})))
+}
+
+fn auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(key) = &app.api_key else {
+        return Ok(());
+    };
+    let got = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if got == Some(key.as_str()) {
+        Ok(())
+    } else {
+        let mut e = ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "missing or wrong API key (Authorization: Bearer KEY)",
+        );
+        e.code = Some("invalid_api_key");
+        Err(e)
+    }
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    let text = std::str::from_utf8(body)
+        .map_err(|e| ApiError::bad(format!("the request body is not valid UTF-8: {e}"), None))?;
+    let v: Value = serde_json::from_str(text)
+        .map_err(|e| ApiError::bad(format!("the request body is not valid JSON: {e}"), None))?;
+    if !v.is_object() {
+        return Err(ApiError::bad(
+            "the request body must be a JSON object",
+            None,
+        ));
+    }
+    serde_json::from_value(v).map_err(|e| ApiError::bad(format!("invalid request: {e}"), None))
+}
+
+fn check_model(app: &App, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        None => Err(ApiError::bad("`model` is required", Some("model"))),
+        Some(m) if *m == app.name => Ok(()),
+        Some(m) => {
+            let mut e = ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    app.name
+                ),
+            );
+            e.param = Some("model");
+            e.code = Some("model_not_found");
+            Err(e)
+        }
+    }
+}
+
+fn traceparent(headers: &HeaderMap) -> String {
+    headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| v.len() == 55 && v.split('-').count() == 4)
+        .map(str::to_string)
+        .unwrap_or_else(|| {
+            format!(
+                "00-{:016x}{:016x}-{:016x}-01",
+                random_u64(),
+                random_u64(),
+                random_u64()
+            )
+        })
+}
+
+/// Decrements the in-flight gauge however the request ends.
+struct Inflight(Arc<App>);
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        self.0.metrics.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn admit(app: &Arc<App>) -> Result<Inflight, ApiError> {
+    let cap = if app.max_inflight > 0 {
+        app.max_inflight
+    } else {
+        app.cluster.capacity()
+    };
+    let n = app.metrics.inflight.fetch_add(1, Ordering::Relaxed) as usize;
+    let guard = Inflight(Arc::clone(app));
+    if cap > 0 && n >= cap {
+        Metrics::add(&app.metrics.rejected, 1);
+        let mut e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            format!("the cluster is full ({cap} requests in flight); retry shortly"),
+        );
+        e.retry_after = Some(1);
+        return Err(e);
+    }
+    Ok(guard)
+}
+
+/// What the generation task hands the HTTP side.
+enum Piece {
+    Text(String),
+    Done { reason: String, stats: SpecStats },
+    Error(ApiError),
+}
+
+struct Job {
+    prompt: Vec<u32>,
+    settings: GenSettings,
+    traceparent: String,
+    request_id: String,
+}
+
+fn status_to_api(s: &tonic::Status) -> ApiError {
+    match s.code() {
+        tonic::Code::InvalidArgument | tonic::Code::OutOfRange => ApiError::bad(s.message(), None),
+        tonic::Code::ResourceExhausted => {
+            let mut e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                s.message(),
+            );
+            e.retry_after = Some(1);
+            e
+        }
+        _ => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            format!("target worker: {}", s.message()),
+        ),
+    }
+}
+
+type EventStream = tonic::Streaming<dspark_proto::GenerateEvent>;
+
+/// Places the job and opens the target's stream; the first event is awaited so that a refusal
+/// becomes an HTTP error before any response is sent.
+async fn open(
+    app: &App,
+    job: &Job,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    exclude: &[String],
+) -> Result<(WorkerInfo, EventStream, Option<dspark_proto::GenerateEvent>), ApiError> {
+    let (target, draft) = app
+        .cluster
+        .place(&app.name, exclude)
+        .await
+        .map_err(|e| match e {
+            cluster::PlaceError::NoTarget => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "no target worker is up for this model",
+            ),
+            cluster::PlaceError::Full => {
+                let mut e = ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    "every target worker is at capacity; retry shortly",
+                );
+                e.retry_after = Some(1);
+                e
+            }
+        })?;
+    if target.max_context > 0 && prompt.len() + max_tokens > target.max_context as usize {
+        return Err(ApiError::bad(
+            format!(
+                "prompt ({} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {} tokens",
+                prompt.len(),
+                target.max_context
+            ),
+            Some("max_tokens"),
+        ));
+    }
+    let mut client = app
+        .cluster
+        .target_client(&target.address)
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", e))?;
+    let mut req = tonic::Request::new(GenerateRequest {
+        request_id: job.request_id.clone(),
+        prompt,
+        max_tokens: max_tokens as u32,
+        sampling: Some((&job.settings.sampling).into()),
+        seed: job.settings.seed,
+        stop: job.settings.stop.clone(),
+        gamma: job.settings.gamma,
+        draft_worker: draft.map(|d| d.address).unwrap_or_default(),
+        traceparent: job.traceparent.clone(),
+    });
+    if let Ok(v) = job.traceparent.parse() {
+        req.metadata_mut().insert("traceparent", v);
+    }
+    app.cluster.track(&target.address, 1);
+    let r = client.generate(req).await;
+    let mut stream = match r {
+        Ok(s) => s.into_inner(),
+        Err(s) => {
+            app.cluster.track(&target.address, -1);
+            return Err(status_to_api(&s));
+        }
+    };
+    match stream.next().await {
+        Some(Ok(ev)) => Ok((target, stream, Some(ev))),
+        Some(Err(s)) => {
+            app.cluster.track(&target.address, -1);
+            Err(status_to_api(&s))
+        }
+        None => Ok((target, stream, None)),
+    }
+}
+
+/// Runs a job to the end, with failover, sending pieces to `tx`.
+async fn drive(
+    app: Arc<App>,
+    job: Job,
+    mut target: WorkerInfo,
+    mut stream: EventStream,
+    mut first: Option<dspark_proto::GenerateEvent>,
+    tx: tokio::sync::mpsc::Sender<Piece>,
+) {
+    let mut generated: Vec<u32> = Vec::new();
+    let mut stats = SpecStats::default();
+    let mut failed: Vec<String> = Vec::new();
+    let t0 = Instant::now();
+    let mut first_token = true;
+    loop {
+        let ev = match first.take() {
+            Some(e) => Some(Ok(e)),
+            None => stream.next().await,
+        };
+        match ev {
+            Some(Ok(e)) => match e.kind {
+                Some(generate_event::Kind::Tokens(t)) => {
+                    if first_token {
+                        first_token = false;
+                        Metrics::add(&app.metrics.ttft_us, t0.elapsed().as_micros() as u64);
+                    }
+                    generated.extend_from_slice(&t.ids);
+                    if tx.send(Piece::Text(t.text)).await.is_err() {
+                        break; // client gone: dropping the stream cancels on the worker
+                    }
+                }
+                Some(generate_event::Kind::Finished(f)) => {
+                    let s = f.stats.unwrap_or_default();
+                    merge(&mut stats, &s);
+                    stats.prompt_tokens = job.prompt.len() as u32;
+                    stats.completion_tokens = generated.len() as u32;
+                    let _ = tx
+                        .send(Piece::Done {
+                            reason: f.reason,
+                            stats: stats.clone(),
+                        })
+                        .await;
+                    break;
+                }
+                None => {}
+            },
+            other => {
+                // The worker died or the stream broke: continue elsewhere.
+                let why = match other {
+                    Some(Err(s)) => s.message().to_string(),
+                    _ => "stream ended without finishing".into(),
+                };
+                app.cluster.track(&target.address, -1);
+                failed.push(target.id.clone());
+                tracing::warn!(
+                    request_id = job.request_id,
+                    target = target.id,
+                    "target worker failed mid-stream: {why}"
+                );
+                let left = job.settings.max_tokens.saturating_sub(generated.len());
+                if left == 0 {
+                    let _ = tx
+                        .send(Piece::Done {
+                            reason: "length".into(),
+                            stats: stats.clone(),
+                        })
+                        .await;
+                    return;
+                }
+                if failed.len() > MAX_FAILOVERS {
+                    let _ = tx
+                        .send(Piece::Error(ApiError::new(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "server_error",
+                            format!("target workers failed: {why}"),
+                        )))
+                        .await;
+                    return;
+                }
+                Metrics::add(&app.metrics.failovers, 1);
+                let mut prompt = job.prompt.clone();
+                prompt.extend_from_slice(&generated);
+                match open(&app, &job, prompt, left, &failed).await {
+                    Ok((t, s, f)) => {
+                        target = t;
+                        stream = s;
+                        first = f;
+                        continue;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Piece::Error(e)).await;
+                        return;
+                    }
+                }
+            }
+        }
+    }
+    app.cluster.track(&target.address, -1);
+}
+
+fn merge(a: &mut SpecStats, b: &SpecStats) {
+    a.verify_forwards += b.verify_forwards;
+    a.drafted_tokens += b.drafted_tokens;
+    a.accepted_tokens += b.accepted_tokens;
+    a.remote_draft_cycles += b.remote_draft_cycles;
+    a.fallback_draft_cycles += b.fallback_draft_cycles;
+    a.bytes_to_draft += b.bytes_to_draft;
+    a.bytes_from_draft += b.bytes_from_draft;
+    a.draft_rtt_ms += b.draft_rtt_ms;
+    a.draft_compute_ms += b.draft_compute_ms;
+    if a.ttft_ms == 0.0 {
+        a.ttft_ms = b.ttft_ms;
+    }
+}
+
+fn usage(stats: &SpecStats) -> Value {
+    json!({
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "dspark": {
+            "verify_forwards": stats.verify_forwards,
+            "drafted_tokens": stats.drafted_tokens,
+            "accepted_tokens": stats.accepted_tokens,
+            "tokens_per_forward": if stats.verify_forwards > 0 {
+                stats.completion_tokens as f64 / stats.verify_forwards as f64 } else { 0.0 },
+            "remote_draft_cycles": stats.remote_draft_cycles,
+            "fallback_draft_cycles": stats.fallback_draft_cycles,
+            "bytes_to_draft": stats.bytes_to_draft,
+            "bytes_from_draft": stats.bytes_from_draft,
+            "draft_rtt_ms": stats.draft_rtt_ms,
+            "draft_compute_ms": stats.draft_compute_ms,
+            "ttft_ms": stats.ttft_ms,
+        }
+    })
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+async fn completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    auth(&app, &headers)?;
+    Metrics::add(&app.metrics.requests, 1);
+    let r: CompletionRequest =
+        parse_body(&body).inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
+    check_model(&app, &r.common.model)?;
+    let settings = r
+        .common
+        .settings(app.default_max_tokens, app.max_tokens_limit)?;
+    let prompt = match r.prompt {
+        None => return Err(ApiError::bad("`prompt` is required", Some("prompt"))),
+        Some(Prompt::Text(s)) => encode(&app, &s)?,
+        Some(Prompt::Texts(v)) if v.len() == 1 => encode(&app, &v[0])?,
+        Some(Prompt::Texts(_)) => {
+            return Err(ApiError::bad(
+                "exactly one prompt per request",
+                Some("prompt"),
+            ));
+        }
+        Some(Prompt::Tokens(t)) => t,
+    };
+    serve(app, headers, prompt, settings, Kind::Completion).await
+}
+
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    auth(&app, &headers)?;
+    Metrics::add(&app.metrics.requests, 1);
+    let r: ChatRequest = parse_body(&body).inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
+    check_model(&app, &r.common.model)?;
+    let msgs = match &r.messages {
+        Some(m) if !m.is_empty() => m,
+        _ => {
+            return Err(ApiError::bad(
+                "`messages` must be a non-empty list",
+                Some("messages"),
+            ));
+        }
+    };
+    let mut conv = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        if !["system", "user", "assistant", "developer", "tool"].contains(&m.role.as_str()) {
+            return Err(ApiError::bad(
+                format!("unknown role `{}`", m.role),
+                Some("messages"),
+            ));
+        }
+        let role = if m.role == "developer" {
+            "system"
+        } else {
+            m.role.as_str()
+        };
+        conv.push(Message::new(role, &m.text()?));
+    }
+    let tpl = app.template.as_ref().ok_or_else(|| {
+        ApiError::bad("this model has no chat template; use /v1/completions", None)
+    })?;
+    let text = tpl
+        .render(&conv, true)
+        .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
+    let prompt = encode(&app, &text)?;
+    let settings = r
+        .common
+        .settings(app.max_tokens_limit.min(512), app.max_tokens_limit)?;
+    serve(app, headers, prompt, settings, Kind::Chat).await
+}
+
+fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
+    let ids = app
+        .tok
+        .encode(text)
+        .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("prompt")))?;
+    if ids.is_empty() {
+        return Err(ApiError::bad("the prompt is empty", Some("prompt")));
+    }
+    Ok(ids)
+}
+
+async fn serve(
+    app: Arc<App>,
+    headers: HeaderMap,
+    prompt: Vec<u32>,
+    mut settings: GenSettings,
+    kind: Kind,
+) -> Result<Response, ApiError> {
+    let guard = admit(&app)?;
+    let tp = traceparent(&headers);
+    let id = app.next_id(if kind == Kind::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    });
+    let span = tracing::info_span!("request", request_id = id, traceparent = tp);
+    let _e = span.enter();
+    // Chat without max_tokens: what fits, up to the default cap.
+    if kind == Kind::Chat {
+        if let Some(t) = app.cluster.targets().first() {
+            let room = (t.max_context as usize).saturating_sub(prompt.len());
+            if room > 0 {
+                settings.max_tokens = settings.max_tokens.min(room);
+            }
+        }
+    }
+    let job = Job {
+        prompt: prompt.clone(),
+        settings: settings.clone(),
+        traceparent: tp.clone(),
+        request_id: id.clone(),
+    };
+    let (target, stream, first) = open(&app, &job, prompt, settings.max_tokens, &[])
+        .await
+        .inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Piece>(64);
+    tokio::spawn(drive(Arc::clone(&app), job, target, stream, first, tx));
+    let created = now_s();
+    let model = app.name.clone();
+    let object = if kind == Kind::Chat {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
+    if !settings.stream {
+        let mut text = String::new();
+        let mut end = None;
+        while let Some(p) = rx.recv().await {
+            match p {
+                Piece::Text(t) => text.push_str(&t),
+                Piece::Done { reason, stats } => end = Some((reason, stats)),
+                Piece::Error(e) => {
+                    Metrics::add(&app.metrics.errors, 1);
+                    return Err(e);
+                }
+            }
+        }
+        let (reason, stats) = end.ok_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "generation ended early",
+            )
+        })?;
+        account(&app, &stats);
+        let choice = if kind == Kind::Chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish(&reason), "logprobs": null})
+        } else {
+            json!({"index": 0, "text": text, "finish_reason": finish(&reason), "logprobs": null})
+        };
+        drop(guard);
+        let mut r = Json(
+            json!({"id": id, "object": object, "created": created, "model": model,
+            "choices": [choice], "usage": usage(&stats)}),
+        )
+        .into_response();
+        if let Ok(v) = tp.parse() {
+            r.headers_mut().insert("traceparent", v);
+        }
+        return Ok(r);
+    }
+    let chunk_obj = if kind == Kind::Chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let include_usage = settings.include_usage;
+    let app2 = Arc::clone(&app);
+    let s = async_stream(move |out| async move {
+        let _guard = guard;
+        let mk = |choices: Value, usage: Value| {
+            let mut v = json!({"id": id, "object": chunk_obj, "created": created, "model": model, "choices": choices});
+            if !usage.is_null() {
+                v["usage"] = usage;
+            }
+            Event::default().data(v.to_string())
+        };
+        if kind == Kind::Chat {
+            let _ = out
+                .send(mk(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]), Value::Null))
+                .await;
+        }
+        while let Some(p) = rx.recv().await {
+            match p {
+                Piece::Text(t) => {
+                    if t.is_empty() {
+                        continue;
+                    }
+                    let c = if kind == Kind::Chat {
+                        json!([{"index": 0, "delta": {"content": t}, "finish_reason": null}])
+                    } else {
+                        json!([{"index": 0, "text": t, "finish_reason": null, "logprobs": null}])
+                    };
+                    if out.send(mk(c, Value::Null)).await.is_err() {
+                        return;
+                    }
+                }
+                Piece::Done { reason, stats } => {
+                    account(&app2, &stats);
+                    let c = if kind == Kind::Chat {
+                        json!([{"index": 0, "delta": {}, "finish_reason": finish(&reason)}])
+                    } else {
+                        json!([{"index": 0, "text": "", "finish_reason": finish(&reason), "logprobs": null}])
+                    };
+                    let _ = out.send(mk(c, Value::Null)).await;
+                    if include_usage {
+                        let _ = out.send(mk(json!([]), usage(&stats))).await;
+                    }
+                }
+                Piece::Error(e) => {
+                    Metrics::add(&app2.metrics.errors, 1);
+                    let _ = out.send(Event::default().data(e.body().to_string())).await;
+                    break;
+                }
+            }
+        }
+        let _ = out.send(Event::default().data("[DONE]")).await;
+    });
+    let mut r = Sse::new(s).keep_alive(KeepAlive::default()).into_response();
+    if let Ok(v) = tp.parse() {
+        r.headers_mut().insert("traceparent", v);
+    }
+    Ok(r)
+}
+
+fn finish(reason: &str) -> &'static str {
+    match reason {
+        "length" => "length",
+        _ => "stop",
+    }
+}
+
+fn account(app: &App, s: &SpecStats) {
+    let m = &app.metrics;
+    Metrics::add(&m.prompt_tokens, s.prompt_tokens as u64);
+    Metrics::add(&m.completion_tokens, s.completion_tokens as u64);
+    Metrics::add(&m.drafted, s.drafted_tokens as u64);
+    Metrics::add(&m.accepted, s.accepted_tokens as u64);
+    Metrics::add(&m.forwards, s.verify_forwards as u64);
+}
+
+/// A stream of SSE events fed by an async producer.
+fn async_stream<F, Fut>(
+    f: F,
+) -> impl tokio_stream::Stream<Item = Result<Event, std::convert::Infallible>>
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Event>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(f(tx));
+    tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok)
+}

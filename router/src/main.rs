@@ -1,0 +1,8 @@
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    dspark_scheduler::init_tracing();
+    router::run(router::RouterArgs::parse()).await?;
+    Ok(())
+}

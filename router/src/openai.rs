@@ -1,0 +1,298 @@
+//! OpenAI request bodies, their validation, and the error body every 4xx carries.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+/// An OpenAI-style error: status and `{"error":{"message","type","param","code"}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    pub fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            code: None,
+            retry_after: None,
+        }
+    }
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            if let Ok(v) = axum::http::HeaderValue::from_str(&s.to_string()) {
+                r.headers_mut().insert(axum::http::header::RETRY_AFTER, v);
+            }
+        }
+        r
+    }
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum StringOrList {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Deserialize, Debug, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Fields shared by both endpoints.
+#[derive(Deserialize, Debug)]
+pub struct Common {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    /// Extension (vLLM): -1 or 0 = off.
+    pub top_k: Option<i64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    /// Extension (vLLM).
+    pub repetition_penalty: Option<f64>,
+    pub stop: Option<StringOrList>,
+    pub seed: Option<i64>,
+    pub n: Option<i64>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub logprobs: Option<Value>,
+    pub echo: Option<bool>,
+    /// Extension: draft length for this request.
+    pub gamma: Option<i64>,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct CompletionRequest {
+    pub prompt: Option<Prompt>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ChatRequest {
+    pub messages: Option<Vec<ChatMessage>>,
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// Validated generation settings.
+#[derive(Debug, Clone)]
+pub struct GenSettings {
+    pub max_tokens: usize,
+    pub sampling: kernels::sampling::SamplingParams,
+    pub stop: Vec<String>,
+    pub seed: u64,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub gamma: u32,
+}
+
+pub const MAX_STOPS: usize = 16;
+
+impl Common {
+    pub fn settings(&self, default_max: usize, limit: usize) -> Result<GenSettings, ApiError> {
+        if let Some(n) = self.n {
+            if n != 1 {
+                return Err(ApiError::bad("only n = 1 is supported", Some("n")));
+            }
+        }
+        if self
+            .logprobs
+            .as_ref()
+            .is_some_and(|v| !v.is_null() && v != &json!(false))
+        {
+            return Err(ApiError::bad(
+                "logprobs are not supported",
+                Some("logprobs"),
+            ));
+        }
+        if self.echo == Some(true) {
+            return Err(ApiError::bad("echo is not supported", Some("echo")));
+        }
+        let max = self.max_completion_tokens.or(self.max_tokens);
+        let max_tokens = match max {
+            None => default_max,
+            Some(m) if m < 1 => {
+                return Err(ApiError::bad(
+                    "max_tokens must be at least 1",
+                    Some("max_tokens"),
+                ));
+            }
+            Some(m) if m as u64 > limit as u64 => {
+                return Err(ApiError::bad(
+                    format!("max_tokens {m} is over this server's limit of {limit}"),
+                    Some("max_tokens"),
+                ));
+            }
+            Some(m) => m as usize,
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::bad(
+                "temperature must be in [0, 2]",
+                Some("temperature"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::bad("top_p must be in (0, 1]", Some("top_p")));
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => 0,
+            Some(k) if k > 0 => k as usize,
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "top_k must be -1, 0 or positive",
+                    Some("top_k"),
+                ));
+            }
+        };
+        let pen = |v: Option<f64>, name: &'static str| -> Result<f32, ApiError> {
+            let v = v.unwrap_or(0.0);
+            if (-2.0..=2.0).contains(&v) {
+                Ok(v as f32)
+            } else {
+                Err(ApiError::bad(
+                    format!("{name} must be in [-2, 2]"),
+                    Some(name),
+                ))
+            }
+        };
+        let presence = pen(self.presence_penalty, "presence_penalty")?;
+        let frequency = pen(self.frequency_penalty, "frequency_penalty")?;
+        let rep = self.repetition_penalty.unwrap_or(1.0);
+        if !(rep > 0.0 && rep <= 10.0) {
+            return Err(ApiError::bad(
+                "repetition_penalty must be in (0, 10]",
+                Some("repetition_penalty"),
+            ));
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StringOrList::One(s)) => vec![s.clone()],
+            Some(StringOrList::Many(v)) => v.clone(),
+        };
+        if stop.len() > MAX_STOPS || stop.iter().any(|s| s.is_empty() || s.len() > 256) {
+            return Err(ApiError::bad(
+                format!("stop takes at most {MAX_STOPS} non-empty strings of up to 256 bytes"),
+                Some("stop"),
+            ));
+        }
+        let gamma = match self.gamma {
+            None => 0,
+            Some(g) if (0..=32).contains(&g) => g as u32,
+            Some(_) => return Err(ApiError::bad("gamma must be in [0, 32]", Some("gamma"))),
+        };
+        let sampling = kernels::sampling::SamplingParams {
+            temperature: temperature as f32,
+            top_k,
+            top_p: top_p as f32,
+            repetition_penalty: rep as f32,
+            presence_penalty: presence,
+            frequency_penalty: frequency,
+        };
+        sampling
+            .validate()
+            .map_err(|e| ApiError::bad(e.to_string(), None))?;
+        Ok(GenSettings {
+            max_tokens,
+            sampling,
+            stop,
+            seed: self
+                .seed
+                .map(|s| s as u64)
+                .unwrap_or_else(crate::random_u64),
+            stream: self.stream,
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+            gamma,
+        })
+    }
+}
+
+impl ChatMessage {
+    pub fn text(&self) -> Result<String, ApiError> {
+        match &self.content {
+            None => Ok(String::new()),
+            Some(Content::Text(s)) => Ok(s.clone()),
+            Some(Content::Parts(p)) => {
+                let mut out = String::new();
+                for part in p {
+                    if part.kind != "text" {
+                        return Err(ApiError::bad(
+                            format!(
+                                "content part type `{}` is not supported (text only)",
+                                part.kind
+                            ),
+                            Some("messages"),
+                        ));
+                    }
+                    out.push_str(part.text.as_deref().unwrap_or(""));
+                }
+                Ok(out)
+            }
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! Discovery: how workers become visible to the scheduler.
+//!
+//! - Static (local runs): each worker calls `Scheduler.Register` as a heartbeat; a worker that
+//!   stops calling expires after its TTL.
+//! - etcd: each worker holds a lease and puts its `WorkerInfo` under `/dspark/workers/<id>`; the
+//!   scheduler watches the prefix. Lease expiry deletes the key, which removes the worker.
+
+use crate::{Result, SchedError};
+use dspark_proto::WorkerInfo;
+use dspark_proto::scheduler_client::SchedulerClient;
+use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use prost::Message;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub const ETCD_PREFIX: &str = "/dspark/workers/";
+
+/// Where workers register.
+#[derive(Clone, Debug)]
+pub enum Discovery {
+    /// `Scheduler.Register` at this URL (http://host:port).
+    Static(String),
+    /// etcd endpoints.
+    Etcd(Vec<String>),
+}
+
+impl Discovery {
+    /// `--etcd` wins over `--scheduler`; at least one is needed.
+    pub fn from_args(scheduler: Option<&str>, etcd: Option<&str>) -> Result<Self> {
+        match (etcd, scheduler) {
+            (Some(e), _) if !e.is_empty() => Ok(Self::Etcd(
+                e.split(',').map(|s| s.trim().to_string()).collect(),
+            )),
+            (_, Some(s)) if !s.is_empty() => Ok(Self::Static(normalize_url(s))),
+            _ => Err(SchedError::Config(
+                "a worker needs --scheduler URL or --etcd URL to register".into(),
+            )),
+        }
+    }
+}
+
+/// `host:port` → `http://host:port`.
+pub fn normalize_url(s: &str) -> String {
+    if s.starts_with("http://") || s.starts_with("https://") {
+        s.to_string()
+    } else {
+        format!("http://{s}")
+    }
+}
+
+/// Keeps a worker registered until the returned handle is dropped (or the task aborted).
+/// `info` is called before every heartbeat so load reports stay fresh.
+pub fn spawn_registrar(
+    disc: Discovery,
+    ttl: Duration,
+    info: Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let beat = (ttl / 3).max(Duration::from_millis(100));
+        loop {
+            let r = match &disc {
+                Discovery::Static(url) => register_static(url, ttl, beat, &info).await,
+                Discovery::Etcd(eps) => register_etcd(eps, ttl, beat, &info).await,
+            };
+            if let Err(e) = r {
+                tracing::warn!("registration: {e}; retrying");
+            }
+            tokio::time::sleep(beat).await;
+        }
+    })
+}
+
+async fn register_static(
+    url: &str,
+    ttl: Duration,
+    beat: Duration,
+    info: &Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
+) -> Result<()> {
+    let mut c = SchedulerClient::connect(url.to_string())
+        .await
+        .map_err(|e| SchedError::Discovery(format!("scheduler {url}: {e}")))?;
+    loop {
+        let mut i = info();
+        i.ttl_ms = ttl.as_millis() as u32;
+        c.register(i)
+            .await
+            .map_err(|e| SchedError::Discovery(format!("register: {}", e.message())))?;
+        tokio::time::sleep(beat).await;
+    }
+}
+
+async fn register_etcd(
+    eps: &[String],
+    ttl: Duration,
+    beat: Duration,
+    info: &Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
+) -> Result<()> {
+    let mut c = Client::connect(eps, None).await.map_err(etcd_err)?;
+    let lease = c
+        .lease_grant(ttl.as_secs().max(1) as i64, None)
+        .await
+        .map_err(etcd_err)?;
+    let (mut keeper, mut acks) = c.lease_keep_alive(lease.id()).await.map_err(etcd_err)?;
+    loop {
+        let mut i = info();
+        i.ttl_ms = ttl.as_millis() as u32;
+        let key = format!("{ETCD_PREFIX}{}", i.id);
+        c.put(
+            key,
+            i.encode_to_vec(),
+            Some(PutOptions::new().with_lease(lease.id())),
+        )
+        .await
+        .map_err(etcd_err)?;
+        keeper.keep_alive().await.map_err(etcd_err)?;
+        match acks.message().await.map_err(etcd_err)? {
+            Some(a) if a.ttl() > 0 => {}
+            _ => return Err(SchedError::Discovery("lease expired".into())),
+        }
+        tokio::time::sleep(beat).await;
+    }
+}
+
+fn etcd_err(e: etcd_client::Error) -> SchedError {
+    SchedError::Discovery(format!("etcd: {e}"))
+}
+
+/// Mirrors the etcd worker prefix into the cluster view (reconnecting on errors).
+pub fn spawn_etcd_watcher(
+    eps: Vec<String>,
+    cluster: Arc<Mutex<crate::placement::Cluster>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            if let Err(e) = watch_etcd(&eps, &cluster).await {
+                tracing::warn!("etcd watch: {e}; retrying");
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    })
+}
+
+/// Workers seen through etcd never expire locally: etcd's lease does that.
+const ETCD_LOCAL_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluster>>) -> Result<()> {
+    let mut c = Client::connect(eps, None).await.map_err(etcd_err)?;
+    let snap = c
+        .get(ETCD_PREFIX, Some(GetOptions::new().with_prefix()))
+        .await
+        .map_err(etcd_err)?;
+    {
+        let mut cl = cluster.lock().map_err(|_| SchedError::Poisoned)?;
+        for kv in snap.kvs() {
+            if let Ok(i) = WorkerInfo::decode(kv.value()) {
+                cl.upsert(i, ETCD_LOCAL_TTL, Instant::now());
+            }
+        }
+    }
+    let rev = snap.header().map(|h| h.revision() + 1).unwrap_or(0);
+    let mut stream = c
+        .watch(
+            ETCD_PREFIX,
+            Some(WatchOptions::new().with_prefix().with_start_revision(rev)),
+        )
+        .await
+        .map_err(etcd_err)?;
+    while let Some(msg) = stream.message().await.map_err(etcd_err)? {
+        let mut cl = cluster.lock().map_err(|_| SchedError::Poisoned)?;
+        for ev in msg.events() {
+            let Some(kv) = ev.kv() else { continue };
+            match ev.event_type() {
+                EventType::Put => match WorkerInfo::decode(kv.value()) {
+                    Ok(i) => cl.upsert(i, ETCD_LOCAL_TTL, Instant::now()),
+                    Err(e) => tracing::warn!("etcd: undecodable worker entry: {e}"),
+                },
+                EventType::Delete => {
+                    let key = String::from_utf8_lossy(kv.key());
+                    if let Some(id) = key.strip_prefix(ETCD_PREFIX) {
+                        cl.remove(id);
+                        tracing::info!(worker = id, "worker left (etcd lease gone)");
+                    }
+                }
+            }
+        }
+    }
+    Err(SchedError::Discovery("watch stream ended".into()))
+}

@@ -1,0 +1,119 @@
+//! The scheduler: cluster view (from registrations or etcd), placement of new requests on a
+//! target worker paired with a draft worker. Placement never sits on a worker's step: workers run
+//! on their own and the router falls back to its last cluster view when the scheduler is away.
+
+#![deny(rust_2018_idioms)]
+#![forbid(unsafe_code)]
+
+pub mod discovery;
+pub mod placement;
+pub mod service;
+
+use clap::Parser;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SchedError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("discovery: {0}")]
+    Discovery(String),
+    #[error("state lock poisoned")]
+    Poisoned,
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+pub type Result<T, E = SchedError> = std::result::Result<T, E>;
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "dspark-scheduler",
+    about = "dspark scheduler: cluster view and placement"
+)]
+pub struct SchedulerArgs {
+    /// gRPC listen address.
+    #[arg(
+        long,
+        env = "DSPARK_SCHEDULER_LISTEN",
+        default_value = "127.0.0.1:8100"
+    )]
+    pub listen: SocketAddr,
+    /// etcd endpoints (comma-separated); without it workers register over gRPC.
+    #[arg(long, env = "DSPARK_ETCD")]
+    pub etcd: Option<String>,
+    /// Exit when stdin closes (set by `dspark up`).
+    #[arg(long, hide = true)]
+    pub exit_on_stdin_eof: bool,
+}
+
+/// Serves until `shutdown` resolves; prints `listening on ADDR` once bound.
+pub async fn serve(
+    args: SchedulerArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let svc = service::SchedulerService::default();
+    if let Some(e) = args.etcd.as_deref().filter(|e| !e.is_empty()) {
+        let eps = e.split(',').map(|s| s.trim().to_string()).collect();
+        discovery::spawn_etcd_watcher(eps, Arc::clone(&svc.cluster));
+    }
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let addr = listener.local_addr()?;
+    println!("scheduler listening on {addr}");
+    tonic::transport::Server::builder()
+        .add_service(
+            dspark_proto::scheduler_server::SchedulerServer::new(svc)
+                .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES),
+        )
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await?;
+    Ok(())
+}
+
+/// Resolves on Ctrl-C, SIGTERM, or (with `stdin_eof`) when the parent closes our stdin.
+pub async fn shutdown_signal(stdin_eof: bool) {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => futures::future::pending::<()>().await,
+        }
+    };
+    let eof = async {
+        if stdin_eof {
+            let _ = tokio::task::spawn_blocking(|| {
+                let mut sink = Vec::new();
+                let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+            })
+            .await;
+        } else {
+            futures::future::pending::<()>().await
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+        _ = eof => {},
+    }
+}
+
+/// Logging for the service binaries (`DSPARK_LOG`, default info).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+}

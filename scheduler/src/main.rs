@@ -1,0 +1,10 @@
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    dspark_scheduler::init_tracing();
+    let args = dspark_scheduler::SchedulerArgs::parse();
+    let eof = args.exit_on_stdin_eof;
+    dspark_scheduler::serve(args, dspark_scheduler::shutdown_signal(eof)).await?;
+    Ok(())
+}

@@ -1,0 +1,110 @@
+//! The `dspark.v1.Scheduler` gRPC service over the cluster view.
+
+use crate::placement::{Cluster, PlaceError};
+use dspark_proto::scheduler_server::Scheduler;
+use dspark_proto::{
+    ClusterRequest, ClusterView, PlaceRequest, Placement, RegisterReply, WorkerId, WorkerInfo,
+};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tonic::{Request, Response, Status};
+
+/// TTL granted when a worker asks for none (and the bounds on what it may ask for).
+pub const DEFAULT_TTL: Duration = Duration::from_secs(3);
+const MIN_TTL: Duration = Duration::from_millis(200);
+const MAX_TTL: Duration = Duration::from_secs(60);
+
+#[derive(Clone, Default)]
+pub struct SchedulerService {
+    pub cluster: Arc<Mutex<Cluster>>,
+}
+
+impl SchedulerService {
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Cluster>, Status> {
+        let mut c = self
+            .cluster
+            .lock()
+            .map_err(|_| Status::internal("cluster view poisoned"))?;
+        for id in c.expire(Instant::now()) {
+            tracing::info!(worker = id, "worker expired");
+        }
+        Ok(c)
+    }
+}
+
+fn check_info(i: &WorkerInfo) -> Result<(), Status> {
+    if i.id.is_empty() || i.id.len() > 256 {
+        return Err(Status::invalid_argument("worker id must be 1..=256 bytes"));
+    }
+    if i.role != crate::placement::ROLE_TARGET && i.role != crate::placement::ROLE_DRAFT {
+        return Err(Status::invalid_argument(format!(
+            "role must be `target` or `draft`, not `{}`",
+            i.role
+        )));
+    }
+    if i.address.parse::<std::net::SocketAddr>().is_err() {
+        return Err(Status::invalid_argument(format!(
+            "address `{}` is not host:port",
+            i.address
+        )));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl Scheduler for SchedulerService {
+    async fn register(&self, req: Request<WorkerInfo>) -> Result<Response<RegisterReply>, Status> {
+        let info = req.into_inner();
+        check_info(&info)?;
+        let ttl = if info.ttl_ms == 0 {
+            DEFAULT_TTL
+        } else {
+            Duration::from_millis(info.ttl_ms as u64).clamp(MIN_TTL, MAX_TTL)
+        };
+        let mut c = self.lock()?;
+        let new = !c.workers().iter().any(|w| w.id == info.id);
+        if new {
+            tracing::info!(
+                worker = info.id,
+                role = info.role,
+                address = info.address,
+                "worker joined"
+            );
+        }
+        c.upsert(info, ttl, Instant::now());
+        Ok(Response::new(RegisterReply {
+            ttl_ms: ttl.as_millis() as u32,
+        }))
+    }
+
+    async fn deregister(&self, req: Request<WorkerId>) -> Result<Response<RegisterReply>, Status> {
+        let id = req.into_inner().id;
+        if !self.lock()?.remove(&id) {
+            return Err(Status::not_found(format!("unknown worker `{id}`")));
+        }
+        tracing::info!(worker = id, "worker left");
+        Ok(Response::new(RegisterReply { ttl_ms: 0 }))
+    }
+
+    async fn place(&self, req: Request<PlaceRequest>) -> Result<Response<Placement>, Status> {
+        let r = req.into_inner();
+        match self.lock()?.place(&r.model, &[]) {
+            Ok((t, d)) => Ok(Response::new(Placement {
+                target: Some(t),
+                draft: d,
+            })),
+            Err(PlaceError::NoTarget(m)) => Err(Status::unavailable(format!(
+                "no target worker serves model `{m}`"
+            ))),
+            Err(PlaceError::Full(m)) => Err(Status::resource_exhausted(format!(
+                "every target worker for `{m}` is at capacity"
+            ))),
+        }
+    }
+
+    async fn cluster(&self, _: Request<ClusterRequest>) -> Result<Response<ClusterView>, Status> {
+        Ok(Response::new(ClusterView {
+            workers: self.lock()?.workers(),
+        }))
+    }
+}

@@ -1,0 +1,169 @@
+//! The engine thread: owns the [`Engine`], takes new requests from the gRPC service, steps, and
+//! streams each request's committed tokens back. A request whose caller went away is cancelled.
+
+use crate::remote::RemoteShared;
+use dspark_proto::{Finished, GenerateEvent, SpecStats, TokenChunk, generate_event};
+use specdec::{Engine, Event};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use tokio::sync::mpsc::UnboundedSender;
+use tonic::Status;
+
+pub type EventTx = UnboundedSender<Result<GenerateEvent, Status>>;
+
+pub enum Cmd {
+    Add {
+        req: specdec::Request,
+        draft: Option<String>,
+        events: EventTx,
+    },
+}
+
+pub struct EngineLoop {
+    pub engine: Engine,
+    pub shared: Arc<RemoteShared>,
+    pub load: Arc<AtomicUsize>,
+}
+
+impl EngineLoop {
+    pub fn run(mut self, rx: std::sync::mpsc::Receiver<Cmd>) {
+        let mut senders: HashMap<u64, EventTx> = HashMap::new();
+        loop {
+            if self.engine.is_idle() {
+                match rx.recv() {
+                    Ok(c) => self.handle(c, &mut senders),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(c) = rx.try_recv() {
+                self.handle(c, &mut senders);
+            }
+            // Callers that went away: cancel, free their KV.
+            let gone: Vec<u64> = senders
+                .iter()
+                .filter(|(_, tx)| tx.is_closed())
+                .map(|(id, _)| *id)
+                .collect();
+            for id in gone {
+                let _ = self.engine.cancel(id);
+                self.end(id, &mut senders);
+            }
+            if self.engine.is_idle() {
+                continue;
+            }
+            let span = tracing::debug_span!("cycle", step = self.engine.steps);
+            let _g = span.enter();
+            match self.engine.step() {
+                Ok(events) => {
+                    for ev in events {
+                        self.dispatch(ev, &mut senders);
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("engine step failed: {e}; failing its requests");
+                    let ids: Vec<u64> = senders.keys().copied().collect();
+                    for id in ids {
+                        let _ = self.engine.cancel(id);
+                        if let Some(tx) = senders.get(&id) {
+                            let _ = tx.send(Err(Status::internal(format!("engine: {e}"))));
+                        }
+                        self.end(id, &mut senders);
+                    }
+                }
+            }
+        }
+    }
+
+    fn end(&mut self, id: u64, senders: &mut HashMap<u64, EventTx>) {
+        if senders.remove(&id).is_some() {
+            self.load.fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Ok(mut a) = self.shared.assign.lock() {
+            a.remove(&id);
+        }
+        if let Ok(mut s) = self.shared.stats.lock() {
+            s.remove(&id);
+        }
+    }
+
+    fn handle(&mut self, c: Cmd, senders: &mut HashMap<u64, EventTx>) {
+        match c {
+            Cmd::Add { req, draft, events } => {
+                let id = req.id;
+                if let Some(d) = draft {
+                    if let Ok(mut a) = self.shared.assign.lock() {
+                        a.insert(id, d);
+                    }
+                }
+                match self.engine.add(req) {
+                    Ok(()) => {
+                        self.load.fetch_add(1, Ordering::Relaxed);
+                        senders.insert(id, events);
+                    }
+                    Err(e) => {
+                        let _ = events.send(Err(Status::invalid_argument(e.to_string())));
+                        if let Ok(mut a) = self.shared.assign.lock() {
+                            a.remove(&id);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn dispatch(&mut self, ev: Event, senders: &mut HashMap<u64, EventTx>) {
+        match ev {
+            Event::Tokens { id, tokens, text } => {
+                if let Some(tx) = senders.get(&id) {
+                    let m = GenerateEvent {
+                        kind: Some(generate_event::Kind::Tokens(TokenChunk {
+                            ids: tokens,
+                            text,
+                        })),
+                    };
+                    if tx.send(Ok(m)).is_err() {
+                        let _ = self.engine.cancel(id);
+                        self.end(id, senders);
+                    }
+                }
+            }
+            Event::Finished {
+                id,
+                reason,
+                metrics,
+            } => {
+                let w = self
+                    .shared
+                    .stats
+                    .lock()
+                    .ok()
+                    .and_then(|s| s.get(&id).cloned())
+                    .unwrap_or_default();
+                if let Some(tx) = senders.get(&id) {
+                    let stats = SpecStats {
+                        prompt_tokens: metrics.prompt_tokens as u32,
+                        completion_tokens: metrics.completion_tokens as u32,
+                        verify_forwards: metrics.target_calls as u32,
+                        drafted_tokens: metrics.drafted_tokens as u32,
+                        accepted_tokens: metrics.accepted_tokens as u32,
+                        remote_draft_cycles: w.remote_cycles,
+                        fallback_draft_cycles: w.fallback_cycles,
+                        ttft_ms: metrics.ttft_s * 1e3,
+                        bytes_to_draft: w.bytes_to_draft,
+                        bytes_from_draft: w.bytes_from_draft,
+                        draft_rtt_ms: w.rtt_us as f64 / 1e3,
+                        draft_compute_ms: w.compute_us as f64 / 1e3,
+                    };
+                    let _ = tx.send(Ok(GenerateEvent {
+                        kind: Some(generate_event::Kind::Finished(Finished {
+                            reason: reason.as_str().to_string(),
+                            stats: Some(stats),
+                        })),
+                    }));
+                }
+                self.end(id, senders);
+            }
+        }
+    }
+}

@@ -1,0 +1,8 @@
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    dspark_scheduler::init_tracing();
+    target_worker::run(target_worker::TargetArgs::parse()).await?;
+    Ok(())
+}

@@ -1,0 +1,533 @@
+//! Drafting through remote draft workers: a [`Proposer`] the engine calls like any other.
+//!
+//! Each draft worker address gets one long-lived bidirectional stream (a [`Link`], run by a
+//! tokio task that reconnects with backoff). A round sends, per request, only what the draft
+//! worker does not have yet: committed tokens since the last acknowledged length, and feature
+//! rows since the last acknowledged position. The engine thread waits for the replies up to a
+//! deadline; a request whose draft worker is gone, late, or confused drafts locally (n-gram by
+//! default) for that cycle and resumes remote drafting when the link is back — a new link
+//! generation resends its state in full. Nothing here can fail a request.
+
+use dspark_proto::draft_worker_client::DraftWorkerClient;
+use dspark_proto::{DraftCall, DraftItem, DraftReply, Dtype, InfoRequest, QKind, WorkerInfo};
+use prost::Message;
+use specdec::proposer::{Dist, DraftBlock, ProposeReq};
+use specdec::{Proposer, Result};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Feature rows kept per request for resending after a draft worker lost its state (DSpark
+/// conditions on the last few dozen positions only).
+const KEEP_ROWS: usize = 64;
+
+/// Per-request wire statistics (reported in the usage extension).
+#[derive(Clone, Debug, Default)]
+pub struct WireStats {
+    pub remote_cycles: u32,
+    pub fallback_cycles: u32,
+    pub bytes_to_draft: u64,
+    pub bytes_from_draft: u64,
+    pub rtt_us: u64,
+    pub compute_us: u64,
+}
+
+/// State the gRPC service and the engine thread share with the proposer.
+#[derive(Default)]
+pub struct RemoteShared {
+    /// Engine request id → draft worker address chosen by placement.
+    pub assign: Mutex<HashMap<u64, String>>,
+    pub stats: Mutex<HashMap<u64, WireStats>>,
+}
+
+#[derive(Default)]
+struct LinkShared {
+    up: AtomicBool,
+    generation: AtomicU64,
+    calls: Mutex<Option<tokio::sync::mpsc::Sender<DraftCall>>>,
+    pending: Mutex<HashMap<u64, std::sync::mpsc::Sender<DraftReply>>>,
+    info: Mutex<Option<WorkerInfo>>,
+}
+
+struct Link {
+    shared: Arc<LinkShared>,
+    finished: Vec<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Who we are, sent on every new stream.
+#[derive(Clone, Debug)]
+pub struct Hello {
+    pub worker: String,
+    pub model: String,
+    pub vocab_hash: String,
+}
+
+fn spawn_link(rt: &tokio::runtime::Handle, addr: String, hello: Hello) -> Link {
+    let shared = Arc::new(LinkShared::default());
+    let s = Arc::clone(&shared);
+    let task = rt.spawn(async move {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match run_link(&addr, &hello, &s).await {
+                Ok(()) => tracing::info!(draft = addr, "draft stream ended"),
+                Err(e) => tracing::debug!(draft = addr, "draft link: {e}"),
+            }
+            let was_up = s.up.swap(false, Ordering::SeqCst);
+            if let Ok(mut c) = s.calls.lock() {
+                *c = None;
+            }
+            if let Ok(mut p) = s.pending.lock() {
+                p.clear();
+            }
+            if was_up {
+                tracing::warn!(
+                    draft = addr,
+                    "draft worker lost; drafting locally until it is back"
+                );
+                backoff = Duration::from_millis(50);
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    });
+    Link {
+        shared,
+        finished: Vec::new(),
+        task,
+    }
+}
+
+async fn run_link(
+    addr: &str,
+    hello: &Hello,
+    s: &Arc<LinkShared>,
+) -> std::result::Result<(), String> {
+    let url = dspark_scheduler::discovery::normalize_url(addr);
+    let ch = tonic::transport::Endpoint::from_shared(url)
+        .map_err(|e| e.to_string())?
+        .connect_timeout(Duration::from_millis(500))
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut client = DraftWorkerClient::new(ch)
+        .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(dspark_proto::MAX_MESSAGE_BYTES);
+    let info = client
+        .info(InfoRequest {})
+        .await
+        .map_err(|e| e.message().to_string())?
+        .into_inner();
+    if info.vocab_hash != hello.vocab_hash {
+        return Err(format!(
+            "draft worker {} has vocabulary {}, this target {}",
+            info.id, info.vocab_hash, hello.vocab_hash
+        ));
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<DraftCall>(64);
+    tx.send(DraftCall {
+        step: 0,
+        target_worker: hello.worker.clone(),
+        model: hello.model.clone(),
+        vocab_hash: hello.vocab_hash.clone(),
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let mut replies = client
+        .draft(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .map_err(|e| e.message().to_string())?
+        .into_inner();
+    *s.info.lock().map_err(|e| e.to_string())? = Some(info);
+    *s.calls.lock().map_err(|e| e.to_string())? = Some(tx);
+    s.generation.fetch_add(1, Ordering::SeqCst);
+    s.up.store(true, Ordering::SeqCst);
+    tracing::info!(draft = addr, "draft worker connected");
+    while let Some(rep) = replies
+        .message()
+        .await
+        .map_err(|e| e.message().to_string())?
+    {
+        // Replies nobody waits for any more (late, or the hello's) are dropped.
+        let waiter = s
+            .pending
+            .lock()
+            .map_err(|e| e.to_string())?
+            .remove(&rep.step);
+        if let Some(w) = waiter {
+            let _ = w.send(rep);
+        }
+    }
+    Ok(())
+}
+
+struct ReqSync {
+    link: String,
+    generation: u64,
+    tokens_acked: usize,
+    /// Feature rows of positions `feat_base..feat_base + rows`.
+    feats: Vec<f32>,
+    feat_base: usize,
+    feats_acked: usize,
+}
+
+/// The remote proposer.
+pub struct RemoteProposer {
+    rt: tokio::runtime::Handle,
+    shared: Arc<RemoteShared>,
+    hello: Hello,
+    links: HashMap<String, Link>,
+    reqs: HashMap<u64, ReqSync>,
+    fallback: Box<dyn Proposer>,
+    timeout: Duration,
+    feature_dtype: Dtype,
+    d_model: usize,
+    vocab: usize,
+    step: u64,
+}
+
+impl RemoteProposer {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        rt: tokio::runtime::Handle,
+        shared: Arc<RemoteShared>,
+        hello: Hello,
+        fallback: Box<dyn Proposer>,
+        timeout: Duration,
+        feature_dtype: Dtype,
+        d_model: usize,
+        vocab: usize,
+    ) -> Self {
+        Self {
+            rt,
+            shared,
+            hello,
+            links: HashMap::new(),
+            reqs: HashMap::new(),
+            fallback,
+            timeout,
+            feature_dtype,
+            d_model,
+            vocab,
+            step: 0,
+        }
+    }
+
+    fn link_for(&mut self, id: u64) -> Option<String> {
+        let addr = self.shared.assign.lock().ok()?.get(&id).cloned()?;
+        if !self.links.contains_key(&addr) {
+            let l = spawn_link(&self.rt, addr.clone(), self.hello.clone());
+            self.links.insert(addr.clone(), l);
+        }
+        Some(addr)
+    }
+
+    fn layers(&self) -> Vec<usize> {
+        for l in self.links.values() {
+            if l.shared.up.load(Ordering::SeqCst) {
+                if let Ok(i) = l.shared.info.lock() {
+                    if let Some(i) = i.as_ref() {
+                        return i.feature_layers.iter().map(|&x| x as usize).collect();
+                    }
+                }
+            }
+        }
+        Vec::new()
+    }
+
+    fn stat(&self, id: u64, f: impl FnOnce(&mut WireStats)) {
+        if let Ok(mut m) = self.shared.stats.lock() {
+            f(m.entry(id).or_default());
+        }
+    }
+
+    /// Converts a reply block into the engine's block; `None` when it is unusable.
+    fn block_from_wire(&self, b: &dspark_proto::DraftBlock, k: usize) -> Option<DraftBlock> {
+        let n = b.tokens.len().min(k);
+        if b.tokens[..n].iter().any(|&t| t as usize >= self.vocab) {
+            return None;
+        }
+        let dists = if b.q_kind == QKind::Dense as i32 {
+            let q = b.q.as_ref()?.to_f32().ok()?;
+            if q.len() < n * self.vocab {
+                return None;
+            }
+            let mut d = Vec::with_capacity(n);
+            for i in 0..n {
+                let row = &q[i * self.vocab..(i + 1) * self.vocab];
+                let ok = row.iter().all(|p| p.is_finite() && *p >= 0.0)
+                    && row[b.tokens[i] as usize] > 0.0;
+                if !ok {
+                    return None;
+                }
+                d.push(Dist::Dense(row.to_vec()));
+            }
+            d
+        } else {
+            vec![Dist::OneHot; n]
+        };
+        let confidence = (b.confidence.len() >= n && n > 0).then(|| {
+            b.confidence[..n]
+                .iter()
+                .map(|c| {
+                    if c.is_finite() {
+                        c.clamp(0.0, 1.0)
+                    } else {
+                        0.0
+                    }
+                })
+                .collect()
+        });
+        Some(DraftBlock {
+            tokens: b.tokens[..n].to_vec(),
+            dists,
+            confidence,
+        })
+    }
+}
+
+impl Proposer for RemoteProposer {
+    fn name(&self) -> &str {
+        "remote"
+    }
+
+    fn feature_layers(&self) -> Vec<usize> {
+        self.layers()
+    }
+
+    fn observe(&mut self, id: u64, start: usize, rows: &[f32]) -> Result<()> {
+        let rl = self.layers().len() * self.d_model;
+        if rl == 0 || rows.len() % rl != 0 {
+            return Ok(());
+        }
+        let link = self.link_for(id).unwrap_or_default();
+        let r = self.reqs.entry(id).or_insert_with(|| ReqSync {
+            link,
+            generation: 0,
+            tokens_acked: 0,
+            feats: Vec::new(),
+            feat_base: start,
+            feats_acked: 0,
+        });
+        if start < r.feat_base {
+            r.feats.clear();
+            r.feat_base = start;
+        }
+        let have = r.feat_base + r.feats.len() / rl;
+        if start > have {
+            // A gap: keep only what follows it.
+            r.feats.clear();
+            r.feat_base = start;
+        } else {
+            r.feats.truncate((start - r.feat_base) * rl);
+        }
+        r.feats_acked = r.feats_acked.min(start);
+        r.feats.extend_from_slice(rows);
+        let n = r.feats.len() / rl;
+        if n > KEEP_ROWS {
+            r.feats.drain(..(n - KEEP_ROWS) * rl);
+            r.feat_base += n - KEEP_ROWS;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, id: u64) {
+        if let Some(r) = self.reqs.remove(&id) {
+            if let Some(l) = self.links.get_mut(&r.link) {
+                l.finished.push(id);
+            }
+        }
+        self.fallback.finish(id);
+    }
+
+    fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
+        self.step += 1;
+        let step = self.step;
+        let rl = self.layers().len() * self.d_model;
+        let mut out: Vec<Option<DraftBlock>> = vec![None; reqs.len()];
+        // Requests by link; those with no usable link draft locally.
+        let mut groups: HashMap<String, Vec<usize>> = HashMap::new();
+        for (i, r) in reqs.iter().enumerate() {
+            if r.k == 0 {
+                out[i] = Some(DraftBlock::default());
+                continue;
+            }
+            if let Some(a) = self.link_for(r.id) {
+                if self.links[&a].shared.up.load(Ordering::SeqCst) {
+                    groups.entry(a).or_default().push(i);
+                }
+            }
+        }
+        let mut waits = Vec::new();
+        for (addr, idx) in &groups {
+            let link = &self.links[addr];
+            let generation = link.shared.generation.load(Ordering::SeqCst);
+            let mut items = Vec::with_capacity(idx.len());
+            for &i in idx {
+                let r = &mut reqs[i];
+                let rs = self.reqs.entry(r.id).or_insert_with(|| ReqSync {
+                    link: addr.clone(),
+                    generation,
+                    tokens_acked: 0,
+                    feats: Vec::new(),
+                    feat_base: 0,
+                    feats_acked: 0,
+                });
+                if rs.generation != generation || rs.link != *addr {
+                    rs.generation = generation;
+                    rs.link = addr.clone();
+                    rs.tokens_acked = 0;
+                    rs.feats_acked = 0;
+                }
+                let acked = rs.tokens_acked.min(r.context.len());
+                let features = if rl > 0 && !rs.feats.is_empty() {
+                    let from = rs.feats_acked.max(rs.feat_base);
+                    let rows = &rs.feats[(from - rs.feat_base) * rl..];
+                    (!rows.is_empty()).then(|| {
+                        (
+                            from,
+                            dspark_proto::Tensor::from_f32(
+                                rows,
+                                &[rows.len() / rl, rl],
+                                self.feature_dtype,
+                            ),
+                        )
+                    })
+                } else {
+                    None
+                };
+                let item = DraftItem {
+                    seq: r.id,
+                    sync_from: acked as u32,
+                    tokens: r.context[acked..].to_vec(),
+                    feat_from: features.as_ref().map(|f| f.0 as u32).unwrap_or(0),
+                    features: features.map(|f| f.1),
+                    k: r.k as u32,
+                    sampling: Some(r.params.into()),
+                    seed: r.rng.next_u64(),
+                };
+                let bytes = item.encoded_len() as u64;
+                if let Ok(mut m) = self.shared.stats.lock() {
+                    m.entry(r.id).or_default().bytes_to_draft += bytes;
+                }
+                items.push(item);
+            }
+            let finished = std::mem::take(&mut self.links.get_mut(addr).expect("present").finished);
+            let link = &self.links[addr];
+            let call = DraftCall {
+                step,
+                items,
+                finished,
+                ..Default::default()
+            };
+            let (tx, rx) = std::sync::mpsc::channel();
+            if let Ok(mut p) = link.shared.pending.lock() {
+                p.insert(step, tx);
+            }
+            let sent = link
+                .shared
+                .calls
+                .lock()
+                .ok()
+                .and_then(|c| c.as_ref().map(|c| c.try_send(call).is_ok()))
+                .unwrap_or(false);
+            if sent {
+                waits.push((addr.clone(), rx, Instant::now()));
+            } else if let Ok(mut p) = link.shared.pending.lock() {
+                p.remove(&step);
+            }
+        }
+        let deadline = Instant::now() + self.timeout;
+        for (addr, rx, t0) in waits {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let rep = match rx.recv_timeout(left) {
+                Ok(r) => r,
+                Err(_) => {
+                    if let Some(l) = self.links.get(&addr) {
+                        if let Ok(mut p) = l.shared.pending.lock() {
+                            p.remove(&step);
+                        }
+                    }
+                    tracing::debug!(draft = addr, step, "draft round late or lost");
+                    continue;
+                }
+            };
+            let rtt = t0.elapsed().as_micros() as u64;
+            if !rep.error.is_empty() {
+                tracing::warn!(
+                    draft = addr,
+                    step,
+                    "draft worker refused a round: {}",
+                    rep.error
+                );
+                continue;
+            }
+            let idx = &groups[&addr];
+            let by_seq: HashMap<u64, usize> = idx.iter().map(|&i| (reqs[i].id, i)).collect();
+            for b in &rep.blocks {
+                let Some(&i) = by_seq.get(&b.seq) else {
+                    continue;
+                };
+                let id = reqs[i].id;
+                let Some(rs) = self.reqs.get_mut(&id) else {
+                    continue;
+                };
+                if b.need_sync {
+                    rs.tokens_acked = b.have_tokens as usize;
+                    rs.feats_acked = 0;
+                    continue;
+                }
+                rs.tokens_acked = reqs[i].context.len();
+                rs.feats_acked = if rl > 0 {
+                    rs.feat_base + rs.feats.len() / rl
+                } else {
+                    0
+                };
+                if let Some(blk) = self.block_from_wire(b, reqs[i].k) {
+                    let bytes = b.encoded_len() as u64;
+                    let compute = rep.compute_us;
+                    self.stat(id, |s| {
+                        s.remote_cycles += 1;
+                        s.bytes_from_draft += bytes;
+                        s.rtt_us += rtt;
+                        s.compute_us += compute;
+                    });
+                    out[i] = Some(blk);
+                }
+            }
+        }
+        // Local drafting for whatever the draft workers did not cover this cycle.
+        let missing: Vec<usize> = (0..reqs.len()).filter(|&i| out[i].is_none()).collect();
+        if !missing.is_empty() {
+            let mut sub: Vec<ProposeReq<'_>> = Vec::with_capacity(missing.len());
+            let mut mi = missing.iter().peekable();
+            for (i, r) in reqs.iter_mut().enumerate() {
+                if mi.peek() == Some(&&i) {
+                    mi.next();
+                    sub.push(ProposeReq {
+                        id: r.id,
+                        context: r.context,
+                        k: r.k,
+                        params: r.params,
+                        rng: &mut *r.rng,
+                    });
+                }
+            }
+            let blocks = self.fallback.propose(&mut sub)?;
+            for (&i, b) in missing.iter().zip(blocks) {
+                self.stat(reqs[i].id, |s| s.fallback_cycles += 1);
+                out[i] = Some(b);
+            }
+        }
+        Ok(out.into_iter().map(Option::unwrap_or_default).collect())
+    }
+}

@@ -1,0 +1,145 @@
+//! `dspark.v1.TargetWorker`: validates a request, hands it to the engine thread, streams back.
+
+use crate::engine_loop::Cmd;
+use dspark_proto::target_worker_server::TargetWorker;
+use dspark_proto::{GenerateEvent, GenerateRequest, InfoRequest, WorkerInfo};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+pub struct TargetService {
+    pub cmds: Mutex<std::sync::mpsc::Sender<Cmd>>,
+    pub info: WorkerInfo,
+    pub load: Arc<AtomicUsize>,
+    pub next_id: AtomicU64,
+    pub vocab: usize,
+    pub max_ctx: usize,
+    /// Draft worker for requests placement did not pair (from --draft-worker).
+    pub default_draft: Option<String>,
+    /// Requests never go to a remote drafter (the drafter runs in-process).
+    pub local_drafting: bool,
+}
+
+/// Longest request id accepted (they are logged and echoed).
+const MAX_ID_LEN: usize = 256;
+/// Stop strings per request, and bytes each.
+const MAX_STOPS: usize = 16;
+const MAX_STOP_LEN: usize = 256;
+
+impl TargetService {
+    fn check(&self, r: &GenerateRequest) -> Result<(), Status> {
+        let bad = |m: String| Err(Status::invalid_argument(m));
+        if r.request_id.len() > MAX_ID_LEN {
+            return bad(format!("request_id longer than {MAX_ID_LEN} bytes"));
+        }
+        if r.prompt.is_empty() {
+            return bad("the prompt is empty".into());
+        }
+        if let Some(&t) = r.prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return bad(format!(
+                "token id {t} outside the vocabulary ({})",
+                self.vocab
+            ));
+        }
+        if r.max_tokens == 0 {
+            return bad("max_tokens must be at least 1".into());
+        }
+        if r.prompt.len() + r.max_tokens as usize > self.max_ctx {
+            return bad(format!(
+                "prompt ({} tokens) + max_tokens ({}) exceeds the context of {} tokens",
+                r.prompt.len(),
+                r.max_tokens,
+                self.max_ctx
+            ));
+        }
+        if r.gamma as usize > specdec::MAX_GAMMA {
+            return bad(format!(
+                "gamma {} out of range 0..={}",
+                r.gamma,
+                specdec::MAX_GAMMA
+            ));
+        }
+        if r.stop.len() > MAX_STOPS
+            || r.stop
+                .iter()
+                .any(|s| s.is_empty() || s.len() > MAX_STOP_LEN)
+        {
+            return bad(format!(
+                "at most {MAX_STOPS} stop strings of 1..={MAX_STOP_LEN} bytes"
+            ));
+        }
+        if !r.draft_worker.is_empty() && r.draft_worker.parse::<std::net::SocketAddr>().is_err() {
+            return bad(format!(
+                "draft_worker `{}` is not host:port",
+                r.draft_worker
+            ));
+        }
+        Ok(())
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<GenerateEvent, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl TargetWorker for TargetService {
+    type GenerateStream = EventStream;
+
+    async fn generate(
+        &self,
+        req: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let r = req.into_inner();
+        self.check(&r)?;
+        let params = match &r.sampling {
+            Some(s) => s
+                .to_params()
+                .map_err(|e| Status::invalid_argument(e.to_string()))?,
+            None => kernels::sampling::SamplingParams::greedy(),
+        };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::info!(
+            request_id = r.request_id,
+            engine_id = id,
+            traceparent = r.traceparent,
+            prompt_tokens = r.prompt.len(),
+            "generate"
+        );
+        let req = specdec::Request {
+            id,
+            prompt: r.prompt,
+            params,
+            max_tokens: r.max_tokens as usize,
+            stop: r.stop,
+            seed: r.seed,
+            gamma: (r.gamma > 0).then_some(r.gamma as usize),
+        };
+        let draft = if self.local_drafting {
+            None
+        } else if r.draft_worker.is_empty() {
+            self.default_draft.clone()
+        } else {
+            Some(r.draft_worker)
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.cmds
+            .lock()
+            .map_err(|_| Status::internal("engine channel poisoned"))?
+            .send(Cmd::Add {
+                req,
+                draft,
+                events: tx,
+            })
+            .map_err(|_| Status::unavailable("the engine thread stopped"))?;
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        )))
+    }
+
+    async fn info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        let mut i = self.info.clone();
+        i.load = self.load.load(Ordering::Relaxed) as u32;
+        Ok(Response::new(i))
+    }
+}
