@@ -63,7 +63,9 @@ impl DraftWorker for DraftService {
                 let call = match calls.next().await {
                     Some(Ok(c)) => c,
                     Some(Err(s)) => {
-                        tracing::debug!(stream = stream_no, "stream error: {}", s.message());
+                        // e.g. an oversized message: the caller learns why its stream ended.
+                        tracing::warn!(stream = stream_no, "draft stream refused: {}", s.message());
+                        let _ = tx.send(Err(s)).await;
                         break;
                     }
                     None => break,

@@ -56,8 +56,11 @@ impl Tensor {
         }
     }
 
-    pub fn numel(&self) -> usize {
-        self.shape.iter().map(|&s| s as usize).product()
+    /// Element count; `None` when the shape overflows.
+    pub fn numel(&self) -> Option<usize> {
+        self.shape
+            .iter()
+            .try_fold(1usize, |n, &s| n.checked_mul(s as usize))
     }
 
     /// Decodes to f32, checking that dtype, shape and byte length agree.
@@ -69,7 +72,9 @@ impl Tensor {
             Dtype::F16 | Dtype::Bf16 => 2,
             Dtype::Unspecified => return Err(WireError::Tensor("dtype unspecified".into())),
         };
-        let n = self.numel();
+        let n = self
+            .numel()
+            .ok_or_else(|| WireError::Tensor("shape overflows".into()))?;
         if n.checked_mul(width) != Some(self.data.len()) {
             return Err(WireError::Tensor(format!(
                 "shape {:?} × {width} bytes ≠ {} bytes of data",

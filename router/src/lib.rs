@@ -341,8 +341,12 @@ fn admit(app: &Arc<App>) -> Result<Inflight, ApiError> {
 
 /// What the generation task hands the HTTP side.
 enum Piece {
-    Text(String),
-    Done { reason: String, stats: SpecStats },
+    Text(String, Vec<u32>),
+    Done {
+        reason: String,
+        stats: SpecStats,
+        target: String,
+    },
     Error(ApiError),
 }
 
@@ -478,7 +482,7 @@ async fn drive(
                         Metrics::add(&app.metrics.ttft_us, t0.elapsed().as_micros() as u64);
                     }
                     generated.extend_from_slice(&t.ids);
-                    if tx.send(Piece::Text(t.text)).await.is_err() {
+                    if tx.send(Piece::Text(t.text, t.ids)).await.is_err() {
                         break; // client gone: dropping the stream cancels on the worker
                     }
                 }
@@ -491,6 +495,7 @@ async fn drive(
                         .send(Piece::Done {
                             reason: f.reason,
                             stats: stats.clone(),
+                            target: target.id.clone(),
                         })
                         .await;
                     break;
@@ -516,6 +521,7 @@ async fn drive(
                         .send(Piece::Done {
                             reason: "length".into(),
                             stats: stats.clone(),
+                            target: target.id.clone(),
                         })
                         .await;
                     return;
@@ -566,12 +572,13 @@ fn merge(a: &mut SpecStats, b: &SpecStats) {
     }
 }
 
-fn usage(stats: &SpecStats) -> Value {
+fn usage(stats: &SpecStats, target: &str) -> Value {
     json!({
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
         "dspark": {
+            "target_worker": target,
             "verify_forwards": stats.verify_forwards,
             "drafted_tokens": stats.drafted_tokens,
             "accepted_tokens": stats.accepted_tokens,
@@ -724,18 +731,26 @@ async fn serve(
     };
     if !settings.stream {
         let mut text = String::new();
+        let mut ids: Vec<u32> = Vec::new();
         let mut end = None;
         while let Some(p) = rx.recv().await {
             match p {
-                Piece::Text(t) => text.push_str(&t),
-                Piece::Done { reason, stats } => end = Some((reason, stats)),
+                Piece::Text(t, i) => {
+                    text.push_str(&t);
+                    ids.extend(i);
+                }
+                Piece::Done {
+                    reason,
+                    stats,
+                    target,
+                } => end = Some((reason, stats, target)),
                 Piece::Error(e) => {
                     Metrics::add(&app.metrics.errors, 1);
                     return Err(e);
                 }
             }
         }
-        let (reason, stats) = end.ok_or_else(|| {
+        let (reason, stats, target) = end.ok_or_else(|| {
             ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "server_error",
@@ -743,15 +758,18 @@ async fn serve(
             )
         })?;
         account(&app, &stats);
-        let choice = if kind == Kind::Chat {
+        let mut choice = if kind == Kind::Chat {
             json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish(&reason), "logprobs": null})
         } else {
             json!({"index": 0, "text": text, "finish_reason": finish(&reason), "logprobs": null})
         };
+        if settings.return_token_ids {
+            choice["token_ids"] = json!(ids);
+        }
         drop(guard);
         let mut r = Json(
             json!({"id": id, "object": object, "created": created, "model": model,
-            "choices": [choice], "usage": usage(&stats)}),
+            "choices": [choice], "usage": usage(&stats, &target)}),
         )
         .into_response();
         if let Ok(v) = tp.parse() {
@@ -765,6 +783,7 @@ async fn serve(
         "text_completion"
     };
     let include_usage = settings.include_usage;
+    let return_ids = settings.return_token_ids;
     let app2 = Arc::clone(&app);
     let s = async_stream(move |out| async move {
         let _guard = guard;
@@ -782,20 +801,27 @@ async fn serve(
         }
         while let Some(p) = rx.recv().await {
             match p {
-                Piece::Text(t) => {
-                    if t.is_empty() {
+                Piece::Text(t, ids) => {
+                    if t.is_empty() && !return_ids {
                         continue;
                     }
-                    let c = if kind == Kind::Chat {
+                    let mut c = if kind == Kind::Chat {
                         json!([{"index": 0, "delta": {"content": t}, "finish_reason": null}])
                     } else {
                         json!([{"index": 0, "text": t, "finish_reason": null, "logprobs": null}])
                     };
+                    if return_ids {
+                        c[0]["token_ids"] = json!(ids);
+                    }
                     if out.send(mk(c, Value::Null)).await.is_err() {
                         return;
                     }
                 }
-                Piece::Done { reason, stats } => {
+                Piece::Done {
+                    reason,
+                    stats,
+                    target,
+                } => {
                     account(&app2, &stats);
                     let c = if kind == Kind::Chat {
                         json!([{"index": 0, "delta": {}, "finish_reason": finish(&reason)}])
@@ -804,7 +830,7 @@ async fn serve(
                     };
                     let _ = out.send(mk(c, Value::Null)).await;
                     if include_usage {
-                        let _ = out.send(mk(json!([]), usage(&stats))).await;
+                        let _ = out.send(mk(json!([]), usage(&stats, &target))).await;
                     }
                 }
                 Piece::Error(e) => {

@@ -99,6 +99,9 @@ pub struct Common {
     pub echo: Option<bool>,
     /// Extension: draft length for this request.
     pub gamma: Option<i64>,
+    /// Extension (as in vLLM): return the generated token ids with each choice / chunk.
+    #[serde(default)]
+    pub return_token_ids: bool,
 }
 
 #[derive(Deserialize, Debug)]
@@ -145,6 +148,7 @@ pub struct GenSettings {
     pub stream: bool,
     pub include_usage: bool,
     pub gamma: u32,
+    pub return_token_ids: bool,
 }
 
 pub const MAX_STOPS: usize = 16;
@@ -268,6 +272,7 @@ impl Common {
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
             gamma,
+            return_token_ids: self.return_token_ids,
         })
     }
 }

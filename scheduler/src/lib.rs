@@ -76,7 +76,9 @@ pub async fn serve(
     Ok(())
 }
 
-/// Resolves on Ctrl-C, SIGTERM, or (with `stdin_eof`) when the parent closes our stdin.
+/// Resolves on Ctrl-C, SIGTERM, or (with `stdin_eof`) when the parent closes our stdin. Once it
+/// fired, the process exits on its own after a short grace period even if long-lived streams
+/// (draft links) keep the server from draining.
 pub async fn shutdown_signal(stdin_eof: bool) {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
@@ -91,11 +93,18 @@ pub async fn shutdown_signal(stdin_eof: bool) {
     };
     let eof = async {
         if stdin_eof {
-            let _ = tokio::task::spawn_blocking(|| {
-                let mut sink = Vec::new();
-                let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
-            })
-            .await;
+            // A plain thread: a blocked read must not keep the runtime from shutting down.
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            std::thread::spawn(move || {
+                let mut sink = [0u8; 256];
+                while let Ok(n) = std::io::Read::read(&mut std::io::stdin(), &mut sink) {
+                    if n == 0 {
+                        break;
+                    }
+                }
+                let _ = tx.send(());
+            });
+            let _ = rx.await;
         } else {
             futures::future::pending::<()>().await
         }
@@ -105,6 +114,11 @@ pub async fn shutdown_signal(stdin_eof: bool) {
         _ = term => {},
         _ = eof => {},
     }
+    tracing::info!("shutting down");
+    std::thread::spawn(|| {
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        std::process::exit(0);
+    });
 }
 
 /// Logging for the service binaries (`DSPARK_LOG`, default info).

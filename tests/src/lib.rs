@@ -1,0 +1,203 @@
+//! Helpers for the end-to-end tests: the `dspark` binary as child processes on loopback.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The `dspark` binary next to this test's build (`cargo build --workspace --bins` makes it).
+pub fn dspark_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe path");
+    let dir = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>/deps");
+    let bin = dir.join("dspark");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build --workspace --bins` first",
+        bin.display()
+    );
+    bin
+}
+
+/// A child process killed (SIGKILL) when dropped.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub addr: String,
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+    pub fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .args([format!("-{sig}"), self.pid().to_string()])
+            .status();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Starts `dspark ARGS...` and waits for its "listening on ADDR" line.
+pub fn spawn(name: &str, args: &[&str]) -> Proc {
+    let mut child = Command::new(dspark_bin())
+        .args(args)
+        .env("DSPARK_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawning {name}: {e}"));
+    let out = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if let Some(i) = line.find("listening on ") {
+                let a = line[i + 13..]
+                    .trim()
+                    .trim_start_matches("http://")
+                    .to_string();
+                let _ = tx.send(a);
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(300))
+        .unwrap_or_else(|_| panic!("{name} did not start listening"));
+    Proc {
+        name: name.to_string(),
+        child,
+        addr,
+    }
+}
+
+/// Polls `cond` every 100 ms until it holds or `timeout` passes.
+pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let t0 = Instant::now();
+    while !cond().await {
+        assert!(t0.elapsed() < timeout, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// GET/POST returning (status, JSON body).
+pub async fn post(url: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("HTTP request");
+    let st = r.status().as_u16();
+    let v = r.json().await.unwrap_or(serde_json::Value::Null);
+    (st, v)
+}
+
+pub async fn post_raw(url: &str, body: Vec<u8>) -> (u16, serde_json::Value) {
+    let r = reqwest::Client::new()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .expect("HTTP request");
+    let st = r.status().as_u16();
+    let v = r.json().await.unwrap_or(serde_json::Value::Null);
+    (st, v)
+}
+
+pub async fn get(url: &str) -> (u16, serde_json::Value) {
+    match reqwest::get(url).await {
+        Ok(r) => {
+            let st = r.status().as_u16();
+            (st, r.json().await.unwrap_or(serde_json::Value::Null))
+        }
+        Err(_) => (0, serde_json::Value::Null),
+    }
+}
+
+/// The default model's path (fetched by `.ci/run`).
+pub fn model_path() -> PathBuf {
+    let home = dspark_runtime::fetch::dspark_home(
+        std::env::var_os("DSPARK_HOME")
+            .map(PathBuf::from)
+            .as_deref(),
+    );
+    dspark_runtime::fetch::resolve("smollm2-135m", &home, "python3", &mut |m| eprintln!("{m}"))
+        .expect("smollm2-135m must be fetchable (run `dspark fetch-model smollm2-135m`)")
+}
+
+/// A free loopback port.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A started etcd (Debian's etcd-server), removed on drop.
+pub struct Etcd {
+    pub url: String,
+    proc: Child,
+    dir: PathBuf,
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.proc.kill();
+        let _ = self.proc.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub fn start_etcd() -> Etcd {
+    let (cp, pp) = (free_port(), free_port());
+    let dir = std::env::temp_dir().join(format!("dspark-etcd-{}-{cp}", std::process::id()));
+    let url = format!("http://127.0.0.1:{cp}");
+    let peer = format!("http://127.0.0.1:{pp}");
+    let proc = Command::new("etcd")
+        .args([
+            "--data-dir",
+            &dir.display().to_string(),
+            "--listen-client-urls",
+            &url,
+            "--advertise-client-urls",
+            &url,
+            "--listen-peer-urls",
+            &peer,
+            "--initial-advertise-peer-urls",
+            &peer,
+            "--initial-cluster",
+            &format!("default={peer}"),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("etcd must be installed (Debian package etcd-server; .ci/run installs it)");
+    let t0 = Instant::now();
+    loop {
+        if std::net::TcpStream::connect(("127.0.0.1", cp)).is_ok() {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "etcd did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Etcd { url, proc, dir }
+}

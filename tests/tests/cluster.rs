@@ -1,0 +1,637 @@
+//! End to end: scheduler, draft workers, target workers and the router as real processes on
+//! loopback, serving the default model. Greedy outputs must equal in-process greedy decoding.
+
+use dspark_proto::draft_worker_client::DraftWorkerClient;
+use dspark_proto::target_worker_client::TargetWorkerClient;
+use dspark_proto::{DraftCall, DraftItem, GenerateRequest};
+use dspark_runtime::generate::{GenerateParams, generate};
+use dspark_runtime::{LoadOptions, Model, Tokenizer};
+use dspark_tests::*;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+/// One cluster at a time: the machine has two cores.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn reference() -> &'static (Model, Tokenizer) {
+    static R: OnceLock<(Model, Tokenizer)> = OnceLock::new();
+    R.get_or_init(|| {
+        let p = model_path();
+        let m = Model::load(
+            &p,
+            &LoadOptions {
+                threads: 1,
+                ..Default::default()
+            },
+        )
+        .expect("model");
+        (m, Tokenizer::load(&p).expect("tokenizer"))
+    })
+}
+
+/// Plain greedy decoding in this process: (token ids, text).
+fn greedy(prompt: &str, max_tokens: usize) -> (Vec<u32>, String) {
+    let (m, t) = reference();
+    let ids = t.encode(prompt).expect("encode");
+    let out = generate(
+        m,
+        t,
+        &ids,
+        &GenerateParams {
+            max_tokens,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .expect("generate");
+    (out.token_ids, out.text)
+}
+
+const PROMPTS: [&str; 6] = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "The capital of France is",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+    "Once upon a time, there was a",
+    "SELECT name, age FROM users WHERE",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+];
+
+struct Cluster {
+    url: String,
+    sched: String,
+    drafts: Vec<Proc>,
+    targets: Vec<Proc>,
+    _router: Proc,
+    _scheduler: Proc,
+}
+
+fn start_cluster(targets: usize, drafts: usize, target_extra: &[&str]) -> Cluster {
+    let scheduler = spawn("scheduler", &["scheduler", "--listen", "127.0.0.1:0"]);
+    let sched = format!("http://{}", scheduler.addr);
+    let d: Vec<Proc> = (0..drafts)
+        .map(|i| {
+            let id = format!("draft-{i}");
+            spawn(
+                &id,
+                &[
+                    "draft-worker",
+                    "--target",
+                    "smollm2-135m",
+                    "--drafter",
+                    "ngram",
+                    "--id",
+                    &id,
+                    "--scheduler",
+                    &sched,
+                    "--threads",
+                    "1",
+                ],
+            )
+        })
+        .collect();
+    let t: Vec<Proc> = (0..targets)
+        .map(|i| {
+            let id = format!("target-{i}");
+            let mut a = vec![
+                "target-worker",
+                "--model",
+                "smollm2-135m",
+                "--id",
+                &id,
+                "--scheduler",
+                &sched,
+                "--threads",
+                "1",
+                "--max-running",
+                "4",
+            ];
+            a.extend_from_slice(target_extra);
+            spawn(&id, &a)
+        })
+        .collect();
+    let router = spawn(
+        "router",
+        &["router", "--listen", "127.0.0.1:0", "--scheduler", &sched],
+    );
+    Cluster {
+        url: format!("http://{}", router.addr),
+        sched,
+        drafts: d,
+        targets: t,
+        _router: router,
+        _scheduler: scheduler,
+    }
+}
+
+async fn ready(url: &str, targets: u64, drafts: u64) -> bool {
+    let (st, v) = get(&format!("{url}/ready")).await;
+    st == 200
+        && v["target_workers"].as_u64() == Some(targets)
+        && v["draft_workers"].as_u64().unwrap_or(0) >= drafts
+}
+
+async fn complete(url: &str, prompt: &str, max_tokens: usize) -> Value {
+    let (st, v) = post(
+        &format!("{url}/v1/completions"),
+        &json!({"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    v
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .expect("token_ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_is_greedy_identical_spreads_load_and_rejects_bad_input() {
+    let _s = serial();
+    let c = start_cluster(2, 1, &[]);
+    wait_for(
+        "two targets and a draft worker",
+        Duration::from_secs(120),
+        || ready(&c.url, 2, 1),
+    )
+    .await;
+
+    // Greedy parity, requests in flight together so both target workers serve.
+    let futs = PROMPTS.iter().map(|p| complete(&c.url, p, 40));
+    let outs = futures::future::join_all(futs).await;
+    let mut workers = std::collections::BTreeSet::new();
+    let mut remote = 0;
+    for (p, v) in PROMPTS.iter().zip(&outs) {
+        let (ids, text) = greedy(p, 40);
+        assert_eq!(ids_of(v), ids, "prompt {p:?}");
+        assert_eq!(v["choices"][0]["text"].as_str(), Some(text.as_str()));
+        assert_eq!(
+            v["usage"]["completion_tokens"].as_u64(),
+            Some(ids.len() as u64)
+        );
+        workers.insert(
+            v["usage"]["dspark"]["target_worker"]
+                .as_str()
+                .unwrap_or("")
+                .to_string(),
+        );
+        remote += v["usage"]["dspark"]["remote_draft_cycles"]
+            .as_u64()
+            .unwrap_or(0);
+    }
+    assert_eq!(workers.len(), 2, "both target workers serve: {workers:?}");
+    assert!(remote > 0, "the draft worker drafted for somebody");
+
+    // The official OpenAI client streams a chat completion.
+    let script = r#"
+import json, sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+s = c.chat.completions.create(model="smollm2-135m",
+    messages=[{"role": "user", "content": "What is the capital of France?"}],
+    max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True})
+text, usage, chunks = "", None, 0
+for ch in s:
+    chunks += 1
+    if ch.choices and ch.choices[0].delta.content:
+        text += ch.choices[0].delta.content
+    if ch.usage:
+        usage = ch.usage.completion_tokens
+print(json.dumps({"text": text, "usage": usage, "chunks": chunks}))
+"#;
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", script, &c.url])
+        .output()
+        .await
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "openai client failed (pip install openai): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    assert!(v["text"].as_str().unwrap_or("").contains("Paris"), "{v}");
+    assert!(
+        v["usage"].as_u64().unwrap_or(0) > 0 && v["chunks"].as_u64().unwrap_or(0) > 2,
+        "{v}"
+    );
+
+    // Bad input: clear 4xx JSON errors.
+    let u = format!("{}/v1/completions", c.url);
+    let cu = format!("{}/v1/chat/completions", c.url);
+    let cases: Vec<(&str, (u16, Value), u16)> = vec![
+        (
+            "malformed JSON",
+            post_raw(&u, b"{\"model\": ".to_vec()).await,
+            400,
+        ),
+        (
+            "invalid UTF-8",
+            post_raw(&u, b"{\"model\": \"\xff\xfe\"}".to_vec()).await,
+            400,
+        ),
+        (
+            "unknown model",
+            post(&u, &json!({"model": "gpt-9", "prompt": "hi"})).await,
+            404,
+        ),
+        (
+            "temperature",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": "hi", "temperature": 5}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "top_p",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": "hi", "top_p": 0}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "n",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": "hi", "n": 2}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "max_tokens",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 100000}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "over the context",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": vec![42u32; 9000], "max_tokens": 8}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "token outside the vocabulary",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": [999999], "max_tokens": 8}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "no messages",
+            post(&cu, &json!({"model": "smollm2-135m"})).await,
+            400,
+        ),
+        (
+            "bad role",
+            post(
+                &cu,
+                &json!({"model": "smollm2-135m", "messages": [{"role": "wizard", "content": "x"}]}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "unknown route",
+            post(&format!("{}/v2/nothing", c.url), &json!({})).await,
+            404,
+        ),
+    ];
+    for (what, (st, body), want) in cases {
+        assert_eq!(st, want, "{what}: {body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{what}: {body}"
+        );
+    }
+
+    // gRPC: the draft worker refuses oversized messages and bad rounds, flags unknown requests.
+    let draft = format!("http://{}", c.drafts[0].addr);
+    let mut dc = DraftWorkerClient::connect(draft.clone())
+        .await
+        .expect("draft worker");
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut replies = dc
+        .draft(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .expect("stream")
+        .into_inner();
+    let item = |seq: u64, sync_from: u32, tokens: Vec<u32>, k: u32| DraftItem {
+        seq,
+        sync_from,
+        tokens,
+        k,
+        ..Default::default()
+    };
+    tx.send(DraftCall {
+        step: 1,
+        items: vec![item(77, 5, vec![1], 2)],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let r = replies.message().await.unwrap().unwrap();
+    assert!(
+        r.error.is_empty() && r.blocks[0].need_sync && r.blocks[0].have_tokens == 0,
+        "{r:?}"
+    );
+    tx.send(DraftCall {
+        step: 2,
+        items: vec![item(78, 0, vec![1, 2], 1000)],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let r = replies.message().await.unwrap().unwrap();
+    assert!(r.error.contains("exceeds"), "{r:?}");
+    tx.send(DraftCall {
+        step: 3,
+        items: vec![item(79, 0, vec![u32::MAX], 2)],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let r = replies.message().await.unwrap().unwrap();
+    assert!(r.error.contains("vocabulary"), "{r:?}");
+    tx.send(DraftCall {
+        step: 2,
+        items: vec![],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let r = replies.message().await.unwrap().unwrap();
+    assert!(r.error.contains("stale"), "{r:?}");
+    tx.send(DraftCall {
+        step: 4,
+        items: vec![item(80, 0, vec![49_000u32; 6_000_000], 2)], // 18 MB > 16 MB
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let e = replies
+        .message()
+        .await
+        .expect_err("oversized message refused");
+    assert!(
+        matches!(
+            e.code(),
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+        ),
+        "{e:?}"
+    );
+
+    // gRPC: the target worker refuses bad requests with a status.
+    let mut tc = TargetWorkerClient::connect(format!("http://{}", c.targets[0].addr))
+        .await
+        .expect("target worker");
+    let e = tc
+        .generate(GenerateRequest {
+            prompt: vec![],
+            max_tokens: 4,
+            ..Default::default()
+        })
+        .await
+        .expect_err("empty prompt");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    let e = tc
+        .generate(GenerateRequest {
+            prompt: vec![1, 2],
+            max_tokens: 4,
+            draft_worker: "nowhere".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("bad draft address");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+
+    // Nobody else was hurt.
+    let v = complete(&c.url, PROMPTS[1], 24).await;
+    assert_eq!(ids_of(&v), greedy(PROMPTS[1], 24).0);
+    let _ = &c.sched;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draft_worker_killed_mid_stream_loses_nothing() {
+    let _s = serial();
+    let mut c = start_cluster(1, 1, &["--draft-timeout-ms", "500"]);
+    wait_for("cluster", Duration::from_secs(120), || ready(&c.url, 1, 1)).await;
+    let prompt = PROMPTS[2];
+    let (want, _) = greedy(prompt, 160);
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", c.url))
+        .json(
+            &json!({"model": "smollm2-135m", "prompt": prompt, "max_tokens": 160, "temperature": 0,
+            "stream": true, "stream_options": {"include_usage": true}, "return_token_ids": true}),
+        )
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status().as_u16(), 200);
+    let mut stream = resp.bytes_stream();
+    let (mut buf, mut ids, mut usage, mut chunks) =
+        (String::new(), Vec::<u32>::new(), Value::Null, 0);
+    let mut killed = false;
+    while let Some(b) = stream.next().await {
+        buf.push_str(&String::from_utf8_lossy(&b.expect("stream")));
+        while let Some(p) = buf.find("\n\n") {
+            let ev: String = buf.drain(..p + 2).collect();
+            let data = ev.trim().trim_start_matches("data: ").to_string();
+            if data == "[DONE]" {
+                continue;
+            }
+            let v: Value = serde_json::from_str(&data).expect("chunk JSON");
+            assert!(v.get("error").is_none(), "{v}");
+            if let Some(t) = v["choices"][0]["token_ids"].as_array() {
+                ids.extend(t.iter().map(|x| x.as_u64().unwrap() as u32));
+                chunks += 1;
+            }
+            if !v["usage"].is_null() {
+                usage = v["usage"].clone();
+            }
+            if chunks == 3 && !killed {
+                c.drafts[0].kill();
+                killed = true;
+            }
+        }
+    }
+    assert!(
+        killed,
+        "the stream was long enough to kill the draft worker in the middle"
+    );
+    assert_eq!(
+        ids, want,
+        "output after losing the draft worker equals greedy decoding"
+    );
+    let d = &usage["dspark"];
+    assert!(
+        d["fallback_draft_cycles"].as_u64().unwrap_or(0) > 0,
+        "{usage}"
+    );
+
+    // A new draft worker: requests draft remotely again once placement pairs them with it.
+    let new = spawn(
+        "draft-new",
+        &[
+            "draft-worker",
+            "--target",
+            "smollm2-135m",
+            "--drafter",
+            "ngram",
+            "--id",
+            "draft-new",
+            "--scheduler",
+            &c.sched,
+            "--threads",
+            "1",
+        ],
+    );
+    let mut remote = 0;
+    for _ in 0..40 {
+        let v = complete(&c.url, prompt, 24).await;
+        assert_eq!(ids_of(&v), want[..ids_of(&v).len()].to_vec());
+        remote = v["usage"]["dspark"]["remote_draft_cycles"]
+            .as_u64()
+            .unwrap_or(0);
+        if remote > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(
+        remote > 0,
+        "speculation resumed through the new draft worker"
+    );
+    drop(new);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_etcd_lease_removes_a_worker_from_placement() {
+    let _s = serial();
+    let etcd = start_etcd();
+    let scheduler = spawn(
+        "scheduler",
+        &["scheduler", "--listen", "127.0.0.1:0", "--etcd", &etcd.url],
+    );
+    let sched = format!("http://{}", scheduler.addr);
+    let target = spawn(
+        "target",
+        &[
+            "target-worker",
+            "--model",
+            "smollm2-135m",
+            "--etcd",
+            &etcd.url,
+            "--ttl-ms",
+            "2000",
+            "--threads",
+            "1",
+            "--fallback",
+            "none",
+        ],
+    );
+    let router = spawn(
+        "router",
+        &["router", "--listen", "127.0.0.1:0", "--scheduler", &sched],
+    );
+    let url = format!("http://{}", router.addr);
+    wait_for("the target in the view", Duration::from_secs(60), || {
+        ready(&url, 1, 0)
+    })
+    .await;
+    let v = complete(&url, PROMPTS[1], 8).await;
+    assert_eq!(ids_of(&v), greedy(PROMPTS[1], 8).0);
+    // Frozen: it stops renewing its lease, etcd deletes its key, placement forgets it.
+    target.signal("STOP");
+    wait_for("lease expiry", Duration::from_secs(20), || async {
+        get(&format!("{url}/ready")).await.0 == 503
+    })
+    .await;
+    let (st, body) = post(
+        &format!("{url}/v1/completions"),
+        &json!({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(st, 503, "{body}");
+    // Thawed: it registers again with a new lease.
+    target.signal("CONT");
+    wait_for("re-registration", Duration::from_secs(20), || {
+        ready(&url, 1, 0)
+    })
+    .await;
+    let v = complete(&url, PROMPTS[1], 8).await;
+    assert_eq!(ids_of(&v), greedy(PROMPTS[1], 8).0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dspark_up_serves_the_quick_start_and_stops_cleanly() {
+    let _s = serial();
+    let port = free_port();
+    let mut up = std::process::Command::new(dspark_bin())
+        .args(["up", "--port", &port.to_string(), "--threads", "1"])
+        .env("DSPARK_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("dspark up");
+    let url = format!("http://127.0.0.1:{port}");
+    wait_for("dspark up", Duration::from_secs(120), || ready(&url, 1, 1)).await;
+    let (st, v) = post(
+        &format!("{url}/v1/chat/completions"),
+        &json!({"model": "smollm2-135m", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 32, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .contains("Paris"),
+        "{v}"
+    );
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &up.id().to_string()])
+        .status();
+    let t0 = std::time::Instant::now();
+    loop {
+        if up.try_wait().expect("wait").is_some() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "dspark up did not stop"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        get(&format!("{url}/health")).await.0,
+        0,
+        "the router is gone"
+    );
+}
