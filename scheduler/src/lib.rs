@@ -5,6 +5,7 @@
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod discovery;
 pub mod placement;
 pub mod service;
