@@ -104,6 +104,8 @@ pub struct StepLimits {
     pub max_batch_tokens: u32,
     /// KV slots free for drafted tokens this step.
     pub kv_headroom: u32,
+    /// Tokens in the batch besides pending tokens and drafts (prefill chunks).
+    pub other_tokens: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,7 +185,7 @@ impl Admission {
         let mut k = vec![0u32; n];
         self.keys.clear();
         self.clamped = 0;
-        let base_b = n as u32;
+        let base_b = n as u32 + step.other_tokens;
         let mut forced = 0u32;
         let mut tau = n as f64;
         for (r, c) in conf.iter().enumerate().take(MAX_REQUESTS) {
@@ -238,6 +240,138 @@ impl Admission {
             batch_tokens,
             expected_tokens: expected,
         }
+    }
+}
+
+impl Admission {
+    /// The top `k_total` entries by cumulative survival (prefix-closed), within per-request
+    /// limits (forced minimums first): the selection half of the two-step lag.
+    pub fn select_top(&mut self, conf: &[&[f32]], limits: &[ReqLimits], k_total: u32) -> Vec<u32> {
+        let mut k = vec![0u32; conf.len()];
+        self.keys.clear();
+        self.clamped = 0;
+        let mut left = k_total;
+        for (r, c) in conf.iter().enumerate().take(MAX_REQUESTS) {
+            let lim = limits.get(r).copied().unwrap_or_default();
+            let cap = c.len().min(MAX_GAMMA).min(lim.max_k as usize);
+            let mut a = 1f32;
+            for (j, &cj) in c.iter().take(cap).enumerate() {
+                let (cj, cl) = clamp_conf(cj);
+                self.clamped += cl as usize;
+                a *= cj;
+                if j < lim.min_k as usize {
+                    k[r] += 1;
+                    left = left.saturating_sub(1);
+                } else {
+                    self.keys.push(pack(a, r, j));
+                }
+            }
+        }
+        radix_sort_high32(&mut self.keys, &mut self.tmp, &mut self.count);
+        for &key in self.keys.iter().take(left as usize) {
+            k[unpack(key).1] += 1;
+        }
+        k
+    }
+}
+
+/// The scheduler in the engine's loop ([`specdec::VerifyPolicy`]): the budget K_total for
+/// step t is the argmax decision on the confidences of step t − `lag` (so with lag 2 the next
+/// batch shape is known before the current step ends); step t verifies the top-K_total entries
+/// by the latest cumulative confidences. With lag 0 the decision is made on the spot.
+pub struct ConfidencePolicy {
+    pub sps: SpsTable,
+    pub rule: Rule,
+    pub lag: usize,
+    pub max_batch_tokens: u32,
+    /// Per-request verification cap (γ of the drafter).
+    pub max_k: u8,
+    adm: Admission,
+    budgets: std::collections::VecDeque<u32>,
+    /// Budgets computed elsewhere (the central scheduler), used while fresh.
+    pub external: Option<std::sync::Arc<std::sync::Mutex<ExternalBudget>>>,
+    steps: u64,
+    pub last_decision_us: f64,
+    pub clamped_total: usize,
+}
+
+/// A budget pushed by the central scheduler for a given engine step.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExternalBudget {
+    pub for_step: u64,
+    pub k_total: u32,
+}
+
+impl ConfidencePolicy {
+    pub fn new(sps: SpsTable, rule: Rule, lag: usize, max_batch_tokens: u32, max_k: u8) -> Self {
+        Self {
+            sps,
+            rule,
+            lag,
+            max_batch_tokens,
+            max_k,
+            adm: Admission::default(),
+            budgets: std::collections::VecDeque::new(),
+            external: None,
+            steps: 0,
+            last_decision_us: 0.0,
+            clamped_total: 0,
+        }
+    }
+
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+}
+
+impl specdec::VerifyPolicy for ConfidencePolicy {
+    fn name(&self) -> &str {
+        "dspark-scheduler"
+    }
+
+    fn select(&mut self, conf: &[&[f32]], other_tokens: usize, kv_headroom: usize) -> Vec<usize> {
+        let t0 = std::time::Instant::now();
+        self.steps += 1;
+        let limits: Vec<ReqLimits> = conf
+            .iter()
+            .map(|_| ReqLimits {
+                min_k: 0,
+                max_k: self.max_k,
+            })
+            .collect();
+        let step = StepLimits {
+            max_batch_tokens: self.max_batch_tokens,
+            kv_headroom: kv_headroom.min(u32::MAX as usize) as u32,
+            other_tokens: other_tokens.min(u32::MAX as usize) as u32,
+        };
+        let d = self.adm.decide(conf, &limits, step, &self.sps, self.rule);
+        self.clamped_total += self.adm.clamped;
+        if self.adm.clamped > 0 {
+            tracing::debug!(
+                clamped = self.adm.clamped,
+                "confidences outside (0, 1) or NaN clamped"
+            );
+        }
+        let now: u32 = d.k.iter().sum();
+        let k = if self.lag == 0 {
+            d.k
+        } else {
+            self.budgets.push_back(now);
+            let lagged = if self.budgets.len() > self.lag {
+                self.budgets.pop_front().unwrap_or(now)
+            } else {
+                now
+            };
+            let central = self
+                .external
+                .as_ref()
+                .and_then(|e| e.lock().ok().map(|b| *b))
+                .filter(|b| b.for_step + 1 >= self.steps && b.for_step <= self.steps + 1);
+            let budget = central.map(|b| b.k_total).unwrap_or(lagged);
+            self.adm.select_top(conf, &limits, budget)
+        };
+        self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
+        k.into_iter().map(|x| x as usize).collect()
     }
 }
 
@@ -316,7 +450,7 @@ mod tests {
         let room = step
             .max_batch_tokens
             .min(sps.max_batch())
-            .saturating_sub(n as u32 + forced)
+            .saturating_sub(n as u32 + step.other_tokens + forced)
             .min(step.kv_headroom.saturating_sub(forced));
         let mut k = lo.clone();
         let mut best = f64::MIN;
@@ -354,6 +488,7 @@ mod tests {
         let step = StepLimits {
             max_batch_tokens: 4 + rng.below(20) as u32,
             kv_headroom: rng.below(20) as u32,
+            other_tokens: 0,
         };
         let sps = staircase(rng, 24);
         (conf, lim, step, sps)
@@ -406,6 +541,7 @@ mod tests {
         let step = StepLimits {
             max_batch_tokens: 64,
             kv_headroom: 64,
+            other_tokens: 0,
         };
         let mut adm = Admission::default();
         let g = adm.decide(
@@ -440,6 +576,7 @@ mod tests {
         let step = StepLimits {
             max_batch_tokens: 64,
             kv_headroom: 1000,
+            other_tokens: 0,
         };
         let mut adm = Admission::default();
         let one = adm.decide(&[&hi], &[], step, &sps, Rule::Argmax);
@@ -466,6 +603,7 @@ mod tests {
             StepLimits {
                 max_batch_tokens: 64,
                 kv_headroom: 2,
+                other_tokens: 0,
             },
             &sps,
             Rule::Argmax,
@@ -497,6 +635,7 @@ mod tests {
             StepLimits {
                 max_batch_tokens: 64,
                 kv_headroom: 64,
+                other_tokens: 0,
             },
             &sps,
             Rule::Argmax,

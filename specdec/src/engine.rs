@@ -131,6 +131,18 @@ pub enum Event {
     },
 }
 
+/// Chooses how many drafted tokens of each request to verify this step: the hardware-aware
+/// scheduler's hook. It sees confidences only, never the drafted tokens, so whether position k
+/// is verified depends on x_1..x_{k−1} (through c_1..c_k) and never on x_k.
+pub trait VerifyPolicy: Send {
+    fn name(&self) -> &str;
+    /// `conf[i]`: confidence per drafted position of the i-th drafting request (a drafter without
+    /// a confidence head is given its request's running acceptance rate). `other_tokens`: tokens
+    /// in this step's batch besides the pending tokens and drafts (prefill chunks);
+    /// `kv_headroom`: free KV slots. Returns K_i ≤ `conf[i].len()` per request.
+    fn select(&mut self, conf: &[&[f32]], other_tokens: usize, kv_headroom: usize) -> Vec<usize>;
+}
+
 /// Relative forward cost T(n)/T(1) for n tokens, measured at start.
 #[derive(Clone, Debug)]
 pub struct CostModel {
@@ -306,6 +318,7 @@ pub struct Engine {
     /// EMA of drafting time per drafted token relative to one decode forward.
     draft_cost: f64,
     decode_ema: f64,
+    policy: Option<Box<dyn VerifyPolicy>>,
     pub steps: usize,
 }
 
@@ -348,8 +361,19 @@ impl Engine {
             totals: RequestMetrics::default(),
             draft_cost: 0.0,
             decode_ema: 0.0,
+            policy: None,
             steps: 0,
         })
+    }
+
+    /// Puts a verification policy (the scheduler) in the loop: every request drafts its full
+    /// γ and the policy trims the blocks; the per-request gate steps aside.
+    pub fn set_policy(&mut self, policy: Option<Box<dyn VerifyPolicy>>) {
+        self.policy = policy;
+    }
+
+    pub fn policy_name(&self) -> Option<&str> {
+        self.policy.as_ref().map(|p| p.name())
     }
 
     pub fn cost_model(&self) -> &CostModel {
@@ -524,7 +548,9 @@ impl Engine {
             let gamma = s.req.gamma.unwrap_or(self.cfg.gamma);
             let remaining = s.req.max_tokens - s.output_len();
             let room = ctx.saturating_sub(s.tokens.len());
-            let mut k = if self.cfg.gate {
+            let mut k = if self.policy.is_some() {
+                gamma
+            } else if self.cfg.gate {
                 s.gate.choose(gamma, &self.cost, self.draft_cost)
             } else {
                 gamma
@@ -594,6 +620,30 @@ impl Engine {
                     )));
                 }
                 drafts[i] = b;
+            }
+        }
+        // 2b. The scheduler trims the blocks (confidences only).
+        if let Some(policy) = self.policy.as_mut() {
+            let confs: Vec<Vec<f32>> = drafting
+                .iter()
+                .map(|&i| match &drafts[i].confidence {
+                    Some(c) if c.len() >= drafts[i].tokens.len() => {
+                        c[..drafts[i].tokens.len()].to_vec()
+                    }
+                    _ => vec![self.running[i].gate.alpha as f32; drafts[i].tokens.len()],
+                })
+                .collect();
+            let refs: Vec<&[f32]> = confs.iter().map(|c| c.as_slice()).collect();
+            let other: usize = chunks.iter().flatten().map(|c| c.1).sum();
+            let headroom = self.cache.free_blocks() * self.cfg.block_size;
+            let k = policy.select(&refs, other, headroom);
+            for (j, &i) in drafting.iter().enumerate() {
+                let kk = k.get(j).copied().unwrap_or(0).min(drafts[i].tokens.len());
+                drafts[i].tokens.truncate(kk);
+                drafts[i].dists.truncate(kk);
+                if let Some(c) = drafts[i].confidence.as_mut() {
+                    c.truncate(kk);
+                }
             }
         }
         let draft_s = t_draft.elapsed().as_secs_f64();

@@ -10,7 +10,7 @@ pub mod engine;
 pub mod metrics;
 pub mod proposer;
 
-pub use engine::{Engine, EngineConfig, Event, FinishReason, Request};
+pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, VerifyPolicy};
 pub use metrics::RequestMetrics;
 pub use proposer::{DraftBlock, Proposer, ProposerKind};
 
