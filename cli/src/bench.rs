@@ -21,6 +21,8 @@ pub enum BenchCmd {
     Accuracy(AccuracyArgs),
     /// Load against a running router (`dspark up`): TTFT, TPOT, ITL, tokens/s, wire bytes.
     Serve(crate::serve_bench::ServeArgs),
+    /// Decision time of the hardware-aware admission (requests × γ confidences per call).
+    Sched(SchedArgs),
 }
 
 #[derive(Args, Debug)]
@@ -110,6 +112,7 @@ pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Accuracy(a) => accuracy(g, a),
         BenchCmd::Spec(a) => spec_bench(g, a),
         BenchCmd::Serve(a) => crate::serve_bench::run(a),
+        BenchCmd::Sched(a) => sched_bench(a),
     }
 }
 
@@ -630,4 +633,116 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         anyhow::bail!("greedy outputs differ between arms: speculation was not lossless");
     }
     Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct SchedArgs {
+    #[arg(long, default_value_t = 256)]
+    pub requests: usize,
+    #[arg(long, default_value_t = 16)]
+    pub gamma: usize,
+    #[arg(long, default_value_t = 2000)]
+    pub iters: usize,
+    /// SPS table (a `dspark profile` JSON); default: a synthetic 2-core-CPU-like staircase.
+    #[arg(long)]
+    pub sps: Option<std::path::PathBuf>,
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// Decision time of the admission: `requests` × `gamma` random calibrated confidences per call,
+/// on two table shapes: compute-bound (a CPU profile's shape: few drafts pay at this load) and
+/// memory-bound (flat up to 1024 tokens, an accelerator's shape: most drafts are admitted, the
+/// expensive case). The headline figures are the slower case.
+pub fn sched_bench(a: SchedArgs) -> anyhow::Result<()> {
+    use dspark_scheduler::admission::{Admission, ReqLimits, Rule, SpsTable, StepLimits};
+    anyhow::ensure!(
+        a.requests >= 1 && a.requests <= dspark_scheduler::admission::MAX_REQUESTS,
+        "--requests must be in 1..={}",
+        dspark_scheduler::admission::MAX_REQUESTS
+    );
+    anyhow::ensure!(
+        a.gamma >= 1 && a.gamma <= dspark_scheduler::admission::MAX_GAMMA,
+        "--gamma must be in 1..={}",
+        dspark_scheduler::admission::MAX_GAMMA
+    );
+    let grid = [
+        1u32, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
+        2048, 3072, 4096, 6144, 8192,
+    ];
+    let mut tables: Vec<(String, SpsTable)> = vec![
+        (
+            "compute-bound".into(),
+            SpsTable::new(
+                grid.iter()
+                    .map(|&b| (b, 150.0 / (1.0 + b as f64 / 24.0)))
+                    .collect(),
+            )?,
+        ),
+        (
+            "memory-bound".into(),
+            SpsTable::new(
+                grid.iter()
+                    .map(|&b| (b, 50.0 * (1024.0 / b.max(1024) as f64)))
+                    .collect(),
+            )?,
+        ),
+    ];
+    if let Some(p) = &a.sps {
+        tables.push((p.display().to_string(), crate::profile::load_table(p)?));
+    }
+    let limits = vec![ReqLimits::default(); a.requests];
+    let step = StepLimits {
+        max_batch_tokens: u32::MAX,
+        kv_headroom: u32::MAX,
+        other_tokens: 0,
+    };
+    let pct = |v: &mut Vec<f64>, p: f64| {
+        v.sort_by(|x, y| x.total_cmp(y));
+        v[((v.len() - 1) as f64 * p).round() as usize]
+    };
+    let mut cases = Vec::new();
+    let (mut head_med, mut head_p99) = (0f64, 0f64);
+    for (name, sps) in &tables {
+        let mut rng = kernels::rng::Rng::new(5);
+        let mut adm = Admission::default();
+        let (mut times, mut lag_times, mut chosen) = (Vec::new(), Vec::new(), 0u64);
+        for _ in 0..a.iters.max(1) {
+            let conf: Vec<Vec<f32>> = (0..a.requests)
+                .map(|_| {
+                    (0..a.gamma)
+                        .map(|_| (0.6 + 0.39 * rng.uniform()) as f32)
+                        .collect()
+                })
+                .collect();
+            let refs: Vec<&[f32]> = conf.iter().map(|c| c.as_slice()).collect();
+            let t0 = std::time::Instant::now();
+            let d = adm.decide(&refs, &limits, step, sps, Rule::Argmax);
+            times.push(t0.elapsed().as_secs_f64() * 1e6);
+            let k_total: u32 = d.k.iter().sum();
+            chosen += k_total as u64;
+            let t0 = std::time::Instant::now();
+            std::hint::black_box(adm.select_top(&refs, &limits, k_total));
+            lag_times.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        let (med, p99) = (pct(&mut times, 0.5), pct(&mut times, 0.99));
+        if med > head_med {
+            (head_med, head_p99) = (med, p99);
+        }
+        cases.push(serde_json::json!({
+            "table": name, "median_us": med, "p99_us": p99,
+            "select_top_median_us": pct(&mut lag_times, 0.5),
+            "mean_k_total": chosen as f64 / a.iters.max(1) as f64,
+        }));
+    }
+    let out = serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "requests": a.requests,
+        "gamma": a.gamma,
+        "median_us": head_med,
+        "p99_us": head_p99,
+        "cases": cases,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    write_json(&a.json, &out)
 }

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod config;
 pub mod generate;
 pub mod plot;
+pub mod profile;
 pub mod serve_bench;
 pub mod spec;
 pub mod train;
@@ -46,6 +47,8 @@ pub enum Command {
     /// Benchmarks (write JSON with --json FILE).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+    /// Profile SPS(B), the steps per second at each total batch size, for the scheduler.
+    Profile(profile::ProfileArgs),
     /// Start the whole cluster on loopback: scheduler, draft and target workers, router.
     Up(up::UpArgs),
     /// One cluster piece: `dspark scheduler|target-worker|draft-worker|router --help`.
@@ -161,6 +164,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::TrainDrafter(a) => train::run(&g, a),
         Command::CalibrateDrafter(a) => train::calibrate(&g, a),
         Command::Up(a) => up::run(&g, a),
+        Command::Profile(a) => profile::run(&g, a),
         Command::Service(_) => anyhow::bail!("service commands are dispatched above"),
     }
 }

@@ -79,6 +79,27 @@ impl SpsTable {
     }
 }
 
+/// SPS(B) for B increasing one step at a time: a pointer walks the stairs (O(1) amortized).
+struct StairWalk<'a> {
+    pts: &'a [(u32, f64)],
+    i: usize,
+}
+
+impl<'a> StairWalk<'a> {
+    fn new(t: &'a SpsTable) -> Self {
+        Self {
+            pts: &t.points,
+            i: 0,
+        }
+    }
+    fn at(&mut self, b: u32) -> f64 {
+        while self.i < self.pts.len() && self.pts[self.i].0 < b {
+            self.i += 1;
+        }
+        self.pts.get(self.i).map(|p| p.1).unwrap_or(0.0)
+    }
+}
+
 /// Per-request limits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReqLimits {
@@ -144,9 +165,8 @@ pub fn clamp_conf(c: f32) -> (f32, bool) {
 /// Reusable scratch so a decision allocates nothing in steady state.
 #[derive(Default)]
 pub struct Admission {
-    keys: Vec<u64>,
-    tmp: Vec<u64>,
-    count: Vec<u32>,
+    /// (request, survival) of the entries considered, in order.
+    taken: Vec<(u32, f32)>,
     /// Entries that had to be clamped in the last call (NaN or out of (0, 1)).
     pub clamped: usize,
 }
@@ -157,16 +177,117 @@ const REQ_BITS: u32 = 11;
 pub const MAX_REQUESTS: usize = 1 << REQ_BITS;
 pub const MAX_GAMMA: usize = 1 << POS_BITS;
 
-/// An entry: high 32 bits = !bits(a) (positive floats order like their bits, so ascending keys
-/// are descending survivals), low bits = request and position.
-fn pack(a: f32, r: usize, j: usize) -> u64 {
-    ((!a.to_bits()) as u64) << 32 | (r as u64) << POS_BITS | j as u64
+/// Heap entry: survival bits (positive floats order like their bits) above, the request's
+/// complement below, so the max-heap pops the highest survival and, on ties, the lowest request.
+#[inline]
+fn head(a: f32, r: usize) -> u64 {
+    (a.to_bits() as u64) << 32 | (u32::MAX - r as u32) as u64
 }
 
-fn unpack(key: u64) -> (f32, usize) {
-    let a = f32::from_bits(!((key >> 32) as u32));
-    let r = ((key >> POS_BITS) & ((1 << REQ_BITS) - 1)) as usize;
-    (a, r)
+#[inline]
+fn head_r(key: u64) -> usize {
+    (u32::MAX - (key & 0xffff_ffff) as u32) as usize
+}
+
+/// Entries in descending survival: a k-way merge of the requests' survival sequences (each is
+/// already non-increasing), so only the entries actually considered are ever ordered. Within a
+/// request positions come out in order, so every prefix of the output is prefix-closed.
+struct Merge<'c> {
+    conf: &'c [&'c [f32]],
+    cap: Vec<u8>,
+    next: Vec<u8>,
+    a: Vec<f32>,
+    heap: std::collections::BinaryHeap<u64>,
+}
+
+impl<'c> Merge<'c> {
+    /// Takes every request's forced prefix (SLO minimum) out first; returns the forced count,
+    /// their survival sum, and K per request so far.
+    fn new(
+        conf: &'c [&'c [f32]],
+        limits: &[ReqLimits],
+        clamped: &mut usize,
+    ) -> (Self, u32, f64, Vec<u32>) {
+        let m = conf.len().min(MAX_REQUESTS);
+        let mut k = vec![0u32; conf.len()];
+        let (mut forced, mut tau) = (0u32, 0f64);
+        let mut me = Self {
+            conf: &conf[..m],
+            cap: vec![0; m],
+            next: vec![0; m],
+            a: vec![0.0; m],
+            heap: std::collections::BinaryHeap::new(),
+        };
+        let mut heads = Vec::with_capacity(m);
+        for (r, c) in conf.iter().enumerate().take(m) {
+            let lim = limits.get(r).copied().unwrap_or_default();
+            let cap = c.len().min(MAX_GAMMA).min(lim.max_k as usize);
+            *clamped += c[..cap].iter().filter(|&&x| clamp_conf(x).1).count();
+            let mut a = 1f32;
+            let mut j = 0;
+            while j < cap {
+                let aj = a * clamp_conf(c[j]).0;
+                if j < lim.min_k as usize {
+                    k[r] += 1;
+                    forced += 1;
+                    tau += aj as f64;
+                    a = aj;
+                    j += 1;
+                } else {
+                    a = aj;
+                    break;
+                }
+            }
+            me.cap[r] = cap as u8;
+            if j < cap {
+                me.next[r] = j as u8;
+                me.a[r] = a;
+                heads.push(head(a, r));
+            }
+        }
+        me.heap = std::collections::BinaryHeap::from(heads);
+        (me, forced, tau, k)
+    }
+
+    fn pop(&mut self) -> Option<(usize, f32)> {
+        let mut top = self.heap.peek_mut()?;
+        let r = head_r(*top);
+        let a = self.a[r];
+        let j = self.next[r] as usize + 1;
+        if j < self.cap[r] as usize {
+            self.a[r] = a * clamp_conf(self.conf[r][j]).0;
+            self.next[r] = j as u8;
+            *top = head(self.a[r], r);
+        } else {
+            std::collections::binary_heap::PeekMut::pop(top);
+        }
+        Some((r, a))
+    }
+
+    fn peek_a(&self) -> f32 {
+        self.heap
+            .peek()
+            .map(|&k| f32::from_bits((k >> 32) as u32))
+            .unwrap_or(0.0)
+    }
+}
+
+/// Largest Θ a larger set could reach: at most `left` more entries, none with a survival above
+/// `a_next`, on the stairs from B = `b + 1` on (within a stair the best is its right end).
+fn upper_bound(t: f64, a_next: f64, b: u32, left: u32, sps: &SpsTable) -> f64 {
+    let mut best = 0f64;
+    let end = b.saturating_add(left);
+    for &(sb, s) in &sps.points {
+        if sb <= b {
+            continue;
+        }
+        let top = sb.min(end);
+        best = best.max((t + (top - b) as f64 * a_next) * s);
+        if sb >= end {
+            break;
+        }
+    }
+    best
 }
 
 impl Admission {
@@ -181,59 +302,49 @@ impl Admission {
         sps: &SpsTable,
         rule: Rule,
     ) -> Decision {
-        let n = conf.len();
-        let mut k = vec![0u32; n];
-        self.keys.clear();
         self.clamped = 0;
-        let base_b = n as u32 + step.other_tokens;
-        let mut forced = 0u32;
-        let mut tau = n as f64;
-        for (r, c) in conf.iter().enumerate().take(MAX_REQUESTS) {
-            let lim = limits.get(r).copied().unwrap_or_default();
-            let cap = c.len().min(MAX_GAMMA).min(lim.max_k as usize);
-            let mut a = 1f32;
-            for (j, &cj) in c.iter().take(cap).enumerate() {
-                let (cj, cl) = clamp_conf(cj);
-                self.clamped += cl as usize;
-                a *= cj;
-                if j < lim.min_k as usize {
-                    // Forced by the request's tier: always verified, outside the ranking.
-                    k[r] += 1;
-                    forced += 1;
-                    tau += a as f64;
-                } else {
-                    self.keys.push(pack(a, r, j));
-                }
-            }
-        }
+        let (mut merge, forced, forced_tau, mut k) = Merge::new(conf, limits, &mut self.clamped);
+        let base_b = conf.len() as u32 + step.other_tokens;
+        let tau = conf.len() as f64 + forced_tau;
         let room = step
             .max_batch_tokens
             .min(sps.max_batch())
             .saturating_sub(base_b + forced)
             .min(step.kv_headroom.saturating_sub(forced));
-        // Stable sort on the survival half only: ties keep (request, position) order, so
-        // earlier positions come first and every prefix of the order is prefix-closed.
-        radix_sort_high32(&mut self.keys, &mut self.tmp, &mut self.count);
         let b0 = base_b + forced;
-        let mut best = (tau * sps.sps(b0), 0usize);
+        let mut best = (tau * sps.sps(b0), 0u32);
         let mut t = tau;
-        let upto = (room as usize).min(self.keys.len());
-        for (i, &key) in self.keys[..upto].iter().enumerate() {
-            t += unpack(key).0 as f64;
-            let th = t * sps.sps(b0 + i as u32 + 1);
+        let mut stair = StairWalk::new(sps);
+        let mut stair_val = stair.at(b0);
+        self.taken.clear();
+        let mut i = 0u32;
+        while i < room {
+            let s = stair.at(b0 + i + 1);
+            // Entering a new stair: stop when no larger set can beat the best.
+            if rule == Rule::Argmax
+                && s != stair_val
+                && upper_bound(t, merge.peek_a() as f64, b0 + i, room - i, sps) <= best.0
+            {
+                break;
+            }
+            stair_val = s;
+            let Some((r, a)) = merge.pop() else { break };
+            t += a as f64;
+            i += 1;
+            self.taken.push((r as u32, a));
+            let th = t * s;
             if th > best.0 {
-                best = (th, i + 1);
+                best = (th, i);
             } else if rule == Rule::GreedyEarlyStop && th < best.0 {
                 break;
             }
         }
         let mut expected = tau;
-        for &key in &self.keys[..best.1] {
-            let (a, r) = unpack(key);
-            k[r] += 1;
+        for &(r, a) in &self.taken[..best.1 as usize] {
+            k[r as usize] += 1;
             expected += a as f64;
         }
-        let batch_tokens = b0 + best.1 as u32;
+        let batch_tokens = b0 + best.1;
         Decision {
             theta: expected * sps.sps(batch_tokens),
             k,
@@ -241,40 +352,21 @@ impl Admission {
             expected_tokens: expected,
         }
     }
-}
 
-impl Admission {
     /// The top `k_total` entries by cumulative survival (prefix-closed), within per-request
     /// limits (forced minimums first): the selection half of the two-step lag.
     pub fn select_top(&mut self, conf: &[&[f32]], limits: &[ReqLimits], k_total: u32) -> Vec<u32> {
-        let mut k = vec![0u32; conf.len()];
-        self.keys.clear();
         self.clamped = 0;
-        let mut left = k_total;
-        for (r, c) in conf.iter().enumerate().take(MAX_REQUESTS) {
-            let lim = limits.get(r).copied().unwrap_or_default();
-            let cap = c.len().min(MAX_GAMMA).min(lim.max_k as usize);
-            let mut a = 1f32;
-            for (j, &cj) in c.iter().take(cap).enumerate() {
-                let (cj, cl) = clamp_conf(cj);
-                self.clamped += cl as usize;
-                a *= cj;
-                if j < lim.min_k as usize {
-                    k[r] += 1;
-                    left = left.saturating_sub(1);
-                } else {
-                    self.keys.push(pack(a, r, j));
-                }
+        let (mut merge, forced, _, mut k) = Merge::new(conf, limits, &mut self.clamped);
+        for _ in 0..k_total.saturating_sub(forced) {
+            match merge.pop() {
+                Some((r, _)) => k[r] += 1,
+                None => break,
             }
-        }
-        radix_sort_high32(&mut self.keys, &mut self.tmp, &mut self.count);
-        for &key in self.keys.iter().take(left as usize) {
-            k[unpack(key).1] += 1;
         }
         k
     }
 }
-
 /// The scheduler in the engine's loop ([`specdec::VerifyPolicy`]): the budget K_total for
 /// step t is the argmax decision on the confidences of step t − `lag` (so with lag 2 the next
 /// batch shape is known before the current step ends); step t verifies the top-K_total entries
@@ -372,31 +464,6 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         };
         self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
         k.into_iter().map(|x| x as usize).collect()
-    }
-}
-
-/// LSD radix sort by bits 32..64, two 16-bit passes (stable).
-fn radix_sort_high32(v: &mut Vec<u64>, tmp: &mut Vec<u64>, count: &mut Vec<u32>) {
-    tmp.clear();
-    tmp.resize(v.len(), 0);
-    count.resize(1 << 16, 0);
-    for shift in [32u32, 48] {
-        count.iter_mut().for_each(|c| *c = 0);
-        for &x in v.iter() {
-            count[((x >> shift) & 0xffff) as usize] += 1;
-        }
-        let mut sum = 0;
-        for c in count.iter_mut() {
-            let n = *c;
-            *c = sum;
-            sum += n;
-        }
-        for &x in v.iter() {
-            let d = ((x >> shift) & 0xffff) as usize;
-            tmp[count[d] as usize] = x;
-            count[d] += 1;
-        }
-        std::mem::swap(v, tmp);
     }
 }
 

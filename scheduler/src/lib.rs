@@ -9,6 +9,7 @@ pub mod admission;
 pub mod discovery;
 pub mod placement;
 pub mod service;
+pub mod sps;
 
 use clap::Parser;
 use std::net::SocketAddr;

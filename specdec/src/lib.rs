@@ -8,6 +8,7 @@
 
 pub mod engine;
 pub mod metrics;
+pub mod profile;
 pub mod proposer;
 
 pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, VerifyPolicy};

@@ -11,6 +11,7 @@
 pub mod engine_loop;
 pub mod remote;
 pub mod service;
+pub mod sps;
 
 use clap::Parser;
 use std::net::SocketAddr;

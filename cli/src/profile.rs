@@ -1,0 +1,63 @@
+//! `dspark profile`: the SPS(B) staircase of a model on this machine, as a versioned artifact.
+
+use crate::config::Global;
+use clap::Args;
+use dspark_scheduler::admission::SpsTable;
+use dspark_scheduler::sps::SpsArtifact;
+use std::path::{Path, PathBuf};
+
+#[derive(Args, Debug)]
+pub struct ProfileArgs {
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub model: String,
+    /// Total batch tokens B.
+    #[arg(long, value_delimiter = ',', default_values_t = target_worker::sps::DEFAULT_GRID.to_vec())]
+    pub batch: Vec<usize>,
+    /// Context lengths.
+    #[arg(long, value_delimiter = ',', default_values_t = target_worker::sps::DEFAULT_CTXS.to_vec())]
+    pub ctx: Vec<usize>,
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Also write the artifact here (it always goes to the cache the workers read).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run(g: &Global, a: ProfileArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !a.batch.is_empty() && a.batch.iter().all(|&b| b >= 1 && b <= 8192),
+        "--batch takes values in 1..=8192"
+    );
+    anyhow::ensure!(
+        !a.ctx.is_empty() && a.ctx.iter().all(|&c| c >= 1),
+        "--ctx takes positive values"
+    );
+    let path = g.resolve_model(&a.model)?;
+    let model = dspark_runtime::Model::load(&path, &g.load_opts())?;
+    let key = target_worker::sps::key_for(&a.model, &path, &model);
+    let mut batch = a.batch.clone();
+    batch.sort_unstable();
+    batch.dedup();
+    let cmd = std::env::args().collect::<Vec<_>>().join(" ");
+    let art = target_worker::sps::profile(&model, key.clone(), &batch, &a.ctx, a.reps, &cmd)?;
+    println!(
+        "{:>6} {:>12}   (staircase: slowest shape and context per B, non-increasing)",
+        "B", "steps/s"
+    );
+    for (b, s) in &art.table {
+        println!("{b:>6} {s:>12.2}");
+    }
+    let cache = dspark_scheduler::sps::cache_path(&g.home, &key);
+    art.save(&cache)?;
+    eprintln!("cached {}", cache.display());
+    if let Some(p) = &a.json {
+        art.save(p)?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+/// A table from an artifact file, whatever its key (benchmarks, tools).
+pub fn load_table(p: &Path) -> anyhow::Result<SpsTable> {
+    Ok(SpsArtifact::load(p, None)?.1)
+}

@@ -1,0 +1,176 @@
+//! The SPS(B) artifact: a profiled staircase keyed by what it was measured on (model, dtype,
+//! device and ISA, threads, TP degree, runtime version), stored as versioned JSON, reused when the
+//! key matches and refused (with the reason) when it does not.
+
+use crate::admission::{AdmissionError, SpsTable};
+use serde::{Deserialize, Serialize};
+use specdec::profile::SpsPoint;
+use std::path::{Path, PathBuf};
+
+pub const ARTIFACT_VERSION: u32 = 1;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpsKey {
+    pub model: String,
+    /// Size of the weights file (distinguishes quantizations of the same name).
+    pub model_bytes: u64,
+    pub dtype: String,
+    pub device: String,
+    pub threads: usize,
+    pub tp: usize,
+    pub runtime: String,
+}
+
+impl SpsKey {
+    /// A file name for the cache: readable model name plus a hash of the whole key.
+    pub fn file_name(&self) -> String {
+        let text = serde_json::to_string(self).unwrap_or_default();
+        let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        let name: String = self
+            .model
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '.' || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        format!("{name}-{h:016x}.json")
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SpsArtifact {
+    pub version: u32,
+    pub key: SpsKey,
+    /// The staircase: (B, steps/s), B increasing, steps/s non-increasing.
+    pub table: Vec<(u32, f64)>,
+    /// Every measurement behind it.
+    pub points: Vec<SpsPoint>,
+    pub command: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpsError {
+    #[error("SPS artifact {path}: {reason}")]
+    Invalid { path: String, reason: String },
+    #[error("SPS artifact {path} was measured for {got}, this worker is {want}")]
+    WrongKey {
+        path: String,
+        got: String,
+        want: String,
+    },
+    #[error(transparent)]
+    Table(#[from] AdmissionError),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl SpsArtifact {
+    pub fn save(&self, path: &Path) -> Result<(), SpsError> {
+        if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(d)?;
+        }
+        let text = serde_json::to_string_pretty(self).map_err(|e| SpsError::Invalid {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        std::fs::write(path, text)?;
+        Ok(())
+    }
+
+    /// Reads and validates an artifact; with `want`, refuses one measured for another key.
+    pub fn load(path: &Path, want: Option<&SpsKey>) -> Result<(Self, SpsTable), SpsError> {
+        let bad = |reason: String| SpsError::Invalid {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path)?;
+        let a: SpsArtifact = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        if a.version != ARTIFACT_VERSION {
+            return Err(bad(format!(
+                "version {} (this build reads {ARTIFACT_VERSION})",
+                a.version
+            )));
+        }
+        if let Some(w) = want {
+            if &a.key != w {
+                return Err(SpsError::WrongKey {
+                    path: path.display().to_string(),
+                    got: serde_json::to_string(&a.key).unwrap_or_default(),
+                    want: serde_json::to_string(w).unwrap_or_default(),
+                });
+            }
+        }
+        let t = SpsTable::new(a.table.clone())?;
+        Ok((a, t))
+    }
+}
+
+/// Where profiles are cached: `$DSPARK_HOME/profiles/<model>-<keyhash>.json`.
+pub fn cache_path(home: &Path, key: &SpsKey) -> PathBuf {
+    home.join("profiles").join(key.file_name())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> SpsKey {
+        SpsKey {
+            model: "m".into(),
+            model_bytes: 1,
+            dtype: "q4".into(),
+            device: "cpu".into(),
+            threads: 2,
+            tp: 1,
+            runtime: "0.1.0".into(),
+        }
+    }
+
+    #[test]
+    fn round_trip_and_refusals() {
+        let dir = std::env::temp_dir().join(format!("dspark-sps-{}", std::process::id()));
+        let p = dir.join("a.json");
+        let a = SpsArtifact {
+            version: ARTIFACT_VERSION,
+            key: key(),
+            table: vec![(1, 100.0), (8, 90.0), (64, 20.0)],
+            points: vec![],
+            command: "test".into(),
+        };
+        a.save(&p).unwrap();
+        let (_, t) = SpsArtifact::load(&p, Some(&key())).unwrap();
+        assert_eq!(t.sps(5), 90.0);
+        let mut other = key();
+        other.threads = 16;
+        assert!(matches!(
+            SpsArtifact::load(&p, Some(&other)),
+            Err(SpsError::WrongKey { .. })
+        ));
+        let mut b = a.clone();
+        b.table = vec![(1, 10.0), (8, 90.0)];
+        b.save(&p).unwrap();
+        assert!(matches!(
+            SpsArtifact::load(&p, None),
+            Err(SpsError::Table(_))
+        ));
+        b.table = vec![];
+        b.save(&p).unwrap();
+        assert!(matches!(
+            SpsArtifact::load(&p, None),
+            Err(SpsError::Table(_))
+        ));
+        std::fs::write(&p, "{not json").unwrap();
+        assert!(matches!(
+            SpsArtifact::load(&p, None),
+            Err(SpsError::Invalid { .. })
+        ));
+        assert_ne!(key().file_name(), other.file_name());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,75 @@
+//! The worker's SPS(B) table: loaded from the profile cache when its key matches this worker
+//! (model file, dtype, device/ISA, threads, TP degree, runtime version), profiled otherwise.
+
+use dspark_runtime::Model;
+use dspark_scheduler::admission::SpsTable;
+use dspark_scheduler::sps::{ARTIFACT_VERSION, SpsArtifact, SpsKey, cache_path};
+use std::path::Path;
+
+/// Total batch tokens the default profile covers.
+pub const DEFAULT_GRID: &[usize] = &[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256];
+pub const DEFAULT_CTXS: &[usize] = &[256, 1024];
+
+pub fn key_for(name: &str, path: &Path, model: &Model) -> SpsKey {
+    SpsKey {
+        model: name.to_string(),
+        model_bytes: std::fs::metadata(path).map(|m| m.len()).unwrap_or(0),
+        dtype: if path.is_dir() {
+            "hf".into()
+        } else {
+            "gguf".into()
+        },
+        device: format!("cpu-{}", model.isa().name()),
+        threads: model.threads(),
+        tp: 1,
+        runtime: env!("CARGO_PKG_VERSION").to_string(),
+    }
+}
+
+/// Measures and builds the artifact.
+pub fn profile(
+    model: &Model,
+    key: SpsKey,
+    grid: &[usize],
+    ctxs: &[usize],
+    reps: usize,
+    command: &str,
+) -> specdec::Result<SpsArtifact> {
+    let points = specdec::profile::measure(model, grid, ctxs, reps)?;
+    Ok(SpsArtifact {
+        version: ARTIFACT_VERSION,
+        key,
+        table: specdec::profile::staircase(&points),
+        points,
+        command: command.to_string(),
+    })
+}
+
+/// The cached table for this key, or a fresh profile (saved to the cache).
+pub fn load_or_profile(home: &Path, key: SpsKey, model: &Model) -> crate::Result<(SpsTable, bool)> {
+    let path = cache_path(home, &key);
+    match SpsArtifact::load(&path, Some(&key)) {
+        Ok((_, t)) => return Ok((t, true)),
+        Err(e) if path.exists() => tracing::warn!("{e}; profiling again"),
+        Err(_) => {}
+    }
+    tracing::info!(
+        "profiling SPS(B) for {} (once per key; cached in {})",
+        key.model,
+        path.display()
+    );
+    let a = profile(
+        model,
+        key,
+        DEFAULT_GRID,
+        DEFAULT_CTXS,
+        3,
+        "target-worker start",
+    )?;
+    let t = SpsTable::new(a.table.clone())
+        .map_err(|e| crate::TargetError::Config(format!("profiled SPS table: {e}")))?;
+    if let Err(e) = a.save(&path) {
+        tracing::warn!("could not cache the SPS profile: {e}");
+    }
+    Ok((t, false))
+}
