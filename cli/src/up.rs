@@ -37,6 +37,10 @@ pub struct UpArgs {
     /// Requests each target worker decodes at once.
     #[arg(long, default_value_t = 16)]
     pub max_running: usize,
+    /// Verification lengths: `gate` (per request) or `scheduler` (hardware-aware admission from
+    /// confidences and the profiled SPS(B) table; profiles once per machine and model).
+    #[arg(long, default_value = "gate")]
+    pub verify_policy: String,
     /// Require this bearer token on /v1/*.
     #[arg(long, env = "DSPARK_API_KEY")]
     pub api_key: Option<String>,
@@ -176,6 +180,8 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
             a.gamma.to_string(),
             "--max-running".into(),
             a.max_running.to_string(),
+            "--verify-policy".into(),
+            a.verify_policy.clone(),
         ];
         if a.in_process_drafter {
             t.extend(["--local-drafter".into(), drafter.clone()]);

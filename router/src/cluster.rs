@@ -51,8 +51,17 @@ impl Cluster {
                     if let Ok(Ok(v)) =
                         tokio::time::timeout(SCHEDULER_TIMEOUT, c.cluster(ClusterRequest {})).await
                     {
+                        let v = v.into_inner();
                         if let Ok(mut w) = me.view.write() {
-                            *w = v.into_inner().workers;
+                            if v.warming {
+                                // Just restarted: keep what we knew until workers are back.
+                                for n in v.workers {
+                                    w.retain(|o| o.id != n.id);
+                                    w.push(n);
+                                }
+                            } else {
+                                *w = v.workers;
+                            }
                         }
                     }
                 }

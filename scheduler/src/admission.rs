@@ -385,6 +385,22 @@ pub struct ConfidencePolicy {
     steps: u64,
     pub last_decision_us: f64,
     pub clamped_total: usize,
+    /// Where this step's confidences go for the central scheduler (dropped when it is busy).
+    pub report: Option<tokio::sync::mpsc::Sender<ConfReport>>,
+    /// Steps that used a central / a local budget.
+    pub central_steps: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    pub local_steps: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// One step's confidences, as reported to the central scheduler.
+#[derive(Clone, Debug)]
+pub struct ConfReport {
+    pub step: u64,
+    pub rows: Vec<Vec<f32>>,
+    pub other_tokens: u32,
+    pub kv_headroom: u32,
+    pub max_batch_tokens: u32,
+    pub max_k: u8,
 }
 
 /// A budget pushed by the central scheduler for a given engine step.
@@ -408,6 +424,9 @@ impl ConfidencePolicy {
             steps: 0,
             last_decision_us: 0.0,
             clamped_total: 0,
+            report: None,
+            central_steps: Default::default(),
+            local_steps: Default::default(),
         }
     }
 
@@ -445,6 +464,16 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             );
         }
         let now: u32 = d.k.iter().sum();
+        if let Some(tx) = &self.report {
+            let _ = tx.try_send(ConfReport {
+                step: self.steps,
+                rows: conf.iter().map(|c| c.to_vec()).collect(),
+                other_tokens: step.other_tokens,
+                kv_headroom: step.kv_headroom,
+                max_batch_tokens: self.max_batch_tokens,
+                max_k: self.max_k,
+            });
+        }
         let k = if self.lag == 0 {
             d.k
         } else {
@@ -459,7 +488,18 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 .as_ref()
                 .and_then(|e| e.lock().ok().map(|b| *b))
                 .filter(|b| b.for_step + 1 >= self.steps && b.for_step <= self.steps + 1);
-            let budget = central.map(|b| b.k_total).unwrap_or(lagged);
+            let budget = match central {
+                Some(b) => {
+                    self.central_steps
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    b.k_total
+                }
+                None => {
+                    self.local_steps
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    lagged
+                }
+            };
             self.adm.select_top(conf, &limits, budget)
         };
         self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;

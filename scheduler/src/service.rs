@@ -3,7 +3,8 @@
 use crate::placement::{Cluster, PlaceError};
 use dspark_proto::scheduler_server::Scheduler;
 use dspark_proto::{
-    ClusterRequest, ClusterView, PlaceRequest, Placement, RegisterReply, WorkerId, WorkerInfo,
+    BudgetReply, BudgetRequest, ClusterRequest, ClusterView, PlaceRequest, Placement,
+    RegisterReply, WorkerId, WorkerInfo,
 };
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -14,12 +15,29 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(3);
 const MIN_TTL: Duration = Duration::from_millis(200);
 const MAX_TTL: Duration = Duration::from_secs(60);
 
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct SchedulerService {
     pub cluster: Arc<Mutex<Cluster>>,
+    started: Instant,
 }
 
+impl Default for SchedulerService {
+    fn default() -> Self {
+        Self {
+            cluster: Arc::default(),
+            started: Instant::now(),
+        }
+    }
+}
+
+/// After a (re)start, workers need up to a TTL to register again.
+const WARMUP: Duration = Duration::from_secs(3);
+
 impl SchedulerService {
+    fn warming(&self) -> bool {
+        self.started.elapsed() < WARMUP
+    }
+
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Cluster>, Status> {
         let mut c = self
             .cluster
@@ -93,6 +111,9 @@ impl Scheduler for SchedulerService {
                 target: Some(t),
                 draft: d,
             })),
+            Err(PlaceError::NoTarget(_)) if self.warming() => Err(Status::unavailable(
+                "scheduler warming up (workers are registering)",
+            )),
             Err(PlaceError::NoTarget(m)) => Err(Status::unavailable(format!(
                 "no target worker serves model `{m}`"
             ))),
@@ -102,9 +123,51 @@ impl Scheduler for SchedulerService {
         }
     }
 
+    async fn budget(&self, req: Request<BudgetRequest>) -> Result<Response<BudgetReply>, Status> {
+        let r = req.into_inner();
+        let info = self
+            .lock()?
+            .workers()
+            .into_iter()
+            .find(|w| w.id == r.worker_id)
+            .ok_or_else(|| Status::not_found(format!("unknown worker `{}`", r.worker_id)))?;
+        let sps = crate::admission::SpsTable::new(
+            info.sps
+                .iter()
+                .map(|s| (s.batch_tokens, s.steps_per_s))
+                .collect(),
+        )
+        .map_err(|e| Status::failed_precondition(format!("worker `{}`: {e}", r.worker_id)))?;
+        if r.rows.len() > crate::admission::MAX_REQUESTS {
+            return Err(Status::invalid_argument("too many requests in one report"));
+        }
+        let rows: Vec<&[f32]> = r.rows.iter().map(|x| x.c.as_slice()).collect();
+        let max_k = r.max_k.min(u8::MAX as u32) as u8;
+        let limits = vec![crate::admission::ReqLimits { min_k: 0, max_k }; rows.len()];
+        let step = crate::admission::StepLimits {
+            max_batch_tokens: r.max_batch_tokens,
+            kv_headroom: r.kv_headroom,
+            other_tokens: r.other_tokens,
+        };
+        let mut adm = crate::admission::Admission::default();
+        let d = adm.decide(&rows, &limits, step, &sps, crate::admission::Rule::Argmax);
+        if adm.clamped > 0 {
+            tracing::debug!(
+                worker = r.worker_id,
+                clamped = adm.clamped,
+                "confidences clamped into (0, 1)"
+            );
+        }
+        Ok(Response::new(BudgetReply {
+            for_step: r.step + 2,
+            k_total: d.k.iter().sum(),
+        }))
+    }
+
     async fn cluster(&self, _: Request<ClusterRequest>) -> Result<Response<ClusterView>, Status> {
         Ok(Response::new(ClusterView {
             workers: self.lock()?.workers(),
+            warming: self.warming(),
         }))
     }
 }

@@ -81,6 +81,21 @@ pub struct TargetArgs {
     /// Turn off the per-request speculation gate.
     #[arg(long)]
     pub no_gate: bool,
+    /// How verification lengths are chosen: `gate` (per request, from its acceptance rate and
+    /// the forward-cost curve) or `scheduler` (hardware-aware admission over the batch from
+    /// calibrated confidences and the profiled SPS(B) table, budgets from the central scheduler
+    /// when it answers in time).
+    #[arg(long, env = "DSPARK_VERIFY_POLICY", default_value = "gate")]
+    pub verify_policy: String,
+    /// Steps between the confidences a budget is computed from and the step it applies to.
+    #[arg(long, env = "DSPARK_BUDGET_LAG", default_value_t = 2)]
+    pub budget_lag: usize,
+    /// SPS(B) profiling grid (total batch tokens) when no cached profile matches.
+    #[arg(long, value_delimiter = ',', default_values_t = sps::DEFAULT_GRID.to_vec())]
+    pub sps_grid: Vec<usize>,
+    /// SPS(B) profiling context lengths.
+    #[arg(long, value_delimiter = ',', default_values_t = sps::DEFAULT_CTXS.to_vec())]
+    pub sps_ctx: Vec<usize>,
     #[arg(long, env = "DSPARK_HOME")]
     pub home: Option<PathBuf>,
     #[arg(long, env = "DSPARK_PYTHON", default_value = "python3")]
@@ -141,11 +156,12 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     let shared = Arc::new(remote::RemoteShared::default());
     let rt = tokio::runtime::Handle::current();
     let (a2, sh2, id2) = (args.clone(), Arc::clone(&shared), id.clone());
-    let (engine, vocab_hash, vocab, max_ctx, local) = tokio::task::spawn_blocking(move || {
-        build_engine(&hub, &a2, sh2, rt, &id2, feature_dtype, fallback_kind)
-    })
-    .await
-    .map_err(|e| TargetError::Config(format!("loader: {e}")))??;
+    let (engine, vocab_hash, vocab, max_ctx, local, handles) =
+        tokio::task::spawn_blocking(move || {
+            build_engine(&hub, &a2, sh2, rt, &id2, feature_dtype, fallback_kind)
+        })
+        .await
+        .map_err(|e| TargetError::Config(format!("loader: {e}")))??;
     let load = Arc::new(AtomicUsize::new(0));
     let (tx, rx) = std::sync::mpsc::channel();
     let el = engine_loop::EngineLoop {
@@ -169,20 +185,51 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         ttl_ms: args.ttl_ms as u32,
         feature_layers: Vec::new(),
         max_gamma: args.gamma as u32,
+        sps: handles
+            .as_ref()
+            .map(|h| {
+                h.table
+                    .iter()
+                    .map(|&(b, s)| dspark_proto::SpsStep {
+                        batch_tokens: b,
+                        steps_per_s: s,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+        sps_key: handles.as_ref().map(|h| h.key.clone()).unwrap_or_default(),
+        central_budget_steps: 0,
+        local_budget_steps: 0,
     };
+    let counters = handles
+        .as_ref()
+        .map(|h| (Arc::clone(&h.central), Arc::clone(&h.local)));
+    if let Some(h) = handles {
+        if let Some(url) = args.scheduler.clone() {
+            spawn_budget_client(url, id.clone(), h.reports, h.budget);
+        }
+    }
     if let Some(disc) = disc {
         let (info2, l2) = (info.clone(), Arc::clone(&load));
         dspark_scheduler::discovery::spawn_registrar(
             disc,
             Duration::from_millis(args.ttl_ms),
-            Arc::new(move || {
-                let mut i = info2.clone();
-                i.load = l2.load(Ordering::Relaxed) as u32;
-                i
+            Arc::new({
+                let counters = counters.clone();
+                move || {
+                    let mut i = info2.clone();
+                    i.load = l2.load(Ordering::Relaxed) as u32;
+                    if let Some((c, l)) = &counters {
+                        i.central_budget_steps = c.load(Ordering::Relaxed);
+                        i.local_budget_steps = l.load(Ordering::Relaxed);
+                    }
+                    i
+                }
             }),
         );
     }
     let svc = service::TargetService {
+        counters,
         cmds: std::sync::Mutex::new(tx),
         info,
         load,
@@ -207,7 +254,25 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     Ok(())
 }
 
-type Built = (specdec::Engine, String, usize, usize, bool);
+/// The engine, vocabulary hash and size, context, local drafting, and the scheduler policy's
+/// handles (SPS table, external budget slot, counters) when it is on.
+type Built = (
+    specdec::Engine,
+    String,
+    usize,
+    usize,
+    bool,
+    Option<PolicyHandles>,
+);
+
+pub struct PolicyHandles {
+    pub table: Vec<(u32, f64)>,
+    pub key: String,
+    pub budget: Arc<std::sync::Mutex<dspark_scheduler::admission::ExternalBudget>>,
+    pub reports: tokio::sync::mpsc::Receiver<dspark_scheduler::admission::ConfReport>,
+    pub central: Arc<std::sync::atomic::AtomicU64>,
+    pub local: Arc<std::sync::atomic::AtomicU64>,
+}
 
 fn build_engine(
     hub: &drafter::build::ModelHub,
@@ -260,11 +325,99 @@ fn build_engine(
         a.gamma
     };
     let cfg = drafter::build::engine_config(&target.model, gamma, !a.no_gate, a.max_running);
-    let engine = specdec::Engine::new(
+    let max_batch = cfg.max_batch_tokens;
+    let mut engine = specdec::Engine::new(
         target.model.clone(),
         Some(target.tok.clone()),
         proposer,
         cfg,
     )?;
-    Ok((engine, vocab_hash, vocab, max_ctx, local))
+    let handles = match a.verify_policy.as_str() {
+        "gate" => None,
+        "scheduler" => {
+            let path = hub.resolve(&a.model)?;
+            let key = sps::key_for(&a.model, &path, &target.model);
+            let key_s = serde_json::to_string(&key).unwrap_or_default();
+            let (table, cached) =
+                sps::load_or_profile(&hub.home, key, &target.model, &a.sps_grid, &a.sps_ctx)?;
+            tracing::info!(cached, stairs = table.points.len(), "SPS(B) table ready");
+            let mut p = dspark_scheduler::admission::ConfidencePolicy::new(
+                table.clone(),
+                dspark_scheduler::admission::Rule::Argmax,
+                a.budget_lag,
+                max_batch as u32,
+                gamma.min(u8::MAX as usize) as u8,
+            );
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let budget = Arc::new(std::sync::Mutex::new(Default::default()));
+            p.report = Some(tx);
+            p.external = Some(Arc::clone(&budget));
+            let h = PolicyHandles {
+                table: table.points.clone(),
+                key: key_s,
+                budget,
+                reports: rx,
+                central: Arc::clone(&p.central_steps),
+                local: Arc::clone(&p.local_steps),
+            };
+            engine.set_policy(Some(Box::new(p)));
+            Some(h)
+        }
+        o => {
+            return Err(TargetError::Config(format!(
+                "--verify-policy `{o}` (gate, scheduler)"
+            )));
+        }
+    };
+    Ok((engine, vocab_hash, vocab, max_ctx, local, handles))
+}
+
+/// Sends each reported step's confidences to the central scheduler and stores the budget it
+/// returns for the step two ahead. Off the engine's critical path: the engine never waits, a
+/// late or missing answer just leaves it on its local (lagged) budget.
+fn spawn_budget_client(
+    url: String,
+    worker: String,
+    mut reports: tokio::sync::mpsc::Receiver<dspark_scheduler::admission::ConfReport>,
+    slot: Arc<std::sync::Mutex<dspark_scheduler::admission::ExternalBudget>>,
+) {
+    tokio::spawn(async move {
+        let url = dspark_scheduler::discovery::normalize_url(&url);
+        let Ok(ep) = tonic::transport::Endpoint::from_shared(url) else {
+            return;
+        };
+        let ch = ep
+            .connect_timeout(Duration::from_millis(300))
+            .tcp_nodelay(true)
+            .connect_lazy();
+        let mut client = dspark_proto::scheduler_client::SchedulerClient::new(ch);
+        while let Some(r) = reports.recv().await {
+            let req = dspark_proto::BudgetRequest {
+                worker_id: worker.clone(),
+                step: r.step,
+                rows: r
+                    .rows
+                    .into_iter()
+                    .map(|c| dspark_proto::ConfRow { c })
+                    .collect(),
+                other_tokens: r.other_tokens,
+                kv_headroom: r.kv_headroom,
+                max_batch_tokens: r.max_batch_tokens,
+                max_k: r.max_k as u32,
+            };
+            match tokio::time::timeout(Duration::from_millis(200), client.budget(req)).await {
+                Ok(Ok(b)) => {
+                    let b = b.into_inner();
+                    if let Ok(mut s) = slot.lock() {
+                        *s = dspark_scheduler::admission::ExternalBudget {
+                            for_step: b.for_step,
+                            k_total: b.k_total,
+                        };
+                    }
+                }
+                Ok(Err(e)) => tracing::debug!("central budget refused: {}", e.message()),
+                Err(_) => tracing::debug!("central budget late"),
+            }
+        }
+    });
 }

@@ -10,6 +10,11 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 pub struct TargetService {
+    /// Central / local budget step counters (scheduler policy only).
+    pub counters: Option<(
+        Arc<std::sync::atomic::AtomicU64>,
+        Arc<std::sync::atomic::AtomicU64>,
+    )>,
     pub cmds: Mutex<std::sync::mpsc::Sender<Cmd>>,
     pub info: WorkerInfo,
     pub load: Arc<AtomicUsize>,
@@ -140,6 +145,10 @@ impl TargetWorker for TargetService {
     async fn info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
         let mut i = self.info.clone();
         i.load = self.load.load(Ordering::Relaxed) as u32;
+        if let Some((c, l)) = &self.counters {
+            i.central_budget_steps = c.load(Ordering::Relaxed);
+            i.local_budget_steps = l.load(Ordering::Relaxed);
+        }
         Ok(Response::new(i))
     }
 }

@@ -46,7 +46,13 @@ pub fn profile(
 }
 
 /// The cached table for this key, or a fresh profile (saved to the cache).
-pub fn load_or_profile(home: &Path, key: SpsKey, model: &Model) -> crate::Result<(SpsTable, bool)> {
+pub fn load_or_profile(
+    home: &Path,
+    key: SpsKey,
+    model: &Model,
+    grid: &[usize],
+    ctxs: &[usize],
+) -> crate::Result<(SpsTable, bool)> {
     let path = cache_path(home, &key);
     match SpsArtifact::load(&path, Some(&key)) {
         Ok((_, t)) => return Ok((t, true)),
@@ -58,14 +64,7 @@ pub fn load_or_profile(home: &Path, key: SpsKey, model: &Model) -> crate::Result
         key.model,
         path.display()
     );
-    let a = profile(
-        model,
-        key,
-        DEFAULT_GRID,
-        DEFAULT_CTXS,
-        3,
-        "target-worker start",
-    )?;
+    let a = profile(model, key, grid, ctxs, 3, "target-worker start")?;
     let t = SpsTable::new(a.table.clone())
         .map_err(|e| crate::TargetError::Config(format!("profiled SPS table: {e}")))?;
     if let Err(e) = a.save(&path) {

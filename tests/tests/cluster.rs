@@ -635,3 +635,101 @@ async fn dspark_up_serves_the_quick_start_and_stops_cleanly() {
         "the router is gone"
     );
 }
+
+async fn target_info(addr: &str) -> dspark_proto::WorkerInfo {
+    let mut c = TargetWorkerClient::connect(format!("http://{addr}"))
+        .await
+        .expect("target worker");
+    c.info(dspark_proto::InfoRequest {})
+        .await
+        .expect("info")
+        .into_inner()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scheduler_budgets_are_central_and_workers_survive_its_loss() {
+    let _s = serial();
+    let port = free_port().to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let mut scheduler = spawn("scheduler", &["scheduler", "--listen", &listen]);
+    let sched = format!("http://{listen}");
+    let _draft = spawn(
+        "draft",
+        &[
+            "draft-worker",
+            "--target",
+            "smollm2-135m",
+            "--drafter",
+            "ngram",
+            "--scheduler",
+            &sched,
+            "--threads",
+            "1",
+        ],
+    );
+    let target = spawn(
+        "target",
+        &[
+            "target-worker",
+            "--model",
+            "smollm2-135m",
+            "--scheduler",
+            &sched,
+            "--threads",
+            "1",
+            "--verify-policy",
+            "scheduler",
+            "--sps-grid",
+            "1,2,4,8,16,32",
+            "--sps-ctx",
+            "64",
+            "--ttl-ms",
+            "1500",
+        ],
+    );
+    let router = spawn(
+        "router",
+        &["router", "--listen", "127.0.0.1:0", "--scheduler", &sched],
+    );
+    let url = format!("http://{}", router.addr);
+    wait_for("cluster", Duration::from_secs(120), || ready(&url, 1, 1)).await;
+    let info = target_info(&target.addr).await;
+    assert!(
+        !info.sps.is_empty() && !info.sps_key.is_empty(),
+        "the SPS table is published"
+    );
+    let want = greedy(PROMPTS[0], 32).0;
+    let v = complete(&url, PROMPTS[0], 32).await;
+    assert_eq!(ids_of(&v), want);
+    let central = target_info(&target.addr).await.central_budget_steps;
+    assert!(central > 0, "budgets came from the central scheduler");
+
+    // Scheduler gone: the router places from its last view, the worker budgets locally.
+    scheduler.kill();
+    let local0 = target_info(&target.addr).await.local_budget_steps;
+    let v = complete(&url, PROMPTS[0], 32).await;
+    assert_eq!(ids_of(&v), want, "served without the scheduler");
+    let i = target_info(&target.addr).await;
+    assert!(
+        i.local_budget_steps > local0,
+        "local budgets while the scheduler is away"
+    );
+
+    // Back: the worker re-registers and central budgets resume.
+    let _scheduler = spawn("scheduler", &["scheduler", "--listen", &listen]);
+    let c0 = i.central_budget_steps;
+    let mut resumed = false;
+    for _ in 0..50 {
+        let v = complete(&url, PROMPTS[0], 32).await;
+        assert_eq!(ids_of(&v), want);
+        if target_info(&target.addr).await.central_budget_steps > c0 {
+            resumed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        resumed,
+        "central budgets resumed after the scheduler came back"
+    );
+}
