@@ -23,6 +23,8 @@ pub enum BenchCmd {
     Serve(crate::serve_bench::ServeArgs),
     /// Decision time of the hardware-aware admission (requests × γ confidences per call).
     Sched(SchedArgs),
+    /// Throughput vs per-user speed across concurrency: no speculation, fixed γ, scheduler.
+    Frontier(crate::frontier::FrontierArgs),
 }
 
 #[derive(Args, Debug)]
@@ -113,6 +115,7 @@ pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Spec(a) => spec_bench(g, a),
         BenchCmd::Serve(a) => crate::serve_bench::run(a),
         BenchCmd::Sched(a) => sched_bench(a),
+        BenchCmd::Frontier(a) => crate::frontier::run(g, a),
     }
 }
 

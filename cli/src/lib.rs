@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod frontier;
 pub mod generate;
 pub mod plot;
 pub mod profile;

@@ -733,3 +733,95 @@ async fn scheduler_budgets_are_central_and_workers_survive_its_loss() {
         "central budgets resumed after the scheduler came back"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dspark_drafter_in_its_own_worker_gets_features_over_the_wire() {
+    let _s = serial();
+    // A (barely trained) DSpark drafter for the default model: its quality is irrelevant here,
+    // what matters is that it drafts remotely from features the target sends.
+    let dir = std::env::temp_dir().join(format!("dspark-e2e-drafter-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = dir.join("data.txt");
+    std::fs::write(&data, PROMPTS.join("\n").repeat(40)).unwrap();
+    let out = dir.join("drafter");
+    let st = std::process::Command::new(dspark_bin())
+        .args(["train-drafter", "--target", "smollm2-135m", "--data"])
+        .arg(&data)
+        .arg("--out")
+        .arg(&out)
+        .args([
+            "--steps",
+            "2",
+            "--gamma",
+            "4",
+            "--rank",
+            "8",
+            "--batch",
+            "2",
+            "--chunk",
+            "64",
+            "--threads",
+            "1",
+        ])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("train-drafter");
+    assert!(st.success());
+    let drafter = format!("dspark:{}", out.display());
+    let scheduler = spawn("scheduler", &["scheduler", "--listen", "127.0.0.1:0"]);
+    let sched = format!("http://{}", scheduler.addr);
+    let _draft = spawn(
+        "draft",
+        &[
+            "draft-worker",
+            "--target",
+            "smollm2-135m",
+            "--drafter",
+            &drafter,
+            "--scheduler",
+            &sched,
+            "--threads",
+            "1",
+        ],
+    );
+    let _target = spawn(
+        "target",
+        &[
+            "target-worker",
+            "--model",
+            "smollm2-135m",
+            "--scheduler",
+            &sched,
+            "--threads",
+            "1",
+            "--no-gate",
+        ],
+    );
+    let router = spawn(
+        "router",
+        &["router", "--listen", "127.0.0.1:0", "--scheduler", &sched],
+    );
+    let url = format!("http://{}", router.addr);
+    wait_for("cluster", Duration::from_secs(120), || ready(&url, 1, 1)).await;
+    let (mut remote, mut bytes, mut tokens) = (0u64, 0u64, 0u64);
+    for p in &PROMPTS[..3] {
+        let v = complete(&url, p, 24).await;
+        assert_eq!(ids_of(&v), greedy(p, 24).0, "prompt {p:?}");
+        let d = &v["usage"]["dspark"];
+        remote += d["remote_draft_cycles"].as_u64().unwrap_or(0);
+        bytes += d["bytes_to_draft"].as_u64().unwrap_or(0);
+        tokens += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+    }
+    assert!(remote > 0, "the DSpark drafter drafted remotely");
+    // Features are O(d) per committed token: 3 layers × 576 × 2 bytes (f16) ≈ 3.5 kB, never
+    // O(vocab) (49152 × 4 bytes).
+    let per_token = bytes as f64 / tokens as f64;
+    eprintln!(
+        "dspark over the wire: {per_token:.0} bytes per committed token to the draft worker, {remote} remote rounds"
+    );
+    assert!(
+        per_token > 1000.0 && per_token < 20_000.0,
+        "{per_token} bytes per token to the drafter"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

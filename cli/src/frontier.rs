@@ -1,0 +1,198 @@
+//! `dspark bench frontier`: throughput against interactivity as concurrency grows, for no
+//! speculation, fixed draft lengths and the hardware-aware scheduler, in one run on the same
+//! prompts. Writes `{"points":[{"arm","concurrency","tok_s","user_tok_s","committed_per_call"}]}`
+//! and an SVG of total tokens/s against per-user tokens/s.
+
+use crate::config::Global;
+use clap::Args;
+use serde_json::json;
+use specdec::{Event, ProposerKind, Request};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args, Debug)]
+pub struct FrontierArgs {
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub target: String,
+    /// Drafter for the speculative arms: dspark[:DIR] (the shipped one by default), ngram, ...
+    #[arg(long, default_value = "dspark")]
+    pub drafter: String,
+    #[arg(long, default_value = "code")]
+    pub prompts: String,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    pub concurrency: Vec<usize>,
+    /// Fixed draft lengths (gate off).
+    #[arg(long, value_delimiter = ',', default_value = "1,3,7")]
+    pub gammas: Vec<usize>,
+    /// Longest block the scheduler arm may verify.
+    #[arg(long, default_value_t = 7)]
+    pub max_gamma: usize,
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: usize,
+    /// Requests per point, as a multiple of the concurrency (at least 4).
+    #[arg(long, default_value_t = 2)]
+    pub waves: usize,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !a.concurrency.is_empty() && a.concurrency.iter().all(|&c| c >= 1),
+        "--concurrency takes values ≥ 1"
+    );
+    anyhow::ensure!(
+        a.gammas
+            .iter()
+            .chain([&a.max_gamma])
+            .all(|&x| (1..=specdec::MAX_GAMMA).contains(&x)),
+        "draft lengths must be in 1..={}",
+        specdec::MAX_GAMMA
+    );
+    let kind = ProposerKind::parse(&a.drafter, crate::spec::default_draft_for(&a.target))?;
+    let target = crate::spec::load_target(g, &a.target)?;
+    let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
+    let prompts = crate::bench::prompt_set(&a.prompts)?;
+    let ids: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            Ok(target
+                .tok
+                .encode(&tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?)?)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let path = g.resolve_model(&a.target)?;
+    let key = target_worker::sps::key_for(&a.target, &path, &target.model);
+    let (sps, cached) = target_worker::sps::load_or_profile(
+        &g.home,
+        key,
+        &target.model,
+        target_worker::sps::DEFAULT_GRID,
+        target_worker::sps::DEFAULT_CTXS,
+    )?;
+    eprintln!(
+        "SPS(B) table: {} stairs ({})",
+        sps.points.len(),
+        if cached { "cached" } else { "profiled now" }
+    );
+    // (arm name, proposer kind, gamma, scheduler on)
+    let mut arms: Vec<(String, ProposerKind, usize, bool)> =
+        vec![("none".into(), ProposerKind::None, 0, false)];
+    for &gm in &a.gammas {
+        arms.push((format!("fixed-{gm}"), kind.clone(), gm, false));
+    }
+    arms.push(("scheduler".into(), kind.clone(), a.max_gamma, true));
+    let mut drafts = crate::spec::DraftCache::default();
+    let mut points = Vec::new();
+    println!(
+        "{:<12} {:>5} {:>9} {:>11} {:>9}",
+        "arm", "conc", "tok/s", "user tok/s", "per_call"
+    );
+    let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
+    for (name, k, gm, sched) in &arms {
+        for &c in &a.concurrency {
+            let proposer = crate::spec::build_proposer(g, k, &target, &mut drafts)?;
+            let mut e = crate::spec::engine(&target, proposer, (*gm).max(1), false, max_c)?;
+            if *sched {
+                e.set_policy(Some(Box::new(
+                    dspark_scheduler::admission::ConfidencePolicy::new(
+                        sps.clone(),
+                        dspark_scheduler::admission::Rule::Argmax,
+                        2,
+                        u32::MAX,
+                        *gm as u8,
+                    ),
+                )));
+            }
+            let n = (c * a.waves).max(4);
+            let t0 = Instant::now();
+            let (mut next, mut in_flight, mut out_tokens) = (0usize, 0usize, 0usize);
+            let mut user = Vec::new();
+            while next < n || in_flight > 0 {
+                while in_flight < c && next < n {
+                    e.add(Request::new(
+                        next as u64,
+                        ids[next % ids.len()].clone(),
+                        a.max_tokens,
+                    ))?;
+                    next += 1;
+                    in_flight += 1;
+                }
+                for ev in e.step()? {
+                    match ev {
+                        Event::Tokens { tokens, .. } => out_tokens += tokens.len(),
+                        Event::Finished { metrics, .. } => {
+                            in_flight -= 1;
+                            let dt = metrics.e2e_s - metrics.ttft_s;
+                            if metrics.completion_tokens > 1 && dt > 0.0 {
+                                user.push((metrics.completion_tokens - 1) as f64 / dt);
+                            }
+                        }
+                    }
+                }
+            }
+            let wall = t0.elapsed().as_secs_f64();
+            let tok_s = out_tokens as f64 / wall;
+            let user_tok_s = if user.is_empty() {
+                0.0
+            } else {
+                user.iter().sum::<f64>() / user.len() as f64
+            };
+            let per_call = e.totals().committed_per_call();
+            println!("{name:<12} {c:>5} {tok_s:>9.1} {user_tok_s:>11.1} {per_call:>9.2}");
+            points.push(
+                json!({"arm": name, "concurrency": c, "tok_s": tok_s, "user_tok_s": user_tok_s,
+                "committed_per_call": per_call, "requests": n, "wall_s": wall}),
+            );
+        }
+    }
+    let v = json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "target": a.target, "drafter": kind.label(), "prompts": a.prompts, "max_tokens": a.max_tokens,
+        "threads": target.model.threads(), "sps_table": sps.points, "points": points,
+    });
+    if let Some(p) = &a.json {
+        if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(d)?;
+        }
+        std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
+        eprintln!("wrote {}", p.display());
+    }
+    if let Some(p) = &a.plot {
+        let series: Vec<crate::plot::Series> = arms
+            .iter()
+            .map(|(name, ..)| crate::plot::Series {
+                name: name.clone(),
+                points: v["points"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|q| q["arm"] == name.as_str())
+                    .map(|q| {
+                        (
+                            q["user_tok_s"].as_f64().unwrap_or(0.0),
+                            q["tok_s"].as_f64().unwrap_or(0.0),
+                        )
+                    })
+                    .collect(),
+            })
+            .collect();
+        std::fs::write(
+            p,
+            crate::plot::line_chart(
+                &format!(
+                    "{} · {} · throughput vs interactivity",
+                    a.target,
+                    kind.label()
+                ),
+                "per-user tokens/s",
+                "total tokens/s",
+                &series,
+            ),
+        )?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
