@@ -293,6 +293,8 @@ struct Seq {
     finished: Option<FinishReason>,
     /// Tokens reserved in the KV budget at admission.
     reserved: usize,
+    /// Micro-batch (0 or 1) when the engine pipelines drafting with verification.
+    group: u8,
     /// Whether the proposer has drafted for this request before (its first drafting call also
     /// catches the drafter up on the whole prompt, which says nothing about steady-state cost).
     drafted_before: bool,
@@ -319,6 +321,8 @@ pub struct Engine {
     draft_cost: f64,
     decode_ema: f64,
     policy: Option<Box<dyn VerifyPolicy>>,
+    /// Requests admitted so far (alternates the micro-batch groups).
+    admitted: u64,
     pub steps: usize,
 }
 
@@ -362,6 +366,7 @@ impl Engine {
             draft_cost: 0.0,
             decode_ema: 0.0,
             policy: None,
+            admitted: 0,
             steps: 0,
         })
     }
@@ -523,8 +528,10 @@ impl Engine {
                 finished: None,
                 reserved: need,
                 drafted_before: false,
+                group: (self.admitted % 2) as u8,
                 req,
             });
+            self.admitted += 1;
         }
         Ok(())
     }
@@ -541,8 +548,24 @@ impl Engine {
         let mut budget = self.cfg.max_batch_tokens;
         let mut ks: Vec<Option<usize>> = vec![None; self.running.len()];
         let ctx = self.model.cfg.max_ctx;
+        // Ping-pong: with a pipelined proposer, one micro-batch is verified per step while the
+        // other's drafts are in flight (both, when one of them has no decoding request).
+        let active = if self.proposer.pipelined() {
+            let g = (self.steps % 2) as u8;
+            let has = |g: u8| {
+                self.running
+                    .iter()
+                    .any(|s| s.phase == Phase::Decode && s.group == g)
+            };
+            (has(g) && has(1 - g)).then_some(g)
+        } else {
+            None
+        };
         for (i, s) in self.running.iter_mut().enumerate() {
             if s.phase != Phase::Decode || budget == 0 {
+                continue;
+            }
+            if active.is_some_and(|g| s.group != g) {
                 continue;
             }
             let gamma = s.req.gamma.unwrap_or(self.cfg.gamma);
@@ -822,6 +845,37 @@ impl Engine {
                     self.proposer.commit(s.req.id, &s.tokens)?;
                 }
                 i += 1;
+            }
+        }
+        // 6. Pipelining: the micro-batch just verified starts drafting its next block now.
+        if self.proposer.pipelined() {
+            let ctx = self.model.cfg.max_ctx;
+            let gamma = self.cfg.gamma;
+            let mut reqs: Vec<ProposeReq<'_>> = Vec::new();
+            for s in self.running.iter_mut() {
+                let verified = s.phase == Phase::Decode && s.drafted_before;
+                if !verified || active.is_some_and(|g| s.group != g) {
+                    continue;
+                }
+                let g = s.req.gamma.unwrap_or(gamma);
+                let remaining = s.req.max_tokens - s.output_len();
+                let room = ctx.saturating_sub(s.tokens.len());
+                let k = g
+                    .min(remaining.saturating_sub(1))
+                    .min(room.saturating_sub(1));
+                if k == 0 {
+                    continue;
+                }
+                reqs.push(ProposeReq {
+                    id: s.req.id,
+                    context: &s.tokens,
+                    k,
+                    params: &s.req.params,
+                    rng: &mut s.rng_draft,
+                });
+            }
+            if !reqs.is_empty() {
+                self.proposer.prefetch(&mut reqs);
             }
         }
         if self.cfg.check_invariants {

@@ -62,6 +62,16 @@ pub trait Proposer: Send {
     }
     /// The request ended; release its state.
     fn finish(&mut self, _id: u64) {}
+    /// Whether drafting has latency worth hiding (a remote draft worker). The engine then
+    /// verifies the running requests in two alternating micro-batches and calls
+    /// [`Proposer::prefetch`] for a micro-batch as soon as its verification is committed, so its
+    /// next drafts travel while the other micro-batch is verified.
+    fn pipelined(&self) -> bool {
+        false
+    }
+    /// Starts drafting for these requests now; a later `propose` for the same requests and
+    /// contexts collects the result.
+    fn prefetch(&mut self, _reqs: &mut [ProposeReq<'_>]) {}
     /// Target layers whose hidden states this proposer conditions on (none by default).
     fn feature_layers(&self) -> Vec<usize> {
         Vec::new()

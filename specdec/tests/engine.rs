@@ -400,3 +400,123 @@ fn metrics_count_what_happened() {
     assert!(m.committed_per_call() >= 1.0);
     assert!(m.ttft_s > 0.0 && m.e2e_s >= m.ttft_s);
 }
+
+/// A proposer that asks for pipelining and drafts from whatever `prefetch` saw last: exactly
+/// what a remote drafter does, without the network.
+struct Prefetching {
+    inner: DraftModelProposer,
+    ready: HashMap<u64, (usize, specdec::DraftBlock)>,
+    prefetches: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    hits: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Proposer for Prefetching {
+    fn name(&self) -> &str {
+        "prefetching"
+    }
+    fn pipelined(&self) -> bool {
+        true
+    }
+    fn prefetch(&mut self, reqs: &mut [specdec::proposer::ProposeReq<'_>]) {
+        self.prefetches
+            .fetch_add(reqs.len(), std::sync::atomic::Ordering::Relaxed);
+        let lens: Vec<(u64, usize)> = reqs.iter().map(|r| (r.id, r.context.len())).collect();
+        if let Ok(blocks) = self.inner.propose(reqs) {
+            for ((id, n), b) in lens.into_iter().zip(blocks) {
+                self.ready.insert(id, (n, b));
+            }
+        }
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::DraftBlock>> {
+        let mut out = Vec::new();
+        for r in reqs.iter_mut() {
+            match self.ready.remove(&r.id) {
+                Some((n, b)) if n == r.context.len() && b.tokens.len() >= r.k => {
+                    self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    out.push(b);
+                }
+                _ => {
+                    let mut one = [specdec::proposer::ProposeReq {
+                        id: r.id,
+                        context: r.context,
+                        k: r.k,
+                        params: r.params,
+                        rng: &mut *r.rng,
+                    }];
+                    out.extend(self.inner.propose(&mut one)?);
+                }
+            }
+        }
+        Ok(out)
+    }
+    fn commit(&mut self, id: u64, context: &[u32]) -> specdec::Result<()> {
+        self.inner.commit(id, context)
+    }
+    fn finish(&mut self, id: u64) {
+        self.ready.remove(&id);
+        self.inner.finish(id)
+    }
+}
+
+#[test]
+fn pipelined_ping_pong_keeps_greedy_parity_and_uses_prefetched_drafts() {
+    let f = fixture();
+    let ps = prompts(&f, 12);
+    let want: Vec<Vec<u32>> = ps
+        .iter()
+        .map(|p| {
+            generate(
+                &f.target,
+                &f.tok,
+                p,
+                &GenerateParams {
+                    max_tokens: 20,
+                    ..Default::default()
+                },
+                &mut |_| {},
+            )
+            .unwrap()
+            .token_ids
+        })
+        .collect();
+    let prefetches = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let p = Prefetching {
+        inner: DraftModelProposer::new(
+            f.draft.clone(),
+            &f.draft_tok,
+            &f.tok,
+            f.target.cfg.vocab_size,
+            1 << 16,
+            "draft",
+        )
+        .unwrap(),
+        ready: HashMap::new(),
+        prefetches: prefetches.clone(),
+        hits: hits.clone(),
+    };
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        Box::new(p),
+        cfg(3),
+        CostModel::flat(4),
+    )
+    .unwrap();
+    for (i, p) in ps.iter().enumerate() {
+        e.add(Request::new(i as u64, p.clone(), 20)).unwrap();
+    }
+    let got = collect(e.run_to_completion().unwrap());
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&got[&(i as u64)].0, w, "prompt {i}");
+    }
+    e.check_kv().unwrap();
+    assert!(prefetches.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    assert!(
+        hits.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "a micro-batch's drafts were prefetched while the other verified"
+    );
+}

@@ -193,6 +193,8 @@ pub struct RemoteProposer {
     d_model: usize,
     vocab: usize,
     step: u64,
+    /// Rounds sent ahead by `prefetch`, collected by a later `propose`.
+    prefetched: Vec<Round>,
 }
 
 impl RemoteProposer {
@@ -219,6 +221,7 @@ impl RemoteProposer {
             d_model,
             vocab,
             step: 0,
+            prefetched: Vec::new(),
         }
     }
 
@@ -295,6 +298,203 @@ impl RemoteProposer {
     }
 }
 
+/// A drafting round in flight: what each request's state was when it was sent.
+struct Round {
+    addr: String,
+    step: u64,
+    rx: std::sync::mpsc::Receiver<DraftReply>,
+    t0: Instant,
+    /// Per request: context length and feature rows covered, and k.
+    sent: HashMap<u64, (usize, usize, usize)>,
+}
+
+impl RemoteProposer {
+    /// Requests by the (up) draft worker they are paired with; the rest draft locally.
+    fn groups(&mut self, reqs: &[ProposeReq<'_>]) -> HashMap<String, Vec<usize>> {
+        let mut groups: HashMap<String, Vec<usize>> = HashMap::new();
+        for (i, r) in reqs.iter().enumerate() {
+            if r.k == 0 {
+                continue;
+            }
+            if let Some(a) = self.link_for(r.id) {
+                if self.links[&a].shared.up.load(Ordering::SeqCst) {
+                    groups.entry(a).or_default().push(i);
+                }
+            }
+        }
+        groups
+    }
+
+    /// Sends one round for `idx` of `reqs` to `addr`: per request only what the draft worker
+    /// has not acknowledged.
+    fn send_round(
+        &mut self,
+        addr: &str,
+        reqs: &mut [ProposeReq<'_>],
+        idx: &[usize],
+    ) -> Option<Round> {
+        self.step += 1;
+        let step = self.step;
+        let rl = self.layers().len() * self.d_model;
+        let generation = self
+            .links
+            .get(addr)?
+            .shared
+            .generation
+            .load(Ordering::SeqCst);
+        let mut items = Vec::with_capacity(idx.len());
+        let mut sent = HashMap::new();
+        for &i in idx {
+            let r = &mut reqs[i];
+            let rs = self.reqs.entry(r.id).or_insert_with(|| ReqSync {
+                link: addr.to_string(),
+                generation,
+                tokens_acked: 0,
+                feats: Vec::new(),
+                feat_base: 0,
+                feats_acked: 0,
+            });
+            if rs.generation != generation || rs.link != addr {
+                rs.generation = generation;
+                rs.link = addr.to_string();
+                rs.tokens_acked = 0;
+                rs.feats_acked = 0;
+            }
+            let acked = rs.tokens_acked.min(r.context.len());
+            let feat_end = if rl > 0 {
+                rs.feat_base + rs.feats.len() / rl
+            } else {
+                0
+            };
+            let features = if rl > 0 && !rs.feats.is_empty() {
+                let from = rs.feats_acked.max(rs.feat_base);
+                let rows = &rs.feats[(from - rs.feat_base) * rl..];
+                (!rows.is_empty()).then(|| {
+                    (
+                        from,
+                        dspark_proto::Tensor::from_f32(
+                            rows,
+                            &[rows.len() / rl, rl],
+                            self.feature_dtype,
+                        ),
+                    )
+                })
+            } else {
+                None
+            };
+            let item = DraftItem {
+                seq: r.id,
+                sync_from: acked as u32,
+                tokens: r.context[acked..].to_vec(),
+                feat_from: features.as_ref().map(|f| f.0 as u32).unwrap_or(0),
+                features: features.map(|f| f.1),
+                k: r.k as u32,
+                sampling: Some(r.params.into()),
+                seed: r.rng.next_u64(),
+            };
+            let bytes = item.encoded_len() as u64;
+            if let Ok(mut m) = self.shared.stats.lock() {
+                m.entry(r.id).or_default().bytes_to_draft += bytes;
+            }
+            sent.insert(r.id, (r.context.len(), feat_end, r.k));
+            items.push(item);
+        }
+        let finished = std::mem::take(&mut self.links.get_mut(addr)?.finished);
+        let link = &self.links[addr];
+        let call = DraftCall {
+            step,
+            items,
+            finished,
+            ..Default::default()
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        if let Ok(mut p) = link.shared.pending.lock() {
+            p.insert(step, tx);
+        }
+        let ok = link
+            .shared
+            .calls
+            .lock()
+            .ok()
+            .and_then(|c| c.as_ref().map(|c| c.try_send(call).is_ok()))
+            .unwrap_or(false);
+        if !ok {
+            if let Ok(mut p) = link.shared.pending.lock() {
+                p.remove(&step);
+            }
+            return None;
+        }
+        Some(Round {
+            addr: addr.to_string(),
+            step,
+            rx,
+            t0: Instant::now(),
+            sent,
+        })
+    }
+
+    /// A round that will not be collected: stop waiting for it (a late reply is dropped).
+    fn forget(&self, round: &Round) {
+        if let Some(l) = self.links.get(&round.addr) {
+            if let Ok(mut p) = l.shared.pending.lock() {
+                p.remove(&round.step);
+            }
+        }
+    }
+
+    /// Records acknowledgements and turns blocks for requests whose context is unchanged since
+    /// the round was sent into drafts.
+    fn apply(
+        &mut self,
+        round: &Round,
+        rep: &DraftReply,
+        reqs: &[ProposeReq<'_>],
+        ids: &HashMap<u64, usize>,
+        out: &mut [Option<DraftBlock>],
+    ) {
+        let rtt = round.t0.elapsed().as_micros() as u64;
+        if !rep.error.is_empty() {
+            tracing::warn!(
+                draft = round.addr,
+                step = round.step,
+                "draft worker refused a round: {}",
+                rep.error
+            );
+            return;
+        }
+        for b in &rep.blocks {
+            let Some(&(ctx_len, feat_end, _)) = round.sent.get(&b.seq) else {
+                continue;
+            };
+            let Some(rs) = self.reqs.get_mut(&b.seq) else {
+                continue;
+            };
+            if b.need_sync {
+                rs.tokens_acked = b.have_tokens as usize;
+                rs.feats_acked = 0;
+                continue;
+            }
+            rs.tokens_acked = ctx_len;
+            rs.feats_acked = feat_end;
+            let Some(&i) = ids.get(&b.seq) else { continue };
+            if reqs[i].context.len() != ctx_len || out[i].is_some() {
+                continue; // drafted for a context that has moved on
+            }
+            if let Some(blk) = self.block_from_wire(b, reqs[i].k) {
+                let bytes = b.encoded_len() as u64;
+                let compute = rep.compute_us;
+                self.stat(b.seq, |s| {
+                    s.remote_cycles += 1;
+                    s.bytes_from_draft += bytes;
+                    s.rtt_us += rtt;
+                    s.compute_us += compute;
+                });
+                out[i] = Some(blk);
+            }
+        }
+    }
+}
+
 impl Proposer for RemoteProposer {
     fn name(&self) -> &str {
         "remote"
@@ -341,6 +541,10 @@ impl Proposer for RemoteProposer {
     }
 
     fn finish(&mut self, id: u64) {
+        for r in &mut self.prefetched {
+            r.sent.remove(&id);
+        }
+        self.prefetched.retain(|r| !r.sent.is_empty());
         if let Some(r) = self.reqs.remove(&id) {
             if let Some(l) = self.links.get_mut(&r.link) {
                 l.finished.push(id);
@@ -349,163 +553,77 @@ impl Proposer for RemoteProposer {
         self.fallback.finish(id);
     }
 
+    fn pipelined(&self) -> bool {
+        true
+    }
+
+    fn prefetch(&mut self, reqs: &mut [ProposeReq<'_>]) {
+        let groups = self.groups(reqs);
+        for (addr, idx) in groups {
+            if let Some(r) = self.send_round(&addr, reqs, &idx) {
+                self.prefetched.push(r);
+            }
+        }
+    }
+
     fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
-        self.step += 1;
-        let step = self.step;
-        let rl = self.layers().len() * self.d_model;
         let mut out: Vec<Option<DraftBlock>> = vec![None; reqs.len()];
-        // Requests by link; those with no usable link draft locally.
-        let mut groups: HashMap<String, Vec<usize>> = HashMap::new();
         for (i, r) in reqs.iter().enumerate() {
             if r.k == 0 {
                 out[i] = Some(DraftBlock::default());
-                continue;
-            }
-            if let Some(a) = self.link_for(r.id) {
-                if self.links[&a].shared.up.load(Ordering::SeqCst) {
-                    groups.entry(a).or_default().push(i);
-                }
-            }
-        }
-        let mut waits = Vec::new();
-        for (addr, idx) in &groups {
-            let link = &self.links[addr];
-            let generation = link.shared.generation.load(Ordering::SeqCst);
-            let mut items = Vec::with_capacity(idx.len());
-            for &i in idx {
-                let r = &mut reqs[i];
-                let rs = self.reqs.entry(r.id).or_insert_with(|| ReqSync {
-                    link: addr.clone(),
-                    generation,
-                    tokens_acked: 0,
-                    feats: Vec::new(),
-                    feat_base: 0,
-                    feats_acked: 0,
-                });
-                if rs.generation != generation || rs.link != *addr {
-                    rs.generation = generation;
-                    rs.link = addr.clone();
-                    rs.tokens_acked = 0;
-                    rs.feats_acked = 0;
-                }
-                let acked = rs.tokens_acked.min(r.context.len());
-                let features = if rl > 0 && !rs.feats.is_empty() {
-                    let from = rs.feats_acked.max(rs.feat_base);
-                    let rows = &rs.feats[(from - rs.feat_base) * rl..];
-                    (!rows.is_empty()).then(|| {
-                        (
-                            from,
-                            dspark_proto::Tensor::from_f32(
-                                rows,
-                                &[rows.len() / rl, rl],
-                                self.feature_dtype,
-                            ),
-                        )
-                    })
-                } else {
-                    None
-                };
-                let item = DraftItem {
-                    seq: r.id,
-                    sync_from: acked as u32,
-                    tokens: r.context[acked..].to_vec(),
-                    feat_from: features.as_ref().map(|f| f.0 as u32).unwrap_or(0),
-                    features: features.map(|f| f.1),
-                    k: r.k as u32,
-                    sampling: Some(r.params.into()),
-                    seed: r.rng.next_u64(),
-                };
-                let bytes = item.encoded_len() as u64;
-                if let Ok(mut m) = self.shared.stats.lock() {
-                    m.entry(r.id).or_default().bytes_to_draft += bytes;
-                }
-                items.push(item);
-            }
-            let finished = std::mem::take(&mut self.links.get_mut(addr).expect("present").finished);
-            let link = &self.links[addr];
-            let call = DraftCall {
-                step,
-                items,
-                finished,
-                ..Default::default()
-            };
-            let (tx, rx) = std::sync::mpsc::channel();
-            if let Ok(mut p) = link.shared.pending.lock() {
-                p.insert(step, tx);
-            }
-            let sent = link
-                .shared
-                .calls
-                .lock()
-                .ok()
-                .and_then(|c| c.as_ref().map(|c| c.try_send(call).is_ok()))
-                .unwrap_or(false);
-            if sent {
-                waits.push((addr.clone(), rx, Instant::now()));
-            } else if let Ok(mut p) = link.shared.pending.lock() {
-                p.remove(&step);
             }
         }
         let deadline = Instant::now() + self.timeout;
-        for (addr, rx, t0) in waits {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let rep = match rx.recv_timeout(left) {
-                Ok(r) => r,
-                Err(_) => {
-                    if let Some(l) = self.links.get(&addr) {
-                        if let Ok(mut p) = l.shared.pending.lock() {
-                            p.remove(&step);
-                        }
-                    }
-                    tracing::debug!(draft = addr, step, "draft round late or lost");
-                    continue;
+        // 1. Rounds prefetched for these requests (sent while the other micro-batch verified).
+        let ids: HashMap<u64, usize> = reqs.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
+        let mut keep = Vec::new();
+        for round in std::mem::take(&mut self.prefetched) {
+            if !round.sent.keys().any(|id| ids.contains_key(id)) {
+                if round.step + 16 > self.step {
+                    keep.push(round);
                 }
-            };
-            let rtt = t0.elapsed().as_micros() as u64;
-            if !rep.error.is_empty() {
-                tracing::warn!(
-                    draft = addr,
-                    step,
-                    "draft worker refused a round: {}",
-                    rep.error
-                );
                 continue;
             }
-            let idx = &groups[&addr];
-            let by_seq: HashMap<u64, usize> = idx.iter().map(|&i| (reqs[i].id, i)).collect();
-            for b in &rep.blocks {
-                let Some(&i) = by_seq.get(&b.seq) else {
-                    continue;
-                };
-                let id = reqs[i].id;
-                let Some(rs) = self.reqs.get_mut(&id) else {
-                    continue;
-                };
-                if b.need_sync {
-                    rs.tokens_acked = b.have_tokens as usize;
-                    rs.feats_acked = 0;
-                    continue;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Ok(rep) = round.rx.recv_timeout(left) {
+                self.apply(&round, &rep, reqs, &ids, &mut out);
+            } else {
+                self.forget(&round);
+            }
+        }
+        self.prefetched = keep;
+        // 2. The rest: one round per draft worker now.
+        let missing: Vec<usize> = (0..reqs.len()).filter(|&i| out[i].is_none()).collect();
+        if !missing.is_empty() {
+            let mut sub_groups: HashMap<String, Vec<usize>> = HashMap::new();
+            for (addr, idx) in self.groups(reqs) {
+                let v: Vec<usize> = idx.into_iter().filter(|i| out[*i].is_none()).collect();
+                if !v.is_empty() {
+                    sub_groups.insert(addr, v);
                 }
-                rs.tokens_acked = reqs[i].context.len();
-                rs.feats_acked = if rl > 0 {
-                    rs.feat_base + rs.feats.len() / rl
-                } else {
-                    0
-                };
-                if let Some(blk) = self.block_from_wire(b, reqs[i].k) {
-                    let bytes = b.encoded_len() as u64;
-                    let compute = rep.compute_us;
-                    self.stat(id, |s| {
-                        s.remote_cycles += 1;
-                        s.bytes_from_draft += bytes;
-                        s.rtt_us += rtt;
-                        s.compute_us += compute;
-                    });
-                    out[i] = Some(blk);
+            }
+            let mut rounds = Vec::new();
+            for (addr, idx) in sub_groups {
+                if let Some(r) = self.send_round(&addr, reqs, &idx) {
+                    rounds.push(r);
+                }
+            }
+            for round in rounds {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match round.rx.recv_timeout(left) {
+                    Ok(rep) => self.apply(&round, &rep, reqs, &ids, &mut out),
+                    Err(_) => {
+                        tracing::debug!(
+                            draft = round.addr,
+                            step = round.step,
+                            "draft round late or lost"
+                        );
+                        self.forget(&round);
+                    }
                 }
             }
         }
-        // Local drafting for whatever the draft workers did not cover this cycle.
+        // 3. Local drafting for whatever the draft workers did not cover this cycle.
         let missing: Vec<usize> = (0..reqs.len()).filter(|&i| out[i].is_none()).collect();
         if !missing.is_empty() {
             let mut sub: Vec<ProposeReq<'_>> = Vec::with_capacity(missing.len());
