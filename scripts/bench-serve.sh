@@ -33,6 +33,7 @@ run_arm() {
 }
 
 run_arm draft-worker --drafter "$DRAFTER"
+run_arm draft-worker-pingpong --drafter "$DRAFTER" --pingpong
 run_arm in-process --drafter "$DRAFTER" --in-process-drafter
 run_arm none --drafter none --in-process-drafter
 
@@ -44,10 +45,10 @@ res = {"command": "scripts/bench-serve.sh " + sys.argv[3], "machine": platform.p
        "cpus": os.cpu_count(), "points": pts}
 os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
 json.dump(res, open(out, "w"), indent=1)
-print(f"{'arm':<14}{'conc':>5}{'tok/s':>9}{'user tok/s':>12}{'TTFT p50':>10}{'TPOT p50':>10}{'tok/fwd':>9}{'B→draft/tok':>13}{'B←draft/tok':>13}{'gRPC ms/cycle':>15}")
+print(f"{'arm':<22}{'conc':>5}{'tok/s':>9}{'user tok/s':>12}{'TTFT p50':>10}{'TPOT p50':>10}{'tok/fwd':>9}{'B→draft/tok':>13}{'B←draft/tok':>13}{'gRPC ms/cycle':>15}")
 for p in pts:
     w = p["wire"]
-    print(f"{p['label']:<14}{p['load']['concurrency']:>5}{p['tok_s']:>9.1f}{p['user_tok_s']:>12.1f}{p['ttft_ms']['p50']:>10.1f}{p['tpot_ms']['p50']:>10.1f}"
+    print(f"{p['label']:<22}{p['load']['concurrency']:>5}{p['tok_s']:>9.1f}{p['user_tok_s']:>12.1f}{p['ttft_ms']['p50']:>10.1f}{p['tpot_ms']['p50']:>10.1f}"
           f"{p['tokens_per_forward']:>9.2f}{w['bytes_to_draft_per_token']:>13.1f}{w['bytes_from_draft_per_token']:>13.1f}{w['grpc_overhead_ms_per_cycle']:>15.2f}")
 print("wrote", out)
 PY

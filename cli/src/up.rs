@@ -41,6 +41,9 @@ pub struct UpArgs {
     /// confidences and the profiled SPS(B) table; profiles once per machine and model).
     #[arg(long, default_value = "gate")]
     pub verify_policy: String,
+    /// Target workers verify two micro-batches in ping-pong to hide the drafting hop.
+    #[arg(long)]
+    pub pingpong: bool,
     /// Require this bearer token on /v1/*.
     #[arg(long, env = "DSPARK_API_KEY")]
     pub api_key: Option<String>,
@@ -185,6 +188,9 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         ];
         if a.in_process_drafter {
             t.extend(["--local-drafter".into(), drafter.clone()]);
+        }
+        if a.pingpong {
+            t.push("--pingpong".into());
         }
         t.extend(reg.clone());
         t.extend(common.clone());

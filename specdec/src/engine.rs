@@ -35,6 +35,10 @@ pub struct EngineConfig {
     pub gate: bool,
     /// Check the per-cycle invariants (committed tokens, positions, KV length) every step.
     pub check_invariants: bool,
+    /// With a pipelined (remote) proposer, verify two micro-batches in ping-pong so one's
+    /// drafting round travels while the other is verified. Each micro-batch reads the weights
+    /// again, so this pays only when the drafting hop costs more than that extra pass.
+    pub pingpong: bool,
 }
 
 impl Default for EngineConfig {
@@ -48,6 +52,7 @@ impl Default for EngineConfig {
             prefill_chunk: 256,
             gate: true,
             check_invariants: true,
+            pingpong: false,
         }
     }
 }
@@ -550,7 +555,7 @@ impl Engine {
         let ctx = self.model.cfg.max_ctx;
         // Ping-pong: with a pipelined proposer, one micro-batch is verified per step while the
         // other's drafts are in flight (both, when one of them has no decoding request).
-        let active = if self.proposer.pipelined() {
+        let active = if self.cfg.pingpong && self.proposer.pipelined() {
             let g = (self.steps % 2) as u8;
             let has = |g: u8| {
                 self.running

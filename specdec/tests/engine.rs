@@ -502,7 +502,10 @@ fn pipelined_ping_pong_keeps_greedy_parity_and_uses_prefetched_drafts() {
         f.target.clone(),
         Some(f.tok.clone()),
         Box::new(p),
-        cfg(3),
+        EngineConfig {
+            pingpong: true,
+            ..cfg(3)
+        },
         CostModel::flat(4),
     )
     .unwrap();

@@ -81,6 +81,10 @@ pub struct TargetArgs {
     /// Turn off the per-request speculation gate.
     #[arg(long)]
     pub no_gate: bool,
+    /// Verify two micro-batches in ping-pong so drafting rounds travel while the other
+    /// micro-batch verifies (pays when the drafting hop costs more than an extra weight pass).
+    #[arg(long, env = "DSPARK_PINGPONG")]
+    pub pingpong: bool,
     /// How verification lengths are chosen: `gate` (per request, from its acceptance rate and
     /// the forward-cost curve) or `scheduler` (hardware-aware admission over the batch from
     /// calibrated confidences and the profiled SPS(B) table, budgets from the central scheduler
@@ -324,7 +328,8 @@ fn build_engine(
     } else {
         a.gamma
     };
-    let cfg = drafter::build::engine_config(&target.model, gamma, !a.no_gate, a.max_running);
+    let mut cfg = drafter::build::engine_config(&target.model, gamma, !a.no_gate, a.max_running);
+    cfg.pingpong = a.pingpong;
     let max_batch = cfg.max_batch_tokens;
     let mut engine = specdec::Engine::new(
         target.model.clone(),

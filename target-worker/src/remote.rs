@@ -46,7 +46,7 @@ struct LinkShared {
     up: AtomicBool,
     generation: AtomicU64,
     calls: Mutex<Option<tokio::sync::mpsc::Sender<DraftCall>>>,
-    pending: Mutex<HashMap<u64, std::sync::mpsc::Sender<DraftReply>>>,
+    pending: Mutex<HashMap<u64, std::sync::mpsc::Sender<(DraftReply, Instant)>>>,
     info: Mutex<Option<WorkerInfo>>,
 }
 
@@ -164,7 +164,7 @@ async fn run_link(
             .map_err(|e| e.to_string())?
             .remove(&rep.step);
         if let Some(w) = waiter {
-            let _ = w.send(rep);
+            let _ = w.send((rep, Instant::now()));
         }
     }
     Ok(())
@@ -302,13 +302,38 @@ impl RemoteProposer {
 struct Round {
     addr: String,
     step: u64,
-    rx: std::sync::mpsc::Receiver<DraftReply>,
+    rx: std::sync::mpsc::Receiver<(DraftReply, Instant)>,
     t0: Instant,
     /// Per request: context length and feature rows covered, and k.
     sent: HashMap<u64, (usize, usize, usize)>,
+    /// The reply, once drained.
+    ready: Option<(DraftReply, Instant)>,
 }
 
 impl RemoteProposer {
+    /// Applies the acknowledgements of prefetched rounds whose replies are in, for requests
+    /// that are not drafting this cycle (so their next round does not resend what the draft
+    /// worker already has); their blocks stay available for a `propose` that wants them.
+    fn drain_ready(&mut self) {
+        let rounds = std::mem::take(&mut self.prefetched);
+        for mut round in rounds {
+            match round.rx.try_recv() {
+                Ok(rep) => {
+                    let mut none: Vec<Option<DraftBlock>> = Vec::new();
+                    self.apply(&round, &rep, &[], &HashMap::new(), &mut none);
+                    round.ready = Some(rep);
+                    self.prefetched.push(round);
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => self.prefetched.push(round),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    if round.ready.is_some() {
+                        self.prefetched.push(round);
+                    }
+                }
+            }
+        }
+    }
+
     /// Requests by the (up) draft worker they are paired with; the rest draft locally.
     fn groups(&mut self, reqs: &[ProposeReq<'_>]) -> HashMap<String, Vec<usize>> {
         let mut groups: HashMap<String, Vec<usize>> = HashMap::new();
@@ -430,6 +455,7 @@ impl RemoteProposer {
             rx,
             t0: Instant::now(),
             sent,
+            ready: None,
         })
     }
 
@@ -447,12 +473,13 @@ impl RemoteProposer {
     fn apply(
         &mut self,
         round: &Round,
-        rep: &DraftReply,
+        rep: &(DraftReply, Instant),
         reqs: &[ProposeReq<'_>],
         ids: &HashMap<u64, usize>,
         out: &mut [Option<DraftBlock>],
     ) {
-        let rtt = round.t0.elapsed().as_micros() as u64;
+        let (rep, arrived) = rep;
+        let rtt = arrived.saturating_duration_since(round.t0).as_micros() as u64;
         if !rep.error.is_empty() {
             tracing::warn!(
                 draft = round.addr,
@@ -558,6 +585,7 @@ impl Proposer for RemoteProposer {
     }
 
     fn prefetch(&mut self, reqs: &mut [ProposeReq<'_>]) {
+        self.drain_ready();
         let groups = self.groups(reqs);
         for (addr, idx) in groups {
             if let Some(r) = self.send_round(&addr, reqs, &idx) {
@@ -573,11 +601,12 @@ impl Proposer for RemoteProposer {
                 out[i] = Some(DraftBlock::default());
             }
         }
+        self.drain_ready();
         let deadline = Instant::now() + self.timeout;
         // 1. Rounds prefetched for these requests (sent while the other micro-batch verified).
         let ids: HashMap<u64, usize> = reqs.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
         let mut keep = Vec::new();
-        for round in std::mem::take(&mut self.prefetched) {
+        for mut round in std::mem::take(&mut self.prefetched) {
             if !round.sent.keys().any(|id| ids.contains_key(id)) {
                 if round.step + 16 > self.step {
                     keep.push(round);
@@ -585,7 +614,11 @@ impl Proposer for RemoteProposer {
                 continue;
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if let Ok(rep) = round.rx.recv_timeout(left) {
+            let rep = match round.ready.take() {
+                Some(r) => Ok(r),
+                None => round.rx.recv_timeout(left),
+            };
+            if let Ok(rep) = rep {
                 self.apply(&round, &rep, reqs, &ids, &mut out);
             } else {
                 self.forget(&round);
