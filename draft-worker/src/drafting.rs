@@ -80,6 +80,8 @@ pub enum Job {
 struct ReqState {
     tokens: Vec<u32>,
     rng: Rng,
+    /// Sent with the request's first round.
+    params: kernels::sampling::SamplingParams,
 }
 
 /// Per-request state and the proposer; owned by the drafting thread.
@@ -218,7 +220,11 @@ impl Drafting {
                 let st = self.states.entry(g).or_insert_with(|| ReqState {
                     tokens: Vec::new(),
                     rng: Rng::new(it.seed ^ 0x5eed_d4af),
+                    params: kernels::sampling::SamplingParams::greedy(),
                 });
+                if let Some(p) = it.sampling.as_ref().and_then(|s| s.to_params().ok()) {
+                    st.params = p;
+                }
                 if it.sync_from as usize > st.tokens.len() {
                     rep.blocks.push(DraftBlock {
                         seq: it.seq,
@@ -245,11 +251,7 @@ impl Drafting {
                     rep.error = format!("request {}: {e}", it.seq);
                     break;
                 }
-                let params = it
-                    .sampling
-                    .as_ref()
-                    .and_then(|s| s.to_params().ok())
-                    .unwrap_or_else(kernels::sampling::SamplingParams::greedy);
+                let params = st.params.clone();
                 rep.blocks.push(DraftBlock {
                     seq: it.seq,
                     have_tokens: st.tokens.len() as u32,

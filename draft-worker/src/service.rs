@@ -64,7 +64,24 @@ impl DraftWorker for DraftService {
                     Some(Ok(c)) => c,
                     Some(Err(s)) => {
                         // e.g. an oversized message: the caller learns why its stream ended.
-                        tracing::warn!(stream = stream_no, "draft stream refused: {}", s.message());
+                        if matches!(
+                            s.code(),
+                            tonic::Code::OutOfRange
+                                | tonic::Code::InvalidArgument
+                                | tonic::Code::ResourceExhausted
+                        ) {
+                            tracing::warn!(
+                                stream = stream_no,
+                                "draft stream refused: {}",
+                                s.message()
+                            );
+                        } else {
+                            tracing::debug!(
+                                stream = stream_no,
+                                "draft stream ended: {}",
+                                s.message()
+                            );
+                        }
                         let _ = tx.send(Err(s)).await;
                         break;
                     }

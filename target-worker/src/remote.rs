@@ -414,8 +414,10 @@ impl RemoteProposer {
                 feat_from: features.as_ref().map(|f| f.0 as u32).unwrap_or(0),
                 features: features.map(|f| f.1),
                 k: r.k as u32,
-                sampling: Some(r.params.into()),
-                seed: r.rng.next_u64(),
+                // Sampling parameters and seed travel once, with the request's first tokens
+                // (the draft worker keeps them with its state).
+                sampling: (acked == 0).then(|| r.params.into()),
+                seed: if acked == 0 { r.rng.next_u64() } else { 0 },
             };
             let bytes = item.encoded_len() as u64;
             if let Ok(mut m) = self.shared.stats.lock() {
