@@ -167,7 +167,9 @@ pub fn clamp_conf(c: f32) -> (f32, bool) {
 pub struct Admission {
     /// (request, survival) of the entries considered, in order.
     taken: Vec<(u32, f32)>,
-    /// Entries that had to be clamped in the last call (NaN or out of (0, 1)).
+    bufs: MergeBufs,
+    /// Confidences that had to be clamped (NaN or out of (0, 1)) among those the last call
+    /// looked at.
     pub clamped: usize,
 }
 
@@ -197,7 +199,22 @@ struct Merge<'c> {
     cap: Vec<u8>,
     next: Vec<u8>,
     a: Vec<f32>,
-    heap: std::collections::BinaryHeap<u64>,
+    /// Confidences clamped among the entries looked at.
+    clamped: usize,
+    /// A 4-ary winner tree over the requests' head keys: `leaves` internal nodes first (root
+    /// at 0, children of i at 4i+1..=4i+4), then one leaf per request (0 = exhausted). A pop
+    /// replays one leaf's path: log₄(requests) branch-free maxima of four, no indirection.
+    tree: Vec<u64>,
+    leaves: usize,
+}
+
+/// The merge's buffers, kept between calls so a decision allocates only its answer.
+#[derive(Default)]
+struct MergeBufs {
+    cap: Vec<u8>,
+    next: Vec<u8>,
+    a: Vec<f32>,
+    tree: Vec<u64>,
 }
 
 impl<'c> Merge<'c> {
@@ -207,26 +224,48 @@ impl<'c> Merge<'c> {
         conf: &'c [&'c [f32]],
         limits: &[ReqLimits],
         clamped: &mut usize,
+        bufs: MergeBufs,
     ) -> (Self, u32, f64, Vec<u32>) {
         let m = conf.len().min(MAX_REQUESTS);
         let mut k = vec![0u32; conf.len()];
         let (mut forced, mut tau) = (0u32, 0f64);
+        let mut n4 = 1usize;
+        while n4 < m {
+            n4 *= 4;
+        }
+        let inner = (n4 - 1) / 3;
+        let MergeBufs {
+            mut cap,
+            mut next,
+            mut a,
+            mut tree,
+        } = bufs;
+        cap.clear();
+        cap.resize(m, 0);
+        next.clear();
+        next.resize(m, 0);
+        a.clear();
+        a.resize(m, 0.0);
+        tree.clear();
+        tree.resize(inner + n4, 0);
         let mut me = Self {
             conf: &conf[..m],
-            cap: vec![0; m],
-            next: vec![0; m],
-            a: vec![0.0; m],
-            heap: std::collections::BinaryHeap::new(),
+            cap,
+            next,
+            a,
+            tree,
+            leaves: inner,
+            clamped: 0,
         };
-        let mut heads = Vec::with_capacity(m);
         for (r, c) in conf.iter().enumerate().take(m) {
             let lim = limits.get(r).copied().unwrap_or_default();
             let cap = c.len().min(MAX_GAMMA).min(lim.max_k as usize);
-            *clamped += c[..cap].iter().filter(|&&x| clamp_conf(x).1).count();
             let mut a = 1f32;
             let mut j = 0;
             while j < cap {
-                let aj = a * clamp_conf(c[j]).0;
+                let (cj, cl) = clamp_conf(c[j]);
+                *clamped += cl as usize;
+                let aj = a * cj;
                 if j < lim.min_k as usize {
                     k[r] += 1;
                     forced += 1;
@@ -242,33 +281,63 @@ impl<'c> Merge<'c> {
             if j < cap {
                 me.next[r] = j as u8;
                 me.a[r] = a;
-                heads.push(head(a, r));
+                me.tree[inner + r] = head(a, r);
             }
         }
-        me.heap = std::collections::BinaryHeap::from(heads);
+        let t = &mut me.tree;
+        for i in (0..inner).rev() {
+            let c = 4 * i + 1;
+            t[i] = t[c].max(t[c + 1]).max(t[c + 2].max(t[c + 3]));
+        }
         (me, forced, tau, k)
     }
 
     fn pop(&mut self) -> Option<(usize, f32)> {
-        let mut top = self.heap.peek_mut()?;
-        let r = head_r(*top);
+        let top = self.tree[0];
+        if top == 0 {
+            return None;
+        }
+        let r = head_r(top);
         let a = self.a[r];
         let j = self.next[r] as usize + 1;
+        let leaf = self.leaves + r;
         if j < self.cap[r] as usize {
-            self.a[r] = a * clamp_conf(self.conf[r][j]).0;
+            let (cj, cl) = clamp_conf(self.conf[r][j]);
+            self.clamped += cl as usize;
+            self.a[r] = a * cj;
             self.next[r] = j as u8;
-            *top = head(self.a[r], r);
+            self.tree[leaf] = head(self.a[r], r);
         } else {
-            std::collections::binary_heap::PeekMut::pop(top);
+            self.tree[leaf] = 0;
+        }
+        let t = &mut self.tree[..];
+        let mut i = leaf;
+        while i > 0 {
+            i = (i - 1) / 4;
+            let c = 4 * i + 1;
+            let q: [u64; 4] = match t.get(c..c + 4).and_then(|q| q.try_into().ok()) {
+                Some(q) => q,
+                None => break,
+            };
+            t[i] = q[0].max(q[1]).max(q[2].max(q[3]));
         }
         Some((r, a))
     }
 
+    fn into_bufs(self) -> MergeBufs {
+        MergeBufs {
+            cap: self.cap,
+            next: self.next,
+            a: self.a,
+            tree: self.tree,
+        }
+    }
+
     fn peek_a(&self) -> f32 {
-        self.heap
-            .peek()
-            .map(|&k| f32::from_bits((k >> 32) as u32))
-            .unwrap_or(0.0)
+        match self.tree[0] {
+            0 => 0.0,
+            k => f32::from_bits((k >> 32) as u32),
+        }
     }
 }
 
@@ -303,7 +372,9 @@ impl Admission {
         rule: Rule,
     ) -> Decision {
         self.clamped = 0;
-        let (mut merge, forced, forced_tau, mut k) = Merge::new(conf, limits, &mut self.clamped);
+        let bufs = std::mem::take(&mut self.bufs);
+        let (mut merge, forced, forced_tau, mut k) =
+            Merge::new(conf, limits, &mut self.clamped, bufs);
         let base_b = conf.len() as u32 + step.other_tokens;
         let tau = conf.len() as f64 + forced_tau;
         let room = step
@@ -344,6 +415,8 @@ impl Admission {
             k[r as usize] += 1;
             expected += a as f64;
         }
+        self.clamped += merge.clamped;
+        self.bufs = merge.into_bufs();
         let batch_tokens = b0 + best.1;
         Decision {
             theta: expected * sps.sps(batch_tokens),
@@ -357,13 +430,16 @@ impl Admission {
     /// limits (forced minimums first): the selection half of the two-step lag.
     pub fn select_top(&mut self, conf: &[&[f32]], limits: &[ReqLimits], k_total: u32) -> Vec<u32> {
         self.clamped = 0;
-        let (mut merge, forced, _, mut k) = Merge::new(conf, limits, &mut self.clamped);
+        let bufs = std::mem::take(&mut self.bufs);
+        let (mut merge, forced, _, mut k) = Merge::new(conf, limits, &mut self.clamped, bufs);
         for _ in 0..k_total.saturating_sub(forced) {
             match merge.pop() {
                 Some((r, _)) => k[r] += 1,
                 None => break,
             }
         }
+        self.clamped += merge.clamped;
+        self.bufs = merge.into_bufs();
         k
     }
 }
