@@ -26,7 +26,13 @@ pub struct Cluster {
     channels: Mutex<HashMap<String, Channel>>,
     /// Requests this router has in flight per target address (local placement).
     local_load: Mutex<HashMap<String, u32>>,
+    /// After the scheduler failed to answer, placement skips it until then (a stalled
+    /// scheduler must not add its timeout to every request).
+    skip_scheduler_until: Mutex<Option<std::time::Instant>>,
 }
+
+/// How long placement stays local after the scheduler failed to answer.
+const SCHEDULER_BACKOFF: Duration = Duration::from_secs(2);
 
 impl Cluster {
     pub fn new(scheduler: Option<String>, statics: Vec<WorkerInfo>) -> Arc<Self> {
@@ -35,6 +41,7 @@ impl Cluster {
             view: RwLock::new(statics),
             channels: Mutex::new(HashMap::new()),
             local_load: Mutex::new(HashMap::new()),
+            skip_scheduler_until: Mutex::new(None),
         })
     }
 
@@ -113,7 +120,13 @@ impl Cluster {
         model: &str,
         exclude: &[String],
     ) -> Result<(WorkerInfo, Option<WorkerInfo>), PlaceError> {
-        if exclude.is_empty() {
+        let skip = self
+            .skip_scheduler_until
+            .lock()
+            .ok()
+            .and_then(|g| *g)
+            .is_some_and(|t| std::time::Instant::now() < t);
+        if exclude.is_empty() && !skip {
             if let Some(url) = &self.scheduler {
                 if let Ok(ch) = self.channel_for_url(url) {
                     let mut c = SchedulerClient::new(ch);
@@ -141,7 +154,12 @@ impl Cluster {
                         {
                             return Err(PlaceError::NoTarget);
                         }
-                        _ => tracing::debug!("scheduler unavailable; placing from the last view"),
+                        _ => {
+                            tracing::debug!("scheduler unavailable; placing from the last view");
+                            if let Ok(mut g) = self.skip_scheduler_until.lock() {
+                                *g = Some(std::time::Instant::now() + SCHEDULER_BACKOFF);
+                            }
+                        }
                     }
                 }
             }

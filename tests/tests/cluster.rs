@@ -704,6 +704,21 @@ async fn scheduler_budgets_are_central_and_workers_survive_its_loss() {
     let central = target_info(&target.addr).await.central_budget_steps;
     assert!(central > 0, "budgets came from the central scheduler");
 
+    // Scheduler stalled (SIGSTOP): nobody waits for it.
+    scheduler.signal("STOP");
+    let local_stall = target_info(&target.addr).await.local_budget_steps;
+    let t0 = std::time::Instant::now();
+    let v = complete(&url, PROMPTS[0], 32).await;
+    assert_eq!(ids_of(&v), want, "served while the scheduler is stalled");
+    let v = complete(&url, PROMPTS[0], 32).await;
+    assert_eq!(ids_of(&v), want);
+    assert!(t0.elapsed() < Duration::from_secs(20));
+    assert!(
+        target_info(&target.addr).await.local_budget_steps > local_stall,
+        "local budgets while the scheduler is stalled"
+    );
+    scheduler.signal("CONT");
+
     // Scheduler gone: the router places from its last view, the worker budgets locally.
     scheduler.kill();
     let local0 = target_info(&target.addr).await.local_budget_steps;
