@@ -100,7 +100,9 @@ fn service(argv: Vec<String>) -> anyhow::Result<()> {
     use clap::Parser;
     let name = argv.first().cloned().unwrap_or_default();
     let rt = tokio::runtime::Runtime::new()?;
-    dspark_scheduler::init_tracing();
+    // The OTLP exporter's gRPC channel lives on this runtime.
+    let _guard = rt.enter();
+    dspark_scheduler::init_tracing(&format!("dspark-{name}"));
     match name.as_str() {
         "scheduler" => {
             let a =

@@ -2,7 +2,7 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    dspark_scheduler::init_tracing();
+    dspark_scheduler::init_tracing("dspark-draft-worker");
     draft_worker::run(draft_worker::DraftArgs::parse()).await?;
     Ok(())
 }

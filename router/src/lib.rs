@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio_stream::StreamExt;
+use tracing::Instrument;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RouterError {
@@ -701,7 +702,7 @@ async fn serve(
         "cmpl"
     });
     let span = tracing::info_span!("request", request_id = id, traceparent = tp);
-    let _e = span.enter();
+    dspark_scheduler::set_parent(&span, &tp);
     // Chat without max_tokens: what fits, up to the default cap.
     if kind == Kind::Chat {
         if let Some(t) = app.cluster.targets().first() {
@@ -718,10 +719,11 @@ async fn serve(
         request_id: id.clone(),
     };
     let (target, stream, first) = open(&app, &job, prompt, settings.max_tokens, &[])
+        .instrument(span.clone())
         .await
         .inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Piece>(64);
-    tokio::spawn(drive(Arc::clone(&app), job, target, stream, first, tx));
+    tokio::spawn(drive(Arc::clone(&app), job, target, stream, first, tx).instrument(span));
     let created = now_s();
     let model = app.name.clone();
     let object = if kind == Kind::Chat {

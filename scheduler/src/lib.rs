@@ -123,13 +123,72 @@ pub async fn shutdown_signal(stdin_eof: bool) {
     });
 }
 
-/// Logging for the service binaries (`DSPARK_LOG`, default info).
-pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
+/// Logging for the service binaries (`DSPARK_LOG`, default info) and, when
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` names a collector, span export over OTLP/gRPC as `service`
+/// (spans per request in the router and target worker, per cycle in the engine loop).
+pub fn init_tracing(service: &str) {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    // Each layer has its own filter: quiet logs must not silence exported spans.
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("DSPARK_LOG").unwrap_or_else(|_| "info".into());
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
-        .try_init();
+        .with_filter(filter);
+    let otel = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .ok()
+        .filter(|e| !e.is_empty())
+        .and_then(|ep| match otlp_tracer(service, &ep) {
+            Ok(t) => Some(
+                tracing_opentelemetry::layer()
+                    .with_tracer(t)
+                    .with_filter(tracing_subscriber::filter::LevelFilter::INFO),
+            ),
+            Err(e) => {
+                eprintln!("OpenTelemetry export disabled: {e}");
+                None
+            }
+        });
+    let _ = tracing_subscriber::registry().with(fmt).with(otel).try_init();
+}
+
+fn otlp_tracer(
+    service: &str,
+    endpoint: &str,
+) -> std::result::Result<opentelemetry_sdk::trace::Tracer, String> {
+    use opentelemetry::trace::TracerProvider;
+    use opentelemetry_otlp::WithExportConfig;
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .with_endpoint(endpoint)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(
+            opentelemetry_sdk::Resource::builder()
+                .with_service_name(service.to_string())
+                .build(),
+        )
+        .build();
+    opentelemetry::global::set_text_map_propagator(
+        opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+    );
+    let tracer = provider.tracer(service.to_string());
+    opentelemetry::global::set_tracer_provider(provider);
+    Ok(tracer)
+}
+
+/// Makes the W3C trace context in `traceparent` the parent of `span` (no-op when it is empty
+/// or malformed, or when no exporter is configured).
+pub fn set_parent(span: &tracing::Span, traceparent: &str) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    if traceparent.is_empty() {
+        return;
+    }
+    let mut carrier = std::collections::HashMap::new();
+    carrier.insert("traceparent".to_string(), traceparent.to_string());
+    let cx = opentelemetry::global::get_text_map_propagator(|p| p.extract(&carrier));
+    let _ = span.set_parent(cx);
 }

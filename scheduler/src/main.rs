@@ -2,7 +2,7 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    dspark_scheduler::init_tracing();
+    dspark_scheduler::init_tracing("dspark-scheduler");
     let args = dspark_scheduler::SchedulerArgs::parse();
     let eof = args.exit_on_stdin_eof;
     dspark_scheduler::serve(args, dspark_scheduler::shutdown_signal(eof)).await?;

@@ -104,6 +104,9 @@ impl TargetWorker for TargetService {
             None => kernels::sampling::SamplingParams::greedy(),
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let span = tracing::info_span!("generate", request_id = r.request_id, engine_id = id);
+        dspark_scheduler::set_parent(&span, &r.traceparent);
+        let _e = span.enter();
         tracing::info!(
             request_id = r.request_id,
             engine_id = id,

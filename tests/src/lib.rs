@@ -52,9 +52,15 @@ impl Drop for Proc {
 
 /// Starts `dspark ARGS...` and waits for its "listening on ADDR" line.
 pub fn spawn(name: &str, args: &[&str]) -> Proc {
+    spawn_env(name, args, &[])
+}
+
+/// [`spawn`] with extra environment variables.
+pub fn spawn_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut child = Command::new(dspark_bin())
         .args(args)
         .env("DSPARK_LOG", "warn")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -840,3 +840,108 @@ async fn dspark_drafter_in_its_own_worker_gets_features_over_the_wire() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A minimal OTLP/gRPC trace collector: records (service, span name, trace id hex).
+#[derive(Clone, Default)]
+struct Collector(std::sync::Arc<Mutex<Vec<(String, String, String)>>>);
+
+#[tonic::async_trait]
+impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceService
+    for Collector
+{
+    async fn export(
+        &self,
+        req: tonic::Request<
+            opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest,
+        >,
+    ) -> Result<
+        tonic::Response<
+            opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse,
+        >,
+        tonic::Status,
+    > {
+        let mut got = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        for rs in req.into_inner().resource_spans {
+            let service = rs
+                .resource
+                .iter()
+                .flat_map(|r| r.attributes.iter())
+                .find(|a| a.key == "service.name")
+                .and_then(|a| a.value.as_ref())
+                .map(|v| format!("{:?}", v.value))
+                .unwrap_or_default();
+            for ss in rs.scope_spans {
+                for sp in ss.spans {
+                    let tid: String = sp.trace_id.iter().map(|b| format!("{b:02x}")).collect();
+                    got.push((service.clone(), sp.name, tid));
+                }
+            }
+        }
+        Ok(tonic::Response::new(Default::default()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_reach_an_otlp_collector_under_the_callers_trace() {
+    let _s = serial();
+    let col = Collector::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let ep = format!("http://{}", listener.local_addr().unwrap());
+    let svc = opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::TraceServiceServer::new(col.clone());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", ep.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "200"),
+    ];
+    let scheduler = spawn_env("scheduler", &["scheduler", "--listen", "127.0.0.1:0"], &env);
+    let sched = format!("http://{}", scheduler.addr);
+    let _target = spawn_env(
+        "target",
+        &[
+            "target-worker",
+            "--model",
+            "smollm2-135m",
+            "--scheduler",
+            &sched,
+            "--threads",
+            "1",
+        ],
+        &env,
+    );
+    let router = spawn_env(
+        "router",
+        &["router", "--listen", "127.0.0.1:0", "--scheduler", &sched],
+        &env,
+    );
+    let url = format!("http://{}", router.addr);
+    wait_for("cluster", Duration::from_secs(120), || ready(&url, 1, 0)).await;
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .header("traceparent", format!("00-{trace}-b7ad6b7169203331-01"))
+        .json(&json!({"model": "smollm2-135m", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status().as_u16(), 200);
+    let has = |service: &str, name: &str| {
+        col.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|(s, n, t)| s.contains(service) && n == name && t == trace)
+    };
+    wait_for(
+        "router and target worker spans in the caller's trace",
+        Duration::from_secs(30),
+        || {
+            let ok = has("dspark-router", "request") && has("dspark-target-worker", "generate");
+            async move { ok }
+        },
+    )
+    .await;
+}
