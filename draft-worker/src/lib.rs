@@ -118,7 +118,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         max_gamma: host.max_gamma as u32,
         ..Default::default()
     };
-    let svc = service::DraftService::start(host, info.clone());
+    let svc = service::DraftService::start(host, info.clone())?;
     let load = svc.load_counter();
     if let Some(disc) = disc {
         let info2 = info.clone();

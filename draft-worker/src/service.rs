@@ -19,20 +19,19 @@ pub struct DraftService {
 
 impl DraftService {
     /// Starts the drafting thread.
-    pub fn start(host: DraftHost, info: WorkerInfo) -> Self {
+    pub fn start(host: DraftHost, info: WorkerInfo) -> std::io::Result<Self> {
         let (tx, rx) = std::sync::mpsc::channel();
         let load = Arc::new(AtomicUsize::new(0));
         let l2 = Arc::clone(&load);
         std::thread::Builder::new()
             .name("drafting".into())
-            .spawn(move || Drafting::new(host).run(rx, l2))
-            .expect("spawning the drafting thread");
-        Self {
+            .spawn(move || Drafting::new(host).run(rx, l2))?;
+        Ok(Self {
             jobs: tx,
             info,
             streams: Arc::new(AtomicU64::new(0)),
             load,
-        }
+        })
     }
 
     /// Requests with draft state (reported as load).

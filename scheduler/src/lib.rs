@@ -150,7 +150,10 @@ pub fn init_tracing(service: &str) {
                 None
             }
         });
-    let _ = tracing_subscriber::registry().with(fmt).with(otel).try_init();
+    let _ = tracing_subscriber::registry()
+        .with(fmt)
+        .with(otel)
+        .try_init();
 }
 
 fn otlp_tracer(

@@ -110,7 +110,9 @@ impl Cluster {
         };
         let vocab = self.workers[&tid].info.vocab_hash.clone();
         let did = pick(ROLE_DRAFT, Some(&vocab), false);
-        let t = self.workers.get_mut(&tid).expect("picked from the map");
+        let Some(t) = self.workers.get_mut(&tid) else {
+            return Err(PlaceError::NoTarget(model.to_string()));
+        };
         t.placed += 1;
         let target = t.info.clone();
         let draft = did.and_then(|d| {
