@@ -170,15 +170,14 @@ impl Drafting {
                     .map_err(|e| bad(format!("request {}: {e}", it.seq)))?;
             }
             if let Some(f) = &it.features {
-                let v = f
-                    .to_f32()
+                // Validated here without decoding; decoded once when applied.
+                let (_, n) = f
+                    .check()
                     .map_err(|e| bad(format!("request {}: features: {e}", it.seq)))?;
-                if self.host.row_len == 0 || v.len() % self.host.row_len != 0 {
+                if self.host.row_len == 0 || n % self.host.row_len != 0 {
                     return Err(bad(format!(
-                        "request {}: features of {} floats do not split into rows of {}",
-                        it.seq,
-                        v.len(),
-                        self.host.row_len
+                        "request {}: features of {n} floats do not split into rows of {}",
+                        it.seq, self.host.row_len
                     )));
                 }
             }
@@ -241,10 +240,10 @@ impl Drafting {
                     .proposer
                     .commit(g, &st.tokens)
                     .and_then(|_| match &it.features {
-                        Some(f) => {
-                            let rows = f.to_f32().unwrap_or_default();
-                            self.host.proposer.observe(g, it.feat_from as usize, &rows)
-                        }
+                        Some(f) => match f.to_f32() {
+                            Ok(rows) => self.host.proposer.observe(g, it.feat_from as usize, &rows),
+                            Err(e) => Err(specdec::SpecError::Invalid(format!("features: {e}"))),
+                        },
                         None => Ok(()),
                     });
                 if let Err(e) = r {

@@ -63,8 +63,9 @@ impl Tensor {
             .try_fold(1usize, |n, &s| n.checked_mul(s as usize))
     }
 
-    /// Decodes to f32, checking that dtype, shape and byte length agree.
-    pub fn to_f32(&self) -> Result<Vec<f32>, WireError> {
+    /// Checks that dtype, shape and byte length agree, without decoding; returns the dtype
+    /// and element count.
+    pub fn check(&self) -> Result<(Dtype, usize), WireError> {
         let dtype = Dtype::try_from(self.dtype)
             .map_err(|_| WireError::Tensor(format!("unknown dtype {}", self.dtype)))?;
         let width = match dtype {
@@ -82,6 +83,12 @@ impl Tensor {
                 self.data.len()
             )));
         }
+        Ok((dtype, n))
+    }
+
+    /// Decodes to f32 (after [`Tensor::check`]).
+    pub fn to_f32(&self) -> Result<Vec<f32>, WireError> {
+        let (dtype, _) = self.check()?;
         Ok(match dtype {
             Dtype::F32 => self
                 .data
