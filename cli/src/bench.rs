@@ -31,9 +31,10 @@ pub enum BenchCmd {
 pub struct SpecArgs {
     #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
     pub model: String,
-    /// ngram | draft-model[:NAME]
-    #[arg(long, default_value = "ngram")]
-    pub drafter: String,
+    /// Drafters to compare with `none` in the same run (comma list): ngram, draft-model[:NAME],
+    /// dspark[:DIR].
+    #[arg(long, value_delimiter = ',', default_value = "ngram")]
+    pub drafter: Vec<String>,
     /// chat | code | math
     #[arg(long, default_value = "code")]
     pub prompts: String,
@@ -525,7 +526,11 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     sampling.validate()?;
-    let kind = ProposerKind::parse(&a.drafter, crate::spec::default_draft_for(&a.model))?;
+    let kinds = a
+        .drafter
+        .iter()
+        .map(|d| ProposerKind::parse(d, crate::spec::default_draft_for(&a.model)))
+        .collect::<Result<Vec<_>, _>>()?;
     let target = crate::spec::load_target(g, &a.model)?;
     let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
     let mut prompts = prompt_set(&a.prompts)?;
@@ -541,8 +546,10 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         })
         .collect::<anyhow::Result<_>>()?;
     let mut arms: Vec<(ProposerKind, usize)> = vec![(ProposerKind::None, 0)];
-    for &gm in &a.gammas {
-        arms.push((kind.clone(), gm));
+    for kind in &kinds {
+        for &gm in &a.gammas {
+            arms.push((kind.clone(), gm));
+        }
     }
     let mut drafts = crate::spec::DraftCache::default();
     let mut results = Vec::new();
@@ -626,7 +633,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         println!("greedy outputs identical across arms: {greedy_identical}");
     }
     let v = json!({
-        "model": a.model, "prompts": a.prompts, "n_prompts": ids.len(), "concurrency": a.concurrency,
+        "model": a.model, "drafters": a.drafter, "prompts": a.prompts, "n_prompts": ids.len(), "concurrency": a.concurrency,
         "temperature": a.temperature, "max_tokens": a.max_tokens, "gate": !a.no_gate, "threads": target.model.threads(),
         "command": command_line(), "greedy_outputs_identical": if a.temperature == 0.0 { json!(greedy_identical) } else { json!(null) },
         "arms": results.iter().map(|r| r.3.clone()).collect::<Vec<_>>(),

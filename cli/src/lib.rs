@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod eval;
 pub mod frontier;
 pub mod generate;
 pub mod plot;
@@ -43,6 +44,10 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Train a DSpark drafter for a target on CPU.
     TrainDrafter(train::TrainArgs),
+    /// Evaluate a DSpark drafter against its parallel-only ablation, n-gram and the draft model.
+    EvalDrafter(eval::EvalArgs),
+    /// Drafter training text: the target's own answers to a prompt file, chat-rendered.
+    GenData(train::GenDataArgs),
     /// Fit the drafter's per-position confidence temperatures (STS) on held-out prompts.
     CalibrateDrafter(train::CalibrateArgs),
     /// Benchmarks (write JSON with --json FILE).
@@ -166,6 +171,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(b) => bench::run(&g, b),
         Command::TrainDrafter(a) => train::run(&g, a),
         Command::CalibrateDrafter(a) => train::calibrate(&g, a),
+        Command::GenData(a) => train::gen_data(&g, a),
+        Command::EvalDrafter(a) => eval::run(&g, a),
         Command::Up(a) => up::run(&g, a),
         Command::Profile(a) => profile::run(&g, a),
         Command::Service(_) => anyhow::bail!("service commands are dispatched above"),

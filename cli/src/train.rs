@@ -41,6 +41,12 @@ pub struct TrainArgs {
     pub save_every: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Steps drawn from each target forward over a chunk (fresh anchors each step).
+    #[arg(long, default_value_t = 4)]
+    pub reuse: usize,
+    /// Weight of the auxiliary parallel-only loss (the ablation sharing the backbone); 0 = off.
+    #[arg(long, default_value_t = 0.5)]
+    pub parallel_weight: f64,
     /// Continue from the checkpoint in --out.
     #[arg(long)]
     pub resume: bool,
@@ -152,6 +158,8 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
         chunk: a.chunk,
         lr: a.lr,
         seed: a.seed,
+        reuse: a.reuse,
+        parallel_weight: a.parallel_weight,
         ..Default::default()
     };
     let t0 = std::time::Instant::now();
@@ -163,13 +171,14 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
         ema = Some(e);
         if s.step % 10 == 0 || s.step + 1 == tc.steps {
             eprintln!(
-                "step {:>6}/{}  loss {:.4} (ema {:.4})  ce {:.3}  tv {:.3}  conf {:.3}  lr {:.2e}  {:.0} blocks·pos/s  {:.0}s",
+                "step {:>6}/{}  loss {:.4} (ema {:.4})  ce {:.3}  tv {:.3} (parallel {:.3})  conf {:.3}  lr {:.2e}  {:.0} blocks·pos/s  {:.0}s",
                 s.step + 1,
                 tc.steps,
                 s.loss,
                 e,
                 s.ce,
                 s.tv,
+                s.tv_parallel,
                 s.conf,
                 s.lr,
                 s.tok_s,
@@ -197,9 +206,13 @@ pub struct CalibrateArgs {
     /// Held-out prompt set: chat | code | math | all.
     #[arg(long, default_value = "all")]
     pub prompts: String,
-    #[arg(long, default_value_t = 24)]
+    /// Prompts of each set used for calibration: the first `limit` after `offset` (evaluation
+    /// takes the second half by default, so the two never share prompts).
+    #[arg(long, default_value_t = 0)]
+    pub offset: usize,
+    #[arg(long, default_value_t = 16)]
     pub limit: usize,
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f32,
@@ -207,7 +220,9 @@ pub struct CalibrateArgs {
     pub json: Option<PathBuf>,
 }
 
-fn cumulative_ece(obs: &[drafter::calibrate::Observed], temps: &[f32]) -> Vec<f64> {
+/// ECE per block position of the cumulative confidence Π_{i≤k} σ(z_i/T_i) against observed
+/// prefix survival (accepted > k).
+pub fn cumulative_ece(obs: &[drafter::calibrate::Observed], temps: &[f32]) -> Vec<f64> {
     let g = temps.len();
     let mut prefix = vec![1.0f64; obs.len()];
     let mut out = Vec::new();
@@ -231,7 +246,6 @@ fn cumulative_ece(obs: &[drafter::calibrate::Observed], temps: &[f32]) -> Vec<f6
 }
 
 pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
-    use specdec::{Event, Request};
     let target = crate::spec::load_target(g, &a.target)?;
     let (e, h) = drafter::model::target_tensors(&target.model)?;
     let mut dr = DsparkDrafter::load(
@@ -244,41 +258,31 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let gamma = dr.cfg.gamma;
     dr.cfg.sts = vec![1.0; gamma];
     let cfg_before = dr.cfg.clone();
-    let proposer = Box::new(drafter::DsparkProposer::new(dr, "dspark"));
-    let mut eng = crate::spec::engine(&target, proposer, gamma, false, 8)?;
-    let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
-    let mut prompts = crate::bench::prompt_set(&a.prompts)?;
-    prompts.truncate(a.limit);
-    for (i, p) in prompts.iter().enumerate() {
-        let ids = target
-            .tok
-            .encode(&tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?)?;
-        let mut r = Request::new(i as u64, ids, a.max_tokens);
-        r.params.temperature = a.temperature;
-        r.seed = i as u64;
-        eng.add(r)?;
+    let sets: Vec<&str> = match a.prompts.as_str() {
+        "all" => vec!["chat", "code", "math"],
+        s => vec![s],
+    };
+    let mut prompts = Vec::new();
+    for set in sets {
+        prompts.extend(
+            crate::bench::prompt_set(set)?
+                .into_iter()
+                .skip(a.offset)
+                .take(a.limit),
+        );
     }
-    let mut blocks = Vec::new();
-    while !eng.is_idle() {
-        for ev in eng.step()? {
-            if let Event::Finished { metrics, .. } = ev {
-                blocks.extend(metrics.conf_blocks);
-            }
-        }
-    }
-    let obs: Vec<drafter::calibrate::Observed> = blocks
-        .iter()
-        .map(|(c, acc)| drafter::calibrate::Observed {
-            logits: c
-                .iter()
-                .map(|&v| {
-                    let v = v.clamp(1e-6, 1.0 - 1e-6);
-                    (v / (1.0 - v)).ln()
-                })
-                .collect(),
-            accepted: *acc,
-        })
-        .collect();
+    let proposer =
+        Box::new(drafter::DsparkProposer::new(dr, "dspark").with_target_head(target.model.clone()));
+    let run = crate::eval::run_arm(
+        &target,
+        proposer,
+        &prompts,
+        gamma,
+        a.temperature,
+        a.max_tokens,
+        8,
+    )?;
+    let obs = run.obs;
     if obs.is_empty() {
         anyhow::bail!("no verified blocks with confidences were observed");
     }
@@ -286,18 +290,8 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let before = cumulative_ece(&obs, &ones);
     let temps = drafter::calibrate::fit_sts(&obs, gamma, 15);
     let after = cumulative_ece(&obs, &temps);
-    // ROC-AUC of the per-position (conditional) confidence for "accepted at k | reached k".
-    let (mut sc, mut lab) = (Vec::new(), Vec::new());
-    for o in &obs {
-        for (k, &z) in o.logits.iter().enumerate() {
-            if o.accepted >= k {
-                sc.push(z as f64);
-                lab.push(o.accepted > k);
-            }
-        }
-    }
-    let auc = drafter::calibrate::roc_auc(&sc, &lab);
-    let tau = eng.totals().committed_per_call();
+    let auc = crate::eval::conditional_auc(&obs, &temps);
+    let tau = run.totals.committed_per_call();
     println!("blocks {}  τ {:.2}  ROC-AUC {:.3}", obs.len(), tau, auc);
     for k in 0..after.len() {
         println!(
@@ -319,5 +313,98 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct GenDataArgs {
+    /// Target model name or path (its own answers become training text).
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub target: String,
+    /// File with one user prompt per line.
+    #[arg(long)]
+    pub prompts: PathBuf,
+    /// Output text file: each conversation rendered with the chat template, answer included.
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 192)]
+    pub max_tokens: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Requests decoded together.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// `dspark gen-data`: the target answers a prompt file (plain decoding, sampled), and the
+/// rendered conversations become drafter training text that matches what the drafter will see
+/// when serving chat requests.
+pub fn gen_data(g: &Global, a: GenDataArgs) -> anyhow::Result<()> {
+    use specdec::{Event, Request};
+    use std::io::Write;
+    let target = crate::spec::load_target(g, &a.target)?;
+    let text = std::fs::read_to_string(&a.prompts)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", a.prompts.display()))?;
+    let prompts: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    if prompts.is_empty() {
+        anyhow::bail!("{} holds no prompts", a.prompts.display());
+    }
+    let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
+    let mut eng = crate::spec::engine(
+        &target,
+        Box::new(specdec::proposer::NoProposer),
+        1,
+        false,
+        a.batch.max(1),
+    )?;
+    let mut rendered = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.iter().enumerate() {
+        let r = tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?;
+        let mut req = Request::new(i as u64, target.tok.encode(&r)?, a.max_tokens);
+        req.params.temperature = a.temperature;
+        req.seed = a.seed.wrapping_add(i as u64);
+        eng.add(req)?;
+        rendered.push(r);
+    }
+    let mut answers = vec![String::new(); prompts.len()];
+    let (t0, mut tokens, mut done) = (std::time::Instant::now(), 0usize, 0usize);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&a.out)?);
+    while !eng.is_idle() {
+        for ev in eng.step()? {
+            match ev {
+                Event::Tokens {
+                    id,
+                    tokens: t,
+                    text,
+                } => {
+                    tokens += t.len();
+                    if let Some(s) = answers.get_mut(id as usize) {
+                        s.push_str(&text);
+                    }
+                }
+                Event::Finished { id, .. } => {
+                    let i = id as usize;
+                    writeln!(out, "{}{}\n", rendered[i], answers[i])?;
+                    done += 1;
+                    if done % 32 == 0 {
+                        eprintln!(
+                            "{done}/{} conversations, {tokens} tokens, {:.0} tok/s",
+                            prompts.len(),
+                            tokens as f64 / t0.elapsed().as_secs_f64()
+                        );
+                    }
+                }
+            }
+        }
+    }
+    out.flush()?;
+    eprintln!(
+        "wrote {} conversations ({tokens} answer tokens) to {} in {:.0}s",
+        prompts.len(),
+        a.out.display(),
+        t0.elapsed().as_secs_f64()
+    );
     Ok(())
 }

@@ -16,6 +16,9 @@ pub struct DsparkProposer {
     /// Per request: feature rows of committed positions 0..n (row = layers side by side).
     feats: HashMap<u64, Vec<f32>>,
     label: String,
+    /// The target model, whose quantized LM head (the drafter's frozen head) gives the base
+    /// logits faster than the f32 copy.
+    target: Option<std::sync::Arc<dspark_runtime::Model>>,
 }
 
 fn err(e: impl std::fmt::Display) -> SpecError {
@@ -28,6 +31,31 @@ impl DsparkProposer {
             dr,
             feats: HashMap::new(),
             label: label.to_string(),
+            target: None,
+        }
+    }
+
+    /// Computes base logits with the target's own head kernels.
+    pub fn with_target_head(mut self, target: std::sync::Arc<dspark_runtime::Model>) -> Self {
+        self.target = Some(target);
+        self
+    }
+
+    /// Base logits (B·γ rows of V) and hidden states (B × γ × d) of one block forward.
+    fn block(&self, ft: &Tensor, at: &Tensor) -> specdec::Result<(Vec<f32>, Tensor)> {
+        match &self.target {
+            Some(m) => {
+                let h = self.dr.hidden(ft, at).map_err(err)?;
+                let (b, g, _) = h.dims3().map_err(err)?;
+                let rows: Vec<f32> = h.flatten_all().map_err(err)?.to_vec1().map_err(err)?;
+                let base = m.head_logits(&rows, b * g).map_err(err)?;
+                Ok((base, h))
+            }
+            None => {
+                let o = self.dr.block(ft, at).map_err(err)?;
+                let base = o.base.flatten_all().map_err(err)?.to_vec1().map_err(err)?;
+                Ok((base, o.h))
+            }
         }
     }
 
@@ -84,23 +112,26 @@ impl Proposer for DsparkProposer {
         let b = active.len();
         let ft = Tensor::from_vec(feats, (b, c, rl), &Device::Cpu).map_err(err)?;
         let at = Tensor::from_vec(anchors.clone(), b, &Device::Cpu).map_err(err)?;
-        let o = self.dr.block(&ft, &at).map_err(err)?;
+        let (base_all, h_all) = self.block(&ft, &at)?;
+        let v = self.dr.cfg.vocab;
         for (bi, &i) in active.iter().enumerate() {
             let r = &mut reqs[i];
             let k = r.k.min(g);
-            let base = o.base.get(bi).map_err(err)?; // γ × V
-            let h = o.h.get(bi).map_err(err)?; // γ × d
+            let h = h_all.get(bi).map_err(err)?; // γ × d
             let mut prev = anchors[bi];
             let mut seen = r.context.to_vec();
             let mut conf = Vec::with_capacity(k);
             for kk in 0..k {
                 let pt = Tensor::from_vec(vec![prev], (1, 1), &Device::Cpu).map_err(err)?;
                 let mk = self.dr.markov(&pt).map_err(err)?;
-                let mut logits = base.get(kk).map_err(err)?;
+                let row = (bi * g + kk) * v;
+                let mut logits = base_all[row..row + v].to_vec();
                 if let Some((bias, _)) = &mk {
-                    logits = (logits + bias.flatten_all().map_err(err)?).map_err(err)?;
+                    let bias: Vec<f32> = bias.flatten_all().map_err(err)?.to_vec1().map_err(err)?;
+                    for (l, b) in logits.iter_mut().zip(&bias) {
+                        *l += b;
+                    }
                 }
-                let logits: Vec<f32> = logits.to_vec1().map_err(err)?;
                 let hk = h
                     .get(kk)
                     .map_err(err)?

@@ -403,6 +403,24 @@ impl Model {
         &self.out_norm
     }
 
+    /// Logits of `m` hidden rows (m × d_model, already normalized) through the LM head, with the
+    /// runtime's kernels and threads: a drafter sharing the frozen head reads its quantized
+    /// weights once per call instead of an f32 copy four times their size.
+    pub fn head_logits(&self, h: &[f32], m: usize) -> Result<Vec<f32>> {
+        let (d, v) = (self.cfg.d_model, self.cfg.vocab_size);
+        if h.len() != m * d {
+            return Err(crate::RuntimeError::Config(format!(
+                "head input has {} values, expected {m} × {d}",
+                h.len()
+            )));
+        }
+        let head = self.head.as_ref().unwrap_or(&self.embed);
+        let mut out = vec![0f32; m * v];
+        self.pool
+            .install(|| head.forward(h, m, &mut out, self.isa))?;
+        Ok(out)
+    }
+
     /// The token embedding, dequantized to f32 (vocab × d_model), e.g. for a drafter that shares it.
     pub fn embedding_f32(&self) -> Result<Vec<f32>> {
         Self::dense_rows(&self.embed, self.cfg.vocab_size, self.cfg.d_model)

@@ -1,0 +1,274 @@
+//! `dspark eval-drafter`: accepted length τ, per-position conditional acceptance, calibration
+//! (ECE of the cumulative confidence against observed prefix survival, before and after STS) and
+//! ROC-AUC of the confidence head, for the DSpark drafter, its parallel-only ablation, n-gram and
+//! (where the target has one) the draft model, in one run on the same prompts.
+
+use crate::config::Global;
+use crate::train::cumulative_ece;
+use clap::Args;
+use drafter::calibrate::{Observed, roc_auc};
+use drafter::{DsparkDrafter, DsparkProposer};
+use specdec::{Event, Proposer, ProposerKind, Request};
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub target: String,
+    /// `dspark` (the shipped default for the target) or a checkpoint directory.
+    #[arg(long, default_value = "dspark")]
+    pub drafter: String,
+    /// chat | code | math | all (each set reported on its own).
+    #[arg(long, default_value = "all")]
+    pub prompts: String,
+    #[arg(long, default_value_t = 7)]
+    pub gamma: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Prompts skipped at the start of each set (the first half is calibration's held-out
+    /// data by default, so evaluation uses the second half).
+    #[arg(long, default_value_t = 16)]
+    pub offset: usize,
+    #[arg(long, default_value_t = 16)]
+    pub limit: usize,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Requests decoded together (acceptance does not depend on it).
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Arms to run (comma list of dspark, parallel, ngram, draft-model); default all that apply.
+    #[arg(long, value_delimiter = ',')]
+    pub arms: Vec<String>,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// What one drafter did on one prompt set.
+pub struct ArmRun {
+    pub totals: specdec::RequestMetrics,
+    pub obs: Vec<Observed>,
+}
+
+/// Runs `proposer` at fixed γ (no gate, no policy) over rendered prompts at `temperature`.
+pub fn run_arm(
+    target: &crate::spec::Loaded,
+    proposer: Box<dyn Proposer>,
+    prompts: &[String],
+    gamma: usize,
+    temperature: f32,
+    max_tokens: usize,
+    batch: usize,
+) -> anyhow::Result<ArmRun> {
+    let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
+    let mut eng = crate::spec::engine(target, proposer, gamma, false, batch.max(1))?;
+    for (i, p) in prompts.iter().enumerate() {
+        let ids = target
+            .tok
+            .encode(&tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?)?;
+        let mut r = Request::new(i as u64, ids, max_tokens);
+        r.params.temperature = temperature;
+        r.seed = 1000 + i as u64;
+        eng.add(r)?;
+    }
+    let mut blocks = Vec::new();
+    while !eng.is_idle() {
+        for ev in eng.step()? {
+            if let Event::Finished { metrics, .. } = ev {
+                blocks.extend(metrics.conf_blocks);
+            }
+        }
+    }
+    let obs = blocks
+        .iter()
+        .map(|(c, acc)| Observed {
+            logits: c
+                .iter()
+                .map(|&v| {
+                    let v = v.clamp(1e-6, 1.0 - 1e-6);
+                    (v / (1.0 - v)).ln()
+                })
+                .collect(),
+            accepted: *acc,
+        })
+        .collect();
+    Ok(ArmRun {
+        totals: eng.totals().clone(),
+        obs,
+    })
+}
+
+/// ROC-AUC of the conditional confidence for "accepted at k | reached k".
+pub fn conditional_auc(obs: &[Observed], temps: &[f32]) -> f64 {
+    let (mut sc, mut lab) = (Vec::new(), Vec::new());
+    for o in obs {
+        for (k, &z) in o.logits.iter().enumerate() {
+            if o.accepted >= k {
+                let t = temps.get(k).copied().unwrap_or(1.0) as f64;
+                sc.push(1.0 / (1.0 + (-(z as f64) / t).exp()));
+                lab.push(o.accepted > k);
+            }
+        }
+    }
+    roc_auc(&sc, &lab)
+}
+
+fn load_dspark(
+    target: &crate::spec::Loaded,
+    dir: &std::path::Path,
+) -> anyhow::Result<DsparkDrafter> {
+    let (e, h) = drafter::model::target_tensors(&target.model)?;
+    Ok(DsparkDrafter::load(
+        dir,
+        target.model.cfg.arch.name(),
+        &target.tok.vocab_hash(),
+        e,
+        h,
+    )?)
+}
+
+pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
+    if a.gamma == 0 || a.gamma > specdec::MAX_GAMMA {
+        anyhow::bail!("--gamma must be in 1..={}", specdec::MAX_GAMMA);
+    }
+    let target = crate::spec::load_target(g, &a.target)?;
+    let dir = match a.drafter.as_str() {
+        "dspark" => drafter::build::default_dspark_for(&target.name).ok_or_else(|| {
+            anyhow::anyhow!(
+                "no shipped DSpark drafter for `{}`; pass --drafter DIR",
+                target.name
+            )
+        })?,
+        d => PathBuf::from(d.strip_prefix("dspark:").unwrap_or(d)),
+    };
+    let probe = load_dspark(&target, &dir)?;
+    if a.gamma > probe.cfg.gamma {
+        anyhow::bail!(
+            "--gamma {} is larger than the drafter was trained for ({})",
+            a.gamma,
+            probe.cfg.gamma
+        );
+    }
+    let sts = probe.cfg.sts.clone();
+    let has_markov = probe.is_markov();
+    drop(probe);
+    let sets: Vec<&str> = match a.prompts.as_str() {
+        "all" => vec!["chat", "code", "math"],
+        s => vec![s],
+    };
+    let draft_model = crate::spec::default_draft_for(&target.name);
+    let mut arms: Vec<&str> = vec!["dspark"];
+    if has_markov {
+        arms.push("parallel");
+    }
+    arms.push("ngram");
+    if draft_model.is_some() {
+        arms.push("draft-model");
+    }
+    if !a.arms.is_empty() {
+        for x in &a.arms {
+            if !arms.contains(&x.as_str()) {
+                anyhow::bail!(
+                    "arm `{x}` does not apply here (available: {})",
+                    arms.join(", ")
+                );
+            }
+        }
+        arms.retain(|x| a.arms.iter().any(|y| y == x));
+    }
+    let mut drafts = crate::spec::DraftCache::default();
+    let mut results = Vec::new();
+    println!(
+        "{:<6} {:<12} {:>5} {:>6} {:>9} {:>9} {:>6}  accept/pos",
+        "set", "drafter", "gamma", "tau", "ece_bef", "ece_aft", "auc"
+    );
+    for set in &sets {
+        let mut prompts = crate::bench::prompt_set(set)?;
+        prompts = prompts.into_iter().skip(a.offset).take(a.limit).collect();
+        if prompts.is_empty() {
+            anyhow::bail!("--offset {} leaves no `{set}` prompts", a.offset);
+        }
+        for arm in &arms {
+            let proposer: Box<dyn Proposer> = match *arm {
+                "dspark" | "parallel" => {
+                    let mut dr = load_dspark(&target, &dir)?;
+                    // Raw confidence logits: STS is applied below, before and after.
+                    dr.cfg.sts = vec![1.0; dr.cfg.gamma];
+                    if *arm == "parallel" {
+                        dr = dr.into_parallel();
+                    }
+                    Box::new(DsparkProposer::new(dr, arm).with_target_head(target.model.clone()))
+                }
+                "ngram" => {
+                    crate::spec::build_proposer(g, &ProposerKind::Ngram, &target, &mut drafts)?
+                }
+                _ => {
+                    let name = draft_model.unwrap_or_default().to_string();
+                    crate::spec::build_proposer(
+                        g,
+                        &ProposerKind::DraftModel(name),
+                        &target,
+                        &mut drafts,
+                    )?
+                }
+            };
+            let r = run_arm(
+                &target,
+                proposer,
+                &prompts,
+                a.gamma,
+                a.temperature,
+                a.max_tokens,
+                a.batch,
+            )?;
+            let tau = r.totals.committed_per_call();
+            let acc = r.totals.accept_per_pos();
+            let (eb, ea, auc) = if r.obs.is_empty() {
+                (None, None, None)
+            } else {
+                let ones = vec![1.0f32; a.gamma];
+                let b = cumulative_ece(&r.obs, &ones);
+                // The parallel-only arm shares the checkpoint's temperatures (fitted for the
+                // Markov drafter); its ECE after STS says how well they transfer.
+                let af = cumulative_ece(&r.obs, &sts[..a.gamma]);
+                let auc = conditional_auc(&r.obs, &sts[..a.gamma]);
+                (Some(b), Some(af), Some(auc))
+            };
+            let mx = |v: &Option<Vec<f64>>| {
+                v.as_ref().map_or("-".to_string(), |v| {
+                    format!("{:.3}", v.iter().cloned().fold(0.0, f64::max))
+                })
+            };
+            println!(
+                "{:<6} {:<12} {:>5} {:>6.2} {:>9} {:>9} {:>6}  {}",
+                set,
+                arm,
+                a.gamma,
+                tau,
+                mx(&eb),
+                mx(&ea),
+                auc.map_or("-".into(), |x| format!("{x:.3}")),
+                acc.iter()
+                    .map(|x| format!("{x:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            );
+            results.push(serde_json::json!({
+                "drafter": arm, "prompts": set, "gamma": a.gamma, "temperature": a.temperature,
+                "tau": tau, "accept_per_pos": acc,
+                "ece_before": eb, "ece_after": ea, "auc": auc,
+                "blocks": r.obs.len(), "completion_tokens": r.totals.completion_tokens,
+                "target_calls": r.totals.target_calls,
+            }));
+        }
+    }
+    if let Some(p) = &a.json {
+        let v = serde_json::json!({
+            "target": target.name, "drafter_dir": dir.display().to_string(),
+            "offset": a.offset, "limit": a.limit, "max_tokens": a.max_tokens,
+            "results": results,
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
+    }
+    Ok(())
+}
