@@ -466,6 +466,15 @@ pub struct ConfidencePolicy {
     /// Steps that used a central / a local budget.
     pub central_steps: std::sync::Arc<std::sync::atomic::AtomicU64>,
     pub local_steps: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Drafting seconds per drafted request (running mean), when drafting shares the target's
+    /// hardware: a step that drafts costs 1/SPS(B) + n·this, one that skips drafting 1/SPS(B).
+    pub draft_s_per_req: f64,
+    /// Whether to count the drafting cost (co-located drafter) in Θ.
+    pub count_draft_cost: bool,
+    /// Consecutive steps planned at K_total = 0 (drafting skipped); every `probe_every`-th
+    /// such step drafts anyway so fresh confidences can lift the budget again.
+    zero_run: usize,
+    pub probe_every: usize,
 }
 
 /// One step's confidences, as reported to the central scheduler.
@@ -503,7 +512,32 @@ impl ConfidencePolicy {
             report: None,
             central_steps: Default::default(),
             local_steps: Default::default(),
+            draft_s_per_req: 0.0,
+            count_draft_cost: true,
+            zero_run: 0,
+            probe_every: 8,
         }
+    }
+
+    /// The central scheduler's budget when it is fresh for the coming step.
+    fn central_budget(&self) -> Option<u32> {
+        let next = self.steps + 1;
+        self.external
+            .as_ref()
+            .and_then(|e| e.lock().ok().map(|b| *b))
+            .filter(|b| b.for_step + 1 >= next && b.for_step <= next + 1)
+            .map(|b| b.k_total)
+    }
+
+    /// Θ = τ / (1/SPS(B) + drafting seconds): tokens per second of a step.
+    fn theta_with_draft(&self, tau: f64, b: u32, drafted: usize) -> f64 {
+        let s = self.sps.sps(b).max(1e-12);
+        let draft = if self.count_draft_cost {
+            self.draft_s_per_req * drafted as f64
+        } else {
+            0.0
+        };
+        tau / (1.0 / s + draft)
     }
 
     pub fn steps(&self) -> u64 {
@@ -539,7 +573,17 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 "confidences outside (0, 1) or NaN clamped"
             );
         }
-        let now: u32 = d.k.iter().sum();
+        let mut now: u32 = d.k.iter().sum();
+        if now > 0 && self.lag > 0 && self.count_draft_cost && self.draft_s_per_req > 0.0 {
+            // Skipping drafting saves its cost: keep speculation only if it still pays.
+            let n = conf.len();
+            let b0 = n as u32 + step.other_tokens;
+            let spec = self.theta_with_draft(d.expected_tokens, d.batch_tokens, n);
+            let plain = self.theta_with_draft(n as f64, b0, 0);
+            if plain >= spec {
+                now = 0;
+            }
+        }
         if let Some(tx) = &self.report {
             let _ = tx.try_send(ConfReport {
                 step: self.steps,
@@ -581,12 +625,77 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
         k.into_iter().map(|x| x as usize).collect()
     }
+
+    fn planned(&mut self) -> Option<usize> {
+        if self.lag == 0 {
+            return None;
+        }
+        let b = self
+            .central_budget()
+            .or_else(|| (self.budgets.len() >= self.lag).then(|| self.budgets[0]))?;
+        if b > 0 {
+            self.zero_run = 0;
+            return Some(b as usize);
+        }
+        self.zero_run += 1;
+        if self.zero_run % self.probe_every.max(1) == 0 {
+            None
+        } else {
+            Some(0)
+        }
+    }
+
+    fn observe_draft(&mut self, secs: f64, n: usize) {
+        if n == 0 || !secs.is_finite() {
+            return;
+        }
+        let per = secs / n as f64;
+        self.draft_s_per_req = if self.draft_s_per_req == 0.0 {
+            per
+        } else {
+            0.8 * self.draft_s_per_req + 0.2 * per
+        };
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use kernels::rng::Rng;
+
+    #[test]
+    fn a_budget_known_ahead_skips_drafting_and_draft_cost_can_turn_speculation_off() {
+        use specdec::VerifyPolicy;
+        // Flat SPS up to 64 tokens: verification is free, so confident drafts are worth it.
+        let sps = SpsTable::new(vec![(64, 100.0), (256, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        let rows = [[0.9f32; 4]; 4];
+        let conf: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+        assert_eq!(p.planned(), None, "nothing decided yet");
+        p.select(&conf, 0, 1 << 20);
+        p.select(&conf, 0, 1 << 20);
+        assert_eq!(
+            p.planned(),
+            Some(16),
+            "decided two steps ago: every position"
+        );
+        // Drafting that costs 10 s per request never pays: the budget falls to 0 two steps later.
+        p.observe_draft(40.0, 4);
+        p.select(&conf, 0, 1 << 20);
+        p.select(&conf, 0, 1 << 20);
+        p.select(&conf, 0, 1 << 20);
+        let plans: Vec<Option<usize>> = (0..8).map(|_| p.planned()).collect();
+        assert_eq!(plans[..7], [Some(0); 7]);
+        assert_eq!(
+            plans[7], None,
+            "every 8th zero-budget step drafts to refresh confidences"
+        );
+        // Without the cost counted (a remote drafter that overlaps), the budget is spent again.
+        p.count_draft_cost = false;
+        p.select(&conf, 0, 1 << 20);
+        p.select(&conf, 0, 1 << 20);
+        assert_eq!(p.planned(), Some(16));
+    }
 
     fn staircase(rng: &mut Rng, max_b: u32) -> SpsTable {
         let mut pts = Vec::new();

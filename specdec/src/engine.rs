@@ -146,6 +146,14 @@ pub trait VerifyPolicy: Send {
     /// in this step's batch besides the pending tokens and drafts (prefill chunks);
     /// `kv_headroom`: free KV slots. Returns K_i ≤ `conf[i].len()` per request.
     fn select(&mut self, conf: &[&[f32]], other_tokens: usize, kv_headroom: usize) -> Vec<usize>;
+    /// The verification budget K_total of the coming step when it is already known (decided
+    /// from confidences of earlier steps). `Some(0)` lets the engine skip drafting altogether.
+    fn planned(&mut self) -> Option<usize> {
+        None
+    }
+    /// Seconds the proposer took to draft this step for `n` requests (the engine waits for it,
+    /// so it is part of the step's cost when drafting shares the target's hardware).
+    fn observe_draft(&mut self, _secs: f64, _n: usize) {}
 }
 
 /// Relative forward cost T(n)/T(1) for n tokens, measured at start.
@@ -601,6 +609,14 @@ impl Engine {
             chunks[i] = Some((s.prefilled, n));
             budget -= n;
         }
+        // 1b. A budget of zero known in advance (two-step lag): plain decoding, no drafting.
+        if let Some(policy) = self.policy.as_mut() {
+            if ks.iter().any(|k| k.is_some_and(|k| k > 0)) && policy.planned() == Some(0) {
+                for k in ks.iter_mut().flatten() {
+                    *k = 0;
+                }
+            }
+        }
         // 2. Draft.
         let t_draft = Instant::now();
         let drafting: Vec<usize> = (0..self.running.len())
@@ -652,6 +668,9 @@ impl Engine {
         }
         // 2b. The scheduler trims the blocks (confidences only).
         if let Some(policy) = self.policy.as_mut() {
+            if !drafting.is_empty() {
+                policy.observe_draft(t_draft.elapsed().as_secs_f64(), drafting.len());
+            }
             let confs: Vec<Vec<f32>> = drafting
                 .iter()
                 .map(|&i| match &drafts[i].confidence {

@@ -523,3 +523,65 @@ fn pipelined_ping_pong_keeps_greedy_parity_and_uses_prefetched_drafts() {
         "a micro-batch's drafts were prefetched while the other verified"
     );
 }
+
+/// A policy that plans zero-budget steps ahead except every third step, and counts the drafted
+/// rows it is shown.
+struct PlansZero {
+    steps: usize,
+    shown: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl specdec::VerifyPolicy for PlansZero {
+    fn name(&self) -> &str {
+        "plans-zero"
+    }
+    fn select(&mut self, conf: &[&[f32]], _other: usize, _kv: usize) -> Vec<usize> {
+        self.shown
+            .fetch_add(conf.len(), std::sync::atomic::Ordering::Relaxed);
+        conf.iter().map(|c| c.len()).collect()
+    }
+    fn planned(&mut self) -> Option<usize> {
+        self.steps += 1;
+        (self.steps % 3 != 0).then_some(0)
+    }
+}
+
+#[test]
+fn a_zero_budget_planned_ahead_skips_drafting_and_keeps_greedy_parity() {
+    let f = fixture();
+    let ps = prompts(&f, 6);
+    let run = |policy: Option<PlansZero>| {
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            proposer_clone(&f, "draft-model"),
+            cfg(3),
+            CostModel::flat(4),
+        )
+        .unwrap();
+        e.set_policy(policy.map(|p| Box::new(p) as Box<dyn specdec::VerifyPolicy>));
+        for (i, p) in ps.iter().enumerate() {
+            e.add(Request::new(i as u64, p.clone(), 20)).unwrap();
+        }
+        let out = collect(e.run_to_completion().unwrap());
+        (out, e.totals().clone())
+    };
+    let (plain, _) = run(None);
+    let shown = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (with, totals) = run(Some(PlansZero {
+        steps: 0,
+        shown: shown.clone(),
+    }));
+    for (id, (toks, _, _)) in &plain {
+        assert_eq!(&with[id].0, toks, "request {id}");
+    }
+    // Only every third decode step drafted: far fewer verification calls than decode calls.
+    assert!(totals.spec_calls > 0, "the unplanned steps drafted");
+    assert!(
+        totals.spec_calls * 2 < totals.target_calls,
+        "{} of {} calls drafted",
+        totals.spec_calls,
+        totals.target_calls
+    );
+    assert!(shown.load(std::sync::atomic::Ordering::Relaxed) > 0);
+}
