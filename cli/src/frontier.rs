@@ -148,10 +148,16 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
             );
         }
     }
+    let checks = criteria(&points);
+    println!(
+        "scheduler ≥ none at every concurrency: {}; scheduler above every fixed γ at equal per-user tok/s: {}",
+        checks["never_below_none"], checks["above_every_fixed_gamma"]
+    );
     let v = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "target": a.target, "drafter": kind.label(), "prompts": a.prompts, "max_tokens": a.max_tokens,
         "threads": target.model.threads(), "sps_table": sps.points, "points": points,
+        "checks": checks,
     });
     if let Some(p) = &a.json {
         if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -195,4 +201,109 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         eprintln!("wrote {}", p.display());
     }
     Ok(())
+}
+
+/// Total tokens/s of a curve at per-user tokens/s `u`, by linear interpolation between its
+/// measured points (`None` outside their range).
+fn interpolate(curve: &[(f64, f64)], u: f64) -> Option<f64> {
+    let mut c = curve.to_vec();
+    c.sort_by(|a, b| a.0.total_cmp(&b.0));
+    c.windows(2).find_map(|w| {
+        let ((u0, t0), (u1, t1)) = (w[0], w[1]);
+        (u0 <= u && u <= u1).then(|| {
+            if u1 > u0 {
+                t0 + (t1 - t0) * (u - u0) / (u1 - u0)
+            } else {
+                t0.max(t1)
+            }
+        })
+    })
+}
+
+/// The two frontier criteria, from the measured points: the scheduler arm is never below
+/// no speculation at the same concurrency, and at equal per-user tokens/s (each fixed-γ curve
+/// interpolated at the scheduler's points, where it reaches them) it gives more total tokens/s.
+pub fn criteria(points: &[serde_json::Value]) -> serde_json::Value {
+    let arm = |name: &str| -> Vec<(usize, f64, f64)> {
+        points
+            .iter()
+            .filter(|p| p["arm"] == name)
+            .map(|p| {
+                (
+                    p["concurrency"].as_u64().unwrap_or(0) as usize,
+                    p["user_tok_s"].as_f64().unwrap_or(0.0),
+                    p["tok_s"].as_f64().unwrap_or(0.0),
+                )
+            })
+            .collect()
+    };
+    let sched = arm("scheduler");
+    let none = arm("none");
+    let mut below_none = Vec::new();
+    for &(c, _, t) in &sched {
+        if let Some(&(_, _, tn)) = none.iter().find(|x| x.0 == c) {
+            if t < tn {
+                below_none.push(json!({"concurrency": c, "scheduler": t, "none": tn}));
+            }
+        }
+    }
+    let mut fixed_names: Vec<String> = points
+        .iter()
+        .filter_map(|p| p["arm"].as_str())
+        .filter(|n| n.starts_with("fixed-"))
+        .map(|n| n.to_string())
+        .collect();
+    fixed_names.dedup();
+    let mut below_fixed = Vec::new();
+    let mut compared = 0;
+    for f in &fixed_names {
+        let curve: Vec<(f64, f64)> = arm(f).iter().map(|x| (x.1, x.2)).collect();
+        for &(c, u, t) in &sched {
+            if let Some(tf) = interpolate(&curve, u) {
+                compared += 1;
+                if t <= tf {
+                    below_fixed.push(json!({"arm": f, "concurrency": c, "user_tok_s": u, "scheduler": t, "fixed": tf}));
+                }
+            }
+        }
+    }
+    json!({
+        "never_below_none": below_none.is_empty() && !sched.is_empty(),
+        "below_none": below_none,
+        "above_every_fixed_gamma": below_fixed.is_empty() && compared > 0,
+        "comparisons_with_fixed": compared,
+        "below_fixed": below_fixed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pt(arm: &str, c: usize, u: f64, t: f64) -> serde_json::Value {
+        json!({"arm": arm, "concurrency": c, "user_tok_s": u, "tok_s": t})
+    }
+
+    #[test]
+    fn criteria_compare_at_equal_concurrency_and_equal_interactivity() {
+        let mut pts = vec![
+            pt("none", 1, 100.0, 100.0),
+            pt("none", 8, 20.0, 160.0),
+            pt("fixed-3", 1, 120.0, 120.0),
+            pt("fixed-3", 8, 15.0, 120.0),
+            pt("scheduler", 1, 125.0, 125.0),
+            pt("scheduler", 8, 21.0, 168.0),
+        ];
+        let c = criteria(&pts);
+        assert_eq!(c["never_below_none"], true);
+        assert_eq!(c["above_every_fixed_gamma"], true);
+        // fixed-3 interpolated at 21 user tok/s: 120 + 0 … the scheduler's 168 beats it; now make
+        // the scheduler's high-concurrency point worse than both.
+        pts[5] = pt("scheduler", 8, 21.0, 100.0);
+        let c = criteria(&pts);
+        assert_eq!(c["never_below_none"], false);
+        assert_eq!(c["above_every_fixed_gamma"], false);
+        assert!(interpolate(&[(10.0, 100.0), (20.0, 200.0)], 15.0) == Some(150.0));
+        assert!(interpolate(&[(10.0, 100.0), (20.0, 200.0)], 25.0).is_none());
+    }
 }

@@ -44,6 +44,10 @@ pub struct TrainArgs {
     /// Steps drawn from each target forward over a chunk (fresh anchors each step).
     #[arg(long, default_value_t = 4)]
     pub reuse: usize,
+    /// Weight of the distillation term H(p_t, p_d) added to the CE/TV/confidence objective
+    /// (0 = the objective alone).
+    #[arg(long, default_value_t = 1.0)]
+    pub alpha_kl: f64,
     /// Weight of the auxiliary parallel-only loss (the ablation sharing the backbone); 0 = off.
     #[arg(long, default_value_t = 0.5)]
     pub parallel_weight: f64,
@@ -160,6 +164,7 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
         seed: a.seed,
         reuse: a.reuse,
         parallel_weight: a.parallel_weight,
+        alpha_kl: a.alpha_kl,
         ..Default::default()
     };
     let t0 = std::time::Instant::now();
@@ -171,12 +176,13 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
         ema = Some(e);
         if s.step % 10 == 0 || s.step + 1 == tc.steps {
             eprintln!(
-                "step {:>6}/{}  loss {:.4} (ema {:.4})  ce {:.3}  tv {:.3} (parallel {:.3})  conf {:.3}  lr {:.2e}  {:.0} blocks·pos/s  {:.0}s",
+                "step {:>6}/{}  loss {:.4} (ema {:.4})  ce {:.3}  H(pt,pd) {:.3}  tv {:.3} (parallel {:.3})  conf {:.3}  lr {:.2e}  {:.0} blocks·pos/s  {:.0}s",
                 s.step + 1,
                 tc.steps,
                 s.loss,
                 e,
                 s.ce,
+                s.soft_ce,
                 s.tv,
                 s.tv_parallel,
                 s.conf,

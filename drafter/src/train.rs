@@ -24,6 +24,10 @@ pub struct TrainConfig {
     pub alpha_ce: f64,
     pub alpha_tv: f64,
     pub alpha_conf: f64,
+    /// Weight of a distillation term H(p_t, p_d) (gradient p_d − p_t). TV's gradient is
+    /// p_d-weighted, so it barely moves tokens the drafter does not yet predict; this dense term
+    /// makes a CPU-sized training budget go much further. 0 = the objective above alone.
+    pub alpha_kl: f64,
     /// Steps drawn from each teacher forward (fresh anchors each time): the target forward
     /// costs about as much as a drafter step, so a chunk serves several.
     pub reuse: usize,
@@ -44,6 +48,7 @@ impl Default for TrainConfig {
             alpha_ce: 0.1,
             alpha_tv: 0.9,
             alpha_conf: 1.0,
+            alpha_kl: 1.0,
             reuse: 4,
             parallel_weight: 0.5,
         }
@@ -59,6 +64,7 @@ pub struct StepStats {
     pub tv: f64,
     pub conf: f64,
     pub tv_parallel: f64,
+    pub soft_ce: f64,
     pub lr: f64,
     /// Supervised block positions per second.
     pub tok_s: f64,
@@ -159,7 +165,7 @@ fn row_grad(
     w: f32,
     tc: &TrainConfig,
     g: &mut [f32],
-) -> (f64, f64) {
+) -> (f64, f64, f64) {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut z = 0f64;
     for (gi, &l) in g.iter_mut().zip(logits) {
@@ -168,38 +174,41 @@ fn row_grad(
         z += e as f64;
     }
     let inv = (1.0 / z) as f32;
-    let (mut tv, mut dot) = (0f64, 0f64);
-    for (gi, &q) in g.iter_mut().zip(pt) {
+    let sign = |d: f32| {
+        if d > 0.0 {
+            0.5
+        } else if d < 0.0 {
+            -0.5
+        } else {
+            0.0
+        }
+    };
+    let (mut tv, mut dot, mut soft) = (0f64, 0f64, 0f64);
+    for ((gi, &q), &l) in g.iter_mut().zip(pt).zip(logits) {
         let p = *gi * inv;
         *gi = p;
         let d = p - q;
         tv += d.abs() as f64;
-        let s = if d > 0.0 {
-            0.5
-        } else if d < 0.0 {
-            -0.5
-        } else {
-            0.0
-        };
-        dot += (p * s) as f64;
+        dot += (p * sign(d)) as f64;
+        soft += (q * (l - m)) as f64;
     }
     let tv = 0.5 * tv;
+    // H(p_t, p_d) = −Σ p_t log p_d = log z − Σ p_t (l − m) (p_t sums to 1).
+    let soft_ce = z.ln() - soft;
     let ce = -((g[y].max(1e-30)) as f64).ln();
-    let (a_ce, a_tv, dot) = (tc.alpha_ce as f32, tc.alpha_tv as f32, dot as f32);
+    let (a_ce, a_tv, a_kl, dot) = (
+        tc.alpha_ce as f32,
+        tc.alpha_tv as f32,
+        tc.alpha_kl as f32,
+        dot as f32,
+    );
     for (gi, &q) in g.iter_mut().zip(pt) {
         let p = *gi;
         let d = p - q;
-        let s = if d > 0.0 {
-            0.5
-        } else if d < 0.0 {
-            -0.5
-        } else {
-            0.0
-        };
-        *gi = w * (a_ce * p + a_tv * p * (s - dot));
+        *gi = w * (a_ce * p + a_tv * p * (sign(d) - dot) + a_kl * d);
     }
     g[y] -= w * a_ce;
-    (ce, tv)
+    (ce, tv, soft_ce)
 }
 
 /// Loss terms of a step, averaged over block positions.
@@ -212,6 +221,8 @@ pub struct LossParts {
     pub conf: f64,
     /// TV of the parallel-only logits (the ablation trained beside the Markov drafter).
     pub tv_parallel: f64,
+    /// Cross-entropy against the target's distribution, H(p_t, p_d).
+    pub soft_ce: f64,
 }
 
 /// The step's surrogate: a scalar whose gradient w.r.t. every trainable variable equals the
@@ -241,7 +252,7 @@ pub fn surrogate(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Result<(Te
     let rows = b * g;
     let mut gm = vec![0f32; rows * v];
     let mut gb = vec![0f32; if base_v.is_some() { rows * v } else { 0 }];
-    let mut stats = vec![(0f64, 0f64, 0f64); rows];
+    let mut stats = vec![(0f64, 0f64, 0f64, 0f64); rows];
     // Rows are independent: two halves on two threads.
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
@@ -267,7 +278,7 @@ pub fn surrogate(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Result<(Te
                     let r = r0 + i;
                     let w = wk[r % g] / norm;
                     let y = ys[r] as usize;
-                    let (ce, tv) = row_grad(
+                    let (ce, tv, kl) = row_grad(
                         &logits[r * v..(r + 1) * v],
                         &pt[r * v..(r + 1) * v],
                         y,
@@ -288,7 +299,7 @@ pub fn surrogate(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Result<(Te
                         )
                         .1;
                     }
-                    st_c[i] = (ce, tv, tvp);
+                    st_c[i] = (ce, tv, tvp, kl);
                 }
             });
             r0 += n;
@@ -334,12 +345,16 @@ pub fn surrogate(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Result<(Te
     let mut parts = LossParts::default();
     for (r, s) in stats.iter().enumerate() {
         let w = (wk[r % g] / norm) as f64;
-        parts.total +=
-            w * (tc.alpha_ce * s.0 + tc.alpha_tv * s.1 + tc.alpha_conf * confs[r] as f64);
+        parts.total += w
+            * (tc.alpha_ce * s.0
+                + tc.alpha_tv * s.1
+                + tc.alpha_kl * s.3
+                + tc.alpha_conf * confs[r] as f64);
         parts.ce += s.0 / rows as f64;
         parts.tv += s.1 / rows as f64;
         parts.conf += confs[r] as f64 / rows as f64;
         parts.tv_parallel += s.2 / rows as f64;
+        parts.soft_ce += s.3 / rows as f64;
     }
     Ok((sur, parts))
 }
@@ -414,6 +429,7 @@ pub fn train(
             tv: parts.tv,
             conf: parts.conf,
             tv_parallel: parts.tv_parallel,
+            soft_ce: parts.soft_ce,
             lr,
             tok_s: (tc.batch * g) as f64 / dt,
         })?;
@@ -455,22 +471,28 @@ mod tests {
                 .unwrap()
                 * 0.5)
                 .unwrap();
-            (ce, tv)
+            let soft = (logp.neg().unwrap() * &bt.p_t)
+                .unwrap()
+                .sum(D::Minus1)
+                .unwrap();
+            (ce, tv, soft)
         };
         let bce = |z: &Tensor, tv: &Tensor| {
             let cstar = (1.0 - tv.detach()).unwrap();
             ((z.exp().unwrap() + 1.0).unwrap().log().unwrap() - (cstar * z).unwrap()).unwrap()
         };
-        let (ce_m, tv_m) = terms(&(&base + &bias).unwrap());
-        let (ce_b, tv_b) = terms(&base);
+        let (ce_m, tv_m, kl_m) = terms(&(&base + &bias).unwrap());
+        let (ce_b, tv_b, kl_b) = terms(&base);
         let z = dr.conf_logits(&h, Some(&e)).unwrap();
         let zp = dr.conf_par_logits(&h).unwrap().unwrap();
         let per = ((ce_m * tc.alpha_ce).unwrap()
             + (tv_m.clone() * tc.alpha_tv).unwrap()
+            + (kl_m * tc.alpha_kl).unwrap()
             + (bce(&z, &tv_m) * tc.alpha_conf).unwrap())
         .unwrap();
         let par = ((ce_b * tc.alpha_ce).unwrap()
             + (tv_b.clone() * tc.alpha_tv).unwrap()
+            + (kl_b * tc.alpha_kl).unwrap()
             + (bce(&zp, &tv_b) * tc.alpha_conf).unwrap())
         .unwrap();
         let all = (per + (par * tc.parallel_weight).unwrap()).unwrap();

@@ -471,9 +471,12 @@ pub struct ConfidencePolicy {
     pub draft_s_per_req: f64,
     /// Whether to count the drafting cost (co-located drafter) in Θ.
     pub count_draft_cost: bool,
-    /// Consecutive steps planned at K_total = 0 (drafting skipped); every `probe_every`-th
-    /// such step drafts anyway so fresh confidences can lift the budget again.
+    /// Consecutive steps planned at K_total = 0 (drafting skipped). After `probe_every` such
+    /// steps one drafts anyway so fresh confidences can lift the budget again; each probe that
+    /// leaves the budget at 0 doubles the wait (up to 64 steps), so a saturated engine pays
+    /// almost nothing for probing.
     zero_run: usize,
+    next_probe: usize,
     pub probe_every: usize,
 }
 
@@ -515,6 +518,7 @@ impl ConfidencePolicy {
             draft_s_per_req: 0.0,
             count_draft_cost: true,
             zero_run: 0,
+            next_probe: 8,
             probe_every: 8,
         }
     }
@@ -635,10 +639,13 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             .or_else(|| (self.budgets.len() >= self.lag).then(|| self.budgets[0]))?;
         if b > 0 {
             self.zero_run = 0;
+            self.next_probe = self.probe_every.max(1);
             return Some(b as usize);
         }
         self.zero_run += 1;
-        if self.zero_run % self.probe_every.max(1) == 0 {
+        if self.zero_run >= self.next_probe {
+            self.zero_run = 0;
+            self.next_probe = (self.next_probe * 2).min(64).max(1);
             None
         } else {
             Some(0)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Rebuilds the shipped DSpark drafter for smollm2-135m (drafters/smollm2-135m) from scratch on
+# CPU, then calibrates and evaluates it. Steps and timings of the shipped run are in
+# drafters/smollm2-135m/train_state.json and README "DSpark drafter".
+# Usage: scripts/train-drafter.sh [OUT_DIR] [STEPS]
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${1:-$root/drafters/smollm2-135m}"
+steps="${2:-8000}"
+cd "$root"
+cargo build --release -p dspark
+bin="$root/target/release/dspark"
+mapfile -t data < <(scripts/drafter-data.sh "$bin" smollm2-135m)
+"$bin" train-drafter --target smollm2-135m --data "${data[@]}" --out "$out" --steps "$steps" \
+  --gamma 7 --rank 64 --layers 1 --max-bytes 1600000 --save-every 250
+# STS temperatures on held-out prompts (first half of each prompt set); evaluation on the
+# second half.
+"$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \
+  --json bench/results/calibrate-dspark-smollm2.json
+"$bin" eval-drafter --target smollm2-135m --drafter "$out" --prompts all --gamma 7 --temperature 1.0 \
+  --json bench/results/eval-dspark-smollm2.json
