@@ -91,8 +91,10 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         "arm", "conc", "tok/s", "user tok/s", "per_call"
     );
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
-    for (name, k, gm, sched) in &arms {
-        for &c in &a.concurrency {
+    // Concurrency outside, arms inside: every arm of a concurrency is measured back to back, so
+    // a slow spell of the machine does not land on one arm only.
+    for &c in &a.concurrency {
+        for (name, k, gm, sched) in &arms {
             let proposer = crate::spec::build_proposer(g, k, &target, &mut drafts)?;
             let mut e = crate::spec::engine(&target, proposer, (*gm).max(1), false, max_c)?;
             if *sched {
