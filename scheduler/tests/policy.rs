@@ -134,26 +134,7 @@ fn second_tokens(
 }
 
 fn tv(a: &HashMap<u32, u64>, b: &HashMap<u32, u64>) -> (f64, f64) {
-    let keys: std::collections::HashSet<u32> = a.keys().chain(b.keys()).copied().collect();
-    let (na, nb) = (
-        a.values().sum::<u64>() as f64,
-        b.values().sum::<u64>() as f64,
-    );
-    let d = 0.5
-        * keys
-            .iter()
-            .map(|k| {
-                (*a.get(k).unwrap_or(&0) as f64 / na - *b.get(k).unwrap_or(&0) as f64 / nb).abs()
-            })
-            .sum::<f64>();
-    // Two independent empirical distributions over m cells from n draws each: E[TV] ≤ ½√(m/n)
-    // each; with McDiarmid at 99.9 %, TV < √(m/n) + 2√(ln 1000 / 2n).
-    let m = keys.len() as f64;
-    let n = na.min(nb);
-    (
-        d,
-        (m / n).sqrt() + 2.0 * ((1000f64).ln() / (2.0 * n)).sqrt(),
-    )
+    specdec::stats::tv_with_bound(a, b)
 }
 
 /// The same histogram folded to the token's parity (two cells: the peeking drafter's bias lives

@@ -159,12 +159,7 @@ fn sampled_distribution_matches_with_speculation_on_the_real_model() {
         }
         let out = outputs(e.run_to_completion().unwrap());
         accepted += e.totals().accepted_tokens;
-        let mut h: [HashMap<u32, u64>; 2] = [HashMap::new(), HashMap::new()];
-        for toks in out.values() {
-            for (j, tk) in toks.iter().take(2).enumerate() {
-                *h[j].entry(*tk).or_default() += 1;
-            }
-        }
+        let h = specdec::stats::position_histograms(out.values(), 2);
         hists.push(h);
         e.check_kv().unwrap();
     }
@@ -173,27 +168,7 @@ fn sampled_distribution_matches_with_speculation_on_the_real_model() {
         "no draft was accepted: the test would not exercise acceptance"
     );
     for j in 0..2 {
-        let (a, b) = (&hists[0][j], &hists[1][j]);
-        let keys: std::collections::HashSet<u32> = a.keys().chain(b.keys()).copied().collect();
-        let (na, nb) = (
-            a.values().sum::<u64>() as f64,
-            b.values().sum::<u64>() as f64,
-        );
-        let tv: f64 = 0.5
-            * keys
-                .iter()
-                .map(|k| {
-                    (*a.get(k).unwrap_or(&0) as f64 / na - *b.get(k).unwrap_or(&0) as f64 / nb)
-                        .abs()
-                })
-                .sum::<f64>();
-        let bound = (keys.len() as f64 / n as f64).sqrt()
-            + 2.0 * ((1000f64).ln() / (2.0 * n as f64)).sqrt();
-        assert!(
-            tv < bound,
-            "token {}: TV {tv} ≥ {bound} ({} cells)",
-            j + 1,
-            keys.len()
-        );
+        let (tv, bound) = specdec::stats::tv_with_bound(&hists[0][j], &hists[1][j]);
+        assert!(tv < bound, "token {}: TV {tv} ≥ {bound}", j + 1);
     }
 }
