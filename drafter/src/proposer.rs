@@ -164,6 +164,10 @@ impl Proposer for DsparkProposer {
         Ok(out)
     }
 
+    fn max_gamma(&self) -> Option<usize> {
+        Some(self.dr.cfg.gamma)
+    }
+
     fn finish(&mut self, id: u64) {
         self.feats.remove(&id);
     }

@@ -81,3 +81,57 @@ fn dspark_greedy_parity_on_a_tiny_target() {
     assert!(drafted > 0, "the drafter was never asked");
     eng.check_kv().unwrap();
 }
+
+#[test]
+fn gamma_larger_than_trained_is_refused() {
+    let p = tiny_model_path(&TinySpec::llama(31), "dspark-engine").unwrap();
+    let m = Arc::new(
+        Model::load(
+            &p,
+            &LoadOptions {
+                threads: 1,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let tok = Arc::new(Tokenizer::load(&p).unwrap());
+    let (e, h) = target_tensors(&m).unwrap();
+    let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
+    cfg.feature_layers = vec![0, 1];
+    cfg.context = 8;
+    let make = || {
+        Box::new(DsparkProposer::new(
+            DsparkDrafter::new(cfg.clone(), e.clone(), h.clone(), 9).unwrap(),
+            "dspark:test",
+        ))
+    };
+    let ecfg = |gamma| EngineConfig {
+        gamma,
+        gate: false,
+        kv_tokens: 4096,
+        ..Default::default()
+    };
+    let err = Engine::with_cost(
+        m.clone(),
+        Some(tok.clone()),
+        make(),
+        ecfg(6),
+        CostModel::flat(7),
+    )
+    .err()
+    .expect("γ 6 > trained 4 refused");
+    assert!(err.to_string().contains("at most 4"), "{err}");
+    let mut eng = Engine::with_cost(
+        m.clone(),
+        Some(tok.clone()),
+        make(),
+        ecfg(4),
+        CostModel::flat(5),
+    )
+    .unwrap();
+    let mut r = Request::new(0, tok.encode("the theater").unwrap(), 4);
+    r.gamma = Some(5);
+    let err = eng.add(r).err().expect("per-request γ 5 > 4 refused");
+    assert!(err.to_string().contains("0..=4"), "{err}");
+}

@@ -364,6 +364,15 @@ impl Engine {
         cost: CostModel,
     ) -> Result<Self> {
         cfg.validate()?;
+        if let Some(max) = proposer.max_gamma() {
+            if cfg.gamma > max {
+                return Err(SpecError::Incompatible(format!(
+                    "drafter `{}` was trained for blocks of at most {max} tokens, gamma {} asked",
+                    proposer.name(),
+                    cfg.gamma
+                )));
+            }
+        }
         let cache = model.new_cache(cfg.kv_tokens, cfg.block_size)?;
         Ok(Self {
             model,
@@ -424,9 +433,15 @@ impl Engine {
         }
         req.params.validate()?;
         if let Some(g) = req.gamma {
-            if g > MAX_GAMMA {
+            let max = self
+                .proposer
+                .max_gamma()
+                .unwrap_or(MAX_GAMMA)
+                .min(MAX_GAMMA);
+            if g > max {
                 return Err(SpecError::Invalid(format!(
-                    "gamma {g} out of range 0..={MAX_GAMMA}"
+                    "gamma {g} out of range 0..={max} for drafter `{}`",
+                    self.proposer.name()
                 )));
             }
         }

@@ -82,6 +82,10 @@ pub trait Proposer: Send {
     fn observe(&mut self, _id: u64, _start: usize, _rows: &[f32]) -> Result<()> {
         Ok(())
     }
+    /// Longest block this proposer can draft (a trained drafter's γ); `None`: any length.
+    fn max_gamma(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Which proposer to build.
