@@ -114,52 +114,63 @@ impl Proposer for DsparkProposer {
         let at = Tensor::from_vec(anchors.clone(), b, &Device::Cpu).map_err(err)?;
         let (base_all, h_all) = self.block(&ft, &at)?;
         let v = self.dr.cfg.vocab;
-        for (bi, &i) in active.iter().enumerate() {
-            let r = &mut reqs[i];
-            let k = r.k.min(g);
-            let h = h_all.get(bi).map_err(err)?; // γ × d
-            let mut prev = anchors[bi];
-            let mut seen = r.context.to_vec();
-            let mut conf = Vec::with_capacity(k);
-            for kk in 0..k {
-                let pt = Tensor::from_vec(vec![prev], (1, 1), &Device::Cpu).map_err(err)?;
-                let mk = self.dr.markov(&pt).map_err(err)?;
+        let d = self.dr.cfg.d_model;
+        // Positions outside, requests inside: the Markov bias of every request's previous token
+        // at position k is one (B × r)·(r × V) product, reading W2 once per position instead of
+        // once per request and position.
+        let ks: Vec<usize> = active.iter().map(|&i| reqs[i].k.min(g)).collect();
+        let kmax = ks.iter().copied().max().unwrap_or(0);
+        let mut prev = anchors;
+        let mut seen: Vec<Vec<u32>> = active.iter().map(|&i| reqs[i].context.to_vec()).collect();
+        let mut conf: Vec<Vec<f32>> = ks.iter().map(|&k| Vec::with_capacity(k)).collect();
+        for kk in 0..kmax {
+            let pt = Tensor::from_vec(prev.clone(), (b, 1), &Device::Cpu).map_err(err)?;
+            let mk = self.dr.markov(&pt).map_err(err)?;
+            let bias: Option<Vec<f32>> = match &mk {
+                Some((bias, _)) => Some(bias.flatten_all().map_err(err)?.to_vec1().map_err(err)?),
+                None => None,
+            };
+            let hk = h_all
+                .narrow(1, kk, 1)
+                .map_err(err)?
+                .reshape((b, 1, d))
+                .map_err(err)?;
+            let z: Vec<f32> = self
+                .dr
+                .conf_logits(&hk, mk.as_ref().map(|m| &m.1))
+                .map_err(err)?
+                .flatten_all()
+                .map_err(err)?
+                .to_vec1()
+                .map_err(err)?;
+            let t = self.dr.cfg.sts.get(kk).copied().unwrap_or(1.0).max(1e-3);
+            for (bi, &i) in active.iter().enumerate() {
+                if kk >= ks[bi] {
+                    continue;
+                }
+                let r = &mut reqs[i];
                 let row = (bi * g + kk) * v;
                 let mut logits = base_all[row..row + v].to_vec();
-                if let Some((bias, _)) = &mk {
-                    let bias: Vec<f32> = bias.flatten_all().map_err(err)?.to_vec1().map_err(err)?;
-                    for (l, b) in logits.iter_mut().zip(&bias) {
-                        *l += b;
+                if let Some(bias) = &bias {
+                    for (l, x) in logits.iter_mut().zip(&bias[bi * v..(bi + 1) * v]) {
+                        *l += x;
                     }
                 }
-                let hk = h
-                    .get(kk)
-                    .map_err(err)?
-                    .reshape((1, 1, self.dr.cfg.d_model))
-                    .map_err(err)?;
-                let z: f32 = self
-                    .dr
-                    .conf_logits(&hk, mk.as_ref().map(|m| &m.1))
-                    .map_err(err)?
-                    .flatten_all()
-                    .map_err(err)?
-                    .to_vec1::<f32>()
-                    .map_err(err)?[0];
-                let t = self.dr.cfg.sts.get(kk).copied().unwrap_or(1.0).max(1e-3);
-                conf.push(1.0 / (1.0 + (-z / t).exp()));
+                conf[bi].push(1.0 / (1.0 + (-z[bi] / t).exp()));
+                let p = probs(&logits, &seen[bi], r.params);
                 let (tok, dist) = if r.params.is_greedy() {
-                    let p = probs(&logits, &seen, r.params);
                     (argmax(&p), Dist::OneHot)
                 } else {
-                    let p = probs(&logits, &seen, r.params);
                     (sample(&p, r.rng), Dist::Dense(p))
                 };
                 out[i].tokens.push(tok);
                 out[i].dists.push(dist);
-                seen.push(tok);
-                prev = tok;
+                seen[bi].push(tok);
+                prev[bi] = tok;
             }
-            out[i].confidence = Some(conf);
+        }
+        for (bi, &i) in active.iter().enumerate() {
+            out[i].confidence = Some(std::mem::take(&mut conf[bi]));
         }
         Ok(out)
     }
