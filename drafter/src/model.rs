@@ -353,6 +353,28 @@ impl DsparkDrafter {
         self.markov_terms(prev)
     }
 
+    /// W1 rows of the previous tokens (B × γ × r) when drafting with the Markov head.
+    pub fn markov_rows(&self, prev: &Tensor) -> Result<Option<Tensor>> {
+        match (&self.w1, self.parallel_only) {
+            (Some(w1), false) => {
+                let (b, g) = prev.dims2()?;
+                Ok(Some(
+                    w1.index_select(&prev.flatten_all()?, 0)?
+                        .reshape((b, g, self.cfg.rank))?,
+                ))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// W2 (r × V, row-major) when drafting with the Markov head.
+    pub fn markov_w2(&self) -> Result<Option<Vec<f32>>> {
+        match (&self.w2, self.parallel_only) {
+            (Some(w2), false) => Ok(Some(w2.flatten_all()?.to_vec1()?)),
+            _ => Ok(None),
+        }
+    }
+
     /// The Markov terms whatever the drafting variant (training supervises both variants).
     pub fn markov_terms(&self, prev: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
         match (&self.w1, &self.w2) {
