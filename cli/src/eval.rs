@@ -149,7 +149,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
         );
     }
     let sts = probe.cfg.sts.clone();
-    let has_markov = probe.is_markov();
+    let has_markov = probe.is_markov() && probe.cfg.parallel_trained;
     drop(probe);
     let sets: Vec<&str> = match a.prompts.as_str() {
         "all" => vec!["chat", "code", "math"],
@@ -194,7 +194,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                     // Raw confidence logits: STS is applied below, before and after.
                     dr.cfg.sts = vec![1.0; dr.cfg.gamma];
                     if *arm == "parallel" {
-                        dr = dr.into_parallel();
+                        dr = dr.into_parallel()?;
                     }
                     Box::new(DsparkProposer::new(dr, arm).with_target_head(target.model.clone()))
                 }

@@ -131,7 +131,7 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
         data.len()
     );
     let state = a.out.join("train_state.json");
-    let (dr, start) = if a.resume && state.exists() {
+    let (mut dr, start) = if a.resume && state.exists() {
         let st: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
         let step = st["step"].as_u64().unwrap_or(0) as usize;
         eprintln!("resuming from step {step}");
@@ -150,6 +150,7 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
             DrafterConfig::for_target(&target.cfg, &tok.vocab_hash(), a.gamma, a.layers, a.rank);
         (DsparkDrafter::new(cfg, embed, head, a.seed)?, 0)
     };
+    dr.cfg.parallel_trained = dr.cfg.rank > 0 && a.parallel_weight > 0.0;
     eprintln!(
         "drafter: {:.2} M trainable parameters, γ = {}, rank {}",
         dr.num_params() as f64 / 1e6,
@@ -310,10 +311,9 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     }
     let mut cfg = cfg_before;
     cfg.sts = temps.clone();
-    std::fs::write(
-        a.drafter.join("drafter.json"),
-        serde_json::to_string_pretty(&cfg)?,
-    )?;
+    let tmp = a.drafter.join("drafter.json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
+    std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
     let v = serde_json::json!({"blocks": obs.len(), "tau": tau, "auc": auc, "ece_before": before, "ece_after": after,
         "sts": temps, "command": std::env::args().collect::<Vec<_>>().join(" ")});
     if let Some(p) = &a.json {

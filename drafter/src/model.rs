@@ -36,6 +36,10 @@ pub struct DrafterConfig {
     pub rope_theta: f32,
     /// Per-position confidence temperatures (Sequential Temperature Scaling), 1.0 = uncalibrated.
     pub sts: Vec<f32>,
+    /// Whether the base logits and the parallel-only confidence head were trained (auxiliary
+    /// loss), so the parallel-only ablation of this checkpoint means something.
+    #[serde(default)]
+    pub parallel_trained: bool,
 }
 
 impl DrafterConfig {
@@ -65,6 +69,7 @@ impl DrafterConfig {
             rms_eps: cfg.rms_eps as f64,
             rope_theta: 10000.0,
             sts: vec![1.0; gamma],
+            parallel_trained: false,
         }
     }
 
@@ -270,9 +275,14 @@ impl DsparkDrafter {
 
     /// The parallel-only ablation of this checkpoint: same backbone, no Markov head, its own
     /// confidence head. A rank-0 checkpoint is parallel-only already.
-    pub fn into_parallel(mut self) -> Self {
+    pub fn into_parallel(mut self) -> Result<Self> {
+        if self.w1.is_some() && !self.cfg.parallel_trained {
+            return Err(DrafterError::Invalid(
+                "this checkpoint's parallel-only head was not trained (--parallel-weight 0)".into(),
+            ));
+        }
         self.parallel_only = true;
-        self
+        Ok(self)
     }
 
     /// Whether drafting uses the Markov head.
@@ -451,11 +461,11 @@ impl DsparkDrafter {
         let tmp = dir.join("drafter.safetensors.tmp");
         candle_core::safetensors::save(&tensors, &tmp)?;
         std::fs::rename(&tmp, dir.join("drafter.safetensors"))?;
-        std::fs::write(
-            dir.join("drafter.json"),
-            serde_json::to_string_pretty(&self.cfg)
-                .map_err(|e| DrafterError::Invalid(e.to_string()))?,
-        )?;
+        let json = serde_json::to_string_pretty(&self.cfg)
+            .map_err(|e| DrafterError::Invalid(e.to_string()))?;
+        let tmp = dir.join("drafter.json.tmp");
+        std::fs::write(&tmp, json)?;
+        std::fs::rename(&tmp, dir.join("drafter.json"))?;
         Ok(())
     }
 

@@ -478,6 +478,11 @@ pub struct ConfidencePolicy {
     zero_run: usize,
     next_probe: usize,
     pub probe_every: usize,
+    /// The last budget decided from real confidences: steps that drafted nothing carry it
+    /// forward (they have no confidences to decide from).
+    last_real: u32,
+    /// The coming step is a probe: its fresh decision applies at once.
+    probing: bool,
 }
 
 /// One step's confidences, as reported to the central scheduler.
@@ -520,6 +525,8 @@ impl ConfidencePolicy {
             zero_run: 0,
             next_probe: 8,
             probe_every: 8,
+            last_real: 0,
+            probing: false,
         }
     }
 
@@ -557,6 +564,17 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
     fn select(&mut self, conf: &[&[f32]], other_tokens: usize, kv_headroom: usize) -> Vec<usize> {
         let t0 = std::time::Instant::now();
         self.steps += 1;
+        if conf.is_empty() && self.lag > 0 {
+            // Nothing drafted (a planned zero budget, or no decoding request): no confidences to
+            // decide from, so the step two ahead inherits the last real decision, and nothing is
+            // reported (an empty report would make the central scheduler answer 0 for it).
+            self.budgets.push_back(self.last_real);
+            while self.budgets.len() > self.lag {
+                self.budgets.pop_front();
+            }
+            self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
+            return Vec::new();
+        }
         let limits: Vec<ReqLimits> = conf
             .iter()
             .map(|_| ReqLimits {
@@ -598,8 +616,17 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 max_k: self.max_k,
             });
         }
+        self.last_real = now;
         let k = if self.lag == 0 {
             d.k
+        } else if std::mem::take(&mut self.probing) {
+            // A probe drafted to refresh the confidences: its decision applies now and to the
+            // steps already queued.
+            self.budgets.clear();
+            self.budgets.extend(std::iter::repeat_n(now, self.lag));
+            self.local_steps
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.adm.select_top(conf, &limits, now)
         } else {
             self.budgets.push_back(now);
             let lagged = if self.budgets.len() > self.lag {
@@ -646,6 +673,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         if self.zero_run >= self.next_probe {
             self.zero_run = 0;
             self.next_probe = (self.next_probe * 2).min(64).max(1);
+            self.probing = true;
             None
         } else {
             Some(0)
@@ -678,30 +706,39 @@ mod tests {
         let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
         let rows = [[0.9f32; 4]; 4];
         let conf: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
-        assert_eq!(p.planned(), None, "nothing decided yet");
-        p.select(&conf, 0, 1 << 20);
-        p.select(&conf, 0, 1 << 20);
+        // The engine's loop: ask for the planned budget, draft unless it is 0, then select
+        // (with no rows when nothing was drafted). Returns the steps that drafted.
+        let mut run = |p: &mut ConfidencePolicy, steps: usize| -> Vec<bool> {
+            (0..steps)
+                .map(|_| {
+                    let drafted = p.planned() != Some(0);
+                    let rows: &[&[f32]] = if drafted { &conf } else { &[] };
+                    p.select(rows, 0, 1 << 20);
+                    drafted
+                })
+                .collect()
+        };
+        assert_eq!(run(&mut p, 3), [true; 3]);
         assert_eq!(
             p.planned(),
             Some(16),
             "decided two steps ago: every position"
         );
-        // Drafting that costs 10 s per request never pays: the budget falls to 0 two steps later.
+        // Drafting that costs 10 s per request never pays: two steps later the budget is 0 and
+        // drafting stops on every step (no half of the steps left drafting), except probes
+        // after 8, then 16, 32 zero-budget steps.
         p.observe_draft(40.0, 4);
-        p.select(&conf, 0, 1 << 20);
-        p.select(&conf, 0, 1 << 20);
-        p.select(&conf, 0, 1 << 20);
-        let plans: Vec<Option<usize>> = (0..8).map(|_| p.planned()).collect();
-        assert_eq!(plans[..7], [Some(0); 7]);
-        assert_eq!(
-            plans[7], None,
-            "every 8th zero-budget step drafts to refresh confidences"
-        );
-        // Without the cost counted (a remote drafter that overlaps), the budget is spent again.
+        let d = run(&mut p, 60);
+        let drafting: Vec<usize> = (0..d.len()).filter(|&i| d[i]).collect();
+        // Steps 0 and 1 still use budgets decided before the cost was known; then the 8th
+        // zero-budget step probes, and each probe that confirms 0 doubles the wait.
+        assert_eq!(drafting, [0, 1, 9, 25, 57]);
+        // Without the cost counted (a remote drafter that overlaps), the next probe's fresh
+        // decision applies at once and every later step drafts again.
         p.count_draft_cost = false;
-        p.select(&conf, 0, 1 << 20);
-        p.select(&conf, 0, 1 << 20);
-        assert_eq!(p.planned(), Some(16));
+        let d = run(&mut p, 80);
+        let first = d.iter().position(|&x| x).expect("a probe");
+        assert!(d[first..].iter().all(|&x| x), "{d:?}");
     }
 
     fn staircase(rng: &mut Rng, max_b: u32) -> SpsTable {
