@@ -483,6 +483,8 @@ pub struct ConfidencePolicy {
     last_real: u32,
     /// The coming step is a probe: its fresh decision applies at once.
     probing: bool,
+    /// Where the last planned budget came from (the central scheduler or the local queue).
+    planned_central: bool,
 }
 
 /// One step's confidences, as reported to the central scheduler.
@@ -527,6 +529,7 @@ impl ConfidencePolicy {
             probe_every: 8,
             last_real: 0,
             probing: false,
+            planned_central: false,
         }
     }
 
@@ -572,6 +575,14 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             while self.budgets.len() > self.lag {
                 self.budgets.pop_front();
             }
+            // The step still ran on a budget (a planned zero): count where it came from.
+            let counter = if self.planned_central {
+                &self.central_steps
+            } else {
+                &self.local_steps
+            };
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.planned_central = false;
             self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
             return Vec::new();
         }
@@ -661,9 +672,9 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         if self.lag == 0 {
             return None;
         }
-        let b = self
-            .central_budget()
-            .or_else(|| (self.budgets.len() >= self.lag).then(|| self.budgets[0]))?;
+        let central = self.central_budget();
+        self.planned_central = central.is_some();
+        let b = central.or_else(|| (self.budgets.len() >= self.lag).then(|| self.budgets[0]))?;
         if b > 0 {
             self.zero_run = 0;
             self.next_probe = self.probe_every.max(1);
@@ -708,7 +719,7 @@ mod tests {
         let conf: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
         // The engine's loop: ask for the planned budget, draft unless it is 0, then select
         // (with no rows when nothing was drafted). Returns the steps that drafted.
-        let mut run = |p: &mut ConfidencePolicy, steps: usize| -> Vec<bool> {
+        let run = |p: &mut ConfidencePolicy, steps: usize| -> Vec<bool> {
             (0..steps)
                 .map(|_| {
                     let drafted = p.planned() != Some(0);
