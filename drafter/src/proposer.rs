@@ -85,22 +85,37 @@ impl DsparkProposer {
         self
     }
 
-    /// Base logits (B·γ rows of V) and hidden states (B × γ × d) of one block forward.
-    fn block(&self, ft: &Tensor, at: &Tensor) -> specdec::Result<(Vec<f32>, Tensor)> {
-        match &self.target {
+    /// Base logits of the first `kmax` positions (B·kmax rows of V) and hidden states
+    /// (B × kmax × d) of one block forward: the head, the costly part, runs only for positions
+    /// some request will draft.
+    fn block(&self, ft: &Tensor, at: &Tensor, kmax: usize) -> specdec::Result<(Vec<f32>, Tensor)> {
+        let h = self.dr.hidden(ft, at).map_err(err)?;
+        let (b, g, d) = h.dims3().map_err(err)?;
+        let kmax = kmax.clamp(1, g);
+        let h = if kmax < g {
+            h.narrow(1, 0, kmax)
+                .map_err(err)?
+                .contiguous()
+                .map_err(err)?
+        } else {
+            h
+        };
+        let base = match &self.target {
             Some(m) => {
-                let h = self.dr.hidden(ft, at).map_err(err)?;
-                let (b, g, _) = h.dims3().map_err(err)?;
                 let rows: Vec<f32> = h.flatten_all().map_err(err)?.to_vec1().map_err(err)?;
-                let base = m.head_logits(&rows, b * g).map_err(err)?;
-                Ok((base, h))
+                m.head_logits(&rows, b * kmax).map_err(err)?
             }
-            None => {
-                let o = self.dr.block(ft, at).map_err(err)?;
-                let base = o.base.flatten_all().map_err(err)?.to_vec1().map_err(err)?;
-                Ok((base, o.h))
-            }
-        }
+            None => h
+                .reshape((b * kmax, d))
+                .map_err(err)?
+                .matmul(&self.dr.head().t().map_err(err)?)
+                .map_err(err)?
+                .flatten_all()
+                .map_err(err)?
+                .to_vec1()
+                .map_err(err)?,
+        };
+        Ok((base, h))
     }
 
     fn row_len(&self) -> usize {
@@ -156,14 +171,14 @@ impl Proposer for DsparkProposer {
         let b = active.len();
         let ft = Tensor::from_vec(feats, (b, c, rl), &Device::Cpu).map_err(err)?;
         let at = Tensor::from_vec(anchors.clone(), b, &Device::Cpu).map_err(err)?;
-        let (base_all, h_all) = self.block(&ft, &at)?;
+        let kmax = active.iter().map(|&i| reqs[i].k.min(g)).max().unwrap_or(1);
+        let (base_all, h_all) = self.block(&ft, &at, kmax)?;
         let v = self.dr.cfg.vocab;
         let d = self.dr.cfg.d_model;
         // Positions outside, requests inside: the Markov bias of every request's previous token
         // at position k is one (B × r)·(r × V) product, reading W2 once per position instead of
         // once per request and position.
         let ks: Vec<usize> = active.iter().map(|&i| reqs[i].k.min(g)).collect();
-        let kmax = ks.iter().copied().max().unwrap_or(0);
         let mut prev = anchors;
         let mut seen: Vec<Vec<u32>> = active.iter().map(|&i| reqs[i].context.to_vec()).collect();
         let mut conf: Vec<Vec<f32>> = ks.iter().map(|&k| Vec::with_capacity(k)).collect();
@@ -204,7 +219,7 @@ impl Proposer for DsparkProposer {
                     continue;
                 }
                 let r = &mut reqs[i];
-                let row = (bi * g + kk) * v;
+                let row = (bi * kmax + kk) * v;
                 let mut logits = base_all[row..row + v].to_vec();
                 if let Some(bias) = &bias {
                     for (l, x) in logits.iter_mut().zip(&bias[bi * v..(bi + 1) * v]) {

@@ -624,11 +624,15 @@ impl Engine {
             chunks[i] = Some((s.prefilled, n));
             budget -= n;
         }
-        // 1b. A budget of zero known in advance (two-step lag): plain decoding, no drafting.
+        // 1b. A budget known in advance (two-step lag): zero means plain decoding, no drafting.
+        // A positive budget caps every request's block: no request can have more than K_total
+        // of its drafts verified, so drafting more is wasted.
         if let Some(policy) = self.policy.as_mut() {
-            if ks.iter().any(|k| k.is_some_and(|k| k > 0)) && policy.planned() == Some(0) {
-                for k in ks.iter_mut().flatten() {
-                    *k = 0;
+            if ks.iter().any(|k| k.is_some_and(|k| k > 0)) {
+                if let Some(kt) = policy.planned() {
+                    for k in ks.iter_mut().flatten() {
+                        *k = (*k).min(kt);
+                    }
                 }
             }
         }
