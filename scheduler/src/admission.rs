@@ -485,6 +485,8 @@ pub struct ConfidencePolicy {
     probing: bool,
     /// Where the last planned budget came from (the central scheduler or the local queue).
     planned_central: bool,
+    /// Measured step seconds ÷ the table's 1/SPS(B) for the same B (running mean; 0 = none yet).
+    pub step_scale: f64,
 }
 
 /// One step's confidences, as reported to the central scheduler.
@@ -530,6 +532,7 @@ impl ConfidencePolicy {
             last_real: 0,
             probing: false,
             planned_central: false,
+            step_scale: 0.0,
         }
     }
 
@@ -551,7 +554,14 @@ impl ConfidencePolicy {
         } else {
             0.0
         };
-        tau / (1.0 / s + draft)
+        // The table's steps are profiled shapes (the slowest per B); the engine's own step
+        // times put drafting seconds and step seconds on one scale.
+        let scale = if self.step_scale > 0.0 {
+            self.step_scale
+        } else {
+            1.0
+        };
+        tau / (scale / s + draft)
     }
 
     pub fn steps(&self) -> u64 {
@@ -688,6 +698,20 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             None
         } else {
             Some(0)
+        }
+    }
+
+    fn observe_step(&mut self, secs: f64, batch_tokens: usize) {
+        if batch_tokens == 0 || !secs.is_finite() || secs <= 0.0 {
+            return;
+        }
+        let r = secs * self.sps.sps(batch_tokens.min(u32::MAX as usize) as u32);
+        if r.is_finite() && r > 0.0 {
+            self.step_scale = if self.step_scale == 0.0 {
+                r
+            } else {
+                0.9 * self.step_scale + 0.1 * r
+            };
         }
     }
 

@@ -154,6 +154,9 @@ pub trait VerifyPolicy: Send {
     /// Seconds the proposer took to draft this step for `n` requests (the engine waits for it,
     /// so it is part of the step's cost when drafting shares the target's hardware).
     fn observe_draft(&mut self, _secs: f64, _n: usize) {}
+    /// Seconds the target forward of this step took over `batch_tokens` tokens: the profiled
+    /// table's time scale can be checked against it.
+    fn observe_step(&mut self, _secs: f64, _batch_tokens: usize) {}
 }
 
 /// Relative forward cost T(n)/T(1) for n tokens, measured at start.
@@ -761,6 +764,9 @@ impl Engine {
         let out = self.model.forward(&mut self.cache, &inputs, &fopts)?;
         let d_model = self.model.cfg.d_model;
         let verify_s = t_fwd.elapsed().as_secs_f64();
+        if let Some(policy) = self.policy.as_mut() {
+            policy.observe_step(verify_s, windows.iter().map(|w| w.len()).sum());
+        }
         let batch_tokens: usize = windows.iter().map(|w| w.len()).sum();
         if steady && n_drafted > 0 && batch_tokens > 0 {
             // Drafting cost per drafted token relative to one token's share of a forward.
