@@ -10,8 +10,14 @@ use specdec::engine::CostModel;
 use specdec::{Engine, EngineConfig, Event, Request};
 use std::sync::Arc;
 
-#[test]
-fn dspark_greedy_parity_on_a_tiny_target() {
+/// A tiny seeded target and the config of a γ = 4 drafter for it (with its frozen tensors).
+fn fixture() -> (
+    Arc<Model>,
+    Arc<Tokenizer>,
+    DrafterConfig,
+    candle_core::Tensor,
+    candle_core::Tensor,
+) {
     let p = tiny_model_path(&TinySpec::llama(31), "dspark-engine").unwrap();
     let m = Arc::new(
         Model::load(
@@ -28,6 +34,12 @@ fn dspark_greedy_parity_on_a_tiny_target() {
     let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
     cfg.feature_layers = vec![0, 1];
     cfg.context = 8;
+    (m, tok, cfg, e, h)
+}
+
+#[test]
+fn dspark_greedy_parity_on_a_tiny_target() {
+    let (m, tok, cfg, e, h) = fixture();
     let dr = DsparkDrafter::new(cfg, e, h, 9).unwrap();
     let ecfg = EngineConfig {
         gamma: 4,
@@ -84,22 +96,7 @@ fn dspark_greedy_parity_on_a_tiny_target() {
 
 #[test]
 fn gamma_larger_than_trained_is_refused() {
-    let p = tiny_model_path(&TinySpec::llama(31), "dspark-engine").unwrap();
-    let m = Arc::new(
-        Model::load(
-            &p,
-            &LoadOptions {
-                threads: 1,
-                ..Default::default()
-            },
-        )
-        .unwrap(),
-    );
-    let tok = Arc::new(Tokenizer::load(&p).unwrap());
-    let (e, h) = target_tensors(&m).unwrap();
-    let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
-    cfg.feature_layers = vec![0, 1];
-    cfg.context = 8;
+    let (m, tok, cfg, e, h) = fixture();
     let make = || {
         Box::new(DsparkProposer::new(
             DsparkDrafter::new(cfg.clone(), e.clone(), h.clone(), 9).unwrap(),
