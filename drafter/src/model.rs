@@ -565,14 +565,19 @@ pub fn target_tensors(target: &dspark_runtime::Model) -> Result<(Tensor, Tensor)
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::train::{TrainConfig, loss, make_batch, teacher};
     use dspark_runtime::tiny::{TinySpec, tiny_model_path};
     use dspark_runtime::{LoadOptions, Model, Tokenizer};
 
     fn tiny() -> (Model, Tokenizer) {
-        let p = tiny_model_path(&TinySpec::llama(21), "drafter-target").unwrap();
+        tiny_target(21, "drafter-target")
+    }
+
+    /// A tiny seeded target model and its tokenizer (shared by the drafter's unit tests).
+    pub(crate) fn tiny_target(seed: u64, name: &str) -> (Model, Tokenizer) {
+        let p = tiny_model_path(&TinySpec::llama(seed), name).unwrap();
         (
             Model::load(
                 &p,
@@ -614,7 +619,8 @@ mod tests {
         assert_eq!(ca[3], cb[3]);
     }
 
-    fn a_max(t: &Tensor) -> f32 {
+    /// Largest absolute value of a tensor.
+    pub(crate) fn a_max(t: &Tensor) -> f32 {
         t.abs()
             .unwrap()
             .max_all()

@@ -440,10 +440,9 @@ pub fn train(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::tests::a_max;
     use crate::model::{DrafterConfig, target_tensors};
     use candle_core::D;
-    use dspark_runtime::tiny::{TinySpec, tiny_model_path};
-    use dspark_runtime::{LoadOptions, Tokenizer};
 
     /// The objective written out with candle autograd end to end (head included).
     fn reference(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Tensor {
@@ -501,16 +500,7 @@ mod tests {
 
     #[test]
     fn surrogate_gradient_equals_the_autograd_gradient_of_the_objective() {
-        let p = tiny_model_path(&TinySpec::llama(23), "drafter-grad").unwrap();
-        let m = dspark_runtime::Model::load(
-            &p,
-            &LoadOptions {
-                threads: 1,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let tok = Tokenizer::load(&p).unwrap();
+        let (m, tok) = crate::model::tests::tiny_target(23, "drafter-grad");
         let (e, h) = target_tensors(&m).unwrap();
         let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 8);
         cfg.feature_layers = vec![0, 1];
@@ -563,21 +553,8 @@ mod tests {
                     gr.get(v.as_tensor()).is_some()
                 );
             };
-            let scale = b
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            let diff = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let scale = a_max(b);
+            let diff = a_max(&(a - b).unwrap());
             assert!(
                 diff <= 1e-3 * scale + 1e-7,
                 "{name}: diff {diff}, scale {scale}"
