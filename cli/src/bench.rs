@@ -706,6 +706,7 @@ pub fn sched_bench(a: SchedArgs) -> anyhow::Result<()> {
         max_batch_tokens: u32::MAX,
         kv_headroom: u32::MAX,
         other_tokens: 0,
+        plain_requests: 0,
     };
     let pct = |v: &mut Vec<f64>, p: f64| {
         v.sort_by(|x, y| x.total_cmp(y));

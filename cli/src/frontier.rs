@@ -32,6 +32,10 @@ pub struct FrontierArgs {
     /// Requests per point, as a multiple of the concurrency (at least 4).
     #[arg(long, default_value_t = 2)]
     pub waves: usize,
+    /// Measure every arm this many times per concurrency, in rotated order, and report each
+    /// arm's median round: this machine's noise moves whole seconds, arms must share it.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     #[arg(long)]
     pub json: Option<PathBuf>,
     #[arg(long)]
@@ -93,61 +97,81 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     // Concurrency outside, arms inside: every arm of a concurrency is measured back to back, so
     // a slow spell of the machine does not land on one arm only.
+    anyhow::ensure!(a.rounds >= 1, "--rounds takes a value ≥ 1");
     for &c in &a.concurrency {
-        for (name, k, gm, sched) in &arms {
-            let proposer = crate::spec::build_proposer(g, k, &target, &mut drafts)?;
-            let mut e = crate::spec::engine(&target, proposer, (*gm).max(1), false, max_c)?;
-            if *sched {
-                e.set_policy(Some(Box::new(
-                    dspark_scheduler::admission::ConfidencePolicy::new(
-                        sps.clone(),
-                        dspark_scheduler::admission::Rule::Argmax,
-                        2,
-                        u32::MAX,
-                        *gm as u8,
-                    ),
-                )));
-            }
-            let n = (c * a.waves).max(4);
-            let t0 = Instant::now();
-            let (mut next, mut in_flight, mut out_tokens) = (0usize, 0usize, 0usize);
-            let mut user = Vec::new();
-            while next < n || in_flight > 0 {
-                while in_flight < c && next < n {
-                    e.add(Request::new(
-                        next as u64,
-                        ids[next % ids.len()].clone(),
-                        a.max_tokens,
-                    ))?;
-                    next += 1;
-                    in_flight += 1;
+        let mut measured: Vec<Vec<serde_json::Value>> = vec![Vec::new(); arms.len()];
+        for round in 0..a.rounds {
+            for step in 0..arms.len() {
+                let ai = (step + round) % arms.len();
+                let (name, k, gm, sched) = &arms[ai];
+                let proposer = crate::spec::build_proposer(g, k, &target, &mut drafts)?;
+                let mut e = crate::spec::engine(&target, proposer, (*gm).max(1), false, max_c)?;
+                if *sched {
+                    e.set_policy(Some(Box::new(
+                        dspark_scheduler::admission::ConfidencePolicy::new(
+                            sps.clone(),
+                            dspark_scheduler::admission::Rule::Argmax,
+                            2,
+                            u32::MAX,
+                            *gm as u8,
+                        ),
+                    )));
                 }
-                for ev in e.step()? {
-                    match ev {
-                        Event::Tokens { tokens, .. } => out_tokens += tokens.len(),
-                        Event::Finished { metrics, .. } => {
-                            in_flight -= 1;
-                            let dt = metrics.e2e_s - metrics.ttft_s;
-                            if metrics.completion_tokens > 1 && dt > 0.0 {
-                                user.push((metrics.completion_tokens - 1) as f64 / dt);
+                let n = (c * a.waves).max(4);
+                let t0 = Instant::now();
+                let (mut next, mut in_flight, mut out_tokens) = (0usize, 0usize, 0usize);
+                let mut user = Vec::new();
+                while next < n || in_flight > 0 {
+                    while in_flight < c && next < n {
+                        e.add(Request::new(
+                            next as u64,
+                            ids[next % ids.len()].clone(),
+                            a.max_tokens,
+                        ))?;
+                        next += 1;
+                        in_flight += 1;
+                    }
+                    for ev in e.step()? {
+                        match ev {
+                            Event::Tokens { tokens, .. } => out_tokens += tokens.len(),
+                            Event::Finished { metrics, .. } => {
+                                in_flight -= 1;
+                                let dt = metrics.e2e_s - metrics.ttft_s;
+                                if metrics.completion_tokens > 1 && dt > 0.0 {
+                                    user.push((metrics.completion_tokens - 1) as f64 / dt);
+                                }
                             }
                         }
                     }
                 }
-            }
-            let wall = t0.elapsed().as_secs_f64();
-            let tok_s = out_tokens as f64 / wall;
-            let user_tok_s = if user.is_empty() {
-                0.0
-            } else {
-                user.iter().sum::<f64>() / user.len() as f64
-            };
-            let per_call = e.totals().committed_per_call();
-            println!("{name:<12} {c:>5} {tok_s:>9.1} {user_tok_s:>11.1} {per_call:>9.2}");
-            points.push(
-                json!({"arm": name, "concurrency": c, "tok_s": tok_s, "user_tok_s": user_tok_s,
+                let wall = t0.elapsed().as_secs_f64();
+                let tok_s = out_tokens as f64 / wall;
+                let user_tok_s = if user.is_empty() {
+                    0.0
+                } else {
+                    user.iter().sum::<f64>() / user.len() as f64
+                };
+                let per_call = e.totals().committed_per_call();
+                if a.rounds > 1 {
+                    eprintln!("  round {round}: {name} c{c} {tok_s:.1} tok/s");
+                }
+                measured[ai].push(
+                    json!({"arm": name, "concurrency": c, "tok_s": tok_s, "user_tok_s": user_tok_s,
                 "committed_per_call": per_call, "requests": n, "wall_s": wall}),
+                );
+            }
+        }
+        for m in measured {
+            let mut p = median_round(&m);
+            let (name, tok_s, user_tok_s, per_call) = (
+                p["arm"].as_str().unwrap_or("").to_string(),
+                p["tok_s"].as_f64().unwrap_or(0.0),
+                p["user_tok_s"].as_f64().unwrap_or(0.0),
+                p["committed_per_call"].as_f64().unwrap_or(0.0),
             );
+            println!("{name:<12} {c:>5} {tok_s:>9.1} {user_tok_s:>11.1} {per_call:>9.2}");
+            p["rounds_tok_s"] = json!(m.iter().map(|q| q["tok_s"].clone()).collect::<Vec<_>>());
+            points.push(p);
         }
     }
     let checks = criteria(&points);
@@ -158,6 +182,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
     let v = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "target": a.target, "drafter": kind.label(), "prompts": a.prompts, "max_tokens": a.max_tokens,
+        "rounds": a.rounds,
         "threads": target.model.threads(), "sps_table": sps.points, "points": points,
         "checks": checks,
     });
@@ -203,6 +228,19 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         eprintln!("wrote {}", p.display());
     }
     Ok(())
+}
+
+/// The round whose total tokens/s is the median of an arm's rounds (the lower middle one for an
+/// even count), whole, so its per-user tokens/s and tokens per call stay consistent with it.
+fn median_round(rounds: &[serde_json::Value]) -> serde_json::Value {
+    let mut v: Vec<&serde_json::Value> = rounds.iter().collect();
+    v.sort_by(|a, b| {
+        let t = |x: &serde_json::Value| x["tok_s"].as_f64().unwrap_or(0.0);
+        t(a).total_cmp(&t(b))
+    });
+    v.get(v.len().saturating_sub(1) / 2)
+        .map(|x| (*x).clone())
+        .unwrap_or_default()
 }
 
 /// Total tokens/s of a curve at per-user tokens/s `u`, by linear interpolation between its
@@ -307,5 +345,16 @@ mod tests {
         assert_eq!(c["above_every_fixed_gamma"], false);
         assert!(interpolate(&[(10.0, 100.0), (20.0, 200.0)], 15.0) == Some(150.0));
         assert!(interpolate(&[(10.0, 100.0), (20.0, 200.0)], 25.0).is_none());
+    }
+
+    #[test]
+    fn the_median_round_is_one_whole_measured_round() {
+        let r = |t: f64, u: f64| json!({"arm": "none", "tok_s": t, "user_tok_s": u});
+        let m = median_round(&[r(300.0, 10.0), r(250.0, 8.0), r(320.0, 11.0)]);
+        assert_eq!(m["tok_s"], 300.0);
+        assert_eq!(m["user_tok_s"], 10.0);
+        let m = median_round(&[r(300.0, 10.0), r(250.0, 8.0)]);
+        assert_eq!(m["tok_s"], 250.0);
+        assert_eq!(median_round(&[r(1.0, 1.0)])["tok_s"], 1.0);
     }
 }

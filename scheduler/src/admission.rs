@@ -127,6 +127,9 @@ pub struct StepLimits {
     pub kv_headroom: u32,
     /// Tokens in the batch besides pending tokens and drafts (prefill chunks).
     pub other_tokens: u32,
+    /// Decoding requests in the batch that drafted nothing: one token in B and one committed
+    /// token in τ each.
+    pub plain_requests: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -375,8 +378,8 @@ impl Admission {
         let bufs = std::mem::take(&mut self.bufs);
         let (mut merge, forced, forced_tau, mut k) =
             Merge::new(conf, limits, &mut self.clamped, bufs);
-        let base_b = conf.len() as u32 + step.other_tokens;
-        let tau = conf.len() as f64 + forced_tau;
+        let base_b = conf.len() as u32 + step.plain_requests + step.other_tokens;
+        let tau = (conf.len() as u32 + step.plain_requests) as f64 + forced_tau;
         let room = step
             .max_batch_tokens
             .min(sps.max_batch())
@@ -478,6 +481,8 @@ pub struct ConfidencePolicy {
     zero_run: usize,
     next_probe: usize,
     pub probe_every: usize,
+    /// Requests a probe drafts for (the rest of the batch decodes plainly meanwhile).
+    pub probe_width: usize,
     /// The last budget decided from real confidences: steps that drafted nothing carry it
     /// forward (they have no confidences to decide from).
     last_real: u32,
@@ -495,6 +500,7 @@ pub struct ConfReport {
     pub step: u64,
     pub rows: Vec<Vec<f32>>,
     pub other_tokens: u32,
+    pub plain_requests: u32,
     pub kv_headroom: u32,
     pub max_batch_tokens: u32,
     pub max_k: u8,
@@ -529,6 +535,7 @@ impl ConfidencePolicy {
             zero_run: 0,
             next_probe: 8,
             probe_every: 8,
+            probe_width: 2,
             last_real: 0,
             probing: false,
             planned_central: false,
@@ -574,7 +581,13 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         "dspark-scheduler"
     }
 
-    fn select(&mut self, conf: &[&[f32]], other_tokens: usize, kv_headroom: usize) -> Vec<usize> {
+    fn select(
+        &mut self,
+        conf: &[&[f32]],
+        other_tokens: usize,
+        plain_requests: usize,
+        kv_headroom: usize,
+    ) -> Vec<usize> {
         let t0 = std::time::Instant::now();
         self.steps += 1;
         if conf.is_empty() && self.lag > 0 {
@@ -607,6 +620,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             max_batch_tokens: self.max_batch_tokens,
             kv_headroom: kv_headroom.min(u32::MAX as usize) as u32,
             other_tokens: other_tokens.min(u32::MAX as usize) as u32,
+            plain_requests: plain_requests.min(u32::MAX as usize) as u32,
         };
         let d = self.adm.decide(conf, &limits, step, &self.sps, self.rule);
         self.clamped_total += self.adm.clamped;
@@ -620,9 +634,10 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         if now > 0 && self.lag > 0 && self.count_draft_cost && self.draft_s_per_req > 0.0 {
             // Skipping drafting saves its cost: keep speculation only if it still pays.
             let n = conf.len();
-            let b0 = n as u32 + step.other_tokens;
+            let reqs = n as u32 + step.plain_requests;
+            let b0 = reqs + step.other_tokens;
             let spec = self.theta_with_draft(d.expected_tokens, d.batch_tokens, n);
-            let plain = self.theta_with_draft(n as f64, b0, 0);
+            let plain = self.theta_with_draft(reqs as f64, b0, 0);
             if plain >= spec {
                 now = 0;
             }
@@ -632,6 +647,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 step: self.steps,
                 rows: conf.iter().map(|c| c.to_vec()).collect(),
                 other_tokens: step.other_tokens,
+                plain_requests: step.plain_requests,
                 kv_headroom: step.kv_headroom,
                 max_batch_tokens: self.max_batch_tokens,
                 max_k: self.max_k,
@@ -676,6 +692,10 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         };
         self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
         k.into_iter().map(|x| x as usize).collect()
+    }
+
+    fn probe_requests(&self) -> Option<usize> {
+        self.probing.then_some(self.probe_width.max(1))
     }
 
     fn planned(&mut self) -> Option<usize> {
@@ -748,7 +768,7 @@ mod tests {
                 .map(|_| {
                     let drafted = p.planned() != Some(0);
                     let rows: &[&[f32]] = if drafted { &conf } else { &[] };
-                    p.select(rows, 0, 1 << 20);
+                    p.select(rows, 0, 0, 1 << 20);
                     drafted
                 })
                 .collect()
@@ -860,6 +880,7 @@ mod tests {
             max_batch_tokens: 4 + rng.below(20) as u32,
             kv_headroom: rng.below(20) as u32,
             other_tokens: 0,
+            plain_requests: 0,
         };
         let sps = staircase(rng, 24);
         (conf, lim, step, sps)
@@ -913,6 +934,7 @@ mod tests {
             max_batch_tokens: 64,
             kv_headroom: 64,
             other_tokens: 0,
+            plain_requests: 0,
         };
         let mut adm = Admission::default();
         let g = adm.decide(
@@ -948,6 +970,7 @@ mod tests {
             max_batch_tokens: 64,
             kv_headroom: 1000,
             other_tokens: 0,
+            plain_requests: 0,
         };
         let mut adm = Admission::default();
         let one = adm.decide(&[&hi], &[], step, &sps, Rule::Argmax);
@@ -975,6 +998,7 @@ mod tests {
                 max_batch_tokens: 64,
                 kv_headroom: 2,
                 other_tokens: 0,
+                plain_requests: 0,
             },
             &sps,
             Rule::Argmax,
@@ -988,6 +1012,29 @@ mod tests {
             Rule::Argmax,
         );
         assert!(tier.k[0] >= 2);
+    }
+
+    #[test]
+    fn requests_that_did_not_draft_still_weigh_on_the_decision() {
+        // SPS(B) = 1000 / (B + 8). One drafting request alone: a 0.5-survival token pays
+        // (1.5·1000/10 > 1·1000/9). Beside 31 requests decoding plainly it does not
+        // (32.5·1000/41 < 32·1000/40): the probe of one request must see the whole batch.
+        let sps =
+            SpsTable::new((1..=64).map(|b| (b, 1000.0 / (b as f64 + 8.0))).collect()).unwrap();
+        let c = [0.5f32];
+        let mut adm = Admission::default();
+        let step = |plain| StepLimits {
+            max_batch_tokens: 64,
+            kv_headroom: 1000,
+            other_tokens: 0,
+            plain_requests: plain,
+        };
+        let alone = adm.decide(&[&c], &[], step(0), &sps, Rule::Argmax);
+        assert_eq!(alone.k, vec![1]);
+        let crowd = adm.decide(&[&c], &[], step(31), &sps, Rule::Argmax);
+        assert_eq!(crowd.k, vec![0]);
+        assert!((crowd.expected_tokens - 32.0).abs() < 1e-9);
+        assert_eq!(crowd.batch_tokens, 32);
     }
 
     #[test]
@@ -1007,6 +1054,7 @@ mod tests {
                 max_batch_tokens: 64,
                 kv_headroom: 64,
                 other_tokens: 0,
+                plain_requests: 0,
             },
             &sps,
             Rule::Argmax,

@@ -148,6 +148,7 @@ impl Scheduler for SchedulerService {
             max_batch_tokens: r.max_batch_tokens,
             kv_headroom: r.kv_headroom,
             other_tokens: r.other_tokens,
+            plain_requests: r.plain_requests,
         };
         let mut adm = crate::admission::Admission::default();
         let d = adm.decide(&rows, &limits, step, &sps, crate::admission::Rule::Argmax);

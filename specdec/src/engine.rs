@@ -144,11 +144,24 @@ pub trait VerifyPolicy: Send {
     /// `conf[i]`: confidence per drafted position of the i-th drafting request (a drafter without
     /// a confidence head is given its request's running acceptance rate). `other_tokens`: tokens
     /// in this step's batch besides the pending tokens and drafts (prefill chunks);
+    /// `plain_requests`: decoding requests in the batch that drafted nothing (one token each);
     /// `kv_headroom`: free KV slots. Returns K_i ≤ `conf[i].len()` per request.
-    fn select(&mut self, conf: &[&[f32]], other_tokens: usize, kv_headroom: usize) -> Vec<usize>;
+    fn select(
+        &mut self,
+        conf: &[&[f32]],
+        other_tokens: usize,
+        plain_requests: usize,
+        kv_headroom: usize,
+    ) -> Vec<usize>;
     /// The verification budget K_total of the coming step when it is already known (decided
     /// from confidences of earlier steps). `Some(0)` lets the engine skip drafting altogether.
+    /// `None`: not known (or a probe): the engine drafts full blocks.
     fn planned(&mut self) -> Option<usize> {
+        None
+    }
+    /// When `planned` answered `None`: draft for at most this many requests (a probe for fresh
+    /// confidences need not pay for drafting the whole batch).
+    fn probe_requests(&self) -> Option<usize> {
         None
     }
     /// Seconds the proposer took to draft this step for `n` requests (the engine waits for it,
@@ -592,14 +605,52 @@ impl Engine {
         } else {
             None
         };
+        // A budget known in advance (two-step lag) shapes the batch before anything is planned:
+        // zero means plain decoding (no drafting, and the token budget goes to prefill chunks);
+        // a positive budget caps every request's block (no request can have more than K_total
+        // of its drafts verified, so drafting more is wasted). A probe drafts for a few requests
+        // only, so keeping the confidences fresh costs little at high load.
+        let (mut cap, mut probe) = (usize::MAX, usize::MAX);
+        if let Some(policy) = self.policy.as_mut() {
+            let cfg_gamma = self.cfg.gamma;
+            if self
+                .running
+                .iter()
+                .any(|s| s.phase == Phase::Decode && s.req.gamma.unwrap_or(cfg_gamma) > 0)
+            {
+                match policy.planned() {
+                    Some(kt) => cap = kt,
+                    None => probe = policy.probe_requests().unwrap_or(usize::MAX),
+                }
+            }
+        }
+        let n_decode = self
+            .running
+            .iter()
+            .filter(|s| s.phase == Phase::Decode)
+            .count();
+        // Which decoding requests a probe drafts for: a window rotating with the step count.
+        let probe_from = if probe < n_decode {
+            self.steps % n_decode.max(1)
+        } else {
+            0
+        };
+        let mut decode_idx = 0usize;
         for (i, s) in self.running.iter_mut().enumerate() {
             if s.phase != Phase::Decode || budget == 0 {
                 continue;
             }
+            let di = decode_idx;
+            decode_idx += 1;
             if active.is_some_and(|g| s.group != g) {
                 continue;
             }
-            let gamma = s.req.gamma.unwrap_or(self.cfg.gamma);
+            let probed = probe >= n_decode || (di + n_decode - probe_from) % n_decode < probe;
+            let gamma = if probed {
+                s.req.gamma.unwrap_or(self.cfg.gamma).min(cap)
+            } else {
+                0
+            };
             let remaining = s.req.max_tokens - s.output_len();
             let room = ctx.saturating_sub(s.tokens.len());
             let mut k = if self.policy.is_some() {
@@ -626,18 +677,6 @@ impl Engine {
                 .min(budget);
             chunks[i] = Some((s.prefilled, n));
             budget -= n;
-        }
-        // 1b. A budget known in advance (two-step lag): zero means plain decoding, no drafting.
-        // A positive budget caps every request's block: no request can have more than K_total
-        // of its drafts verified, so drafting more is wasted.
-        if let Some(policy) = self.policy.as_mut() {
-            if ks.iter().any(|k| k.is_some_and(|k| k > 0)) {
-                if let Some(kt) = policy.planned() {
-                    for k in ks.iter_mut().flatten() {
-                        *k = (*k).min(kt);
-                    }
-                }
-            }
         }
         // 2. Draft.
         let t_draft = Instant::now();
@@ -704,8 +743,14 @@ impl Engine {
                 .collect();
             let refs: Vec<&[f32]> = confs.iter().map(|c| c.as_slice()).collect();
             let other: usize = chunks.iter().flatten().map(|c| c.1).sum();
+            // Decoding requests in this batch that drafted nothing: one token each.
+            let plain = ks
+                .iter()
+                .enumerate()
+                .filter(|&(i, k)| k.is_some() && !drafting.contains(&i))
+                .count();
             let headroom = self.cache.free_blocks() * self.cfg.block_size;
-            let k = policy.select(&refs, other, headroom);
+            let k = policy.select(&refs, other, plain, headroom);
             for (j, &i) in drafting.iter().enumerate() {
                 let kk = k.get(j).copied().unwrap_or(0).min(drafts[i].tokens.len());
                 drafts[i].tokens.truncate(kk);

@@ -535,7 +535,7 @@ impl specdec::VerifyPolicy for PlansZero {
     fn name(&self) -> &str {
         "plans-zero"
     }
-    fn select(&mut self, conf: &[&[f32]], _other: usize, _kv: usize) -> Vec<usize> {
+    fn select(&mut self, conf: &[&[f32]], _other: usize, _plain: usize, _kv: usize) -> Vec<usize> {
         self.shown
             .fetch_add(conf.len(), std::sync::atomic::Ordering::Relaxed);
         conf.iter().map(|c| c.len()).collect()
@@ -584,4 +584,92 @@ fn a_zero_budget_planned_ahead_skips_drafting_and_keeps_greedy_parity() {
         totals.target_calls
     );
     assert!(shown.load(std::sync::atomic::Ordering::Relaxed) > 0);
+}
+
+/// Plans a zero budget on every step except every `every`-th (0: never), which is a probe
+/// limited to one request; records (requests drafting, plain requests) of each drafting step.
+struct ProbesOne {
+    every: usize,
+    steps: usize,
+    probing: bool,
+    widths: Arc<std::sync::Mutex<Vec<(usize, usize)>>>,
+}
+
+impl specdec::VerifyPolicy for ProbesOne {
+    fn name(&self) -> &str {
+        "probes-one"
+    }
+    fn select(&mut self, conf: &[&[f32]], _other: usize, plain: usize, _kv: usize) -> Vec<usize> {
+        if !conf.is_empty() {
+            if let Ok(mut w) = self.widths.lock() {
+                w.push((conf.len(), plain));
+            }
+        }
+        conf.iter().map(|c| c.len()).collect()
+    }
+    fn planned(&mut self) -> Option<usize> {
+        self.steps += 1;
+        self.probing = self.every > 0 && self.steps % self.every == 0;
+        (!self.probing).then_some(0)
+    }
+    fn probe_requests(&self) -> Option<usize> {
+        self.probing.then_some(1)
+    }
+}
+
+#[test]
+fn a_zero_plan_leaves_the_token_budget_to_prefill_and_a_probe_drafts_for_one_request() {
+    let f = fixture();
+    let ps = prompts(&f, 8);
+    // A tight token budget: decoding requests that reserved room for γ drafts they will not
+    // make would starve the prefill chunks (and the other decodes) of the step.
+    let run = |p: Box<dyn Proposer>, gamma: usize, policy: Option<ProbesOne>| {
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            p,
+            EngineConfig {
+                max_batch_tokens: 24,
+                max_running: 8,
+                prefill_chunk: 8,
+                ..cfg(gamma)
+            },
+            CostModel::flat(6),
+        )
+        .unwrap();
+        e.set_policy(policy.map(|p| Box::new(p) as Box<dyn specdec::VerifyPolicy>));
+        for (i, p) in ps.iter().enumerate() {
+            e.add(Request::new(i as u64, p.clone(), 12)).unwrap();
+        }
+        let out = collect(e.run_to_completion().unwrap());
+        (out, e.steps)
+    };
+    let policy = |every| ProbesOne {
+        every,
+        steps: 0,
+        probing: false,
+        widths: Arc::new(std::sync::Mutex::new(Vec::new())),
+    };
+    let (plain, plain_steps) = run(Box::new(specdec::proposer::NoProposer), 0, None);
+    let (zero, zero_steps) = run(proposer_clone(&f, "draft-model"), 5, Some(policy(0)));
+    assert_eq!(
+        zero_steps, plain_steps,
+        "a zero plan must shape the batch exactly like plain decoding"
+    );
+    let p = policy(4);
+    let widths = p.widths.clone();
+    let (probed, probe_steps) = run(proposer_clone(&f, "draft-model"), 5, Some(p));
+    let w = widths.lock().unwrap().clone();
+    assert!(!w.is_empty(), "probes drafted");
+    assert!(w.iter().all(|&(n, _)| n == 1), "probe widths {w:?}");
+    // While several requests decode, the probe's batch carries the others as plain requests.
+    assert!(w.iter().any(|&(_, plain)| plain > 0), "{w:?}");
+    assert!(
+        probe_steps <= plain_steps + plain_steps / 4,
+        "probing took {probe_steps} steps, plain decoding {plain_steps}"
+    );
+    for (id, (toks, _, _)) in &plain {
+        assert_eq!(&zero[id].0, toks, "request {id}");
+        assert_eq!(&probed[id].0, toks, "request {id}");
+    }
 }

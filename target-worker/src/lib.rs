@@ -406,6 +406,7 @@ fn spawn_budget_client(
                     .map(|c| dspark_proto::ConfRow { c })
                     .collect(),
                 other_tokens: r.other_tokens,
+                plain_requests: r.plain_requests,
                 kv_headroom: r.kv_headroom,
                 max_batch_tokens: r.max_batch_tokens,
                 max_k: r.max_k as u32,
