@@ -481,8 +481,10 @@ pub struct ConfidencePolicy {
     zero_run: usize,
     next_probe: usize,
     pub probe_every: usize,
-    /// Requests a probe drafts for (the rest of the batch decodes plainly meanwhile).
+    /// Requests a probe drafts for (the rest of the batch decodes plainly meanwhile), and the
+    /// positions it drafts: enough to see whether the first tokens pay; blocks grow from there.
     pub probe_width: usize,
+    pub probe_k: usize,
     /// The last budget decided from real confidences: steps that drafted nothing carry it
     /// forward (they have no confidences to decide from).
     last_real: u32,
@@ -536,6 +538,7 @@ impl ConfidencePolicy {
             next_probe: 8,
             probe_every: 8,
             probe_width: 2,
+            probe_k: 2,
             last_real: 0,
             probing: false,
             planned_central: false,
@@ -694,8 +697,9 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         k.into_iter().map(|x| x as usize).collect()
     }
 
-    fn probe_requests(&self) -> Option<usize> {
-        self.probing.then_some(self.probe_width.max(1))
+    fn probe(&self) -> Option<(usize, usize)> {
+        self.probing
+            .then_some((self.probe_width.max(1), self.probe_k.max(1)))
     }
 
     fn planned(&mut self) -> Option<usize> {
@@ -704,11 +708,18 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         }
         let central = self.central_budget();
         self.planned_central = central.is_some();
-        let b = central.or_else(|| (self.budgets.len() >= self.lag).then(|| self.budgets[0]))?;
+        let Some(b) = central.or_else(|| (self.budgets.len() >= self.lag).then(|| self.budgets[0]))
+        else {
+            // No budget yet (the first steps): probe, and decide from that at once.
+            self.probing = true;
+            return None;
+        };
         if b > 0 {
             self.zero_run = 0;
             self.next_probe = self.probe_every.max(1);
-            return Some(b as usize);
+            // Blocks one longer than the budget: the confidences of the next position let the
+            // budget grow when they are high (a block capped at K_total could never show it).
+            return Some(b as usize + 1);
         }
         self.zero_run += 1;
         if self.zero_run >= self.next_probe {
@@ -773,12 +784,15 @@ mod tests {
                 })
                 .collect()
         };
+        // The first step has no budget yet: a probe (two requests, two positions).
+        assert_eq!(p.planned(), None);
+        assert_eq!(p.probe(), Some((2, 2)));
+        p.select(&conf, 0, 0, 1 << 20);
         assert_eq!(run(&mut p, 3), [true; 3]);
-        assert_eq!(
-            p.planned(),
-            Some(16),
-            "decided two steps ago: every position"
-        );
+        // Decided two steps ago: every position (16), and blocks one longer so the budget can
+        // grow past what was drafted.
+        assert_eq!(p.planned(), Some(17));
+        assert!(p.probe().is_none(), "a planned budget is not a probe");
         // Drafting that costs 10 s per request never pays: two steps later the budget is 0 and
         // drafting stops on every step (no half of the steps left drafting), except probes
         // after 8, then 16, 32 zero-budget steps.

@@ -159,9 +159,9 @@ pub trait VerifyPolicy: Send {
     fn planned(&mut self) -> Option<usize> {
         None
     }
-    /// When `planned` answered `None`: draft for at most this many requests (a probe for fresh
-    /// confidences need not pay for drafting the whole batch).
-    fn probe_requests(&self) -> Option<usize> {
+    /// When `planned` answered `None` for a probe: draft for at most this many requests, at
+    /// most this many positions each (fresh confidences need not cost a whole batch of blocks).
+    fn probe(&self) -> Option<(usize, usize)> {
         None
     }
     /// Seconds the proposer took to draft this step for `n` requests (the engine waits for it,
@@ -620,7 +620,11 @@ impl Engine {
             {
                 match policy.planned() {
                     Some(kt) => cap = kt,
-                    None => probe = policy.probe_requests().unwrap_or(usize::MAX),
+                    None => {
+                        if let Some((n, k)) = policy.probe() {
+                            (probe, cap) = (n, k);
+                        }
+                    }
                 }
             }
         }

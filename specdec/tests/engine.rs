@@ -593,6 +593,7 @@ struct ProbesOne {
     steps: usize,
     probing: bool,
     widths: Arc<std::sync::Mutex<Vec<(usize, usize)>>>,
+    drafted: Arc<std::sync::Mutex<Vec<usize>>>,
 }
 
 impl specdec::VerifyPolicy for ProbesOne {
@@ -604,6 +605,9 @@ impl specdec::VerifyPolicy for ProbesOne {
             if let Ok(mut w) = self.widths.lock() {
                 w.push((conf.len(), plain));
             }
+            if let Ok(mut d) = self.drafted.lock() {
+                d.extend(conf.iter().map(|c| c.len()));
+            }
         }
         conf.iter().map(|c| c.len()).collect()
     }
@@ -612,13 +616,14 @@ impl specdec::VerifyPolicy for ProbesOne {
         self.probing = self.every > 0 && self.steps % self.every == 0;
         (!self.probing).then_some(0)
     }
-    fn probe_requests(&self) -> Option<usize> {
-        self.probing.then_some(1)
+    fn probe(&self) -> Option<(usize, usize)> {
+        self.probing.then_some((1, 2))
     }
 }
 
 #[test]
-fn a_zero_plan_leaves_the_token_budget_to_prefill_and_a_probe_drafts_for_one_request() {
+fn a_zero_plan_leaves_the_token_budget_to_prefill_and_a_probe_drafts_a_short_block_for_one_request()
+{
     let f = fixture();
     let ps = prompts(&f, 8);
     // A tight token budget: decoding requests that reserved room for γ drafts they will not
@@ -649,6 +654,7 @@ fn a_zero_plan_leaves_the_token_budget_to_prefill_and_a_probe_drafts_for_one_req
         steps: 0,
         probing: false,
         widths: Arc::new(std::sync::Mutex::new(Vec::new())),
+        drafted: Arc::new(std::sync::Mutex::new(Vec::new())),
     };
     let (plain, plain_steps) = run(Box::new(specdec::proposer::NoProposer), 0, None);
     let (zero, zero_steps) = run(proposer_clone(&f, "draft-model"), 5, Some(policy(0)));
@@ -658,10 +664,16 @@ fn a_zero_plan_leaves_the_token_budget_to_prefill_and_a_probe_drafts_for_one_req
     );
     let p = policy(4);
     let widths = p.widths.clone();
+    let drafted_log = p.drafted.clone();
     let (probed, probe_steps) = run(proposer_clone(&f, "draft-model"), 5, Some(p));
     let w = widths.lock().unwrap().clone();
+    let drafted = drafted_log.lock().unwrap().clone();
     assert!(!w.is_empty(), "probes drafted");
     assert!(w.iter().all(|&(n, _)| n == 1), "probe widths {w:?}");
+    assert!(
+        drafted.iter().all(|&k| k <= 2) && drafted.contains(&2),
+        "probe blocks {drafted:?}"
+    );
     // While several requests decode, the probe's batch carries the others as plain requests.
     assert!(w.iter().any(|&(_, plain)| plain > 0), "{w:?}");
     assert!(
