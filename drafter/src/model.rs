@@ -304,18 +304,30 @@ impl DsparkDrafter {
 
     /// The backbone: drafter hidden states after the final norm, B × γ × d.
     pub fn hidden(&self, feats: &Tensor, anchors: &Tensor) -> Result<Tensor> {
+        self.hidden_fused(&self.fuse_context(feats)?, anchors)
+    }
+
+    /// Context rows B × C × (F·d) of target features → B × C × d. Row by row, so a serving
+    /// drafter fuses each committed position once and keeps the result.
+    pub fn fuse_context(&self, feats: &Tensor) -> Result<Tensor> {
         let (b, c, _) = feats.dims3()?;
-        let g = self.cfg.gamma;
         let d = self.cfg.d_model;
-        let nh = self.cfg.n_heads;
-        let hd = d / nh;
         // Each target layer's hidden state is RMS-normalized before fusing: residual streams carry
         // "massive activation" channels (~10⁴ in SmolLM2) that would otherwise swamp the fuse.
         let nf = self.cfg.feature_layers.len();
         let fr = feats.reshape((b, c, nf, d))?;
         let fr =
             fr.broadcast_div(&(fr.sqr()?.mean_keepdim(D::Minus1)? + self.cfg.rms_eps)?.sqrt()?)?;
-        let ctx = self.fuse.forward(&fr.reshape((b, c, nf * d))?)?; // B × C × d
+        Ok(self.fuse.forward(&fr.reshape((b, c, nf * d))?)?)
+    }
+
+    /// [`Self::hidden`] from fused context rows (B × C × d, from [`Self::fuse_context`]).
+    pub fn hidden_fused(&self, ctx: &Tensor, anchors: &Tensor) -> Result<Tensor> {
+        let (b, c, _) = ctx.dims3()?;
+        let g = self.cfg.gamma;
+        let d = self.cfg.d_model;
+        let nh = self.cfg.n_heads;
+        let hd = d / nh;
         let a = self.embed.index_select(anchors, 0)?.unsqueeze(1)?; // B × 1 × d
         let mut x = if g > 1 {
             Tensor::cat(
@@ -334,7 +346,7 @@ impl DsparkDrafter {
         let sin_k = self.sin.narrow(0, 0, c + g)?;
         for l in &self.layers {
             let xn = rms_norm(&x, &l.n1, self.cfg.rms_eps)?;
-            let cn = rms_norm(&ctx, &l.n1, self.cfg.rms_eps)?;
+            let cn = rms_norm(ctx, &l.n1, self.cfg.rms_eps)?;
             let kv_in = Tensor::cat(&[cn, xn.clone()], 1)?; // B × (C+γ) × d
             let heads =
                 |t: Tensor, n: usize| t.reshape((b, n, nh, hd))?.transpose(1, 2)?.contiguous();
@@ -589,6 +601,57 @@ pub(crate) mod tests {
             .unwrap(),
             Tokenizer::load(&p).unwrap(),
         )
+    }
+
+    #[test]
+    fn fusing_rows_one_at_a_time_gives_the_same_hidden_states() {
+        let (m, tok) = tiny();
+        let (e, h) = target_tensors(&m).unwrap();
+        let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
+        cfg.feature_layers = vec![0, 1];
+        cfg.context = 6;
+        let d = m.cfg.d_model;
+        let dr = DsparkDrafter::new(cfg, e, h, 5).unwrap();
+        let mut rng = kernels::rng::Rng::new(4);
+        let raw: Vec<f32> = (0..2 * 6 * 2 * d)
+            .map(|_| rng.normal() as f32 * 3.0)
+            .collect();
+        let feats = Tensor::from_vec(raw.clone(), (2, 6, 2 * d), &Device::Cpu).unwrap();
+        let anchors = Tensor::from_vec(vec![5u32, 9], 2, &Device::Cpu).unwrap();
+        let want: Vec<f32> = dr
+            .hidden(&feats, &anchors)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut fused = Vec::new();
+        for row in raw.chunks_exact(2 * d) {
+            let t = Tensor::from_slice(row, (1, 1, 2 * d), &Device::Cpu).unwrap();
+            fused.extend(
+                dr.fuse_context(&t)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap(),
+            );
+        }
+        let ctx = Tensor::from_vec(fused, (2, 6, d), &Device::Cpu).unwrap();
+        let got: Vec<f32> = dr
+            .hidden_fused(&ctx, &anchors)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(got.len(), want.len());
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "worst abs difference {worst}");
     }
 
     #[test]

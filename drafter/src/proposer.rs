@@ -13,8 +13,11 @@ use std::collections::HashMap;
 
 pub struct DsparkProposer {
     dr: DsparkDrafter,
-    /// Per request: feature rows of committed positions 0..n (row = layers side by side).
+    /// Per request: fused context rows (d each) of committed positions 0..n. Fusing is row-wise,
+    /// so each position is fused once when the engine reports it, not once per drafted block.
     feats: HashMap<u64, Vec<f32>>,
+    /// The fused row of an all-zero feature row: what pads the window of a short request.
+    pad: Vec<f32>,
     label: String,
     /// The target model, whose quantized LM head (the drafter's frozen head) gives the base
     /// logits faster than the f32 copy.
@@ -69,11 +72,18 @@ impl DsparkProposer {
             }
             quantize_q8(&t, v, r)
         });
+        let rl = dr.cfg.feature_layers.len() * dr.cfg.d_model;
+        let pad = (|| -> Option<Vec<f32>> {
+            let z = Tensor::zeros((1, 1, rl), candle_core::DType::F32, &Device::Cpu).ok()?;
+            dr.fuse_context(&z).ok()?.flatten_all().ok()?.to_vec1().ok()
+        })()
+        .unwrap_or_else(|| vec![0f32; dr.cfg.d_model]);
         Self {
             w2t,
             isa: kernels::Isa::detect(),
             dr,
             feats: HashMap::new(),
+            pad,
             label: label.to_string(),
             target: None,
         }
@@ -89,7 +99,7 @@ impl DsparkProposer {
     /// (B × kmax × d) of one block forward: the head, the costly part, runs only for positions
     /// some request will draft.
     fn block(&self, ft: &Tensor, at: &Tensor, kmax: usize) -> specdec::Result<(Vec<f32>, Tensor)> {
-        let h = self.dr.hidden(ft, at).map_err(err)?;
+        let h = self.dr.hidden_fused(ft, at).map_err(err)?;
         let (b, g, d) = h.dims3().map_err(err)?;
         let kmax = kmax.clamp(1, g);
         let h = if kmax < g {
@@ -122,15 +132,18 @@ impl DsparkProposer {
         self.dr.cfg.feature_layers.len() * self.dr.cfg.d_model
     }
 
-    /// Context window (C rows, zero-padded at the front when the request is shorter).
+    /// Fused context window (C rows of d, padded at the front, with the fused zero row, when
+    /// the request is shorter).
     fn window(&self, id: u64) -> Vec<f32> {
-        let (c, rl) = (self.dr.cfg.context, self.row_len());
-        let mut w = vec![0f32; c * rl];
-        if let Some(f) = self.feats.get(&id) {
-            let n = f.len() / rl;
-            let take = n.min(c);
-            w[(c - take) * rl..].copy_from_slice(&f[(n - take) * rl..]);
+        let (c, d) = (self.dr.cfg.context, self.dr.cfg.d_model);
+        let mut w = Vec::with_capacity(c * d);
+        let f = self.feats.get(&id).map(|f| f.as_slice()).unwrap_or(&[]);
+        let n = f.len() / d;
+        let take = n.min(c);
+        for _ in take..c {
+            w.extend_from_slice(&self.pad);
         }
+        w.extend_from_slice(&f[(n - take) * d..]);
         w
     }
 }
@@ -145,11 +158,35 @@ impl Proposer for DsparkProposer {
     }
 
     fn observe(&mut self, id: u64, start: usize, rows: &[f32]) -> specdec::Result<()> {
-        let rl = self.row_len();
+        let (rl, d) = (self.row_len(), self.dr.cfg.d_model);
+        if rows.len() % rl != 0 {
+            return Err(err(format!(
+                "feature rows of {} values, not a multiple of {rl}",
+                rows.len()
+            )));
+        }
+        let n = rows.len() / rl;
+        let fused: Vec<f32> = if n == 0 {
+            Vec::new()
+        } else {
+            let t = Tensor::from_slice(rows, (1, n, rl), &Device::Cpu).map_err(err)?;
+            self.dr
+                .fuse_context(&t)
+                .map_err(err)?
+                .flatten_all()
+                .map_err(err)?
+                .to_vec1()
+                .map_err(err)?
+        };
         let f = self.feats.entry(id).or_default();
-        // Positions past `start` were rolled back; a gap (never expected) is zero-filled.
-        f.resize(start * rl, 0.0);
-        f.extend_from_slice(rows);
+        // Positions past `start` were rolled back; a gap (never expected) is padded.
+        if f.len() > start * d {
+            f.truncate(start * d);
+        }
+        while f.len() < start * d {
+            f.extend_from_slice(&self.pad);
+        }
+        f.extend_from_slice(&fused);
         Ok(())
     }
 
@@ -161,7 +198,8 @@ impl Proposer for DsparkProposer {
         if active.is_empty() {
             return Ok(out);
         }
-        let (c, rl, g) = (self.dr.cfg.context, self.row_len(), self.dr.cfg.gamma);
+        let (c, g) = (self.dr.cfg.context, self.dr.cfg.gamma);
+        let rl = self.dr.cfg.d_model;
         let mut feats = Vec::with_capacity(active.len() * c * rl);
         let mut anchors = Vec::with_capacity(active.len());
         for &i in &active {

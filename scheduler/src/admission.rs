@@ -475,9 +475,9 @@ pub struct ConfidencePolicy {
     /// Whether to count the drafting cost (co-located drafter) in Θ.
     pub count_draft_cost: bool,
     /// Consecutive steps planned at K_total = 0 (drafting skipped). After `probe_every` such
-    /// steps one drafts anyway so fresh confidences can lift the budget again; each probe that
-    /// leaves the budget at 0 doubles the wait (up to 64 steps), so a saturated engine pays
-    /// almost nothing for probing.
+    /// steps a probe drafts one position for one request so fresh confidences can lift the budget
+    /// again; each probe that leaves the budget at 0 doubles the wait (up to 128 steps), so an
+    /// engine where speculation does not pay spends almost nothing on probing.
     zero_run: usize,
     next_probe: usize,
     pub probe_every: usize,
@@ -535,10 +535,10 @@ impl ConfidencePolicy {
             draft_s_per_req: 0.0,
             count_draft_cost: true,
             zero_run: 0,
-            next_probe: 8,
-            probe_every: 8,
-            probe_width: 2,
-            probe_k: 2,
+            next_probe: 16,
+            probe_every: 16,
+            probe_width: 1,
+            probe_k: 1,
             last_real: 0,
             probing: false,
             planned_central: false,
@@ -724,7 +724,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         self.zero_run += 1;
         if self.zero_run >= self.next_probe {
             self.zero_run = 0;
-            self.next_probe = (self.next_probe * 2).min(64).max(1);
+            self.next_probe = (self.next_probe * 2).min(128).max(1);
             self.probing = true;
             None
         } else {
@@ -784,9 +784,9 @@ mod tests {
                 })
                 .collect()
         };
-        // The first step has no budget yet: a probe (two requests, two positions).
+        // The first step has no budget yet: a probe (one request, one position).
         assert_eq!(p.planned(), None);
-        assert_eq!(p.probe(), Some((2, 2)));
+        assert_eq!(p.probe(), Some((1, 1)));
         p.select(&conf, 0, 0, 1 << 20);
         assert_eq!(run(&mut p, 3), [true; 3]);
         // Decided two steps ago: every position (16), and blocks one longer so the budget can
@@ -795,13 +795,13 @@ mod tests {
         assert!(p.probe().is_none(), "a planned budget is not a probe");
         // Drafting that costs 10 s per request never pays: two steps later the budget is 0 and
         // drafting stops on every step (no half of the steps left drafting), except probes
-        // after 8, then 16, 32 zero-budget steps.
+        // after 16, then 32 zero-budget steps.
         p.observe_draft(40.0, 4);
         let d = run(&mut p, 60);
         let drafting: Vec<usize> = (0..d.len()).filter(|&i| d[i]).collect();
-        // Steps 0 and 1 still use budgets decided before the cost was known; then the 8th
+        // Steps 0 and 1 still use budgets decided before the cost was known; then the 16th
         // zero-budget step probes, and each probe that confirms 0 doubles the wait.
-        assert_eq!(drafting, [0, 1, 9, 25, 57]);
+        assert_eq!(drafting, [0, 1, 17, 49]);
         // Without the cost counted (a remote drafter that overlaps), the next probe's fresh
         // decision applies at once and every later step drafts again.
         p.count_draft_cost = false;
