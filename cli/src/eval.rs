@@ -4,9 +4,9 @@
 //! (where the target has one) the draft model, in one run on the same prompts.
 
 use crate::config::Global;
-use crate::train::cumulative_ece;
 use clap::Args;
 use drafter::calibrate::{Observed, roc_auc};
+use drafter::calibrate::{Sts, cumulative_ece};
 use drafter::{DsparkDrafter, DsparkProposer};
 use specdec::{Event, Proposer, ProposerKind, Request};
 use std::path::PathBuf;
@@ -98,13 +98,12 @@ pub fn run_arm(
 }
 
 /// ROC-AUC of the conditional confidence for "accepted at k | reached k".
-pub fn conditional_auc(obs: &[Observed], temps: &[f32]) -> f64 {
+pub fn conditional_auc(obs: &[Observed], sts: &Sts) -> f64 {
     let (mut sc, mut lab) = (Vec::new(), Vec::new());
     for o in obs {
         for (k, &z) in o.logits.iter().enumerate() {
             if o.accepted >= k {
-                let t = temps.get(k).copied().unwrap_or(1.0) as f64;
-                sc.push(1.0 / (1.0 + (-(z as f64) / t).exp()));
+                sc.push(sts.conf(k, z as f64));
                 lab.push(o.accepted > k);
             }
         }
@@ -148,7 +147,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             probe.cfg.gamma
         );
     }
-    let sts = probe.cfg.sts.clone();
+    let sts = probe.cfg.calibration();
     let has_markov = probe.is_markov() && probe.cfg.parallel_trained;
     drop(probe);
     let sets: Vec<&str> = match a.prompts.as_str() {
@@ -193,6 +192,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                     let mut dr = load_dspark(&target, &dir)?;
                     // Raw confidence logits: STS is applied below, before and after.
                     dr.cfg.sts = vec![1.0; dr.cfg.gamma];
+                    dr.cfg.sts_shift = Vec::new();
                     if *arm == "parallel" {
                         dr = dr.into_parallel()?;
                     }
@@ -225,12 +225,12 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             let (eb, ea, auc) = if r.obs.is_empty() {
                 (None, None, None)
             } else {
-                let ones = vec![1.0f32; a.gamma];
-                let b = cumulative_ece(&r.obs, &ones);
+                let b = cumulative_ece(&r.obs, &Sts::identity(a.gamma));
+                let sts = Sts::new(&sts.temps[..a.gamma], &sts.shifts[..a.gamma]);
                 // The parallel-only arm shares the checkpoint's temperatures (fitted for the
                 // Markov drafter); its ECE after STS says how well they transfer.
-                let af = cumulative_ece(&r.obs, &sts[..a.gamma]);
-                let auc = conditional_auc(&r.obs, &sts[..a.gamma]);
+                let af = cumulative_ece(&r.obs, &sts);
+                let auc = conditional_auc(&r.obs, &sts);
                 (Some(b), Some(af), Some(auc))
             };
             let mx = |v: &Option<Vec<f64>>| {

@@ -227,31 +227,6 @@ pub struct CalibrateArgs {
     pub json: Option<PathBuf>,
 }
 
-/// ECE per block position of the cumulative confidence Π_{i≤k} σ(z_i/T_i) against observed
-/// prefix survival (accepted > k).
-pub fn cumulative_ece(obs: &[drafter::calibrate::Observed], temps: &[f32]) -> Vec<f64> {
-    let g = temps.len();
-    let mut prefix = vec![1.0f64; obs.len()];
-    let mut out = Vec::new();
-    for k in 0..g {
-        let rows: Vec<usize> = (0..obs.len())
-            .filter(|&i| obs[i].logits.len() > k)
-            .collect();
-        if rows.is_empty() {
-            break;
-        }
-        let mut p = Vec::new();
-        let mut y = Vec::new();
-        for &i in &rows {
-            prefix[i] *= 1.0 / (1.0 + (-(obs[i].logits[k] as f64) / temps[k] as f64).exp());
-            p.push(prefix[i]);
-            y.push(obs[i].accepted > k);
-        }
-        out.push(drafter::calibrate::ece(&p, &y, 15));
-    }
-    out
-}
-
 pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let target = crate::spec::load_target(g, &a.target)?;
     let (e, h) = drafter::model::target_tensors(&target.model)?;
@@ -264,6 +239,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     )?;
     let gamma = dr.cfg.gamma;
     dr.cfg.sts = vec![1.0; gamma];
+    dr.cfg.sts_shift = Vec::new();
     let cfg_before = dr.cfg.clone();
     let sets: Vec<&str> = match a.prompts.as_str() {
         "all" => vec!["chat", "code", "math"],
@@ -293,29 +269,32 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     if obs.is_empty() {
         anyhow::bail!("no verified blocks with confidences were observed");
     }
-    let ones = vec![1.0f32; gamma];
-    let before = cumulative_ece(&obs, &ones);
-    let temps = drafter::calibrate::fit_sts(&obs, gamma, 15);
-    let after = cumulative_ece(&obs, &temps);
-    let auc = crate::eval::conditional_auc(&obs, &temps);
+    use drafter::calibrate::{Sts, cumulative_ece};
+    let before = cumulative_ece(&obs, &Sts::identity(gamma));
+    let sts = drafter::calibrate::fit_sts(&obs, gamma, 15);
+    let after = cumulative_ece(&obs, &sts);
+    let auc = crate::eval::conditional_auc(&obs, &sts);
+    let temps = sts.temps.clone();
     let tau = run.totals.committed_per_call();
     println!("blocks {}  τ {:.2}  ROC-AUC {:.3}", obs.len(), tau, auc);
     for k in 0..after.len() {
         println!(
-            "position {}: T {:.2}  ECE before {:.3}  after {:.3}",
+            "position {}: T {:.2}  shift {:+.1}  ECE before {:.3}  after {:.3}",
             k + 1,
             temps[k],
+            sts.shifts[k],
             before[k],
             after[k]
         );
     }
     let mut cfg = cfg_before;
     cfg.sts = temps.clone();
+    cfg.sts_shift = sts.shifts.clone();
     let tmp = a.drafter.join("drafter.json.tmp");
     std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
     std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
     let v = serde_json::json!({"blocks": obs.len(), "tau": tau, "auc": auc, "ece_before": before, "ece_after": after,
-        "sts": temps, "command": std::env::args().collect::<Vec<_>>().join(" ")});
+        "sts": temps, "sts_shift": sts.shifts, "command": std::env::args().collect::<Vec<_>>().join(" ")});
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }

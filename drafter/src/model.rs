@@ -36,6 +36,9 @@ pub struct DrafterConfig {
     pub rope_theta: f32,
     /// Per-position confidence temperatures (Sequential Temperature Scaling), 1.0 = uncalibrated.
     pub sts: Vec<f32>,
+    /// Per-position logit shifts fitted with the temperatures (empty = 0): c = σ(z/T − s).
+    #[serde(default)]
+    pub sts_shift: Vec<f32>,
     /// Whether the base logits and the parallel-only confidence head were trained (auxiliary
     /// loss), so the parallel-only ablation of this checkpoint means something.
     #[serde(default)]
@@ -43,6 +46,11 @@ pub struct DrafterConfig {
 }
 
 impl DrafterConfig {
+    /// The fitted confidence calibration (temperatures and shifts).
+    pub fn calibration(&self) -> crate::calibrate::Sts {
+        crate::calibrate::Sts::new(&self.sts, &self.sts_shift)
+    }
+
     /// Defaults for a target: features from layers n/6, n/2 and n−2, one layer at the target's
     /// width, rank min(256, vocab/64).
     pub fn for_target(
@@ -69,6 +77,7 @@ impl DrafterConfig {
             rms_eps: cfg.rms_eps as f64,
             rope_theta: 10000.0,
             sts: vec![1.0; gamma],
+            sts_shift: Vec::new(),
             parallel_trained: false,
         }
     }
@@ -95,6 +104,22 @@ impl DrafterConfig {
         if self.sts.len() != self.gamma {
             return Err(DrafterError::Invalid(
                 "one STS temperature per block position".into(),
+            ));
+        }
+        if !self.sts_shift.is_empty() && self.sts_shift.len() != self.gamma {
+            return Err(DrafterError::Invalid(
+                "one STS shift per block position (or none)".into(),
+            ));
+        }
+        if self
+            .sts
+            .iter()
+            .chain(&self.sts_shift)
+            .any(|x| !x.is_finite())
+            || self.sts.iter().any(|&t| t <= 0.0)
+        {
+            return Err(DrafterError::Invalid(
+                "STS temperatures must be positive and shifts finite".into(),
             ));
         }
         Ok(())

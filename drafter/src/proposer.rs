@@ -220,6 +220,7 @@ impl Proposer for DsparkProposer {
         let mut prev = anchors;
         let mut seen: Vec<Vec<u32>> = active.iter().map(|&i| reqs[i].context.to_vec()).collect();
         let mut conf: Vec<Vec<f32>> = ks.iter().map(|&k| Vec::with_capacity(k)).collect();
+        let sts = self.dr.cfg.calibration();
         for kk in 0..kmax {
             let pt = Tensor::from_vec(prev.clone(), (b, 1), &Device::Cpu).map_err(err)?;
             let e = self.dr.markov_rows(&pt).map_err(err)?;
@@ -251,7 +252,7 @@ impl Proposer for DsparkProposer {
                 .map_err(err)?
                 .to_vec1()
                 .map_err(err)?;
-            let t = self.dr.cfg.sts.get(kk).copied().unwrap_or(1.0).max(1e-3);
+
             for (bi, &i) in active.iter().enumerate() {
                 if kk >= ks[bi] {
                     continue;
@@ -264,7 +265,7 @@ impl Proposer for DsparkProposer {
                         *l += x;
                     }
                 }
-                conf[bi].push(1.0 / (1.0 + (-z[bi] / t).exp()));
+                conf[bi].push(sts.conf(kk, z[bi] as f64) as f32);
                 let p = probs(&logits, &seen[bi], r.params);
                 let (tok, dist) = if r.params.is_greedy() {
                     (argmax(&p), Dist::OneHot)
