@@ -628,15 +628,20 @@ pub(crate) mod tests {
         )
     }
 
+    /// A γ = 4, one-layer, rank-16 drafter over layers 0 and 1 of the tiny target.
+    fn tiny_drafter(m: &Model, tok: &Tokenizer, context: usize, seed: u64) -> DsparkDrafter {
+        let (e, h) = target_tensors(m).unwrap();
+        let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
+        cfg.feature_layers = vec![0, 1];
+        cfg.context = context;
+        DsparkDrafter::new(cfg, e, h, seed).unwrap()
+    }
+
     #[test]
     fn fusing_rows_one_at_a_time_gives_the_same_hidden_states() {
         let (m, tok) = tiny();
-        let (e, h) = target_tensors(&m).unwrap();
-        let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
-        cfg.feature_layers = vec![0, 1];
-        cfg.context = 6;
         let d = m.cfg.d_model;
-        let dr = DsparkDrafter::new(cfg, e, h, 5).unwrap();
+        let dr = tiny_drafter(&m, &tok, 6, 5);
         let mut rng = kernels::rng::Rng::new(4);
         let raw: Vec<f32> = (0..2 * 6 * 2 * d)
             .map(|_| rng.normal() as f32 * 3.0)
@@ -682,11 +687,7 @@ pub(crate) mod tests {
     #[test]
     fn confidence_at_k_never_depends_on_the_token_at_k() {
         let (m, tok) = tiny();
-        let (e, h) = target_tensors(&m).unwrap();
-        let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
-        cfg.feature_layers = vec![0, 1];
-        cfg.context = 8;
-        let dr = DsparkDrafter::new(cfg, e, h, 5).unwrap();
+        let dr = tiny_drafter(&m, &tok, 8, 5);
         let feats = Tensor::zeros((1, 8, 2 * m.cfg.d_model), DType::F32, &Device::Cpu).unwrap();
         let anchors = Tensor::from_vec(vec![5u32], 1, &Device::Cpu).unwrap();
         // prev = [x0, x1, x2, x3]; changing x2 (the token drafted at position 2) must leave the
@@ -721,10 +722,7 @@ pub(crate) mod tests {
     fn training_reduces_the_loss_and_checkpoints_round_trip() {
         let (m, tok) = tiny();
         let (e, h) = target_tensors(&m).unwrap();
-        let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
-        cfg.feature_layers = vec![0, 1];
-        cfg.context = 8;
-        let dr = DsparkDrafter::new(cfg, e.clone(), h.clone(), 3).unwrap();
+        let dr = tiny_drafter(&m, &tok, 8, 3);
         assert!(dr.num_params() > 0);
         let text = "the theater in there then rather inner bit tin ".repeat(20);
         let data = tok.encode(&text).unwrap();
