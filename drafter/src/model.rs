@@ -629,7 +629,12 @@ pub(crate) mod tests {
     }
 
     /// A γ = 4, one-layer, rank-16 drafter over layers 0 and 1 of the tiny target.
-    fn tiny_drafter(m: &Model, tok: &Tokenizer, context: usize, seed: u64) -> DsparkDrafter {
+    pub(crate) fn tiny_drafter(
+        m: &Model,
+        tok: &Tokenizer,
+        context: usize,
+        seed: u64,
+    ) -> DsparkDrafter {
         let (e, h) = target_tensors(m).unwrap();
         let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 16);
         cfg.feature_layers = vec![0, 1];

@@ -13,9 +13,9 @@ use std::collections::HashMap;
 
 pub struct DsparkProposer {
     dr: DsparkDrafter,
-    /// Per request: fused context rows (d each) of committed positions 0..n. Fusing is row-wise,
-    /// so each position is fused once when the engine reports it, not once per drafted block.
-    feats: HashMap<u64, Vec<f32>>,
+    /// Per request: the target's feature rows of committed positions, and the fused rows of
+    /// the recent ones.
+    feats: HashMap<u64, ReqFeats>,
     /// The fused row of an all-zero feature row: what pads the window of a short request.
     pad: Vec<f32>,
     label: String,
@@ -26,6 +26,18 @@ pub struct DsparkProposer {
     /// fewer bytes than from the f32 W2 (it is the drafter's largest per-position cost).
     w2t: Option<kernels::matmul::QMatrix>,
     isa: kernels::Isa,
+}
+
+/// A request's context. Fusing is row-wise, so a position is fused once, the first time a block
+/// is drafted with it in the window, and kept: drafting every step fuses one or two new rows,
+/// and an engine that stops drafting (the scheduler at K = 0) pays nothing per step but a copy.
+#[derive(Default)]
+struct ReqFeats {
+    /// Feature rows (F·d each) of committed positions 0..n.
+    raw: Vec<f32>,
+    /// Fused rows (d each) of positions `f0 ..`.
+    fused: Vec<f32>,
+    f0: usize,
 }
 
 /// Quantizes a row-major `rows × cols` matrix (cols a multiple of 32) into 8-bit blocks with one
@@ -132,12 +144,65 @@ impl DsparkProposer {
         self.dr.cfg.feature_layers.len() * self.dr.cfg.d_model
     }
 
+    /// Fuses, for each request in `ids`, the rows of its context window not fused yet (one
+    /// batched fuse for all of them) and drops fused rows that left the window.
+    fn fuse_windows(&mut self, ids: &[u64]) -> specdec::Result<()> {
+        let (c, d, rl) = (self.dr.cfg.context, self.dr.cfg.d_model, self.row_len());
+        let mut todo: Vec<(u64, usize, usize)> = Vec::new(); // (id, first row, rows)
+        let mut rows: Vec<f32> = Vec::new();
+        for &id in ids {
+            let Some(f) = self.feats.get_mut(&id) else {
+                continue;
+            };
+            let n = f.raw.len() / rl;
+            let lo = n.saturating_sub(c);
+            let have = f.fused.len() / d;
+            if f.f0 > lo || f.f0 + have < lo {
+                f.fused.clear();
+                f.f0 = lo;
+            } else if f.f0 < lo {
+                f.fused.drain(..(lo - f.f0) * d);
+                f.f0 = lo;
+            }
+            let from = f.f0 + f.fused.len() / d;
+            if from < n {
+                rows.extend_from_slice(&f.raw[from * rl..n * rl]);
+                todo.push((id, from, n - from));
+            }
+        }
+        if todo.is_empty() {
+            return Ok(());
+        }
+        let total = rows.len() / rl;
+        let t = Tensor::from_vec(rows, (1, total, rl), &Device::Cpu).map_err(err)?;
+        let fused: Vec<f32> = self
+            .dr
+            .fuse_context(&t)
+            .map_err(err)?
+            .flatten_all()
+            .map_err(err)?
+            .to_vec1()
+            .map_err(err)?;
+        let mut at = 0;
+        for (id, _, n) in todo {
+            if let Some(f) = self.feats.get_mut(&id) {
+                f.fused.extend_from_slice(&fused[at * d..(at + n) * d]);
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
     /// Fused context window (C rows of d, padded at the front, with the fused zero row, when
-    /// the request is shorter).
+    /// the request is shorter). [`Self::fuse_windows`] must have run for `id`.
     fn window(&self, id: u64) -> Vec<f32> {
         let (c, d) = (self.dr.cfg.context, self.dr.cfg.d_model);
         let mut w = Vec::with_capacity(c * d);
-        let f = self.feats.get(&id).map(|f| f.as_slice()).unwrap_or(&[]);
+        let f = self
+            .feats
+            .get(&id)
+            .map(|f| f.fused.as_slice())
+            .unwrap_or(&[]);
         let n = f.len() / d;
         let take = n.min(c);
         for _ in take..c {
@@ -165,28 +230,15 @@ impl Proposer for DsparkProposer {
                 rows.len()
             )));
         }
-        let n = rows.len() / rl;
-        let fused: Vec<f32> = if n == 0 {
-            Vec::new()
-        } else {
-            let t = Tensor::from_slice(rows, (1, n, rl), &Device::Cpu).map_err(err)?;
-            self.dr
-                .fuse_context(&t)
-                .map_err(err)?
-                .flatten_all()
-                .map_err(err)?
-                .to_vec1()
-                .map_err(err)?
-        };
         let f = self.feats.entry(id).or_default();
-        // Positions past `start` were rolled back; a gap (never expected) is padded.
-        if f.len() > start * d {
-            f.truncate(start * d);
+        // Positions past `start` were rolled back; a gap (never expected) is zero-filled (the
+        // fused zero row is the pad).
+        f.raw.resize(start * rl, 0.0);
+        f.raw.extend_from_slice(rows);
+        let keep = start.saturating_sub(f.f0);
+        if f.fused.len() > keep * d {
+            f.fused.truncate(keep * d);
         }
-        while f.len() < start * d {
-            f.extend_from_slice(&self.pad);
-        }
-        f.extend_from_slice(&fused);
         Ok(())
     }
 
@@ -200,6 +252,8 @@ impl Proposer for DsparkProposer {
         }
         let (c, g) = (self.dr.cfg.context, self.dr.cfg.gamma);
         let rl = self.dr.cfg.d_model;
+        let ids: Vec<u64> = active.iter().map(|&i| reqs[i].id).collect();
+        self.fuse_windows(&ids)?;
         let mut feats = Vec::with_capacity(active.len() * c * rl);
         let mut anchors = Vec::with_capacity(active.len());
         for &i in &active {
@@ -296,6 +350,67 @@ impl Proposer for DsparkProposer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fused_window_follows_commits_and_rollbacks() {
+        let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
+        let dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        let rl = 2 * m.cfg.d_model;
+        let mut p = DsparkProposer::new(dr, "t");
+        let mut rng = kernels::rng::Rng::new(9);
+        let mut row = || -> Vec<f32> { (0..rl).map(|_| rng.normal() as f32 * 2.0).collect() };
+        // What the window must be: the last C raw rows (zero rows in front), fused in one go.
+        let expect = |p: &DsparkProposer, raw: &[f32]| -> Vec<f32> {
+            let c = p.dr.cfg.context;
+            let n = raw.len() / rl;
+            let mut w = vec![0f32; c * rl];
+            let take = n.min(c);
+            w[(c - take) * rl..].copy_from_slice(&raw[(n - take) * rl..]);
+            let t = Tensor::from_vec(w, (1, c, rl), &Device::Cpu).unwrap();
+            p.dr.fuse_context(&t)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let mut raw: Vec<f32> = Vec::new();
+        // (rows committed from `start`, how many) — appends, a rollback into the fused part, a
+        // window that slides past old fused rows, a long stretch without drafting.
+        let plan: [(Option<usize>, usize, bool); 7] = [
+            (None, 3, true),
+            (None, 1, true),
+            (Some(2), 2, true),
+            (None, 5, true),
+            (Some(7), 1, false),
+            (None, 9, false),
+            (Some(12), 2, true),
+        ];
+        for (step, &(start, n, draft)) in plan.iter().enumerate() {
+            let start = start.unwrap_or(raw.len() / rl);
+            raw.truncate(start * rl);
+            let rows: Vec<f32> = (0..n).flat_map(|_| row()).collect();
+            raw.extend_from_slice(&rows);
+            p.observe(1, start, &rows).unwrap();
+            if draft {
+                p.fuse_windows(&[1]).unwrap();
+                let got = p.window(1);
+                let want = expect(&p, &raw);
+                let worst = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert_eq!(got.len(), want.len());
+                assert!(worst < 1e-4, "step {step}: worst {worst}");
+                let f = &p.feats[&1];
+                assert!(
+                    f.fused.len() / m.cfg.d_model <= 6,
+                    "fused rows stay within the window"
+                );
+            }
+        }
+    }
 
     #[test]
     fn eight_bit_markov_bias_matches_the_f32_product() {
