@@ -490,6 +490,11 @@ pub struct ConfidencePolicy {
     last_real: u32,
     /// The coming step is a probe: its fresh decision applies at once.
     probing: bool,
+    /// Seconds the last probe's drafting took, and a running mean of step seconds: probes are
+    /// spaced so they take at most `probe_share` of the time.
+    last_probe_s: f64,
+    step_s: f64,
+    pub probe_share: f64,
     /// Where the last planned budget came from (the central scheduler or the local queue).
     planned_central: bool,
     /// Measured step seconds ÷ the table's 1/SPS(B) for the same B (running mean; 0 = none yet).
@@ -524,7 +529,8 @@ impl ConfidencePolicy {
             max_batch_tokens,
             max_k,
             adm: Admission::default(),
-            budgets: std::collections::VecDeque::new(),
+            // Speculation has to prove itself: plain decoding until the first probe.
+            budgets: std::iter::repeat_n(0, lag).collect(),
             external: None,
             steps: 0,
             last_decision_us: 0.0,
@@ -541,6 +547,9 @@ impl ConfidencePolicy {
             probe_k: 1,
             last_real: 0,
             probing: false,
+            last_probe_s: 0.0,
+            step_s: 0.0,
+            probe_share: 0.01,
             planned_central: false,
             step_scale: 0.0,
         }
@@ -576,6 +585,17 @@ impl ConfidencePolicy {
 
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// Fewest zero-budget steps between probes so that probing takes at most `probe_share` of
+    /// the time (from the last probe's drafting seconds and the mean step), at most 1024.
+    fn probe_spacing(&self) -> usize {
+        if self.last_probe_s <= 0.0 || self.step_s <= 0.0 || self.probe_share <= 0.0 {
+            return 0;
+        }
+        (self.last_probe_s / (self.probe_share * self.step_s))
+            .ceil()
+            .min(1024.0) as usize
     }
 }
 
@@ -721,10 +741,17 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             // budget grow when they are high (a block capped at K_total could never show it).
             return Some(b as usize + 1);
         }
+        if self.probing {
+            // The last probe drafted nothing (no request could draft then): probe again.
+            return None;
+        }
         self.zero_run += 1;
         if self.zero_run >= self.next_probe {
             self.zero_run = 0;
-            self.next_probe = (self.next_probe * 2).min(128).max(1);
+            self.next_probe = (self.next_probe * 2)
+                .min(128)
+                .max(self.probe_spacing())
+                .max(1);
             self.probing = true;
             None
         } else {
@@ -736,6 +763,11 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         if batch_tokens == 0 || !secs.is_finite() || secs <= 0.0 {
             return;
         }
+        self.step_s = if self.step_s == 0.0 {
+            secs
+        } else {
+            0.95 * self.step_s + 0.05 * secs
+        };
         let r = secs * self.sps.sps(batch_tokens.min(u32::MAX as usize) as u32);
         if r.is_finite() && r > 0.0 {
             self.step_scale = if self.step_scale == 0.0 {
@@ -749,6 +781,9 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
     fn observe_draft(&mut self, secs: f64, n: usize) {
         if n == 0 || !secs.is_finite() {
             return;
+        }
+        if self.probing {
+            self.last_probe_s = secs;
         }
         let per = secs / n as f64;
         self.draft_s_per_req = if self.draft_s_per_req == 0.0 {
@@ -784,11 +819,12 @@ mod tests {
                 })
                 .collect()
         };
-        // The first step has no budget yet: a probe (one request, one position).
-        assert_eq!(p.planned(), None);
-        assert_eq!(p.probe(), Some((1, 1)));
-        p.select(&conf, 0, 0, 1 << 20);
-        assert_eq!(run(&mut p, 3), [true; 3]);
+        // Plain decoding until the first probe (one request, one position) after 16 steps;
+        // its decision applies at once.
+        let first = run(&mut p, 16);
+        assert_eq!(first.iter().filter(|&&x| x).count(), 1, "{first:?}");
+        assert!(first[15]);
+        assert_eq!(run(&mut p, 2), [true; 2]);
         // Decided two steps ago: every position (16), and blocks one longer so the budget can
         // grow past what was drafted.
         assert_eq!(p.planned(), Some(17));
@@ -802,12 +838,41 @@ mod tests {
         // Steps 0 and 1 still use budgets decided before the cost was known; then the 16th
         // zero-budget step probes, and each probe that confirms 0 doubles the wait.
         assert_eq!(drafting, [0, 1, 17, 49]);
+        // A probe that costs 5 steps: the next ones are spaced so probing takes ≤ 1 % of the
+        // time (500 steps apart).
+        p.observe_step(0.01, 8);
+        p.probing = true;
+        p.observe_draft(0.05, 1);
+        p.probing = false;
+        assert_eq!(p.probe_spacing(), 500);
         // Without the cost counted (a remote drafter that overlaps), the next probe's fresh
         // decision applies at once and every later step drafts again.
         p.count_draft_cost = false;
         let d = run(&mut p, 80);
         let first = d.iter().position(|&x| x).expect("a probe");
         assert!(d[first..].iter().all(|&x| x), "{d:?}");
+    }
+
+    #[test]
+    fn a_probe_that_could_not_draft_is_carried_to_the_next_step() {
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(64, 100.0), (256, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        for _ in 0..15 {
+            assert_eq!(p.planned(), Some(0));
+            p.select(&[], 0, 4, 1 << 20);
+        }
+        assert_eq!(p.planned(), None, "the 16th zero step probes");
+        // No request could draft on that step (say, all at their last token).
+        p.select(&[], 0, 4, 1 << 20);
+        assert_eq!(p.planned(), None, "still probing");
+        let row = [0.9f32; 4];
+        p.select(&[&row], 0, 3, 1 << 20);
+        assert!(p.probe().is_none());
+        assert!(
+            p.planned().is_some_and(|b| b > 0),
+            "the probe's decision applies"
+        );
     }
 
     fn staircase(rng: &mut Rng, max_b: u32) -> SpsTable {
