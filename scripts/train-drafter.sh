@@ -13,9 +13,9 @@ bin="$root/target/release/dspark"
 mapfile -t data < <(scripts/drafter-data.sh "$bin" smollm2-135m)
 "$bin" train-drafter --target smollm2-135m --data "${data[@]}" --out "$out" --steps "$steps" \
   --gamma 7 --rank 64 --layers 1 --max-bytes 1600000 --save-every 250
-# STS temperatures on held-out prompts (first half of each prompt set); evaluation on the
-# second half.
+# STS temperatures and shifts on held-out prompts (first half of each prompt set); evaluation
+# on the second half.
 "$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \
-  --json bench/results/calibrate-dspark-smollm2.json
+  --max-tokens 512 --json bench/results/calibrate-dspark-smollm2.json
 "$bin" eval-drafter --target smollm2-135m --drafter "$out" --prompts all --gamma 7 --temperature 1.0 \
-  --json bench/results/eval-dspark-smollm2.json
+  --max-tokens 512 --json bench/results/eval-dspark-smollm2.json

@@ -32,10 +32,14 @@ pub struct FrontierArgs {
     /// Requests per point, as a multiple of the concurrency (at least 4).
     #[arg(long, default_value_t = 2)]
     pub waves: usize,
-    /// Measure every arm this many times per concurrency, in rotated order, and report each
-    /// arm's median round: this machine's noise moves whole seconds, arms must share it.
+    /// Measure every arm this many times per concurrency, each round in a shuffled order (so no
+    /// arm always follows the same one), and report each arm's median round: this machine's
+    /// noise moves whole seconds, arms must share it.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
+    /// Pause before each arm (milliseconds).
+    #[arg(long, default_value_t = 500)]
+    pub settle_ms: u64,
     #[arg(long)]
     pub json: Option<PathBuf>,
     #[arg(long)]
@@ -101,8 +105,9 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
     for &c in &a.concurrency {
         let mut measured: Vec<Vec<serde_json::Value>> = vec![Vec::new(); arms.len()];
         for round in 0..a.rounds {
-            for step in 0..arms.len() {
-                let ai = (step + round) % arms.len();
+            for ai in arm_order(arms.len(), (c as u64) << 16 | round as u64) {
+                // Let the previous arm's after-effects (freed memory, sleeping threads) settle.
+                std::thread::sleep(std::time::Duration::from_millis(a.settle_ms));
                 let (name, k, gm, sched) = &arms[ai];
                 let proposer = crate::spec::build_proposer(g, k, &target, &mut drafts)?;
                 let mut e = crate::spec::engine(&target, proposer, (*gm).max(1), false, max_c)?;
@@ -228,6 +233,17 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         eprintln!("wrote {}", p.display());
     }
     Ok(())
+}
+
+/// A seeded shuffle of 0..n: the order of the arms in one round.
+fn arm_order(n: usize, seed: u64) -> Vec<usize> {
+    let mut rng = kernels::rng::Rng::new(seed ^ 0x5eed_f00d);
+    let mut v: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        let j = rng.below(i + 1);
+        v.swap(i, j);
+    }
+    v
 }
 
 /// The round whose total tokens/s is the median of an arm's rounds (the lower middle one for an
@@ -356,5 +372,19 @@ mod tests {
         let m = median_round(&[r(300.0, 10.0), r(250.0, 8.0)]);
         assert_eq!(m["tok_s"], 250.0);
         assert_eq!(median_round(&[r(1.0, 1.0)])["tok_s"], 1.0);
+    }
+
+    #[test]
+    fn arm_orders_are_permutations_with_varying_neighbours() {
+        let mut before_last = std::collections::HashSet::new();
+        for r in 0..6u64 {
+            let o = arm_order(5, r);
+            let mut sorted = o.clone();
+            sorted.sort();
+            assert_eq!(sorted, vec![0, 1, 2, 3, 4]);
+            let p = o.iter().position(|&x| x == 4).unwrap();
+            before_last.insert(if p == 0 { usize::MAX } else { o[p - 1] });
+        }
+        assert!(before_last.len() > 1, "arm 4 always follows the same arm");
     }
 }
