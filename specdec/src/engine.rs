@@ -747,12 +747,9 @@ impl Engine {
                 .collect();
             let refs: Vec<&[f32]> = confs.iter().map(|c| c.as_slice()).collect();
             let other: usize = chunks.iter().flatten().map(|c| c.1).sum();
-            // Decoding requests in this batch that drafted nothing: one token each.
-            let plain = ks
-                .iter()
-                .enumerate()
-                .filter(|&(i, k)| k.is_some() && !drafting.contains(&i))
-                .count();
+            // Decoding requests in this batch that drafted nothing: one token each (every
+            // drafting request is a decoding one).
+            let plain = ks.iter().flatten().count() - drafting.len();
             let headroom = self.cache.free_blocks() * self.cfg.block_size;
             let k = policy.select(&refs, other, plain, headroom);
             for (j, &i) in drafting.iter().enumerate() {
