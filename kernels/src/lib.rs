@@ -1,6 +1,8 @@
 //! CPU kernels for dspark-serve, each with an exact scalar reference that tests compare against.
 //!
 //! * [`quant`]: the internal 4-bit / 8-bit block formats and exact decoders from GGML types.
+//! * [`grouped`]: Q4_K / Q6_K / Q4_1 / Q8_0 weights interleaved by 16 rows, multiplied with
+//!   15-bit integer activations on AVX-512 VNNI.
 //! * [`matmul`]: quantized matmul that reads each weight block once for all tokens of a batch,
 //!   with AVX-512 / AVX2 paths chosen at run time and a portable fallback.
 //! * [`ops`]: f32 vector ops (dot, axpy, RMSNorm, SiLU, softmax, RoPE) used by the runtime.
@@ -11,6 +13,7 @@
 //! This is the one crate where `unsafe` is allowed (SIMD intrinsics).
 
 pub mod accept;
+pub mod grouped;
 pub mod matmul;
 pub mod ops;
 pub mod quant;

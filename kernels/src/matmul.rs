@@ -13,6 +13,7 @@
 //! instructions per token once the decode is shared by a tile. [`QMatrix::matmul_ref`] is the
 //! exact scalar reference: decode as ggml does, dot in f32, sum in block order.
 
+use crate::grouped::{self, GROUP_ROWS, Group, Q4KGroup, Q6KGroup, Q41Group, Q80Group, QKK};
 use crate::quant::{BlockQ4, BlockQ8, QK};
 use crate::{Isa, KernelError};
 use rayon::prelude::*;
@@ -22,6 +23,51 @@ use rayon::prelude::*;
 pub enum QWeights {
     Q4(Vec<BlockQ4>),
     Q8(Vec<BlockQ8>),
+    /// Q4_K super-blocks, 16 rows interleaved, integer kernels ([`crate::grouped`]).
+    Q4K(Vec<Q4KGroup>),
+    /// Q6_K super-blocks, 16 rows interleaved, integer kernels.
+    Q6K(Vec<Q6KGroup>),
+    /// Q4_1 blocks, 16 rows interleaved, integer kernels.
+    Q41(Vec<Q41Group>),
+    /// Q8_0 blocks, 16 rows interleaved, integer kernels.
+    Q80(Vec<Q80Group>),
+}
+
+/// `$body` with `$g` bound to the groups of a grouped format (and `$other` for the rest).
+macro_rules! grouped {
+    ($w:expr, $g:ident => $body:expr, _ => $other:expr) => {
+        match $w {
+            QWeights::Q4K($g) => $body,
+            QWeights::Q6K($g) => $body,
+            QWeights::Q41($g) => $body,
+            QWeights::Q80($g) => $body,
+            QWeights::Q4(_) | QWeights::Q8(_) => $other,
+        }
+    };
+}
+
+impl QWeights {
+    /// Elements per block of this format.
+    pub fn block_elems(&self) -> usize {
+        match self {
+            QWeights::Q4(_) | QWeights::Q8(_) | QWeights::Q41(_) | QWeights::Q80(_) => QK,
+            QWeights::Q4K(_) | QWeights::Q6K(_) => QKK,
+        }
+    }
+    /// Whether this is one of the 16-row grouped formats.
+    pub fn is_grouped(&self) -> bool {
+        !matches!(self, QWeights::Q4(_) | QWeights::Q8(_))
+    }
+    fn len(&self) -> usize {
+        match self {
+            QWeights::Q4(b) => b.len(),
+            QWeights::Q8(b) => b.len(),
+            QWeights::Q4K(b) => b.len(),
+            QWeights::Q6K(b) => b.len(),
+            QWeights::Q41(b) => b.len(),
+            QWeights::Q80(b) => b.len(),
+        }
+    }
 }
 
 /// A quantized weight matrix (`rows` outputs, `cols` inputs).
@@ -53,19 +99,27 @@ fn tile_of(isa: Isa) -> usize {
 
 impl QMatrix {
     pub fn new(rows: usize, cols: usize, w: QWeights) -> Result<Self, KernelError> {
-        if cols % QK != 0 {
+        let be = w.block_elems();
+        if cols % be != 0 {
             return Err(KernelError::Shape(format!(
-                "cols {cols} is not a multiple of {QK}"
+                "cols {cols} is not a multiple of {be}"
             )));
         }
-        let n = match &w {
-            QWeights::Q4(b) => b.len(),
-            QWeights::Q8(b) => b.len(),
+        let n = w.len();
+        let need = match &w {
+            QWeights::Q4(_) | QWeights::Q8(_) => rows * cols / be,
+            _ => {
+                if rows % GROUP_ROWS != 0 {
+                    return Err(KernelError::Shape(format!(
+                        "rows {rows} is not a multiple of {GROUP_ROWS}"
+                    )));
+                }
+                rows / GROUP_ROWS * cols / be
+            }
         };
-        if n != rows * cols / QK {
+        if n != need {
             return Err(KernelError::Shape(format!(
-                "{rows}x{cols} matrix needs {} blocks, got {n}",
-                rows * cols / QK
+                "{rows}x{cols} matrix needs {need} blocks, got {n}"
             )));
         }
         Ok(Self { rows, cols, w })
@@ -73,7 +127,7 @@ impl QMatrix {
 
     /// Blocks per row.
     pub fn kb(&self) -> usize {
-        self.cols / QK
+        self.cols / self.w.block_elems()
     }
 
     /// Bytes of packed weights (what one forward streams from memory).
@@ -81,6 +135,10 @@ impl QMatrix {
         match &self.w {
             QWeights::Q4(b) => std::mem::size_of_val(b.as_slice()),
             QWeights::Q8(b) => std::mem::size_of_val(b.as_slice()),
+            QWeights::Q4K(b) => std::mem::size_of_val(b.as_slice()),
+            QWeights::Q6K(b) => std::mem::size_of_val(b.as_slice()),
+            QWeights::Q41(b) => std::mem::size_of_val(b.as_slice()),
+            QWeights::Q80(b) => std::mem::size_of_val(b.as_slice()),
         }
     }
 
@@ -109,6 +167,38 @@ impl QMatrix {
                 }
                 QWeights::Q8(all)
             }
+            QWeights::Q4K(_) => {
+                let mut all = Vec::new();
+                for p in parts {
+                    let QWeights::Q4K(b) = &p.w else { return None };
+                    all.extend_from_slice(b);
+                }
+                QWeights::Q4K(all)
+            }
+            QWeights::Q6K(_) => {
+                let mut all = Vec::new();
+                for p in parts {
+                    let QWeights::Q6K(b) = &p.w else { return None };
+                    all.extend_from_slice(b);
+                }
+                QWeights::Q6K(all)
+            }
+            QWeights::Q41(_) => {
+                let mut all = Vec::new();
+                for p in parts {
+                    let QWeights::Q41(b) = &p.w else { return None };
+                    all.extend_from_slice(b);
+                }
+                QWeights::Q41(all)
+            }
+            QWeights::Q80(_) => {
+                let mut all = Vec::new();
+                for p in parts {
+                    let QWeights::Q80(b) = &p.w else { return None };
+                    all.extend_from_slice(b);
+                }
+                QWeights::Q80(all)
+            }
         };
         Some(QMatrix { rows, cols, w })
     }
@@ -127,6 +217,13 @@ impl QMatrix {
                     b[row * kb + j].dequantize(o);
                 }
             }
+            w => grouped!(w, g => {
+                let (rg, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
+                let gs = &g[rg * kb..(rg + 1) * kb];
+                for (e, o) in out.iter_mut().enumerate().take(self.cols) {
+                    *o = Group::element_of(gs, r, e);
+                }
+            }, _ => {}),
         }
     }
 
@@ -138,6 +235,9 @@ impl QMatrix {
             x.len() >= m * self.cols && out.len() >= m * n,
             "matmul buffers too small"
         );
+        if self.w.is_grouped() {
+            return grouped!(&self.w, g => self.matmul_grouped(g, x, m, out, isa), _ => {});
+        }
         let threads = rayon::current_num_threads().max(1);
         // Enough chunks to balance threads, big enough that a task amortizes its scheduling cost.
         let chunk = (n / (threads * 4)).clamp(16, 512);
@@ -171,6 +271,7 @@ impl QMatrix {
                             QWeights::Q8(b) => {
                                 x86::decode_row_q8_bf16(&b[r * kb..(r + 1) * kb], dst)
                             }
+                            _ => {}
                         }
                     }
                 }
@@ -225,6 +326,7 @@ impl QMatrix {
                                     tn,
                                     &mut res,
                                 ),
+                                _ => {}
                             }
                         }
                         for (j, v) in res.iter().enumerate().take(tn) {
@@ -240,6 +342,7 @@ impl QMatrix {
                         QWeights::Q8(b) => {
                             dot_q8(isa, &b[r * kb..(r + 1) * kb], xt, cols, tn, &mut res)
                         }
+                        _ => {}
                     }
                     for (j, v) in res.iter().enumerate().take(tn) {
                         // SAFETY: (t0 + j, r) is inside m × n and owned by this chunk alone.
@@ -256,10 +359,90 @@ impl QMatrix {
         }
     }
 
+    /// The grouped path: activations quantized once per call (per token, so a row's result
+    /// never depends on the other tokens of the batch), then groups of 16 rows split across
+    /// threads.
+    fn matmul_grouped<G: Group + Sync>(
+        &self,
+        groups: &[G],
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        isa: Isa,
+    ) {
+        let n = self.rows;
+        let kb = self.kb();
+        let nblk = self.cols / QK;
+        let xq = grouped::quantize_rows(x, m, self.cols);
+        let n_groups = n / GROUP_ROWS;
+        let threads = rayon::current_num_threads().max(1);
+        let chunk = (n_groups / (threads * 4)).clamp(1, 32);
+        let optr = OutPtr(out.as_mut_ptr());
+        let n_chunks = n_groups.div_ceil(chunk);
+        let work = |c: usize| {
+            let g0 = c * chunk;
+            let g1 = (g0 + chunk).min(n_groups);
+            let optr = optr;
+            let mut t0 = 0;
+            while t0 < m {
+                let tn = (m - t0).min(grouped::MAX_TILE);
+                let xt = &xq.blocks[t0 * nblk..(t0 + tn) * nblk];
+                let outl = &xq.outliers[t0..t0 + tn];
+                for rg in g0..g1 {
+                    let gs = &groups[rg * kb..(rg + 1) * kb];
+                    let mut res = [[0f32; GROUP_ROWS]; grouped::MAX_TILE];
+                    grouped::dot(isa, gs, xt, tn, &mut res);
+                    for (rt, o) in res.iter_mut().zip(outl).filter(|(_, o)| !o.is_empty()) {
+                        for (r, v) in rt.iter_mut().enumerate() {
+                            *v += grouped::outlier_sum(o, |e| G::element_of(gs, r, e));
+                        }
+                    }
+                    for (j, rt) in res.iter().enumerate().take(tn) {
+                        // SAFETY: the 16 cells (t0 + j, rg·16 ..) are inside m × n and owned by
+                        // this chunk alone.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                rt.as_ptr(),
+                                optr.0.add((t0 + j) * n + rg * GROUP_ROWS),
+                                GROUP_ROWS,
+                            )
+                        };
+                    }
+                }
+                t0 += tn;
+            }
+        };
+        if n_chunks == 1 || m * n * kb < 256 {
+            (0..n_chunks).for_each(work);
+        } else {
+            (0..n_chunks).into_par_iter().for_each(work);
+        }
+    }
+
+    /// Scalar reference of the grouped path: exact integer sums, outliers in f32.
+    fn matmul_ref_grouped<G: Group>(&self, groups: &[G], x: &[f32], m: usize, out: &mut [f32]) {
+        let kb = self.kb();
+        let nblk = self.cols / QK;
+        let xq = grouped::quantize_rows(x, m, self.cols);
+        for row in 0..self.rows {
+            let (rg, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
+            let gs = &groups[rg * kb..(rg + 1) * kb];
+            for t in 0..m {
+                let xt = &xq.blocks[t * nblk..(t + 1) * nblk];
+                out[t * self.rows + row] = G::reference(gs, r, xt)
+                    + grouped::outlier_sum(&xq.outliers[t], |e| G::element_of(gs, r, e));
+            }
+        }
+    }
+
     /// Exact scalar reference of [`QMatrix::matmul`]: each block decoded exactly as ggml does,
     /// multiplied in f32 and summed in element order. The SIMD paths differ from it only by
-    /// f32 summation order (and a fused multiply-add in the decode).
+    /// f32 summation order (and a fused multiply-add in the decode). For the K-quant formats it
+    /// is the reference of their 8-bit-activation kernel: exact integer dots per super-block.
     pub fn matmul_ref(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        if self.w.is_grouped() {
+            return grouped!(&self.w, g => self.matmul_ref_grouped(g, x, m, out), _ => {});
+        }
         let mut wrow = vec![0f32; self.cols];
         for r in 0..self.rows {
             self.dequantize_row(r, &mut wrow);
@@ -297,6 +480,10 @@ impl QMatrix {
     /// Scalar reference of the bf16 path: weights and activations rounded to bf16, products
     /// accumulated in f32.
     pub fn matmul_ref_bf16(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        if self.w.is_grouped() {
+            // The grouped kernels do not use bf16 on any ISA.
+            return self.matmul_ref(x, m, out);
+        }
         let mut wrow = vec![0f32; self.cols];
         for r in 0..self.rows {
             self.dequantize_row(r, &mut wrow);

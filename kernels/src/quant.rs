@@ -113,8 +113,10 @@ impl GgmlType {
     /// Which internal format the type repacks into (`None` for float types).
     pub fn internal(self) -> Option<InternalFormat> {
         match self {
-            Self::Q4_1 | Self::Q4K => Some(InternalFormat::Q4),
-            Self::Q5_0 | Self::Q8_0 | Self::Q6K => Some(InternalFormat::Q8),
+            Self::Q4_1 => Some(InternalFormat::Q4),
+            Self::Q5_0 | Self::Q8_0 => Some(InternalFormat::Q8),
+            Self::Q4K => Some(InternalFormat::Q4K),
+            Self::Q6K => Some(InternalFormat::Q6K),
             Self::F32 | Self::F16 => None,
         }
     }
@@ -135,6 +137,9 @@ impl GgmlType {
 pub enum InternalFormat {
     Q4,
     Q8,
+    /// Kept as native super-blocks ([`crate::kquant`]).
+    Q4K,
+    Q6K,
 }
 
 fn f16_at(b: &[u8], off: usize) -> f32 {
@@ -320,7 +325,7 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n_elems: usize) -> Result<Vec<f32>, 
                 .collect())
         }
         _ => match ty.internal() {
-            Some(InternalFormat::Q4) => {
+            Some(InternalFormat::Q4 | InternalFormat::Q4K) => {
                 let blocks = repack_q4(ty, raw, n_elems)?;
                 let mut out = vec![0f32; n_elems];
                 for (b, o) in blocks.iter().zip(out.chunks_exact_mut(QK)) {

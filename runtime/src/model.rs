@@ -142,13 +142,15 @@ trait TensorSource {
 struct GgufSource<'a> {
     g: &'a mut GgufFile,
     types: HashMap<&'static str, usize>,
+    /// Whether the grouped integer kernels run here ([`kernels::grouped::native`]).
+    grouped: bool,
 }
 
 impl TensorSource for GgufSource<'_> {
     fn linear(&mut self, name: &str, dense: bool) -> Result<Linear> {
         let raw = self.g.read(name)?;
         *self.types.entry(raw.ty.name()).or_default() += 1;
-        Linear::from_raw(&raw, dense)
+        Linear::from_raw(&raw, dense, self.grouped)
     }
     fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
         let raw = self.g.read(name)?;
@@ -265,6 +267,7 @@ impl Model {
         let mut src = GgufSource {
             g,
             types: HashMap::new(),
+            grouped: kernels::grouped::native(opts.isa.unwrap_or_else(Isa::detect)),
         };
         let mut m = Self::build(cfg, &mut src, &GGUF_NAMES, opts)?;
         let mut types: Vec<String> = src.types.iter().map(|(k, v)| format!("{k}×{v}")).collect();

@@ -4,12 +4,15 @@
 use crate::Result;
 use crate::gguf::RawTensor;
 use candle_core::{Device, Tensor};
+use kernels::GgmlType;
+use kernels::grouped::{repack_q4k, repack_q6k, repack_q41, repack_q80};
 use kernels::quant::{repack_q4, repack_q8};
 use kernels::{InternalFormat, Isa, QMatrix, QWeights};
 
 /// One weight matrix, `rows` outputs × `cols` inputs.
 pub enum Linear {
-    /// Repacked quantized blocks, multiplied with f32 activations.
+    /// Quantized blocks: 16-row groups with integer kernels, or 32-element blocks with f32 /
+    /// bf16 kernels (see [`Linear::from_raw`]).
     Quant(QMatrix),
     /// Dense f32 `[rows, cols]`, multiplied with candle's f32 GEMM.
     Dense(Tensor),
@@ -17,8 +20,10 @@ pub enum Linear {
 
 impl Linear {
     /// Builds from raw GGUF bytes. Quantized types are repacked unless `dense` asks for the
-    /// f32-dequantized reference.
-    pub fn from_raw(raw: &RawTensor, dense: bool) -> Result<Self> {
+    /// f32-dequantized reference: into the 16-row grouped layout of the integer kernels when
+    /// `grouped` (the CPU has AVX-512 VNNI) and the shape fits, else into the 32-element formats
+    /// of the f32 / bf16 kernels (Q5_0 always: its 5-bit codes have no grouped layout yet).
+    pub fn from_raw(raw: &RawTensor, dense: bool, grouped: bool) -> Result<Self> {
         let (rows, cols) = match raw.dims.as_slice() {
             [r, c] => (*r, *c),
             d => {
@@ -27,23 +32,33 @@ impl Linear {
                 )));
             }
         };
-        match raw.ty.internal() {
-            Some(fmt) if !dense => {
-                let w = match fmt {
-                    InternalFormat::Q4 => QWeights::Q4(repack_q4(raw.ty, &raw.data, rows * cols)?),
-                    InternalFormat::Q8 => QWeights::Q8(repack_q8(raw.ty, &raw.data, rows * cols)?),
-                };
-                Ok(Linear::Quant(QMatrix::new(rows, cols, w)?))
+        let Some(fmt) = raw.ty.internal().filter(|_| !dense) else {
+            let v = kernels::quant::dequantize(raw.ty, &raw.data, rows * cols)?;
+            return Ok(Linear::Dense(Tensor::from_vec(
+                v,
+                (rows, cols),
+                &Device::Cpu,
+            )?));
+        };
+        let (data, n) = (&raw.data, rows * cols);
+        let w = if grouped && kernels::grouped::fits(raw.ty, rows, cols) {
+            match raw.ty {
+                GgmlType::Q4K => QWeights::Q4K(repack_q4k(data, rows, cols)?),
+                GgmlType::Q6K => QWeights::Q6K(repack_q6k(data, rows, cols)?),
+                GgmlType::Q4_1 => QWeights::Q41(repack_q41(data, rows, cols)?),
+                _ => QWeights::Q80(repack_q80(data, rows, cols)?),
             }
-            _ => {
-                let v = kernels::quant::dequantize(raw.ty, &raw.data, rows * cols)?;
-                Ok(Linear::Dense(Tensor::from_vec(
-                    v,
-                    (rows, cols),
-                    &Device::Cpu,
-                )?))
+        } else {
+            match fmt {
+                InternalFormat::Q4 | InternalFormat::Q4K => {
+                    QWeights::Q4(repack_q4(raw.ty, data, n)?)
+                }
+                InternalFormat::Q8 | InternalFormat::Q6K => {
+                    QWeights::Q8(repack_q8(raw.ty, data, n)?)
+                }
             }
-        }
+        };
+        Ok(Linear::Quant(QMatrix::new(rows, cols, w)?))
     }
 
     pub fn rows(&self) -> usize {

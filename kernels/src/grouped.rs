@@ -1,0 +1,1059 @@
+//! Integer matmul over 16-row interleaved weight groups: Q4_K, Q6_K, Q4_1 and Q8_0 weights kept
+//! at their own bit widths, activations as 15-bit integers split into two 8-bit halves.
+//!
+//! Why: with rows in the i32 lanes of a zmm register, one AVX-512 VNNI `vpdpbusd` (u8 weight ×
+//! i8 activation, four products summed per lane) multiplies 4 elements of 16 rows with no
+//! horizontal sums, and a sub-block's per-row scales apply with one multiply-add for 16 rows.
+//! Decoding weights to floats first (the bf16 path of [`crate::matmul`]) costs more
+//! instructions than the weights cost bytes: a Qwen2.5-1.5B decode ran at half llama.cpp's
+//! speed that way, and each extra verified token cost a third of a decode on SmolLM2.
+//!
+//! Accuracy: ggml multiplies K-quants with 8-bit activations (one scale per 256). On
+//! Qwen2.5-1.5B that moved 4 % of the greedy tokens away from the f32-dequantized reference,
+//! and on SmolLM2 8-bit activations change the answer to a chat question. Here each group of 32
+//! activations is `d·(128·q1 + q2)` with `q1, q2` 8-bit — 15 bits, finer than bf16 — for the
+//! price of a second `vpdpbusd` (Qwen2.5-1.5B: 100 % top-1 agreement, mean KL below 1e-6 over
+//! 512 positions). An activation above [`OUTLIER_RATIO`] times its 256-neighbourhood's mean |x|
+//! is split off and multiplied in f32 (a guard; the default models never reach it).
+//!
+//! Lossless verification: each token is quantized and multiplied on its own with the same
+//! instruction sequence whatever the tile, so a batch gives bit-identical rows to the same
+//! tokens one by one. The scalar references ([`QMatrix::matmul_ref`](crate::QMatrix)) do the
+//! same integer sums exactly; tests hold every path to them.
+
+use crate::quant::{GgmlType, QK};
+use crate::{Isa, KernelError};
+use half::f16;
+
+/// Elements per K-quant super-block.
+pub const QKK: usize = 256;
+
+/// Rows interleaved in one group (the i32 lanes of a zmm register).
+pub const GROUP_ROWS: usize = 16;
+
+/// Largest token tile of the kernels.
+pub(crate) const MAX_TILE: usize = 8;
+
+/// An activation counts as an outlier when it exceeds this many times the mean |x| of its 256
+/// neighbours (the mean includes it, so this is about 85 times a typical neighbour): left in,
+/// it would leave them a few hundred of the 32,767 levels. None of the default models reaches
+/// it (an 8-bit split at 12× cost 10 % of a Qwen decode for nothing once activations had 15
+/// bits), so it is a guard for other checkpoints, not a hot path.
+pub const OUTLIER_RATIO: f32 = 64.0;
+
+/// At most this many outliers are split off per 256 activations (the largest ones).
+pub const MAX_OUTLIERS: usize = 4;
+
+/// 16 rows × one Q4_K super-block: `w = d·sc[j]·q − dmin·mn[j]` for element `e`, `j = e / 32`,
+/// `q` in 0..16. Sub-block `j`'s codes are `qs[j]`: four 64-byte vectors `g`, whose bytes
+/// `4r + i` hold element `8g + i` of row `r` in the low nibble and element `8g + 4 + i` in the
+/// high nibble.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C, align(64))]
+pub struct Q4KGroup {
+    pub d: [f32; GROUP_ROWS],
+    pub dmin: [f32; GROUP_ROWS],
+    pub sc: [[u8; GROUP_ROWS]; 8],
+    pub mn: [[u8; GROUP_ROWS]; 8],
+    pub qs: [[u8; 256]; 8],
+}
+
+/// 16 rows × one Q6_K super-block: `w = d·sc[g]·(q − 32)`, `g = e / 16`, `q` in 0..64. Group
+/// `g`'s codes are `q[g]`, 192 contiguous bytes (one stream for the prefetcher): its low 4 bits
+/// are two 64-byte vectors `h`, whose bytes `4r + i` hold element `8h + i` of row `r` in the low
+/// nibble and element `8h + 4 + i` in the high nibble; its top 2 bits are the third vector,
+/// whose byte `4r + i` holds element `4k + i` at bits `2k..2k+2`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C, align(64))]
+pub struct Q6KGroup {
+    pub d: [f32; GROUP_ROWS],
+    pub sc: [[i8; GROUP_ROWS]; 16],
+    pub q: [[u8; 192]; 16],
+}
+
+/// 16 rows × one Q4_1 block of 32: `w = d·q + m`, `q` in 0..16, codes laid out like one Q4_K
+/// sub-block. Scales stay f16 (exact: GGUF stores them so).
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C, align(64))]
+pub struct Q41Group {
+    pub d: [f16; GROUP_ROWS],
+    pub m: [f16; GROUP_ROWS],
+    pub qs: [u8; 256],
+}
+
+/// 16 rows × one Q8_0 block of 32: `w = d·q`, stored as `q + 128` (VNNI wants unsigned
+/// weights; the offset comes back through the activation sums). Vector `k` (64 bytes) holds
+/// elements `4k..4k+4`, byte `4r + i` element `4k + i` of row `r`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C, align(64))]
+pub struct Q80Group {
+    pub d: [f16; GROUP_ROWS],
+    pub qs: [u8; 512],
+}
+
+/// One token's 32 activations as `x ≈ d·(128·q1 + q2)`, with the negated, scaled sums the
+/// kernels need for mins and offsets: `neg32 = −d·Σ x16` and `neg16x32[h] = −32·d·Σ_{16h..16h+16}
+/// x16` (Q6_K's offset of 32).
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(16))]
+pub struct BlockA32 {
+    pub q1: [i8; QK],
+    pub q2: [i8; QK],
+    pub d: f32,
+    pub neg32: f32,
+    pub neg16x32: [f32; 2],
+}
+
+/// Round half to even for |v| < 2²², without a libm call: adding 1.5·2²³ leaves no fraction
+/// bits, so the FPU rounds (Rust never reassociates float arithmetic).
+#[inline(always)]
+fn round_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
+impl BlockA32 {
+    /// The 15-bit code of element `e`.
+    #[inline]
+    pub fn x16(&self, e: usize) -> i32 {
+        128 * self.q1[e] as i32 + self.q2[e] as i32
+    }
+
+    /// [`BlockA32::quantize`] with SIMD where the CPU has it; the same bits either way.
+    pub fn quantize_fast(x: &[f32]) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if x.len() >= QK && is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F and `x` holds 32 values.
+            return unsafe { x86::quantize(x) };
+        }
+        Self::quantize(x)
+    }
+
+    /// Fills the sums from the codes (shared by the scalar and SIMD quantizers).
+    fn finish(&mut self, d2: f32) {
+        self.d = d2;
+        let s0: i32 = (0..16).map(|e| self.x16(e)).sum();
+        let s1: i32 = (16..32).map(|e| self.x16(e)).sum();
+        self.neg16x32 = [-32.0 * d2 * s0 as f32, -32.0 * d2 * s1 as f32];
+        self.neg32 = -d2 * (s0 + s1) as f32;
+    }
+
+    /// Two-level quantization of 32 values: `q1 = round(x / d1)` with `d1 = max|x| / 127`, then
+    /// the residual in steps of `d1 / 128` (at most half a `d1` step, so `|q2| ≤ 64`).
+    pub fn quantize(x: &[f32]) -> Self {
+        let mut b = Self::zero();
+        let x = &x[..QK];
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        if amax == 0.0 || !amax.is_finite() {
+            return b;
+        }
+        let d1 = amax / 127.0;
+        let d2 = d1 / 128.0;
+        let (i1, i2) = (1.0 / d1, 1.0 / d2);
+        for e in 0..QK {
+            let q1 = round_even(x[e] * i1).clamp(-127.0, 127.0);
+            let r = x[e] - q1 * d1;
+            b.q1[e] = q1 as i8;
+            b.q2[e] = round_even(r * i2).clamp(-127.0, 127.0) as i8;
+        }
+        b.finish(d2);
+        b
+    }
+
+    fn zero() -> Self {
+        BlockA32 {
+            q1: [0; QK],
+            q2: [0; QK],
+            d: 0.0,
+            neg32: 0.0,
+            neg16x32: [0.0; 2],
+        }
+    }
+}
+
+/// A batch of activations ready for the kernels: `cols / 32` blocks per token, and per token
+/// the outliers split off them as `(column, value)`.
+pub struct QuantRows {
+    pub blocks: Vec<BlockA32>,
+    pub outliers: Vec<Vec<(usize, f32)>>,
+}
+
+/// Quantizes `m` rows of `cols` activations (cols a multiple of 32).
+pub fn quantize_rows(x: &[f32], m: usize, cols: usize) -> QuantRows {
+    let mut blocks = Vec::with_capacity(m * cols / QK);
+    let mut outliers = Vec::with_capacity(m);
+    let mut rest = vec![0f32; cols];
+    for row in x[..m * cols].chunks_exact(cols) {
+        let mut o = Vec::new();
+        rest.copy_from_slice(row);
+        for (c, span) in rest.chunks_mut(QKK).enumerate() {
+            split_outliers(span, c * QKK, &mut o);
+        }
+        blocks.extend(rest.chunks_exact(QK).map(BlockA32::quantize_fast));
+        outliers.push(o);
+    }
+    QuantRows { blocks, outliers }
+}
+
+/// Moves values above [`OUTLIER_RATIO`] × the span's mean |x| (at most [`MAX_OUTLIERS`], the
+/// largest) from `span` to `out`.
+fn split_outliers(span: &mut [f32], base: usize, out: &mut Vec<(usize, f32)>) {
+    // Eight fixed partial sums: vectorizable, and the same bits on every path.
+    let mut part = [0f32; 8];
+    for c in span.chunks(8) {
+        for (p, v) in part.iter_mut().zip(c) {
+            *p += v.abs();
+        }
+    }
+    let mean = part.iter().sum::<f32>() / span.len() as f32;
+    let thr = OUTLIER_RATIO * mean;
+    if !thr.is_finite() || span.iter().all(|v| v.abs() <= thr) {
+        return;
+    }
+    let mut big: Vec<usize> = (0..span.len()).filter(|&e| span[e].abs() > thr).collect();
+    big.sort_by(|&a, &b| span[b].abs().total_cmp(&span[a].abs()).then(a.cmp(&b)));
+    big.truncate(MAX_OUTLIERS);
+    big.sort_unstable();
+    for e in big {
+        out.push((base + e, span[e]));
+        span[e] = 0.0;
+    }
+}
+
+/// Byte `4r + i` of the four 64-byte vectors of a 32-element 4-bit sub-block: element
+/// `8g + i` in the low nibble, `8g + 4 + i` in the high one.
+#[inline]
+fn nibble_of(qs: &[u8; 256], r: usize, l: usize) -> u8 {
+    let (g, k) = (l / 8, l % 8);
+    let byte = qs[64 * g + 4 * r + k % 4];
+    if k < 4 { byte & 0x0f } else { byte >> 4 }
+}
+
+fn pack_nibbles(qs: &mut [u8; 256], r: usize, code: impl Fn(usize) -> u8) {
+    for g in 0..4 {
+        for i in 0..4 {
+            let e = 8 * g + i;
+            qs[64 * g + 4 * r + i] = (code(e) & 0x0f) | ((code(e + 4) & 0x0f) << 4);
+        }
+    }
+}
+
+impl Q4KGroup {
+    /// The 4-bit code of element `e` of row `r`.
+    #[inline]
+    pub fn code(&self, r: usize, e: usize) -> u8 {
+        nibble_of(&self.qs[e / 32], r, e % 32)
+    }
+    /// Element `e` of row `r`, exactly as ggml's dequantizer gives it: `(d·sc)·q − dmin·m`.
+    #[inline]
+    pub fn element(&self, r: usize, e: usize) -> f32 {
+        let (scf, mnf) = self.sub(r, e / 32);
+        scf * self.code(r, e) as f32 - mnf
+    }
+    /// Row `r`'s scale and min of sub-block `j` as the kernels form them.
+    #[inline]
+    fn sub(&self, r: usize, j: usize) -> (f32, f32) {
+        (
+            self.d[r] * self.sc[j][r] as f32,
+            self.dmin[r] * self.mn[j][r] as f32,
+        )
+    }
+}
+
+impl Q6KGroup {
+    /// The 6-bit code of element `e` of row `r`.
+    #[inline]
+    pub fn code(&self, r: usize, e: usize) -> u8 {
+        let (g, l) = (e / 16, e % 16);
+        let (h, k) = (l / 8, l % 8);
+        let byte = self.q[g][64 * h + 4 * r + k % 4];
+        let lo = if k < 4 { byte & 0x0f } else { byte >> 4 };
+        let hi = (self.q[g][128 + 4 * r + l % 4] >> (2 * (l / 4))) & 3;
+        lo | (hi << 4)
+    }
+    /// Element `e` of row `r`, exactly as ggml's dequantizer gives it: `(d·sc)·(q − 32)`.
+    #[inline]
+    pub fn element(&self, r: usize, e: usize) -> f32 {
+        self.d[r] * self.sc[e / 16][r] as f32 * (self.code(r, e) as i32 - 32) as f32
+    }
+}
+
+impl Q41Group {
+    #[inline]
+    pub fn code(&self, r: usize, e: usize) -> u8 {
+        nibble_of(&self.qs, r, e)
+    }
+    /// Element `e` of row `r`, as [`crate::quant::BlockQ4`] decodes it: `d·q + m`.
+    #[inline]
+    pub fn element(&self, r: usize, e: usize) -> f32 {
+        self.d[r].to_f32() * self.code(r, e) as f32 + self.m[r].to_f32()
+    }
+}
+
+impl Q80Group {
+    /// The stored (offset) code of element `e` of row `r`: `q + 128`.
+    #[inline]
+    pub fn code(&self, r: usize, e: usize) -> u8 {
+        self.qs[64 * (e / 4) + 4 * r + e % 4]
+    }
+    /// Element `e` of row `r`, as ggml decodes it: `d·q`.
+    #[inline]
+    pub fn element(&self, r: usize, e: usize) -> f32 {
+        self.d[r].to_f32() * (self.code(r, e) as i32 - 128) as f32
+    }
+}
+
+fn f16_at(b: &[u8], off: usize) -> f16 {
+    f16::from_le_bytes([b[off], b[off + 1]])
+}
+
+/// Elements per block of the types with a grouped layout (`None` for the others).
+fn group_block(ty: GgmlType) -> Option<usize> {
+    match ty {
+        GgmlType::Q4K | GgmlType::Q6K => Some(QKK),
+        GgmlType::Q4_1 | GgmlType::Q8_0 => Some(QK),
+        _ => None,
+    }
+}
+
+/// Whether a `rows × cols` matrix of this type can take the grouped layout.
+pub fn fits(ty: GgmlType, rows: usize, cols: usize) -> bool {
+    group_block(ty).is_some_and(|be| rows % GROUP_ROWS == 0 && cols % be == 0)
+}
+
+/// Whether the grouped kernels run on this ISA (AVX-512 with VNNI). Elsewhere the weights take
+/// the 32-element formats of [`crate::quant`] and the f32 / bf16 kernels.
+pub fn native(isa: Isa) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        matches!(isa, Isa::Avx512 | Isa::Avx512Bf16) && is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        false
+    }
+}
+
+/// Checks a raw tensor of `rows × cols` and returns its blocks per row.
+fn check_shape(ty: GgmlType, raw: &[u8], rows: usize, cols: usize) -> Result<usize, KernelError> {
+    if !fits(ty, rows, cols) {
+        return Err(KernelError::Shape(format!(
+            "{} matrix {rows}x{cols} does not fit the grouped layout (rows a multiple of \
+             {GROUP_ROWS}, cols a multiple of the block)",
+            ty.name()
+        )));
+    }
+    let nb = cols / ty.block_elems();
+    if raw.len() != rows * nb * ty.block_bytes() {
+        return Err(KernelError::Shape(format!(
+            "{} matrix {rows}x{cols} needs {} bytes, got {}",
+            ty.name(),
+            rows * nb * ty.block_bytes(),
+            raw.len()
+        )));
+    }
+    Ok(nb)
+}
+
+/// Calls `f(group, row in group, raw block)` for every block, groups ordered
+/// `[row group][block]`.
+fn for_blocks<G>(
+    ty: GgmlType,
+    raw: &[u8],
+    rows: usize,
+    cols: usize,
+    empty: impl Fn() -> G,
+    f: impl Fn(&mut G, usize, &[u8]),
+) -> Result<Vec<G>, KernelError> {
+    let nb = check_shape(ty, raw, rows, cols)?;
+    let bb = ty.block_bytes();
+    let mut out = Vec::with_capacity(rows / GROUP_ROWS * nb);
+    for rg in 0..rows / GROUP_ROWS {
+        for b in 0..nb {
+            let mut g = empty();
+            for r in 0..GROUP_ROWS {
+                let off = ((rg * GROUP_ROWS + r) * nb + b) * bb;
+                f(&mut g, r, &raw[off..off + bb]);
+            }
+            out.push(g);
+        }
+    }
+    Ok(out)
+}
+
+/// The 6-bit scale and min of sub-block `j` from Q4_K's 12 packed bytes (ggml's
+/// `get_scale_min_k4`).
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Raw GGUF Q4_K bytes of a `rows × cols` matrix → groups.
+pub fn repack_q4k(raw: &[u8], rows: usize, cols: usize) -> Result<Vec<Q4KGroup>, KernelError> {
+    let empty = || Q4KGroup {
+        d: [0.0; GROUP_ROWS],
+        dmin: [0.0; GROUP_ROWS],
+        sc: [[0; GROUP_ROWS]; 8],
+        mn: [[0; GROUP_ROWS]; 8],
+        qs: [[0; 256]; 8],
+    };
+    for_blocks(GgmlType::Q4K, raw, rows, cols, empty, |g, r, blk| {
+        g.d[r] = f16_at(blk, 0).to_f32();
+        g.dmin[r] = f16_at(blk, 2).to_f32();
+        for j in 0..8 {
+            let (s, m) = scale_min_k4(j, &blk[4..16]);
+            g.sc[j][r] = s;
+            g.mn[j][r] = m;
+        }
+        // GGML: element 64c + l (l < 32) is the low nibble of qs[32c + l], element 64c + 32 + l
+        // its high nibble.
+        let q = &blk[16..144];
+        let code = |e: usize| {
+            let (c, l) = (e / 64, e % 64);
+            if l < 32 {
+                q[32 * c + l] & 0x0f
+            } else {
+                q[32 * c + l - 32] >> 4
+            }
+        };
+        for j in 0..8 {
+            pack_nibbles(&mut g.qs[j], r, |l| code(32 * j + l));
+        }
+    })
+}
+
+/// Raw GGUF Q6_K bytes of a `rows × cols` matrix → groups.
+pub fn repack_q6k(raw: &[u8], rows: usize, cols: usize) -> Result<Vec<Q6KGroup>, KernelError> {
+    let empty = || Q6KGroup {
+        d: [0.0; GROUP_ROWS],
+        sc: [[0; GROUP_ROWS]; 16],
+        q: [[0; 192]; 16],
+    };
+    for_blocks(GgmlType::Q6K, raw, rows, cols, empty, |g, r, blk| {
+        let (ql_all, qh_all, sc_all) = (&blk[0..128], &blk[128..192], &blk[192..208]);
+        g.d[r] = f16_at(blk, 208).to_f32();
+        // GGML: element 128h + 32k + l takes ql[64h + l (+32 for k odd)] (low nibble for k < 2)
+        // and bits 2k..2k+2 of qh[32h + l]; scale sc[e / 16].
+        let mut v = [0u8; QKK];
+        for h in 0..2 {
+            let (ql, qh) = (&ql_all[64 * h..], &qh_all[32 * h..]);
+            for l in 0..32 {
+                v[128 * h + l] = (ql[l] & 0x0f) | ((qh[l] & 3) << 4);
+                v[128 * h + 32 + l] = (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4);
+                v[128 * h + 64 + l] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                v[128 * h + 96 + l] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+            }
+        }
+        for gg in 0..16 {
+            g.sc[gg][r] = sc_all[gg] as i8;
+            let c = &v[16 * gg..16 * gg + 16];
+            for h in 0..2 {
+                for i in 0..4 {
+                    g.q[gg][64 * h + 4 * r + i] =
+                        (c[8 * h + i] & 0x0f) | ((c[8 * h + 4 + i] & 0x0f) << 4);
+                }
+            }
+            for i in 0..4 {
+                let mut hb = 0u8;
+                for k in 0..4 {
+                    hb |= ((c[4 * k + i] >> 4) & 3) << (2 * k);
+                }
+                g.q[gg][128 + 4 * r + i] = hb;
+            }
+        }
+    })
+}
+
+/// Raw GGUF Q4_1 bytes of a `rows × cols` matrix → groups.
+pub fn repack_q41(raw: &[u8], rows: usize, cols: usize) -> Result<Vec<Q41Group>, KernelError> {
+    let empty = || Q41Group {
+        d: [f16::ZERO; GROUP_ROWS],
+        m: [f16::ZERO; GROUP_ROWS],
+        qs: [0; 256],
+    };
+    for_blocks(GgmlType::Q4_1, raw, rows, cols, empty, |g, r, blk| {
+        g.d[r] = f16_at(blk, 0);
+        g.m[r] = f16_at(blk, 2);
+        // GGML: element i < 16 is the low nibble of qs[i], element i >= 16 the high nibble of
+        // qs[i - 16].
+        let q = &blk[4..20];
+        pack_nibbles(&mut g.qs, r, |e| {
+            if e < 16 { q[e] & 0x0f } else { q[e - 16] >> 4 }
+        });
+    })
+}
+
+/// Raw GGUF Q8_0 bytes of a `rows × cols` matrix → groups.
+pub fn repack_q80(raw: &[u8], rows: usize, cols: usize) -> Result<Vec<Q80Group>, KernelError> {
+    let empty = || Q80Group {
+        d: [f16::ZERO; GROUP_ROWS],
+        qs: [0; 512],
+    };
+    for_blocks(GgmlType::Q8_0, raw, rows, cols, empty, |g, r, blk| {
+        g.d[r] = f16_at(blk, 0);
+        for e in 0..QK {
+            g.qs[64 * (e / 4) + 4 * r + e % 4] = (blk[2 + e] as i8 as i16 + 128) as u8;
+        }
+    })
+}
+
+/// `Σ w(e)·x` over a token's outliers, in their order (the f32 half of the split product).
+#[inline]
+pub(crate) fn outlier_sum(o: &[(usize, f32)], w: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = 0f32;
+    for &(e, x) in o {
+        acc += w(e) * x;
+    }
+    acc
+}
+
+/// One sub-block's term as every path forms it: `(scf·d)·S + mnf·neg`, in f64 here.
+#[inline]
+fn term(scf: f32, mnf: f32, a: &BlockA32, s: i64, neg: f32) -> f64 {
+    (scf * a.d) as f64 * s as f64 + mnf as f64 * neg as f64
+}
+
+/// Exact references of one row `r` of a row group against one token's blocks `x`: integer
+/// sums per sub-block, the scale products in f32 as the kernels form them, summed in f64.
+pub(crate) fn ref_q4k(groups: &[Q4KGroup], r: usize, x: &[BlockA32]) -> f32 {
+    let mut acc = 0f64;
+    for (b, g) in groups.iter().enumerate() {
+        for j in 0..8 {
+            let a = &x[8 * b + j];
+            let s: i64 = (0..32)
+                .map(|l| g.code(r, 32 * j + l) as i64 * a.x16(l) as i64)
+                .sum();
+            let (scf, mnf) = g.sub(r, j);
+            acc += term(scf, mnf, a, s, a.neg32);
+        }
+    }
+    acc as f32
+}
+
+pub(crate) fn ref_q6k(groups: &[Q6KGroup], r: usize, x: &[BlockA32]) -> f32 {
+    let mut acc = 0f64;
+    for (b, g) in groups.iter().enumerate() {
+        for gg in 0..16 {
+            let (a, h) = (&x[8 * b + gg / 2], gg % 2);
+            let s: i64 = (0..16)
+                .map(|l| g.code(r, 16 * gg + l) as i64 * a.x16(16 * h + l) as i64)
+                .sum();
+            let scf = g.d[r] * g.sc[gg][r] as f32;
+            acc += term(scf, scf, a, s, a.neg16x32[h]);
+        }
+    }
+    acc as f32
+}
+
+pub(crate) fn ref_q41(groups: &[Q41Group], r: usize, x: &[BlockA32]) -> f32 {
+    let mut acc = 0f64;
+    for (g, a) in groups.iter().zip(x) {
+        let s: i64 = (0..32).map(|e| g.code(r, e) as i64 * a.x16(e) as i64).sum();
+        acc += term(g.d[r].to_f32(), -g.m[r].to_f32(), a, s, a.neg32);
+    }
+    acc as f32
+}
+
+pub(crate) fn ref_q80(groups: &[Q80Group], r: usize, x: &[BlockA32]) -> f32 {
+    let mut acc = 0f64;
+    for (g, a) in groups.iter().zip(x) {
+        let s: i64 = (0..32).map(|e| g.code(r, e) as i64 * a.x16(e) as i64).sum();
+        let d = g.d[r].to_f32();
+        acc += term(d, 128.0 * d, a, s, a.neg32);
+    }
+    acc as f32
+}
+
+/// The grouped weight formats, for the generic dispatch below.
+pub(crate) trait Group: Sized {
+    fn reference(groups: &[Self], r: usize, x: &[BlockA32]) -> f32;
+    /// Element `e` (column within the row) of row `r` of a row group's blocks.
+    fn element_of(groups: &[Self], r: usize, e: usize) -> f32;
+    #[cfg(target_arch = "x86_64")]
+    /// # Safety
+    /// The CPU must have AVX-512 F/BW/VL and VNNI ([`native`]).
+    unsafe fn simd(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile);
+}
+
+/// Results of one row group for a tile of tokens: `out[t][r]`.
+pub(crate) type Tile = [[f32; GROUP_ROWS]; MAX_TILE];
+
+macro_rules! group_impl {
+    ($g:ty, $refn:ident, $simd:ident, $elems:expr) => {
+        impl Group for $g {
+            fn reference(groups: &[Self], r: usize, x: &[BlockA32]) -> f32 {
+                $refn(groups, r, x)
+            }
+            #[inline]
+            fn element_of(groups: &[Self], r: usize, e: usize) -> f32 {
+                groups[e / $elems].element(r, e % $elems)
+            }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn simd(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile) {
+                // SAFETY: the caller checked the CPU features.
+                unsafe { x86::$simd(groups, x, tn, out) }
+            }
+        }
+    };
+}
+group_impl!(Q4KGroup, ref_q4k, dispatch_q4k, QKK);
+group_impl!(Q6KGroup, ref_q6k, dispatch_q6k, QKK);
+group_impl!(Q41Group, ref_q41, dispatch_q41, QK);
+group_impl!(Q80Group, ref_q80, dispatch_q80, QK);
+
+/// One row group's dot products with `tn` tokens into `out[..tn]`. `x` holds the tile's tokens
+/// one after another, `cols / 32` blocks each.
+pub(crate) fn dot<G: Group>(isa: Isa, groups: &[G], x: &[BlockA32], tn: usize, out: &mut Tile) {
+    #[cfg(target_arch = "x86_64")]
+    if native(isa) {
+        // SAFETY: `native` checked the CPU features the kernels are compiled for.
+        unsafe { G::simd(groups, x, tn, out) };
+        return;
+    }
+    let _ = isa;
+    let per = x.len() / tn.max(1);
+    for (t, o) in out.iter_mut().enumerate().take(tn) {
+        for (r, v) in o.iter_mut().enumerate() {
+            *v = G::reference(groups, r, &x[t * per..(t + 1) * per]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_op_in_unsafe_fn)]
+mod x86 {
+    use super::{BlockA32, MAX_TILE, Q4KGroup, Q6KGroup, Q41Group, Q80Group, Tile};
+    use std::arch::x86_64::*;
+
+    /// SIMD twin of [`BlockA32::quantize`]: the same operations in the same order per element
+    /// (multiply, magic-number rounding, clamp, multiply, subtract), so the same bits.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn quantize(x: &[f32]) -> BlockA32 {
+        let v = [
+            _mm512_loadu_ps(x.as_ptr()),
+            _mm512_loadu_ps(x.as_ptr().add(16)),
+        ];
+        let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        let mut b = BlockA32::zero();
+        if amax == 0.0 || !amax.is_finite() {
+            return b;
+        }
+        let d1 = amax / 127.0;
+        let d2 = d1 / 128.0;
+        let (i1, i2) = (_mm512_set1_ps(1.0 / d1), _mm512_set1_ps(1.0 / d2));
+        let magic = _mm512_set1_ps(12_582_912.0);
+        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        let d1v = _mm512_set1_ps(d1);
+        for (h, vh) in v.iter().enumerate() {
+            let q1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(*vh, i1), magic), magic);
+            let q1 = _mm512_max_ps(_mm512_min_ps(q1, hi), lo);
+            let r = _mm512_sub_ps(*vh, _mm512_mul_ps(q1, d1v));
+            let q2 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(r, i2), magic), magic);
+            let q2 = _mm512_max_ps(_mm512_min_ps(q2, hi), lo);
+            let p1 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q1));
+            let p2 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q2));
+            _mm_storeu_si128(b.q1.as_mut_ptr().add(16 * h) as *mut __m128i, p1);
+            _mm_storeu_si128(b.q2.as_mut_ptr().add(16 * h) as *mut __m128i, p2);
+        }
+        b.finish(d2);
+        b
+    }
+
+    #[inline(always)]
+    unsafe fn bcast(p: *const i8, k: usize) -> __m512i {
+        _mm512_set1_epi32((p as *const i32).add(k).read_unaligned())
+    }
+
+    /// The four 64-byte vectors of a 4-bit sub-block as eight code vectors (`w[k]`: elements
+    /// `4k..4k+4`, 16 rows × 4 bytes).
+    #[inline(always)]
+    unsafe fn nibbles(qs: *const u8) -> [__m512i; 8] {
+        let m4 = _mm512_set1_epi8(0x0f);
+        let mut w = [_mm512_setzero_si512(); 8];
+        for g in 0..4 {
+            let v = _mm512_loadu_si512(qs.add(64 * g) as *const _);
+            w[2 * g] = _mm512_and_si512(v, m4);
+            w[2 * g + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        w
+    }
+
+    /// Adds one sub-block's term for every token of the tile: `NV` code vectors against the
+    /// activations of block `idx` of each token (from byte `off`), `(scf·d)·S + mnf·neg`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn sub_tile<const TN: usize, const NV: usize>(
+        w: &[__m512i; NV],
+        scf: __m512,
+        mnf: __m512,
+        x: &[BlockA32],
+        stride: usize,
+        idx: usize,
+        off: usize,
+        neg: impl Fn(&BlockA32) -> f32,
+        acc: &mut [__m512; TN],
+    ) {
+        for (t, a) in acc.iter_mut().enumerate() {
+            let xb = &x[t * stride + idx];
+            let p1 = xb.q1.as_ptr().add(off);
+            let p2 = xb.q2.as_ptr().add(off);
+            let mut s1 = _mm512_setzero_si512();
+            let mut s2 = _mm512_setzero_si512();
+            for (k, wk) in w.iter().enumerate() {
+                s1 = _mm512_dpbusd_epi32(s1, *wk, bcast(p1, k));
+                s2 = _mm512_dpbusd_epi32(s2, *wk, bcast(p2, k));
+            }
+            let s = _mm512_add_epi32(_mm512_slli_epi32(s1, 7), s2);
+            *a = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(s),
+                _mm512_mul_ps(scf, _mm512_set1_ps(xb.d)),
+                *a,
+            );
+            *a = _mm512_fmadd_ps(mnf, _mm512_set1_ps(neg(xb)), *a);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store<const TN: usize>(acc: &[__m512; TN], out: &mut Tile) {
+        for t in 0..TN {
+            _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn u8_f32(p: *const u8) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i)))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    unsafe fn q4k<const TN: usize>(groups: &[Q4KGroup], x: &[BlockA32], out: &mut Tile) {
+        let stride = 8 * groups.len();
+        let mut acc = [_mm512_setzero_ps(); TN];
+        for (b, g) in groups.iter().enumerate() {
+            let d = _mm512_loadu_ps(g.d.as_ptr());
+            let dmin = _mm512_loadu_ps(g.dmin.as_ptr());
+            for j in 0..8 {
+                let scf = _mm512_mul_ps(d, u8_f32(g.sc[j].as_ptr()));
+                let mnf = _mm512_mul_ps(dmin, u8_f32(g.mn[j].as_ptr()));
+                let w = nibbles(g.qs[j].as_ptr());
+                sub_tile(&w, scf, mnf, x, stride, 8 * b + j, 0, |a| a.neg32, &mut acc);
+            }
+        }
+        store(&acc, out);
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    unsafe fn q6k<const TN: usize>(groups: &[Q6KGroup], x: &[BlockA32], out: &mut Tile) {
+        let stride = 8 * groups.len();
+        let m4 = _mm512_set1_epi8(0x0f);
+        let m30 = _mm512_set1_epi8(0x30);
+        let mut acc = [_mm512_setzero_ps(); TN];
+        for (b, g) in groups.iter().enumerate() {
+            let d = _mm512_loadu_ps(g.d.as_ptr());
+            for gg in 0..16 {
+                let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(g.sc[gg].as_ptr() as *const __m128i));
+                let scf = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                let qp = g.q[gg].as_ptr();
+                let l0 = _mm512_loadu_si512(qp as *const _);
+                let l1 = _mm512_loadu_si512(qp.add(64) as *const _);
+                let h = _mm512_loadu_si512(qp.add(128) as *const _);
+                let w = [
+                    _mm512_or_si512(
+                        _mm512_and_si512(l0, m4),
+                        _mm512_and_si512(_mm512_slli_epi16(h, 4), m30),
+                    ),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16(l0, 4), m4),
+                        _mm512_and_si512(_mm512_slli_epi16(h, 2), m30),
+                    ),
+                    _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(h, m30)),
+                    _mm512_or_si512(
+                        _mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
+                        _mm512_and_si512(_mm512_srli_epi16(h, 2), m30),
+                    ),
+                ];
+                let half = gg % 2;
+                let neg = move |a: &BlockA32| a.neg16x32[half];
+                sub_tile(
+                    &w,
+                    scf,
+                    scf,
+                    x,
+                    stride,
+                    8 * b + gg / 2,
+                    16 * half,
+                    neg,
+                    &mut acc,
+                );
+            }
+        }
+        store(&acc, out);
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    unsafe fn q41<const TN: usize>(groups: &[Q41Group], x: &[BlockA32], out: &mut Tile) {
+        let stride = groups.len();
+        let mut acc = [_mm512_setzero_ps(); TN];
+        for (j, g) in groups.iter().enumerate() {
+            let scf = _mm512_cvtph_ps(_mm256_loadu_si256(g.d.as_ptr() as *const __m256i));
+            let m = _mm512_cvtph_ps(_mm256_loadu_si256(g.m.as_ptr() as *const __m256i));
+            let mnf = _mm512_sub_ps(_mm512_setzero_ps(), m);
+            let w = nibbles(g.qs.as_ptr());
+            sub_tile(&w, scf, mnf, x, stride, j, 0, |a| a.neg32, &mut acc);
+        }
+        store(&acc, out);
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    unsafe fn q80<const TN: usize>(groups: &[Q80Group], x: &[BlockA32], out: &mut Tile) {
+        let stride = groups.len();
+        let mut acc = [_mm512_setzero_ps(); TN];
+        for (j, g) in groups.iter().enumerate() {
+            let scf = _mm512_cvtph_ps(_mm256_loadu_si256(g.d.as_ptr() as *const __m256i));
+            let mnf = _mm512_mul_ps(scf, _mm512_set1_ps(128.0));
+            let mut w = [_mm512_setzero_si512(); 8];
+            for (k, wk) in w.iter_mut().enumerate() {
+                *wk = _mm512_loadu_si512(g.qs.as_ptr().add(64 * k) as *const _);
+            }
+            sub_tile(&w, scf, mnf, x, stride, j, 0, |a| a.neg32, &mut acc);
+        }
+        store(&acc, out);
+    }
+
+    macro_rules! dispatch {
+        ($name:ident, $f:ident, $w:ty) => {
+            pub(super) unsafe fn $name(w: &[$w], x: &[BlockA32], tn: usize, out: &mut Tile) {
+                match tn {
+                    1 => $f::<1>(w, x, out),
+                    2 => $f::<2>(w, x, out),
+                    3 => $f::<3>(w, x, out),
+                    4 => $f::<4>(w, x, out),
+                    5 => $f::<5>(w, x, out),
+                    6 => $f::<6>(w, x, out),
+                    7 => $f::<7>(w, x, out),
+                    _ => $f::<MAX_TILE>(w, x, out),
+                }
+            }
+        };
+    }
+    dispatch!(dispatch_q4k, q4k, Q4KGroup);
+    dispatch!(dispatch_q6k, q6k, Q6KGroup);
+    dispatch!(dispatch_q41, q41, Q41Group);
+    dispatch!(dispatch_q80, q80, Q80Group);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::dequantize;
+    use crate::rng::Rng;
+    use crate::{QMatrix, QWeights};
+
+    const TYPES: [GgmlType; 4] = [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q4_1, GgmlType::Q8_0];
+
+    /// Random raw GGUF bytes (scales kept small and finite).
+    fn random_raw(rng: &mut Rng, ty: GgmlType, n_blocks: usize) -> Vec<u8> {
+        let mut raw = Vec::with_capacity(n_blocks * ty.block_bytes());
+        for _ in 0..n_blocks {
+            let mut b: Vec<u8> = (0..ty.block_bytes())
+                .map(|_| (rng.next_u64() & 0xff) as u8)
+                .collect();
+            let d = f16::from_f32(0.001 + 0.01 * rng.uniform() as f32).to_le_bytes();
+            let m = f16::from_f32(0.02 * (rng.uniform() as f32 - 0.5)).to_le_bytes();
+            match ty {
+                GgmlType::Q6K => b[208..210].copy_from_slice(&d),
+                GgmlType::Q8_0 => b[0..2].copy_from_slice(&d),
+                _ => {
+                    b[0..2].copy_from_slice(&d);
+                    b[2..4].copy_from_slice(&m);
+                }
+            }
+            raw.extend_from_slice(&b);
+        }
+        raw
+    }
+
+    fn matrix(raw: &[u8], ty: GgmlType, rows: usize, cols: usize) -> QMatrix {
+        let w = match ty {
+            GgmlType::Q4K => QWeights::Q4K(repack_q4k(raw, rows, cols).expect("repack")),
+            GgmlType::Q6K => QWeights::Q6K(repack_q6k(raw, rows, cols).expect("repack")),
+            GgmlType::Q4_1 => QWeights::Q41(repack_q41(raw, rows, cols).expect("repack")),
+            _ => QWeights::Q80(repack_q80(raw, rows, cols).expect("repack")),
+        };
+        QMatrix::new(rows, cols, w).expect("shape")
+    }
+
+    fn random_matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> (Vec<u8>, QMatrix) {
+        let raw = random_raw(rng, ty, rows * cols / ty.block_elems());
+        let mat = matrix(&raw, ty, rows, cols);
+        (raw, mat)
+    }
+
+    #[test]
+    fn repacked_groups_decode_exactly_like_ggml() {
+        let mut rng = Rng::new(7);
+        for ty in TYPES {
+            let (rows, cols) = (32, 512);
+            let (raw, mat) = random_matrix(&mut rng, ty, rows, cols);
+            let want = dequantize(ty, &raw, rows * cols).expect("reference decode");
+            let mut got = vec![0f32; cols];
+            for r in 0..rows {
+                mat.dequantize_row(r, &mut got);
+                assert_eq!(got, want[r * cols..(r + 1) * cols], "{ty:?} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn activations_keep_fifteen_bits() {
+        let mut rng = Rng::new(3);
+        let x: Vec<f32> = (0..QK).map(|_| 3.0 * rng.normal() as f32).collect();
+        let b = BlockA32::quantize(&x);
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        for (e, v) in x.iter().enumerate() {
+            assert!(b.q2[e].abs() <= 64);
+            // Half a step of d1/128, plus f32 rounding.
+            assert!((b.d * b.x16(e) as f32 - v).abs() <= 0.5 * amax / 127.0 / 128.0 + 1e-6 * amax);
+        }
+        let s: i32 = (0..32).map(|e| b.x16(e)).sum();
+        assert_eq!(b.neg32, -b.d * s as f32);
+        let z = BlockA32::quantize(&[0.0; QK]);
+        assert_eq!(z.d, 0.0);
+        assert!(z.q1.iter().chain(&z.q2).all(|&q| q == 0));
+    }
+
+    #[test]
+    fn the_simd_quantizer_gives_the_scalar_bits() {
+        let mut rng = Rng::new(9);
+        for scale in [1e-30f32, 1e-3, 1.0, 7.5, 3e4] {
+            let mut x: Vec<f32> = (0..QK).map(|_| scale * rng.normal() as f32).collect();
+            x[5] = 0.0;
+            x[6] = -x.iter().fold(0f32, |a, v| a.max(v.abs())); // the extreme, negative
+            let (a, b) = (BlockA32::quantize(&x), BlockA32::quantize_fast(&x));
+            assert_eq!((a.q1, a.q2), (b.q1, b.q2), "scale {scale}");
+            assert_eq!(
+                (
+                    a.d.to_bits(),
+                    a.neg32.to_bits(),
+                    a.neg16x32.map(f32::to_bits)
+                ),
+                (
+                    b.d.to_bits(),
+                    b.neg32.to_bits(),
+                    b.neg16x32.map(f32::to_bits)
+                )
+            );
+        }
+    }
+
+    #[test]
+    fn massive_channels_are_split_off_and_multiplied_in_f32() {
+        let mut x = vec![0.5f32; 512];
+        x[263] = 90_000.0;
+        let q = quantize_rows(&x, 1, 512);
+        assert_eq!(q.outliers, vec![vec![(263, 90_000.0)]]);
+        assert_eq!(q.blocks[8].x16(7), 0);
+        assert!((q.blocks[8].d * q.blocks[8].x16(0) as f32 - 0.5).abs() < 1e-5);
+        let plain = quantize_rows(&[0.5f32; 512], 1, 512);
+        assert!(plain.outliers[0].is_empty());
+    }
+
+    #[test]
+    fn the_product_is_within_the_activation_rounding_of_the_f32_dot() {
+        let mut rng = Rng::new(11);
+        for ty in TYPES {
+            let (rows, cols) = (16, 768);
+            let (raw, mat) = random_matrix(&mut rng, ty, rows, cols);
+            let w = dequantize(ty, &raw, rows * cols).expect("decode");
+            let mut x: Vec<f32> = (0..cols).map(|_| rng.normal() as f32).collect();
+            x[300] = 2.0e5;
+            let mut got = vec![0f32; rows];
+            mat.matmul_ref(&x, 1, &mut got);
+            let amax = x
+                .iter()
+                .filter(|v| v.abs() < 1e4)
+                .fold(0f32, |a, v| a.max(v.abs()));
+            for r in 0..rows {
+                let wr = &w[r * cols..(r + 1) * cols];
+                let want: f64 = wr.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let mag: f64 = wr
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                    .sum();
+                // Each activation is off by at most amax/(2·127·128) of its block.
+                let bound = wr.iter().map(|a| a.abs() as f64).sum::<f64>() * amax as f64 / 32512.0
+                    + 1e-5 * mag;
+                assert!(
+                    (got[r] as f64 - want).abs() <= bound,
+                    "{ty:?} row {r}: {} vs {want} (bound {bound})",
+                    got[r]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn simd_paths_equal_the_scalar_reference_and_batches_equal_single_tokens() {
+        let mut rng = Rng::new(5);
+        for ty in TYPES {
+            for &(rows, cols) in &[(16usize, 256usize), (48, 512), (64, 1536)] {
+                let (_, mat) = random_matrix(&mut rng, ty, rows, cols);
+                for &m in &[1usize, 3, 4, 5, 8, 9, 17] {
+                    let mut x: Vec<f32> = (0..m * cols).map(|_| rng.normal() as f32).collect();
+                    x[1] = 3.0e5; // a massive channel, split off
+                    let mut want = vec![0f32; m * rows];
+                    mat.matmul_ref(&x, m, &mut want);
+                    let mut wrow = vec![0f32; cols];
+                    let mut scale = vec![0f32; m * rows];
+                    for r in 0..rows {
+                        mat.dequantize_row(r, &mut wrow);
+                        for t in 0..m {
+                            scale[t * rows + r] = wrow
+                                .iter()
+                                .zip(&x[t * cols..])
+                                .map(|(w, v)| (w * v).abs())
+                                .sum();
+                        }
+                    }
+                    for isa in Isa::available() {
+                        let mut got = vec![f32::NAN; m * rows];
+                        mat.matmul(&x, m, &mut got, isa);
+                        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                            let tol = 2e-6 * scale[i] + 1e-6;
+                            assert!(
+                                (a - b).abs() <= tol,
+                                "{ty:?} {rows}x{cols} m={m} {isa:?} elem {i}: ref {a} got {b}"
+                            );
+                        }
+                        // Every token alone gives the same bits as inside the batch.
+                        for t in 0..m {
+                            let mut one = vec![f32::NAN; rows];
+                            mat.matmul(&x[t * cols..(t + 1) * cols], 1, &mut one, isa);
+                            assert_eq!(one, got[t * rows..(t + 1) * rows], "{ty:?} {isa:?} t={t}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_the_grouped_layout_cannot_take_are_errors() {
+        assert!(repack_q4k(&[0u8; 144 * 16], 16, 255).is_err());
+        assert!(repack_q4k(&[0u8; 144 * 8], 8, 256).is_err());
+        assert!(repack_q6k(&[0u8; 209 * 16], 16, 256).is_err());
+        assert!(repack_q41(&[0u8; 20 * 8], 8, 32).is_err());
+        assert!(repack_q80(&[0u8; 34 * 16], 16, 64).is_err());
+        assert!(QMatrix::new(16, 256, QWeights::Q4K(vec![])).is_err());
+        assert!(!fits(GgmlType::Q4K, 8, 256) && !fits(GgmlType::Q4K, 16, 128));
+        assert!(fits(GgmlType::Q4_1, 16, 576) && !fits(GgmlType::Q5_0, 16, 576));
+    }
+}
