@@ -14,7 +14,8 @@ pub struct GlobalArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, global = true, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
-    /// Force a kernel path: scalar | avx2 | avx512vnni (default: the fastest available).
+    /// Force a kernel path: scalar | avx2 | avx512 | avx512bf16 (default: the fastest available;
+    /// with AVX-512 VNNI, quantized GGUF weights take the grouped integer kernels).
     #[arg(long, global = true, env = "DSPARK_ISA")]
     pub isa: Option<String>,
 }

@@ -1,4 +1,4 @@
-//! Integer matmul over 16-row interleaved weight groups: Q4_K, Q6_K, Q4_1 and Q8_0 weights kept
+//! Integer matmul over 16-row interleaved weight groups: Q4_K, Q6_K, Q4_1, Q5_0 and Q8_0 weights kept
 //! at their own bit widths, activations as 15-bit integers split into two 8-bit halves.
 //!
 //! Why: with rows in the i32 lanes of a zmm register, one AVX-512 VNNI `vpdpbusd` (u8 weight ×
@@ -89,6 +89,17 @@ pub struct Q41Group {
 pub struct Q80Group {
     pub d: [f16; GROUP_ROWS],
     pub qs: [u8; 512],
+}
+
+/// 16 rows × one Q5_0 block of 32: `w = d·(q − 16)`, `q` in 0..32. The low 4 bits are laid
+/// out like a Q4_K sub-block; the fifth bits are `qh`, whose byte `4r + i` holds element
+/// `4k + i` of row `r` at bit `k`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C, align(64))]
+pub struct Q50Group {
+    pub d: [f16; GROUP_ROWS],
+    pub qs: [u8; 256],
+    pub qh: [u8; 64],
 }
 
 /// One token's 32 activations as `x ≈ d·(128·q1 + q2)`, with the negated, scaled sums the
@@ -290,6 +301,19 @@ impl Q41Group {
     }
 }
 
+impl Q50Group {
+    /// The 5-bit code of element `e` of row `r`.
+    #[inline]
+    pub fn code(&self, r: usize, e: usize) -> u8 {
+        nibble_of(&self.qs, r, e) | (((self.qh[4 * r + e % 4] >> (e / 4)) & 1) << 4)
+    }
+    /// Element `e` of row `r`, as ggml decodes it: `d·(q − 16)`.
+    #[inline]
+    pub fn element(&self, r: usize, e: usize) -> f32 {
+        self.d[r].to_f32() * (self.code(r, e) as i32 - 16) as f32
+    }
+}
+
 impl Q80Group {
     /// The stored (offset) code of element `e` of row `r`: `q + 128`.
     #[inline]
@@ -311,7 +335,7 @@ fn f16_at(b: &[u8], off: usize) -> f16 {
 fn group_block(ty: GgmlType) -> Option<usize> {
     match ty {
         GgmlType::Q4K | GgmlType::Q6K => Some(QKK),
-        GgmlType::Q4_1 | GgmlType::Q8_0 => Some(QK),
+        GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => Some(QK),
         _ => None,
     }
 }
@@ -490,6 +514,34 @@ pub fn repack_q41(raw: &[u8], rows: usize, cols: usize) -> Result<Vec<Q41Group>,
     })
 }
 
+/// Raw GGUF Q5_0 bytes of a `rows × cols` matrix → groups.
+pub fn repack_q50(raw: &[u8], rows: usize, cols: usize) -> Result<Vec<Q50Group>, KernelError> {
+    let empty = || Q50Group {
+        d: [f16::ZERO; GROUP_ROWS],
+        qs: [0; 256],
+        qh: [0; 64],
+    };
+    for_blocks(GgmlType::Q5_0, raw, rows, cols, empty, |g, r, blk| {
+        g.d[r] = f16_at(blk, 0);
+        // GGML: element j < 16 is the low nibble of qs[j] with bit j of qh as its fifth bit;
+        // element j + 16 the high nibble with bit j + 16.
+        let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+        let q = &blk[6..22];
+        let code = |e: usize| {
+            let lo = if e < 16 { q[e] & 0x0f } else { q[e - 16] >> 4 };
+            lo | ((((qh >> e) & 1) as u8) << 4)
+        };
+        pack_nibbles(&mut g.qs, r, code);
+        for i in 0..4 {
+            let mut hb = 0u8;
+            for k in 0..8 {
+                hb |= (code(4 * k + i) >> 4) << k;
+            }
+            g.qh[4 * r + i] = hb;
+        }
+    })
+}
+
 /// Raw GGUF Q8_0 bytes of a `rows × cols` matrix → groups.
 pub fn repack_q80(raw: &[u8], rows: usize, cols: usize) -> Result<Vec<Q80Group>, KernelError> {
     let empty = || Q80Group {
@@ -561,6 +613,16 @@ pub(crate) fn ref_q41(groups: &[Q41Group], r: usize, x: &[BlockA32]) -> f32 {
     acc as f32
 }
 
+pub(crate) fn ref_q50(groups: &[Q50Group], r: usize, x: &[BlockA32]) -> f32 {
+    let mut acc = 0f64;
+    for (g, a) in groups.iter().zip(x) {
+        let s: i64 = (0..32).map(|e| g.code(r, e) as i64 * a.x16(e) as i64).sum();
+        let d = g.d[r].to_f32();
+        acc += term(d, 16.0 * d, a, s, a.neg32);
+    }
+    acc as f32
+}
+
 pub(crate) fn ref_q80(groups: &[Q80Group], r: usize, x: &[BlockA32]) -> f32 {
     let mut acc = 0f64;
     for (g, a) in groups.iter().zip(x) {
@@ -606,6 +668,7 @@ macro_rules! group_impl {
 group_impl!(Q4KGroup, ref_q4k, dispatch_q4k, QKK);
 group_impl!(Q6KGroup, ref_q6k, dispatch_q6k, QKK);
 group_impl!(Q41Group, ref_q41, dispatch_q41, QK);
+group_impl!(Q50Group, ref_q50, dispatch_q50, QK);
 group_impl!(Q80Group, ref_q80, dispatch_q80, QK);
 
 /// One row group's dot products with `tn` tokens into `out[..tn]`. `x` holds the tile's tokens
@@ -629,7 +692,7 @@ pub(crate) fn dot<G: Group>(isa: Isa, groups: &[G], x: &[BlockA32], tn: usize, o
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
-    use super::{BlockA32, MAX_TILE, Q4KGroup, Q6KGroup, Q41Group, Q80Group, Tile};
+    use super::{BlockA32, MAX_TILE, Q4KGroup, Q6KGroup, Q41Group, Q50Group, Q80Group, Tile};
     use std::arch::x86_64::*;
 
     /// SIMD twin of [`BlockA32::quantize`]: the same operations in the same order per element
@@ -812,6 +875,35 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+    unsafe fn q50<const TN: usize>(groups: &[Q50Group], x: &[BlockA32], out: &mut Tile) {
+        let stride = groups.len();
+        let m10 = _mm512_set1_epi8(0x10);
+        let mut acc = [_mm512_setzero_ps(); TN];
+        for (j, g) in groups.iter().enumerate() {
+            let scf = _mm512_cvtph_ps(_mm256_loadu_si256(g.d.as_ptr() as *const __m256i));
+            let mnf = _mm512_mul_ps(scf, _mm512_set1_ps(16.0));
+            let mut w = nibbles(g.qs.as_ptr());
+            let h = _mm512_loadu_si512(g.qh.as_ptr() as *const _);
+            // Bit k of each byte is the fifth bit of vector k: move it to bit 4.
+            let hs = [
+                _mm512_slli_epi16(h, 4),
+                _mm512_slli_epi16(h, 3),
+                _mm512_slli_epi16(h, 2),
+                _mm512_slli_epi16(h, 1),
+                h,
+                _mm512_srli_epi16(h, 1),
+                _mm512_srli_epi16(h, 2),
+                _mm512_srli_epi16(h, 3),
+            ];
+            for (wk, hk) in w.iter_mut().zip(hs) {
+                *wk = _mm512_or_si512(*wk, _mm512_and_si512(hk, m10));
+            }
+            sub_tile(&w, scf, mnf, x, stride, j, 0, |a| a.neg32, &mut acc);
+        }
+        store(&acc, out);
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
     unsafe fn q80<const TN: usize>(groups: &[Q80Group], x: &[BlockA32], out: &mut Tile) {
         let stride = groups.len();
         let mut acc = [_mm512_setzero_ps(); TN];
@@ -846,6 +938,7 @@ mod x86 {
     dispatch!(dispatch_q4k, q4k, Q4KGroup);
     dispatch!(dispatch_q6k, q6k, Q6KGroup);
     dispatch!(dispatch_q41, q41, Q41Group);
+    dispatch!(dispatch_q50, q50, Q50Group);
     dispatch!(dispatch_q80, q80, Q80Group);
 }
 
@@ -856,7 +949,13 @@ mod tests {
     use crate::rng::Rng;
     use crate::{QMatrix, QWeights};
 
-    const TYPES: [GgmlType; 4] = [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q4_1, GgmlType::Q8_0];
+    const TYPES: [GgmlType; 5] = [
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q8_0,
+    ];
 
     /// Random raw GGUF bytes (scales kept small and finite).
     fn random_raw(rng: &mut Rng, ty: GgmlType, n_blocks: usize) -> Vec<u8> {
@@ -869,7 +968,7 @@ mod tests {
             let m = f16::from_f32(0.02 * (rng.uniform() as f32 - 0.5)).to_le_bytes();
             match ty {
                 GgmlType::Q6K => b[208..210].copy_from_slice(&d),
-                GgmlType::Q8_0 => b[0..2].copy_from_slice(&d),
+                GgmlType::Q8_0 | GgmlType::Q5_0 => b[0..2].copy_from_slice(&d),
                 _ => {
                     b[0..2].copy_from_slice(&d);
                     b[2..4].copy_from_slice(&m);
@@ -885,6 +984,7 @@ mod tests {
             GgmlType::Q4K => QWeights::Q4K(repack_q4k(raw, rows, cols).expect("repack")),
             GgmlType::Q6K => QWeights::Q6K(repack_q6k(raw, rows, cols).expect("repack")),
             GgmlType::Q4_1 => QWeights::Q41(repack_q41(raw, rows, cols).expect("repack")),
+            GgmlType::Q5_0 => QWeights::Q50(repack_q50(raw, rows, cols).expect("repack")),
             _ => QWeights::Q80(repack_q80(raw, rows, cols).expect("repack")),
         };
         QMatrix::new(rows, cols, w).expect("shape")
@@ -1054,6 +1154,7 @@ mod tests {
         assert!(repack_q80(&[0u8; 34 * 16], 16, 64).is_err());
         assert!(QMatrix::new(16, 256, QWeights::Q4K(vec![])).is_err());
         assert!(!fits(GgmlType::Q4K, 8, 256) && !fits(GgmlType::Q4K, 16, 128));
-        assert!(fits(GgmlType::Q4_1, 16, 576) && !fits(GgmlType::Q5_0, 16, 576));
+        assert!(fits(GgmlType::Q4_1, 16, 576) && !fits(GgmlType::Q5_0, 16, 577));
+        assert!(!fits(GgmlType::F16, 16, 576));
     }
 }

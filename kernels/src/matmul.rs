@@ -13,7 +13,9 @@
 //! instructions per token once the decode is shared by a tile. [`QMatrix::matmul_ref`] is the
 //! exact scalar reference: decode as ggml does, dot in f32, sum in block order.
 
-use crate::grouped::{self, GROUP_ROWS, Group, Q4KGroup, Q6KGroup, Q41Group, Q80Group, QKK};
+use crate::grouped::{
+    self, GROUP_ROWS, Group, Q4KGroup, Q6KGroup, Q41Group, Q50Group, Q80Group, QKK,
+};
 use crate::quant::{BlockQ4, BlockQ8, QK};
 use crate::{Isa, KernelError};
 use rayon::prelude::*;
@@ -29,6 +31,8 @@ pub enum QWeights {
     Q6K(Vec<Q6KGroup>),
     /// Q4_1 blocks, 16 rows interleaved, integer kernels.
     Q41(Vec<Q41Group>),
+    /// Q5_0 blocks, 16 rows interleaved, integer kernels.
+    Q50(Vec<Q50Group>),
     /// Q8_0 blocks, 16 rows interleaved, integer kernels.
     Q80(Vec<Q80Group>),
 }
@@ -40,6 +44,7 @@ macro_rules! grouped {
             QWeights::Q4K($g) => $body,
             QWeights::Q6K($g) => $body,
             QWeights::Q41($g) => $body,
+            QWeights::Q50($g) => $body,
             QWeights::Q80($g) => $body,
             QWeights::Q4(_) | QWeights::Q8(_) => $other,
         }
@@ -50,7 +55,11 @@ impl QWeights {
     /// Elements per block of this format.
     pub fn block_elems(&self) -> usize {
         match self {
-            QWeights::Q4(_) | QWeights::Q8(_) | QWeights::Q41(_) | QWeights::Q80(_) => QK,
+            QWeights::Q4(_)
+            | QWeights::Q8(_)
+            | QWeights::Q41(_)
+            | QWeights::Q50(_)
+            | QWeights::Q80(_) => QK,
             QWeights::Q4K(_) | QWeights::Q6K(_) => QKK,
         }
     }
@@ -65,6 +74,7 @@ impl QWeights {
             QWeights::Q4K(b) => b.len(),
             QWeights::Q6K(b) => b.len(),
             QWeights::Q41(b) => b.len(),
+            QWeights::Q50(b) => b.len(),
             QWeights::Q80(b) => b.len(),
         }
     }
@@ -138,6 +148,7 @@ impl QMatrix {
             QWeights::Q4K(b) => std::mem::size_of_val(b.as_slice()),
             QWeights::Q6K(b) => std::mem::size_of_val(b.as_slice()),
             QWeights::Q41(b) => std::mem::size_of_val(b.as_slice()),
+            QWeights::Q50(b) => std::mem::size_of_val(b.as_slice()),
             QWeights::Q80(b) => std::mem::size_of_val(b.as_slice()),
         }
     }
@@ -190,6 +201,14 @@ impl QMatrix {
                     all.extend_from_slice(b);
                 }
                 QWeights::Q41(all)
+            }
+            QWeights::Q50(_) => {
+                let mut all = Vec::new();
+                for p in parts {
+                    let QWeights::Q50(b) = &p.w else { return None };
+                    all.extend_from_slice(b);
+                }
+                QWeights::Q50(all)
             }
             QWeights::Q80(_) => {
                 let mut all = Vec::new();

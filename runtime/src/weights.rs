@@ -5,7 +5,7 @@ use crate::Result;
 use crate::gguf::RawTensor;
 use candle_core::{Device, Tensor};
 use kernels::GgmlType;
-use kernels::grouped::{repack_q4k, repack_q6k, repack_q41, repack_q80};
+use kernels::grouped::{repack_q4k, repack_q6k, repack_q41, repack_q50, repack_q80};
 use kernels::quant::{repack_q4, repack_q8};
 use kernels::{InternalFormat, Isa, QMatrix, QWeights};
 
@@ -22,7 +22,7 @@ impl Linear {
     /// Builds from raw GGUF bytes. Quantized types are repacked unless `dense` asks for the
     /// f32-dequantized reference: into the 16-row grouped layout of the integer kernels when
     /// `grouped` (the CPU has AVX-512 VNNI) and the shape fits, else into the 32-element formats
-    /// of the f32 / bf16 kernels (Q5_0 always: its 5-bit codes have no grouped layout yet).
+    /// of the f32 / bf16 kernels.
     pub fn from_raw(raw: &RawTensor, dense: bool, grouped: bool) -> Result<Self> {
         let (rows, cols) = match raw.dims.as_slice() {
             [r, c] => (*r, *c),
@@ -46,6 +46,7 @@ impl Linear {
                 GgmlType::Q4K => QWeights::Q4K(repack_q4k(data, rows, cols)?),
                 GgmlType::Q6K => QWeights::Q6K(repack_q6k(data, rows, cols)?),
                 GgmlType::Q4_1 => QWeights::Q41(repack_q41(data, rows, cols)?),
+                GgmlType::Q5_0 => QWeights::Q50(repack_q50(data, rows, cols)?),
                 _ => QWeights::Q80(repack_q80(data, rows, cols)?),
             }
         } else {
