@@ -152,7 +152,10 @@ impl Cluster {
                             if s.code() == tonic::Code::Unavailable
                                 && s.message().starts_with("no target") =>
                         {
-                            return Err(PlaceError::NoTarget);
+                            // A scheduler that just restarted knows no worker until they
+                            // re-register; the last view (kept while it is warming) still does.
+                            // A worker that is really gone has left the view at the next refresh.
+                            return self.place_locally(exclude);
                         }
                         _ => {
                             tracing::debug!("scheduler unavailable; placing from the last view");
