@@ -21,7 +21,7 @@
 //! tokens one by one. The scalar references ([`QMatrix::matmul_ref`](crate::QMatrix)) do the
 //! same integer sums exactly; tests hold every path to them.
 
-use crate::quant::{GgmlType, QK};
+use crate::quant::{GgmlType, QK, scale_min_k4};
 use crate::{Isa, KernelError};
 use half::f16;
 
@@ -342,7 +342,7 @@ fn group_block(ty: GgmlType) -> Option<usize> {
 
 /// Whether a `rows × cols` matrix of this type can take the grouped layout.
 pub fn fits(ty: GgmlType, rows: usize, cols: usize) -> bool {
-    group_block(ty).is_some_and(|be| rows % GROUP_ROWS == 0 && cols % be == 0)
+    group_block(ty).is_some_and(|be| rows.is_multiple_of(GROUP_ROWS) && cols.is_multiple_of(be))
 }
 
 /// Whether the grouped kernels run on this ISA (AVX-512 with VNNI). Elsewhere the weights take
@@ -404,19 +404,6 @@ fn for_blocks<G>(
         }
     }
     Ok(out)
-}
-
-/// The 6-bit scale and min of sub-block `j` from Q4_K's 12 packed bytes (ggml's
-/// `get_scale_min_k4`).
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    }
 }
 
 /// Raw GGUF Q4_K bytes of a `rows × cols` matrix → groups.

@@ -110,7 +110,7 @@ fn tile_of(isa: Isa) -> usize {
 impl QMatrix {
     pub fn new(rows: usize, cols: usize, w: QWeights) -> Result<Self, KernelError> {
         let be = w.block_elems();
-        if cols % be != 0 {
+        if !cols.is_multiple_of(be) {
             return Err(KernelError::Shape(format!(
                 "cols {cols} is not a multiple of {be}"
             )));
@@ -119,7 +119,7 @@ impl QMatrix {
         let need = match &w {
             QWeights::Q4(_) | QWeights::Q8(_) => rows * cols / be,
             _ => {
-                if rows % GROUP_ROWS != 0 {
+                if !rows.is_multiple_of(GROUP_ROWS) {
                     return Err(KernelError::Shape(format!(
                         "rows {rows} is not a multiple of {GROUP_ROWS}"
                     )));

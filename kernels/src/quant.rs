@@ -216,7 +216,9 @@ pub fn repack_q4(ty: GgmlType, raw: &[u8], n_elems: usize) -> Result<Vec<BlockQ4
     Ok(out)
 }
 
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+/// The 6-bit scale and min of sub-block `j` from Q4_K's 12 packed bytes (ggml's
+/// `get_scale_min_k4`).
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
