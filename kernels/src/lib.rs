@@ -21,6 +21,10 @@ pub mod rng;
 pub mod sampling;
 
 pub use matmul::{QMatrix, QWeights};
+
+/// Revision of the kernels' numerics and speed, for caches keyed on them (the SPS(B) profile):
+/// bump it when a kernel change makes old measurements stale.
+pub const REVISION: &str = "grouped-vnni-1";
 pub use quant::{BlockQ4, BlockQ8, GgmlType, InternalFormat};
 
 #[derive(Debug, thiserror::Error)]

@@ -19,10 +19,19 @@ pub fn key_for(name: &str, path: &Path, model: &Model) -> SpsKey {
         } else {
             "gguf".into()
         },
-        device: format!("cpu-{}", model.isa().name()),
+        device: format!(
+            "cpu-{}{}",
+            model.isa().name(),
+            if kernels::grouped::native(model.isa()) {
+                "-vnni"
+            } else {
+                ""
+            }
+        ),
         threads: model.threads(),
         tp: 1,
-        runtime: env!("CARGO_PKG_VERSION").to_string(),
+        // The kernels' revision too: a profile measured before a kernel change is stale.
+        runtime: format!("{}+{}", env!("CARGO_PKG_VERSION"), kernels::REVISION),
     }
 }
 
