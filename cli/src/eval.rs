@@ -79,16 +79,26 @@ pub fn run_arm(
         }
     }
     let obs = blocks
-        .iter()
-        .map(|(c, acc)| Observed {
-            logits: c
-                .iter()
-                .map(|&v| {
-                    let v = v.clamp(1e-6, 1.0 - 1e-6);
-                    (v / (1.0 - v)).ln()
-                })
-                .collect(),
-            accepted: *acc,
+        .into_iter()
+        .map(|b| {
+            if b.inputs.len() == b.conf.len() {
+                Observed {
+                    inputs: b.inputs,
+                    accepted: b.accepted,
+                    accept_prob: b.accept_prob,
+                }
+            } else {
+                // A drafter that reports confidences only: their logits are the inputs.
+                let z: Vec<f32> = b
+                    .conf
+                    .iter()
+                    .map(|&v| {
+                        let v = v.clamp(1e-6, 1.0 - 1e-6);
+                        (v / (1.0 - v)).ln()
+                    })
+                    .collect();
+                Observed::from_logits(&z, b.accepted)
+            }
         })
         .collect();
     Ok(ArmRun {
@@ -97,13 +107,33 @@ pub fn run_arm(
     })
 }
 
+/// ROC-AUC, for "accepted at k | reached k", of the probability each position had of being
+/// accepted (1 − TV of the draft and target distributions): the ceiling of any confidence on
+/// these blocks, since sampled acceptance is a coin flip with that probability. None when
+/// the blocks do not carry it (greedy decoding, where acceptance is not random).
+pub fn oracle_auc(obs: &[Observed]) -> Option<f64> {
+    let (mut sc, mut lab) = (Vec::new(), Vec::new());
+    for o in obs {
+        if o.accept_prob.len() != o.inputs.len() {
+            return None;
+        }
+        for (k, &p) in o.accept_prob.iter().enumerate() {
+            if o.accepted >= k {
+                sc.push(p as f64);
+                lab.push(o.accepted > k);
+            }
+        }
+    }
+    (!sc.is_empty()).then(|| roc_auc(&sc, &lab))
+}
+
 /// ROC-AUC of the conditional confidence for "accepted at k | reached k".
 pub fn conditional_auc(obs: &[Observed], sts: &Sts) -> f64 {
     let (mut sc, mut lab) = (Vec::new(), Vec::new());
     for o in obs {
-        for (k, &z) in o.logits.iter().enumerate() {
+        for (k, x) in o.inputs.iter().enumerate() {
             if o.accepted >= k {
-                sc.push(sts.conf(k, z as f64));
+                sc.push(sts.conf(k, x));
                 lab.push(o.accepted > k);
             }
         }
@@ -147,7 +177,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             probe.cfg.gamma
         );
     }
-    let sts = probe.cfg.calibration();
+    let sts = probe.cfg.calibration_for(a.temperature == 0.0);
     let has_markov = probe.is_markov() && probe.cfg.parallel_trained;
     drop(probe);
     let sets: Vec<&str> = match a.prompts.as_str() {
@@ -177,8 +207,8 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
     let mut drafts = crate::spec::DraftCache::default();
     let mut results = Vec::new();
     println!(
-        "{:<6} {:<12} {:>5} {:>6} {:>9} {:>9} {:>6}  accept/pos",
-        "set", "drafter", "gamma", "tau", "ece_bef", "ece_aft", "auc"
+        "{:<6} {:<12} {:>5} {:>6} {:>9} {:>9} {:>6} {:>6}  accept/pos",
+        "set", "drafter", "gamma", "tau", "ece_bef", "ece_aft", "auc", "oracle"
     );
     for set in &sets {
         let mut prompts = crate::bench::prompt_set(set)?;
@@ -191,12 +221,11 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 "dspark" | "parallel" => {
                     let mut dr = load_dspark(&target, &dir)?;
                     // Raw confidence logits: STS is applied below, before and after.
-                    dr.cfg.sts = vec![1.0; dr.cfg.gamma];
-                    dr.cfg.sts_shift = Vec::new();
+                    dr.cfg = dr.cfg.uncalibrated();
                     if *arm == "parallel" {
                         dr = dr.into_parallel()?;
                     }
-                    Box::new(DsparkProposer::new(dr, arm).with_target_head(target.model.clone()))
+                    Box::new(DsparkProposer::new(dr, arm)?.with_target_head(target.model.clone()))
                 }
                 "ngram" => {
                     crate::spec::build_proposer(g, &ProposerKind::Ngram, &target, &mut drafts)?
@@ -222,11 +251,12 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             )?;
             let tau = r.totals.committed_per_call();
             let acc = r.totals.accept_per_pos();
+            let oracle = oracle_auc(&r.obs);
             let (eb, ea, auc) = if r.obs.is_empty() {
                 (None, None, None)
             } else {
                 let b = cumulative_ece(&r.obs, &Sts::identity(a.gamma));
-                let sts = Sts::new(&sts.temps[..a.gamma], &sts.shifts[..a.gamma]);
+                let sts = sts.truncated(a.gamma);
                 // The parallel-only arm shares the checkpoint's temperatures (fitted for the
                 // Markov drafter); its ECE after STS says how well they transfer.
                 let af = cumulative_ece(&r.obs, &sts);
@@ -239,7 +269,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 })
             };
             println!(
-                "{:<6} {:<12} {:>5} {:>6.2} {:>9} {:>9} {:>6}  {}",
+                "{:<6} {:<12} {:>5} {:>6.2} {:>9} {:>9} {:>6} {:>6}  {}",
                 set,
                 arm,
                 a.gamma,
@@ -247,6 +277,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 mx(&eb),
                 mx(&ea),
                 auc.map_or("-".into(), |x| format!("{x:.3}")),
+                oracle.map_or("-".into(), |x| format!("{x:.3}")),
                 acc.iter()
                     .map(|x| format!("{x:.2}"))
                     .collect::<Vec<_>>()
@@ -255,7 +286,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             results.push(serde_json::json!({
                 "drafter": arm, "prompts": set, "gamma": a.gamma, "temperature": a.temperature,
                 "tau": tau, "accept_per_pos": acc,
-                "ece_before": eb, "ece_after": ea, "auc": auc,
+                "ece_before": eb, "ece_after": ea, "auc": auc, "auc_oracle": oracle,
                 "blocks": r.obs.len(), "completion_tokens": r.totals.completion_tokens,
                 "target_calls": r.totals.target_calls,
             }));

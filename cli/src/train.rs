@@ -221,8 +221,14 @@ pub struct CalibrateArgs {
     pub limit: usize,
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
+    /// Decoding temperature of the calibration run: 0 fits the calibration greedy requests
+    /// use, anything else the one sampled requests use (the other is kept).
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f32,
+    /// Calibrate the confidence head's logit alone (the paper's STS), without mixing in the
+    /// draft distribution's top probability and entropy.
+    #[arg(long)]
+    pub head_only: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -238,9 +244,8 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
         h,
     )?;
     let gamma = dr.cfg.gamma;
-    dr.cfg.sts = vec![1.0; gamma];
-    dr.cfg.sts_shift = Vec::new();
     let cfg_before = dr.cfg.clone();
+    dr.cfg = dr.cfg.uncalibrated();
     let sets: Vec<&str> = match a.prompts.as_str() {
         "all" => vec!["chat", "code", "math"],
         s => vec![s],
@@ -254,8 +259,9 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
                 .take(a.limit),
         );
     }
-    let proposer =
-        Box::new(drafter::DsparkProposer::new(dr, "dspark").with_target_head(target.model.clone()));
+    let proposer = Box::new(
+        drafter::DsparkProposer::new(dr, "dspark")?.with_target_head(target.model.clone()),
+    );
     let run = crate::eval::run_arm(
         &target,
         proposer,
@@ -271,30 +277,50 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     }
     use drafter::calibrate::{Sts, cumulative_ece};
     let before = cumulative_ece(&obs, &Sts::identity(gamma));
-    let sts = drafter::calibrate::fit_sts(&obs, gamma, 15);
+    let sts = drafter::calibrate::fit_sts(&obs, gamma, !a.head_only);
     let after = cumulative_ece(&obs, &sts);
     let auc = crate::eval::conditional_auc(&obs, &sts);
+    // The paper's STS on the head's logit alone, for comparison.
+    let head = drafter::calibrate::fit_sts(&obs, gamma, false);
+    let auc_head = crate::eval::conditional_auc(&obs, &head);
+    let ece_head = cumulative_ece(&obs, &head);
     let temps = sts.temps.clone();
     let tau = run.totals.committed_per_call();
-    println!("blocks {}  τ {:.2}  ROC-AUC {:.3}", obs.len(), tau, auc);
+    let oracle = crate::eval::oracle_auc(&obs);
+    println!(
+        "blocks {}  τ {:.2}  ROC-AUC {:.3} (head logit alone {:.3}; of the true acceptance probabilities {})",
+        obs.len(),
+        tau,
+        auc,
+        auc_head,
+        oracle.map_or("-".into(), |x| format!("{x:.3}"))
+    );
     for k in 0..after.len() {
+        let mix = sts.mix.get(k).map_or(String::new(), |w| {
+            format!(
+                "  mix z {:+.2} logmaxp {:+.2} H {:+.2} bias {:+.2}",
+                w[0], w[1], w[2], w[3]
+            )
+        });
         println!(
-            "position {}: T {:.2}  shift {:+.1}  ECE before {:.3}  after {:.3}",
+            "position {}: T {:.2}  shift {:+.1}  ECE before {:.3}  after {:.3} (head alone {:.3}){mix}",
             k + 1,
             temps[k],
             sts.shifts[k],
             before[k],
-            after[k]
+            after[k],
+            ece_head[k]
         );
     }
+    // Greedy requests get their own calibration; the other one is kept.
+    let greedy = a.temperature == 0.0;
     let mut cfg = cfg_before;
-    cfg.sts = temps.clone();
-    cfg.sts_shift = sts.shifts.clone();
+    cfg.set_calibration(greedy, drafter::model::CalibrationCfg::from_sts(&sts));
     let tmp = a.drafter.join("drafter.json.tmp");
     std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
     std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
-    let v = serde_json::json!({"blocks": obs.len(), "tau": tau, "auc": auc, "ece_before": before, "ece_after": after,
-        "sts": temps, "sts_shift": sts.shifts, "command": std::env::args().collect::<Vec<_>>().join(" ")});
+    let v = serde_json::json!({"blocks": obs.len(), "tau": tau, "auc": auc, "auc_head_only": auc_head, "auc_oracle": oracle, "ece_after_head_only": ece_head, "ece_before": before, "ece_after": after,
+        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "command": std::env::args().collect::<Vec<_>>().join(" ")});
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }

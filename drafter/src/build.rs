@@ -115,7 +115,7 @@ pub fn build_proposer(
                 e,
                 h,
             )?;
-            Box::new(DsparkProposer::new(dr, &kind.label()).with_target_head(target.model.clone()))
+            Box::new(DsparkProposer::new(dr, &kind.label())?.with_target_head(target.model.clone()))
         }
         ProposerKind::DraftModel(name) => {
             let d = drafts.get(hub, name)?;

@@ -1,3 +1,5 @@
+//! Calibration of the drafter's confidences.
+//!
 //! Sequential Temperature Scaling (DSpark): per block position k a temperature T_k on the
 //! confidence logit, fitted left to right by grid search so that the cumulative product
 //! Π_{j≤k} σ(z_j / T_j − s_j) — the predicted survival of the prefix — matches observed prefix
@@ -10,6 +12,15 @@
 //! the base rate (a large T and a shift), which is calibrated and tells the scheduler nothing;
 //! log loss is a proper scoring rule, so it keeps whatever resolution the logits have. The ECE
 //! is what is reported.
+//!
+//! Before STS, an optional per-position mix (ours) turns three inputs into the logit:
+//! z'_k = a·z_k + b·logit(max p_d,k) + c·H(p_d,k) + d, where z_k is the confidence head's logit and
+//! p_d,k the draft distribution at position k. The draft distribution is computed from
+//! x_1..x_{k−1} before x_k is drawn, so the confidence still never depends on x_k; how sure the
+//! drafter is of its own next token is the strongest single predictor of acceptance we have
+//! (a logistic regression per position, fitted on the blocks that reached it).
+
+use specdec::proposer::ConfInputs;
 
 /// Expected calibration error of predictions `p` against 0/1 outcomes `y`, with `bins` equal-width
 /// bins: Σ_b (n_b / n) · |mean(p in b) − mean(y in b)|.
@@ -67,18 +78,35 @@ fn sigmoid(z: f64) -> f64 {
     1.0 / (1.0 + (-z).exp())
 }
 
-/// One held-out block: confidence logits z_1..z_K and how many drafts were accepted.
+/// One held-out block: per drafted position the confidence inputs (head logit first), and how
+/// many drafts were accepted.
 #[derive(Clone, Debug)]
 pub struct Observed {
-    pub logits: Vec<f32>,
+    pub inputs: Vec<ConfInputs>,
     pub accepted: usize,
+    /// Per position, the acceptance probability it had (1 − TV), when known (sampled decoding).
+    pub accept_prob: Vec<f32>,
 }
 
-/// Per-position calibration of confidence logits: c_k = σ(z_k / T_k − s_k).
+impl Observed {
+    /// A block whose confidences come from head logits alone.
+    pub fn from_logits(logits: &[f32], accepted: usize) -> Self {
+        Self {
+            inputs: logits.iter().map(|&z| [z, 0.0, 0.0]).collect(),
+            accepted,
+            accept_prob: Vec::new(),
+        }
+    }
+}
+
+/// Per-position calibration: c_k = σ(z'_k / T_k − s_k), z'_k the mixed logit (the head's logit
+/// z_k when there is no mix).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sts {
     pub temps: Vec<f32>,
     pub shifts: Vec<f32>,
+    /// Per position (a, b, c, d): z' = a·z + b·logit(max p_d) + c·H(p_d) + d; empty = z' = z.
+    pub mix: Vec<[f32; 4]>,
 }
 
 impl Sts {
@@ -87,6 +115,7 @@ impl Sts {
         Self {
             temps: vec![1.0; gamma],
             shifts: vec![0.0; gamma],
+            mix: Vec::new(),
         }
     }
 
@@ -97,15 +126,157 @@ impl Sts {
             shifts: (0..temps.len())
                 .map(|k| shifts.get(k).copied().unwrap_or(0.0))
                 .collect(),
+            mix: Vec::new(),
         }
     }
 
-    /// The calibrated confidence of logit `z` at block position `k` (0-based).
-    pub fn conf(&self, k: usize, z: f64) -> f64 {
+    /// With a per-position input mix (empty: the head's logit alone).
+    pub fn with_mix(mut self, mix: &[[f32; 4]]) -> Self {
+        self.mix = mix.to_vec();
+        self
+    }
+
+    /// The first `g` positions.
+    pub fn truncated(&self, g: usize) -> Self {
+        Self {
+            temps: self.temps.iter().take(g).copied().collect(),
+            shifts: self.shifts.iter().take(g).copied().collect(),
+            mix: self.mix.iter().take(g).copied().collect(),
+        }
+    }
+
+    /// The mixed logit z'_k of position `k`'s inputs.
+    pub fn mixed(&self, k: usize, x: &ConfInputs) -> f64 {
+        match self.mix.get(k) {
+            Some(w) => {
+                w[0] as f64 * x[0] as f64
+                    + w[1] as f64 * x[1] as f64
+                    + w[2] as f64 * x[2] as f64
+                    + w[3] as f64
+            }
+            None => x[0] as f64,
+        }
+    }
+
+    /// The calibrated confidence of a mixed logit `z` at block position `k` (0-based).
+    pub fn conf_of_logit(&self, k: usize, z: f64) -> f64 {
         let t = self.temps.get(k).copied().unwrap_or(1.0).max(1e-3) as f64;
         let s = self.shifts.get(k).copied().unwrap_or(0.0) as f64;
         sigmoid(z / t - s)
     }
+
+    /// The calibrated confidence of position `k` (0-based) from its inputs.
+    pub fn conf(&self, k: usize, x: &ConfInputs) -> f64 {
+        self.conf_of_logit(k, self.mixed(k, x))
+    }
+}
+
+/// Logistic regression of 0/1 outcomes on rows `x` (each with a trailing 1 for the bias) by
+/// Newton's method with a small ridge (keeps separable data finite). Returns the weights.
+pub fn fit_logistic<const N: usize>(x: &[[f64; N]], y: &[bool], ridge: f64) -> [f64; N] {
+    let mut w = [0f64; N];
+    let loss = |w: &[f64; N]| -> f64 {
+        let mut l = 0.0;
+        for (xi, &yi) in x.iter().zip(y) {
+            let z: f64 = (0..N).map(|j| w[j] * xi[j]).sum();
+            // log(1 + e^z) − y·z, stable.
+            l += z.max(0.0) + (-z.abs()).exp().ln_1p() - if yi { z } else { 0.0 };
+        }
+        l + 0.5 * ridge * w.iter().map(|v| v * v).sum::<f64>()
+    };
+    let mut cur = loss(&w);
+    for _ in 0..50 {
+        let mut g = [0f64; N];
+        let mut h = [[0f64; N]; N];
+        for (xi, &yi) in x.iter().zip(y) {
+            let z: f64 = (0..N).map(|j| w[j] * xi[j]).sum();
+            let p = sigmoid(z);
+            let r = p - yi as u8 as f64;
+            let s = p * (1.0 - p);
+            for a in 0..N {
+                g[a] += r * xi[a];
+                for b in 0..N {
+                    h[a][b] += s * xi[a] * xi[b];
+                }
+            }
+        }
+        for a in 0..N {
+            g[a] += ridge * w[a];
+            h[a][a] += ridge;
+        }
+        let Some(step) = solve(h, g) else {
+            break;
+        };
+        // Damped step: halve until the loss does not rise.
+        let mut t = 1.0;
+        let mut next = w;
+        let mut improved = false;
+        for _ in 0..30 {
+            for j in 0..N {
+                next[j] = w[j] - t * step[j];
+            }
+            let l = loss(&next);
+            if l <= cur {
+                improved = cur - l > 1e-10 * cur.abs().max(1.0);
+                cur = l;
+                w = next;
+                break;
+            }
+            t *= 0.5;
+        }
+        if !improved {
+            break;
+        }
+    }
+    w
+}
+
+/// Solves `a·x = b` by Gaussian elimination with partial pivoting; None when singular.
+fn solve<const N: usize>(mut a: [[f64; N]; N], mut b: [f64; N]) -> Option<[f64; N]> {
+    for c in 0..N {
+        let p = (c..N).max_by(|&i, &j| a[i][c].abs().total_cmp(&a[j][c].abs()))?;
+        if a[p][c].abs() < 1e-12 {
+            return None;
+        }
+        a.swap(c, p);
+        b.swap(c, p);
+        for r in c + 1..N {
+            let f = a[r][c] / a[c][c];
+            for k in c..N {
+                a[r][k] -= f * a[c][k];
+            }
+            b[r] -= f * b[c];
+        }
+    }
+    let mut x = [0f64; N];
+    for c in (0..N).rev() {
+        let s: f64 = (c + 1..N).map(|k| a[c][k] * x[k]).sum();
+        x[c] = (b[c] - s) / a[c][c];
+    }
+    Some(x)
+}
+
+/// Per position, the logistic mix of the three confidence inputs that best predicts "accepted
+/// at k | reached k" on the blocks that reached k (positions nobody reached keep z' = z).
+pub fn fit_mix(obs: &[Observed], gamma: usize) -> Vec<[f32; 4]> {
+    (0..gamma)
+        .map(|k| {
+            let (mut x, mut y) = (Vec::new(), Vec::new());
+            for o in obs {
+                if let Some(v) = o.inputs.get(k) {
+                    if o.accepted >= k {
+                        x.push([v[0] as f64, v[1] as f64, v[2] as f64, 1.0]);
+                        y.push(o.accepted > k);
+                    }
+                }
+            }
+            if x.len() < 20 || y.iter().all(|&v| v) || y.iter().all(|&v| !v) {
+                return [1.0, 0.0, 0.0, 0.0];
+            }
+            let w = fit_logistic(&x, &y, 1e-3);
+            [w[0] as f32, w[1] as f32, w[2] as f32, w[3] as f32]
+        })
+        .collect()
 }
 
 /// Mean negative log-likelihood of 0/1 outcomes `y` under probabilities `p`.
@@ -122,17 +293,32 @@ pub fn log_loss(p: &[f64], y: &[bool]) -> f64 {
 }
 
 /// Fits (T_k, s_k) left to right by grid search on the log loss of the cumulative product;
-/// position k uses the blocks that reached it (all blocks: survival of the prefix is observed
-/// for every k ≤ drafted length). `bins` is unused by the fit (kept for the ECE it reports).
-pub fn fit_sts(obs: &[Observed], gamma: usize, _bins: usize) -> Sts {
+/// position k uses every block that drafted it (survival of the prefix is observed for every
+/// k ≤ drafted length). With `mix`, the per-position input mix is fitted first ([`fit_mix`])
+/// and STS calibrates the mixed logits.
+pub fn fit_sts(obs: &[Observed], gamma: usize, mix: bool) -> Sts {
     let grid: Vec<f64> = (0..=60).map(|i| 0.25 * 1.07f64.powi(i)).collect();
     let shifts: Vec<f64> = (-30..=30).map(|i| i as f64 * 0.1).collect();
     let mut sts = Sts::identity(gamma);
+    if mix {
+        sts.mix = fit_mix(obs, gamma);
+    }
+    // The mixed logits, per block and position.
+    let z: Vec<Vec<f64>> = obs
+        .iter()
+        .map(|o| {
+            o.inputs
+                .iter()
+                .enumerate()
+                .map(|(k, x)| sts.mixed(k, x))
+                .collect()
+        })
+        .collect();
     // Running product of the calibrated confidences of positions < k, per block.
     let mut prefix: Vec<f64> = vec![1.0; obs.len()];
     for k in 0..gamma {
         let rows: Vec<usize> = (0..obs.len())
-            .filter(|&i| obs[i].logits.len() > k)
+            .filter(|&i| obs[i].inputs.len() > k)
             .collect();
         if rows.is_empty() {
             break;
@@ -143,7 +329,7 @@ pub fn fit_sts(obs: &[Observed], gamma: usize, _bins: usize) -> Sts {
         for &t in &grid {
             for &sh in &shifts {
                 for (pi, &i) in p.iter_mut().zip(&rows) {
-                    *pi = prefix[i] * sigmoid(obs[i].logits[k] as f64 / t - sh);
+                    *pi = prefix[i] * sigmoid(z[i][k] / t - sh);
                 }
                 let e = log_loss(&p, &y);
                 if e < best.0 {
@@ -154,7 +340,7 @@ pub fn fit_sts(obs: &[Observed], gamma: usize, _bins: usize) -> Sts {
         sts.temps[k] = best.1 as f32;
         sts.shifts[k] = best.2 as f32;
         for &i in &rows {
-            prefix[i] *= sts.conf(k, obs[i].logits[k] as f64);
+            prefix[i] *= sts.conf_of_logit(k, z[i][k]);
         }
     }
     sts
@@ -168,7 +354,7 @@ pub fn cumulative_ece(obs: &[Observed], sts: &Sts) -> Vec<f64> {
     let mut out = Vec::new();
     for k in 0..g {
         let rows: Vec<usize> = (0..obs.len())
-            .filter(|&i| obs[i].logits.len() > k)
+            .filter(|&i| obs[i].inputs.len() > k)
             .collect();
         if rows.is_empty() {
             break;
@@ -176,7 +362,7 @@ pub fn cumulative_ece(obs: &[Observed], sts: &Sts) -> Vec<f64> {
         let mut p = Vec::with_capacity(rows.len());
         let mut y = Vec::with_capacity(rows.len());
         for &i in &rows {
-            prefix[i] *= sts.conf(k, obs[i].logits[k] as f64);
+            prefix[i] *= sts.conf(k, &obs[i].inputs[k]);
             p.push(prefix[i]);
             y.push(obs[i].accepted > k);
         }
@@ -217,10 +403,10 @@ mod tests {
                         break;
                     }
                 }
-                Observed { logits, accepted }
+                Observed::from_logits(&logits, accepted)
             })
             .collect();
-        let sts = fit_sts(&obs, gamma, 15);
+        let sts = fit_sts(&obs, gamma, false);
         let t = &sts.temps;
         assert!((t[0] - 3.0).abs() < 0.5, "{sts:?}");
         // Calibrated cumulative survival has small ECE at every position.
@@ -230,7 +416,7 @@ mod tests {
                 .iter()
                 .zip(prefix.iter_mut())
                 .map(|(o, pr)| {
-                    *pr *= sts.conf(k, o.logits[k] as f64);
+                    *pr *= sts.conf(k, &o.inputs[k]);
                     *pr
                 })
                 .collect();
@@ -252,13 +438,10 @@ mod tests {
             .map(|_| {
                 let z = (rng.normal() * 2.0 + 1.0) as f32;
                 let accepted = (rng.uniform() < sigmoid(z as f64 / 2.0 - 1.5)) as usize;
-                Observed {
-                    logits: vec![z],
-                    accepted,
-                }
+                Observed::from_logits(&[z], accepted)
             })
             .collect();
-        let sts = fit_sts(&obs, 1, 15);
+        let sts = fit_sts(&obs, 1, false);
         assert!((sts.temps[0] - 2.0).abs() < 0.5, "{sts:?}");
         assert!((sts.shifts[0] - 1.5).abs() < 0.3, "{sts:?}");
         let affine = cumulative_ece(&obs, &sts)[0];
@@ -272,6 +455,83 @@ mod tests {
         assert!(
             best_t_only > 2.0 * affine,
             "temperature only {best_t_only} vs {affine}"
+        );
+    }
+
+    #[test]
+    fn logistic_regression_recovers_known_weights() {
+        let mut rng = Rng::new(5);
+        let w = [1.5f64, -0.7, 0.3];
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        for _ in 0..40_000 {
+            let a = rng.normal();
+            let b = rng.normal() * 2.0;
+            x.push([a, b, 1.0]);
+            y.push(rng.uniform() < sigmoid(w[0] * a + w[1] * b + w[2]));
+        }
+        let got = fit_logistic(&x, &y, 1e-3);
+        for j in 0..3 {
+            assert!((got[j] - w[j]).abs() < 0.08, "{got:?} vs {w:?}");
+        }
+        // Separable data stays finite (the ridge).
+        let sep = fit_logistic(&[[1.0, 1.0], [-1.0, 1.0]], &[true, false], 1e-3);
+        assert!(sep.iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn the_mix_uses_the_draft_distribution_where_the_head_is_weak() {
+        // Acceptance driven mostly by the drafter's own top probability, barely by the head's
+        // logit: STS on the head alone cannot rank blocks; the mix can, and stays calibrated.
+        let mut rng = Rng::new(8);
+        let gamma = 3;
+        let obs: Vec<Observed> = (0..20_000)
+            .map(|_| {
+                let mut inputs = Vec::new();
+                let mut accepted = 0;
+                let mut alive = true;
+                for _ in 0..gamma {
+                    let lmax = -(rng.uniform() * 4.0) as f32; // log max p_d in (−4, 0]
+                    let ent = (-lmax as f64 * 1.5 + rng.uniform()) as f32;
+                    let z = (rng.normal() * 0.3) as f32;
+                    let p = sigmoid(0.3 * z as f64 + 2.0 * lmax as f64 + 1.0);
+                    inputs.push([z, lmax, ent]);
+                    if alive && rng.uniform() < p {
+                        accepted += 1;
+                    } else {
+                        alive = false;
+                    }
+                }
+                Observed {
+                    inputs,
+                    accepted,
+                    accept_prob: Vec::new(),
+                }
+            })
+            .collect();
+        let head = fit_sts(&obs, gamma, false);
+        let mixed = fit_sts(&obs, gamma, true);
+        let auc = |sts: &Sts| {
+            let (mut sc, mut lab) = (Vec::new(), Vec::new());
+            for o in &obs {
+                for (k, x) in o.inputs.iter().enumerate() {
+                    if o.accepted >= k {
+                        sc.push(sts.conf(k, x));
+                        lab.push(o.accepted > k);
+                    }
+                }
+            }
+            roc_auc(&sc, &lab)
+        };
+        let (a_head, a_mix) = (auc(&head), auc(&mixed));
+        assert!(a_head < 0.62, "head alone {a_head}");
+        assert!(a_mix > 0.8, "mixed {a_mix}");
+        for (k, e) in cumulative_ece(&obs, &mixed).iter().enumerate() {
+            assert!(*e < 0.02, "position {k}: ECE {e}");
+        }
+        // No mix fitted: confidences are those of the head logit alone.
+        assert_eq!(
+            head.conf(0, &[0.5, -3.0, 2.0]),
+            head.conf(0, &[0.5, 0.0, 0.0])
         );
     }
 }

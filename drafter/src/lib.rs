@@ -8,6 +8,7 @@
 
 pub mod build;
 pub mod calibrate;
+pub mod fast;
 pub mod model;
 pub mod proposer;
 pub mod train;

@@ -43,12 +43,114 @@ pub struct DrafterConfig {
     /// loss), so the parallel-only ablation of this checkpoint means something.
     #[serde(default)]
     pub parallel_trained: bool,
+    /// Per-position mix of the confidence inputs before STS (head logit, log max p_d, entropy
+    /// of p_d, bias); empty = the head's logit alone. Fitted by `dspark calibrate-drafter`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conf_mix: Vec<[f32; 4]>,
+    /// The calibration for greedy requests, whose acceptance (argmax agreement) is not the coin
+    /// flip of sampled acceptance and follows the drafter's certainty much more closely. The
+    /// fields above serve sampled requests, and greedy ones when this is absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub greedy_calibration: Option<CalibrationCfg>,
+}
+
+/// A stored calibration: STS temperatures and shifts, and the input mix before them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationCfg {
+    pub sts: Vec<f32>,
+    #[serde(default)]
+    pub sts_shift: Vec<f32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conf_mix: Vec<[f32; 4]>,
+}
+
+impl CalibrationCfg {
+    pub fn sts(&self) -> crate::calibrate::Sts {
+        crate::calibrate::Sts::new(&self.sts, &self.sts_shift).with_mix(&self.conf_mix)
+    }
+
+    pub fn from_sts(s: &crate::calibrate::Sts) -> Self {
+        Self {
+            sts: s.temps.clone(),
+            sts_shift: s.shifts.clone(),
+            conf_mix: s.mix.clone(),
+        }
+    }
+
+    fn validate(&self, gamma: usize) -> Result<()> {
+        if self.sts.len() != gamma {
+            return Err(DrafterError::Invalid(
+                "one STS temperature per block position".into(),
+            ));
+        }
+        if !self.sts_shift.is_empty() && self.sts_shift.len() != gamma {
+            return Err(DrafterError::Invalid(
+                "one STS shift per block position (or none)".into(),
+            ));
+        }
+        if !self.conf_mix.is_empty() && self.conf_mix.len() != gamma {
+            return Err(DrafterError::Invalid(
+                "one confidence mix per block position (or none)".into(),
+            ));
+        }
+        if self
+            .sts
+            .iter()
+            .chain(&self.sts_shift)
+            .chain(self.conf_mix.iter().flatten())
+            .any(|x| !x.is_finite())
+            || self.sts.iter().any(|&t| t <= 0.0)
+        {
+            return Err(DrafterError::Invalid(
+                "STS temperatures must be positive, shifts and mixes finite".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl DrafterConfig {
-    /// The fitted confidence calibration (temperatures and shifts).
+    /// The fitted confidence calibration for sampled requests (input mix, temperatures and
+    /// shifts).
     pub fn calibration(&self) -> crate::calibrate::Sts {
-        crate::calibrate::Sts::new(&self.sts, &self.sts_shift)
+        self.sampled_calibration().sts()
+    }
+
+    /// The calibration for greedy (`true`) or sampled requests.
+    pub fn calibration_for(&self, greedy: bool) -> crate::calibrate::Sts {
+        match (&self.greedy_calibration, greedy) {
+            (Some(g), true) => g.sts(),
+            _ => self.calibration(),
+        }
+    }
+
+    /// The sampled-request calibration as a stored block.
+    pub fn sampled_calibration(&self) -> CalibrationCfg {
+        CalibrationCfg {
+            sts: self.sts.clone(),
+            sts_shift: self.sts_shift.clone(),
+            conf_mix: self.conf_mix.clone(),
+        }
+    }
+
+    /// Stores a fitted calibration for greedy or sampled requests.
+    pub fn set_calibration(&mut self, greedy: bool, c: CalibrationCfg) {
+        if greedy {
+            self.greedy_calibration = Some(c);
+        } else {
+            self.sts = c.sts;
+            self.sts_shift = c.sts_shift;
+            self.conf_mix = c.conf_mix;
+        }
+    }
+
+    /// Drops every calibration: confidences become σ(head logit).
+    pub fn uncalibrated(mut self) -> Self {
+        self.sts = vec![1.0; self.gamma];
+        self.sts_shift = Vec::new();
+        self.conf_mix = Vec::new();
+        self.greedy_calibration = None;
+        self
     }
 
     /// Defaults for a target: features from layers n/6, n/2 and n−2, one layer at the target's
@@ -79,6 +181,8 @@ impl DrafterConfig {
             sts: vec![1.0; gamma],
             sts_shift: Vec::new(),
             parallel_trained: false,
+            conf_mix: Vec::new(),
+            greedy_calibration: None,
         }
     }
 
@@ -101,63 +205,46 @@ impl DrafterConfig {
                 "feature layers must be target layers".into(),
             ));
         }
-        if self.sts.len() != self.gamma {
-            return Err(DrafterError::Invalid(
-                "one STS temperature per block position".into(),
-            ));
-        }
-        if !self.sts_shift.is_empty() && self.sts_shift.len() != self.gamma {
-            return Err(DrafterError::Invalid(
-                "one STS shift per block position (or none)".into(),
-            ));
-        }
-        if self
-            .sts
-            .iter()
-            .chain(&self.sts_shift)
-            .any(|x| !x.is_finite())
-            || self.sts.iter().any(|&t| t <= 0.0)
-        {
-            return Err(DrafterError::Invalid(
-                "STS temperatures must be positive and shifts finite".into(),
-            ));
+        self.sampled_calibration().validate(self.gamma)?;
+        if let Some(g) = &self.greedy_calibration {
+            g.validate(self.gamma)?;
         }
         Ok(())
     }
 }
 
-struct Layer {
-    n1: Tensor,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
-    wo: Linear,
-    n2: Tensor,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+pub(crate) struct Layer {
+    pub(crate) n1: Tensor,
+    pub(crate) wq: Linear,
+    pub(crate) wk: Linear,
+    pub(crate) wv: Linear,
+    pub(crate) wo: Linear,
+    pub(crate) n2: Tensor,
+    pub(crate) gate: Linear,
+    pub(crate) up: Linear,
+    pub(crate) down: Linear,
 }
 
 pub struct DsparkDrafter {
     pub cfg: DrafterConfig,
     pub varmap: VarMap,
-    fuse: Linear,
-    mask: Tensor,
-    layers: Vec<Layer>,
-    out_norm: Tensor,
-    w1: Option<Tensor>,
-    w2: Option<Tensor>,
-    conf: Linear,
+    pub(crate) fuse: Linear,
+    pub(crate) mask: Tensor,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) out_norm: Tensor,
+    pub(crate) w1: Option<Tensor>,
+    pub(crate) w2: Option<Tensor>,
+    pub(crate) conf: Linear,
     /// Confidence head of the parallel-only variant (over h_k alone), trained beside `conf` so
     /// the ablation sharing this backbone has calibrated confidences too.
-    conf_par: Option<Linear>,
+    pub(crate) conf_par: Option<Linear>,
     /// Draft without the Markov head (the parallel-only ablation of a Markov checkpoint).
-    parallel_only: bool,
+    pub(crate) parallel_only: bool,
     /// Frozen target embedding and LM head, vocab × d.
-    embed: Tensor,
-    head: Tensor,
-    cos: Tensor,
-    sin: Tensor,
+    pub(crate) embed: Tensor,
+    pub(crate) head: Tensor,
+    pub(crate) cos: Tensor,
+    pub(crate) sin: Tensor,
 }
 
 /// Output of a block forward.
@@ -308,6 +395,11 @@ impl DsparkDrafter {
         }
         self.parallel_only = true;
         Ok(self)
+    }
+
+    /// The frozen embedding's row of token `t`.
+    pub fn embed_row(&self, t: u32) -> Result<Vec<f32>> {
+        Ok(self.embed.get(t as usize)?.to_vec1()?)
     }
 
     /// Whether drafting uses the Markov head.

@@ -4,8 +4,8 @@
 //! sampled token, reporting q_k (after the request's sampling transform) and the calibrated
 //! confidence c_k, which never depends on x_k.
 
+use crate::fast::{CtxRow, FastDrafter, quantize_q8};
 use crate::model::DsparkDrafter;
-use candle_core::{Device, Tensor};
 use kernels::sampling::{argmax, probs, sample};
 use specdec::SpecError;
 use specdec::proposer::{Dist, DraftBlock, ProposeReq, Proposer};
@@ -13,59 +13,39 @@ use std::collections::HashMap;
 
 pub struct DsparkProposer {
     dr: DsparkDrafter,
-    /// Per request: the target's feature rows of committed positions, and the fused rows of
-    /// the recent ones.
+    /// The serving forward (8-bit weights, cached context rows).
+    fast: FastDrafter,
+    /// Per request: the target's feature rows of committed positions, and the context rows
+    /// (fused, with per-layer keys and values) of the recent ones.
     feats: HashMap<u64, ReqFeats>,
-    /// The fused row of an all-zero feature row: what pads the window of a short request.
-    pad: Vec<f32>,
+    /// The context row of an all-zero feature row: what pads the window of a short request.
+    pad: CtxRow,
     label: String,
     /// The target model, whose quantized LM head (the drafter's frozen head) gives the base
-    /// logits faster than the f32 copy.
+    /// logits, and whose thread pool runs the drafter's matmuls.
     target: Option<std::sync::Arc<dspark_runtime::Model>>,
     /// W2ᵀ (V × r) in 8-bit blocks: the Markov bias W1[x]·W2 of a drafted position reads 4×
     /// fewer bytes than from the f32 W2 (it is the drafter's largest per-position cost).
     w2t: Option<kernels::matmul::QMatrix>,
+    /// W1 (V × r) when drafting with the Markov head.
+    w1: Option<Vec<f32>>,
+    /// Confidence head: weights over [h; W1[x_{k−1}]] (or h alone), and bias.
+    conf_w: Vec<f32>,
+    conf_b: f32,
     isa: kernels::Isa,
 }
 
-/// A request's context. Fusing is row-wise, so a position is fused once, the first time a block
-/// is drafted with it in the window, and kept: drafting every step fuses one or two new rows,
-/// and an engine that stops drafting (the scheduler at K = 0) pays nothing per step but a copy.
+/// A request's context. Context rows are computed row-wise, so a position is processed once,
+/// the first time a block is drafted with it in the window, and kept: drafting every step
+/// processes one or two new rows, and an engine that stops drafting (the scheduler at K = 0)
+/// pays nothing per step but a copy.
 #[derive(Default)]
 struct ReqFeats {
     /// Feature rows (F·d each) of committed positions 0..n.
     raw: Vec<f32>,
-    /// Fused rows (d each) of positions `f0 ..`.
-    fused: Vec<f32>,
+    /// Context rows of positions `f0 ..`.
+    rows: Vec<CtxRow>,
     f0: usize,
-}
-
-/// Quantizes a row-major `rows × cols` matrix (cols a multiple of 32) into 8-bit blocks with one
-/// scale per 16 values.
-fn quantize_q8(w: &[f32], rows: usize, cols: usize) -> Option<kernels::matmul::QMatrix> {
-    use kernels::quant::BlockQ8;
-    if cols % 32 != 0 || w.len() != rows * cols {
-        return None;
-    }
-    let mut blocks = Vec::with_capacity(rows * cols / 32);
-    for chunk in w.chunks_exact(32) {
-        let mut b = BlockQ8::default();
-        for h in 0..2 {
-            let part = &chunk[h * 16..(h + 1) * 16];
-            let amax = part.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let d = amax / 127.0;
-            b.d[h] = d;
-            for (i, &x) in part.iter().enumerate() {
-                b.qs[h * 16 + i] = if d > 0.0 {
-                    (x / d).round().clamp(-127.0, 127.0) as i8
-                } else {
-                    0
-                };
-            }
-        }
-        blocks.push(b);
-    }
-    kernels::matmul::QMatrix::new(rows, cols, kernels::matmul::QWeights::Q8(blocks)).ok()
 }
 
 fn err(e: impl std::fmt::Display) -> SpecError {
@@ -73,142 +53,159 @@ fn err(e: impl std::fmt::Display) -> SpecError {
 }
 
 impl DsparkProposer {
-    pub fn new(dr: DsparkDrafter, label: &str) -> Self {
+    /// Fails when the drafter's widths do not fit the 8-bit kernels (multiples of 32).
+    pub fn new(dr: DsparkDrafter, label: &str) -> crate::Result<Self> {
         let (r, v) = (dr.cfg.rank, dr.cfg.vocab);
-        let w2t = dr.markov_w2().ok().flatten().and_then(|w2| {
-            let mut t = vec![0f32; v * r];
-            for (i, row) in w2.chunks_exact(v).enumerate() {
-                for (j, &x) in row.iter().enumerate() {
-                    t[j * r + i] = x;
+        let markov = dr.is_markov();
+        let w2t = if markov {
+            dr.markov_w2()?.and_then(|w2| {
+                let mut t = vec![0f32; v * r];
+                for (i, row) in w2.chunks_exact(v).enumerate() {
+                    for (j, &x) in row.iter().enumerate() {
+                        t[j * r + i] = x;
+                    }
                 }
-            }
-            quantize_q8(&t, v, r)
-        });
+                quantize_q8(&t, v, r)
+            })
+        } else {
+            None
+        };
+        let w1 = match (&dr.w1, markov) {
+            (Some(w1), true) => Some(w1.flatten_all()?.to_vec1::<f32>()?),
+            _ => None,
+        };
+        let head = match (&dr.conf_par, dr.parallel_only) {
+            (Some(cp), true) => cp,
+            _ => &dr.conf,
+        };
+        let conf_w: Vec<f32> = head.weight().flatten_all()?.to_vec1()?;
+        let conf_b = match head.bias() {
+            Some(b) => b
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .first()
+                .copied()
+                .unwrap_or(0.0),
+            None => 0.0,
+        };
+        let want = dr.cfg.d_model + if w1.is_some() { r } else { 0 };
+        if conf_w.len() != want {
+            return Err(crate::DrafterError::Invalid(format!(
+                "confidence head over {} inputs, expected {want}",
+                conf_w.len()
+            )));
+        }
+        let fast = FastDrafter::new(&dr)?;
         let rl = dr.cfg.feature_layers.len() * dr.cfg.d_model;
-        let pad = (|| -> Option<Vec<f32>> {
-            let z = Tensor::zeros((1, 1, rl), candle_core::DType::F32, &Device::Cpu).ok()?;
-            dr.fuse_context(&z).ok()?.flatten_all().ok()?.to_vec1().ok()
-        })()
-        .unwrap_or_else(|| vec![0f32; dr.cfg.d_model]);
-        Self {
+        let pad = fast
+            .context_rows(&vec![0f32; rl], 1)
+            .pop()
+            .unwrap_or_default();
+        Ok(Self {
             w2t,
+            w1,
+            conf_w,
+            conf_b,
             isa: kernels::Isa::detect(),
+            fast,
             dr,
             feats: HashMap::new(),
             pad,
             label: label.to_string(),
             target: None,
-        }
+        })
     }
 
-    /// Computes base logits with the target's own head kernels.
+    /// Computes base logits with the target's own head kernels, and runs the drafter's
+    /// matmuls on the target's threads.
     pub fn with_target_head(mut self, target: std::sync::Arc<dspark_runtime::Model>) -> Self {
         self.target = Some(target);
         self
     }
 
-    /// Base logits of the first `kmax` positions (B·kmax rows of V) and hidden states
-    /// (B × kmax × d) of one block forward: the head, the costly part, runs only for positions
-    /// some request will draft.
-    fn block(&self, ft: &Tensor, at: &Tensor, kmax: usize) -> specdec::Result<(Vec<f32>, Tensor)> {
-        let h = self.dr.hidden_fused(ft, at).map_err(err)?;
-        let (b, g, d) = h.dims3().map_err(err)?;
-        let kmax = kmax.clamp(1, g);
-        let h = if kmax < g {
-            h.narrow(1, 0, kmax)
-                .map_err(err)?
-                .contiguous()
-                .map_err(err)?
-        } else {
-            h
-        };
-        let base = match &self.target {
-            Some(m) => {
-                let rows: Vec<f32> = h.flatten_all().map_err(err)?.to_vec1().map_err(err)?;
-                m.head_logits(&rows, b * kmax).map_err(err)?
+    /// `f` on the target's thread pool when there is one.
+    fn on_pool<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.target {
+            Some(m) => m.install(f),
+            None => f(),
+        }
+    }
+
+    /// Base logits of `rows` rows of d (B·kmax hidden states).
+    fn head_logits(&self, h: &[f32], rows: usize) -> specdec::Result<Vec<f32>> {
+        match &self.target {
+            Some(m) => m.head_logits(h, rows).map_err(err),
+            None => {
+                let d = self.dr.cfg.d_model;
+                let t = candle_core::Tensor::from_slice(h, (rows, d), &candle_core::Device::Cpu)
+                    .map_err(err)?;
+                t.matmul(&self.dr.head().t().map_err(err)?)
+                    .map_err(err)?
+                    .flatten_all()
+                    .map_err(err)?
+                    .to_vec1()
+                    .map_err(err)
             }
-            None => h
-                .reshape((b * kmax, d))
-                .map_err(err)?
-                .matmul(&self.dr.head().t().map_err(err)?)
-                .map_err(err)?
-                .flatten_all()
-                .map_err(err)?
-                .to_vec1()
-                .map_err(err)?,
-        };
-        Ok((base, h))
+        }
     }
 
     fn row_len(&self) -> usize {
         self.dr.cfg.feature_layers.len() * self.dr.cfg.d_model
     }
 
-    /// Fuses, for each request in `ids`, the rows of its context window not fused yet (one
-    /// batched fuse for all of them) and drops fused rows that left the window.
+    /// Computes, for each request in `ids`, the context rows of its window not computed yet
+    /// (one batched call for all of them) and drops rows that left the window.
     fn fuse_windows(&mut self, ids: &[u64]) -> specdec::Result<()> {
-        let (c, d, rl) = (self.dr.cfg.context, self.dr.cfg.d_model, self.row_len());
-        let mut todo: Vec<(u64, usize, usize)> = Vec::new(); // (id, first row, rows)
-        let mut rows: Vec<f32> = Vec::new();
+        let (c, rl) = (self.dr.cfg.context, self.row_len());
+        let mut todo: Vec<(u64, usize)> = Vec::new(); // (id, rows)
+        let mut raw: Vec<f32> = Vec::new();
         for &id in ids {
             let Some(f) = self.feats.get_mut(&id) else {
                 continue;
             };
             let n = f.raw.len() / rl;
             let lo = n.saturating_sub(c);
-            let have = f.fused.len() / d;
+            let have = f.rows.len();
             if f.f0 > lo || f.f0 + have < lo {
-                f.fused.clear();
+                f.rows.clear();
                 f.f0 = lo;
             } else if f.f0 < lo {
-                f.fused.drain(..(lo - f.f0) * d);
+                f.rows.drain(..lo - f.f0);
                 f.f0 = lo;
             }
-            let from = f.f0 + f.fused.len() / d;
+            let from = f.f0 + f.rows.len();
             if from < n {
-                rows.extend_from_slice(&f.raw[from * rl..n * rl]);
-                todo.push((id, from, n - from));
+                raw.extend_from_slice(&f.raw[from * rl..n * rl]);
+                todo.push((id, n - from));
             }
         }
         if todo.is_empty() {
             return Ok(());
         }
-        let total = rows.len() / rl;
-        let t = Tensor::from_vec(rows, (1, total, rl), &Device::Cpu).map_err(err)?;
-        let fused: Vec<f32> = self
-            .dr
-            .fuse_context(&t)
-            .map_err(err)?
-            .flatten_all()
-            .map_err(err)?
-            .to_vec1()
-            .map_err(err)?;
-        let mut at = 0;
-        for (id, _, n) in todo {
+        let total = raw.len() / rl;
+        let fast = &self.fast;
+        let mut rows = self.on_pool(|| fast.context_rows(&raw, total)).into_iter();
+        for (id, n) in todo {
             if let Some(f) = self.feats.get_mut(&id) {
-                f.fused.extend_from_slice(&fused[at * d..(at + n) * d]);
+                f.rows.extend(rows.by_ref().take(n));
             }
-            at += n;
         }
         Ok(())
     }
 
-    /// Fused context window (C rows of d, padded at the front, with the fused zero row, when
-    /// the request is shorter). [`Self::fuse_windows`] must have run for `id`.
-    fn window(&self, id: u64) -> Vec<f32> {
-        let (c, d) = (self.dr.cfg.context, self.dr.cfg.d_model);
-        let mut w = Vec::with_capacity(c * d);
+    /// Context window (C rows, padded at the front with the zero row's, when the request is
+    /// shorter). [`Self::fuse_windows`] must have run for `id`.
+    fn window(&self, id: u64) -> Vec<&CtxRow> {
+        let c = self.dr.cfg.context;
         let f = self
             .feats
             .get(&id)
-            .map(|f| f.fused.as_slice())
+            .map(|f| f.rows.as_slice())
             .unwrap_or(&[]);
-        let n = f.len() / d;
-        let take = n.min(c);
-        for _ in take..c {
-            w.extend_from_slice(&self.pad);
-        }
-        w.extend_from_slice(&f[(n - take) * d..]);
+        let take = f.len().min(c);
+        let mut w: Vec<&CtxRow> = Vec::with_capacity(c);
+        w.extend(std::iter::repeat_n(&self.pad, c - take));
+        w.extend(&f[f.len() - take..]);
         w
     }
 }
@@ -223,7 +220,7 @@ impl Proposer for DsparkProposer {
     }
 
     fn observe(&mut self, id: u64, start: usize, rows: &[f32]) -> specdec::Result<()> {
-        let (rl, d) = (self.row_len(), self.dr.cfg.d_model);
+        let rl = self.row_len();
         if rows.len() % rl != 0 {
             return Err(err(format!(
                 "feature rows of {} values, not a multiple of {rl}",
@@ -236,9 +233,7 @@ impl Proposer for DsparkProposer {
         f.raw.resize(start * rl, 0.0);
         f.raw.extend_from_slice(rows);
         let keep = start.saturating_sub(f.f0);
-        if f.fused.len() > keep * d {
-            f.fused.truncate(keep * d);
-        }
+        f.rows.truncate(keep);
         Ok(())
     }
 
@@ -250,23 +245,34 @@ impl Proposer for DsparkProposer {
         if active.is_empty() {
             return Ok(out);
         }
-        let (c, g) = (self.dr.cfg.context, self.dr.cfg.gamma);
-        let rl = self.dr.cfg.d_model;
+        let g = self.dr.cfg.gamma;
+        let (d, v, rank) = (self.dr.cfg.d_model, self.dr.cfg.vocab, self.dr.cfg.rank);
         let ids: Vec<u64> = active.iter().map(|&i| reqs[i].id).collect();
         self.fuse_windows(&ids)?;
-        let mut feats = Vec::with_capacity(active.len() * c * rl);
-        let mut anchors = Vec::with_capacity(active.len());
-        for &i in &active {
-            feats.extend(self.window(reqs[i].id));
-            anchors.push(*reqs[i].context.last().unwrap_or(&0));
-        }
         let b = active.len();
-        let ft = Tensor::from_vec(feats, (b, c, rl), &Device::Cpu).map_err(err)?;
-        let at = Tensor::from_vec(anchors.clone(), b, &Device::Cpu).map_err(err)?;
         let kmax = active.iter().map(|&i| reqs[i].k.min(g)).max().unwrap_or(1);
-        let (base_all, h_all) = self.block(&ft, &at, kmax)?;
-        let v = self.dr.cfg.vocab;
-        let d = self.dr.cfg.d_model;
+        let mut anchors = Vec::with_capacity(b);
+        let mut embs = Vec::with_capacity(b);
+        for &i in &active {
+            let a = *reqs[i].context.last().unwrap_or(&0);
+            if a as usize >= v {
+                return Err(err(format!("anchor token {a} outside the vocabulary")));
+            }
+            anchors.push(a);
+            embs.push(self.dr.embed_row(a).map_err(err)?);
+        }
+        let windows: Vec<Vec<&CtxRow>> = ids.iter().map(|&id| self.window(id)).collect();
+        let fast = &self.fast;
+        // B × kmax × d, request-major.
+        let h_all: Vec<f32> = self.on_pool(|| {
+            windows
+                .iter()
+                .zip(&embs)
+                .flat_map(|(w, e)| fast.hidden(w, e, kmax))
+                .collect()
+        });
+        drop(windows);
+        let base_all = self.head_logits(&h_all, b * kmax)?;
         // Positions outside, requests inside: the Markov bias of every request's previous token
         // at position k is one (B × r)·(r × V) product, reading W2 once per position instead of
         // once per request and position.
@@ -274,38 +280,66 @@ impl Proposer for DsparkProposer {
         let mut prev = anchors;
         let mut seen: Vec<Vec<u32>> = active.iter().map(|&i| reqs[i].context.to_vec()).collect();
         let mut conf: Vec<Vec<f32>> = ks.iter().map(|&k| Vec::with_capacity(k)).collect();
-        let sts = self.dr.cfg.calibration();
+        let mut inputs: Vec<Vec<specdec::proposer::ConfInputs>> =
+            ks.iter().map(|&k| Vec::with_capacity(k)).collect();
+        let (sts_sampled, sts_greedy) = (
+            self.dr.cfg.calibration_for(false),
+            self.dr.cfg.calibration_for(true),
+        );
         for kk in 0..kmax {
-            let pt = Tensor::from_vec(prev.clone(), (b, 1), &Device::Cpu).map_err(err)?;
-            let e = self.dr.markov_rows(&pt).map_err(err)?;
+            // W1 rows of each request's previous token (B × r).
+            let e: Option<Vec<f32>> = self.w1.as_ref().map(|w1| {
+                prev.iter()
+                    .flat_map(|&t| {
+                        w1[t as usize * rank..(t as usize + 1) * rank]
+                            .iter()
+                            .copied()
+                    })
+                    .collect()
+            });
             let bias: Option<Vec<f32>> = match (&e, &self.w2t) {
                 (Some(e), Some(w2t)) => {
-                    let ev: Vec<f32> = e.flatten_all().map_err(err)?.to_vec1().map_err(err)?;
                     let mut out = vec![0f32; b * v];
-                    w2t.matmul(&ev, b, &mut out, self.isa);
+                    let isa = self.isa;
+                    self.on_pool(|| w2t.matmul(e, b, &mut out, isa));
                     Some(out)
                 }
-                (Some(_), None) => match self.dr.markov(&pt).map_err(err)? {
-                    Some((bias, _)) => {
-                        Some(bias.flatten_all().map_err(err)?.to_vec1().map_err(err)?)
+                (Some(e), None) => {
+                    // Ranks that do not fit 8-bit blocks (tiny test drafters): f32 W2.
+                    let w2 = self.dr.markov_w2().map_err(err)?.unwrap_or_default();
+                    let mut out = vec![0f32; b * v];
+                    for bi in 0..b {
+                        for (i, row) in w2.chunks_exact(v).enumerate() {
+                            let x = e[bi * rank + i];
+                            for (o, w) in out[bi * v..(bi + 1) * v].iter_mut().zip(row) {
+                                *o += x * w;
+                            }
+                        }
                     }
-                    None => None,
-                },
+                    Some(out)
+                }
                 _ => None,
             };
-            let hk = h_all
-                .narrow(1, kk, 1)
-                .map_err(err)?
-                .reshape((b, 1, d))
-                .map_err(err)?;
-            let z: Vec<f32> = self
-                .dr
-                .conf_logits(&hk, e.as_ref())
-                .map_err(err)?
-                .flatten_all()
-                .map_err(err)?
-                .to_vec1()
-                .map_err(err)?;
+            // Confidence logits: σ⁻¹ of c_k = w·[h_k; W1[x_{k−1}]] + b, never a function of x_k.
+            let z: Vec<f32> = (0..b)
+                .map(|bi| {
+                    let hk = &h_all[(bi * kmax + kk) * d..(bi * kmax + kk + 1) * d];
+                    let mut acc = self.conf_b
+                        + self.conf_w[..d]
+                            .iter()
+                            .zip(hk)
+                            .map(|(a, b)| a * b)
+                            .sum::<f32>();
+                    if let Some(e) = &e {
+                        acc += self.conf_w[d..]
+                            .iter()
+                            .zip(&e[bi * rank..(bi + 1) * rank])
+                            .map(|(a, b)| a * b)
+                            .sum::<f32>();
+                    }
+                    acc
+                })
+                .collect();
 
             for (bi, &i) in active.iter().enumerate() {
                 if kk >= ks[bi] {
@@ -319,7 +353,28 @@ impl Proposer for DsparkProposer {
                         *l += x;
                     }
                 }
-                conf[bi].push(sts.conf(kk, z[bi] as f64) as f32);
+                // How sure the drafter is of position kk: its distribution before x_kk is
+                // drawn (a function of x_1..x_{kk−1} only, like the head's logit).
+                let (lmax, ent) = kernels::ops::logit_stats(&logits);
+                // Log-odds of the top probability: greedy acceptance is roughly that
+                // probability, so on the logistic's scale it is its log-odds.
+                let odds = lmax - (-lmax.exp_m1()).max(1e-12).ln();
+                let x = [
+                    z[bi],
+                    if odds.is_finite() {
+                        odds.clamp(-30.0, 30.0)
+                    } else {
+                        -30.0
+                    },
+                    if ent.is_finite() { ent } else { 30.0 },
+                ];
+                let sts = if r.params.is_greedy() {
+                    &sts_greedy
+                } else {
+                    &sts_sampled
+                };
+                conf[bi].push(sts.conf(kk, &x) as f32);
+                inputs[bi].push(x);
                 let p = probs(&logits, &seen[bi], r.params);
                 let (tok, dist) = if r.params.is_greedy() {
                     (argmax(&p), Dist::OneHot)
@@ -334,6 +389,7 @@ impl Proposer for DsparkProposer {
         }
         for (bi, &i) in active.iter().enumerate() {
             out[i].confidence = Some(std::mem::take(&mut conf[bi]));
+            out[i].conf_inputs = Some(std::mem::take(&mut inputs[bi]));
         }
         Ok(out)
     }
@@ -352,31 +408,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_fused_window_follows_commits_and_rollbacks() {
+    fn the_context_window_follows_commits_and_rollbacks() {
         let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
         let dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
         let rl = 2 * m.cfg.d_model;
-        let mut p = DsparkProposer::new(dr, "t");
+        let mut p = DsparkProposer::new(dr, "t").unwrap();
         let mut rng = kernels::rng::Rng::new(9);
         let mut row = || -> Vec<f32> { (0..rl).map(|_| rng.normal() as f32 * 2.0).collect() };
-        // What the window must be: the last C raw rows (zero rows in front), fused in one go.
-        let expect = |p: &DsparkProposer, raw: &[f32]| -> Vec<f32> {
+        // What the window must be: the last C raw rows (zero rows in front), in one batch.
+        let expect = |p: &DsparkProposer, raw: &[f32]| -> Vec<CtxRow> {
             let c = p.dr.cfg.context;
             let n = raw.len() / rl;
             let mut w = vec![0f32; c * rl];
             let take = n.min(c);
             w[(c - take) * rl..].copy_from_slice(&raw[(n - take) * rl..]);
-            let t = Tensor::from_vec(w, (1, c, rl), &Device::Cpu).unwrap();
-            p.dr.fuse_context(&t)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
+            p.fast.context_rows(&w, c)
         };
         let mut raw: Vec<f32> = Vec::new();
-        // (rows committed from `start`, how many) — appends, a rollback into the fused part, a
-        // window that slides past old fused rows, a long stretch without drafting.
+        // (rows committed from `start`, how many) — appends, a rollback into the computed part,
+        // a window that slides past old rows, a long stretch without drafting.
         let plan: [(Option<usize>, usize, bool); 7] = [
             (None, 3, true),
             (None, 1, true),
@@ -396,20 +446,70 @@ mod tests {
                 p.fuse_windows(&[1]).unwrap();
                 let got = p.window(1);
                 let want = expect(&p, &raw);
-                let worst = got
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max);
                 assert_eq!(got.len(), want.len());
+                let mut worst = 0f32;
+                for (a, b) in got.iter().zip(&want) {
+                    for (x, y) in a.fused.iter().chain(&a.kv).zip(b.fused.iter().chain(&b.kv)) {
+                        worst = worst.max((x - y).abs());
+                    }
+                }
                 assert!(worst < 1e-4, "step {step}: worst {worst}");
                 let f = &p.feats[&1];
-                assert!(
-                    f.fused.len() / m.cfg.d_model <= 6,
-                    "fused rows stay within the window"
-                );
+                assert!(f.rows.len() <= 6, "rows stay within the window");
             }
         }
+    }
+
+    #[test]
+    fn served_confidence_at_k_never_depends_on_the_drawn_token_at_k() {
+        // At temperature 1 different drafting RNGs draw different tokens. The confidence of
+        // position k (head logit and draft-distribution inputs, mixed) must agree between two
+        // runs wherever x_1..x_{k−1} agree, whatever x_k was drawn.
+        let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
+        let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        dr.cfg.conf_mix = vec![[0.7, 1.3, -0.4, 0.2]; dr.cfg.gamma];
+        let g = dr.cfg.gamma;
+        let rl = 2 * m.cfg.d_model;
+        let mut p = DsparkProposer::new(dr, "t").unwrap();
+        let mut rng = kernels::rng::Rng::new(3);
+        let rows: Vec<f32> = (0..5 * rl).map(|_| rng.normal() as f32).collect();
+        p.observe(1, 0, &rows).unwrap();
+        let ctx: Vec<u32> = vec![3, 8, 13, 21, 34];
+        let params = kernels::sampling::SamplingParams {
+            temperature: 1.0,
+            ..kernels::sampling::SamplingParams::greedy()
+        };
+        let mut runs = Vec::new();
+        for seed in 0..24 {
+            let mut r = kernels::rng::Rng::new(seed);
+            let mut reqs = [ProposeReq {
+                id: 1,
+                context: &ctx,
+                k: g,
+                params: &params,
+                rng: &mut r,
+            }];
+            let b = p.propose(&mut reqs).unwrap().remove(0);
+            let inputs = b.conf_inputs.clone().unwrap();
+            assert_eq!(inputs.len(), g);
+            runs.push((b.tokens, b.confidence.unwrap(), inputs));
+        }
+        let mut differing = 0;
+        for a in &runs {
+            for b in &runs {
+                for k in 0..g {
+                    if a.0[..k] == b.0[..k] {
+                        assert_eq!(a.1[k], b.1[k], "position {k}");
+                        assert_eq!(a.2[k], b.2[k], "position {k}");
+                        differing += (a.0[k] != b.0[k]) as usize;
+                    }
+                }
+            }
+        }
+        assert!(
+            differing > 0,
+            "the draws must differ somewhere for the test to mean anything"
+        );
     }
 
     #[test]

@@ -50,7 +50,7 @@ fn dspark_greedy_parity_on_a_tiny_target() {
     let mut eng = Engine::with_cost(
         m.clone(),
         Some(tok.clone()),
-        Box::new(DsparkProposer::new(dr, "dspark:test")),
+        Box::new(DsparkProposer::new(dr, "dspark:test").unwrap()),
         ecfg,
         CostModel::flat(5),
     )
@@ -98,10 +98,13 @@ fn dspark_greedy_parity_on_a_tiny_target() {
 fn gamma_larger_than_trained_is_refused() {
     let (m, tok, cfg, e, h) = fixture();
     let make = || {
-        Box::new(DsparkProposer::new(
-            DsparkDrafter::new(cfg.clone(), e.clone(), h.clone(), 9).unwrap(),
-            "dspark:test",
-        ))
+        Box::new(
+            DsparkProposer::new(
+                DsparkDrafter::new(cfg.clone(), e.clone(), h.clone(), 9).unwrap(),
+                "dspark:test",
+            )
+            .unwrap(),
+        )
     };
     let ecfg = |gamma| EngineConfig {
         gamma,

@@ -43,7 +43,11 @@ fn shipped() -> Box<dyn Proposer> {
     let (e, h) = target_tensors(m).unwrap();
     let dr = DsparkDrafter::load(&dir, m.cfg.arch.name(), &t.vocab_hash(), e, h).unwrap();
     assert!(dr.is_markov());
-    Box::new(DsparkProposer::new(dr, "dspark").with_target_head(m.clone()))
+    Box::new(
+        DsparkProposer::new(dr, "dspark")
+            .unwrap()
+            .with_target_head(m.clone()),
+    )
 }
 
 /// The scheduler with a staircase that makes room for about half of the drafted tokens of a

@@ -347,6 +347,50 @@ pub fn softmax(x: &mut [f32]) {
     softmax_body(x)
 }
 
+#[inline(always)]
+fn logit_stats_body(x: &[f32]) -> (f32, f32) {
+    let max = max_body(x);
+    // Σ e^{l−m} and Σ e^{l−m}·(l−m), 16 lanes each so the loop vectorizes.
+    let (mut s, mut a) = ([0f32; 16], [0f32; 16]);
+    let chunks = x.chunks_exact(16);
+    let (mut rs, mut ra) = (0f32, 0f32);
+    for &v in chunks.remainder() {
+        let d = v - max;
+        let e = fast_exp(d);
+        rs += e;
+        ra += e * d;
+    }
+    for c in chunks {
+        for j in 0..16 {
+            let d = c[j] - max;
+            let e = fast_exp(d);
+            s[j] += e;
+            a[j] += e * d;
+        }
+    }
+    let sum = s.iter().sum::<f32>() + rs;
+    let acc = a.iter().sum::<f32>() + ra;
+    let ln_s = sum.ln();
+    (-ln_s, ln_s - acc / sum)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn logit_stats_avx2(x: &[f32]) -> (f32, f32) {
+    logit_stats_body(x)
+}
+
+/// Of softmax(`x`) without materializing it: (log of the top probability, entropy in nats).
+/// Empty or non-finite input gives non-finite values; callers check.
+pub fn logit_stats(x: &[f32]) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        // SAFETY: the features were just detected.
+        return unsafe { logit_stats_avx2(x) };
+    }
+    logit_stats_body(x)
+}
+
 /// Precomputed RoPE cos/sin table for `max_pos` positions.
 #[derive(Clone, Debug)]
 pub struct Rope {
@@ -510,6 +554,29 @@ mod tests {
                 let g = x[i];
                 assert!((o[i] - g / (1.0 + (-g).exp()) * x[48 + i]).abs() < 1e-5);
             }
+        }
+    }
+
+    #[test]
+    fn logit_stats_match_the_softmax() {
+        let mut rng = crate::rng::Rng::new(4);
+        for n in [1usize, 7, 16, 100, 4099] {
+            let x: Vec<f32> = (0..n).map(|_| (rng.normal() * 3.0) as f32).collect();
+            let m = x.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+            let z: f64 = x.iter().map(|&v| (v as f64 - m).exp()).sum();
+            let p: Vec<f64> = x.iter().map(|&v| (v as f64 - m).exp() / z).collect();
+            let top = p.iter().cloned().fold(0.0, f64::max).ln();
+            let h: f64 = -p
+                .iter()
+                .filter(|&&q| q > 0.0)
+                .map(|q| q * q.ln())
+                .sum::<f64>();
+            let (lt, lh) = logit_stats(&x);
+            assert!((lt as f64 - top).abs() < 1e-4, "n {n}: {lt} vs {top}");
+            assert!(
+                (lh as f64 - h).abs() < 1e-3 * (1.0 + h),
+                "n {n}: {lh} vs {h}"
+            );
         }
     }
 

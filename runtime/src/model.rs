@@ -424,6 +424,12 @@ impl Model {
         Ok(out)
     }
 
+    /// Runs `f` on this model's thread pool (e.g. a drafter's matmuls, so they share the
+    /// model's threads instead of waking a second pool on the same cores).
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
     /// The token embedding, dequantized to f32 (vocab × d_model), e.g. for a drafter that shares it.
     pub fn embedding_f32(&self) -> Result<Vec<f32>> {
         Self::dense_rows(&self.embed, self.cfg.vocab_size, self.cfg.d_model)

@@ -8,7 +8,7 @@
 //! and max_tokens are honoured inside a block: nothing after them is committed.
 
 use crate::metrics::RequestMetrics;
-use crate::proposer::{DraftBlock, ProposeReq, Proposer};
+use crate::proposer::{Dist, DraftBlock, ProposeReq, Proposer};
 use crate::{MAX_GAMMA, Result, SpecError};
 use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
 use dspark_runtime::tokenizer::StreamDecoder;
@@ -759,6 +759,9 @@ impl Engine {
                 if let Some(c) = drafts[i].confidence.as_mut() {
                     c.truncate(kk);
                 }
+                if let Some(c) = drafts[i].conf_inputs.as_mut() {
+                    c.truncate(kk);
+                }
             }
         }
         let draft_s = t_draft.elapsed().as_secs_f64();
@@ -856,6 +859,9 @@ impl Engine {
             let d = &drafts[i];
             let k = d.tokens.len();
             let t0 = Instant::now();
+            // For calibration data: the probability each position had of being accepted,
+            // 1 − TV(q, p) (sampled requests only) — the most any confidence could know.
+            let mut accept_prob: Vec<f32> = Vec::new();
             let verdict = if s.req.params.is_greedy() {
                 let mut am = Vec::with_capacity(k + 1);
                 for r in 0..=k {
@@ -883,6 +889,22 @@ impl Engine {
                 let pr: Vec<&[f32]> = ps.iter().map(|v| v.as_slice()).collect();
                 let qs: Vec<kernels::accept::DraftDist<'_>> =
                     d.dists.iter().map(|q| q.as_draft()).collect();
+                if d.confidence.is_some() {
+                    accept_prob = d
+                        .dists
+                        .iter()
+                        .zip(&d.tokens)
+                        .zip(&pr)
+                        .map(|((q, &t), p)| match q {
+                            Dist::Dense(q) => q.iter().zip(*p).map(|(a, b)| a.min(*b)).sum(),
+                            Dist::Sparse(q) => q
+                                .iter()
+                                .map(|&(v, a)| a.min(p.get(v as usize).copied().unwrap_or(0.0)))
+                                .sum(),
+                            Dist::OneHot => p.get(t as usize).copied().unwrap_or(0.0),
+                        })
+                        .collect();
+                }
                 verify(&d.tokens, &qs, &pr, &mut s.rng_accept)
             };
             s.metrics.accept_s += t0.elapsed().as_secs_f64();
@@ -896,9 +918,17 @@ impl Engine {
             s.metrics
                 .record_block(k, verdict.accepted, verdict.bonus && k > 0);
             if let Some(c) = &d.confidence {
-                s.metrics
-                    .conf_blocks
-                    .push((c[..k.min(c.len())].to_vec(), verdict.accepted));
+                let inputs = d
+                    .conf_inputs
+                    .as_ref()
+                    .map(|v| v[..k.min(v.len())].to_vec())
+                    .unwrap_or_default();
+                s.metrics.conf_blocks.push(crate::metrics::ConfBlock {
+                    conf: c[..k.min(c.len())].to_vec(),
+                    inputs,
+                    accept_prob: std::mem::take(&mut accept_prob),
+                    accepted: verdict.accepted,
+                });
             }
             s.gate.observe(k, verdict.accepted);
             let kv_before = s.tokens.len() - 1;

@@ -13,7 +13,7 @@ pub mod proposer;
 pub mod stats;
 
 pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, VerifyPolicy};
-pub use metrics::RequestMetrics;
+pub use metrics::{ConfBlock, RequestMetrics};
 pub use proposer::{DraftBlock, Proposer, ProposerKind};
 
 #[derive(Debug, thiserror::Error)]

@@ -30,9 +30,21 @@ pub struct RequestMetrics {
     pub e2e_s: f64,
     /// Gaps between successive streamed chunks (a cycle's committed tokens arrive together).
     pub itl_s: Vec<f64>,
-    /// Per verified block with drafter confidences: (c_1..c_K, accepted) — calibration data.
+    /// Per verified block with drafter confidences — calibration data.
     #[serde(skip)]
-    pub conf_blocks: Vec<(Vec<f32>, usize)>,
+    pub conf_blocks: Vec<ConfBlock>,
+}
+
+/// A verified block's confidences, what they were computed from, and how many drafts survived.
+#[derive(Clone, Debug, Default)]
+pub struct ConfBlock {
+    pub conf: Vec<f32>,
+    /// Empty when the drafter did not report them.
+    pub inputs: Vec<crate::proposer::ConfInputs>,
+    /// Per position, the probability it had of being accepted if reached, 1 − TV(q, p)
+    /// (sampled requests; empty for greedy ones, whose acceptance is not random).
+    pub accept_prob: Vec<f32>,
+    pub accepted: usize,
 }
 
 impl RequestMetrics {

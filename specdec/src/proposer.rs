@@ -31,6 +31,11 @@ impl Dist {
     }
 }
 
+/// What a drafter computed one position's confidence from, kept for calibration: the
+/// confidence head's logit, the log-odds of the draft distribution's top probability and its
+/// entropy (nats). All three are functions of x_1..x_{k−1}, never of the drafted token x_k.
+pub type ConfInputs = [f32; 3];
+
 /// One request's drafted block.
 #[derive(Clone, Debug, Default)]
 pub struct DraftBlock {
@@ -38,6 +43,8 @@ pub struct DraftBlock {
     pub dists: Vec<Dist>,
     /// Per-position confidence that the token survives verification, when the drafter has one.
     pub confidence: Option<Vec<f32>>,
+    /// Per position, what the confidence was computed from (calibration data).
+    pub conf_inputs: Option<Vec<ConfInputs>>,
 }
 
 /// What the engine asks of a proposer for one request.
@@ -200,6 +207,7 @@ impl Proposer for NgramProposer {
                     tokens,
                     dists,
                     confidence: None,
+                    conf_inputs: None,
                 }
             })
             .collect())

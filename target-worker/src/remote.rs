@@ -294,6 +294,7 @@ impl RemoteProposer {
             tokens: b.tokens[..n].to_vec(),
             dists,
             confidence,
+            conf_inputs: None,
         })
     }
 }

@@ -1,0 +1,337 @@
+//! The drafter's serving forward on the project's own kernels instead of candle.
+//!
+//! Training needs candle's autograd; serving does not, and candle's per-op cost (a fresh tensor
+//! per op, dozens of ops per block) made one drafting call of this one-layer drafter cost about
+//! as much as a target decode. Here the weights are 8-bit ([`QMatrix`], a scale per 16 values),
+//! the loops are plain, and two things are cached per request:
+//! - each committed position's fused context row (the fuse is row-wise), and
+//! - per layer, that row's key and value before RoPE. The context window is re-indexed from 0
+//!   at every call, so RoPE is applied at attention time; everything else about a context row
+//!   is computed once, when the position is committed.
+//!
+//! A drafting call then costs the block's own rows: keys and values of the γ block positions,
+//! and queries, attention output and MLP only for the positions that will be drafted (the last
+//! layer's other rows feed nothing). `tests::matches_the_candle_forward` holds it to the
+//! training forward.
+
+use crate::model::DsparkDrafter;
+use crate::{DrafterError, Result};
+use kernels::Isa;
+use kernels::matmul::QMatrix;
+
+/// Quantizes a row-major `rows × cols` matrix (cols a multiple of 32) into 8-bit blocks with one
+/// scale per 16 values.
+pub(crate) fn quantize_q8(w: &[f32], rows: usize, cols: usize) -> Option<QMatrix> {
+    use kernels::quant::BlockQ8;
+    if cols % 32 != 0 || w.len() != rows * cols {
+        return None;
+    }
+    let mut blocks = Vec::with_capacity(rows * cols / 32);
+    for chunk in w.chunks_exact(32) {
+        let mut b = BlockQ8::default();
+        for h in 0..2 {
+            let part = &chunk[h * 16..(h + 1) * 16];
+            let amax = part.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let d = amax / 127.0;
+            b.d[h] = d;
+            for (i, &x) in part.iter().enumerate() {
+                b.qs[h * 16 + i] = if d > 0.0 {
+                    (x / d).round().clamp(-127.0, 127.0) as i8
+                } else {
+                    0
+                };
+            }
+        }
+        blocks.push(b);
+    }
+    QMatrix::new(rows, cols, kernels::matmul::QWeights::Q8(blocks)).ok()
+}
+
+fn tensor_vec(t: &candle_core::Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1()?)
+}
+
+fn q8(l: &candle_nn::Linear) -> Result<QMatrix> {
+    let w = l.weight();
+    let (rows, cols) = w.dims2()?;
+    quantize_q8(&tensor_vec(w)?, rows, cols).ok_or_else(|| {
+        DrafterError::Invalid(format!("a {rows}×{cols} weight does not fit 8-bit blocks"))
+    })
+}
+
+struct FastLayer {
+    n1: Vec<f32>,
+    wq: QMatrix,
+    wk: QMatrix,
+    wv: QMatrix,
+    wo: QMatrix,
+    n2: Vec<f32>,
+    gate: QMatrix,
+    up: QMatrix,
+    down: QMatrix,
+}
+
+/// A context row's cached per-layer key (before RoPE) and value.
+#[derive(Clone, Debug, Default)]
+pub struct CtxRow {
+    pub fused: Vec<f32>,
+    /// Per layer: key (d) then value (d).
+    pub kv: Vec<f32>,
+}
+
+pub struct FastDrafter {
+    d: usize,
+    n_heads: usize,
+    ffn: usize,
+    gamma: usize,
+    context: usize,
+    eps: f32,
+    fuse: QMatrix,
+    n_feats: usize,
+    mask: Vec<f32>,
+    layers: Vec<FastLayer>,
+    out_norm: Vec<f32>,
+    /// RoPE tables, (context + γ) positions × head_dim/2.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    isa: Isa,
+}
+
+fn rms_norm_rows(x: &[f32], w: Option<&[f32]>, d: usize, eps: f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(d) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        match w {
+            Some(w) => out.extend(row.iter().zip(w).map(|(v, g)| v * inv * g)),
+            None => out.extend(row.iter().map(|v| v * inv)),
+        }
+    }
+    out
+}
+
+impl FastDrafter {
+    /// The serving form of `dr` (8-bit weights). Fails when a width is not a multiple of 32.
+    pub fn new(dr: &DsparkDrafter) -> Result<Self> {
+        let cfg = &dr.cfg;
+        let layers = dr
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(FastLayer {
+                    n1: tensor_vec(&l.n1)?,
+                    wq: q8(&l.wq)?,
+                    wk: q8(&l.wk)?,
+                    wv: q8(&l.wv)?,
+                    wo: q8(&l.wo)?,
+                    n2: tensor_vec(&l.n2)?,
+                    gate: q8(&l.gate)?,
+                    up: q8(&l.up)?,
+                    down: q8(&l.down)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            d: cfg.d_model,
+            n_heads: cfg.n_heads,
+            ffn: cfg.ffn_dim,
+            gamma: cfg.gamma,
+            context: cfg.context,
+            eps: cfg.rms_eps as f32,
+            fuse: q8(&dr.fuse)?,
+            n_feats: cfg.feature_layers.len(),
+            mask: tensor_vec(&dr.mask)?,
+            layers,
+            out_norm: tensor_vec(&dr.out_norm)?,
+            cos: tensor_vec(&dr.cos)?,
+            sin: tensor_vec(&dr.sin)?,
+            isa: Isa::detect(),
+        })
+    }
+
+    fn mm(&self, w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
+        let mut out = vec![0f32; m * w.rows];
+        w.matmul(x, m, &mut out, self.isa);
+        out
+    }
+
+    /// Context rows of `n` positions from raw target feature rows (n × F·d): each layer's
+    /// hidden state RMS-normalized, fused to d, and each drafter layer's key and value.
+    pub fn context_rows(&self, raw: &[f32], n: usize) -> Vec<CtxRow> {
+        let d = self.d;
+        let normed = rms_norm_rows(&raw[..n * self.n_feats * d], None, d, self.eps);
+        let fused = self.mm(&self.fuse, &normed, n);
+        let mut rows: Vec<CtxRow> = fused
+            .chunks_exact(d)
+            .map(|f| CtxRow {
+                fused: f.to_vec(),
+                kv: Vec::with_capacity(2 * d * self.layers.len()),
+            })
+            .collect();
+        for l in &self.layers {
+            let cn = rms_norm_rows(&fused, Some(&l.n1), d, self.eps);
+            let k = self.mm(&l.wk, &cn, n);
+            let v = self.mm(&l.wv, &cn, n);
+            for (i, r) in rows.iter_mut().enumerate() {
+                r.kv.extend_from_slice(&k[i * d..(i + 1) * d]);
+                r.kv.extend_from_slice(&v[i * d..(i + 1) * d]);
+            }
+        }
+        rows
+    }
+
+    /// RoPE (rotate-half form, as candle's `rope_slow`) of `rows` rows of d at positions
+    /// `p0..`, per head.
+    fn rope(&self, x: &mut [f32], p0: usize) {
+        let hd = self.d / self.n_heads;
+        let half = hd / 2;
+        for (i, row) in x.chunks_exact_mut(self.d).enumerate() {
+            let p = p0 + i;
+            let (c, s) = (
+                &self.cos[p * half..(p + 1) * half],
+                &self.sin[p * half..(p + 1) * half],
+            );
+            for h in row.chunks_exact_mut(hd) {
+                for j in 0..half {
+                    let (a, b) = (h[j], h[j + half]);
+                    h[j] = a * c[j] - b * s[j];
+                    h[j + half] = b * c[j] + a * s[j];
+                }
+            }
+        }
+    }
+
+    /// Drafter hidden states (after the final norm) of the first `kmax` block positions of one
+    /// request: `ctx` its C context rows (oldest first), `anchor` the anchor token's embedding.
+    pub fn hidden(&self, ctx: &[&CtxRow], anchor: &[f32], kmax: usize) -> Vec<f32> {
+        let (d, g, c) = (self.d, self.gamma, ctx.len());
+        let hd = d / self.n_heads;
+        let kmax = kmax.clamp(1, g);
+        let mut x = Vec::with_capacity(g * d);
+        x.extend_from_slice(anchor);
+        for _ in 1..g {
+            x.extend_from_slice(&self.mask);
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let n_layers = self.layers.len();
+        for (li, l) in self.layers.iter().enumerate() {
+            // The last layer computes outputs only for the rows that are drafted; earlier
+            // layers need every row (they are the next layer's keys and values).
+            let rows = if li + 1 == n_layers { kmax } else { g };
+            let xn = rms_norm_rows(&x, Some(&l.n1), d, self.eps);
+            let mut q = self.mm(&l.wq, &xn[..rows * d], rows);
+            let kb = self.mm(&l.wk, &xn, g);
+            let vb = self.mm(&l.wv, &xn, g);
+            self.rope(&mut q, c);
+            let mut keys = Vec::with_capacity((c + g) * d);
+            let mut vals = Vec::with_capacity((c + g) * d);
+            for r in ctx {
+                let kv = &r.kv[li * 2 * d..(li + 1) * 2 * d];
+                keys.extend_from_slice(&kv[..d]);
+                vals.extend_from_slice(&kv[d..]);
+            }
+            keys.extend_from_slice(&kb);
+            vals.extend_from_slice(&vb);
+            self.rope(&mut keys, 0);
+            let mut o = vec![0f32; rows * d];
+            let mut sc = vec![0f32; c + g];
+            for i in 0..rows {
+                for h in 0..self.n_heads {
+                    let qh = &q[i * d + h * hd..i * d + (h + 1) * hd];
+                    let mut mx = f32::NEG_INFINITY;
+                    for (j, s) in sc.iter_mut().enumerate() {
+                        let kh = &keys[j * d + h * hd..j * d + (h + 1) * hd];
+                        *s = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
+                        mx = mx.max(*s);
+                    }
+                    let mut sum = 0f32;
+                    for s in sc.iter_mut() {
+                        *s = (*s - mx).exp();
+                        sum += *s;
+                    }
+                    let oh = &mut o[i * d + h * hd..i * d + (h + 1) * hd];
+                    for (j, s) in sc.iter().enumerate() {
+                        let w = s / sum;
+                        let vh = &vals[j * d + h * hd..j * d + (h + 1) * hd];
+                        for (a, b) in oh.iter_mut().zip(vh) {
+                            *a += w * b;
+                        }
+                    }
+                }
+            }
+            let att = self.mm(&l.wo, &o, rows);
+            x.truncate(rows * d);
+            for (a, b) in x.iter_mut().zip(&att) {
+                *a += b;
+            }
+            let xn = rms_norm_rows(&x, Some(&l.n2), d, self.eps);
+            let gt = self.mm(&l.gate, &xn, rows);
+            let up = self.mm(&l.up, &xn, rows);
+            let act: Vec<f32> = gt
+                .iter()
+                .zip(&up)
+                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            debug_assert_eq!(act.len(), rows * self.ffn);
+            let down = self.mm(&l.down, &act, rows);
+            for (a, b) in x.iter_mut().zip(&down) {
+                *a += b;
+            }
+        }
+        x.truncate(kmax * d);
+        rms_norm_rows(&x, Some(&self.out_norm), d, self.eps)
+    }
+
+    pub fn context(&self) -> usize {
+        self.context
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    #[test]
+    fn matches_the_candle_forward() {
+        let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
+        let dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        let fast = FastDrafter::new(&dr).unwrap();
+        let d = m.cfg.d_model;
+        let rl = 2 * d;
+        let mut rng = kernels::rng::Rng::new(4);
+        let raw: Vec<f32> = (0..6 * rl).map(|_| rng.normal() as f32 * 3.0).collect();
+        let feats = Tensor::from_vec(raw.clone(), (1, 6, rl), &Device::Cpu).unwrap();
+        let anchors = Tensor::from_vec(vec![9u32], 1, &Device::Cpu).unwrap();
+        let want: Vec<f32> = dr
+            .hidden(&feats, &anchors)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        // Context rows one at a time (as a serving drafter fuses them), the block in one call.
+        let rows: Vec<CtxRow> = raw
+            .chunks_exact(rl)
+            .flat_map(|r| fast.context_rows(r, 1))
+            .collect();
+        let refs: Vec<&CtxRow> = rows.iter().collect();
+        let anchor: Vec<f32> = tensor_vec(&dr.embed.get(9).unwrap()).unwrap();
+        let g = dr.cfg.gamma;
+        for kmax in [1, 2, g] {
+            let got = fast.hidden(&refs, &anchor, kmax);
+            assert_eq!(got.len(), kmax * d);
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want[..kmax * d])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            // 8-bit weights and bf16 activations: a few percent of the largest value at most.
+            assert!(
+                worst < 0.05 * scale,
+                "kmax {kmax}: worst {worst}, scale {scale}"
+            );
+        }
+    }
+}
