@@ -13,9 +13,16 @@ bin="$root/target/release/dspark"
 mapfile -t data < <(scripts/drafter-data.sh "$bin" smollm2-135m)
 "$bin" train-drafter --target smollm2-135m --data "${data[@]}" --out "$out" --steps "$steps" \
   --gamma 7 --rank 64 --layers 1 --max-bytes 1600000 --save-every 250
-# STS temperatures and shifts on held-out prompts (first half of each prompt set); evaluation
-# on the second half.
+# The draft vocabulary: the 8192 most frequent target tokens of the training text (FR-Spec).
+"$bin" drafter-vocab --target smollm2-135m --drafter "$out" --size 8192 --data "${data[@]}"
+# Confidence calibration (input mix, STS temperatures and shifts) on held-out prompts (first
+# half of each prompt set), once for sampled requests (T = 1) and once for greedy ones;
+# evaluation on the second half, at both temperatures.
 "$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \
   --max-tokens 512 --json bench/results/calibrate-dspark-smollm2.json
+"$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \
+  --max-tokens 512 --temperature 0 --json bench/results/calibrate-dspark-smollm2-greedy.json
 "$bin" eval-drafter --target smollm2-135m --drafter "$out" --prompts all --gamma 7 --temperature 1.0 \
   --max-tokens 512 --json bench/results/eval-dspark-smollm2.json
+"$bin" eval-drafter --target smollm2-135m --drafter "$out" --prompts all --gamma 7 --temperature 0 \
+  --max-tokens 512 --json bench/results/eval-dspark-smollm2-greedy.json

@@ -53,6 +53,10 @@ pub struct SpecArgs {
     /// Fixed γ (no per-request gate).
     #[arg(long)]
     pub no_gate: bool,
+    /// Also run each drafter with the hardware-aware scheduler (this target's SPS(B) profile,
+    /// confidence-based verification lengths up to the largest γ) instead of the gate.
+    #[arg(long)]
+    pub scheduler: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -545,12 +549,39 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
                 .encode(&tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?)?)
         })
         .collect::<anyhow::Result<_>>()?;
-    let mut arms: Vec<(ProposerKind, usize)> = vec![(ProposerKind::None, 0)];
+    // (drafter, γ, scheduler on)
+    let mut arms: Vec<(ProposerKind, usize, bool)> = vec![(ProposerKind::None, 0, false)];
     for kind in &kinds {
         for &gm in &a.gammas {
-            arms.push((kind.clone(), gm));
+            arms.push((kind.clone(), gm, false));
+        }
+        if a.scheduler {
+            arms.push((
+                kind.clone(),
+                a.gammas.iter().copied().max().unwrap_or(1),
+                true,
+            ));
         }
     }
+    let sps = if a.scheduler {
+        let path = g.resolve_model(&a.model)?;
+        let key = target_worker::sps::key_for(&a.model, &path, &target.model);
+        let (sps, cached) = target_worker::sps::load_or_profile(
+            &g.home,
+            key,
+            &target.model,
+            target_worker::sps::DEFAULT_GRID,
+            target_worker::sps::DEFAULT_CTXS,
+        )?;
+        eprintln!(
+            "SPS(B) table: {} stairs ({})",
+            sps.points.len(),
+            if cached { "cached" } else { "profiled now" }
+        );
+        Some(sps)
+    } else {
+        None
+    };
     let mut drafts = crate::spec::DraftCache::default();
     let mut results = Vec::new();
     println!(
@@ -558,9 +589,25 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         "drafter", "gamma", "tok/s", "tpot_ms", "ttft_ms", "per_call"
     );
     let mut base_tok_s = None;
-    for (k, gm) in arms {
+    for (k, gm, sched) in arms {
         let proposer = crate::spec::build_proposer(g, &k, &target, &mut drafts)?;
         let mut e = crate::spec::engine(&target, proposer, gm.max(1), !a.no_gate, a.concurrency)?;
+        if let (true, Some(sps)) = (sched, &sps) {
+            e.set_policy(Some(Box::new(
+                dspark_scheduler::admission::ConfidencePolicy::new(
+                    sps.clone(),
+                    dspark_scheduler::admission::Rule::Argmax,
+                    2,
+                    u32::MAX,
+                    gm as u8,
+                ),
+            )));
+        }
+        let label = if sched {
+            format!("{}+scheduler", k.label())
+        } else {
+            k.label()
+        };
         let t0 = Instant::now();
         let mut next = 0usize;
         let mut in_flight = 0usize;
@@ -608,7 +655,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         let acc = tot.accept_per_pos();
         println!(
             "{:<28} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>10.2}  {:?}   ({:.2}x)",
-            k.label(),
+            label,
             gm,
             tok_s,
             mean(&tpot) * 1e3,
@@ -619,8 +666,8 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
                 .collect::<Vec<_>>(),
             tok_s / base
         );
-        results.push((k.label(), gm, outputs, json!({
-            "drafter": k.label(), "gamma": gm, "tok_s": tok_s, "tpot_ms": mean(&tpot) * 1e3, "ttft_ms": mean(&ttft) * 1e3,
+        results.push((label.clone(), gm, outputs, json!({
+            "drafter": label, "scheduler": sched, "gamma": gm, "tok_s": tok_s, "tpot_ms": mean(&tpot) * 1e3, "ttft_ms": mean(&ttft) * 1e3,
             "committed_per_call": tot.committed_per_call(), "accept_per_pos": acc, "speedup": tok_s / base,
             "drafted_tokens": tot.drafted_tokens, "accepted_tokens": tot.accepted_tokens, "wasted_tokens": tot.wasted_tokens,
             "accepted_prefix_hist": tot.prefix_hist, "draft_s": tot.draft_s, "verify_s": tot.verify_s, "wall_s": wall,

@@ -50,6 +50,8 @@ pub enum Command {
     GenData(train::GenDataArgs),
     /// Fit the drafter's per-position confidence temperatures (STS) on held-out prompts.
     CalibrateDrafter(train::CalibrateArgs),
+    /// Restrict a drafter to the most frequent target tokens of some text (its draft vocabulary).
+    DrafterVocab(train::VocabArgs),
     /// Benchmarks (write JSON with --json FILE).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -171,6 +173,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(b) => bench::run(&g, b),
         Command::TrainDrafter(a) => train::run(&g, a),
         Command::CalibrateDrafter(a) => train::calibrate(&g, a),
+        Command::DrafterVocab(a) => train::drafter_vocab(&g, a),
         Command::GenData(a) => train::gen_data(&g, a),
         Command::EvalDrafter(a) => eval::run(&g, a),
         Command::Up(a) => up::run(&g, a),

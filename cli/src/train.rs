@@ -419,3 +419,88 @@ pub fn gen_data(g: &Global, a: GenDataArgs) -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+#[derive(Args, Debug)]
+pub struct VocabArgs {
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub target: String,
+    /// Drafter checkpoint directory (gets `draft_vocab.json` and `draft_vocab` in drafter.json).
+    #[arg(long)]
+    pub drafter: PathBuf,
+    /// Text to count tokens in: files or directories (the training-data recipe's paths).
+    #[arg(long, num_args = 1.., required = true)]
+    pub data: Vec<PathBuf>,
+    /// Tokens kept (the most frequent; the stop tokens always). 0 drops the draft vocabulary.
+    #[arg(long, default_value_t = 8192)]
+    pub size: usize,
+    /// Stop reading text after this many bytes.
+    #[arg(long, default_value_t = 8_000_000)]
+    pub max_bytes: usize,
+}
+
+/// `dspark drafter-vocab`: the draft vocabulary (FR-Spec's frequency-ranked subset) — the
+/// `size` most frequent target tokens in the given text. The drafter's head then reads
+/// size/vocab of the target's head per drafted position; tokens outside it are never drafted
+/// (verification still commits them), so coverage of the text decides what it costs.
+pub fn drafter_vocab(g: &Global, a: VocabArgs) -> anyhow::Result<()> {
+    let path = g.resolve_model(&a.target)?;
+    let tok = Tokenizer::load(&path)?;
+    let target = Model::load(&path, &g.load_opts())?;
+    let (e, h) = drafter::model::target_tensors(&target)?;
+    let mut dr = DsparkDrafter::load(&a.drafter, target.cfg.arch.name(), &tok.vocab_hash(), e, h)?;
+    let vocab = target.cfg.vocab_size;
+    if a.size == 0 {
+        dr.set_draft_vocab(None)?;
+    } else {
+        if a.size > vocab {
+            anyhow::bail!("--size {} is larger than the vocabulary ({vocab})", a.size);
+        }
+        let (ids, files, bytes) = load_data(&a.data, &tok, a.max_bytes)?;
+        if ids.is_empty() {
+            anyhow::bail!("no text found under the --data paths");
+        }
+        let mut count = vec![0u64; vocab];
+        for &t in &ids {
+            if let Some(c) = count.get_mut(t as usize) {
+                *c += 1;
+            }
+        }
+        let mut order: Vec<u32> = (0..vocab as u32).collect();
+        // Most frequent first; ties by id (stable across runs).
+        order.sort_by(|&x, &y| count[y as usize].cmp(&count[x as usize]).then(x.cmp(&y)));
+        let mut keep: Vec<u32> = tok
+            .stop_ids
+            .iter()
+            .copied()
+            .filter(|&t| (t as usize) < vocab)
+            .collect();
+        keep.dedup();
+        for t in order {
+            if keep.len() >= a.size {
+                break;
+            }
+            if !keep.contains(&t) {
+                keep.push(t);
+            }
+        }
+        let kept: std::collections::HashSet<u32> = keep.iter().copied().collect();
+        let covered = ids.iter().filter(|t| kept.contains(t)).count();
+        println!(
+            "{} tokens of text ({} files, {:.1} MB): the {} most frequent of {vocab} cover {:.2} %",
+            ids.len(),
+            files,
+            bytes as f64 / 1e6,
+            keep.len(),
+            100.0 * covered as f64 / ids.len() as f64
+        );
+        dr.set_draft_vocab(Some(keep))?;
+    }
+    // Only the config and the vocabulary change; the weights stay as they are on disk.
+    if let Some(ids) = &dr.draft_vocab {
+        drafter::model::write_draft_vocab(&a.drafter, ids)?;
+    }
+    let tmp = a.drafter.join("drafter.json.tmp");
+    std::fs::write(&tmp, serde_json::to_string_pretty(&dr.cfg)?)?;
+    std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
+    Ok(())
+}

@@ -52,6 +52,15 @@ pub struct DrafterConfig {
     /// fields above serve sampled requests, and greedy ones when this is absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub greedy_calibration: Option<CalibrationCfg>,
+    /// Size of the draft vocabulary (0 = the target's whole vocabulary): the drafter proposes
+    /// only the most frequent tokens (`draft_vocab.json`, most frequent first), so its head
+    /// reads a fraction of the target's. Lossless either way: verification corrects any q.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub draft_vocab: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// A stored calibration: STS temperatures and shifts, and the input mix before them.
@@ -183,6 +192,7 @@ impl DrafterConfig {
             parallel_trained: false,
             conf_mix: Vec::new(),
             greedy_calibration: None,
+            draft_vocab: 0,
         }
     }
 
@@ -245,6 +255,8 @@ pub struct DsparkDrafter {
     pub(crate) head: Tensor,
     pub(crate) cos: Tensor,
     pub(crate) sin: Tensor,
+    /// Token ids the drafter may propose (most frequent first); None = all.
+    pub draft_vocab: Option<Vec<u32>>,
 }
 
 /// Output of a block forward.
@@ -358,6 +370,7 @@ impl DsparkDrafter {
             head,
             cos,
             sin,
+            draft_vocab: None,
         })
     }
 
@@ -590,6 +603,9 @@ impl DsparkDrafter {
         let tmp = dir.join("drafter.safetensors.tmp");
         candle_core::safetensors::save(&tensors, &tmp)?;
         std::fs::rename(&tmp, dir.join("drafter.safetensors"))?;
+        if let Some(ids) = &self.draft_vocab {
+            write_draft_vocab(dir, ids)?;
+        }
         let json = serde_json::to_string_pretty(&self.cfg)
             .map_err(|e| DrafterError::Invalid(e.to_string()))?;
         let tmp = dir.join("drafter.json.tmp");
@@ -649,8 +665,67 @@ impl DsparkDrafter {
                 var.set(&t.to_dtype(DType::F32)?)?;
             }
         }
-        Ok(Self { varmap, ..m })
+        let draft_vocab = if m.cfg.draft_vocab > 0 {
+            let text = std::fs::read_to_string(dir.join(DRAFT_VOCAB_FILE))
+                .map_err(|e| bad(format!("{DRAFT_VOCAB_FILE}: {e}")))?;
+            let ids: Vec<u32> =
+                serde_json::from_str(&text).map_err(|e| bad(format!("{DRAFT_VOCAB_FILE}: {e}")))?;
+            check_draft_vocab(&ids, m.cfg.vocab)
+                .map_err(|e| bad(format!("{DRAFT_VOCAB_FILE}: {e}")))?;
+            if ids.len() != m.cfg.draft_vocab {
+                return Err(bad(format!(
+                    "{DRAFT_VOCAB_FILE} has {} ids, drafter.json says {}",
+                    ids.len(),
+                    m.cfg.draft_vocab
+                )));
+            }
+            Some(ids)
+        } else {
+            None
+        };
+        Ok(Self {
+            varmap,
+            draft_vocab,
+            ..m
+        })
     }
+
+    /// Restricts drafting to `ids` (most frequent first), or lifts the restriction (None).
+    pub fn set_draft_vocab(&mut self, ids: Option<Vec<u32>>) -> Result<()> {
+        if let Some(ids) = &ids {
+            check_draft_vocab(ids, self.cfg.vocab).map_err(DrafterError::Invalid)?;
+        }
+        self.cfg.draft_vocab = ids.as_ref().map_or(0, |v| v.len());
+        self.draft_vocab = ids;
+        Ok(())
+    }
+}
+
+/// The draft vocabulary's file in a checkpoint directory (a JSON list of token ids).
+pub const DRAFT_VOCAB_FILE: &str = "draft_vocab.json";
+
+fn check_draft_vocab(ids: &[u32], vocab: usize) -> std::result::Result<(), String> {
+    if ids.is_empty() {
+        return Err("an empty draft vocabulary".into());
+    }
+    let mut seen = vec![false; vocab];
+    for &t in ids {
+        match seen.get_mut(t as usize) {
+            None => return Err(format!("token {t} outside the vocabulary of {vocab}")),
+            Some(true) => return Err(format!("token {t} listed twice")),
+            Some(s) => *s = true,
+        }
+    }
+    Ok(())
+}
+
+/// Writes a draft vocabulary (atomically).
+pub fn write_draft_vocab(dir: &Path, ids: &[u32]) -> Result<()> {
+    let json = serde_json::to_string(ids).map_err(|e| DrafterError::Invalid(e.to_string()))?;
+    let tmp = dir.join(format!("{DRAFT_VOCAB_FILE}.tmp"));
+    std::fs::write(&tmp, json)?;
+    std::fs::rename(&tmp, dir.join(DRAFT_VOCAB_FILE))?;
+    Ok(())
 }
 
 /// Re-initializes every variable from our seeded RNG (candle's CPU RNG cannot be seeded), so the
@@ -779,6 +854,32 @@ pub(crate) mod tests {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         assert!(worst < 1e-4, "worst abs difference {worst}");
+    }
+
+    #[test]
+    fn a_draft_vocabulary_round_trips_and_bad_ones_are_refused() {
+        let (m, tok) = tiny();
+        let mut dr = tiny_drafter(&m, &tok, 6, 5);
+        let dir = std::env::temp_dir().join(format!("dspark-draft-vocab-{}", std::process::id()));
+        let ids: Vec<u32> = vec![7, 3, 11, 2];
+        dr.set_draft_vocab(Some(ids.clone())).unwrap();
+        dr.save(&dir).unwrap();
+        let load = || {
+            let (e, h) = target_tensors(&m).unwrap();
+            DsparkDrafter::load(&dir, m.cfg.arch.name(), &tok.vocab_hash(), e, h)
+        };
+        let back = load().unwrap();
+        assert_eq!(back.draft_vocab.as_deref(), Some(&ids[..]));
+        assert_eq!(back.cfg.draft_vocab, 4);
+        // Corrupt files: a wrong count, an id past the vocabulary, garbage.
+        for bad in ["[7, 3, 11]", "[7, 3, 11, 99999]", "not json"] {
+            std::fs::write(dir.join(DRAFT_VOCAB_FILE), bad).unwrap();
+            let e = load().err().expect("refused");
+            assert!(e.to_string().contains(DRAFT_VOCAB_FILE), "{e}");
+        }
+        std::fs::remove_file(dir.join(DRAFT_VOCAB_FILE)).unwrap();
+        assert!(load().is_err(), "a missing draft vocabulary is refused");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

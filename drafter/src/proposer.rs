@@ -29,6 +29,10 @@ pub struct DsparkProposer {
     w2t: Option<kernels::matmul::QMatrix>,
     /// W1 (V × r) when drafting with the Markov head.
     w1: Option<Vec<f32>>,
+    /// The draft vocabulary (most frequent tokens) and the head's rows for it in 8-bit
+    /// blocks, when the checkpoint has one; `w2t` then holds the same rows only.
+    vocab_ids: Option<Vec<u32>>,
+    head_sub: Option<kernels::matmul::QMatrix>,
     /// Confidence head: weights over [h; W1[x_{k−1}]] (or h alone), and bias.
     conf_w: Vec<f32>,
     conf_b: f32,
@@ -57,18 +61,39 @@ impl DsparkProposer {
     pub fn new(dr: DsparkDrafter, label: &str) -> crate::Result<Self> {
         let (r, v) = (dr.cfg.rank, dr.cfg.vocab);
         let markov = dr.is_markov();
+        let ids = dr.draft_vocab.clone();
+        // Vocabulary rows the drafter proposes: the draft vocabulary, or all.
+        let rows: Vec<usize> = match &ids {
+            Some(ids) => ids.iter().map(|&t| t as usize).collect(),
+            None => (0..v).collect(),
+        };
         let w2t = if markov {
             dr.markov_w2()?.and_then(|w2| {
-                let mut t = vec![0f32; v * r];
+                let mut t = vec![0f32; rows.len() * r];
                 for (i, row) in w2.chunks_exact(v).enumerate() {
-                    for (j, &x) in row.iter().enumerate() {
-                        t[j * r + i] = x;
+                    for (j, &tok) in rows.iter().enumerate() {
+                        t[j * r + i] = row[tok];
                     }
                 }
-                quantize_q8(&t, v, r)
+                quantize_q8(&t, rows.len(), r)
             })
         } else {
             None
+        };
+        let d = dr.cfg.d_model;
+        let head_sub = match &ids {
+            Some(ids) => {
+                let idx = candle_core::Tensor::from_slice(
+                    ids.as_slice(),
+                    ids.len(),
+                    &candle_core::Device::Cpu,
+                )?;
+                let h: Vec<f32> = dr.head().index_select(&idx, 0)?.flatten_all()?.to_vec1()?;
+                Some(quantize_q8(&h, ids.len(), d).ok_or_else(|| {
+                    crate::DrafterError::Invalid("head width does not fit 8-bit blocks".into())
+                })?)
+            }
+            None => None,
         };
         let w1 = match (&dr.w1, markov) {
             (Some(w1), true) => Some(w1.flatten_all()?.to_vec1::<f32>()?),
@@ -104,6 +129,8 @@ impl DsparkProposer {
         Ok(Self {
             w2t,
             w1,
+            vocab_ids: ids,
+            head_sub,
             conf_w,
             conf_b,
             isa: kernels::Isa::detect(),
@@ -272,7 +299,17 @@ impl Proposer for DsparkProposer {
                 .collect()
         });
         drop(windows);
-        let base_all = self.head_logits(&h_all, b * kmax)?;
+        // Base logits over the draft vocabulary (nv columns per row).
+        let nv = self.vocab_ids.as_ref().map_or(v, |ids| ids.len());
+        let base_all = match &self.head_sub {
+            Some(hq) => {
+                let mut out = vec![0f32; b * kmax * nv];
+                let isa = self.isa;
+                self.on_pool(|| hq.matmul(&h_all, b * kmax, &mut out, isa));
+                out
+            }
+            None => self.head_logits(&h_all, b * kmax)?,
+        };
         // Positions outside, requests inside: the Markov bias of every request's previous token
         // at position k is one (B × r)·(r × V) product, reading W2 once per position instead of
         // once per request and position.
@@ -299,7 +336,7 @@ impl Proposer for DsparkProposer {
             });
             let bias: Option<Vec<f32>> = match (&e, &self.w2t) {
                 (Some(e), Some(w2t)) => {
-                    let mut out = vec![0f32; b * v];
+                    let mut out = vec![0f32; b * nv];
                     let isa = self.isa;
                     self.on_pool(|| w2t.matmul(e, b, &mut out, isa));
                     Some(out)
@@ -307,12 +344,22 @@ impl Proposer for DsparkProposer {
                 (Some(e), None) => {
                     // Ranks that do not fit 8-bit blocks (tiny test drafters): f32 W2.
                     let w2 = self.dr.markov_w2().map_err(err)?.unwrap_or_default();
-                    let mut out = vec![0f32; b * v];
+                    let mut out = vec![0f32; b * nv];
                     for bi in 0..b {
                         for (i, row) in w2.chunks_exact(v).enumerate() {
                             let x = e[bi * rank + i];
-                            for (o, w) in out[bi * v..(bi + 1) * v].iter_mut().zip(row) {
-                                *o += x * w;
+                            let o = &mut out[bi * nv..(bi + 1) * nv];
+                            match &self.vocab_ids {
+                                Some(ids) => {
+                                    for (o, &t) in o.iter_mut().zip(ids) {
+                                        *o += x * row[t as usize];
+                                    }
+                                }
+                                None => {
+                                    for (o, w) in o.iter_mut().zip(row) {
+                                        *o += x * w;
+                                    }
+                                }
                             }
                         }
                     }
@@ -346,10 +393,10 @@ impl Proposer for DsparkProposer {
                     continue;
                 }
                 let r = &mut reqs[i];
-                let row = (bi * kmax + kk) * v;
-                let mut logits = base_all[row..row + v].to_vec();
+                let row = (bi * kmax + kk) * nv;
+                let mut logits = base_all[row..row + nv].to_vec();
                 if let Some(bias) = &bias {
-                    for (l, x) in logits.iter_mut().zip(&bias[bi * v..(bi + 1) * v]) {
+                    for (l, x) in logits.iter_mut().zip(&bias[bi * nv..(bi + 1) * nv]) {
                         *l += x;
                     }
                 }
@@ -375,6 +422,18 @@ impl Proposer for DsparkProposer {
                 };
                 conf[bi].push(sts.conf(kk, &x) as f32);
                 inputs[bi].push(x);
+                // Over the whole vocabulary (tokens outside the draft vocabulary: q = 0), so
+                // penalties and verification see ordinary token ids.
+                let logits = match &self.vocab_ids {
+                    Some(ids) => {
+                        let mut full = vec![f32::NEG_INFINITY; v];
+                        for (&t, &l) in ids.iter().zip(&logits) {
+                            full[t as usize] = l;
+                        }
+                        full
+                    }
+                    None => logits,
+                };
                 let p = probs(&logits, &seen[bi], r.params);
                 let (tok, dist) = if r.params.is_greedy() {
                     (argmax(&p), Dist::OneHot)
@@ -510,6 +569,60 @@ mod tests {
             differing > 0,
             "the draws must differ somewhere for the test to mean anything"
         );
+    }
+
+    #[test]
+    fn a_draft_vocabulary_bounds_what_is_proposed() {
+        let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
+        let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        let v = dr.cfg.vocab;
+        let ids: Vec<u32> = (0..v as u32).rev().step_by(4).collect();
+        dr.set_draft_vocab(Some(ids.clone())).unwrap();
+        assert!(dr.set_draft_vocab(Some(vec![1, 1])).is_err(), "duplicates");
+        assert!(
+            dr.set_draft_vocab(Some(vec![v as u32])).is_err(),
+            "out of range"
+        );
+        let g = dr.cfg.gamma;
+        let rl = 2 * m.cfg.d_model;
+        let mut p = DsparkProposer::new(dr, "t").unwrap();
+        let mut rng = kernels::rng::Rng::new(3);
+        let rows: Vec<f32> = (0..4 * rl).map(|_| rng.normal() as f32).collect();
+        p.observe(1, 0, &rows).unwrap();
+        let ctx: Vec<u32> = vec![3, 8, 13, 21];
+        let params = kernels::sampling::SamplingParams {
+            temperature: 1.0,
+            ..kernels::sampling::SamplingParams::greedy()
+        };
+        let allowed: std::collections::HashSet<u32> = ids.iter().copied().collect();
+        for seed in 0..8 {
+            let mut r = kernels::rng::Rng::new(seed);
+            let mut reqs = [ProposeReq {
+                id: 1,
+                context: &ctx,
+                k: g,
+                params: &params,
+                rng: &mut r,
+            }];
+            let b = p.propose(&mut reqs).unwrap().remove(0);
+            assert_eq!(b.tokens.len(), g);
+            for (t, q) in b.tokens.iter().zip(&b.dists) {
+                assert!(
+                    allowed.contains(t),
+                    "drafted {t} outside the draft vocabulary"
+                );
+                let Dist::Dense(q) = q else {
+                    panic!("sampled drafts carry their distribution")
+                };
+                let outside: f32 = (0..v)
+                    .filter(|i| !allowed.contains(&(*i as u32)))
+                    .map(|i| q[i])
+                    .sum();
+                let total: f32 = q.iter().sum();
+                assert_eq!(outside, 0.0);
+                assert!((total - 1.0).abs() < 1e-4, "q sums to {total}");
+            }
+        }
     }
 
     #[test]

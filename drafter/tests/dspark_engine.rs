@@ -39,8 +39,22 @@ fn fixture() -> (
 
 #[test]
 fn dspark_greedy_parity_on_a_tiny_target() {
+    greedy_parity(None);
+}
+
+#[test]
+fn dspark_greedy_parity_with_a_draft_vocabulary() {
+    // The drafter may propose every third token only: whatever it proposes, the output is the
+    // target's.
+    let (m, ..) = fixture();
+    let ids: Vec<u32> = (0..m.cfg.vocab_size as u32).step_by(3).collect();
+    greedy_parity(Some(ids));
+}
+
+fn greedy_parity(vocab: Option<Vec<u32>>) {
     let (m, tok, cfg, e, h) = fixture();
-    let dr = DsparkDrafter::new(cfg, e, h, 9).unwrap();
+    let mut dr = DsparkDrafter::new(cfg, e, h, 9).unwrap();
+    dr.set_draft_vocab(vocab).unwrap();
     let ecfg = EngineConfig {
         gamma: 4,
         gate: false,
