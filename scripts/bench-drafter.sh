@@ -10,10 +10,15 @@ cd "$root"
 r=bench/results
 "$bin" calibrate-drafter --target smollm2-135m --drafter drafters/smollm2-135m --prompts all \
   --offset 0 --limit 16 --temperature 1.0 --max-tokens 512 --json $r/calibrate-dspark-smollm2.json
-"$bin" eval-drafter --target smollm2-135m --drafter dspark --prompts all --gamma 7 \
-  --temperature 1.0 --max-tokens 512 --json $r/eval-dspark-smollm2.json
-"$bin" bench spec --model smollm2-135m --drafter dspark,ngram --gammas 1,3,7 --prompts code \
-  --limit 16 --max-tokens 96 --json $r/spec-smollm2-dspark-code.json
+"$bin" calibrate-drafter --target smollm2-135m --drafter drafters/smollm2-135m --prompts all \
+  --offset 0 --limit 16 --temperature 0 --max-tokens 512 --json $r/calibrate-dspark-smollm2-greedy.json
+for t in 1.0 0; do
+  sfx=$([ "$t" = 0 ] && echo -greedy || true)
+  "$bin" eval-drafter --target smollm2-135m --drafter dspark --prompts all --gamma 7 \
+    --temperature "$t" --max-tokens 512 --json "$r/eval-dspark-smollm2$sfx.json"
+done
+"$bin" bench spec --model smollm2-135m --drafter dspark,ngram --gammas 1,3,7 --scheduler \
+  --prompts code --limit 16 --max-tokens 96 --json $r/spec-smollm2-dspark-code.json
 "$bin" bench frontier --target smollm2-135m --drafter dspark --prompts code \
   --concurrency 1,2,4,8,16,32 --waves 4 --rounds 3 \
   --json $r/frontier-smollm2-dspark.json --plot $r/frontier-smollm2-dspark.svg

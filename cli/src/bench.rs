@@ -564,21 +564,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         }
     }
     let sps = if a.scheduler {
-        let path = g.resolve_model(&a.model)?;
-        let key = target_worker::sps::key_for(&a.model, &path, &target.model);
-        let (sps, cached) = target_worker::sps::load_or_profile(
-            &g.home,
-            key,
-            &target.model,
-            target_worker::sps::DEFAULT_GRID,
-            target_worker::sps::DEFAULT_CTXS,
-        )?;
-        eprintln!(
-            "SPS(B) table: {} stairs ({})",
-            sps.points.len(),
-            if cached { "cached" } else { "profiled now" }
-        );
-        Some(sps)
+        Some(crate::spec::sps_profile(g, &a.model, &target)?)
     } else {
         None
     };

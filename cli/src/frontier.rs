@@ -71,20 +71,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                 .encode(&tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?)?)
         })
         .collect::<anyhow::Result<_>>()?;
-    let path = g.resolve_model(&a.target)?;
-    let key = target_worker::sps::key_for(&a.target, &path, &target.model);
-    let (sps, cached) = target_worker::sps::load_or_profile(
-        &g.home,
-        key,
-        &target.model,
-        target_worker::sps::DEFAULT_GRID,
-        target_worker::sps::DEFAULT_CTXS,
-    )?;
-    eprintln!(
-        "SPS(B) table: {} stairs ({})",
-        sps.points.len(),
-        if cached { "cached" } else { "profiled now" }
-    );
+    let sps = crate::spec::sps_profile(g, &a.target, &target)?;
     // (arm name, proposer kind, gamma, scheduler on)
     let mut arms: Vec<(String, ProposerKind, usize, bool)> =
         vec![("none".into(), ProposerKind::None, 0, false)];

@@ -39,3 +39,26 @@ pub fn engine(
         max_running,
     )?)
 }
+
+/// The target's SPS(B) profile: the cached one whose key matches, else profiled now.
+pub fn sps_profile(
+    g: &Global,
+    name: &str,
+    target: &Loaded,
+) -> anyhow::Result<dspark_scheduler::admission::SpsTable> {
+    let path = g.resolve_model(name)?;
+    let key = target_worker::sps::key_for(name, &path, &target.model);
+    let (sps, cached) = target_worker::sps::load_or_profile(
+        &g.home,
+        key,
+        &target.model,
+        target_worker::sps::DEFAULT_GRID,
+        target_worker::sps::DEFAULT_CTXS,
+    )?;
+    eprintln!(
+        "SPS(B) table: {} stairs ({})",
+        sps.points.len(),
+        if cached { "cached" } else { "profiled now" }
+    );
+    Ok(sps)
+}

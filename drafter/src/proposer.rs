@@ -466,6 +466,23 @@ impl Proposer for DsparkProposer {
 mod tests {
     use super::*;
 
+    /// One sampled (T = 1) block of `k` tokens for request 1, drafted with RNG `seed`.
+    fn sampled_block(p: &mut DsparkProposer, ctx: &[u32], k: usize, seed: u64) -> DraftBlock {
+        let params = kernels::sampling::SamplingParams {
+            temperature: 1.0,
+            ..kernels::sampling::SamplingParams::greedy()
+        };
+        let mut r = kernels::rng::Rng::new(seed);
+        let mut reqs = [ProposeReq {
+            id: 1,
+            context: ctx,
+            k,
+            params: &params,
+            rng: &mut r,
+        }];
+        p.propose(&mut reqs).unwrap().remove(0)
+    }
+
     #[test]
     fn the_context_window_follows_commits_and_rollbacks() {
         let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
@@ -534,21 +551,9 @@ mod tests {
         let rows: Vec<f32> = (0..5 * rl).map(|_| rng.normal() as f32).collect();
         p.observe(1, 0, &rows).unwrap();
         let ctx: Vec<u32> = vec![3, 8, 13, 21, 34];
-        let params = kernels::sampling::SamplingParams {
-            temperature: 1.0,
-            ..kernels::sampling::SamplingParams::greedy()
-        };
         let mut runs = Vec::new();
         for seed in 0..24 {
-            let mut r = kernels::rng::Rng::new(seed);
-            let mut reqs = [ProposeReq {
-                id: 1,
-                context: &ctx,
-                k: g,
-                params: &params,
-                rng: &mut r,
-            }];
-            let b = p.propose(&mut reqs).unwrap().remove(0);
+            let b = sampled_block(&mut p, &ctx, g, seed);
             let inputs = b.conf_inputs.clone().unwrap();
             assert_eq!(inputs.len(), g);
             runs.push((b.tokens, b.confidence.unwrap(), inputs));
@@ -590,21 +595,9 @@ mod tests {
         let rows: Vec<f32> = (0..4 * rl).map(|_| rng.normal() as f32).collect();
         p.observe(1, 0, &rows).unwrap();
         let ctx: Vec<u32> = vec![3, 8, 13, 21];
-        let params = kernels::sampling::SamplingParams {
-            temperature: 1.0,
-            ..kernels::sampling::SamplingParams::greedy()
-        };
         let allowed: std::collections::HashSet<u32> = ids.iter().copied().collect();
         for seed in 0..8 {
-            let mut r = kernels::rng::Rng::new(seed);
-            let mut reqs = [ProposeReq {
-                id: 1,
-                context: &ctx,
-                k: g,
-                params: &params,
-                rng: &mut r,
-            }];
-            let b = p.propose(&mut reqs).unwrap().remove(0);
+            let b = sampled_block(&mut p, &ctx, g, seed);
             assert_eq!(b.tokens.len(), g);
             for (t, q) in b.tokens.iter().zip(&b.dists) {
                 assert!(
