@@ -20,7 +20,10 @@
 //! drafter is of its own next token is the strongest single predictor of acceptance we have
 //! (a logistic regression per position, fitted on the blocks that reached it).
 
-use specdec::proposer::ConfInputs;
+use specdec::proposer::{CONF_INPUTS, ConfInputs};
+
+/// Per-position mix weights: one per confidence input, then a bias.
+pub type Mix = [f32; CONF_INPUTS + 1];
 
 /// Expected calibration error of predictions `p` against 0/1 outcomes `y`, with `bins` equal-width
 /// bins: Σ_b (n_b / n) · |mean(p in b) − mean(y in b)|.
@@ -92,7 +95,14 @@ impl Observed {
     /// A block whose confidences come from head logits alone.
     pub fn from_logits(logits: &[f32], accepted: usize) -> Self {
         Self {
-            inputs: logits.iter().map(|&z| [z, 0.0, 0.0]).collect(),
+            inputs: logits
+                .iter()
+                .map(|&z| {
+                    let mut x = [0f32; CONF_INPUTS];
+                    x[0] = z;
+                    x
+                })
+                .collect(),
             accepted,
             accept_prob: Vec::new(),
         }
@@ -105,8 +115,9 @@ impl Observed {
 pub struct Sts {
     pub temps: Vec<f32>,
     pub shifts: Vec<f32>,
-    /// Per position (a, b, c, d): z' = a·z + b·logit(max p_d) + c·H(p_d) + d; empty = z' = z.
-    pub mix: Vec<[f32; 4]>,
+    /// Per position: z' = a·z + b·logit(max p_d) + c·H(p_d) + e·logit(running acceptance) + d
+    /// (weights in input order, bias last); empty = z' = z.
+    pub mix: Vec<Mix>,
 }
 
 impl Sts {
@@ -131,7 +142,7 @@ impl Sts {
     }
 
     /// With a per-position input mix (empty: the head's logit alone).
-    pub fn with_mix(mut self, mix: &[[f32; 4]]) -> Self {
+    pub fn with_mix(mut self, mix: &[Mix]) -> Self {
         self.mix = mix.to_vec();
         self
     }
@@ -149,10 +160,11 @@ impl Sts {
     pub fn mixed(&self, k: usize, x: &ConfInputs) -> f64 {
         match self.mix.get(k) {
             Some(w) => {
-                w[0] as f64 * x[0] as f64
-                    + w[1] as f64 * x[1] as f64
-                    + w[2] as f64 * x[2] as f64
-                    + w[3] as f64
+                x.iter()
+                    .zip(w)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>()
+                    + w[CONF_INPUTS] as f64
             }
             None => x[0] as f64,
         }
@@ -258,23 +270,32 @@ fn solve<const N: usize>(mut a: [[f64; N]; N], mut b: [f64; N]) -> Option<[f64; 
 
 /// Per position, the logistic mix of the three confidence inputs that best predicts "accepted
 /// at k | reached k" on the blocks that reached k (positions nobody reached keep z' = z).
-pub fn fit_mix(obs: &[Observed], gamma: usize) -> Vec<[f32; 4]> {
+pub fn fit_mix(obs: &[Observed], gamma: usize) -> Vec<Mix> {
     (0..gamma)
         .map(|k| {
             let (mut x, mut y) = (Vec::new(), Vec::new());
             for o in obs {
                 if let Some(v) = o.inputs.get(k) {
                     if o.accepted >= k {
-                        x.push([v[0] as f64, v[1] as f64, v[2] as f64, 1.0]);
+                        let mut row = [1f64; CONF_INPUTS + 1];
+                        for (r, &a) in row.iter_mut().zip(v) {
+                            *r = a as f64;
+                        }
+                        x.push(row);
                         y.push(o.accepted > k);
                     }
                 }
             }
+            let mut mix = [0f32; CONF_INPUTS + 1];
             if x.len() < 20 || y.iter().all(|&v| v) || y.iter().all(|&v| !v) {
-                return [1.0, 0.0, 0.0, 0.0];
+                mix[0] = 1.0;
+                return mix;
             }
             let w = fit_logistic(&x, &y, 1e-3);
-            [w[0] as f32, w[1] as f32, w[2] as f32, w[3] as f32]
+            for (m, v) in mix.iter_mut().zip(w) {
+                *m = v as f32;
+            }
+            mix
         })
         .collect()
 }
@@ -494,7 +515,7 @@ mod tests {
                     let ent = (-lmax as f64 * 1.5 + rng.uniform()) as f32;
                     let z = (rng.normal() * 0.3) as f32;
                     let p = sigmoid(0.3 * z as f64 + 2.0 * lmax as f64 + 1.0);
-                    inputs.push([z, lmax, ent]);
+                    inputs.push([z, lmax, ent, rng.normal() as f32]);
                     if alive && rng.uniform() < p {
                         accepted += 1;
                     } else {
@@ -530,8 +551,8 @@ mod tests {
         }
         // No mix fitted: confidences are those of the head logit alone.
         assert_eq!(
-            head.conf(0, &[0.5, -3.0, 2.0]),
-            head.conf(0, &[0.5, 0.0, 0.0])
+            head.conf(0, &[0.5, -3.0, 2.0, 1.0]),
+            head.conf(0, &[0.5, 0.0, 0.0, 0.0])
         );
     }
 }

@@ -43,10 +43,11 @@ pub struct DrafterConfig {
     /// loss), so the parallel-only ablation of this checkpoint means something.
     #[serde(default)]
     pub parallel_trained: bool,
-    /// Per-position mix of the confidence inputs before STS (head logit, log max p_d, entropy
-    /// of p_d, bias); empty = the head's logit alone. Fitted by `dspark calibrate-drafter`.
+    /// Per-position mix of the confidence inputs before STS (head logit, log-odds of max p_d,
+    /// entropy of p_d, log-odds of the request's running acceptance, bias); empty = the head's
+    /// logit alone. Fitted by `dspark calibrate-drafter`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub conf_mix: Vec<[f32; 4]>,
+    pub conf_mix: Vec<crate::calibrate::Mix>,
     /// The calibration for greedy requests, whose acceptance (argmax agreement) is not the coin
     /// flip of sampled acceptance and follows the drafter's certainty much more closely. The
     /// fields above serve sampled requests, and greedy ones when this is absent.
@@ -70,7 +71,7 @@ pub struct CalibrationCfg {
     #[serde(default)]
     pub sts_shift: Vec<f32>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub conf_mix: Vec<[f32; 4]>,
+    pub conf_mix: Vec<crate::calibrate::Mix>,
 }
 
 impl CalibrationCfg {

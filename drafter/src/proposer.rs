@@ -50,6 +50,42 @@ struct ReqFeats {
     /// Context rows of positions `f0 ..`.
     rows: Vec<CtxRow>,
     f0: usize,
+    /// The last block drafted for the request and the context length it was drafted at.
+    last_draft: Vec<u32>,
+    draft_at: usize,
+    /// Running per-position acceptance of the request's blocks (None before the first).
+    rate: Option<f32>,
+}
+
+/// Running acceptance assumed before a request's first verified block.
+const PRIOR_RATE: f32 = 0.25;
+
+impl ReqFeats {
+    /// Folds the outcome of the last drafted block into the running acceptance rate: its
+    /// accepted prefix is where the committed context agrees with it.
+    fn observe_acceptance(&mut self, context: &[u32]) {
+        if self.last_draft.is_empty() || context.len() <= self.draft_at {
+            return;
+        }
+        let seen = &context[self.draft_at..];
+        let n = self.last_draft.len().min(seen.len());
+        let a = (0..n)
+            .take_while(|&j| self.last_draft[j] == seen[j])
+            .count();
+        // Trials: the accepted positions and the first rejected one, if it was seen.
+        let trials = (a + 1).min(n);
+        if trials > 0 {
+            let r = self.rate.unwrap_or(PRIOR_RATE);
+            self.rate = Some(r + 0.25 * (a as f32 / trials as f32 - r));
+        }
+        self.last_draft.clear();
+    }
+
+    /// Log-odds of the running acceptance rate.
+    fn rate_logit(&self) -> f32 {
+        let r = self.rate.unwrap_or(PRIOR_RATE).clamp(0.01, 0.99);
+        (r / (1.0 - r)).ln()
+    }
 }
 
 fn err(e: impl std::fmt::Display) -> SpecError {
@@ -276,6 +312,15 @@ impl Proposer for DsparkProposer {
         let (d, v, rank) = (self.dr.cfg.d_model, self.dr.cfg.vocab, self.dr.cfg.rank);
         let ids: Vec<u64> = active.iter().map(|&i| reqs[i].id).collect();
         self.fuse_windows(&ids)?;
+        // Each request's running acceptance, from how its previous block fared.
+        let hist: Vec<f32> = active
+            .iter()
+            .map(|&i| {
+                let f = self.feats.entry(reqs[i].id).or_default();
+                f.observe_acceptance(reqs[i].context);
+                f.rate_logit()
+            })
+            .collect();
         let b = active.len();
         let kmax = active.iter().map(|&i| reqs[i].k.min(g)).max().unwrap_or(1);
         let mut anchors = Vec::with_capacity(b);
@@ -414,6 +459,7 @@ impl Proposer for DsparkProposer {
                         -30.0
                     },
                     if ent.is_finite() { ent } else { 30.0 },
+                    hist[bi],
                 ];
                 let sts = if r.params.is_greedy() {
                     &sts_greedy
@@ -449,6 +495,10 @@ impl Proposer for DsparkProposer {
         for (bi, &i) in active.iter().enumerate() {
             out[i].confidence = Some(std::mem::take(&mut conf[bi]));
             out[i].conf_inputs = Some(std::mem::take(&mut inputs[bi]));
+            if let Some(f) = self.feats.get_mut(&reqs[i].id) {
+                f.last_draft = out[i].tokens.clone();
+                f.draft_at = reqs[i].context.len();
+            }
         }
         Ok(out)
     }
@@ -481,6 +531,29 @@ mod tests {
             rng: &mut r,
         }];
         p.propose(&mut reqs).unwrap().remove(0)
+    }
+
+    #[test]
+    fn the_running_acceptance_follows_what_was_committed() {
+        let mut f = ReqFeats {
+            last_draft: vec![5, 6, 7],
+            draft_at: 2,
+            ..Default::default()
+        };
+        // Nothing committed since the draft: nothing learnt.
+        f.observe_acceptance(&[1, 2]);
+        assert_eq!(f.rate, None);
+        // Two of three accepted, the third replaced by the target's token.
+        f.observe_acceptance(&[1, 2, 5, 6, 9]);
+        let want = PRIOR_RATE + 0.25 * (2.0 / 3.0 - PRIOR_RATE);
+        assert!((f.rate.unwrap() - want).abs() < 1e-6);
+        assert!(f.last_draft.is_empty(), "a block is counted once");
+        // A block rejected at its first token pulls the rate down.
+        f.last_draft = vec![4, 4];
+        f.draft_at = 5;
+        f.observe_acceptance(&[1, 2, 5, 6, 9, 8]);
+        assert!(f.rate.unwrap() < want);
+        assert!(f.rate_logit() < 0.0);
     }
 
     #[test]
@@ -543,7 +616,7 @@ mod tests {
         // runs wherever x_1..x_{k−1} agree, whatever x_k was drawn.
         let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
         let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
-        dr.cfg.conf_mix = vec![[0.7, 1.3, -0.4, 0.2]; dr.cfg.gamma];
+        dr.cfg.conf_mix = vec![[0.7, 1.3, -0.4, 0.5, 0.2]; dr.cfg.gamma];
         let g = dr.cfg.gamma;
         let rl = 2 * m.cfg.d_model;
         let mut p = DsparkProposer::new(dr, "t").unwrap();

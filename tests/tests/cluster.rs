@@ -699,9 +699,17 @@ async fn scheduler_budgets_are_central_and_workers_survive_its_loss() {
         "the SPS table is published"
     );
     let want = greedy(PROMPTS[0], 32).0;
-    let v = complete(&url, PROMPTS[0], 32).await;
-    assert_eq!(ids_of(&v), want);
-    let central = target_info(&target.addr).await.central_budget_steps;
+    // Central budgets arrive off the critical path; on a loaded machine the first steps of a
+    // request may run on local ones. A healthy scheduler must be heard within a few requests.
+    let mut central = 0;
+    for _ in 0..5 {
+        let v = complete(&url, PROMPTS[0], 32).await;
+        assert_eq!(ids_of(&v), want);
+        central = target_info(&target.addr).await.central_budget_steps;
+        if central > 0 {
+            break;
+        }
+    }
     assert!(central > 0, "budgets came from the central scheduler");
 
     // Scheduler stalled (SIGSTOP): nobody waits for it.
