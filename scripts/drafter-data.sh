@@ -2,8 +2,9 @@
 # Training-text recipe for `dspark train-drafter`. Prints the paths to pass to --data:
 #  1. the target's own answers to ~900 synthetic chat/code/math prompts (scripts/drafter-prompts.py,
 #     seeded; evaluation prompts and their tasks left out), rendered with the chat template —
-#     built once with `dspark gen-data` into $DSPARK_HOME/data (≈ 5 min on 2 cores), listed twice
-#     to weigh it up;
+#     built once with `dspark gen-data` into $DSPARK_HOME/data (≈ 5 min on 2 cores): sampled at
+#     T = 1 (prompt seed 0), and greedy (prompt seed 1) for what greedy requests see; both
+#     listed twice to weigh them up;
 #  2. text this machine already holds in quantity: the Python standard library, Rust crate
 #     sources in the cargo registry.
 # Nothing is committed; the same commands rebuild the same prompts.
@@ -21,7 +22,14 @@ if [ ! -s "$gen" ]; then
     --max-tokens 160 --temperature 1.0 --batch 48 --seed 0 >&2
   mv "$gen.tmp" "$gen"
 fi
-paths=("$gen" "$gen")
+greedy="$data/selfgen-greedy-$target.txt"
+if [ ! -s "$greedy" ]; then
+  python3 "$here/drafter-prompts.py" 1 > "$data/prompts1-$target.txt"
+  "$bin" gen-data --target "$target" --prompts "$data/prompts1-$target.txt" --out "$greedy.tmp" \
+    --max-tokens 160 --temperature 0 --batch 48 --seed 1 >&2
+  mv "$greedy.tmp" "$greedy"
+fi
+paths=("$gen" "$greedy" "$gen" "$greedy")
 for p in /usr/lib/python3*/ "$HOME/.cargo/registry/src"; do
   [ -e "$p" ] && paths+=("$p")
 done

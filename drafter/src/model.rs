@@ -530,13 +530,25 @@ impl DsparkDrafter {
 
     /// The Markov terms whatever the drafting variant (training supervises both variants).
     pub fn markov_terms(&self, prev: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+        self.markov_terms_cols(prev, None)
+    }
+
+    /// The Markov terms with the bias over the W2 columns `cols` only (a draft vocabulary).
+    pub fn markov_terms_cols(
+        &self,
+        prev: &Tensor,
+        cols: Option<&Tensor>,
+    ) -> Result<Option<(Tensor, Tensor)>> {
         match (&self.w1, &self.w2) {
             (Some(w1), Some(w2)) => {
                 let (b, g) = prev.dims2()?;
                 let e = w1
                     .index_select(&prev.flatten_all()?, 0)?
                     .reshape((b, g, self.cfg.rank))?;
-                let bias = e.broadcast_matmul(w2)?;
+                let bias = match cols {
+                    Some(c) => e.broadcast_matmul(&w2.index_select(c, 1)?)?,
+                    None => e.broadcast_matmul(w2)?,
+                };
                 Ok(Some((bias, e)))
             }
             _ => Ok(None),

@@ -5,8 +5,9 @@
 
 use crate::model::DsparkDrafter;
 use crate::{DrafterError, Result};
+use candle_core::Var;
+use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use dspark_runtime::Model;
 use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
 use kernels::rng::Rng;
@@ -108,24 +109,86 @@ pub fn teacher(target: &Model, tokens: &[u32], layers: &[usize]) -> Result<Teach
     })
 }
 
+/// The output rows training supervises: the drafter's draft vocabulary when it has one (train
+/// what is served; the head and the Markov bias then cost n/V of the full vocabulary's), else
+/// every token. Built once per run.
+#[derive(Clone)]
+pub struct TrainHead {
+    /// Head rows (n × d).
+    head: Tensor,
+    /// W2 columns of those rows (n), when restricted.
+    cols: Option<Tensor>,
+    /// Full-vocabulary id → row (u32::MAX outside), when restricted.
+    row_of: Option<Vec<u32>>,
+    /// Full-vocabulary ids of the rows, when restricted.
+    ids: Option<Vec<u32>>,
+}
+
+impl TrainHead {
+    pub fn new(dr: &DsparkDrafter) -> Result<Self> {
+        let Some(ids) = dr.draft_vocab.clone() else {
+            return Ok(Self {
+                head: dr.head().clone(),
+                cols: None,
+                row_of: None,
+                ids: None,
+            });
+        };
+        let mut row_of = vec![u32::MAX; dr.cfg.vocab];
+        for (i, &t) in ids.iter().enumerate() {
+            if let Some(r) = row_of.get_mut(t as usize) {
+                *r = i as u32;
+            }
+        }
+        let cols = Tensor::from_vec(ids.clone(), ids.len(), &Device::Cpu)?;
+        Ok(Self {
+            head: dr.head().index_select(&cols, 0)?,
+            cols: Some(cols),
+            row_of: Some(row_of),
+            ids: Some(ids),
+        })
+    }
+
+    /// Rows supervised.
+    pub fn rows(&self) -> usize {
+        self.ids.as_ref().map_or(self.head.dims()[0], |v| v.len())
+    }
+}
+
 /// A batch of blocks cut from a teacher chunk.
 pub struct Batch {
     pub feats: Tensor,
     pub anchors: Tensor,
     pub prev: Tensor,
+    /// Next tokens as rows of the supervised head (u32::MAX: outside the draft vocabulary, which
+    /// the drafter can never propose: no CE term).
     pub targets: Tensor,
+    /// The target's distribution over the supervised rows (B × γ × n); with a draft vocabulary
+    /// the mass outside it is 1 − Σ.
     pub p_t: Tensor,
+    pub head: TrainHead,
 }
 
 pub fn make_batch(ch: &TeacherChunk, dr: &DsparkDrafter, anchors: &[usize]) -> Result<Batch> {
+    make_batch_with(ch, dr, &TrainHead::new(dr)?, anchors)
+}
+
+pub fn make_batch_with(
+    ch: &TeacherChunk,
+    dr: &DsparkDrafter,
+    th: &TrainHead,
+    anchors: &[usize],
+) -> Result<Batch> {
     let (c, g, v) = (dr.cfg.context, dr.cfg.gamma, dr.cfg.vocab);
+    let n = th.rows();
     let fd = dr.cfg.feature_layers.len() * dr.cfg.d_model;
     let b = anchors.len();
     let mut feats = Vec::with_capacity(b * c * fd);
     let mut anc = Vec::with_capacity(b);
     let mut prev = Vec::with_capacity(b * g);
     let mut tgt = Vec::with_capacity(b * g);
-    let mut pt = Vec::with_capacity(b * g * v);
+    let mut pt = Vec::with_capacity(b * g * n);
+    let mut p = vec![0f32; v];
     for &j in anchors {
         if j < c || j + g >= ch.tokens.len() {
             return Err(DrafterError::Invalid(format!(
@@ -136,11 +199,19 @@ pub fn make_batch(ch: &TeacherChunk, dr: &DsparkDrafter, anchors: &[usize]) -> R
         anc.push(ch.tokens[j]);
         for k in 0..g {
             prev.push(ch.tokens[j + k]);
-            tgt.push(ch.tokens[j + k + 1]);
-            let row = &ch.logits[(j + k) * v..(j + k + 1) * v];
-            let mut p = row.to_vec();
+            let y = ch.tokens[j + k + 1];
+            p.copy_from_slice(&ch.logits[(j + k) * v..(j + k + 1) * v]);
             kernels::ops::softmax(&mut p);
-            pt.extend_from_slice(&p);
+            match (&th.row_of, &th.ids) {
+                (Some(row_of), Some(ids)) => {
+                    tgt.push(row_of.get(y as usize).copied().unwrap_or(u32::MAX));
+                    pt.extend(ids.iter().map(|&t| p[t as usize]));
+                }
+                _ => {
+                    tgt.push(y);
+                    pt.extend_from_slice(&p);
+                }
+            }
         }
     }
     let dev = Device::Cpu;
@@ -149,15 +220,19 @@ pub fn make_batch(ch: &TeacherChunk, dr: &DsparkDrafter, anchors: &[usize]) -> R
         anchors: Tensor::from_vec(anc, b, &dev)?,
         prev: Tensor::from_vec(prev, (b, g), &dev)?,
         targets: Tensor::from_vec(tgt, (b, g), &dev)?,
-        p_t: Tensor::from_vec(pt, (b, g, v), &dev)?,
+        p_t: Tensor::from_vec(pt, (b, g, n), &dev)?,
+        head: th.clone(),
     })
 }
 
 /// Per-row gradient of the loss w.r.t. the logits, and the row's loss terms.
 ///
-/// `w·(α_ce·CE + α_tv·TV)` with CE = −log p_y and TV = ½‖p − p_t‖₁: dCE/dz = p − 1_y,
-/// dTV/dz_u = p_u (s_u − Σ_v p_v s_v) with s = ½ sign(p − p_t). Computed by hand because the
-/// frozen head stays outside autograd (its V × d gradient would be built and thrown away).
+/// `w·(α_ce·CE + α_tv·TV + α_kl·H)` with CE = −log p_y, TV = ½‖p − p_t‖₁ and
+/// H = −Σ p_t log p: dCE/dz = p − 1_y, dTV/dz_u = p_u (s_u − Σ_v p_v s_v) with
+/// s = ½ sign(p − p_t), dH/dz = (Σ p_t)·p − p_t. Over a draft vocabulary p_t sums to s < 1: the
+/// mass outside adds ½(1 − s) to TV (what the drafter can never match) and is left out of H;
+/// y outside (`y ≥ len`) has no CE term. Computed by hand because the frozen head stays
+/// outside autograd (its V × d gradient would be built and thrown away).
 fn row_grad(
     logits: &[f32],
     pt: &[f32],
@@ -192,22 +267,27 @@ fn row_grad(
         dot += (p * sign(d)) as f64;
         soft += (q * (l - m)) as f64;
     }
-    let tv = 0.5 * tv;
-    // H(p_t, p_d) = −Σ p_t log p_d = log z − Σ p_t (l − m) (p_t sums to 1).
-    let soft_ce = z.ln() - soft;
-    let ce = -((g[y].max(1e-30)) as f64).ln();
-    let (a_ce, a_tv, a_kl, dot) = (
+    let s_in: f64 = pt.iter().map(|&q| q as f64).sum();
+    let tv = 0.5 * (tv + (1.0 - s_in).max(0.0));
+    // H(p_t, p_d) = −Σ p_t log p_d = s·log z − Σ p_t (l − m).
+    let soft_ce = s_in * z.ln() - soft;
+    let ce = g.get(y).map_or(0.0, |&p| -((p.max(1e-30)) as f64).ln());
+    let (a_ce, a_tv, a_kl, dot, s_in) = (
         tc.alpha_ce as f32,
         tc.alpha_tv as f32,
         tc.alpha_kl as f32,
         dot as f32,
+        s_in as f32,
     );
+    let a_ce = if y < g.len() { a_ce } else { 0.0 };
     for (gi, &q) in g.iter_mut().zip(pt) {
         let p = *gi;
         let d = p - q;
-        *gi = w * (a_ce * p + a_tv * p * (sign(d) - dot) + a_kl * d);
+        *gi = w * (a_ce * p + a_tv * p * (sign(d) - dot) + a_kl * (s_in * p - q));
     }
-    g[y] -= w * a_ce;
+    if let Some(gy) = g.get_mut(y) {
+        *gy -= w * a_ce;
+    }
     (ce, tv, soft_ce)
 }
 
@@ -233,9 +313,10 @@ pub struct LossParts {
 pub fn surrogate(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Result<(Tensor, LossParts)> {
     let h = dr.hidden(&bt.feats, &bt.anchors)?; // B × γ × d, tracked
     let (b, g, d) = h.dims3()?;
-    let v = dr.cfg.vocab;
-    let base = h.detach().reshape((b * g, d))?.matmul(&dr.head().t()?)?; // untracked
-    let mk = dr.markov_terms(&bt.prev)?;
+    let th = &bt.head;
+    let v = th.rows();
+    let base = h.detach().reshape((b * g, d))?.matmul(&th.head.t()?)?; // untracked
+    let mk = dr.markov_terms_cols(&bt.prev, th.cols.as_ref())?;
     let logits = match &mk {
         Some((bias, _)) => (&base + bias.detach().reshape((b * g, v))?)?,
         None => base.clone(),
@@ -314,7 +395,7 @@ pub fn surrogate(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Result<(Te
         }
     }
     let dh = Tensor::from_vec(gh_src, (rows, v), &dev)?
-        .matmul(dr.head())?
+        .matmul(&th.head)?
         .reshape((b, g, d))?;
     let mut sur = (&h * &dh)?.sum_all()?;
     if let Some((bias, _)) = &mk {
@@ -364,6 +445,73 @@ pub fn loss(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Result<LossPart
     Ok(surrogate(dr, bt, tc)?.1)
 }
 
+/// AdamW (decoupled weight decay, bias-corrected moments; candle_nn's `AdamW` rule) as one
+/// pass per variable over plain vectors. candle's optimizer builds a dozen full-size temporaries
+/// per variable per step; with ~11 M parameters that was 40 % of a training step.
+pub struct FusedAdamW {
+    vars: Vec<(Var, Vec<f32>, Vec<f32>)>,
+    weight_decay: f32,
+    step: i32,
+}
+
+impl FusedAdamW {
+    const B1: f32 = 0.9;
+    const B2: f32 = 0.999;
+    const EPS: f32 = 1e-8;
+
+    pub fn new(vars: Vec<Var>, weight_decay: f64) -> Self {
+        let vars = vars
+            .into_iter()
+            .map(|v| {
+                let n = v.elem_count();
+                (v, vec![0f32; n], vec![0f32; n])
+            })
+            .collect();
+        Self {
+            vars,
+            weight_decay: weight_decay as f32,
+            step: 0,
+        }
+    }
+
+    /// One update at learning rate `lr`; variables without a gradient are left alone.
+    pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<()> {
+        self.step += 1;
+        let lr = lr as f32;
+        let c1 = 1.0 / (1.0 - Self::B1.powi(self.step));
+        let c2 = 1.0 / (1.0 - Self::B2.powi(self.step));
+        let decay = 1.0 - lr * self.weight_decay;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for (var, m, v) in &mut self.vars {
+            let Some(g) = grads.get(var.as_tensor()) else {
+                continue;
+            };
+            let g: Vec<f32> = g.flatten_all()?.to_vec1()?;
+            let mut p: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
+            let update = |p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]| {
+                for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
+                    *m = Self::B1 * *m + (1.0 - Self::B1) * g;
+                    *v = Self::B2 * *v + (1.0 - Self::B2) * g * g;
+                    *p = *p * decay - lr * (*m * c1) / ((*v * c2).sqrt() + Self::EPS);
+                }
+            };
+            let per = p.len().div_ceil(threads).max(1 << 16);
+            std::thread::scope(|sc| {
+                for (((p, m), v), g) in p
+                    .chunks_mut(per)
+                    .zip(m.chunks_mut(per))
+                    .zip(v.chunks_mut(per))
+                    .zip(g.chunks(per))
+                {
+                    sc.spawn(move || update(p, m, v, g));
+                }
+            });
+            var.set(&Tensor::from_vec(p, var.shape(), var.device())?)?;
+        }
+        Ok(())
+    }
+}
+
 /// Cosine schedule with linear warm-up.
 pub fn lr_at(step: usize, tc: &TrainConfig) -> f64 {
     if step < tc.warmup {
@@ -392,14 +540,10 @@ pub fn train(
             tc.chunk
         )));
     }
-    let params = ParamsAdamW {
-        lr: tc.lr,
-        weight_decay: 0.01,
-        ..Default::default()
-    };
-    let mut opt = AdamW::new(dr.varmap.all_vars(), params)?;
+    let mut opt = FusedAdamW::new(dr.varmap.all_vars(), 0.01);
     let mut rng = Rng::new(tc.seed ^ (start as u64).wrapping_mul(0x9e37_79b9));
     let mut ch: Option<TeacherChunk> = None;
+    let th = TrainHead::new(dr)?;
     for step in start..tc.steps {
         let t0 = std::time::Instant::now();
         if ch.is_none() || step % tc.reuse.max(1) == 0 {
@@ -416,11 +560,10 @@ pub fn train(
         let anchors: Vec<usize> = (0..tc.batch)
             .map(|_| c + rng.below(tc.chunk - c - g - 1))
             .collect();
-        let bt = make_batch(chunk, dr, &anchors)?;
+        let bt = make_batch_with(chunk, dr, &th, &anchors)?;
         let (sur, parts) = surrogate(dr, &bt, tc)?;
         let lr = lr_at(step, tc);
-        opt.set_learning_rate(lr);
-        opt.backward_step(&sur)?;
+        opt.step(&sur.backward()?, lr)?;
         let dt = t0.elapsed().as_secs_f64();
         on_step(&StepStats {
             step,
@@ -448,25 +591,43 @@ mod tests {
     fn reference(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Tensor {
         let h = dr.hidden(&bt.feats, &bt.anchors).unwrap();
         let (b, g, _) = h.dims3().unwrap();
-        let base = h.broadcast_matmul(&dr.head().t().unwrap()).unwrap();
-        let (bias, e) = dr.markov_terms(&bt.prev).unwrap().unwrap();
+        let base = h.broadcast_matmul(&bt.head.head.t().unwrap()).unwrap();
+        let (bias, e) = dr
+            .markov_terms_cols(&bt.prev, bt.head.cols.as_ref())
+            .unwrap()
+            .unwrap();
+        // Targets outside the draft vocabulary have no CE term.
+        let ys: Vec<u32> = bt.targets.flatten_all().unwrap().to_vec1().unwrap();
+        let n = bt.head.rows() as u32;
+        let mask: Vec<f32> = ys.iter().map(|&y| f32::from(u8::from(y < n))).collect();
+        let safe: Vec<u32> = ys.iter().map(|&y| if y < n { y } else { 0 }).collect();
+        let mask = Tensor::from_vec(mask, (b, g), &Device::Cpu).unwrap();
+        let safe = Tensor::from_vec(safe, (b, g, 1), &Device::Cpu).unwrap();
+        let outside = (1.0 - bt.p_t.sum(D::Minus1).unwrap())
+            .unwrap()
+            .relu()
+            .unwrap();
         let w: Vec<f32> = (0..g).map(|k| (-(k as f32) / g as f32).exp()).collect();
         let norm = b as f64 * w.iter().sum::<f32>() as f64;
         let w = Tensor::from_vec(w, (1, g), &Device::Cpu).unwrap();
         let terms = |logits: &Tensor| {
             let logp = candle_nn::ops::log_softmax(logits, D::Minus1).unwrap();
-            let ce = logp
-                .gather(&bt.targets.unsqueeze(D::Minus1).unwrap(), D::Minus1)
+            let ce = (logp
+                .gather(&safe, D::Minus1)
                 .unwrap()
                 .squeeze(D::Minus1)
                 .unwrap()
                 .neg()
+                .unwrap()
+                * &mask)
                 .unwrap();
-            let tv = ((logp.exp().unwrap() - &bt.p_t)
+            let tv = (((logp.exp().unwrap() - &bt.p_t)
                 .unwrap()
                 .abs()
                 .unwrap()
                 .sum(D::Minus1)
+                .unwrap()
+                + &outside)
                 .unwrap()
                 * 0.5)
                 .unwrap();
@@ -499,13 +660,62 @@ mod tests {
     }
 
     #[test]
+    fn fused_adamw_takes_candles_adamw_steps() {
+        use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+        let dev = Device::Cpu;
+        let init = Tensor::randn(0f32, 1.0, (3, 70_000), &dev).unwrap();
+        let (a, b) = (
+            Var::from_tensor(&init).unwrap(),
+            Var::from_tensor(&init).unwrap(),
+        );
+        let mut theirs = AdamW::new(
+            vec![a.clone()],
+            ParamsAdamW {
+                lr: 0.01,
+                weight_decay: 0.01,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let mut ours = FusedAdamW::new(vec![b.clone()], 0.01);
+        for i in 0..4 {
+            let lr = 0.01 / (i + 1) as f64;
+            theirs.set_learning_rate(lr);
+            // A loss whose gradient varies with the parameters: Σ θ³ + Σ θ.
+            let loss = |x: &Var| {
+                (x.as_tensor().powf(3.0).unwrap().sum_all().unwrap()
+                    + x.as_tensor().sum_all().unwrap())
+                .unwrap()
+            };
+            theirs.backward_step(&loss(&a)).unwrap();
+            ours.step(&loss(&b).backward().unwrap(), lr).unwrap();
+            let diff = a_max(&(a.as_tensor() - b.as_tensor()).unwrap());
+            assert!(diff < 1e-5, "step {i}: {diff}");
+        }
+        let moved = a_max(&(a.as_tensor() - &init).unwrap());
+        assert!(moved > 1e-3, "the parameters moved ({moved})");
+    }
+
+    #[test]
     fn surrogate_gradient_equals_the_autograd_gradient_of_the_objective() {
+        check_surrogate(false);
+    }
+
+    /// Over a draft vocabulary (some next tokens outside it), the surrogate still carries the
+    /// exact gradient of the restricted objective, W2 columns outside get none, and a step over
+    /// the restricted head costs what its rows do.
+    #[test]
+    fn surrogate_over_a_draft_vocabulary_is_exact() {
+        check_surrogate(true);
+    }
+
+    fn check_surrogate(restricted: bool) {
         let (m, tok) = crate::model::tests::tiny_target(23, "drafter-grad");
         let (e, h) = target_tensors(&m).unwrap();
         let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 8);
         cfg.feature_layers = vec![0, 1];
         cfg.context = 6;
-        let dr = DsparkDrafter::new(cfg, e, h, 9).unwrap();
+        let mut dr = DsparkDrafter::new(cfg, e, h, 9).unwrap();
         // Non-zero W2 so the Markov path carries gradient into W1 too.
         for v in dr.varmap.all_vars() {
             if v.dims() == [8, m.cfg.vocab_size] {
@@ -516,8 +726,39 @@ mod tests {
         let data = tok
             .encode(&"a cat sat on the mat and the dog ran ".repeat(6))
             .unwrap();
+        let anchors = [6, 10, 17, 25, 30];
+        let mut dropped = None;
+        if restricted {
+            // Every token but two that occur as next tokens, in a scrambled order.
+            let out = [data[12], data[27]];
+            let mut ids: Vec<u32> = (0..m.cfg.vocab_size as u32)
+                .filter(|t| !out.contains(t))
+                .collect();
+            ids.reverse();
+            ids.swap(0, 3);
+            dr.set_draft_vocab(Some(ids)).unwrap();
+            dropped = Some(out);
+        }
         let ch = teacher(&m, &data[..40], &dr.cfg.feature_layers).unwrap();
-        let bt = make_batch(&ch, &dr, &[6, 10, 17, 25, 30]).unwrap();
+        let bt = make_batch(&ch, &dr, &anchors).unwrap();
+        if let Some(out) = dropped {
+            let ys: Vec<u32> = bt.targets.flatten_all().unwrap().to_vec1().unwrap();
+            assert!(ys.contains(&u32::MAX), "some next tokens fall outside");
+            assert_eq!(bt.p_t.dims()[2], m.cfg.vocab_size - 2);
+            let mass: Vec<f32> = bt
+                .p_t
+                .sum(D::Minus1)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert!(
+                mass.iter().all(|&s| s <= 1.0 + 1e-5) && mass.iter().any(|&s| s < 0.99),
+                "p_t keeps only the inside mass: {mass:?}"
+            );
+            let _ = out;
+        }
         let tc = TrainConfig::default();
         let (sur, parts) = surrogate(&dr, &bt, &tc).unwrap();
         let full = reference(&dr, &bt, &tc);
@@ -559,6 +800,16 @@ mod tests {
                 diff <= 1e-3 * scale + 1e-7,
                 "{name}: diff {diff}, scale {scale}"
             );
+            if let (Some(out), "markov.w2") = (dropped, name.as_str()) {
+                for t in out {
+                    let col = a.narrow(1, t as usize, 1).unwrap();
+                    assert_eq!(
+                        a_max(&col),
+                        0.0,
+                        "W2 column of token {t} outside the vocabulary"
+                    );
+                }
+            }
             checked += 1;
         }
         assert!(checked >= 10);
