@@ -44,6 +44,9 @@ pub struct TrainArgs {
     /// Steps drawn from each target forward over a chunk (fresh anchors each step).
     #[arg(long, default_value_t = 4)]
     pub reuse: usize,
+    /// Teacher chunks each step draws its blocks from (one replaced every --reuse steps).
+    #[arg(long, default_value_t = 8)]
+    pub pool: usize,
     /// Weight of the distillation term H(p_t, p_d) added to the CE/TV/confidence objective
     /// (0 = the objective alone).
     #[arg(long, default_value_t = 1.0)]
@@ -184,6 +187,7 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
         lr: a.lr,
         seed: a.seed,
         reuse: a.reuse,
+        pool: a.pool,
         parallel_weight: a.parallel_weight,
         alpha_kl: a.alpha_kl,
         ..Default::default()

@@ -32,6 +32,10 @@ pub struct TrainConfig {
     /// Steps drawn from each teacher forward (fresh anchors each time): the target forward
     /// costs about as much as a drafter step, so a chunk serves several.
     pub reuse: usize,
+    /// Teacher chunks a step draws its blocks from (one is replaced every `reuse` steps): blocks
+    /// cut from one 192-token chunk are strongly correlated, so a batch spread over several
+    /// texts gives a far less noisy gradient at the same teacher cost.
+    pub pool: usize,
     /// Weight of the auxiliary parallel-only loss (base logits, own confidence head) in a
     /// Markov drafter; 0 trains the Markov drafter alone.
     pub parallel_weight: f64,
@@ -51,6 +55,7 @@ impl Default for TrainConfig {
             alpha_conf: 1.0,
             alpha_kl: 1.0,
             reuse: 4,
+            pool: 8,
             parallel_weight: 0.5,
         }
     }
@@ -179,17 +184,27 @@ pub fn make_batch_with(
     th: &TrainHead,
     anchors: &[usize],
 ) -> Result<Batch> {
+    let picks: Vec<(&TeacherChunk, usize)> = anchors.iter().map(|&j| (ch, j)).collect();
+    make_batch_from(dr, th, &picks)
+}
+
+/// A batch of blocks, each cut from its own chunk at its anchor.
+pub fn make_batch_from(
+    dr: &DsparkDrafter,
+    th: &TrainHead,
+    picks: &[(&TeacherChunk, usize)],
+) -> Result<Batch> {
     let (c, g, v) = (dr.cfg.context, dr.cfg.gamma, dr.cfg.vocab);
     let n = th.rows();
     let fd = dr.cfg.feature_layers.len() * dr.cfg.d_model;
-    let b = anchors.len();
+    let b = picks.len();
     let mut feats = Vec::with_capacity(b * c * fd);
     let mut anc = Vec::with_capacity(b);
     let mut prev = Vec::with_capacity(b * g);
     let mut tgt = Vec::with_capacity(b * g);
     let mut pt = Vec::with_capacity(b * g * n);
     let mut p = vec![0f32; v];
-    for &j in anchors {
+    for &(ch, j) in picks {
         if j < c || j + g >= ch.tokens.len() {
             return Err(DrafterError::Invalid(format!(
                 "anchor {j} lacks context or continuation"
@@ -542,25 +557,30 @@ pub fn train(
     }
     let mut opt = FusedAdamW::new(dr.varmap.all_vars(), 0.01);
     let mut rng = Rng::new(tc.seed ^ (start as u64).wrapping_mul(0x9e37_79b9));
-    let mut ch: Option<TeacherChunk> = None;
     let th = TrainHead::new(dr)?;
+    let pool = tc.pool.max(1);
+    let mut chunks: Vec<TeacherChunk> = Vec::with_capacity(pool);
+    let fresh = |rng: &mut Rng| {
+        let s0 = rng.below(data.len() - tc.chunk);
+        teacher(target, &data[s0..s0 + tc.chunk], &dr.cfg.feature_layers)
+    };
     for step in start..tc.steps {
         let t0 = std::time::Instant::now();
-        if ch.is_none() || step % tc.reuse.max(1) == 0 {
-            let s0 = rng.below(data.len() - tc.chunk);
-            ch = Some(teacher(
-                target,
-                &data[s0..s0 + tc.chunk],
-                &dr.cfg.feature_layers,
-            )?);
+        while chunks.len() < pool {
+            chunks.push(fresh(&mut rng)?);
         }
-        let Some(chunk) = ch.as_ref() else {
-            return Err(DrafterError::Invalid("no teacher chunk".into()));
-        };
-        let anchors: Vec<usize> = (0..tc.batch)
-            .map(|_| c + rng.below(tc.chunk - c - g - 1))
+        if step > start && step % tc.reuse.max(1) == 0 {
+            chunks[(step / tc.reuse.max(1)) % pool] = fresh(&mut rng)?;
+        }
+        let picks: Vec<(&TeacherChunk, usize)> = (0..tc.batch)
+            .map(|_| {
+                (
+                    &chunks[rng.below(pool)],
+                    c + rng.below(tc.chunk - c - g - 1),
+                )
+            })
             .collect();
-        let bt = make_batch_with(chunk, dr, &th, &anchors)?;
+        let bt = make_batch_from(dr, &th, &picks)?;
         let (sur, parts) = surrogate(dr, &bt, tc)?;
         let lr = lr_at(step, tc);
         opt.step(&sur.backward()?, lr)?;
