@@ -86,6 +86,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         "arm", "conc", "tok/s", "user tok/s", "per_call"
     );
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
+    let mut paired = Vec::new();
     // Concurrency outside, arms inside: every arm of a concurrency is measured back to back, so
     // a slow spell of the machine does not land on one arm only.
     anyhow::ensure!(a.rounds >= 1, "--rounds takes a value ≥ 1");
@@ -153,6 +154,17 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                 );
             }
         }
+        // Rounds interleave the arms, so round i of two arms ran close in time: their ratio is a
+        // paired sample, and its spread says how much of a difference the machine's noise makes.
+        let rounds_of = |i: usize| -> Vec<f64> {
+            measured[i]
+                .iter()
+                .map(|q| q["tok_s"].as_f64().unwrap_or(0.0))
+                .collect()
+        };
+        if let Some((ratio, lo, hi)) = paired_ratio(&rounds_of(arms.len() - 1), &rounds_of(0)) {
+            paired.push(json!({"concurrency": c, "ratio": ratio, "ci95": [lo, hi]}));
+        }
         for m in measured {
             let mut p = median_round(&m);
             let (name, tok_s, user_tok_s, per_call) = (
@@ -171,12 +183,18 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         "scheduler ≥ none at every concurrency: {}; scheduler above every fixed γ at equal per-user tok/s: {}",
         checks["never_below_none"], checks["above_every_fixed_gamma"]
     );
+    for q in &paired {
+        println!(
+            "scheduler / none at c{}: {:.3} (paired rounds, 95 % interval {:.3}–{:.3})",
+            q["concurrency"], q["ratio"], q["ci95"][0], q["ci95"][1]
+        );
+    }
     let v = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "target": a.target, "drafter": kind.label(), "prompts": a.prompts, "max_tokens": a.max_tokens,
         "rounds": a.rounds,
         "threads": target.model.threads(), "sps_table": sps.points, "points": points,
-        "checks": checks,
+        "checks": checks, "paired_vs_none": paired,
     });
     if let Some(p) = &a.json {
         if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -220,6 +238,25 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         eprintln!("wrote {}", p.display());
     }
     Ok(())
+}
+
+/// Geometric mean of the paired ratios a_i / b_i and its 95 % t-interval (on the log ratios);
+/// `None` for fewer than two pairs or a non-positive value.
+fn paired_ratio(a: &[f64], b: &[f64]) -> Option<(f64, f64, f64)> {
+    // Two-sided 95 % Student t quantiles for 1..=10 degrees of freedom, then the normal's.
+    const T95: [f64; 10] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    ];
+    let n = a.len().min(b.len());
+    if n < 2 || a.iter().chain(b).any(|&x| x.is_nan() || x <= 0.0) {
+        return None;
+    }
+    let l: Vec<f64> = a.iter().zip(b).map(|(x, y)| (x / y).ln()).collect();
+    let mean = l.iter().sum::<f64>() / n as f64;
+    let var = l.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    let t = T95.get(n - 2).copied().unwrap_or(1.96);
+    let half = t * (var / n as f64).sqrt();
+    Some((mean.exp(), (mean - half).exp(), (mean + half).exp()))
 }
 
 /// A seeded shuffle of 0..n: the order of the arms in one round.
@@ -348,6 +385,20 @@ mod tests {
         assert_eq!(c["above_every_fixed_gamma"], false);
         assert!(interpolate(&[(10.0, 100.0), (20.0, 200.0)], 15.0) == Some(150.0));
         assert!(interpolate(&[(10.0, 100.0), (20.0, 200.0)], 25.0).is_none());
+    }
+
+    #[test]
+    fn paired_ratios_give_a_geometric_mean_and_an_interval() {
+        let (r, lo, hi) = paired_ratio(&[110.0, 99.0, 121.0], &[100.0, 90.0, 110.0]).unwrap();
+        assert!((r - 1.1).abs() < 1e-9, "{r}");
+        assert!(
+            (lo - 1.1).abs() < 1e-9 && (hi - 1.1).abs() < 1e-9,
+            "no spread: {lo} {hi}"
+        );
+        let (r, lo, hi) = paired_ratio(&[100.0, 120.0, 80.0], &[100.0, 100.0, 100.0]).unwrap();
+        assert!(lo < r && r < hi && lo < 1.0 && hi > 1.0, "{lo} {r} {hi}");
+        assert!(paired_ratio(&[1.0], &[1.0]).is_none());
+        assert!(paired_ratio(&[1.0, 0.0], &[1.0, 1.0]).is_none());
     }
 
     #[test]
