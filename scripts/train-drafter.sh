@@ -2,6 +2,9 @@
 # Rebuilds the shipped DSpark drafter for smollm2-135m (drafters/smollm2-135m) from scratch on
 # CPU, then calibrates and evaluates it. Steps and timings of the shipped run are in
 # drafters/smollm2-135m/train_state.json and README "DSpark drafter".
+# Two phases, as the shipped checkpoint was trained: over the whole vocabulary first, then, with
+# the draft vocabulary fixed, a fine-tuning phase over it (cheaper steps, larger batches, both
+# halves of the self-generated text).
 # Usage: scripts/train-drafter.sh [OUT_DIR] [STEPS]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -12,9 +15,11 @@ cargo build --release -p dspark
 bin="$root/target/release/dspark"
 mapfile -t data < <(scripts/drafter-data.sh "$bin" smollm2-135m)
 "$bin" train-drafter --target smollm2-135m --data "${data[@]}" --out "$out" --steps "$steps" \
-  --gamma 7 --rank 64 --layers 1 --max-bytes 1600000 --save-every 250
+  --gamma 7 --rank 64 --layers 1 --max-bytes 1600000 --save-every 250 --draft-vocab 0
 # The draft vocabulary: the 8192 most frequent target tokens of the training text (FR-Spec).
 "$bin" drafter-vocab --target smollm2-135m --drafter "$out" --size 8192 --data "${data[@]}"
+"$bin" train-drafter --target smollm2-135m --data "${data[@]}" --out "$out" --fine-tune \
+  --steps 11000 --batch 32 --lr 6e-4 --max-bytes 3200000 --save-every 250
 # Confidence calibration (input mix, STS temperatures and shifts) on held-out prompts (first
 # half of each prompt set), once for sampled requests (T = 1) and once for greedy ones;
 # evaluation on the second half, at both temperatures.

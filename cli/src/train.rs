@@ -57,6 +57,10 @@ pub struct TrainArgs {
     /// Continue from the checkpoint in --out.
     #[arg(long)]
     pub resume: bool,
+    /// Start from the checkpoint in --out with a fresh schedule (warm-up, cosine from step 0;
+    /// use a lower --lr than the first run's): a second phase on new data or a new vocabulary.
+    #[arg(long, conflicts_with = "resume")]
+    pub fine_tune: bool,
     /// Train over a draft vocabulary: the N most frequent tokens of the training text (what
     /// `dspark drafter-vocab` keeps), the rows the served drafter's head reads. Each step then
     /// costs far less than over the whole vocabulary. 0 = the whole vocabulary. A resumed
@@ -140,10 +144,19 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
         data.len()
     );
     let state = a.out.join("train_state.json");
-    let (mut dr, start) = if a.resume && state.exists() {
-        let st: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
-        let step = st["step"].as_u64().unwrap_or(0) as usize;
-        eprintln!("resuming from step {step}");
+    if a.fine_tune && !a.out.join("drafter.json").exists() {
+        anyhow::bail!("--fine-tune needs a checkpoint in {}", a.out.display());
+    }
+    let (mut dr, start) = if a.fine_tune || (a.resume && state.exists()) {
+        let step = if a.fine_tune {
+            eprintln!("fine-tuning the checkpoint in {}", a.out.display());
+            0
+        } else {
+            let st: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
+            let step = st["step"].as_u64().unwrap_or(0) as usize;
+            eprintln!("resuming from step {step}");
+            step
+        };
         (
             DsparkDrafter::load(
                 &a.out,
