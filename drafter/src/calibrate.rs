@@ -515,7 +515,7 @@ mod tests {
                     let ent = (-lmax as f64 * 1.5 + rng.uniform()) as f32;
                     let z = (rng.normal() * 0.3) as f32;
                     let p = sigmoid(0.3 * z as f64 + 2.0 * lmax as f64 + 1.0);
-                    inputs.push([z, lmax, ent, rng.normal() as f32]);
+                    inputs.push([z, lmax, ent, rng.normal() as f32, rng.normal() as f32]);
                     if alive && rng.uniform() < p {
                         accepted += 1;
                     } else {
@@ -551,8 +551,8 @@ mod tests {
         }
         // No mix fitted: confidences are those of the head logit alone.
         assert_eq!(
-            head.conf(0, &[0.5, -3.0, 2.0, 1.0]),
-            head.conf(0, &[0.5, 0.0, 0.0, 0.0])
+            head.conf(0, &[0.5, -3.0, 2.0, 1.0, -1.0]),
+            head.conf(0, &[0.5, 0.0, 0.0, 0.0, 0.0])
         );
     }
 }

@@ -55,6 +55,9 @@ struct ReqFeats {
     draft_at: usize,
     /// Running per-position acceptance of the request's blocks (None before the first).
     rate: Option<f32>,
+    /// Accepted positions and trials over all the request's verified blocks.
+    accepted: u32,
+    trials: u32,
 }
 
 /// Running acceptance assumed before a request's first verified block.
@@ -77,6 +80,8 @@ impl ReqFeats {
         if trials > 0 {
             let r = self.rate.unwrap_or(PRIOR_RATE);
             self.rate = Some(r + 0.25 * (a as f32 / trials as f32 - r));
+            self.accepted += a as u32;
+            self.trials += trials as u32;
         }
         self.last_draft.clear();
     }
@@ -84,6 +89,13 @@ impl ReqFeats {
     /// Log-odds of the running acceptance rate.
     fn rate_logit(&self) -> f32 {
         let r = self.rate.unwrap_or(PRIOR_RATE).clamp(0.01, 0.99);
+        (r / (1.0 - r)).ln()
+    }
+
+    /// Log-odds of the whole-history acceptance rate, with PRIOR_RATE worth 4 trials.
+    fn history_logit(&self) -> f32 {
+        let r = (self.accepted as f32 + 4.0 * PRIOR_RATE) / (self.trials as f32 + 4.0);
+        let r = r.clamp(0.01, 0.99);
         (r / (1.0 - r)).ln()
     }
 }
@@ -313,12 +325,12 @@ impl Proposer for DsparkProposer {
         let ids: Vec<u64> = active.iter().map(|&i| reqs[i].id).collect();
         self.fuse_windows(&ids)?;
         // Each request's running acceptance, from how its previous block fared.
-        let hist: Vec<f32> = active
+        let hist: Vec<(f32, f32)> = active
             .iter()
             .map(|&i| {
                 let f = self.feats.entry(reqs[i].id).or_default();
                 f.observe_acceptance(reqs[i].context);
-                f.rate_logit()
+                (f.rate_logit(), f.history_logit())
             })
             .collect();
         let b = active.len();
@@ -459,7 +471,8 @@ impl Proposer for DsparkProposer {
                         -30.0
                     },
                     if ent.is_finite() { ent } else { 30.0 },
-                    hist[bi],
+                    hist[bi].0,
+                    hist[bi].1,
                 ];
                 let sts = if r.params.is_greedy() {
                     &sts_greedy
@@ -554,6 +567,10 @@ mod tests {
         f.observe_acceptance(&[1, 2, 5, 6, 9, 8]);
         assert!(f.rate.unwrap() < want);
         assert!(f.rate_logit() < 0.0);
+        // The whole history: 2 of 3, then 0 of 1, with the prior worth 4 trials at PRIOR_RATE.
+        assert_eq!((f.accepted, f.trials), (2, 4));
+        let r = (2.0 + 4.0 * PRIOR_RATE) / 8.0;
+        assert!((f.history_logit() - (r / (1.0 - r)).ln()).abs() < 1e-6);
     }
 
     #[test]
@@ -616,7 +633,7 @@ mod tests {
         // runs wherever x_1..x_{k−1} agree, whatever x_k was drawn.
         let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
         let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
-        dr.cfg.conf_mix = vec![[0.7, 1.3, -0.4, 0.5, 0.2]; dr.cfg.gamma];
+        dr.cfg.conf_mix = vec![[0.7, 1.3, -0.4, 0.5, 0.3, 0.2]; dr.cfg.gamma];
         let g = dr.cfg.gamma;
         let rl = 2 * m.cfg.d_model;
         let mut p = DsparkProposer::new(dr, "t").unwrap();

@@ -32,12 +32,12 @@ impl Dist {
 }
 
 /// How many inputs a drafter's confidence is computed from (see [`ConfInputs`]).
-pub const CONF_INPUTS: usize = 4;
+pub const CONF_INPUTS: usize = 5;
 
 /// What a drafter computed one position's confidence from, kept for calibration: the
 /// confidence head's logit, the log-odds of the draft distribution's top probability, its
-/// entropy (nats), and the log-odds of the request's running acceptance rate (from its earlier
-/// blocks). All are functions of the committed tokens and x_1..x_{k−1}, never of the drafted
+/// entropy (nats), and the log-odds of the request's acceptance rate from its earlier blocks,
+/// recent (running) and whole-history (what kind of text the request is). All are functions of the committed tokens and x_1..x_{k−1}, never of the drafted
 /// token x_k.
 pub type ConfInputs = [f32; CONF_INPUTS];
 
