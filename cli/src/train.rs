@@ -335,8 +335,8 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     for k in 0..after.len() {
         let mix = sts.mix.get(k).map_or(String::new(), |w| {
             format!(
-                "  mix z {:+.2} top-odds {:+.2} H {:+.2} running {:+.2} bias {:+.2}",
-                w[0], w[1], w[2], w[3], w[4]
+                "  mix z {:+.2} top-odds {:+.2} H {:+.2} running {:+.2} history {:+.2} bias {:+.2}",
+                w[0], w[1], w[2], w[3], w[4], w[5]
             )
         });
         println!(
