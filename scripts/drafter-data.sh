@@ -15,20 +15,19 @@ bin="${1:-$here/../target/release/dspark}"
 target="${2:-smollm2-135m}"
 data="${DSPARK_HOME:-$HOME/.cache/dspark}/data"
 mkdir -p "$data"
+# selfgen FILE PROMPT_SEED TEMPERATURE: the target's answers to one seeded prompt set.
+selfgen() {
+  if [ ! -s "$1" ]; then
+    python3 "$here/drafter-prompts.py" "$2" > "$data/prompts$2-$target.txt"
+    "$bin" gen-data --target "$target" --prompts "$data/prompts$2-$target.txt" --out "$1.tmp" \
+      --max-tokens 160 --temperature "$3" --batch 48 --seed "$2" >&2
+    mv "$1.tmp" "$1"
+  fi
+}
 gen="$data/selfgen-$target.txt"
-if [ ! -s "$gen" ]; then
-  python3 "$here/drafter-prompts.py" 0 > "$data/prompts-$target.txt"
-  "$bin" gen-data --target "$target" --prompts "$data/prompts-$target.txt" --out "$gen.tmp" \
-    --max-tokens 160 --temperature 1.0 --batch 48 --seed 0 >&2
-  mv "$gen.tmp" "$gen"
-fi
 greedy="$data/selfgen-greedy-$target.txt"
-if [ ! -s "$greedy" ]; then
-  python3 "$here/drafter-prompts.py" 1 > "$data/prompts1-$target.txt"
-  "$bin" gen-data --target "$target" --prompts "$data/prompts1-$target.txt" --out "$greedy.tmp" \
-    --max-tokens 160 --temperature 0 --batch 48 --seed 1 >&2
-  mv "$greedy.tmp" "$greedy"
-fi
+selfgen "$gen" 0 1.0
+selfgen "$greedy" 1 0
 paths=("$gen" "$greedy" "$gen" "$greedy")
 for p in /usr/lib/python3*/ "$HOME/.cargo/registry/src"; do
   [ -e "$p" ] && paths+=("$p")
