@@ -186,7 +186,10 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
     for q in &paired {
         println!(
             "scheduler / none at c{}: {:.3} (paired rounds, 95 % interval {:.3}–{:.3})",
-            q["concurrency"], q["ratio"], q["ci95"][0], q["ci95"][1]
+            q["concurrency"],
+            q["ratio"].as_f64().unwrap_or(f64::NAN),
+            q["ci95"][0].as_f64().unwrap_or(f64::NAN),
+            q["ci95"][1].as_f64().unwrap_or(f64::NAN)
         );
     }
     let v = json!({
