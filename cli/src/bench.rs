@@ -25,6 +25,8 @@ pub enum BenchCmd {
     Sched(SchedArgs),
     /// Throughput vs per-user speed across concurrency: no speculation, fixed γ, scheduler.
     Frontier(crate::frontier::FrontierArgs),
+    /// Cost of one drafting call against one target decode, per stage, in the serving loop.
+    Draft(crate::draft_bench::DraftArgs),
 }
 
 #[derive(Args, Debug)]
@@ -121,14 +123,15 @@ pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Serve(a) => crate::serve_bench::run(a),
         BenchCmd::Sched(a) => sched_bench(a),
         BenchCmd::Frontier(a) => crate::frontier::run(g, a),
+        BenchCmd::Draft(a) => crate::draft_bench::run(g, a),
     }
 }
 
-fn command_line() -> String {
+pub(crate) fn command_line() -> String {
     std::env::args().collect::<Vec<_>>().join(" ")
 }
 
-fn write_json(path: &Option<PathBuf>, v: &serde_json::Value) -> anyhow::Result<()> {
+pub(crate) fn write_json(path: &Option<PathBuf>, v: &serde_json::Value) -> anyhow::Result<()> {
     if let Some(p) = path {
         if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)?;

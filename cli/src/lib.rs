@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod draft_bench;
 pub mod eval;
 pub mod frontier;
 pub mod generate;

@@ -302,8 +302,9 @@ impl Drafting {
     }
 }
 
-/// Puts a drafted block on the wire: tokens, confidences, and q (one-hot, or dense rows when
-/// the drafter sampled from a full distribution).
+/// Puts a drafted block on the wire: tokens, confidences, and q: one-hot; (token, probability)
+/// pairs when every row is sparse (a draft vocabulary or truncated sampling: 8 bytes per kept
+/// token instead of 4 per vocabulary entry); dense rows otherwise.
 fn fill(m: &mut DraftBlock, b: specdec::proposer::DraftBlock, k: usize, vocab: usize) {
     let n = b.tokens.len().min(k);
     m.tokens = b.tokens[..n].to_vec();
@@ -311,13 +312,33 @@ fn fill(m: &mut DraftBlock, b: specdec::proposer::DraftBlock, k: usize, vocab: u
         .confidence
         .map(|c| c[..n.min(c.len())].to_vec())
         .unwrap_or_default();
-    let dense = b.dists[..n].iter().any(|d| !matches!(d, Dist::OneHot));
-    if !dense {
+    let dists = &b.dists[..n];
+    if dists.iter().all(|d| matches!(d, Dist::OneHot)) {
         m.q_kind = QKind::OneHot as i32;
         return;
     }
+    if !dists.iter().any(|d| matches!(d, Dist::Dense(_))) {
+        for (i, d) in dists.iter().enumerate() {
+            let before = m.q_ids.len();
+            match d {
+                Dist::Sparse(v) => {
+                    for &(t, p) in v.iter().filter(|(t, _)| (*t as usize) < vocab) {
+                        m.q_ids.push(t);
+                        m.q_probs.push(p);
+                    }
+                }
+                _ => {
+                    m.q_ids.push(m.tokens[i]);
+                    m.q_probs.push(1.0);
+                }
+            }
+            m.q_lens.push((m.q_ids.len() - before) as u32);
+        }
+        m.q_kind = QKind::Sparse as i32;
+        return;
+    }
     let mut rows = vec![0f32; n * vocab];
-    for (i, d) in b.dists[..n].iter().enumerate() {
+    for (i, d) in dists.iter().enumerate() {
         let row = &mut rows[i * vocab..(i + 1) * vocab];
         match d {
             Dist::Dense(v) => row.copy_from_slice(&v[..vocab.min(v.len())]),

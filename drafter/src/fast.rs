@@ -19,12 +19,35 @@ use crate::{DrafterError, Result};
 use kernels::Isa;
 use kernels::matmul::QMatrix;
 
-/// Quantizes a row-major `rows × cols` matrix (cols a multiple of 32) into 8-bit blocks with one
-/// scale per 16 values.
+/// Quantizes a row-major `rows × cols` matrix (cols a multiple of 32) to 8 bits.
+///
+/// Where the integer kernels run (AVX-512 VNNI, rows a multiple of 16) it takes GGUF's Q8_0
+/// layout (one f16 scale per 32 values) interleaved by 16 rows, as the target's own 8-bit
+/// weights do: `vpdpbusd` multiplies the codes directly. A drafting call multiplies one to a
+/// few rows per request, where decoding each weight block to bf16 first (the other path) cost
+/// more than reading it. Elsewhere: 8-bit blocks with one scale per 16 values.
 pub(crate) fn quantize_q8(w: &[f32], rows: usize, cols: usize) -> Option<QMatrix> {
     use kernels::quant::BlockQ8;
     if cols % 32 != 0 || w.len() != rows * cols {
         return None;
+    }
+    if kernels::grouped::native(Isa::detect()) && rows % kernels::grouped::GROUP_ROWS == 0 {
+        let mut raw = Vec::with_capacity(rows * cols / 32 * 34);
+        for chunk in w.chunks_exact(32) {
+            let amax = chunk.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let d = half::f16::from_f32(amax / 127.0);
+            let df = d.to_f32();
+            raw.extend_from_slice(&d.to_le_bytes());
+            raw.extend(chunk.iter().map(|&x| {
+                (if df > 0.0 {
+                    (x / df).round().clamp(-127.0, 127.0)
+                } else {
+                    0.0
+                }) as i8 as u8
+            }));
+        }
+        let groups = kernels::grouped::repack_q80(&raw, rows, cols).ok()?;
+        return QMatrix::new(rows, cols, kernels::matmul::QWeights::Q80(groups)).ok();
     }
     let mut blocks = Vec::with_capacity(rows * cols / 32);
     for chunk in w.chunks_exact(32) {
@@ -59,16 +82,37 @@ fn q8(l: &candle_nn::Linear) -> Result<QMatrix> {
     })
 }
 
+/// One drafter layer's 8-bit weights. Matrices that read the same input are stacked (query,
+/// key and value; key and value; gate and up), so a call makes one pass over one matrix
+/// instead of several small ones.
 struct FastLayer {
     n1: Vec<f32>,
     wq: QMatrix,
-    wk: QMatrix,
-    wv: QMatrix,
+    /// [wk; wv] (2d rows).
+    wkv: QMatrix,
+    /// [wq; wk; wv] (3d rows).
+    wqkv: QMatrix,
     wo: QMatrix,
     n2: Vec<f32>,
-    gate: QMatrix,
-    up: QMatrix,
+    /// [gate; up] (2·ffn rows).
+    gate_up: QMatrix,
     down: QMatrix,
+}
+
+fn stack(parts: &[&QMatrix]) -> Result<QMatrix> {
+    QMatrix::concat_rows(parts)
+        .ok_or_else(|| DrafterError::Invalid("drafter weights of mismatched shapes".into()))
+}
+
+/// Splits B rows of `a + b` values into the B rows of `a` values and the B rows of `b`.
+fn split_rows(x: &[f32], a: usize, b: usize) -> (Vec<f32>, Vec<f32>) {
+    let n = x.len() / (a + b);
+    let (mut l, mut r) = (Vec::with_capacity(n * a), Vec::with_capacity(n * b));
+    for row in x.chunks_exact(a + b) {
+        l.extend_from_slice(&row[..a]);
+        r.extend_from_slice(&row[a..]);
+    }
+    (l, r)
 }
 
 /// A context row's cached per-layer key (before RoPE) and value.
@@ -91,6 +135,9 @@ pub struct FastDrafter {
     mask: Vec<f32>,
     layers: Vec<FastLayer>,
     out_norm: Vec<f32>,
+    /// The first layer's query, key and value (before RoPE) of a mask position, whose input is
+    /// the same constant row at every block position of every request (3·d).
+    mask_qkv: Vec<f32>,
     /// RoPE tables, (context + γ) positions × head_dim/2.
     cos: Vec<f32>,
     sin: Vec<f32>,
@@ -118,20 +165,20 @@ impl FastDrafter {
             .layers
             .iter()
             .map(|l| {
+                let (wq, wk, wv) = (q8(&l.wq)?, q8(&l.wk)?, q8(&l.wv)?);
                 Ok(FastLayer {
                     n1: tensor_vec(&l.n1)?,
-                    wq: q8(&l.wq)?,
-                    wk: q8(&l.wk)?,
-                    wv: q8(&l.wv)?,
+                    wkv: stack(&[&wk, &wv])?,
+                    wqkv: stack(&[&wq, &wk, &wv])?,
+                    wq,
                     wo: q8(&l.wo)?,
                     n2: tensor_vec(&l.n2)?,
-                    gate: q8(&l.gate)?,
-                    up: q8(&l.up)?,
+                    gate_up: stack(&[&q8(&l.gate)?, &q8(&l.up)?])?,
                     down: q8(&l.down)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
+        let mut fast = Self {
             d: cfg.d_model,
             n_heads: cfg.n_heads,
             ffn: cfg.ffn_dim,
@@ -146,7 +193,13 @@ impl FastDrafter {
             cos: tensor_vec(&dr.cos)?,
             sin: tensor_vec(&dr.sin)?,
             isa: Isa::detect(),
-        })
+            mask_qkv: Vec::new(),
+        };
+        if let Some(l) = fast.layers.first() {
+            let mn = rms_norm_rows(&fast.mask, Some(&l.n1), fast.d, fast.eps);
+            fast.mask_qkv = fast.mm(&l.wqkv, &mn, 1);
+        }
+        Ok(fast)
     }
 
     fn mm(&self, w: &QMatrix, x: &[f32], m: usize) -> Vec<f32> {
@@ -170,11 +223,10 @@ impl FastDrafter {
             .collect();
         for l in &self.layers {
             let cn = rms_norm_rows(&fused, Some(&l.n1), d, self.eps);
-            let k = self.mm(&l.wk, &cn, n);
-            let v = self.mm(&l.wv, &cn, n);
-            for (i, r) in rows.iter_mut().enumerate() {
-                r.kv.extend_from_slice(&k[i * d..(i + 1) * d]);
-                r.kv.extend_from_slice(&v[i * d..(i + 1) * d]);
+            // Each output row is this row's key then value: the cache's layout.
+            let kv = self.mm(&l.wkv, &cn, n);
+            for (r, kv) in rows.iter_mut().zip(kv.chunks_exact(2 * d)) {
+                r.kv.extend_from_slice(kv);
             }
         }
         rows
@@ -204,81 +256,139 @@ impl FastDrafter {
     /// Drafter hidden states (after the final norm) of the first `kmax` block positions of one
     /// request: `ctx` its C context rows (oldest first), `anchor` the anchor token's embedding.
     pub fn hidden(&self, ctx: &[&CtxRow], anchor: &[f32], kmax: usize) -> Vec<f32> {
-        let (d, g, c) = (self.d, self.gamma, ctx.len());
+        self.hidden_batch(&[(ctx, anchor)], kmax)
+    }
+
+    /// [`Self::hidden`] for several requests at once (B × kmax × d, request-major): every
+    /// matmul runs over all requests' rows, so a weight is read once per call, not once per
+    /// request. In the first layer the mask positions' inputs are one constant row, so their
+    /// query, key and value (before RoPE) come from [`Self::mask_qkv`], computed at load: that
+    /// layer multiplies the anchors' rows only.
+    pub fn hidden_batch(&self, reqs: &[(&[&CtxRow], &[f32])], kmax: usize) -> Vec<f32> {
+        let (d, g) = (self.d, self.gamma);
+        let nb = reqs.len();
         let hd = d / self.n_heads;
         let kmax = kmax.clamp(1, g);
-        let mut x = Vec::with_capacity(g * d);
-        x.extend_from_slice(anchor);
-        for _ in 1..g {
-            x.extend_from_slice(&self.mask);
-        }
         let scale = 1.0 / (hd as f32).sqrt();
         let n_layers = self.layers.len();
+        // Block inputs, B × g rows.
+        let mut x = Vec::with_capacity(nb * g * d);
+        for (_, anchor) in reqs {
+            x.extend_from_slice(anchor);
+            for _ in 1..g {
+                x.extend_from_slice(&self.mask);
+            }
+        }
         for (li, l) in self.layers.iter().enumerate() {
             // The last layer computes outputs only for the rows that are drafted; earlier
             // layers need every row (they are the next layer's keys and values).
             let rows = if li + 1 == n_layers { kmax } else { g };
-            let xn = rms_norm_rows(&x, Some(&l.n1), d, self.eps);
-            let mut q = self.mm(&l.wq, &xn[..rows * d], rows);
-            let kb = self.mm(&l.wk, &xn, g);
-            let vb = self.mm(&l.wv, &xn, g);
-            self.rope(&mut q, c);
-            let mut keys = Vec::with_capacity((c + g) * d);
-            let mut vals = Vec::with_capacity((c + g) * d);
-            for r in ctx {
-                let kv = &r.kv[li * 2 * d..(li + 1) * 2 * d];
-                keys.extend_from_slice(&kv[..d]);
-                vals.extend_from_slice(&kv[d..]);
-            }
-            keys.extend_from_slice(&kb);
-            vals.extend_from_slice(&vb);
-            self.rope(&mut keys, 0);
-            let mut o = vec![0f32; rows * d];
-            let mut sc = vec![0f32; c + g];
-            for i in 0..rows {
-                for h in 0..self.n_heads {
-                    let qh = &q[i * d + h * hd..i * d + (h + 1) * hd];
-                    let mut mx = f32::NEG_INFINITY;
-                    for (j, s) in sc.iter_mut().enumerate() {
-                        let kh = &keys[j * d + h * hd..j * d + (h + 1) * hd];
-                        *s = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
-                        mx = mx.max(*s);
+            // Queries (rows per request) and block keys / values (g per request), pre-RoPE.
+            let (mut q, kb, vb) = if li == 0 {
+                let an: Vec<f32> = x
+                    .chunks_exact(g * d)
+                    .flat_map(|blk| rms_norm_rows(&blk[..d], Some(&l.n1), d, self.eps))
+                    .collect();
+                let qkv = self.mm(&l.wqkv, &an, nb);
+                let (qa, kva) = split_rows(&qkv, d, 2 * d);
+                let (ka, va) = split_rows(&kva, d, d);
+                let (mq, mk, mv) = (
+                    &self.mask_qkv[..d],
+                    &self.mask_qkv[d..2 * d],
+                    &self.mask_qkv[2 * d..],
+                );
+                let spread = |a: &[f32], m: &[f32], n: usize| -> Vec<f32> {
+                    let mut out = Vec::with_capacity(nb * n * d);
+                    for r in a.chunks_exact(d) {
+                        out.extend_from_slice(r);
+                        for _ in 1..n {
+                            out.extend_from_slice(m);
+                        }
                     }
-                    let mut sum = 0f32;
-                    for s in sc.iter_mut() {
-                        *s = (*s - mx).exp();
-                        sum += *s;
-                    }
-                    let oh = &mut o[i * d + h * hd..i * d + (h + 1) * hd];
-                    for (j, s) in sc.iter().enumerate() {
-                        let w = s / sum;
-                        let vh = &vals[j * d + h * hd..j * d + (h + 1) * hd];
-                        for (a, b) in oh.iter_mut().zip(vh) {
-                            *a += w * b;
+                    out
+                };
+                (
+                    spread(&qa, mq, rows),
+                    spread(&ka, mk, g),
+                    spread(&va, mv, g),
+                )
+            } else {
+                let xn = rms_norm_rows(&x, Some(&l.n1), d, self.eps);
+                let qin: Vec<f32> = xn
+                    .chunks_exact(g * d)
+                    .flat_map(|blk| blk[..rows * d].iter().copied())
+                    .collect();
+                let (k, v) = split_rows(&self.mm(&l.wkv, &xn, nb * g), d, d);
+                (self.mm(&l.wq, &qin, nb * rows), k, v)
+            };
+            let mut o = vec![0f32; nb * rows * d];
+            for (bi, (ctx, _)) in reqs.iter().enumerate() {
+                let c = ctx.len();
+                let qr = &mut q[bi * rows * d..(bi + 1) * rows * d];
+                self.rope(qr, c);
+                let mut keys = Vec::with_capacity((c + g) * d);
+                let mut vals = Vec::with_capacity((c + g) * d);
+                for r in ctx.iter() {
+                    let kv = &r.kv[li * 2 * d..(li + 1) * 2 * d];
+                    keys.extend_from_slice(&kv[..d]);
+                    vals.extend_from_slice(&kv[d..]);
+                }
+                keys.extend_from_slice(&kb[bi * g * d..(bi + 1) * g * d]);
+                vals.extend_from_slice(&vb[bi * g * d..(bi + 1) * g * d]);
+                self.rope(&mut keys, 0);
+                let ob = &mut o[bi * rows * d..(bi + 1) * rows * d];
+                let mut sc = vec![0f32; c + g];
+                for i in 0..rows {
+                    for h in 0..self.n_heads {
+                        let qh = &qr[i * d + h * hd..i * d + (h + 1) * hd];
+                        let mut mx = f32::NEG_INFINITY;
+                        for (j, s) in sc.iter_mut().enumerate() {
+                            let kh = &keys[j * d + h * hd..j * d + (h + 1) * hd];
+                            *s = qh.iter().zip(kh).map(|(a, b)| a * b).sum::<f32>() * scale;
+                            mx = mx.max(*s);
+                        }
+                        let mut sum = 0f32;
+                        for s in sc.iter_mut() {
+                            *s = (*s - mx).exp();
+                            sum += *s;
+                        }
+                        let oh = &mut ob[i * d + h * hd..i * d + (h + 1) * hd];
+                        for (j, s) in sc.iter().enumerate() {
+                            let w = s / sum;
+                            let vh = &vals[j * d + h * hd..j * d + (h + 1) * hd];
+                            for (a, b) in oh.iter_mut().zip(vh) {
+                                *a += w * b;
+                            }
                         }
                     }
                 }
             }
-            let att = self.mm(&l.wo, &o, rows);
-            x.truncate(rows * d);
-            for (a, b) in x.iter_mut().zip(&att) {
-                *a += b;
+            let att = self.mm(&l.wo, &o, nb * rows);
+            // Keep each request's first `rows` rows, add the attention output.
+            let mut xr = Vec::with_capacity(nb * rows * d);
+            for (blk, a) in x.chunks_exact(g * d).zip(att.chunks_exact(rows * d)) {
+                xr.extend(blk[..rows * d].iter().zip(a).map(|(u, v)| u + v));
             }
-            let xn = rms_norm_rows(&x, Some(&l.n2), d, self.eps);
-            let gt = self.mm(&l.gate, &xn, rows);
-            let up = self.mm(&l.up, &xn, rows);
-            let act: Vec<f32> = gt
-                .iter()
-                .zip(&up)
-                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            let xn = rms_norm_rows(&xr, Some(&l.n2), d, self.eps);
+            let gu = self.mm(&l.gate_up, &xn, nb * rows);
+            let f = self.ffn;
+            let act: Vec<f32> = gu
+                .chunks_exact(2 * f)
+                .flat_map(|r| {
+                    r[..f]
+                        .iter()
+                        .zip(&r[f..])
+                        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                })
                 .collect();
-            debug_assert_eq!(act.len(), rows * self.ffn);
-            let down = self.mm(&l.down, &act, rows);
-            for (a, b) in x.iter_mut().zip(&down) {
+            debug_assert_eq!(act.len(), nb * rows * self.ffn);
+            let down = self.mm(&l.down, &act, nb * rows);
+            for (a, b) in xr.iter_mut().zip(&down) {
                 *a += b;
             }
+            x = xr;
         }
-        x.truncate(kmax * d);
+        // x holds `rows` rows per request; the last layer had rows = kmax.
         rms_norm_rows(&x, Some(&self.out_norm), d, self.eps)
     }
 

@@ -37,7 +37,12 @@ pub struct DsparkProposer {
     conf_w: Vec<f32>,
     conf_b: f32,
     isa: kernels::Isa,
+    /// Seconds per drafting stage so far: context rows, block forward, head, Markov bias,
+    /// sampling and confidence ([`Proposer::stage_seconds`]).
+    stages: [f64; 5],
 }
+
+const STAGES: [&str; 5] = ["context", "block", "head", "markov", "sample"];
 
 /// A request's context. Context rows are computed row-wise, so a position is processed once,
 /// the first time a block is drafted with it in the window, and kept: drafting every step
@@ -182,6 +187,7 @@ impl DsparkProposer {
             conf_w,
             conf_b,
             isa: kernels::Isa::detect(),
+            stages: [0.0; 5],
             fast,
             dr,
             feats: HashMap::new(),
@@ -323,7 +329,14 @@ impl Proposer for DsparkProposer {
         let g = self.dr.cfg.gamma;
         let (d, v, rank) = (self.dr.cfg.d_model, self.dr.cfg.vocab, self.dr.cfg.rank);
         let ids: Vec<u64> = active.iter().map(|&i| reqs[i].id).collect();
+        let mut t = std::time::Instant::now();
+        let mut lap = |stages: &mut [f64; 5], i: usize| {
+            let now = std::time::Instant::now();
+            stages[i] += (now - t).as_secs_f64();
+            t = now;
+        };
         self.fuse_windows(&ids)?;
+        lap(&mut self.stages, 0);
         // Each request's running acceptance, from how its previous block fared.
         let hist: Vec<(f32, f32)> = active
             .iter()
@@ -349,13 +362,15 @@ impl Proposer for DsparkProposer {
         let fast = &self.fast;
         // B × kmax × d, request-major.
         let h_all: Vec<f32> = self.on_pool(|| {
-            windows
+            let reqs: Vec<(&[&CtxRow], &[f32])> = windows
                 .iter()
                 .zip(&embs)
-                .flat_map(|(w, e)| fast.hidden(w, e, kmax))
-                .collect()
+                .map(|(w, e)| (w.as_slice(), e.as_slice()))
+                .collect();
+            fast.hidden_batch(&reqs, kmax)
         });
         drop(windows);
+        lap(&mut self.stages, 1);
         // Base logits over the draft vocabulary (nv columns per row).
         let nv = self.vocab_ids.as_ref().map_or(v, |ids| ids.len());
         let base_all = match &self.head_sub {
@@ -367,12 +382,23 @@ impl Proposer for DsparkProposer {
             }
             None => self.head_logits(&h_all, b * kmax)?,
         };
+        lap(&mut self.stages, 2);
         // Positions outside, requests inside: the Markov bias of every request's previous token
         // at position k is one (B × r)·(r × V) product, reading W2 once per position instead of
         // once per request and position.
         let ks: Vec<usize> = active.iter().map(|&i| reqs[i].k.min(g)).collect();
         let mut prev = anchors;
-        let mut seen: Vec<Vec<u32>> = active.iter().map(|&i| reqs[i].context.to_vec()).collect();
+        // Committed and drafted tokens, for penalties only.
+        let mut seen: Vec<Vec<u32>> = active
+            .iter()
+            .map(|&i| {
+                if reqs[i].params.has_penalties() {
+                    reqs[i].context.to_vec()
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
         let mut conf: Vec<Vec<f32>> = ks.iter().map(|&k| Vec::with_capacity(k)).collect();
         let mut inputs: Vec<Vec<specdec::proposer::ConfInputs>> =
             ks.iter().map(|&k| Vec::with_capacity(k)).collect();
@@ -424,6 +450,7 @@ impl Proposer for DsparkProposer {
                 }
                 _ => None,
             };
+            lap(&mut self.stages, 3);
             // Confidence logits: σ⁻¹ of c_k = w·[h_k; W1[x_{k−1}]] + b, never a function of x_k.
             let z: Vec<f32> = (0..b)
                 .map(|bi| {
@@ -481,29 +508,51 @@ impl Proposer for DsparkProposer {
                 };
                 conf[bi].push(sts.conf(kk, &x) as f32);
                 inputs[bi].push(x);
-                // Over the whole vocabulary (tokens outside the draft vocabulary: q = 0), so
-                // penalties and verification see ordinary token ids.
-                let logits = match &self.vocab_ids {
-                    Some(ids) => {
-                        let mut full = vec![f32::NEG_INFINITY; v];
-                        for (&t, &l) in ids.iter().zip(&logits) {
-                            full[t as usize] = l;
+                let (tok, dist) = match &self.vocab_ids {
+                    // Without penalties the draft vocabulary is all there is to look at: q is
+                    // 0 outside it, and q travels as (token, probability) pairs.
+                    Some(ids) if !r.params.has_penalties() => {
+                        if r.params.is_greedy() {
+                            (ids[argmax(&logits) as usize], Dist::OneHot)
+                        } else {
+                            let p = probs(&logits, &[], r.params);
+                            let j = sample(&p, r.rng) as usize;
+                            let q: Vec<(u32, f32)> = ids
+                                .iter()
+                                .zip(&p)
+                                .filter(|(_, v)| **v > 0.0)
+                                .map(|(&t, &v)| (t, v))
+                                .collect();
+                            (ids[j], Dist::Sparse(q))
                         }
-                        full
                     }
-                    None => logits,
-                };
-                let p = probs(&logits, &seen[bi], r.params);
-                let (tok, dist) = if r.params.is_greedy() {
-                    (argmax(&p), Dist::OneHot)
-                } else {
-                    (sample(&p, r.rng), Dist::Dense(p))
+                    // Penalties see ordinary token ids: over the whole vocabulary (tokens
+                    // outside the draft vocabulary: q = 0).
+                    _ => {
+                        let logits = match &self.vocab_ids {
+                            Some(ids) => {
+                                let mut full = vec![f32::NEG_INFINITY; v];
+                                for (&t, &l) in ids.iter().zip(&logits) {
+                                    full[t as usize] = l;
+                                }
+                                full
+                            }
+                            None => logits,
+                        };
+                        let p = probs(&logits, &seen[bi], r.params);
+                        if r.params.is_greedy() {
+                            (argmax(&p), Dist::OneHot)
+                        } else {
+                            (sample(&p, r.rng), Dist::Dense(p))
+                        }
+                    }
                 };
                 out[i].tokens.push(tok);
                 out[i].dists.push(dist);
                 seen[bi].push(tok);
                 prev[bi] = tok;
             }
+            lap(&mut self.stages, 4);
         }
         for (bi, &i) in active.iter().enumerate() {
             out[i].confidence = Some(std::mem::take(&mut conf[bi]));
@@ -514,6 +563,10 @@ impl Proposer for DsparkProposer {
             }
         }
         Ok(out)
+    }
+
+    fn stage_seconds(&self) -> Vec<(&'static str, f64)> {
+        STAGES.iter().copied().zip(self.stages).collect()
     }
 
     fn max_gamma(&self) -> Option<usize> {
@@ -694,9 +747,19 @@ mod tests {
                     allowed.contains(t),
                     "drafted {t} outside the draft vocabulary"
                 );
-                let Dist::Dense(q) = q else {
-                    panic!("sampled drafts carry their distribution")
+                let q: Vec<f32> = match q {
+                    Dist::Dense(q) => q.clone(),
+                    Dist::Sparse(pairs) => {
+                        let mut q = vec![0f32; v];
+                        for &(t, p) in pairs {
+                            assert_eq!(q[t as usize], 0.0, "token {t} listed twice");
+                            q[t as usize] = p;
+                        }
+                        q
+                    }
+                    Dist::OneHot => panic!("sampled drafts carry their distribution"),
                 };
+                assert!(q[*t as usize] > 0.0, "drafted {t} with q = 0");
                 let outside: f32 = (0..v)
                     .filter(|i| !allowed.contains(&(*i as u32)))
                     .map(|i| q[i])

@@ -98,6 +98,11 @@ pub trait Proposer: Send {
     fn max_gamma(&self) -> Option<usize> {
         None
     }
+    /// Seconds spent so far per stage of drafting (for `dspark bench draft`); empty when the
+    /// proposer does not break its time down.
+    fn stage_seconds(&self) -> Vec<(&'static str, f64)> {
+        Vec::new()
+    }
 }
 
 /// Which proposer to build.

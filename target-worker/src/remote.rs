@@ -275,6 +275,8 @@ impl RemoteProposer {
                 d.push(Dist::Dense(row.to_vec()));
             }
             d
+        } else if b.q_kind == QKind::Sparse as i32 {
+            sparse_rows(b, n, self.vocab)?
         } else {
             vec![Dist::OneHot; n]
         };
@@ -683,5 +685,82 @@ impl Proposer for RemoteProposer {
             }
         }
         Ok(out.into_iter().map(Option::unwrap_or_default).collect())
+    }
+}
+
+/// The first `n` rows of a sparse q from the wire, or `None` when any is unusable: lengths that
+/// do not add up, a token outside the vocabulary or listed twice in a row, a probability that
+/// is negative or not finite, or a drafted token the row gives q = 0 (it could not have been
+/// drawn from it).
+fn sparse_rows(b: &dspark_proto::DraftBlock, n: usize, vocab: usize) -> Option<Vec<Dist>> {
+    if b.q_lens.len() < n || b.q_ids.len() != b.q_probs.len() {
+        return None;
+    }
+    let mut seen = vec![u32::MAX; vocab];
+    let mut at = 0usize;
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let len = b.q_lens[i] as usize;
+        let end = at.checked_add(len).filter(|&e| e <= b.q_ids.len())?;
+        let mut row = Vec::with_capacity(len);
+        for (&t, &p) in b.q_ids[at..end].iter().zip(&b.q_probs[at..end]) {
+            let slot = seen.get_mut(t as usize)?;
+            if *slot == i as u32 || !p.is_finite() || p < 0.0 {
+                return None;
+            }
+            *slot = i as u32;
+            row.push((t, p));
+        }
+        let drafted = b.tokens[i];
+        if !row.iter().any(|&(t, p)| t == drafted && p > 0.0) {
+            return None;
+        }
+        out.push(Dist::Sparse(row));
+        at = end;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(
+        tokens: Vec<u32>,
+        ids: Vec<u32>,
+        probs: Vec<f32>,
+        lens: Vec<u32>,
+    ) -> dspark_proto::DraftBlock {
+        dspark_proto::DraftBlock {
+            tokens,
+            q_kind: QKind::Sparse as i32,
+            q_ids: ids,
+            q_probs: probs,
+            q_lens: lens,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn sparse_q_rows_round_trip_and_bad_ones_are_refused() {
+        let b = block(vec![3, 7], vec![3, 5, 7], vec![0.6, 0.4, 1.0], vec![2, 1]);
+        let rows = sparse_rows(&b, 2, 10).expect("a valid block");
+        assert!(matches!(&rows[0], Dist::Sparse(r) if r == &vec![(3, 0.6), (5, 0.4)]));
+        assert!(matches!(&rows[1], Dist::Sparse(r) if r == &vec![(7, 1.0)]));
+        // Only the rows asked for are read.
+        assert_eq!(sparse_rows(&b, 1, 10).map(|r| r.len()), Some(1));
+        let bad = [
+            block(vec![3], vec![3, 5], vec![0.6, 0.4], vec![3]), // lengths past the end
+            block(vec![3], vec![3, 5], vec![0.6], vec![2]),      // ids and probs differ
+            block(vec![3], vec![3, 12], vec![0.6, 0.4], vec![2]), // outside the vocabulary
+            block(vec![3], vec![3, 3], vec![0.6, 0.4], vec![2]), // listed twice
+            block(vec![3], vec![3, 5], vec![f32::NAN, 0.4], vec![2]), // not finite
+            block(vec![3], vec![3, 5], vec![-0.1, 0.4], vec![2]), // negative
+            block(vec![4], vec![3, 5], vec![0.6, 0.4], vec![2]), // drafted token has q = 0
+            block(vec![3], vec![3, 5], vec![0.6, 0.4], vec![]),  // no row lengths
+        ];
+        for (i, b) in bad.iter().enumerate() {
+            assert!(sparse_rows(b, 1, 10).is_none(), "case {i} accepted");
+        }
     }
 }

@@ -818,6 +818,25 @@ async fn dspark_drafter_in_its_own_worker_gets_features_over_the_wire() {
         per_token > 1000.0 && per_token < 20_000.0,
         "{per_token} bytes per token to the drafter"
     );
+    // A sampled request: each drafted token's q comes back as the draft vocabulary's
+    // (token, probability) pairs, 8192 × 8 bytes, not a dense row of 49152 × 4.
+    let (st, v) = post(
+        &format!("{url}/v1/completions"),
+        &json!({"model": "smollm2-135m", "prompt": PROMPTS[0], "max_tokens": 16,
+                "temperature": 1.0, "seed": 7}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let d = &v["usage"]["dspark"];
+    let drafted = d["drafted_tokens"].as_u64().unwrap_or(0);
+    let back = d["bytes_from_draft"].as_u64().unwrap_or(0);
+    assert!(drafted > 0, "the sampled request drafted: {v}");
+    let per_drafted = back as f64 / drafted as f64;
+    eprintln!("sampled dspark: {per_drafted:.0} bytes of q per drafted token");
+    assert!(
+        per_drafted < 150_000.0,
+        "{per_drafted} bytes back per drafted token: q went dense"
+    );
 }
 
 /// A minimal OTLP/gRPC trace collector: records (service, span name, trace id hex).
