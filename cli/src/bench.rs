@@ -59,6 +59,10 @@ pub struct SpecArgs {
     /// confidence-based verification lengths up to the largest γ) instead of the gate.
     #[arg(long)]
     pub scheduler: bool,
+    /// Run every arm this many times (rounds after the first in a shuffled order); each arm
+    /// reports its median round and its paired speedup over `none` with a 95 % interval.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -572,96 +576,166 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         None
     };
     let mut drafts = crate::spec::DraftCache::default();
-    let mut results = Vec::new();
     println!(
         "{:<28} {:>5} {:>9} {:>9} {:>9} {:>10}  accept/pos",
         "drafter", "gamma", "tok/s", "tpot_ms", "ttft_ms", "per_call"
     );
-    let mut base_tok_s = None;
-    for (k, gm, sched) in arms {
-        let proposer = crate::spec::build_proposer(g, &k, &target, &mut drafts)?;
-        let mut e = crate::spec::engine(&target, proposer, gm.max(1), !a.no_gate, a.concurrency)?;
-        if let (true, Some(sps)) = (sched, &sps) {
-            e.set_policy(Some(Box::new(
-                dspark_scheduler::admission::ConfidencePolicy::new(
-                    sps.clone(),
-                    dspark_scheduler::admission::Rule::Argmax,
-                    2,
-                    u32::MAX,
-                    gm as u8,
-                ),
-            )));
-        }
-        let label = if sched {
-            format!("{}+scheduler", k.label())
+    let rounds = a.rounds.max(1);
+    // Per arm: label, γ, each round's JSON, each round's tokens/s, the greedy outputs.
+    let mut runs: Vec<(
+        String,
+        usize,
+        Vec<serde_json::Value>,
+        Vec<f64>,
+        Vec<Vec<u32>>,
+    )> = arms
+        .iter()
+        .map(|(k, gm, sched)| {
+            let label = if *sched {
+                format!("{}+scheduler", k.label())
+            } else {
+                k.label()
+            };
+            (label, *gm, Vec::new(), Vec::new(), Vec::new())
+        })
+        .collect();
+    for round in 0..rounds {
+        // One round runs every arm once; later rounds in a seeded shuffled order, so a slow
+        // spell of this shared machine does not always land on the same arm.
+        let order = if round == 0 {
+            (0..arms.len()).collect()
         } else {
-            k.label()
+            crate::frontier::arm_order(arms.len(), round as u64)
         };
-        let t0 = Instant::now();
-        let mut next = 0usize;
-        let mut in_flight = 0usize;
-        let mut out_tokens = 0usize;
-        let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
-        let mut tpot = Vec::new();
-        let mut ttft = Vec::new();
-        loop {
-            while in_flight < a.concurrency && next < ids.len() {
-                let mut r = Request::new(next as u64, ids[next].clone(), a.max_tokens);
-                r.params = sampling.clone();
-                r.seed = next as u64;
-                e.add(r)?;
-                next += 1;
-                in_flight += 1;
+        for ai in order {
+            let (k, gm, sched) = &arms[ai];
+            let (k, gm, sched) = (k.clone(), *gm, *sched);
+            let proposer = crate::spec::build_proposer(g, &k, &target, &mut drafts)?;
+            let mut e =
+                crate::spec::engine(&target, proposer, gm.max(1), !a.no_gate, a.concurrency)?;
+            if let (true, Some(sps)) = (sched, &sps) {
+                e.set_policy(Some(Box::new(
+                    dspark_scheduler::admission::ConfidencePolicy::new(
+                        sps.clone(),
+                        dspark_scheduler::admission::Rule::Argmax,
+                        2,
+                        u32::MAX,
+                        gm as u8,
+                    ),
+                )));
             }
-            if in_flight == 0 {
-                break;
-            }
-            for ev in e.step()? {
-                match ev {
-                    Event::Tokens { id, tokens, .. } => {
-                        out_tokens += tokens.len();
-                        outputs[id as usize].extend(tokens);
-                    }
-                    Event::Finished { metrics, .. } => {
-                        in_flight -= 1;
-                        tpot.push(metrics.tpot_s());
-                        ttft.push(metrics.ttft_s);
+            let label = runs[ai].0.clone();
+            let t0 = Instant::now();
+            let mut next = 0usize;
+            let mut in_flight = 0usize;
+            let mut out_tokens = 0usize;
+            let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
+            let mut tpot = Vec::new();
+            let mut ttft = Vec::new();
+            loop {
+                while in_flight < a.concurrency && next < ids.len() {
+                    let mut r = Request::new(next as u64, ids[next].clone(), a.max_tokens);
+                    r.params = sampling.clone();
+                    r.seed = next as u64;
+                    e.add(r)?;
+                    next += 1;
+                    in_flight += 1;
+                }
+                if in_flight == 0 {
+                    break;
+                }
+                for ev in e.step()? {
+                    match ev {
+                        Event::Tokens { id, tokens, .. } => {
+                            out_tokens += tokens.len();
+                            outputs[id as usize].extend(tokens);
+                        }
+                        Event::Finished { metrics, .. } => {
+                            in_flight -= 1;
+                            tpot.push(metrics.tpot_s());
+                            ttft.push(metrics.ttft_s);
+                        }
                     }
                 }
             }
-        }
-        let wall = t0.elapsed().as_secs_f64();
-        let tot = e.totals();
-        let mean = |v: &[f64]| {
-            if v.is_empty() {
-                0.0
-            } else {
-                v.iter().sum::<f64>() / v.len() as f64
+            let wall = t0.elapsed().as_secs_f64();
+            let tot = e.totals();
+            let mean = |v: &[f64]| {
+                if v.is_empty() {
+                    0.0
+                } else {
+                    v.iter().sum::<f64>() / v.len() as f64
+                }
+            };
+            let tok_s = out_tokens as f64 / wall;
+            let acc = tot.accept_per_pos();
+            if rounds > 1 {
+                println!(
+                    "  round {}: {:<28} {:>5} {:>9.1}",
+                    round + 1,
+                    label,
+                    gm,
+                    tok_s
+                );
             }
+            let run = &mut runs[ai];
+            run.2.push(json!({
+                "drafter": label, "scheduler": sched, "gamma": gm, "tok_s": tok_s, "tpot_ms": mean(&tpot) * 1e3, "ttft_ms": mean(&ttft) * 1e3,
+                "committed_per_call": tot.committed_per_call(), "accept_per_pos": acc,
+                "drafted_tokens": tot.drafted_tokens, "accepted_tokens": tot.accepted_tokens, "wasted_tokens": tot.wasted_tokens,
+                "accepted_prefix_hist": tot.prefix_hist, "draft_s": tot.draft_s, "verify_s": tot.verify_s, "wall_s": wall,
+                "output_tokens": out_tokens,
+            }));
+            run.3.push(tok_s);
+            // Every round must reproduce the same greedy text; keep the first and compare.
+            if run.4.is_empty() {
+                run.4 = outputs;
+            } else if a.temperature == 0.0 && run.4 != outputs {
+                anyhow::bail!("{label}: greedy outputs differ between rounds");
+            }
+        }
+    }
+    // Per arm: the median round, with the speedup over `none` as the geometric mean of the
+    // per-round ratios (paired: same round) and, with 2+ rounds, its 95 % interval.
+    let base = runs[0].3.clone();
+    let mut results = Vec::new();
+    for (label, gm, per_round, tok, outputs) in runs {
+        let mut arm = crate::frontier::median_round(&per_round);
+        let (speedup, lo, hi) = crate::frontier::paired_ratio(&tok, &base).unwrap_or_else(|| {
+            let r = tok.first().copied().unwrap_or(0.0) / base.first().copied().unwrap_or(1.0);
+            (r, r, r)
+        });
+        arm["speedup"] = json!(speedup);
+        if rounds > 1 {
+            arm["speedup_ci95"] = json!([lo, hi]);
+            arm["tok_s_rounds"] = json!(tok);
+        }
+        let f = |k: &str| arm[k].as_f64().unwrap_or(0.0);
+        let acc: Vec<f64> = arm["accept_per_pos"]
+            .as_array()
+            .map(|v| {
+                v.iter()
+                    .map(|x| (x.as_f64().unwrap_or(0.0) * 100.0).round() / 100.0)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let ci = if rounds > 1 {
+            format!(" [{lo:.2}, {hi:.2}]")
+        } else {
+            String::new()
         };
-        let tok_s = out_tokens as f64 / wall;
-        let base = *base_tok_s.get_or_insert(tok_s);
-        let acc = tot.accept_per_pos();
         println!(
-            "{:<28} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>10.2}  {:?}   ({:.2}x)",
+            "{:<28} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>10.2}  {:?}   ({:.2}x{ci})",
             label,
             gm,
-            tok_s,
-            mean(&tpot) * 1e3,
-            mean(&ttft) * 1e3,
-            tot.committed_per_call(),
-            acc.iter()
-                .map(|v| (v * 100.0).round() / 100.0)
-                .collect::<Vec<_>>(),
-            tok_s / base
+            f("tok_s"),
+            f("tpot_ms"),
+            f("ttft_ms"),
+            f("committed_per_call"),
+            acc,
+            speedup
         );
-        results.push((label.clone(), gm, outputs, json!({
-            "drafter": label, "scheduler": sched, "gamma": gm, "tok_s": tok_s, "tpot_ms": mean(&tpot) * 1e3, "ttft_ms": mean(&ttft) * 1e3,
-            "committed_per_call": tot.committed_per_call(), "accept_per_pos": acc, "speedup": tok_s / base,
-            "drafted_tokens": tot.drafted_tokens, "accepted_tokens": tot.accepted_tokens, "wasted_tokens": tot.wasted_tokens,
-            "accepted_prefix_hist": tot.prefix_hist, "draft_s": tot.draft_s, "verify_s": tot.verify_s, "wall_s": wall,
-            "output_tokens": out_tokens,
-        })));
+        results.push((label, gm, outputs, arm));
     }
     // Greedy runs must agree token for token across arms (lossless check on real prompts).
     let greedy_identical = a.temperature == 0.0 && results.iter().all(|r| r.2 == results[0].2);
@@ -671,7 +745,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
     let v = json!({
         "model": a.model, "drafters": a.drafter, "prompts": a.prompts, "n_prompts": ids.len(), "concurrency": a.concurrency,
         "temperature": a.temperature, "max_tokens": a.max_tokens, "gate": !a.no_gate, "threads": target.model.threads(),
-        "command": command_line(), "greedy_outputs_identical": if a.temperature == 0.0 { json!(greedy_identical) } else { json!(null) },
+        "rounds": a.rounds.max(1), "command": command_line(), "greedy_outputs_identical": if a.temperature == 0.0 { json!(greedy_identical) } else { json!(null) },
         "arms": results.iter().map(|r| r.3.clone()).collect::<Vec<_>>(),
     });
     write_json(&a.json, &v)?;

@@ -245,7 +245,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
 
 /// Geometric mean of the paired ratios a_i / b_i and its 95 % t-interval (on the log ratios);
 /// `None` for fewer than two pairs or a non-positive value.
-fn paired_ratio(a: &[f64], b: &[f64]) -> Option<(f64, f64, f64)> {
+pub(crate) fn paired_ratio(a: &[f64], b: &[f64]) -> Option<(f64, f64, f64)> {
     // Two-sided 95 % Student t quantiles for 1..=10 degrees of freedom, then the normal's.
     const T95: [f64; 10] = [
         12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
@@ -263,7 +263,7 @@ fn paired_ratio(a: &[f64], b: &[f64]) -> Option<(f64, f64, f64)> {
 }
 
 /// A seeded shuffle of 0..n: the order of the arms in one round.
-fn arm_order(n: usize, seed: u64) -> Vec<usize> {
+pub(crate) fn arm_order(n: usize, seed: u64) -> Vec<usize> {
     let mut rng = kernels::rng::Rng::new(seed ^ 0x5eed_f00d);
     let mut v: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
@@ -275,7 +275,7 @@ fn arm_order(n: usize, seed: u64) -> Vec<usize> {
 
 /// The round whose total tokens/s is the median of an arm's rounds (the lower middle one for an
 /// even count), whole, so its per-user tokens/s and tokens per call stay consistent with it.
-fn median_round(rounds: &[serde_json::Value]) -> serde_json::Value {
+pub(crate) fn median_round(rounds: &[serde_json::Value]) -> serde_json::Value {
     let mut v: Vec<&serde_json::Value> = rounds.iter().collect();
     v.sort_by(|a, b| {
         let t = |x: &serde_json::Value| x["tok_s"].as_f64().unwrap_or(0.0);
@@ -336,6 +336,8 @@ pub fn criteria(points: &[serde_json::Value]) -> serde_json::Value {
         .filter(|n| n.starts_with("fixed-"))
         .map(|n| n.to_string())
         .collect();
+    // Points come concurrency by concurrency, so the same arm recurs: sort, then dedup.
+    fixed_names.sort();
     fixed_names.dedup();
     let mut below_fixed = Vec::new();
     let mut compared = 0;
@@ -369,17 +371,21 @@ mod tests {
 
     #[test]
     fn criteria_compare_at_equal_concurrency_and_equal_interactivity() {
+        // Concurrency by concurrency, as a run writes them.
         let mut pts = vec![
             pt("none", 1, 100.0, 100.0),
-            pt("none", 8, 20.0, 160.0),
             pt("fixed-3", 1, 120.0, 120.0),
-            pt("fixed-3", 8, 15.0, 120.0),
             pt("scheduler", 1, 125.0, 125.0),
+            pt("none", 8, 20.0, 160.0),
+            pt("fixed-3", 8, 15.0, 120.0),
             pt("scheduler", 8, 21.0, 168.0),
         ];
         let c = criteria(&pts);
         assert_eq!(c["never_below_none"], true);
         assert_eq!(c["above_every_fixed_gamma"], true);
+        // Each (fixed arm, scheduler point) pair is compared once, although fixed-3 recurs with
+        // other arms between: only the c = 8 point (21 user tok/s) lies on fixed-3's curve.
+        assert_eq!(c["comparisons_with_fixed"], 1);
         // fixed-3 interpolated at 21 user tok/s: 120 + 0 … the scheduler's 168 beats it; now make
         // the scheduler's high-concurrency point worse than both.
         pts[5] = pt("scheduler", 8, 21.0, 100.0);
