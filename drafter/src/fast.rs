@@ -444,4 +444,74 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn a_batch_of_requests_matches_the_candle_forward_of_each() {
+        let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
+        for n_layers in [1, 2] {
+            // Two layers exercise the path where later layers see every block row.
+            let (e, h) = crate::model::target_tensors(&m).unwrap();
+            let mut cfg =
+                crate::model::DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, n_layers, 16);
+            cfg.feature_layers = vec![0, 1];
+            cfg.context = 5;
+            let dr = DsparkDrafter::new(cfg, e, h, 7).unwrap();
+            let fast = FastDrafter::new(&dr).unwrap();
+            let d = m.cfg.d_model;
+            let rl = 2 * d;
+            let mut rng = kernels::rng::Rng::new(11);
+            let raw: Vec<f32> = (0..2 * 5 * rl).map(|_| rng.normal() as f32 * 3.0).collect();
+            let feats = Tensor::from_vec(raw.clone(), (2, 5, rl), &Device::Cpu).unwrap();
+            let toks = [9u32, 4];
+            let anchors = Tensor::from_vec(toks.to_vec(), 2, &Device::Cpu).unwrap();
+            let want: Vec<f32> = dr
+                .hidden(&feats, &anchors)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let rows: Vec<Vec<CtxRow>> = raw
+                .chunks_exact(5 * rl)
+                .map(|r| fast.context_rows(r, 5))
+                .collect();
+            let refs: Vec<Vec<&CtxRow>> = rows.iter().map(|r| r.iter().collect()).collect();
+            let embs: Vec<Vec<f32>> = toks
+                .iter()
+                .map(|&t| tensor_vec(&dr.embed.get(t as usize).unwrap()).unwrap())
+                .collect();
+            let g = dr.cfg.gamma;
+            for kmax in [1, g] {
+                let reqs: Vec<(&[&CtxRow], &[f32])> = refs
+                    .iter()
+                    .zip(&embs)
+                    .map(|(r, e)| (r.as_slice(), e.as_slice()))
+                    .collect();
+                let got = fast.hidden_batch(&reqs, kmax);
+                assert_eq!(got.len(), 2 * kmax * d);
+                for b in 0..2 {
+                    let w = &want[b * g * d..(b * g + kmax) * d];
+                    let o = &got[b * kmax * d..(b + 1) * kmax * d];
+                    let scale = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+                    let worst = o
+                        .iter()
+                        .zip(w)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(
+                        worst < 0.05 * scale,
+                        "layers {n_layers}, kmax {kmax}, request {b}: worst {worst}, scale {scale}"
+                    );
+                    // The batch changes nothing about a request's rows.
+                    let alone = fast.hidden(&refs[b], &embs[b], kmax);
+                    let diff = alone
+                        .iter()
+                        .zip(o)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(diff <= 1e-5 * scale.max(1.0), "batch vs alone: {diff}");
+                }
+            }
+        }
+    }
 }
