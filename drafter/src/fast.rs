@@ -402,6 +402,36 @@ mod tests {
     use super::*;
     use candle_core::{Device, Tensor};
 
+    /// The training (candle) forward's hidden states of B requests: `raw` B × C feature rows.
+    fn candle_hidden(
+        dr: &DsparkDrafter,
+        raw: &[f32],
+        b: usize,
+        c: usize,
+        toks: &[u32],
+    ) -> Vec<f32> {
+        let rl = raw.len() / (b * c);
+        let feats = Tensor::from_vec(raw.to_vec(), (b, c, rl), &Device::Cpu).unwrap();
+        let anchors = Tensor::from_vec(toks.to_vec(), b, &Device::Cpu).unwrap();
+        dr.hidden(&feats, &anchors)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    }
+
+    fn max_abs(a: &[f32]) -> f32 {
+        a.iter().fold(0f32, |m, v| m.max(v.abs()))
+    }
+
     #[test]
     fn matches_the_candle_forward() {
         let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
@@ -411,15 +441,7 @@ mod tests {
         let rl = 2 * d;
         let mut rng = kernels::rng::Rng::new(4);
         let raw: Vec<f32> = (0..6 * rl).map(|_| rng.normal() as f32 * 3.0).collect();
-        let feats = Tensor::from_vec(raw.clone(), (1, 6, rl), &Device::Cpu).unwrap();
-        let anchors = Tensor::from_vec(vec![9u32], 1, &Device::Cpu).unwrap();
-        let want: Vec<f32> = dr
-            .hidden(&feats, &anchors)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let want = candle_hidden(&dr, &raw, 1, 6, &[9]);
         // Context rows one at a time (as a serving drafter fuses them), the block in one call.
         let rows: Vec<CtxRow> = raw
             .chunks_exact(rl)
@@ -431,12 +453,8 @@ mod tests {
         for kmax in [1, 2, g] {
             let got = fast.hidden(&refs, &anchor, kmax);
             assert_eq!(got.len(), kmax * d);
-            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let worst = got
-                .iter()
-                .zip(&want[..kmax * d])
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let scale = max_abs(&want);
+            let worst = max_abs_diff(&got, &want[..kmax * d]);
             // 8-bit weights and bf16 activations: a few percent of the largest value at most.
             assert!(
                 worst < 0.05 * scale,
@@ -461,16 +479,8 @@ mod tests {
             let rl = 2 * d;
             let mut rng = kernels::rng::Rng::new(11);
             let raw: Vec<f32> = (0..2 * 5 * rl).map(|_| rng.normal() as f32 * 3.0).collect();
-            let feats = Tensor::from_vec(raw.clone(), (2, 5, rl), &Device::Cpu).unwrap();
             let toks = [9u32, 4];
-            let anchors = Tensor::from_vec(toks.to_vec(), 2, &Device::Cpu).unwrap();
-            let want: Vec<f32> = dr
-                .hidden(&feats, &anchors)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let want = candle_hidden(&dr, &raw, 2, 5, &toks);
             let rows: Vec<Vec<CtxRow>> = raw
                 .chunks_exact(5 * rl)
                 .map(|r| fast.context_rows(r, 5))
@@ -492,23 +502,15 @@ mod tests {
                 for b in 0..2 {
                     let w = &want[b * g * d..(b * g + kmax) * d];
                     let o = &got[b * kmax * d..(b + 1) * kmax * d];
-                    let scale = w.iter().fold(0f32, |a, v| a.max(v.abs()));
-                    let worst = o
-                        .iter()
-                        .zip(w)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0f32, f32::max);
+                    let scale = max_abs(w);
+                    let worst = max_abs_diff(o, w);
                     assert!(
                         worst < 0.05 * scale,
                         "layers {n_layers}, kmax {kmax}, request {b}: worst {worst}, scale {scale}"
                     );
                     // The batch changes nothing about a request's rows.
                     let alone = fast.hidden(&refs[b], &embs[b], kmax);
-                    let diff = alone
-                        .iter()
-                        .zip(o)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0f32, f32::max);
+                    let diff = max_abs_diff(&alone, o);
                     assert!(diff <= 1e-5 * scale.max(1.0), "batch vs alone: {diff}");
                 }
             }
