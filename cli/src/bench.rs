@@ -59,8 +59,9 @@ pub struct SpecArgs {
     /// confidence-based verification lengths up to the largest γ) instead of the gate.
     #[arg(long)]
     pub scheduler: bool,
-    /// Run every arm this many times (rounds after the first in a shuffled order); each arm
-    /// reports its median round and its paired speedup over `none` with a 95 % interval.
+    /// Passes over the prompts. Prompts run in groups of `--concurrency`, each group on every
+    /// arm back to back (shuffled order); the speedup over `none` is the geometric mean of the
+    /// per-group ratios, with a 95 % interval.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
     #[arg(long)]
@@ -581,145 +582,145 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         "drafter", "gamma", "tok/s", "tpot_ms", "ttft_ms", "per_call"
     );
     let rounds = a.rounds.max(1);
-    // Per arm: label, γ, each round's JSON, each round's tokens/s, the greedy outputs.
-    let mut runs: Vec<(
-        String,
-        usize,
-        Vec<serde_json::Value>,
-        Vec<f64>,
-        Vec<Vec<u32>>,
-    )> = arms
+    // Every arm's engine is built first (setup is not timed). The prompts then go in groups of
+    // `concurrency`, and each group runs on every arm back to back, in a seeded shuffled order:
+    // arms are compared on the same prompts within seconds of each other, so a slow spell of
+    // this shared machine hits them alike instead of landing on one arm.
+    let mut engines = Vec::with_capacity(arms.len());
+    for (k, gm, sched) in &arms {
+        let proposer = crate::spec::build_proposer(g, k, &target, &mut drafts)?;
+        let mut e =
+            crate::spec::engine(&target, proposer, (*gm).max(1), !a.no_gate, a.concurrency)?;
+        if let (true, Some(sps)) = (*sched, &sps) {
+            e.set_policy(Some(Box::new(
+                dspark_scheduler::admission::ConfidencePolicy::new(
+                    sps.clone(),
+                    dspark_scheduler::admission::Rule::Argmax,
+                    2,
+                    u32::MAX,
+                    *gm as u8,
+                ),
+            )));
+        }
+        engines.push(e);
+    }
+    let labels: Vec<String> = arms
         .iter()
-        .map(|(k, gm, sched)| {
-            let label = if *sched {
+        .map(|(k, _, sched)| {
+            if *sched {
                 format!("{}+scheduler", k.label())
             } else {
                 k.label()
-            };
-            (label, *gm, Vec::new(), Vec::new(), Vec::new())
+            }
+        })
+        .collect();
+    let n = ids.len();
+    let groups: Vec<std::ops::Range<usize>> = (0..n)
+        .step_by(a.concurrency)
+        .map(|s| s..(s + a.concurrency).min(n))
+        .collect();
+    #[derive(Default)]
+    struct Acc {
+        secs: f64,
+        tokens: usize,
+        /// Tokens/s of each (round, group), in the same order for every arm.
+        rates: Vec<f64>,
+        round_rates: Vec<f64>,
+        tpot: Vec<f64>,
+        ttft: Vec<f64>,
+        /// Round 0's output of each prompt; later rounds must reproduce it (greedy).
+        outputs: Vec<Vec<u32>>,
+    }
+    let mut acc: Vec<Acc> = arms
+        .iter()
+        .map(|_| Acc {
+            outputs: vec![Vec::new(); n],
+            ..Default::default()
         })
         .collect();
     for round in 0..rounds {
-        // One round runs every arm once; later rounds in a seeded shuffled order, so a slow
-        // spell of this shared machine does not always land on the same arm.
-        let order = if round == 0 {
-            (0..arms.len()).collect()
-        } else {
-            crate::frontier::arm_order(arms.len(), round as u64)
-        };
-        for ai in order {
-            let (k, gm, sched) = &arms[ai];
-            let (k, gm, sched) = (k.clone(), *gm, *sched);
-            let proposer = crate::spec::build_proposer(g, &k, &target, &mut drafts)?;
-            let mut e =
-                crate::spec::engine(&target, proposer, gm.max(1), !a.no_gate, a.concurrency)?;
-            if let (true, Some(sps)) = (sched, &sps) {
-                e.set_policy(Some(Box::new(
-                    dspark_scheduler::admission::ConfidencePolicy::new(
-                        sps.clone(),
-                        dspark_scheduler::admission::Rule::Argmax,
-                        2,
-                        u32::MAX,
-                        gm as u8,
-                    ),
-                )));
-            }
-            let label = runs[ai].0.clone();
-            let t0 = Instant::now();
-            let mut next = 0usize;
-            let mut in_flight = 0usize;
-            let mut out_tokens = 0usize;
-            let mut outputs: Vec<Vec<u32>> = vec![Vec::new(); ids.len()];
-            let mut tpot = Vec::new();
-            let mut ttft = Vec::new();
-            loop {
-                while in_flight < a.concurrency && next < ids.len() {
-                    let mut r = Request::new(next as u64, ids[next].clone(), a.max_tokens);
+        let mut round_secs = vec![0f64; arms.len()];
+        let mut round_tokens = vec![0usize; arms.len()];
+        for (gi, grp) in groups.iter().enumerate() {
+            let order = crate::frontier::arm_order(arms.len(), (round * groups.len() + gi) as u64);
+            for ai in order {
+                let e = &mut engines[ai];
+                let ac = &mut acc[ai];
+                let mut outs: Vec<Vec<u32>> = vec![Vec::new(); grp.len()];
+                let t0 = Instant::now();
+                for i in grp.clone() {
+                    let mut r = Request::new((round * n + i) as u64, ids[i].clone(), a.max_tokens);
                     r.params = sampling.clone();
-                    r.seed = next as u64;
+                    r.seed = i as u64;
                     e.add(r)?;
-                    next += 1;
-                    in_flight += 1;
                 }
-                if in_flight == 0 {
-                    break;
-                }
-                for ev in e.step()? {
-                    match ev {
-                        Event::Tokens { id, tokens, .. } => {
-                            out_tokens += tokens.len();
-                            outputs[id as usize].extend(tokens);
-                        }
-                        Event::Finished { metrics, .. } => {
-                            in_flight -= 1;
-                            tpot.push(metrics.tpot_s());
-                            ttft.push(metrics.ttft_s);
+                let mut left = grp.len();
+                let mut tokens = 0usize;
+                while left > 0 {
+                    for ev in e.step()? {
+                        match ev {
+                            Event::Tokens { id, tokens: t, .. } => {
+                                tokens += t.len();
+                                outs[id as usize % n - grp.start].extend(t);
+                            }
+                            Event::Finished { metrics, .. } => {
+                                left -= 1;
+                                ac.tpot.push(metrics.tpot_s());
+                                ac.ttft.push(metrics.ttft_s);
+                            }
                         }
                     }
                 }
-            }
-            let wall = t0.elapsed().as_secs_f64();
-            let tot = e.totals();
-            let mean = |v: &[f64]| {
-                if v.is_empty() {
-                    0.0
-                } else {
-                    v.iter().sum::<f64>() / v.len() as f64
+                let dt = t0.elapsed().as_secs_f64();
+                ac.secs += dt;
+                ac.tokens += tokens;
+                ac.rates.push(tokens as f64 / dt.max(1e-9));
+                round_secs[ai] += dt;
+                round_tokens[ai] += tokens;
+                for (j, o) in outs.into_iter().enumerate() {
+                    let i = grp.start + j;
+                    if round == 0 {
+                        ac.outputs[i] = o;
+                    } else if a.temperature == 0.0 && ac.outputs[i] != o {
+                        anyhow::bail!(
+                            "{}: greedy output of prompt {i} differs between rounds",
+                            labels[ai]
+                        );
+                    }
                 }
-            };
-            let tok_s = out_tokens as f64 / wall;
-            let acc = tot.accept_per_pos();
-            if rounds > 1 {
-                println!(
-                    "  round {}: {:<28} {:>5} {:>9.1}",
-                    round + 1,
-                    label,
-                    gm,
-                    tok_s
-                );
             }
-            let run = &mut runs[ai];
-            run.2.push(json!({
-                "drafter": label, "scheduler": sched, "gamma": gm, "tok_s": tok_s, "tpot_ms": mean(&tpot) * 1e3, "ttft_ms": mean(&ttft) * 1e3,
-                "committed_per_call": tot.committed_per_call(), "accept_per_pos": acc,
-                "drafted_tokens": tot.drafted_tokens, "accepted_tokens": tot.accepted_tokens, "wasted_tokens": tot.wasted_tokens,
-                "accepted_prefix_hist": tot.prefix_hist, "draft_s": tot.draft_s, "verify_s": tot.verify_s, "wall_s": wall,
-                "output_tokens": out_tokens,
-            }));
-            run.3.push(tok_s);
-            // Every round must reproduce the same greedy text; keep the first and compare.
-            if run.4.is_empty() {
-                run.4 = outputs;
-            } else if a.temperature == 0.0 && run.4 != outputs {
-                anyhow::bail!("{label}: greedy outputs differ between rounds");
-            }
+        }
+        for (ai, ac) in acc.iter_mut().enumerate() {
+            ac.round_rates
+                .push(round_tokens[ai] as f64 / round_secs[ai].max(1e-9));
+        }
+        if rounds > 1 {
+            println!("  round {} of {rounds} done", round + 1);
         }
     }
-    // Per arm: the median round, with the speedup over `none` as the geometric mean of the
-    // per-round ratios (paired: same round) and, with 2+ rounds, its 95 % interval.
-    let base = runs[0].3.clone();
+    // Per arm: tokens/s over every group, and the speedup over `none` as the geometric mean of
+    // the per-group ratios (paired: same prompts, run back to back) with its 95 % interval.
+    let base = acc[0].rates.clone();
     let mut results = Vec::new();
-    for (label, gm, per_round, tok, outputs) in runs {
-        let mut arm = crate::frontier::median_round(&per_round);
-        let (speedup, lo, hi) = crate::frontier::paired_ratio(&tok, &base).unwrap_or_else(|| {
-            let r = tok.first().copied().unwrap_or(0.0) / base.first().copied().unwrap_or(1.0);
-            (r, r, r)
-        });
-        arm["speedup"] = json!(speedup);
-        if rounds > 1 {
-            arm["speedup_ci95"] = json!([lo, hi]);
-            arm["tok_s_rounds"] = json!(tok);
-        }
-        let f = |k: &str| arm[k].as_f64().unwrap_or(0.0);
-        let acc: Vec<f64> = arm["accept_per_pos"]
-            .as_array()
-            .map(|v| {
-                v.iter()
-                    .map(|x| (x.as_f64().unwrap_or(0.0) * 100.0).round() / 100.0)
-                    .collect()
-            })
-            .unwrap_or_default();
-        let ci = if rounds > 1 {
+    for (ai, ac) in acc.into_iter().enumerate() {
+        let (label, gm, sched) = (&labels[ai], arms[ai].1, arms[ai].2);
+        let tot = engines[ai].totals();
+        let mean = |v: &[f64]| {
+            if v.is_empty() {
+                0.0
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
+        };
+        let tok_s = ac.tokens as f64 / ac.secs.max(1e-9);
+        let (speedup, lo, hi) =
+            crate::frontier::paired_ratio(&ac.rates, &base).unwrap_or_else(|| {
+                let r = ac.rates.first().copied().unwrap_or(0.0)
+                    / base.first().copied().unwrap_or(1.0).max(1e-9);
+                (r, f64::NAN, f64::NAN)
+            });
+        let acc_pos = tot.accept_per_pos();
+        let ci = if lo.is_finite() {
             format!(" [{lo:.2}, {hi:.2}]")
         } else {
             String::new()
@@ -728,14 +729,26 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
             "{:<28} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>10.2}  {:?}   ({:.2}x{ci})",
             label,
             gm,
-            f("tok_s"),
-            f("tpot_ms"),
-            f("ttft_ms"),
-            f("committed_per_call"),
-            acc,
+            tok_s,
+            mean(&ac.tpot) * 1e3,
+            mean(&ac.ttft) * 1e3,
+            tot.committed_per_call(),
+            acc_pos
+                .iter()
+                .map(|v| (v * 100.0).round() / 100.0)
+                .collect::<Vec<_>>(),
             speedup
         );
-        results.push((label, gm, outputs, arm));
+        let arm = json!({
+            "drafter": label, "scheduler": sched, "gamma": gm, "tok_s": tok_s, "tpot_ms": mean(&ac.tpot) * 1e3, "ttft_ms": mean(&ac.ttft) * 1e3,
+            "committed_per_call": tot.committed_per_call(), "accept_per_pos": acc_pos, "speedup": speedup,
+            "speedup_ci95": if lo.is_finite() { json!([lo, hi]) } else { json!(null) },
+            "paired_groups": ac.rates.len(), "tok_s_rounds": ac.round_rates,
+            "drafted_tokens": tot.drafted_tokens, "accepted_tokens": tot.accepted_tokens, "wasted_tokens": tot.wasted_tokens,
+            "accepted_prefix_hist": tot.prefix_hist, "draft_s": tot.draft_s, "verify_s": tot.verify_s, "wall_s": ac.secs,
+            "output_tokens": ac.tokens,
+        });
+        results.push((label.clone(), gm, ac.outputs, arm));
     }
     // Greedy runs must agree token for token across arms (lossless check on real prompts).
     let greedy_identical = a.temperature == 0.0 && results.iter().all(|r| r.2 == results[0].2);

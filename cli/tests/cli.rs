@@ -204,3 +204,56 @@ fn fetch_reports_checksum_mismatch_and_unreachable_registry() {
     );
     assert!(code != 0 && err.contains("pip download failed"), "{err}");
 }
+
+#[test]
+fn bench_spec_pairs_every_arm_per_prompt_group_and_checks_greedy_parity() {
+    let d = tmpdir("spec");
+    let m = tiny(&d);
+    let json = d.join("spec.json");
+    let (code, out, err) = dspark(
+        &d,
+        &[
+            "bench",
+            "spec",
+            "--model",
+            &m,
+            "--drafter",
+            "ngram",
+            "--gammas",
+            "1,3",
+            "--limit",
+            "3",
+            "--max-tokens",
+            "6",
+            "--concurrency",
+            "2",
+            "--rounds",
+            "2",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["greedy_outputs_identical"], true);
+    let arms = v["arms"].as_array().unwrap();
+    assert_eq!(arms.len(), 3, "none, ngram γ=1, ngram γ=3");
+    for a in arms {
+        // 3 prompts in groups of 2 → 2 groups, times 2 passes: 4 paired ratios per arm.
+        assert_eq!(a["paired_groups"], 4, "{a}");
+        assert_eq!(a["tok_s_rounds"].as_array().unwrap().len(), 2, "{a}");
+        let (lo, hi) = (
+            a["speedup_ci95"][0].as_f64().unwrap(),
+            a["speedup_ci95"][1].as_f64().unwrap(),
+        );
+        let s = a["speedup"].as_f64().unwrap();
+        assert!(lo <= s && s <= hi && s > 0.0, "{a}");
+    }
+    // Each pass decodes every prompt once per arm.
+    let per_arm = arms[0]["output_tokens"].as_u64().unwrap();
+    assert!(
+        arms.iter()
+            .all(|a| a["output_tokens"].as_u64() == Some(per_arm))
+    );
+}
