@@ -213,13 +213,164 @@ fn weighted_values<const HD: usize>(w: &[f32], a: &AttendArgs<'_>, kvd: usize, o
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn attend_avx512(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    attend_body(a, scores, out)
+    // SAFETY (for the calls below): AVX-512F is enabled on this function; the shapes are
+    // checked by `attend_x86::run` before any pointer is formed.
+    if !unsafe { attend_x86::run(a, scores, out) } {
+        attend_body(a, scores, out)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn attend_avx2(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     attend_body(a, scores, out)
+}
+
+/// AVX-512 attention for the common shape (blocks of 16 keys, head_dim 64 or 128). Rows go in
+/// groups (four for scores, four or two for values) so each K and V row loaded from the cache
+/// feeds several query rows; the portable body reloads them per row and, written generically,
+/// the compiler does not vectorize across rows. Per row the arithmetic is the same whatever
+/// the grouping — the same multiply-adds in the same order, and weights exactly zero past a
+/// row's own limit — so a verification's rows equal the same tokens decoded one by one.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_op_in_unsafe_fn)]
+mod attend_x86 {
+    use super::{AttendArgs, softmax_body};
+    use std::arch::x86_64::*;
+
+    const BS: usize = 16;
+
+    /// Runs the grouped kernel; `false` (nothing written) when the shape is not one it takes or
+    /// an index would leave the pools, so the caller falls back to the portable body.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn run(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) -> bool {
+        let hd = a.hd;
+        if a.bs != BS || !(hd == 64 || hd == 128) || a.g >= a.n_kv {
+            return false;
+        }
+        let r_n = a.lims.len();
+        let l = a.lims.iter().copied().max().unwrap_or(0);
+        let nb = l.div_ceil(BS);
+        let kvd = a.n_kv * hd;
+        if a.blocks.len() < nb || out.len() < r_n * hd || a.q.len() < r_n * hd {
+            return false;
+        }
+        let fits = a.blocks[..nb].iter().all(|&b| {
+            let b = b as usize;
+            (b * a.n_kv + a.g + 1) * hd * BS <= a.kpool.len()
+                && (b * BS + BS - 1) * kvd + a.g * hd + hd <= a.vpool.len()
+        });
+        if !fits {
+            return false;
+        }
+        let lp = nb * BS;
+        scores.clear();
+        scores.resize(r_n * lp, 0.0);
+        let mut r = 0;
+        while r < r_n {
+            r += match r_n - r {
+                1 => scores_rows::<1>(a, r, lp, scores),
+                2 => scores_rows::<2>(a, r, lp, scores),
+                3 => scores_rows::<3>(a, r, lp, scores),
+                _ => scores_rows::<4>(a, r, lp, scores),
+            };
+        }
+        for r in 0..r_n {
+            let row = &mut scores[r * lp..(r + 1) * lp];
+            let (live, tail) = row.split_at_mut(a.lims[r]);
+            softmax_body(live);
+            // Grouped rows were scored past their own limit: those weights must be exactly 0.
+            tail.fill(0.0);
+        }
+        let mut r = 0;
+        while r < r_n {
+            r += match (hd, r_n - r) {
+                (64, 1) => values_rows::<4, 1>(a, scores, lp, r, out),
+                (64, 2) => values_rows::<4, 2>(a, scores, lp, r, out),
+                (64, 3) => values_rows::<4, 3>(a, scores, lp, r, out),
+                (64, _) => values_rows::<4, 4>(a, scores, lp, r, out),
+                (_, 1) => values_rows::<8, 1>(a, scores, lp, r, out),
+                _ => values_rows::<8, 2>(a, scores, lp, r, out),
+            };
+        }
+        true
+    }
+
+    /// Scores of rows `r0..r0 + R` for every key block up to the largest of their limits; two
+    /// partial sums per row (even and odd dimensions) break the FMA latency chain. Returns `R`.
+    #[inline(always)]
+    unsafe fn scores_rows<const R: usize>(
+        a: &AttendArgs<'_>,
+        r0: usize,
+        lp: usize,
+        scores: &mut [f32],
+    ) -> usize {
+        let hd = a.hd;
+        let lim = a.lims[r0..r0 + R].iter().copied().max().unwrap_or(0);
+        let qp: [*const f32; R] = std::array::from_fn(|u| a.q.as_ptr().add((r0 + u) * hd));
+        let scale = _mm512_set1_ps(a.scale);
+        for (bi, &blk) in a.blocks[..lim.div_ceil(BS)].iter().enumerate() {
+            let kt = a
+                .kpool
+                .as_ptr()
+                .add((blk as usize * a.n_kv + a.g) * hd * BS);
+            let mut a0 = [_mm512_setzero_ps(); R];
+            let mut a1 = [_mm512_setzero_ps(); R];
+            for d in (0..hd).step_by(2) {
+                let k0 = _mm512_loadu_ps(kt.add(d * BS));
+                let k1 = _mm512_loadu_ps(kt.add((d + 1) * BS));
+                for u in 0..R {
+                    a0[u] = _mm512_fmadd_ps(_mm512_set1_ps(*qp[u].add(d)), k0, a0[u]);
+                    a1[u] = _mm512_fmadd_ps(_mm512_set1_ps(*qp[u].add(d + 1)), k1, a1[u]);
+                }
+            }
+            for u in 0..R {
+                let dst = scores.as_mut_ptr().add((r0 + u) * lp + bi * BS);
+                _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_add_ps(a0[u], a1[u]), scale));
+            }
+        }
+        R
+    }
+
+    /// `out[r] = Σ_p w[r][p] · V[p]` for rows `r0..r0 + R` (head_dim `16·NV`), walking the
+    /// block table block by block. Returns `R`.
+    #[inline(always)]
+    unsafe fn values_rows<const NV: usize, const R: usize>(
+        a: &AttendArgs<'_>,
+        scores: &[f32],
+        lp: usize,
+        r0: usize,
+        out: &mut [f32],
+    ) -> usize {
+        let hd = 16 * NV;
+        let kvd = a.n_kv * hd;
+        let lim = a.lims[r0..r0 + R].iter().copied().max().unwrap_or(0);
+        let wp: [*const f32; R] = std::array::from_fn(|u| scores.as_ptr().add((r0 + u) * lp));
+        let mut acc = [[_mm512_setzero_ps(); NV]; R];
+        for (bi, &blk) in a.blocks.iter().enumerate() {
+            let p0 = bi * BS;
+            if p0 >= lim {
+                break;
+            }
+            let base = a.vpool.as_ptr().add(blk as usize * BS * kvd + a.g * hd);
+            for j in 0..BS.min(lim - p0) {
+                let vr = base.add(j * kvd);
+                let v: [__m512; NV] = std::array::from_fn(|i| _mm512_loadu_ps(vr.add(16 * i)));
+                for u in 0..R {
+                    let w = _mm512_set1_ps(*wp[u].add(p0 + j));
+                    for i in 0..NV {
+                        acc[u][i] = _mm512_fmadd_ps(w, v[i], acc[u][i]);
+                    }
+                }
+            }
+        }
+        for u in 0..R {
+            for i in 0..NV {
+                _mm512_storeu_ps(out.as_mut_ptr().add((r0 + u) * hd + 16 * i), acc[u][i]);
+            }
+        }
+        R
+    }
 }
 
 #[inline(always)]
@@ -472,8 +623,22 @@ mod tests {
 
     #[test]
     fn attend_matches_naive_causal_attention() {
+        // The generic shape, the grouped fast paths (head_dim 64 and 128, blocks of 16) with
+        // every count of rows left over after groups of four, and uneven limits within a group.
+        let shapes = [
+            (16usize, 8usize, vec![5usize, 17, 30, 1, 48]),
+            (64, 16, vec![5, 17, 30, 1, 48, 48, 47, 2, 33]),
+            (64, 16, vec![40, 41, 42]),
+            (128, 16, vec![9, 48, 1]),
+        ];
+        for (hd, bs, lims) in shapes {
+            attend_case(hd, bs, &lims);
+        }
+    }
+
+    fn attend_case(hd: usize, bs: usize, lims: &[usize]) {
         let mut rng = Rng::new(9);
-        let (hd, n_kv, g, bs, n_blocks) = (16usize, 3usize, 1usize, 8usize, 6usize);
+        let (n_kv, g, n_blocks) = (3usize, 1usize, 48usize.div_ceil(bs));
         let kvd = n_kv * hd;
         // Logical K/V per position, then laid out as the cache does.
         let k: Vec<f32> = (0..n_blocks * bs * kvd)
@@ -482,7 +647,10 @@ mod tests {
         let v: Vec<f32> = (0..n_blocks * bs * kvd)
             .map(|_| rng.normal() as f32)
             .collect();
-        let blocks: Vec<u32> = vec![4, 0, 5, 2, 1, 3];
+        let blocks: Vec<u32> = [4u32, 0, 5, 2, 1, 3]
+            .into_iter()
+            .filter(|&b| (b as usize) < n_blocks)
+            .collect();
         let mut kpool = vec![0f32; n_blocks * bs * kvd];
         let mut vpool = vec![0f32; n_blocks * bs * kvd];
         for p in 0..n_blocks * bs {
@@ -494,14 +662,13 @@ mod tests {
             }
             vpool[(b * bs + off) * kvd..][..kvd].copy_from_slice(&v[p * kvd..][..kvd]);
         }
-        let lims = [5usize, 17, 30, 1, 48];
         let q: Vec<f32> = (0..lims.len() * hd).map(|_| rng.normal() as f32).collect();
         for isa in Isa::available() {
             let mut out = vec![0f32; lims.len() * hd];
             let mut sc = Vec::new();
             let args = AttendArgs {
                 q: &q,
-                lims: &lims,
+                lims,
                 kpool: &kpool,
                 vpool: &vpool,
                 blocks: &blocks,
@@ -531,7 +698,7 @@ mod tests {
                         .sum();
                     assert!(
                         (want - out[r * hd + i] as f64).abs() < 1e-4,
-                        "{isa:?} r{r} i{i}"
+                        "{isa:?} hd{hd} bs{bs} r{r} i{i}"
                     );
                 }
             }

@@ -1,4 +1,4 @@
-//! Where a forward's time goes at k = 1 and k = 8 (ctx 256, batch 1).
+//! Where a forward's time goes at k = 1, 2, 4 and 8 (ctx 256, batch 1).
 use dspark_runtime::model::*;
 use dspark_runtime::{LoadOptions, Model};
 fn main() {
@@ -17,7 +17,7 @@ fn main() {
         &ForwardOptions::default(),
     )
     .unwrap();
-    for k in [1usize, 8] {
+    for k in [1usize, 2, 4, 8] {
         let toks: Vec<u32> = (0..k as u32).map(|i| 2000 + i).collect();
         let mut best: Option<(f64, ForwardProfile)> = None;
         for _ in 0..10 {
