@@ -18,6 +18,10 @@ pub struct GlobalArgs {
     /// with AVX-512 VNNI, quantized GGUF weights take the grouped integer kernels).
     #[arg(long, global = true, env = "DSPARK_ISA")]
     pub isa: Option<String>,
+    /// KV cache element type: f16 (half the bytes attention reads) or f32 (default: f16, and
+    /// f32 for the f32 reference forward of `bench accuracy`).
+    #[arg(long, global = true, env = "DSPARK_KV_CACHE_DTYPE")]
+    pub kv_cache_dtype: Option<String>,
 }
 
 /// The validated global configuration.
@@ -27,6 +31,7 @@ pub struct Global {
     pub python: String,
     pub threads: usize,
     pub isa: Option<kernels::Isa>,
+    pub kv_dtype: Option<dspark_runtime::KvDtype>,
 }
 
 impl GlobalArgs {
@@ -35,11 +40,16 @@ impl GlobalArgs {
             Some(s) => Some(kernels::Isa::parse(s)?),
             None => None,
         };
+        let kv_dtype = match &self.kv_cache_dtype {
+            Some(s) => Some(dspark_runtime::KvDtype::parse(s)?),
+            None => None,
+        };
         Ok(Global {
             home: dspark_runtime::fetch::dspark_home(self.home.as_deref()),
             python: self.python.clone(),
             threads: self.threads,
             isa,
+            kv_dtype,
         })
     }
 }
@@ -67,6 +77,7 @@ impl Global {
         dspark_runtime::LoadOptions {
             threads: self.threads,
             isa: self.isa,
+            kv_dtype: self.kv_dtype,
             ..Default::default()
         }
     }

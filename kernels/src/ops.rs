@@ -72,7 +72,7 @@ pub fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
 /// `[block][bs][kv_heads·hd]`. Grouping every query of a sequence and KV head (GQA heads ×
 /// verified tokens) reads each cached block once per task.
 #[allow(clippy::too_many_arguments)]
-pub fn attend(isa: Isa, a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub fn attend<E: KvElem>(isa: Isa, a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { attend_avx512(a, scores, out) },
@@ -82,12 +82,51 @@ pub fn attend(isa: Isa, a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f3
     }
 }
 
+/// An element of the KV cache. f16 halves the bytes a decode streams through attention, which
+/// at long contexts is most of them (SmolLM2 at ctx 2048: 94 MB of f32 K/V against 96 MB of
+/// weights per token); f32 is kept for the f32 reference forward.
+///
+/// # Safety
+/// `HALF` is true exactly for IEEE binary16 (the x86 kernel loads such elements with
+/// `vcvtph2ps`), false exactly for `f32`.
+pub unsafe trait KvElem: Copy + Send + Sync + 'static {
+    const HALF: bool;
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+// SAFETY: f32 is f32.
+unsafe impl KvElem for f32 {
+    const HALF: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+// SAFETY: half::f16 is IEEE binary16.
+unsafe impl KvElem for half::f16 {
+    const HALF: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+}
+
 /// Inputs of [`attend`].
-pub struct AttendArgs<'a> {
+pub struct AttendArgs<'a, E: KvElem = f32> {
     pub q: &'a [f32],
     pub lims: &'a [usize],
-    pub kpool: &'a [f32],
-    pub vpool: &'a [f32],
+    pub kpool: &'a [E],
+    pub vpool: &'a [E],
     /// The sequence's block table.
     pub blocks: &'a [u32],
     pub bs: usize,
@@ -98,7 +137,7 @@ pub struct AttendArgs<'a> {
 }
 
 #[inline(always)]
-fn attend_body(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+fn attend_body<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let r_n = a.lims.len();
     let l = a.lims.iter().copied().max().unwrap_or(0);
     let (hd, bs) = (a.hd, a.bs);
@@ -118,12 +157,12 @@ fn attend_body(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
             let dst = &mut scores[r * lp + bi * bs..r * lp + (bi + 1) * bs];
             if bs == 16 {
                 // Fixed-width accumulator: stays in one vector register.
-                block_scores::<16>(q, kt, a.scale, dst);
+                block_scores::<16, E>(q, kt, a.scale, dst);
             } else {
                 acc.fill(0.0);
                 for (d, &qd) in q.iter().enumerate() {
                     for (x, k) in acc.iter_mut().zip(&kt[d * bs..(d + 1) * bs]) {
-                        *x = qd.mul_add(*k, *x);
+                        *x = qd.mul_add(k.to_f32(), *x);
                     }
                 }
                 for (s, x) in dst.iter_mut().zip(&acc) {
@@ -140,12 +179,15 @@ fn attend_body(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
         let w = &scores[r * lp..r * lp + a.lims[r]];
         let o = &mut out[r * hd..(r + 1) * hd];
         match hd {
-            64 => weighted_values::<64>(w, a, kvd, o),
-            128 => weighted_values::<128>(w, a, kvd, o),
+            64 => weighted_values::<64, E>(w, a, kvd, o),
+            128 => weighted_values::<128, E>(w, a, kvd, o),
             _ => {
                 for (p, &wp) in w.iter().enumerate() {
                     let slot = a.blocks[p / bs] as usize * bs + p % bs;
-                    axpy_body(wp, &a.vpool[slot * kvd + a.g * hd..][..hd], o);
+                    let v = &a.vpool[slot * kvd + a.g * hd..][..hd];
+                    for (oi, vi) in o.iter_mut().zip(v) {
+                        *oi = wp.mul_add(vi.to_f32(), *oi);
+                    }
                 }
             }
         }
@@ -153,23 +195,21 @@ fn attend_body(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
 }
 
 #[inline(always)]
-fn block_scores<const BS: usize>(q: &[f32], kt: &[f32], scale: f32, dst: &mut [f32]) {
+fn block_scores<const BS: usize, E: KvElem>(q: &[f32], kt: &[E], scale: f32, dst: &mut [f32]) {
     // Four partial sums break the FMA latency chain over the head dimension.
     let mut acc = [[0f32; BS]; 4];
     let hd4 = q.len() / 4 * 4;
     for d in (0..hd4).step_by(4) {
         for (u, a) in acc.iter_mut().enumerate() {
             let qd = q[d + u];
-            let row: &[f32; BS] = kt[(d + u) * BS..(d + u + 1) * BS]
-                .try_into()
-                .expect("row of BS keys");
+            let row: [f32; BS] = std::array::from_fn(|j| kt[(d + u) * BS + j].to_f32());
             for j in 0..BS {
                 a[j] = qd.mul_add(row[j], a[j]);
             }
         }
     }
     for d in hd4..q.len() {
-        let row: &[f32; BS] = kt[d * BS..(d + 1) * BS].try_into().expect("row of BS keys");
+        let row: [f32; BS] = std::array::from_fn(|j| kt[d * BS + j].to_f32());
         for j in 0..BS {
             acc[0][j] = q[d].mul_add(row[j], acc[0][j]);
         }
@@ -181,14 +221,18 @@ fn block_scores<const BS: usize>(q: &[f32], kt: &[f32], scale: f32, dst: &mut [f
 
 /// `out = Σ_p w[p] · V[p]` for one query row, accumulators in registers (two chains).
 #[inline(always)]
-fn weighted_values<const HD: usize>(w: &[f32], a: &AttendArgs<'_>, kvd: usize, out: &mut [f32]) {
+fn weighted_values<const HD: usize, E: KvElem>(
+    w: &[f32],
+    a: &AttendArgs<'_, E>,
+    kvd: usize,
+    out: &mut [f32],
+) {
     let mut a0 = [0f32; HD];
     let mut a1 = [0f32; HD];
-    let row = |p: usize| -> &[f32; HD] {
+    let row = |p: usize| -> [f32; HD] {
         let slot = a.blocks[p / a.bs] as usize * a.bs + p % a.bs;
-        a.vpool[slot * kvd + a.g * HD..][..HD]
-            .try_into()
-            .expect("HD values")
+        let v = &a.vpool[slot * kvd + a.g * HD..][..HD];
+        std::array::from_fn(|i| v[i].to_f32())
     };
     let n2 = w.len() / 2 * 2;
     for p in (0..n2).step_by(2) {
@@ -212,7 +256,7 @@ fn weighted_values<const HD: usize>(w: &[f32], a: &AttendArgs<'_>, kvd: usize, o
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn attend_avx512(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+unsafe fn attend_avx512<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     // SAFETY (for the calls below): AVX-512F is enabled on this function; the shapes are
     // checked by `attend_x86::run` before any pointer is formed.
     if !unsafe { attend_x86::run(a, scores, out) } {
@@ -222,7 +266,7 @@ unsafe fn attend_avx512(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f3
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+unsafe fn attend_avx2<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     attend_body(a, scores, out)
 }
 
@@ -235,15 +279,29 @@ unsafe fn attend_avx2(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
 mod attend_x86 {
-    use super::{AttendArgs, softmax_body};
+    use super::{AttendArgs, KvElem, softmax_body};
     use std::arch::x86_64::*;
 
     const BS: usize = 16;
 
+    /// 16 consecutive cache elements as f32 lanes.
+    #[inline(always)]
+    unsafe fn load16<E: KvElem>(p: *const E) -> __m512 {
+        if E::HALF {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        } else {
+            _mm512_loadu_ps(p as *const f32)
+        }
+    }
+
     /// Runs the grouped kernel; `false` (nothing written) when the shape is not one it takes or
     /// an index would leave the pools, so the caller falls back to the portable body.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn run(a: &AttendArgs<'_>, scores: &mut Vec<f32>, out: &mut [f32]) -> bool {
+    pub(super) unsafe fn run<E: KvElem>(
+        a: &AttendArgs<'_, E>,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) -> bool {
         let hd = a.hd;
         if a.bs != BS || !(hd == 64 || hd == 128) || a.g >= a.n_kv {
             return false;
@@ -269,10 +327,10 @@ mod attend_x86 {
         let mut r = 0;
         while r < r_n {
             r += match r_n - r {
-                1 => scores_rows::<1>(a, r, lp, scores),
-                2 => scores_rows::<2>(a, r, lp, scores),
-                3 => scores_rows::<3>(a, r, lp, scores),
-                _ => scores_rows::<4>(a, r, lp, scores),
+                1 => scores_rows::<1, E>(a, r, lp, scores),
+                2 => scores_rows::<2, E>(a, r, lp, scores),
+                3 => scores_rows::<3, E>(a, r, lp, scores),
+                _ => scores_rows::<4, E>(a, r, lp, scores),
             };
         }
         for r in 0..r_n {
@@ -285,12 +343,12 @@ mod attend_x86 {
         let mut r = 0;
         while r < r_n {
             r += match (hd, r_n - r) {
-                (64, 1) => values_rows::<4, 1>(a, scores, lp, r, out),
-                (64, 2) => values_rows::<4, 2>(a, scores, lp, r, out),
-                (64, 3) => values_rows::<4, 3>(a, scores, lp, r, out),
-                (64, _) => values_rows::<4, 4>(a, scores, lp, r, out),
-                (_, 1) => values_rows::<8, 1>(a, scores, lp, r, out),
-                _ => values_rows::<8, 2>(a, scores, lp, r, out),
+                (64, 1) => values_rows::<4, 1, E>(a, scores, lp, r, out),
+                (64, 2) => values_rows::<4, 2, E>(a, scores, lp, r, out),
+                (64, 3) => values_rows::<4, 3, E>(a, scores, lp, r, out),
+                (64, _) => values_rows::<4, 4, E>(a, scores, lp, r, out),
+                (_, 1) => values_rows::<8, 1, E>(a, scores, lp, r, out),
+                _ => values_rows::<8, 2, E>(a, scores, lp, r, out),
             };
         }
         true
@@ -299,8 +357,8 @@ mod attend_x86 {
     /// Scores of rows `r0..r0 + R` for every key block up to the largest of their limits; two
     /// partial sums per row (even and odd dimensions) break the FMA latency chain. Returns `R`.
     #[inline(always)]
-    unsafe fn scores_rows<const R: usize>(
-        a: &AttendArgs<'_>,
+    unsafe fn scores_rows<const R: usize, E: KvElem>(
+        a: &AttendArgs<'_, E>,
         r0: usize,
         lp: usize,
         scores: &mut [f32],
@@ -317,8 +375,8 @@ mod attend_x86 {
             let mut a0 = [_mm512_setzero_ps(); R];
             let mut a1 = [_mm512_setzero_ps(); R];
             for d in (0..hd).step_by(2) {
-                let k0 = _mm512_loadu_ps(kt.add(d * BS));
-                let k1 = _mm512_loadu_ps(kt.add((d + 1) * BS));
+                let k0 = load16(kt.add(d * BS));
+                let k1 = load16(kt.add((d + 1) * BS));
                 for u in 0..R {
                     a0[u] = _mm512_fmadd_ps(_mm512_set1_ps(*qp[u].add(d)), k0, a0[u]);
                     a1[u] = _mm512_fmadd_ps(_mm512_set1_ps(*qp[u].add(d + 1)), k1, a1[u]);
@@ -335,8 +393,8 @@ mod attend_x86 {
     /// `out[r] = Σ_p w[r][p] · V[p]` for rows `r0..r0 + R` (head_dim `16·NV`), walking the
     /// block table block by block. Returns `R`.
     #[inline(always)]
-    unsafe fn values_rows<const NV: usize, const R: usize>(
-        a: &AttendArgs<'_>,
+    unsafe fn values_rows<const NV: usize, const R: usize, E: KvElem>(
+        a: &AttendArgs<'_, E>,
         scores: &[f32],
         lp: usize,
         r0: usize,
@@ -355,7 +413,7 @@ mod attend_x86 {
             let base = a.vpool.as_ptr().add(blk as usize * BS * kvd + a.g * hd);
             for j in 0..BS.min(lim - p0) {
                 let vr = base.add(j * kvd);
-                let v: [__m512; NV] = std::array::from_fn(|i| _mm512_loadu_ps(vr.add(16 * i)));
+                let v: [__m512; NV] = std::array::from_fn(|i| load16(vr.add(16 * i)));
                 for u in 0..R {
                     let w = _mm512_set1_ps(*wp[u].add(p0 + j));
                     for i in 0..NV {
@@ -632,35 +690,41 @@ mod tests {
             (128, 16, vec![9, 48, 1]),
         ];
         for (hd, bs, lims) in shapes {
-            attend_case(hd, bs, &lims);
+            attend_case::<f32>(hd, bs, &lims);
+            attend_case::<half::f16>(hd, bs, &lims);
         }
     }
 
-    fn attend_case(hd: usize, bs: usize, lims: &[usize]) {
+    /// The reference takes K and V as stored (rounded through `E`), so one bound holds for f16.
+    fn attend_case<E: KvElem>(hd: usize, bs: usize, lims: &[usize]) {
         let mut rng = Rng::new(9);
         let (n_kv, g, n_blocks) = (3usize, 1usize, 48usize.div_ceil(bs));
         let kvd = n_kv * hd;
         // Logical K/V per position, then laid out as the cache does.
+        let stored = |x: f64| E::from_f32(x as f32).to_f32();
         let k: Vec<f32> = (0..n_blocks * bs * kvd)
-            .map(|_| rng.normal() as f32)
+            .map(|_| stored(rng.normal()))
             .collect();
         let v: Vec<f32> = (0..n_blocks * bs * kvd)
-            .map(|_| rng.normal() as f32)
+            .map(|_| stored(rng.normal()))
             .collect();
         let blocks: Vec<u32> = [4u32, 0, 5, 2, 1, 3]
             .into_iter()
             .filter(|&b| (b as usize) < n_blocks)
             .collect();
-        let mut kpool = vec![0f32; n_blocks * bs * kvd];
-        let mut vpool = vec![0f32; n_blocks * bs * kvd];
+        let mut kpool = vec![E::from_f32(0.0); n_blocks * bs * kvd];
+        let mut vpool = vec![E::from_f32(0.0); n_blocks * bs * kvd];
         for p in 0..n_blocks * bs {
             let (b, off) = (blocks[p / bs] as usize, p % bs);
             for h in 0..n_kv {
                 for d in 0..hd {
-                    kpool[((b * n_kv + h) * hd + d) * bs + off] = k[p * kvd + h * hd + d];
+                    kpool[((b * n_kv + h) * hd + d) * bs + off] =
+                        E::from_f32(k[p * kvd + h * hd + d]);
                 }
             }
-            vpool[(b * bs + off) * kvd..][..kvd].copy_from_slice(&v[p * kvd..][..kvd]);
+            for i in 0..kvd {
+                vpool[(b * bs + off) * kvd + i] = E::from_f32(v[p * kvd + i]);
+            }
         }
         let q: Vec<f32> = (0..lims.len() * hd).map(|_| rng.normal() as f32).collect();
         for isa in Isa::available() {
@@ -698,7 +762,8 @@ mod tests {
                         .sum();
                     assert!(
                         (want - out[r * hd + i] as f64).abs() < 1e-4,
-                        "{isa:?} hd{hd} bs{bs} r{r} i{i}"
+                        "{isa:?} half {} hd{hd} bs{bs} r{r} i{i}",
+                        E::HALF
                     );
                 }
             }

@@ -23,6 +23,6 @@ pub mod weights;
 
 pub use config::{Arch, ModelConfig};
 pub use error::{Result, RuntimeError};
-pub use kv::{KvCache, KvConfig, SeqId};
+pub use kv::{KvCache, KvConfig, KvDtype, SeqId};
 pub use model::{ForwardOutput, LoadOptions, LogitsMode, Model, SeqInput};
 pub use tokenizer::Tokenizer;

@@ -8,7 +8,7 @@
 
 use crate::config::{Arch, ModelConfig};
 use crate::gguf::GgufFile;
-use crate::kv::{KvCache, KvConfig, SeqId};
+use crate::kv::{KvCache, KvConfig, KvDtype, LayerKv, SeqId};
 use crate::weights::{Fused, Linear};
 use crate::{Result, RuntimeError};
 use candle_core::{DType, Device, Tensor};
@@ -96,6 +96,9 @@ pub struct LoadOptions {
     pub isa: Option<Isa>,
     /// Cap on the context (RoPE table, KV sizing); `None` uses the model's.
     pub max_ctx: Option<usize>,
+    /// Element type of the KV caches this model makes; `None`: f16, or f32 for the `dense`
+    /// reference forward.
+    pub kv_dtype: Option<KvDtype>,
 }
 
 impl Default for LoadOptions {
@@ -105,6 +108,7 @@ impl Default for LoadOptions {
             dense: false,
             isa: None,
             max_ctx: None,
+            kv_dtype: None,
         }
     }
 }
@@ -127,6 +131,7 @@ pub struct Model {
     out_norm: Vec<f32>,
     rope: Rope,
     isa: Isa,
+    kv_dtype: KvDtype,
     pool: Arc<rayon::ThreadPool>,
     /// Human-readable description of the weights (e.g. "gguf Q4_1+Q8_0").
     pub weights_desc: String,
@@ -396,6 +401,9 @@ impl Model {
             out_norm,
             rope,
             isa,
+            kv_dtype: opts
+                .kv_dtype
+                .unwrap_or(if dense { KvDtype::F32 } else { KvDtype::F16 }),
             pool: Arc::new(pool),
             weights_desc: String::new(),
         })
@@ -457,6 +465,11 @@ impl Model {
         }
     }
 
+    /// Element type of the KV caches [`Model::new_cache`] makes.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
+    }
+
     pub fn isa(&self) -> Isa {
         self.isa
     }
@@ -483,6 +496,7 @@ impl Model {
             head_dim: self.cfg.head_dim,
             block_size,
             num_blocks: tokens.div_ceil(block_size).max(1),
+            dtype: self.kv_dtype,
         })
     }
 
@@ -783,7 +797,7 @@ impl Model {
         let qkv_dim = qd + 2 * c.kv_dim();
         let group = c.n_heads / c.n_kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
-        let (kpool, vpool) = cache.layer(layer);
+        let pools = cache.layer(layer);
         let isa = self.isa;
         // Tasks: (sequence index, kv head, first token, token count).
         const QROWS: usize = 12;
@@ -810,19 +824,40 @@ impl Model {
             }
             let mut out = vec![0f32; nt * group * hd];
             let mut scores = Vec::new();
-            let args = ops::AttendArgs {
-                q: &q,
-                lims: &lims,
-                kpool,
-                vpool,
-                blocks: blocks_of_seq[si],
-                bs: cache.config().block_size,
-                n_kv: c.n_kv_heads,
-                g,
-                hd,
-                scale,
-            };
-            ops::attend(isa, &args, &mut scores, &mut out);
+            let bs = cache.config().block_size;
+            let blocks = blocks_of_seq[si];
+            match pools {
+                LayerKv::F16(kpool, vpool) => {
+                    let args = ops::AttendArgs {
+                        q: &q,
+                        lims: &lims,
+                        kpool,
+                        vpool,
+                        blocks,
+                        bs,
+                        n_kv: c.n_kv_heads,
+                        g,
+                        hd,
+                        scale,
+                    };
+                    ops::attend(isa, &args, &mut scores, &mut out);
+                }
+                LayerKv::F32(kpool, vpool) => {
+                    let args = ops::AttendArgs {
+                        q: &q,
+                        lims: &lims,
+                        kpool,
+                        vpool,
+                        blocks,
+                        bs,
+                        n_kv: c.n_kv_heads,
+                        g,
+                        hd,
+                        scale,
+                    };
+                    ops::attend(isa, &args, &mut scores, &mut out);
+                }
+            }
             out
         };
         let total_work: usize = tok_pos.iter().map(|p| p + 1).sum::<usize>() * c.n_heads * hd;

@@ -107,6 +107,9 @@ pub struct TargetArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// KV cache element type: f16 (half the bytes attention reads) or f32.
+    #[arg(long, env = "DSPARK_KV_CACHE_DTYPE", default_value = "f16")]
+    pub kv_cache_dtype: String,
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
 }
@@ -124,6 +127,8 @@ fn parse_dtype(s: &str) -> Result<dspark_proto::Dtype> {
 
 pub async fn run(args: TargetArgs) -> Result<()> {
     let feature_dtype = parse_dtype(&args.feature_dtype)?;
+    let kv_dtype = dspark_runtime::KvDtype::parse(&args.kv_cache_dtype)
+        .map_err(|e| TargetError::Config(format!("--kv-cache-dtype: {e}")))?;
     if args.gamma > specdec::MAX_GAMMA {
         return Err(TargetError::Config(format!(
             "--gamma {} out of range 0..={}",
@@ -148,6 +153,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         python: args.python.clone(),
         opts: dspark_runtime::LoadOptions {
             threads: args.threads,
+            kv_dtype: Some(kv_dtype),
             ..Default::default()
         },
     };

@@ -20,13 +20,14 @@ pub fn key_for(name: &str, path: &Path, model: &Model) -> SpsKey {
             "gguf".into()
         },
         device: format!(
-            "cpu-{}{}",
+            "cpu-{}{}-kv{}",
             model.isa().name(),
             if kernels::grouped::native(model.isa()) {
                 "-vnni"
             } else {
                 ""
-            }
+            },
+            model.kv_dtype().name()
         ),
         threads: model.threads(),
         tp: 1,
