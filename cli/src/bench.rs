@@ -115,6 +115,10 @@ pub struct DecodeArgs {
     /// Python with `llama_cpp` installed for the peer arm (skipped if it cannot import it).
     #[arg(long, env = "DSPARK_LLAMA_CPP_PYTHON")]
     pub llama_cpp_python: Option<String>,
+    /// Paired rounds (ours and llama.cpp back to back, the order alternating): the ratio is the
+    /// geometric mean of the per-round ratios, with a 95 % interval.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -374,7 +378,11 @@ fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
     let path = g.resolve_model(&a.model)?;
     let model = Model::load(&path, &g.load_opts())?;
     let threads = model.threads();
-    // Arms interleaved (ours, peer, ours, peer) so drift on a shared machine hits both.
+    if a.rounds == 0 {
+        anyhow::bail!("--rounds must be at least 1");
+    }
+    // Arms paired per round, the order alternating (ours first, then llama.cpp first), so
+    // drift on a shared machine hits both.
     let python = a
         .llama_cpp_python
         .clone()
@@ -383,15 +391,29 @@ fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
     let mut ours8 = Vec::new();
     let mut peer = Vec::new();
     let mut peer_err = None;
-    for _ in 0..2 {
-        ours1.push(our_decode(&model, 1, a.prompt_len, a.tokens)?);
-        if path.is_file() && peer_err.is_none() {
-            match llama_cpp_decode(&python, &path, threads, a.prompt_len, a.tokens) {
-                Ok(v) => peer.push(v),
-                Err(e) => peer_err = Some(e),
+    for r in 0..a.rounds {
+        let peer_first = r % 2 == 1 && peer_err.is_none();
+        let run_peer = |peer: &mut Vec<f64>, peer_err: &mut Option<String>| {
+            if path.is_file() && peer_err.is_none() {
+                match llama_cpp_decode(&python, &path, threads, a.prompt_len, a.tokens) {
+                    Ok(v) => peer.push(v),
+                    Err(e) => *peer_err = Some(e),
+                }
             }
+        };
+        if peer_first {
+            run_peer(&mut peer, &mut peer_err);
+        }
+        ours1.push(our_decode(&model, 1, a.prompt_len, a.tokens)?);
+        if !peer_first {
+            run_peer(&mut peer, &mut peer_err);
         }
     }
+    let paired = if peer.len() == ours1.len() {
+        crate::frontier::paired_ratio(&ours1, &peer)
+    } else {
+        None
+    };
     ours8.push(our_decode(&model, 8, a.prompt_len, a.tokens.min(32))?);
     let best = |v: &[f64]| v.iter().cloned().fold(f64::NAN, f64::max);
     let o1 = best(&ours1);
@@ -409,10 +431,18 @@ fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
     println!("ours      batch 1: {o1:8.1} tok/s");
     println!("ours      batch 8: {o8:8.1} tok/s");
     match (&p, &peer_err) {
-        (Some(v), _) => println!(
-            "llama.cpp batch 1: {v:8.1} tok/s  (ours/llama.cpp = {:.2})",
-            o1 / v
-        ),
+        (Some(v), _) => {
+            println!(
+                "llama.cpp batch 1: {v:8.1} tok/s  (best of each: ours/llama.cpp = {:.2})",
+                o1 / v
+            );
+            if let Some((m, lo, hi)) = paired {
+                println!(
+                    "paired over {} rounds: ours/llama.cpp = {m:.3} [95 %: {lo:.3}, {hi:.3}]",
+                    ours1.len()
+                );
+            }
+        }
         (None, Some(e)) => println!("llama.cpp: not measured ({e})"),
         _ => println!("llama.cpp: not measured"),
     }
@@ -420,6 +450,7 @@ fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
         "model": a.model, "threads": threads, "isa": model.isa().name(), "command": command_line(),
         "ours_tok_s": o1, "ours_batch8_tok_s": o8, "llama_cpp_tok_s": p,
         "llama_cpp_error": peer_err, "runs": {"ours_batch1": ours1, "llama_cpp": peer},
+        "paired_ratio": paired.map(|(m, lo, hi)| json!({"ratio": m, "ci95": [lo, hi], "rounds": ours1.len()})),
     });
     write_json(&a.json, &v)
 }
