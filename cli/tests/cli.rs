@@ -257,3 +257,61 @@ fn bench_spec_pairs_every_arm_per_prompt_group_and_checks_greedy_parity() {
             .all(|a| a["output_tokens"].as_u64() == Some(per_arm))
     );
 }
+
+#[test]
+fn bench_decode_pairs_rounds_with_the_peer_and_reports_an_interval() {
+    let d = tmpdir("decode");
+    let m = tiny(&d);
+    // A stand-in for llama-cpp-python: answers the peer protocol (JSON with tok_s on the last
+    // line), alternating two speeds so the paired interval has a spread.
+    let peer = d.join("fake-llama-python");
+    let count = d.join("peer-calls");
+    std::fs::write(
+        &peer,
+        format!(
+            "#!/usr/bin/env bash\nn=$(cat {c} 2>/dev/null || echo 0); echo $((n+1)) > {c}\n\
+             if [ $((n % 2)) = 0 ]; then echo '{{\"tok_s\": 1000.0}}'; else echo '{{\"tok_s\": 1200.0}}'; fi\n",
+            c = count.display()
+        ),
+    )
+    .unwrap();
+    Command::new("chmod").arg("+x").arg(&peer).status().unwrap();
+    let json = d.join("decode.json");
+    let (code, out, err) = dspark(
+        &d,
+        &[
+            "bench",
+            "decode",
+            "--model",
+            &m,
+            "--tokens",
+            "4",
+            "--prompt-len",
+            "4",
+            "--rounds",
+            "3",
+            "--llama-cpp-python",
+            peer.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["runs"]["ours_batch1"].as_array().unwrap().len(), 3, "{v}");
+    assert_eq!(v["runs"]["llama_cpp"].as_array().unwrap().len(), 3, "{v}");
+    assert_eq!(v["llama_cpp_tok_s"], 1200.0, "best peer round");
+    let p = &v["paired_ratio"];
+    assert_eq!(p["rounds"], 3, "{v}");
+    let (r, lo, hi) = (
+        p["ratio"].as_f64().unwrap(),
+        p["ci95"][0].as_f64().unwrap(),
+        p["ci95"][1].as_f64().unwrap(),
+    );
+    assert!(lo < r && r < hi && r > 0.0, "{p}");
+    assert!(out.contains("paired over 3 rounds"), "{out}");
+    // Zero rounds is refused, not divided by.
+    let (code, _, err) = dspark(&d, &["bench", "decode", "--model", &m, "--rounds", "0"]);
+    assert!(code != 0 && err.contains("--rounds"), "{err}");
+}

@@ -37,6 +37,8 @@ pub struct DsparkProposer {
     conf_w: Vec<f32>,
     conf_b: f32,
     isa: kernels::Isa,
+    /// Seconds the last call's context stage spent on rows beyond one per request (catch-up).
+    last_catch_up: f64,
     /// Seconds per drafting stage so far: context rows, block forward, head, Markov bias,
     /// sampling and confidence ([`Proposer::stage_seconds`]).
     stages: [f64; 5],
@@ -188,6 +190,7 @@ impl DsparkProposer {
             conf_b,
             isa: kernels::Isa::detect(),
             stages: [0.0; 5],
+            last_catch_up: 0.0,
             fast,
             dr,
             feats: HashMap::new(),
@@ -236,7 +239,8 @@ impl DsparkProposer {
 
     /// Computes, for each request in `ids`, the context rows of its window not computed yet
     /// (one batched call for all of them) and drops rows that left the window.
-    fn fuse_windows(&mut self, ids: &[u64]) -> specdec::Result<()> {
+    /// Returns the rows fused, and how many of them were beyond one per request.
+    fn fuse_windows(&mut self, ids: &[u64]) -> specdec::Result<(usize, usize)> {
         let (c, rl) = (self.dr.cfg.context, self.row_len());
         let mut todo: Vec<(u64, usize)> = Vec::new(); // (id, rows)
         let mut raw: Vec<f32> = Vec::new();
@@ -261,9 +265,10 @@ impl DsparkProposer {
             }
         }
         if todo.is_empty() {
-            return Ok(());
+            return Ok((0, 0));
         }
         let total = raw.len() / rl;
+        let extra: usize = todo.iter().map(|t| t.1.saturating_sub(1)).sum();
         let fast = &self.fast;
         let mut rows = self.on_pool(|| fast.context_rows(&raw, total)).into_iter();
         for (id, n) in todo {
@@ -271,7 +276,7 @@ impl DsparkProposer {
                 f.rows.extend(rows.by_ref().take(n));
             }
         }
-        Ok(())
+        Ok((total, extra))
     }
 
     /// Context window (C rows, padded at the front with the zero row's, when the request is
@@ -319,6 +324,7 @@ impl Proposer for DsparkProposer {
     }
 
     fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> specdec::Result<Vec<DraftBlock>> {
+        self.last_catch_up = 0.0;
         let active: Vec<usize> = (0..reqs.len())
             .filter(|&i| reqs[i].k > 0 && !reqs[i].context.is_empty())
             .collect();
@@ -335,8 +341,15 @@ impl Proposer for DsparkProposer {
             stages[i] += (now - t).as_secs_f64();
             t = now;
         };
-        self.fuse_windows(&ids)?;
+        let ctx0 = self.stages[0];
+        let (fused, catch_up_rows) = self.fuse_windows(&ids)?;
         lap(&mut self.stages, 0);
+        // In steady state each request brings one new context row; the rest was deferred work.
+        self.last_catch_up = if fused > 0 {
+            (self.stages[0] - ctx0) * catch_up_rows as f64 / fused as f64
+        } else {
+            0.0
+        };
         // Each request's running acceptance, from how its previous block fared.
         let hist: Vec<(f32, f32)> = active
             .iter()
@@ -569,6 +582,10 @@ impl Proposer for DsparkProposer {
         STAGES.iter().copied().zip(self.stages).collect()
     }
 
+    fn last_catch_up_seconds(&self) -> f64 {
+        self.last_catch_up
+    }
+
     fn max_gamma(&self) -> Option<usize> {
         Some(self.dr.cfg.gamma)
     }
@@ -662,7 +679,12 @@ mod tests {
             raw.extend_from_slice(&rows);
             p.observe(1, start, &rows).unwrap();
             if draft {
-                p.fuse_windows(&[1]).unwrap();
+                let (fused, extra) = p.fuse_windows(&[1]).unwrap();
+                // One request: every row past its first was deferred work.
+                assert_eq!(extra, fused.saturating_sub(1), "step {step}");
+                if step == 1 {
+                    assert_eq!((fused, extra), (1, 0), "one new row: steady state");
+                }
                 let got = p.window(1);
                 let want = expect(&p, &raw);
                 assert_eq!(got.len(), want.len());
@@ -677,6 +699,26 @@ mod tests {
                 assert!(f.rows.len() <= 6, "rows stay within the window");
             }
         }
+    }
+
+    #[test]
+    fn catch_up_on_deferred_context_is_reported_apart_from_drafting() {
+        let (m, tok) = crate::model::tests::tiny_target(21, "drafter-catch-up");
+        let dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        let rl = 2 * m.cfg.d_model;
+        let mut p = DsparkProposer::new(dr, "t").unwrap();
+        let rows: Vec<f32> = (0..5 * rl).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+        p.observe(1, 0, &rows).unwrap();
+        let ctx: Vec<u32> = (1..=5).collect();
+        sampled_block(&mut p, &ctx, 2, 1);
+        assert!(
+            p.last_catch_up_seconds() > 0.0,
+            "four of five rows were deferred"
+        );
+        p.observe(1, 5, &rows[..rl]).unwrap();
+        let ctx: Vec<u32> = (1..=6).collect();
+        sampled_block(&mut p, &ctx, 2, 2);
+        assert_eq!(p.last_catch_up_seconds(), 0.0, "one new row: steady state");
     }
 
     #[test]

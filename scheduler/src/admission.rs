@@ -499,6 +499,13 @@ pub struct ConfidencePolicy {
     planned_central: bool,
     /// Measured step seconds ÷ the table's 1/SPS(B) for the same B (running mean; 0 = none yet).
     pub step_scale: f64,
+    /// Running mean of what drafting gained on the steps that drafted: Θ with the chosen
+    /// verification and the drafting seconds, over Θ of plain decoding, minus 1. A zero budget
+    /// decided from one step's confidences says little about the next step's; while this mean
+    /// is positive, steps whose lagged budget is zero still draft, as probes (their fresh
+    /// decision applies at once), instead of waiting out the probe back-off.
+    gain_ema: f64,
+    gain_seen: u64,
 }
 
 /// One step's confidences, as reported to the central scheduler.
@@ -552,7 +559,14 @@ impl ConfidencePolicy {
             probe_share: 0.01,
             planned_central: false,
             step_scale: 0.0,
+            gain_ema: 0.0,
+            gain_seen: 0,
         }
+    }
+
+    /// The running mean gain of drafting (see the field), when any step has measured it.
+    pub fn drafting_gain(&self) -> Option<f64> {
+        (self.gain_seen > 0).then_some(self.gain_ema)
     }
 
     /// The central scheduler's budget when it is fresh for the coming step.
@@ -654,14 +668,23 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             );
         }
         let mut now: u32 = d.k.iter().sum();
-        if now > 0 && self.lag > 0 && self.count_draft_cost && self.draft_s_per_req > 0.0 {
+        if self.lag > 0 && self.count_draft_cost && self.draft_s_per_req > 0.0 {
             // Skipping drafting saves its cost: keep speculation only if it still pays.
             let n = conf.len();
             let reqs = n as u32 + step.plain_requests;
             let b0 = reqs + step.other_tokens;
             let spec = self.theta_with_draft(d.expected_tokens, d.batch_tokens, n);
             let plain = self.theta_with_draft(reqs as f64, b0, 0);
-            if plain >= spec {
+            if plain > 0.0 && spec.is_finite() {
+                let g = spec / plain - 1.0;
+                self.gain_ema = if self.gain_seen == 0 {
+                    g
+                } else {
+                    0.8 * self.gain_ema + 0.2 * g
+                };
+                self.gain_seen += 1;
+            }
+            if now > 0 && plain >= spec {
                 now = 0;
             }
         }
@@ -743,6 +766,14 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         }
         if self.probing {
             // The last probe drafted nothing (no request could draft then): probe again.
+            return None;
+        }
+        if self.gain_seen > 0 && self.gain_ema > 0.0 {
+            // Drafting has paid on average lately: this step's zero came from one step's
+            // confidences. Draft anyway, as a probe deciding from its own fresh confidences.
+            self.zero_run = 0;
+            self.next_probe = self.probe_every.max(1);
+            self.probing = true;
             return None;
         }
         self.zero_run += 1;
@@ -851,6 +882,44 @@ mod tests {
         let d = run(&mut p, 80);
         let first = d.iter().position(|&x| x).expect("a probe");
         assert!(d[first..].iter().all(|&x| x), "{d:?}");
+    }
+
+    #[test]
+    fn a_zero_budget_from_one_step_does_not_stop_drafting_that_pays_on_average() {
+        use specdec::VerifyPolicy;
+        // A 2-token step costs 7.5 % more than a 1-token one; drafting costs 15 % of a step.
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
+        p.observe_draft(0.0015, 1);
+        // One request; the engine's loop as above (a step that does not draft decodes plainly).
+        let mut step = |p: &mut ConfidencePolicy, c: f32| -> (bool, usize) {
+            let drafted = p.planned() != Some(0);
+            let row = [c];
+            let k = if drafted {
+                p.select(&[&row], 0, 0, 1 << 20)
+            } else {
+                p.select(&[], 0, 1, 1 << 20)
+            };
+            (drafted, k.first().copied().unwrap_or(0))
+        };
+        // Confident on two steps of three (worth +31 % each), not on the third (drafting
+        // then costs 13 %): on average drafting pays, though every third decision says 0.
+        let conf = |i: usize| if i % 3 == 1 { 0.05f32 } else { 0.6 };
+        let first: Vec<(bool, usize)> = (0..64).map(|i| step(&mut p, conf(i))).collect();
+        let start = first.iter().position(|x| x.0).expect("a first probe");
+        assert_eq!(start, 15, "plain decoding until the first probe");
+        assert!(
+            first[start..].iter().all(|x| x.0),
+            "every step drafts once drafting has paid: {first:?}"
+        );
+        assert!(first[start..].iter().filter(|x| x.1 > 0).count() > 20);
+        assert!(p.drafting_gain().is_some_and(|g| g > 0.0));
+        // Confidence collapses: the mean gain turns negative within a few steps, and drafting
+        // falls back to spaced probes.
+        let late: Vec<bool> = (0..64).map(|_| step(&mut p, 0.05).0).collect();
+        assert!(p.drafting_gain().is_some_and(|g| g < 0.0));
+        assert!(late.iter().filter(|&&d| d).count() <= 8, "{late:?}");
+        assert!(late[16..].iter().filter(|&&d| d).count() <= 2, "{late:?}");
     }
 
     #[test]

@@ -734,7 +734,9 @@ impl Engine {
         // 2b. The scheduler trims the blocks (confidences only).
         if let Some(policy) = self.policy.as_mut() {
             if !drafting.is_empty() {
-                policy.observe_draft(t_draft.elapsed().as_secs_f64(), drafting.len());
+                // Per-step cost only: catching up on deferred context is paid once.
+                let secs = t_draft.elapsed().as_secs_f64() - self.proposer.last_catch_up_seconds();
+                policy.observe_draft(secs.max(0.0), drafting.len());
             }
             let confs: Vec<Vec<f32>> = drafting
                 .iter()
@@ -764,7 +766,8 @@ impl Engine {
                 }
             }
         }
-        let draft_s = t_draft.elapsed().as_secs_f64();
+        let draft_s =
+            (t_draft.elapsed().as_secs_f64() - self.proposer.last_catch_up_seconds()).max(0.0);
         let n_drafted: usize = drafts.iter().map(|d| d.tokens.len()).sum();
         let steady = drafting.iter().all(|&i| self.running[i].drafted_before);
         for &i in &drafting {

@@ -103,6 +103,13 @@ pub trait Proposer: Send {
     fn stage_seconds(&self) -> Vec<(&'static str, f64)> {
         Vec::new()
     }
+    /// Seconds of the last [`Proposer::propose`] call spent catching up on context that earlier
+    /// steps deferred (a new request's prompt, or tokens committed while drafting was skipped).
+    /// That work is paid once, not per step, so a scheduler weighing drafting's per-step cost
+    /// leaves it out.
+    fn last_catch_up_seconds(&self) -> f64 {
+        0.0
+    }
 }
 
 /// Which proposer to build.
