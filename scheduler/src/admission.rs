@@ -508,6 +508,14 @@ pub struct ConfidencePolicy {
     gain_seen: u64,
 }
 
+/// Steps whose drafting gain is measured before its running mean may stop drafting: one
+/// unlucky first probe must not turn speculation off for the whole back-off.
+const EXPLORE_STEPS: u64 = 8;
+
+/// Below this mean gain (drafting costing a quarter of the throughput) exploring further is
+/// pointless: the running mean could not turn positive within the exploration steps.
+const EXPLORE_FLOOR: f64 = -0.25;
+
 /// One step's confidences, as reported to the central scheduler.
 #[derive(Clone, Debug)]
 pub struct ConfReport {
@@ -768,9 +776,11 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             // The last probe drafted nothing (no request could draft then): probe again.
             return None;
         }
-        if self.gain_seen > 0 && self.gain_ema > 0.0 {
-            // Drafting has paid on average lately: this step's zero came from one step's
-            // confidences. Draft anyway, as a probe deciding from its own fresh confidences.
+        let exploring = self.gain_seen < EXPLORE_STEPS && self.gain_ema > EXPLORE_FLOOR;
+        if self.gain_seen > 0 && (self.gain_ema > 0.0 || exploring) {
+            // Drafting has paid on average lately (or has not had a fair trial yet): this
+            // step's zero came from one step's confidences. Draft anyway, as a probe deciding
+            // from its own fresh confidences.
             self.zero_run = 0;
             self.next_probe = self.probe_every.max(1);
             self.probing = true;
@@ -920,6 +930,16 @@ mod tests {
         assert!(p.drafting_gain().is_some_and(|g| g < 0.0));
         assert!(late.iter().filter(|&&d| d).count() <= 8, "{late:?}");
         assert!(late[16..].iter().filter(|&&d| d).count() <= 2, "{late:?}");
+        // One unlucky first probe (drafting cost 13 % then) does not turn drafting off for the
+        // whole back-off: the next steps explore, find it pays, and keep drafting.
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
+        p.observe_draft(0.0015, 1);
+        let d: Vec<bool> = (0..40)
+            .map(|i| step(&mut p, if i == 15 { 0.05 } else { 0.6 }).0)
+            .collect();
+        assert!(d[15] && d[16..].iter().all(|&x| x), "{d:?}");
+        assert!(p.drafting_gain().is_some_and(|g| g > 0.0));
     }
 
     #[test]
