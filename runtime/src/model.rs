@@ -826,37 +826,31 @@ impl Model {
             let mut scores = Vec::new();
             let bs = cache.config().block_size;
             let blocks = blocks_of_seq[si];
+            // The same call for either element type of the pools.
+            macro_rules! attend_over {
+                ($kpool:expr, $vpool:expr) => {
+                    ops::attend(
+                        isa,
+                        &ops::AttendArgs {
+                            q: &q,
+                            lims: &lims,
+                            kpool: $kpool,
+                            vpool: $vpool,
+                            blocks,
+                            bs,
+                            n_kv: c.n_kv_heads,
+                            g,
+                            hd,
+                            scale,
+                        },
+                        &mut scores,
+                        &mut out,
+                    )
+                };
+            }
             match pools {
-                LayerKv::F16(kpool, vpool) => {
-                    let args = ops::AttendArgs {
-                        q: &q,
-                        lims: &lims,
-                        kpool,
-                        vpool,
-                        blocks,
-                        bs,
-                        n_kv: c.n_kv_heads,
-                        g,
-                        hd,
-                        scale,
-                    };
-                    ops::attend(isa, &args, &mut scores, &mut out);
-                }
-                LayerKv::F32(kpool, vpool) => {
-                    let args = ops::AttendArgs {
-                        q: &q,
-                        lims: &lims,
-                        kpool,
-                        vpool,
-                        blocks,
-                        bs,
-                        n_kv: c.n_kv_heads,
-                        g,
-                        hd,
-                        scale,
-                    };
-                    ops::attend(isa, &args, &mut scores, &mut out);
-                }
+                LayerKv::F16(kpool, vpool) => attend_over!(kpool, vpool),
+                LayerKv::F32(kpool, vpool) => attend_over!(kpool, vpool),
             }
             out
         };
