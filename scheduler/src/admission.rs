@@ -902,7 +902,7 @@ mod tests {
         let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
         p.observe_draft(0.0015, 1);
         // One request; the engine's loop as above (a step that does not draft decodes plainly).
-        let mut step = |p: &mut ConfidencePolicy, c: f32| -> (bool, usize) {
+        let step = |p: &mut ConfidencePolicy, c: f32| -> (bool, usize) {
             let drafted = p.planned() != Some(0);
             let row = [c];
             let k = if drafted {
