@@ -20,8 +20,9 @@ mapfile -t data < <(scripts/drafter-data.sh "$bin" smollm2-135m)
 "$bin" drafter-vocab --target smollm2-135m --drafter "$out" --size 8192 --data "${data[@]}"
 "$bin" train-drafter --target smollm2-135m --data "${data[@]}" --out "$out" --fine-tune \
   --steps 11000 --batch 32 --lr 6e-4 --max-bytes 3200000 --save-every 250
-# Confidence calibration (input mix, STS temperatures and shifts) on held-out prompts (first
-# half of each prompt set), once for sampled requests (T = 1) and once for greedy ones;
+# Calibration on held-out prompts (first half of each prompt set): the copy prior (one run
+# without it), then the confidences (input mix, STS temperatures and shifts) on drafts made with
+# it; once for sampled requests (T = 1) and once for greedy ones;
 # evaluation on the second half, at both temperatures.
 "$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \
   --max-tokens 512 --json bench/results/calibrate-dspark-smollm2.json

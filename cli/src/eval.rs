@@ -36,7 +36,8 @@ pub struct EvalArgs {
     /// Requests decoded together (acceptance does not depend on it).
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
-    /// Arms to run (comma list of dspark, parallel, ngram, draft-model); default all that apply.
+    /// Arms to run (comma list of dspark, dspark-nocopy, parallel, ngram, draft-model); default
+    /// all that apply (dspark-nocopy: the shipped drafter without its copy prior).
     #[arg(long, value_delimiter = ',')]
     pub arms: Vec<String>,
     #[arg(long)]
@@ -179,6 +180,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
     }
     let sts = probe.cfg.calibration_for(a.temperature == 0.0);
     let has_markov = probe.is_markov() && probe.cfg.parallel_trained;
+    let has_copy = !probe.cfg.copy_bias_for(a.temperature == 0.0).is_empty();
     drop(probe);
     let sets: Vec<&str> = match a.prompts.as_str() {
         "all" => vec!["chat", "code", "math"],
@@ -186,6 +188,9 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
     };
     let draft_model = crate::spec::default_draft_for(&target.name);
     let mut arms: Vec<&str> = vec!["dspark"];
+    if has_copy {
+        arms.push("dspark-nocopy");
+    }
     if has_markov {
         arms.push("parallel");
     }
@@ -218,10 +223,13 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
         }
         for arm in &arms {
             let proposer: Box<dyn Proposer> = match *arm {
-                "dspark" | "parallel" => {
+                "dspark" | "dspark-nocopy" | "parallel" => {
                     let mut dr = load_dspark(&target, &dir)?;
                     // Raw confidence logits: STS is applied below, before and after.
                     dr.cfg = dr.cfg.uncalibrated();
+                    if *arm == "dspark-nocopy" {
+                        dr.cfg = dr.cfg.without_copy();
+                    }
                     if *arm == "parallel" {
                         dr = dr.into_parallel()?;
                     }

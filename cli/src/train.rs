@@ -266,6 +266,10 @@ pub struct CalibrateArgs {
     /// draft distribution's top probability and entropy.
     #[arg(long)]
     pub head_only: bool,
+    /// Leave this kind of request without a copy prior (otherwise a first run without it
+    /// fits it, and the confidences are then calibrated on drafts made with it).
+    #[arg(long)]
+    pub no_copy: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -277,12 +281,13 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
         &a.drafter,
         target.model.cfg.arch.name(),
         &target.tok.vocab_hash(),
-        e,
-        h,
+        e.clone(),
+        h.clone(),
     )?;
     let gamma = dr.cfg.gamma;
     let cfg_before = dr.cfg.clone();
-    dr.cfg = dr.cfg.uncalibrated();
+    dr.cfg = dr.cfg.uncalibrated().without_copy();
+    let greedy = a.temperature == 0.0;
     let sets: Vec<&str> = match a.prompts.as_str() {
         "all" => vec!["chat", "code", "math"],
         s => vec![s],
@@ -296,6 +301,70 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
                 .take(a.limit),
         );
     }
+    // The copy prior first: drafts without it, and at every drafted position with a copy
+    // candidate, what the target committed there.
+    let (copy_bias, copy_fit) = if a.no_copy {
+        (Vec::new(), Vec::new())
+    } else {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let reload = drafter::DsparkDrafter::load(
+            &a.drafter,
+            target.model.cfg.arch.name(),
+            &target.tok.vocab_hash(),
+            e.clone(),
+            h.clone(),
+        )?;
+        let mut plain = reload;
+        plain.cfg = plain.cfg.uncalibrated().without_copy();
+        let proposer = Box::new(
+            drafter::DsparkProposer::new(plain, "dspark")?
+                .with_target_head(target.model.clone())
+                .with_copy_log(log.clone()),
+        );
+        crate::eval::run_arm(
+            &target,
+            proposer,
+            &prompts,
+            gamma,
+            a.temperature,
+            a.max_tokens,
+            8,
+        )?;
+        let samples = log
+            .lock()
+            .map_err(|_| anyhow::anyhow!("copy log poisoned"))?
+            .clone();
+        let (bias, fits) =
+            drafter::calibrate::fit_copy(&samples, drafter::proposer::COPY_MAX_MATCH, greedy, 100);
+        println!(
+            "copy prior ({} drafted positions with a candidate; {}):",
+            samples.len(),
+            if greedy {
+                "objective: share of drafted tokens committed"
+            } else {
+                "objective: mean log-likelihood gain of the committed token over the drafter alone"
+            }
+        );
+        for f in &fits {
+            println!(
+                "  match {}{}: {:>6} samples  candidate right {:.3}  drafter's top right {:.3}  bias {:.2}  objective {:.4} → {:.4}",
+                f.len,
+                if f.len == drafter::proposer::COPY_MAX_MATCH {
+                    "+"
+                } else {
+                    " "
+                },
+                f.samples,
+                f.precision,
+                f.top_precision,
+                f.bias,
+                f.objective_before,
+                f.objective_after
+            );
+        }
+        (bias, fits)
+    };
+    dr.cfg.copy_bias = copy_bias.clone();
     let proposer = Box::new(
         drafter::DsparkProposer::new(dr, "dspark")?.with_target_head(target.model.clone()),
     );
@@ -335,8 +404,8 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     for k in 0..after.len() {
         let mix = sts.mix.get(k).map_or(String::new(), |w| {
             format!(
-                "  mix z {:+.2} top-odds {:+.2} H {:+.2} running {:+.2} history {:+.2} bias {:+.2}",
-                w[0], w[1], w[2], w[3], w[4], w[5]
+                "  mix z {:+.2} top-odds {:+.2} H {:+.2} running {:+.2} history {:+.2} copy {:+.2} bias {:+.2}",
+                w[0], w[1], w[2], w[3], w[4], w[5], w[6]
             )
         });
         println!(
@@ -350,14 +419,15 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
         );
     }
     // Greedy requests get their own calibration; the other one is kept.
-    let greedy = a.temperature == 0.0;
     let mut cfg = cfg_before;
-    cfg.set_calibration(greedy, drafter::model::CalibrationCfg::from_sts(&sts));
+    let mut cal = drafter::model::CalibrationCfg::from_sts(&sts);
+    cal.copy_bias = copy_bias.clone();
+    cfg.set_calibration(greedy, cal);
     let tmp = a.drafter.join("drafter.json.tmp");
     std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
     std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
     let v = serde_json::json!({"blocks": obs.len(), "tau": tau, "auc": auc, "auc_head_only": auc_head, "auc_oracle": oracle, "ece_after_head_only": ece_head, "ece_before": before, "ece_after": after,
-        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "command": std::env::args().collect::<Vec<_>>().join(" ")});
+        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "command": std::env::args().collect::<Vec<_>>().join(" ")});
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }

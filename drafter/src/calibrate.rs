@@ -25,6 +25,137 @@ use specdec::proposer::{CONF_INPUTS, ConfInputs};
 /// Per-position mix weights: one per confidence input, then a bias.
 pub type Mix = [f32; CONF_INPUTS + 1];
 
+/// Reads stored mixes, including those written before the copy-evidence input existed (one
+/// weight fewer: the missing weight is 0, so they mean what they meant).
+pub fn de_mixes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Mix>, D::Error> {
+    let rows: Vec<Vec<f32>> = serde::Deserialize::deserialize(d)?;
+    rows.into_iter()
+        .map(|r| {
+            let mut m = [0f32; CONF_INPUTS + 1];
+            match r.len() {
+                n if n == CONF_INPUTS + 1 => m.copy_from_slice(&r),
+                n if n == CONF_INPUTS => {
+                    m[..CONF_INPUTS - 1].copy_from_slice(&r[..CONF_INPUTS - 1]);
+                    m[CONF_INPUTS] = r[CONF_INPUTS - 1];
+                }
+                n => {
+                    return Err(serde::de::Error::custom(format!(
+                        "a confidence mix has {} weights and a bias, not {n} numbers",
+                        CONF_INPUTS
+                    )));
+                }
+            }
+            Ok(m)
+        })
+        .collect()
+}
+
+/// One drafted position with a copy candidate, and what the target committed there (recorded
+/// by a drafter running without the copy prior, for [`fit_copy`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CopySample {
+    /// Length of the suffix match that proposed the candidate.
+    pub len: usize,
+    /// Block position (0-based).
+    pub k: usize,
+    /// How far the candidate's logit was below the top logit (≥ 0).
+    pub gap: f32,
+    /// The candidate's probability under the draft distribution.
+    pub q_c: f32,
+    /// The target committed the candidate.
+    pub hit_c: bool,
+    /// The target committed the draft distribution's top token.
+    pub hit_top: bool,
+}
+
+/// The fit of one match-length bucket.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CopyFit {
+    pub len: usize,
+    pub samples: usize,
+    /// How often the target committed the candidate, and the drafter's top token.
+    pub precision: f64,
+    pub top_precision: f64,
+    pub bias: f32,
+    /// The objective without and with the bias: greedy, the share of positions whose drafted
+    /// token the target commits; sampled, the mean gain in log-likelihood of the committed
+    /// token over the drafter alone (0 without the bias).
+    pub objective_before: f64,
+    pub objective_after: f64,
+}
+
+/// Fits the copy prior: per match length (the last bucket holds that length and longer) the
+/// logit bonus b ≥ 0 of the candidate. Greedy requests draft the argmax, so b maximizes how
+/// often the drafted token is the one the target commits (the candidate wins when its gap to
+/// the top logit is at most b). Sampled requests maximize the log-likelihood of the committed
+/// token (a sample of the target's distribution, whatever was drafted) under
+/// q' ∝ q·e^{b·[x = candidate]}: log q'(y) = log q(y) + b·[y = c] − ln(1 + q_c(e^b − 1)), a
+/// proper score, so q'(c) matches how often the candidate is right. Buckets with fewer than
+/// `min_samples` samples get no bonus.
+pub fn fit_copy(
+    samples: &[CopySample],
+    buckets: usize,
+    greedy: bool,
+    min_samples: usize,
+) -> (Vec<f32>, Vec<CopyFit>) {
+    let mut bias = vec![0f32; buckets];
+    let mut fits = Vec::new();
+    for (bi, b) in bias.iter_mut().enumerate() {
+        let s: Vec<&CopySample> = samples
+            .iter()
+            .filter(|x| x.len.min(buckets).max(1) - 1 == bi)
+            .collect();
+        let n = s.len();
+        let objective = |beta: f64| -> f64 {
+            let sum: f64 = if greedy {
+                s.iter()
+                    .map(|x| {
+                        let hit = if (x.gap as f64) <= beta {
+                            x.hit_c
+                        } else {
+                            x.hit_top
+                        };
+                        hit as u8 as f64
+                    })
+                    .sum()
+            } else {
+                s.iter()
+                    .map(|x| {
+                        let q = (x.q_c as f64).clamp(0.0, 1.0);
+                        beta * x.hit_c as u8 as f64 - (q * beta.exp_m1()).ln_1p()
+                    })
+                    .sum()
+            };
+            sum / n.max(1) as f64
+        };
+        let before = objective(0.0);
+        let mut best = (0.0f64, before);
+        if n >= min_samples {
+            for i in 1..=400 {
+                let beta = i as f64 * 0.05;
+                let v = objective(beta);
+                // Strictly better only: ties keep the smaller bonus.
+                if v > best.1 + 1e-12 {
+                    best = (beta, v);
+                }
+            }
+        }
+        *b = best.0 as f32;
+        let rate =
+            |f: fn(&CopySample) -> bool| s.iter().filter(|x| f(x)).count() as f64 / n.max(1) as f64;
+        fits.push(CopyFit {
+            len: bi + 1,
+            samples: n,
+            precision: rate(|x| x.hit_c),
+            top_precision: rate(|x| x.hit_top),
+            bias: *b,
+            objective_before: before,
+            objective_after: best.1,
+        });
+    }
+    (bias, fits)
+}
+
 /// Expected calibration error of predictions `p` against 0/1 outcomes `y`, with `bins` equal-width
 /// bins: Σ_b (n_b / n) · |mean(p in b) − mean(y in b)|.
 pub fn ece(p: &[f64], y: &[bool], bins: usize) -> f64 {
@@ -409,6 +540,101 @@ mod tests {
     }
 
     #[test]
+    fn the_sampled_copy_bias_makes_the_candidate_as_likely_as_it_is_right() {
+        let mut rng = Rng::new(7);
+        let mut samples = Vec::new();
+        for _ in 0..20_000 {
+            let q_c = 0.01 + 0.29 * rng.uniform() as f32;
+            // Length 3: the candidate is right 70 % of the time whatever q says.
+            samples.push(CopySample {
+                len: 3,
+                k: 0,
+                gap: 1.0,
+                q_c,
+                hit_c: rng.uniform() < 0.7,
+                hit_top: false,
+            });
+            // Length 1: q is already right about the candidate.
+            samples.push(CopySample {
+                len: 1,
+                k: 0,
+                gap: 1.0,
+                q_c,
+                hit_c: rng.uniform() < q_c as f64,
+                hit_top: false,
+            });
+        }
+        let (bias, fits) = fit_copy(&samples, 6, false, 50);
+        let mean_q = |b: f32, len: usize| {
+            let s: Vec<_> = samples.iter().filter(|x| x.len == len).collect();
+            s.iter()
+                .map(|x| {
+                    let e = (b as f64).exp();
+                    x.q_c as f64 * e / (1.0 + x.q_c as f64 * (e - 1.0))
+                })
+                .sum::<f64>()
+                / s.len() as f64
+        };
+        assert!((mean_q(bias[2], 3) - 0.7).abs() < 0.03, "{bias:?}");
+        assert!(bias[0] < 0.3, "{bias:?}");
+        assert!(fits[2].objective_after > fits[2].objective_before + 0.1);
+        // Buckets without samples get nothing.
+        assert_eq!(bias[5], 0.0);
+        assert_eq!(fits[5].samples, 0);
+    }
+
+    #[test]
+    fn the_greedy_copy_bias_drafts_the_candidate_only_where_it_is_right_more_often() {
+        let mut rng = Rng::new(8);
+        let mut samples = Vec::new();
+        for _ in 0..5_000 {
+            let gap = 4.0 * rng.uniform() as f32;
+            // Long matches: the candidate is right 90 %, the drafter's top token 5 %.
+            let u = rng.uniform();
+            samples.push(CopySample {
+                len: 6,
+                k: 2,
+                gap,
+                q_c: 0.1,
+                hit_c: u < 0.9,
+                hit_top: u >= 0.95,
+            });
+            // Short ones: the drafter's top token is right more often than the candidate.
+            let u = rng.uniform();
+            samples.push(CopySample {
+                len: 1,
+                k: 0,
+                gap,
+                q_c: 0.1,
+                hit_c: u < 0.1,
+                hit_top: u >= 0.5,
+            });
+        }
+        let (bias, fits) = fit_copy(&samples, 6, true, 50);
+        assert!(bias[5] >= 3.9, "{bias:?}");
+        assert!(bias[0] < 0.2, "{bias:?}");
+        assert!((fits[5].precision - 0.9).abs() < 0.02);
+        assert!(fits[5].objective_after > 0.85 && fits[5].objective_before < 0.1);
+        // Matches of 6 and more share the last bucket.
+        let (b2, _) = fit_copy(&samples, 3, true, 50);
+        assert!(b2[2] >= 3.9);
+    }
+
+    #[test]
+    fn mixes_stored_before_the_copy_input_still_load() {
+        let c: crate::model::CalibrationCfg =
+            serde_json::from_str(r#"{"sts":[1.0],"conf_mix":[[1,2,3,4,5,6]]}"#).unwrap();
+        assert_eq!(c.conf_mix, vec![[1.0, 2.0, 3.0, 4.0, 5.0, 0.0, 6.0]]);
+        let c: crate::model::CalibrationCfg =
+            serde_json::from_str(r#"{"sts":[1.0],"conf_mix":[[1,2,3,4,5,6,7]]}"#).unwrap();
+        assert_eq!(c.conf_mix[0][6], 7.0);
+        let bad = serde_json::from_str::<crate::model::CalibrationCfg>(
+            r#"{"sts":[1.0],"conf_mix":[[1,2]]}"#,
+        );
+        assert!(bad.unwrap_err().to_string().contains("confidence mix"));
+    }
+
+    #[test]
     fn sts_recovers_overconfident_logits() {
         // True per-position acceptance σ(z/3): the raw logits are 3× overconfident.
         let mut rng = Rng::new(2);
@@ -515,7 +741,7 @@ mod tests {
                     let ent = (-lmax as f64 * 1.5 + rng.uniform()) as f32;
                     let z = (rng.normal() * 0.3) as f32;
                     let p = sigmoid(0.3 * z as f64 + 2.0 * lmax as f64 + 1.0);
-                    inputs.push([z, lmax, ent, rng.normal() as f32, rng.normal() as f32]);
+                    inputs.push([z, lmax, ent, rng.normal() as f32, rng.normal() as f32, 0.0]);
                     if alive && rng.uniform() < p {
                         accepted += 1;
                     } else {
@@ -551,8 +777,8 @@ mod tests {
         }
         // No mix fitted: confidences are those of the head logit alone.
         assert_eq!(
-            head.conf(0, &[0.5, -3.0, 2.0, 1.0, -1.0]),
-            head.conf(0, &[0.5, 0.0, 0.0, 0.0, 0.0])
+            head.conf(0, &[0.5, -3.0, 2.0, 1.0, -1.0, 0.0]),
+            head.conf(0, &[0.5, 0.0, 0.0, 0.0, 0.0, 0.0])
         );
     }
 }

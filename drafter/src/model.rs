@@ -46,8 +46,18 @@ pub struct DrafterConfig {
     /// Per-position mix of the confidence inputs before STS (head logit, log-odds of max p_d,
     /// entropy of p_d, log-odds of the request's running acceptance, bias); empty = the head's
     /// logit alone. Fitted by `dspark calibrate-drafter`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "crate::calibrate::de_mixes"
+    )]
     pub conf_mix: Vec<crate::calibrate::Mix>,
+    /// The copy prior for sampled requests: per suffix-match length (1, 2, …, the last entry
+    /// for that length and longer), the logit bonus of the token that followed the longest
+    /// earlier occurrence of the drafted sequence's suffix ([`specdec::proposer::suffix_match`]).
+    /// Fitted by `dspark calibrate-drafter`; empty = no copy prior.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub copy_bias: Vec<f32>,
     /// The calibration for greedy requests, whose acceptance (argmax agreement) is not the coin
     /// flip of sampled acceptance and follows the drafter's certainty much more closely. The
     /// fields above serve sampled requests, and greedy ones when this is absent.
@@ -70,8 +80,15 @@ pub struct CalibrationCfg {
     pub sts: Vec<f32>,
     #[serde(default)]
     pub sts_shift: Vec<f32>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "crate::calibrate::de_mixes"
+    )]
     pub conf_mix: Vec<crate::calibrate::Mix>,
+    /// The copy prior (see [`DrafterConfig::copy_bias`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub copy_bias: Vec<f32>,
 }
 
 impl CalibrationCfg {
@@ -84,6 +101,7 @@ impl CalibrationCfg {
             sts: s.temps.clone(),
             sts_shift: s.shifts.clone(),
             conf_mix: s.mix.clone(),
+            copy_bias: Vec::new(),
         }
     }
 
@@ -115,6 +133,14 @@ impl CalibrationCfg {
                 "STS temperatures must be positive, shifts and mixes finite".into(),
             ));
         }
+        if self.copy_bias.len() > crate::proposer::COPY_MAX_MATCH
+            || self.copy_bias.iter().any(|b| !b.is_finite() || *b < 0.0)
+        {
+            return Err(DrafterError::Invalid(format!(
+                "the copy prior takes at most {} finite, non-negative biases",
+                crate::proposer::COPY_MAX_MATCH
+            )));
+        }
         Ok(())
     }
 }
@@ -140,7 +166,25 @@ impl DrafterConfig {
             sts: self.sts.clone(),
             sts_shift: self.sts_shift.clone(),
             conf_mix: self.conf_mix.clone(),
+            copy_bias: self.copy_bias.clone(),
         }
+    }
+
+    /// The copy prior of greedy (`true`) or sampled requests (empty: none).
+    pub fn copy_bias_for(&self, greedy: bool) -> &[f32] {
+        match (&self.greedy_calibration, greedy) {
+            (Some(g), true) => &g.copy_bias,
+            _ => &self.copy_bias,
+        }
+    }
+
+    /// Without the copy prior (the ablation, and the drafts its fit is measured on).
+    pub fn without_copy(mut self) -> Self {
+        self.copy_bias.clear();
+        if let Some(g) = self.greedy_calibration.as_mut() {
+            g.copy_bias.clear();
+        }
+        self
     }
 
     /// Stores a fitted calibration for greedy or sampled requests.
@@ -151,15 +195,22 @@ impl DrafterConfig {
             self.sts = c.sts;
             self.sts_shift = c.sts_shift;
             self.conf_mix = c.conf_mix;
+            self.copy_bias = c.copy_bias;
         }
     }
 
-    /// Drops every calibration: confidences become σ(head logit).
+    /// Drops every confidence calibration: confidences become σ(head logit). The copy prior,
+    /// which shapes the drafts rather than their confidences, is kept for each kind of request.
     pub fn uncalibrated(mut self) -> Self {
+        let greedy_copy = self.copy_bias_for(true).to_vec();
         self.sts = vec![1.0; self.gamma];
         self.sts_shift = Vec::new();
         self.conf_mix = Vec::new();
-        self.greedy_calibration = None;
+        self.greedy_calibration = (greedy_copy != self.copy_bias).then(|| CalibrationCfg {
+            sts: vec![1.0; self.gamma],
+            copy_bias: greedy_copy,
+            ..Default::default()
+        });
         self
     }
 
@@ -192,6 +243,7 @@ impl DrafterConfig {
             sts_shift: Vec::new(),
             parallel_trained: false,
             conf_mix: Vec::new(),
+            copy_bias: Vec::new(),
             greedy_calibration: None,
             draft_vocab: 0,
         }

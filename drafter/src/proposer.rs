@@ -4,12 +4,20 @@
 //! sampled token, reporting q_k (after the request's sampling transform) and the calibrated
 //! confidence c_k, which never depends on x_k.
 
+use crate::calibrate::CopySample;
 use crate::fast::{CtxRow, FastDrafter, quantize_q8};
 use crate::model::DsparkDrafter;
 use kernels::sampling::{argmax, probs, sample};
 use specdec::SpecError;
-use specdec::proposer::{Dist, DraftBlock, ProposeReq, Proposer};
+use specdec::proposer::{Dist, DraftBlock, ProposeReq, Proposer, suffix_match};
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Longest suffix match the copy prior looks for; matches this long or longer share the last
+/// bias bucket.
+pub const COPY_MAX_MATCH: usize = 6;
+/// How far back (tokens) the copy prior searches.
+const COPY_WINDOW: usize = 4096;
 
 pub struct DsparkProposer {
     dr: DsparkDrafter,
@@ -32,7 +40,12 @@ pub struct DsparkProposer {
     /// The draft vocabulary (most frequent tokens) and the head's rows for it in 8-bit
     /// blocks, when the checkpoint has one; `w2t` then holds the same rows only.
     vocab_ids: Option<Vec<u32>>,
+    /// Token id → column of the draft vocabulary (`u32::MAX`: not in it).
+    vocab_pos: Option<Vec<u32>>,
     head_sub: Option<kernels::matmul::QMatrix>,
+    /// Where drafted positions with a copy candidate are recorded once the target has
+    /// committed them (the copy prior's fit, [`crate::calibrate::fit_copy`]).
+    copy_log: Option<Arc<Mutex<Vec<CopySample>>>>,
     /// Confidence head: weights over [h; W1[x_{k−1}]] (or h alone), and bias.
     conf_w: Vec<f32>,
     conf_b: f32,
@@ -65,12 +78,45 @@ struct ReqFeats {
     /// Accepted positions and trials over all the request's verified blocks.
     accepted: u32,
     trials: u32,
+    /// Copy candidates of the last drafted block, waiting for the committed tokens.
+    pending_copy: Vec<PendingCopy>,
+}
+
+/// A drafted position's copy candidate (see [`CopySample`]).
+struct PendingCopy {
+    k: usize,
+    len: usize,
+    cand: u32,
+    top: u32,
+    gap: f32,
+    q_c: f32,
 }
 
 /// Running acceptance assumed before a request's first verified block.
 const PRIOR_RATE: f32 = 0.25;
 
 impl ReqFeats {
+    /// Turns the last block's copy candidates into samples: position k counts when the target
+    /// committed the drafted x_1..x_{k−1} and one more token, the one at k.
+    fn resolve_copy(&mut self, context: &[u32], out: &mut Vec<CopySample>) {
+        let seen = context.get(self.draft_at..).unwrap_or(&[]);
+        for p in self.pending_copy.drain(..) {
+            let reached = seen.len() > p.k
+                && self.last_draft.len() >= p.k
+                && self.last_draft[..p.k] == seen[..p.k];
+            if reached {
+                out.push(CopySample {
+                    len: p.len,
+                    k: p.k,
+                    gap: p.gap,
+                    q_c: p.q_c,
+                    hit_c: seen[p.k] == p.cand,
+                    hit_top: seen[p.k] == p.top,
+                });
+            }
+        }
+    }
+
     /// Folds the outcome of the last drafted block into the running acceptance rate: its
     /// accepted prefix is where the committed context agrees with it.
     fn observe_acceptance(&mut self, context: &[u32]) {
@@ -175,6 +221,15 @@ impl DsparkProposer {
                 conf_w.len()
             )));
         }
+        let vocab_pos = ids.as_ref().map(|ids| {
+            let mut pos = vec![u32::MAX; v];
+            for (j, &t) in ids.iter().enumerate() {
+                if let Some(p) = pos.get_mut(t as usize) {
+                    *p = j as u32;
+                }
+            }
+            pos
+        });
         let fast = FastDrafter::new(&dr)?;
         let rl = dr.cfg.feature_layers.len() * dr.cfg.d_model;
         let pad = fast
@@ -185,7 +240,9 @@ impl DsparkProposer {
             w2t,
             w1,
             vocab_ids: ids,
+            vocab_pos,
             head_sub,
+            copy_log: None,
             conf_w,
             conf_b,
             isa: kernels::Isa::detect(),
@@ -204,6 +261,13 @@ impl DsparkProposer {
     /// matmuls on the target's threads.
     pub fn with_target_head(mut self, target: std::sync::Arc<dspark_runtime::Model>) -> Self {
         self.target = Some(target);
+        self
+    }
+
+    /// Records every drafted position that had a copy candidate, with what the target then
+    /// committed there, into `log` (run without the copy prior to fit it).
+    pub fn with_copy_log(mut self, log: Arc<Mutex<Vec<CopySample>>>) -> Self {
+        self.copy_log = Some(log);
         self
     }
 
@@ -351,14 +415,21 @@ impl Proposer for DsparkProposer {
             0.0
         };
         // Each request's running acceptance, from how its previous block fared.
+        let mut copy_samples = Vec::new();
         let hist: Vec<(f32, f32)> = active
             .iter()
             .map(|&i| {
                 let f = self.feats.entry(reqs[i].id).or_default();
+                f.resolve_copy(reqs[i].context, &mut copy_samples);
                 f.observe_acceptance(reqs[i].context);
                 (f.rate_logit(), f.history_logit())
             })
             .collect();
+        if let (Some(log), false) = (&self.copy_log, copy_samples.is_empty())
+            && let Ok(mut l) = log.lock()
+        {
+            l.extend(copy_samples);
+        }
         let b = active.len();
         let kmax = active.iter().map(|&i| reqs[i].k.min(g)).max().unwrap_or(1);
         let mut anchors = Vec::with_capacity(b);
@@ -419,6 +490,13 @@ impl Proposer for DsparkProposer {
             self.dr.cfg.calibration_for(false),
             self.dr.cfg.calibration_for(true),
         );
+        let (copy_sampled, copy_greedy) = (
+            self.dr.cfg.copy_bias_for(false).to_vec(),
+            self.dr.cfg.copy_bias_for(true).to_vec(),
+        );
+        // Committed and drafted tokens: what the copy prior searches.
+        let mut seqs: Vec<Vec<u32>> = active.iter().map(|&i| reqs[i].context.to_vec()).collect();
+        let mut pending: Vec<Vec<PendingCopy>> = active.iter().map(|_| Vec::new()).collect();
         for kk in 0..kmax {
             // W1 rows of each request's previous token (B × r).
             let e: Option<Vec<f32>> = self.w1.as_ref().map(|w1| {
@@ -497,6 +575,45 @@ impl Proposer for DsparkProposer {
                         *l += x;
                     }
                 }
+                // The copy prior: the token that followed the longest earlier occurrence of
+                // the committed-and-drafted suffix gets a bonus fitted per match length.
+                let cand =
+                    suffix_match(&seqs[bi], COPY_MAX_MATCH, COPY_WINDOW).and_then(|(len, c)| {
+                        let j = match &self.vocab_pos {
+                            Some(pos) => *pos.get(c as usize)?,
+                            None => c,
+                        } as usize;
+                        (j < nv).then_some((len, c, j))
+                    });
+                if let Some((len, c, j)) = cand {
+                    if self.copy_log.is_some() {
+                        let top = argmax(&logits) as usize;
+                        // log softmax of the top logit, so q_c = e^(l_c − l_top + that).
+                        let (log_top, _) = kernels::ops::logit_stats(&logits);
+                        let gap = logits[top] - logits[j];
+                        pending[bi].push(PendingCopy {
+                            k: kk,
+                            len,
+                            cand: c,
+                            top: self.vocab_ids.as_ref().map_or(top as u32, |ids| ids[top]),
+                            gap,
+                            q_c: (log_top - gap).exp(),
+                        });
+                    }
+                    let cb = if r.params.is_greedy() {
+                        &copy_greedy
+                    } else {
+                        &copy_sampled
+                    };
+                    if let Some(&b) = cb.get(len.min(cb.len()).saturating_sub(1)) {
+                        logits[j] += b;
+                    }
+                }
+                // Copy evidence: the match length when its candidate is the top token.
+                let copy_ev = match cand {
+                    Some((len, _, j)) if argmax(&logits) as usize == j => len as f32,
+                    _ => 0.0,
+                };
                 // How sure the drafter is of position kk: its distribution before x_kk is
                 // drawn (a function of x_1..x_{kk−1} only, like the head's logit).
                 let (lmax, ent) = kernels::ops::logit_stats(&logits);
@@ -513,6 +630,7 @@ impl Proposer for DsparkProposer {
                     if ent.is_finite() { ent } else { 30.0 },
                     hist[bi].0,
                     hist[bi].1,
+                    copy_ev,
                 ];
                 let sts = if r.params.is_greedy() {
                     &sts_greedy
@@ -563,6 +681,7 @@ impl Proposer for DsparkProposer {
                 out[i].tokens.push(tok);
                 out[i].dists.push(dist);
                 seen[bi].push(tok);
+                seqs[bi].push(tok);
                 prev[bi] = tok;
             }
             lap(&mut self.stages, 4);
@@ -573,6 +692,7 @@ impl Proposer for DsparkProposer {
             if let Some(f) = self.feats.get_mut(&reqs[i].id) {
                 f.last_draft = out[i].tokens.clone();
                 f.draft_at = reqs[i].context.len();
+                f.pending_copy = std::mem::take(&mut pending[bi]);
             }
         }
         Ok(out)
@@ -614,6 +734,104 @@ mod tests {
             rng: &mut r,
         }];
         p.propose(&mut reqs).unwrap().remove(0)
+    }
+
+    /// One greedy block of `k` tokens for request 1.
+    fn greedy_block(p: &mut DsparkProposer, ctx: &[u32], k: usize) -> DraftBlock {
+        let params = kernels::sampling::SamplingParams::greedy();
+        let mut r = kernels::rng::Rng::new(0);
+        let mut reqs = [ProposeReq {
+            id: 1,
+            context: ctx,
+            k,
+            params: &params,
+            rng: &mut r,
+        }];
+        p.propose(&mut reqs).unwrap().remove(0)
+    }
+
+    #[test]
+    fn the_copy_prior_drafts_what_followed_the_suffix_last_time() {
+        let (m, tok) = crate::model::tests::tiny_target(22, "drafter-target");
+        let rl = 2 * m.cfg.d_model;
+        let mut rng = kernels::rng::Rng::new(4);
+        let rows: Vec<f32> = (0..7 * rl).map(|_| rng.normal() as f32).collect();
+        // 5 9 2 7 5 9 2 → a repeat continues 7 5 9 2 …
+        let ctx: Vec<u32> = vec![5, 9, 2, 7, 5, 9, 2];
+        let draft = |bias: Vec<f32>, greedy_bias: Option<Vec<f32>>| {
+            let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+            dr.cfg.copy_bias = bias;
+            if let Some(b) = greedy_bias {
+                let mut c = dr.cfg.sampled_calibration();
+                c.copy_bias = b;
+                dr.cfg.greedy_calibration = Some(c);
+            }
+            dr.cfg.validate().unwrap();
+            let mut p = DsparkProposer::new(dr, "t").unwrap();
+            p.observe(1, 0, &rows).unwrap();
+            greedy_block(&mut p, &ctx, 4)
+        };
+        let plain = draft(Vec::new(), None);
+        assert_ne!(
+            plain.tokens,
+            vec![7, 5, 9, 2],
+            "the untrained drafter alone"
+        );
+        let copied = draft(vec![100.0; 3], None);
+        assert_eq!(copied.tokens, vec![7, 5, 9, 2]);
+        // Each position's copy evidence is its match length (3 and more: the suffix grows).
+        let ev: Vec<f32> = copied.conf_inputs.unwrap().iter().map(|x| x[5]).collect();
+        assert!(ev.iter().all(|&e| e >= 3.0), "{ev:?}");
+        // Greedy requests use the greedy calibration's prior when it has one.
+        assert_eq!(draft(vec![100.0; 3], Some(Vec::new())).tokens, plain.tokens);
+        assert_eq!(
+            draft(Vec::new(), Some(vec![100.0; 3])).tokens,
+            vec![7, 5, 9, 2]
+        );
+        // A negative or non-finite bias is refused.
+        let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        dr.cfg.copy_bias = vec![-1.0];
+        assert!(dr.cfg.validate().is_err());
+        dr.cfg.copy_bias = vec![f32::NAN];
+        assert!(dr.cfg.validate().is_err());
+    }
+
+    #[test]
+    fn the_copy_log_records_candidates_with_what_was_committed() {
+        let (m, tok) = crate::model::tests::tiny_target(22, "drafter-target");
+        let rl = 2 * m.cfg.d_model;
+        let mut rng = kernels::rng::Rng::new(4);
+        let rows: Vec<f32> = (0..9 * rl).map(|_| rng.normal() as f32).collect();
+        let dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut p = DsparkProposer::new(dr, "t")
+            .unwrap()
+            .with_copy_log(log.clone());
+        p.observe(1, 0, &rows[..7 * rl]).unwrap();
+        let ctx: Vec<u32> = vec![5, 9, 2, 7, 5, 9, 2];
+        let b = greedy_block(&mut p, &ctx, 3);
+        assert!(log.lock().unwrap().is_empty(), "nothing committed yet");
+        // The target commits the first drafted token and then the copy candidate 5 at
+        // position 2: position 1 (candidate 7) and position 2 were reached, position 3 not.
+        let mut next = ctx.clone();
+        next.push(b.tokens[0]);
+        next.push(5);
+        p.observe(1, 7, &rows[7 * rl..]).unwrap();
+        greedy_block(&mut p, &next, 1);
+        let got = log.lock().unwrap().clone();
+        assert!(!got.is_empty() && got.len() <= 2, "{got:?}");
+        let first = got.iter().find(|s| s.k == 0).unwrap();
+        assert_eq!(first.len, 3);
+        assert_eq!(first.hit_c, b.tokens[0] == 7);
+        assert!(
+            first.hit_top,
+            "greedy: the drafter's top token is what it drafted"
+        );
+        assert!(first.gap >= 0.0 && first.q_c > 0.0 && first.q_c <= 1.0);
+        if let Some(second) = got.iter().find(|s| s.k == 1) {
+            assert_eq!(second.hit_top, b.tokens[1] == 5);
+        }
+        assert!(got.iter().all(|s| s.k < 2));
     }
 
     #[test]
@@ -728,14 +946,16 @@ mod tests {
         // runs wherever x_1..x_{k−1} agree, whatever x_k was drawn.
         let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
         let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
-        dr.cfg.conf_mix = vec![[0.7, 1.3, -0.4, 0.5, 0.3, 0.2]; dr.cfg.gamma];
+        dr.cfg.conf_mix = vec![[0.7, 1.3, -0.4, 0.5, 0.3, 0.4, 0.2]; dr.cfg.gamma];
+        // The copy prior too: its candidates follow the drafted prefix, never x_k.
+        dr.cfg.copy_bias = vec![0.5, 1.0, 2.0];
         let g = dr.cfg.gamma;
         let rl = 2 * m.cfg.d_model;
         let mut p = DsparkProposer::new(dr, "t").unwrap();
         let mut rng = kernels::rng::Rng::new(3);
         let rows: Vec<f32> = (0..5 * rl).map(|_| rng.normal() as f32).collect();
         p.observe(1, 0, &rows).unwrap();
-        let ctx: Vec<u32> = vec![3, 8, 13, 21, 34];
+        let ctx: Vec<u32> = vec![3, 8, 13, 3, 8];
         let mut runs = Vec::new();
         for seed in 0..24 {
             let b = sampled_block(&mut p, &ctx, g, seed);

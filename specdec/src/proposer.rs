@@ -32,13 +32,15 @@ impl Dist {
 }
 
 /// How many inputs a drafter's confidence is computed from (see [`ConfInputs`]).
-pub const CONF_INPUTS: usize = 5;
+pub const CONF_INPUTS: usize = 6;
 
 /// What a drafter computed one position's confidence from, kept for calibration: the
 /// confidence head's logit, the log-odds of the draft distribution's top probability, its
-/// entropy (nats), and the log-odds of the request's acceptance rate from its earlier blocks,
-/// recent (running) and whole-history (what kind of text the request is). All are functions of the committed tokens and x_1..x_{k−1}, never of the drafted
-/// token x_k.
+/// entropy (nats), the log-odds of the request's acceptance rate from its earlier blocks,
+/// recent (running) and whole-history (what kind of text the request is), and the copy
+/// evidence (the length of the suffix match whose continuation is the distribution's top
+/// token, 0 when there is none; see [`suffix_match`]). All are functions of the committed
+/// tokens and x_1..x_{k−1}, never of the drafted token x_k.
 pub type ConfInputs = [f32; CONF_INPUTS];
 
 /// One request's drafted block.
@@ -170,6 +172,38 @@ impl Proposer for NoProposer {
     fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
         Ok(reqs.iter().map(|_| DraftBlock::default()).collect())
     }
+}
+
+/// The longest suffix of `seq` (at most `max_n` tokens) that also occurs earlier within the
+/// last `window` tokens, and the token that followed its most recent earlier occurrence:
+/// `(length, next)`. What prompt lookup proposes, and the copy prior of the DSpark drafter:
+/// text that repeats itself (code identifiers, quoted input, a small model's greedy loops) is
+/// predicted far better by "what came after this the last time" than by a small network.
+pub fn suffix_match(seq: &[u32], max_n: usize, window: usize) -> Option<(usize, u32)> {
+    let n = seq.len();
+    if n < 2 || max_n == 0 {
+        return None;
+    }
+    let last = seq[n - 1];
+    let lo = n.saturating_sub(window.max(2));
+    let mut best: Option<(usize, u32)> = None;
+    // `i` ends an earlier occurrence; seq[i + 1] is what followed it.
+    for i in (lo..n - 1).rev() {
+        if seq[i] != last {
+            continue;
+        }
+        let mut l = 1;
+        while l < max_n && l <= i && seq[i - l] == seq[n - 1 - l] {
+            l += 1;
+        }
+        if best.is_none_or(|(b, _)| l > b) {
+            best = Some((l, seq[i + 1]));
+            if l == max_n {
+                break;
+            }
+        }
+    }
+    best
 }
 
 /// Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
@@ -384,6 +418,24 @@ mod tests {
         assert_eq!(p.lookup(&[7, 8, 9], 4), Vec::<u32>::new());
         // Falls back to shorter n; the proposal is capped by k and by the context end.
         assert_eq!(p.lookup(&[5, 6, 7, 5], 3), vec![6, 7, 5]);
+    }
+
+    #[test]
+    fn suffix_match_takes_the_longest_then_the_most_recent() {
+        // "1 2 3" occurred once followed by 4; "3" alone most recently followed by 8.
+        assert_eq!(
+            suffix_match(&[1, 2, 3, 4, 3, 8, 1, 2, 3], 6, 1024),
+            Some((3, 4))
+        );
+        // Among equally long matches the latest wins.
+        assert_eq!(suffix_match(&[5, 1, 5, 2, 5], 6, 1024), Some((1, 2)));
+        // The length is capped by max_n; a periodic run matches itself one period back.
+        assert_eq!(suffix_match(&[7, 7, 7, 7, 7], 3, 1024), Some((3, 7)));
+        // Nothing repeats; too short; a window that leaves out the earlier occurrence.
+        assert_eq!(suffix_match(&[1, 2, 3], 6, 1024), None);
+        assert_eq!(suffix_match(&[1], 6, 1024), None);
+        assert_eq!(suffix_match(&[1, 9, 0, 0, 0, 1], 6, 3), None);
+        assert_eq!(suffix_match(&[1, 9, 0, 0, 0, 1], 6, 6), Some((1, 9)));
     }
 
     #[test]
