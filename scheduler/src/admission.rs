@@ -499,6 +499,12 @@ pub struct ConfidencePolicy {
     planned_central: bool,
     /// Measured step seconds ÷ the table's 1/SPS(B) for the same B (running mean; 0 = none yet).
     pub step_scale: f64,
+    /// The same ratio per batch-token count B below [`SCALE_BUCKETS`] (0 = not seen yet). The
+    /// engine's per-step work beyond the profiled forward (sampling and acceptance at every
+    /// verified position, feature rows for the drafter) grows with B, so one ratio fitted on
+    /// drafting steps would price a plain step as dear as a drafting one, and make drafting
+    /// look better than it measures.
+    step_scales: Vec<f64>,
     /// Running mean of what drafting gained on the steps that drafted: Θ with the chosen
     /// verification and the drafting seconds, over Θ of plain decoding, minus 1. A zero budget
     /// decided from one step's confidences says little about the next step's; while this mean
@@ -515,6 +521,9 @@ const EXPLORE_STEPS: u64 = 8;
 /// Below this mean gain (drafting costing a quarter of the throughput) exploring further is
 /// pointless: the running mean could not turn positive within the exploration steps.
 const EXPLORE_FLOOR: f64 = -0.25;
+
+/// Batch-token counts with a measured step-time ratio of their own ([`ConfidencePolicy`]).
+const SCALE_BUCKETS: usize = 256;
 
 /// One step's confidences, as reported to the central scheduler.
 #[derive(Clone, Debug)]
@@ -567,6 +576,7 @@ impl ConfidencePolicy {
             probe_share: 0.01,
             planned_central: false,
             step_scale: 0.0,
+            step_scales: vec![0.0; SCALE_BUCKETS],
             gain_ema: 0.0,
             gain_seen: 0,
         }
@@ -595,14 +605,18 @@ impl ConfidencePolicy {
         } else {
             0.0
         };
-        // The table's steps are profiled shapes (the slowest per B); the engine's own step
-        // times put drafting seconds and step seconds on one scale.
-        let scale = if self.step_scale > 0.0 {
-            self.step_scale
-        } else {
-            1.0
-        };
-        tau / (scale / s + draft)
+        tau / (self.scale_for(b) / s + draft)
+    }
+
+    /// The table's steps are profiled shapes (the slowest per B); the engine's own step times
+    /// put drafting seconds and step seconds on one scale: the ratio measured at this B when
+    /// there is one, else the one over all steps, else 1.
+    fn scale_for(&self, b: u32) -> f64 {
+        match self.step_scales.get(b as usize) {
+            Some(&r) if r > 0.0 => r,
+            _ if self.step_scale > 0.0 => self.step_scale,
+            _ => 1.0,
+        }
     }
 
     pub fn steps(&self) -> u64 {
@@ -816,6 +830,9 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             } else {
                 0.9 * self.step_scale + 0.1 * r
             };
+            if let Some(x) = self.step_scales.get_mut(batch_tokens) {
+                *x = if *x == 0.0 { r } else { 0.8 * *x + 0.2 * r };
+            }
         }
     }
 
@@ -940,6 +957,49 @@ mod tests {
             .collect();
         assert!(d[15] && d[16..].iter().all(|&x| x), "{d:?}");
         assert!(p.drafting_gain().is_some_and(|g| g > 0.0));
+    }
+
+    #[test]
+    fn plain_steps_are_priced_at_their_own_measured_cost() {
+        use specdec::VerifyPolicy;
+        // The table: a 2-token step costs 7.5 % more than a 1-token one. Measured, a plain
+        // step takes what the table says (10 ms), a drafting step 16 % more than the table
+        // (acceptance and sampling work per verified position), and drafting 1.5 ms. At a
+        // confidence of 0.3, drafting then loses 7 %; priced with one ratio fitted on the
+        // drafting steps, a plain step would look as dear and drafting would gain 8 %.
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
+        let run = |per_b: bool| -> Vec<bool> {
+            let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 1);
+            p.observe_draft(0.0015, 1);
+            (0..200)
+                .map(|_| {
+                    let drafted = p.planned() != Some(0);
+                    let row = [0.3f32];
+                    let k = if drafted {
+                        p.select(&[&row], 0, 0, 1 << 20)
+                    } else {
+                        p.select(&[], 0, 1, 1 << 20)
+                    };
+                    let b = 1 + k.first().copied().unwrap_or(0);
+                    let secs = if b == 1 { 0.010 } else { 0.0125 };
+                    p.observe_step(secs, b);
+                    if !per_b {
+                        p.step_scales.iter_mut().for_each(|x| *x = 0.0);
+                    }
+                    drafted
+                })
+                .collect()
+        };
+        let with = run(true);
+        let without = run(false);
+        // Plain decoding first, then a probe; priced per B, drafting is seen not to pay and
+        // only spaced probes remain.
+        assert!(with[100..].iter().filter(|&&d| d).count() <= 4, "{with:?}");
+        // The single ratio keeps drafting on almost every step.
+        assert!(
+            without[100..].iter().filter(|&&d| d).count() >= 90,
+            "{without:?}"
+        );
     }
 
     #[test]

@@ -167,8 +167,8 @@ pub trait VerifyPolicy: Send {
     /// Seconds the proposer took to draft this step for `n` requests (the engine waits for it,
     /// so it is part of the step's cost when drafting shares the target's hardware).
     fn observe_draft(&mut self, _secs: f64, _n: usize) {}
-    /// Seconds the target forward of this step took over `batch_tokens` tokens: the profiled
-    /// table's time scale can be checked against it.
+    /// Seconds this step's target forward, acceptance and commits took over `batch_tokens`
+    /// tokens (drafting apart): the profiled table's time scale can be checked against it.
     fn observe_step(&mut self, _secs: f64, _batch_tokens: usize) {}
 }
 
@@ -816,9 +816,6 @@ impl Engine {
         let out = self.model.forward(&mut self.cache, &inputs, &fopts)?;
         let d_model = self.model.cfg.d_model;
         let verify_s = t_fwd.elapsed().as_secs_f64();
-        if let Some(policy) = self.policy.as_mut() {
-            policy.observe_step(verify_s, windows.iter().map(|w| w.len()).sum());
-        }
         let batch_tokens: usize = windows.iter().map(|w| w.len()).sum();
         if steady && n_drafted > 0 && batch_tokens > 0 {
             // Drafting cost per drafted token relative to one token's share of a forward.
@@ -952,6 +949,11 @@ impl Engine {
             self.cache
                 .truncate(s.kv, kv_before + 1 + verdict.accepted.min(committed))?;
             s.metrics.rollback_s += t0.elapsed().as_secs_f64();
+        }
+        // The step's cost as the policy prices it: the forward, and acceptance, sampling and
+        // commits at every verified position (drafting is measured apart).
+        if let Some(policy) = self.policy.as_mut() {
+            policy.observe_step(t_fwd.elapsed().as_secs_f64(), batch_tokens);
         }
         // 5. Proposer state, finished requests, invariants.
         let mut i = 0;
