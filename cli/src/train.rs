@@ -277,13 +277,16 @@ pub struct CalibrateArgs {
 pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let target = crate::spec::load_target(g, &a.target)?;
     let (e, h) = drafter::model::target_tensors(&target.model)?;
-    let mut dr = DsparkDrafter::load(
-        &a.drafter,
-        target.model.cfg.arch.name(),
-        &target.tok.vocab_hash(),
-        e.clone(),
-        h.clone(),
-    )?;
+    let load = || {
+        DsparkDrafter::load(
+            &a.drafter,
+            target.model.cfg.arch.name(),
+            &target.tok.vocab_hash(),
+            e.clone(),
+            h.clone(),
+        )
+    };
+    let mut dr = load()?;
     let gamma = dr.cfg.gamma;
     let cfg_before = dr.cfg.clone();
     dr.cfg = dr.cfg.uncalibrated().without_copy();
@@ -301,26 +304,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
                 .take(a.limit),
         );
     }
-    // The copy prior first: drafts without it, and at every drafted position with a copy
-    // candidate, what the target committed there.
-    let (copy_bias, copy_fit) = if a.no_copy {
-        (Vec::new(), Vec::new())
-    } else {
-        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let reload = drafter::DsparkDrafter::load(
-            &a.drafter,
-            target.model.cfg.arch.name(),
-            &target.tok.vocab_hash(),
-            e.clone(),
-            h.clone(),
-        )?;
-        let mut plain = reload;
-        plain.cfg = plain.cfg.uncalibrated().without_copy();
-        let proposer = Box::new(
-            drafter::DsparkProposer::new(plain, "dspark")?
-                .with_target_head(target.model.clone())
-                .with_copy_log(log.clone()),
-        );
+    let run_with = |proposer: Box<dyn specdec::Proposer>| {
         crate::eval::run_arm(
             &target,
             proposer,
@@ -329,7 +313,21 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
             a.temperature,
             a.max_tokens,
             8,
-        )?;
+        )
+    };
+    // The copy prior first: drafts without it, and at every drafted position with a copy
+    // candidate, what the target committed there.
+    let (copy_bias, copy_fit) = if a.no_copy {
+        (Vec::new(), Vec::new())
+    } else {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut plain = load()?;
+        plain.cfg = plain.cfg.uncalibrated().without_copy();
+        run_with(Box::new(
+            drafter::DsparkProposer::new(plain, "dspark")?
+                .with_target_head(target.model.clone())
+                .with_copy_log(log.clone()),
+        ))?;
         let samples = log
             .lock()
             .map_err(|_| anyhow::anyhow!("copy log poisoned"))?
@@ -365,18 +363,9 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
         (bias, fits)
     };
     dr.cfg.copy_bias = copy_bias.clone();
-    let proposer = Box::new(
+    let run = run_with(Box::new(
         drafter::DsparkProposer::new(dr, "dspark")?.with_target_head(target.model.clone()),
-    );
-    let run = crate::eval::run_arm(
-        &target,
-        proposer,
-        &prompts,
-        gamma,
-        a.temperature,
-        a.max_tokens,
-        8,
-    )?;
+    ))?;
     let obs = run.obs;
     if obs.is_empty() {
         anyhow::bail!("no verified blocks with confidences were observed");

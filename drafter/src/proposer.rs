@@ -719,10 +719,16 @@ impl Proposer for DsparkProposer {
 mod tests {
     use super::*;
 
-    /// One sampled (T = 1) block of `k` tokens for request 1, drafted with RNG `seed`.
-    fn sampled_block(p: &mut DsparkProposer, ctx: &[u32], k: usize, seed: u64) -> DraftBlock {
+    /// One block of `k` tokens for request 1 at `temperature`, drafted with RNG `seed`.
+    fn block_at(
+        p: &mut DsparkProposer,
+        ctx: &[u32],
+        k: usize,
+        temperature: f32,
+        seed: u64,
+    ) -> DraftBlock {
         let params = kernels::sampling::SamplingParams {
-            temperature: 1.0,
+            temperature,
             ..kernels::sampling::SamplingParams::greedy()
         };
         let mut r = kernels::rng::Rng::new(seed);
@@ -736,18 +742,14 @@ mod tests {
         p.propose(&mut reqs).unwrap().remove(0)
     }
 
+    /// One sampled (T = 1) block of `k` tokens for request 1, drafted with RNG `seed`.
+    fn sampled_block(p: &mut DsparkProposer, ctx: &[u32], k: usize, seed: u64) -> DraftBlock {
+        block_at(p, ctx, k, 1.0, seed)
+    }
+
     /// One greedy block of `k` tokens for request 1.
     fn greedy_block(p: &mut DsparkProposer, ctx: &[u32], k: usize) -> DraftBlock {
-        let params = kernels::sampling::SamplingParams::greedy();
-        let mut r = kernels::rng::Rng::new(0);
-        let mut reqs = [ProposeReq {
-            id: 1,
-            context: ctx,
-            k,
-            params: &params,
-            rng: &mut r,
-        }];
-        p.propose(&mut reqs).unwrap().remove(0)
+        block_at(p, ctx, k, 0.0, 0)
     }
 
     #[test]
