@@ -315,3 +315,109 @@ fn bench_decode_pairs_rounds_with_the_peer_and_reports_an_interval() {
     let (code, _, err) = dspark(&d, &["bench", "decode", "--model", &m, "--rounds", "0"]);
     assert!(code != 0 && err.contains("--rounds"), "{err}");
 }
+
+#[test]
+fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
+    let d = tmpdir("drafter");
+    let m = tiny(&d);
+    let data = d.join("data.txt");
+    std::fs::write(&data, "def add(a, b):\n    return a + b\n\n".repeat(200)).unwrap();
+    let data = data.display().to_string();
+    let dir = d.join("dr");
+    let o = dir.display().to_string();
+    let (code, _, err) = dspark(
+        &d,
+        &[
+            "train-drafter",
+            "--target",
+            &m,
+            "--data",
+            &data,
+            "--out",
+            &o,
+            "--steps",
+            "3",
+            "--gamma",
+            "4",
+            "--rank",
+            "32",
+            "--batch",
+            "4",
+            "--chunk",
+            "64",
+            "--save-every",
+            "3",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let calibrate = |extra: &[&str]| {
+        let mut args = vec![
+            "calibrate-drafter",
+            "--target",
+            &m,
+            "--drafter",
+            &o,
+            "--prompts",
+            "code",
+            "--limit",
+            "2",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        let (code, out, err) = dspark(&d, &args);
+        assert_eq!(code, 0, "{err}");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("drafter.json")).unwrap())
+                .unwrap();
+        (out, cfg["greedy_calibration"]["copy_bias"].clone())
+    };
+    // The copy prior is fitted first (one bias per match length, none negative), then the
+    // confidences on drafts made with it.
+    let (out, bias) = calibrate(&[]);
+    assert!(out.contains("copy prior ("), "{out}");
+    let bias = bias.as_array().expect("a greedy copy prior").clone();
+    assert_eq!(bias.len(), 6);
+    assert!(bias.iter().all(|b| b.as_f64().is_some_and(|x| x >= 0.0)));
+    // Evaluation runs the checkpoint with and without it, on prompts calibration did not see.
+    let j = d.join("eval.json");
+    let (code, _, err) = dspark(
+        &d,
+        &[
+            "eval-drafter",
+            "--target",
+            &m,
+            "--drafter",
+            &o,
+            "--prompts",
+            "code",
+            "--gamma",
+            "4",
+            "--temperature",
+            "0",
+            "--offset",
+            "2",
+            "--limit",
+            "2",
+            "--max-tokens",
+            "24",
+            "--json",
+            &j.display().to_string(),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&j).unwrap()).unwrap();
+    let arms: Vec<&str> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["drafter"].as_str())
+        .collect();
+    assert_eq!(arms, ["dspark", "dspark-nocopy", "parallel", "ngram"]);
+    // --no-copy leaves greedy requests without one.
+    let (out, bias) = calibrate(&["--no-copy"]);
+    assert!(!out.contains("copy prior ("), "{out}");
+    assert!(bias.is_null() || bias.as_array().is_some_and(|b| b.is_empty()));
+}
