@@ -26,6 +26,11 @@ fn dspark(home: &Path, args: &[&str]) -> (i32, String, String) {
     (out.status.code().unwrap_or(-1), so, se)
 }
 
+/// A JSON file a command wrote.
+fn read_json(p: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
 fn tiny(dir: &Path) -> String {
     let p = dir.join("tiny.gguf");
     if !p.exists() {
@@ -234,8 +239,7 @@ fn bench_spec_pairs_every_arm_per_prompt_group_and_checks_greedy_parity() {
         ],
     );
     assert_eq!(code, 0, "{out}\n{err}");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let v = read_json(&json);
     assert_eq!(v["greedy_outputs_identical"], true);
     let arms = v["arms"].as_array().unwrap();
     assert_eq!(arms.len(), 3, "none, ngram γ=1, ngram γ=3");
@@ -297,8 +301,7 @@ fn bench_decode_pairs_rounds_with_the_peer_and_reports_an_interval() {
         ],
     );
     assert_eq!(code, 0, "{out}\n{err}");
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let v = read_json(&json);
     assert_eq!(v["runs"]["ours_batch1"].as_array().unwrap().len(), 3, "{v}");
     assert_eq!(v["runs"]["llama_cpp"].as_array().unwrap().len(), 3, "{v}");
     assert_eq!(v["llama_cpp_tok_s"], 1200.0, "best peer round");
@@ -369,9 +372,7 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
         args.extend_from_slice(extra);
         let (code, out, err) = dspark(&d, &args);
         assert_eq!(code, 0, "{err}");
-        let cfg: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("drafter.json")).unwrap())
-                .unwrap();
+        let cfg = read_json(&dir.join("drafter.json"));
         (out, cfg["greedy_calibration"]["copy_bias"].clone())
     };
     // The copy prior is fitted first (one bias per match length, none negative), then the
@@ -408,7 +409,7 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
         ],
     );
     assert_eq!(code, 0, "{err}");
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&j).unwrap()).unwrap();
+    let v = read_json(&j);
     let arms: Vec<&str> = v["results"]
         .as_array()
         .unwrap()

@@ -609,9 +609,11 @@ impl Proposer for DsparkProposer {
                         logits[j] += b;
                     }
                 }
+                // The top token (read once: the copy evidence and greedy drafting both use it).
+                let top = (cand.is_some() || r.params.is_greedy()).then(|| argmax(&logits));
                 // Copy evidence: the match length when its candidate is the top token.
-                let copy_ev = match cand {
-                    Some((len, _, j)) if argmax(&logits) as usize == j => len as f32,
+                let copy_ev = match (cand, top) {
+                    (Some((len, _, j)), Some(t)) if t as usize == j => len as f32,
                     _ => 0.0,
                 };
                 // How sure the drafter is of position kk: its distribution before x_kk is
@@ -644,7 +646,8 @@ impl Proposer for DsparkProposer {
                     // 0 outside it, and q travels as (token, probability) pairs.
                     Some(ids) if !r.params.has_penalties() => {
                         if r.params.is_greedy() {
-                            (ids[argmax(&logits) as usize], Dist::OneHot)
+                            let t = top.unwrap_or_else(|| argmax(&logits));
+                            (ids[t as usize], Dist::OneHot)
                         } else {
                             let p = probs(&logits, &[], r.params);
                             let j = sample(&p, r.rng) as usize;
