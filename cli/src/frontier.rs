@@ -29,9 +29,18 @@ pub struct FrontierArgs {
     pub max_gamma: usize,
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
-    /// Requests per point, as a multiple of the concurrency (at least 4).
+    /// Requests per point, as a multiple of the concurrency.
     #[arg(long, default_value_t = 2)]
     pub waves: usize,
+    /// At least this many timed requests per point, whatever the concurrency: at c = 1 a few
+    /// short answers last a fraction of a second, which this machine's noise swamps.
+    #[arg(long, default_value_t = 16)]
+    pub min_requests: usize,
+    /// Untimed requests each arm serves before it is timed (default: one wave, `c`), as a
+    /// benchmark of a long-running server would: the scheduler's running estimates start from
+    /// its prior, and the first steps warm caches and threads.
+    #[arg(long)]
+    pub warmup: Option<usize>,
     /// Measure every arm this many times per concurrency, each round in a shuffled order (so no
     /// arm always follows the same one), and report each arm's median round: this machine's
     /// noise moves whole seconds, arms must share it.
@@ -110,33 +119,12 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                         ),
                     )));
                 }
-                let n = (c * a.waves).max(4);
+                let warm = a.warmup.unwrap_or(c);
+                serve(&mut e, &ids, 0, warm, c, a.max_tokens)?;
+                let (tokens0, calls0) = (e.totals().completion_tokens, e.totals().target_calls);
+                let n = (c * a.waves).max(a.min_requests).max(1);
                 let t0 = Instant::now();
-                let (mut next, mut in_flight, mut out_tokens) = (0usize, 0usize, 0usize);
-                let mut user = Vec::new();
-                while next < n || in_flight > 0 {
-                    while in_flight < c && next < n {
-                        e.add(Request::new(
-                            next as u64,
-                            ids[next % ids.len()].clone(),
-                            a.max_tokens,
-                        ))?;
-                        next += 1;
-                        in_flight += 1;
-                    }
-                    for ev in e.step()? {
-                        match ev {
-                            Event::Tokens { tokens, .. } => out_tokens += tokens.len(),
-                            Event::Finished { metrics, .. } => {
-                                in_flight -= 1;
-                                let dt = metrics.e2e_s - metrics.ttft_s;
-                                if metrics.completion_tokens > 1 && dt > 0.0 {
-                                    user.push((metrics.completion_tokens - 1) as f64 / dt);
-                                }
-                            }
-                        }
-                    }
-                }
+                let (out_tokens, user) = serve(&mut e, &ids, warm, n, c, a.max_tokens)?;
                 let wall = t0.elapsed().as_secs_f64();
                 let tok_s = out_tokens as f64 / wall;
                 let user_tok_s = if user.is_empty() {
@@ -144,7 +132,15 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                 } else {
                     user.iter().sum::<f64>() / user.len() as f64
                 };
-                let per_call = e.totals().committed_per_call();
+                let t = e.totals();
+                let calls = t.target_calls - calls0;
+                // Tokens after each request's first (its prefill's) per target call after prefill:
+                // 1.00 for plain decoding.
+                let per_call = if calls == 0 {
+                    1.0
+                } else {
+                    (t.completion_tokens - tokens0).saturating_sub(n) as f64 / calls as f64
+                };
                 if a.rounds > 1 {
                     eprintln!("  round {round}: {name} c{c} {tok_s:.1} tok/s");
                 }
@@ -241,6 +237,46 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         eprintln!("wrote {}", p.display());
     }
     Ok(())
+}
+
+/// Serves requests `first..first + n` (prompts taken round-robin) at concurrency `c` to the end;
+/// returns the tokens streamed and each multi-token request's decode rate (tokens after the
+/// first over the time after it).
+fn serve(
+    e: &mut specdec::Engine,
+    ids: &[Vec<u32>],
+    first: usize,
+    n: usize,
+    c: usize,
+    max_tokens: usize,
+) -> anyhow::Result<(usize, Vec<f64>)> {
+    let (mut next, mut in_flight, mut out_tokens) = (0usize, 0usize, 0usize);
+    let mut user = Vec::new();
+    while next < n || in_flight > 0 {
+        while in_flight < c && next < n {
+            let id = first + next;
+            e.add(Request::new(
+                id as u64,
+                ids[id % ids.len()].clone(),
+                max_tokens,
+            ))?;
+            next += 1;
+            in_flight += 1;
+        }
+        for ev in e.step()? {
+            match ev {
+                Event::Tokens { tokens, .. } => out_tokens += tokens.len(),
+                Event::Finished { metrics, .. } => {
+                    in_flight -= 1;
+                    let dt = metrics.e2e_s - metrics.ttft_s;
+                    if metrics.completion_tokens > 1 && dt > 0.0 {
+                        user.push((metrics.completion_tokens - 1) as f64 / dt);
+                    }
+                }
+            }
+        }
+    }
+    Ok((out_tokens, user))
 }
 
 /// Geometric mean of the paired ratios a_i / b_i and its 95 % t-interval (on the log ratios);

@@ -505,6 +505,12 @@ pub struct ConfidencePolicy {
     /// drafting steps would price a plain step as dear as a drafting one, and make drafting
     /// look better than it measures.
     step_scales: Vec<f64>,
+    /// The machine's drift, shared by every B: measured ratio = `step_scales[B]` × this. A
+    /// bucket is refreshed only on steps of its own B, so without it a B seen while the
+    /// machine was slow (a cold start, a noisy neighbour) keeps that price after plain steps
+    /// have shown the machine sped up, and drafting, once stopped, never looks worth
+    /// retrying. Each step's log residual moves this fast and its own bucket slowly.
+    step_drift: f64,
     /// Running mean of what drafting gained on the steps that drafted: Θ with the chosen
     /// verification and the drafting seconds, over Θ of plain decoding, minus 1. A zero budget
     /// decided from one step's confidences says little about the next step's; while this mean
@@ -577,6 +583,7 @@ impl ConfidencePolicy {
             planned_central: false,
             step_scale: 0.0,
             step_scales: vec![0.0; SCALE_BUCKETS],
+            step_drift: 1.0,
             gain_ema: 0.0,
             gain_seen: 0,
         }
@@ -613,7 +620,7 @@ impl ConfidencePolicy {
     /// there is one, else the one over all steps, else 1.
     fn scale_for(&self, b: u32) -> f64 {
         match self.step_scales.get(b as usize) {
-            Some(&r) if r > 0.0 => r,
+            Some(&r) if r > 0.0 => r * self.step_drift,
             _ if self.step_scale > 0.0 => self.step_scale,
             _ => 1.0,
         }
@@ -706,6 +713,17 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 };
                 self.gain_seen += 1;
             }
+            tracing::debug!(
+                drafted = n,
+                k_total = now,
+                expected = d.expected_tokens,
+                batch_tokens = d.batch_tokens,
+                spec,
+                plain,
+                draft_s_per_req = self.draft_s_per_req,
+                gain_ema = self.gain_ema,
+                "drafting against plain decoding"
+            );
             if now > 0 && plain >= spec {
                 now = 0;
             }
@@ -831,7 +849,15 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 0.9 * self.step_scale + 0.1 * r
             };
             if let Some(x) = self.step_scales.get_mut(batch_tokens) {
-                *x = if *x == 0.0 { r } else { 0.8 * *x + 0.2 * r };
+                if *x == 0.0 {
+                    *x = r / self.step_drift;
+                } else {
+                    // A fifth of the log residual per step, as the single-bucket mean had:
+                    // three quarters to the drift, one quarter to this B.
+                    let e = (r / (*x * self.step_drift)).ln().clamp(-2.0, 2.0);
+                    self.step_drift *= (0.15 * e).exp();
+                    *x *= (0.05 * e).exp();
+                }
             }
         }
     }
@@ -985,6 +1011,7 @@ mod tests {
                     p.observe_step(secs, b);
                     if !per_b {
                         p.step_scales.iter_mut().for_each(|x| *x = 0.0);
+                        p.step_drift = 1.0;
                     }
                     drafted
                 })
@@ -1000,6 +1027,45 @@ mod tests {
             without[100..].iter().filter(|&&d| d).count() >= 90,
             "{without:?}"
         );
+    }
+
+    #[test]
+    fn a_price_seen_while_the_machine_was_slow_follows_it_when_it_speeds_up() {
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
+        // Cold start: both shapes measured 30 % slower than the table, a 2-token step 10 %
+        // dearer than a 1-token one.
+        for _ in 0..20 {
+            p.observe_step(0.013, 1);
+            p.observe_step(0.013 * 1.1, 2);
+        }
+        let ratio = p.scale_for(2) / p.scale_for(1);
+        assert!((ratio - 1.1 * 0.93).abs() < 0.01, "{ratio}");
+        // Warm: only plain steps are seen now, at the table's own speed.
+        for _ in 0..200 {
+            p.observe_step(0.010, 1);
+        }
+        assert!((p.scale_for(1) - 1.0).abs() < 0.01, "{}", p.scale_for(1));
+        // The 2-token price came down with the machine, most of the way (a drift seen on one
+        // B cannot be told apart from a change of that B alone).
+        let slow = 0.013 * 1.1;
+        assert!(
+            p.scale_for(2) / 93.0 < 0.0125 && p.scale_for(2) / 93.0 > 0.010,
+            "2-token step priced at {} s (cold: {slow} s, warm: 0.011 s)",
+            p.scale_for(2) / 93.0
+        );
+        // Steps of that B then set its price on their own.
+        for _ in 0..100 {
+            p.observe_step(0.011, 2);
+            p.observe_step(0.010, 1);
+        }
+        assert!(
+            (p.scale_for(2) / 93.0 - 0.011).abs() < 0.0002,
+            "{}",
+            p.scale_for(2) / 93.0
+        );
+        assert!((p.scale_for(1) / 100.0 - 0.010).abs() < 0.0002);
     }
 
     #[test]

@@ -953,6 +953,12 @@ impl Engine {
         // The step's cost as the policy prices it: the forward, and acceptance, sampling and
         // commits at every verified position (drafting is measured apart).
         if let Some(policy) = self.policy.as_mut() {
+            tracing::trace!(
+                batch_tokens,
+                forward_s = verify_s,
+                step_s = t_fwd.elapsed().as_secs_f64(),
+                "step priced"
+            );
             policy.observe_step(t_fwd.elapsed().as_secs_f64(), batch_tokens);
         }
         // 5. Proposer state, finished requests, invariants.
