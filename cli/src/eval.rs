@@ -6,7 +6,7 @@
 use crate::config::Global;
 use clap::Args;
 use drafter::calibrate::{Observed, roc_auc};
-use drafter::calibrate::{Sts, cumulative_ece};
+use drafter::calibrate::{Sts, cumulative_ece, cumulative_ece_floor};
 use drafter::{DsparkDrafter, DsparkProposer};
 use specdec::{Event, Proposer, ProposerKind, Request};
 use std::path::PathBuf;
@@ -212,8 +212,8 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
     let mut drafts = crate::spec::DraftCache::default();
     let mut results = Vec::new();
     println!(
-        "{:<6} {:<12} {:>5} {:>6} {:>9} {:>9} {:>6} {:>6}  accept/pos",
-        "set", "drafter", "gamma", "tau", "ece_bef", "ece_aft", "auc", "oracle"
+        "{:<6} {:<12} {:>5} {:>6} {:>9} {:>9} {:>9} {:>6} {:>6}  accept/pos",
+        "set", "drafter", "gamma", "tau", "ece_bef", "ece_aft", "floor_q95", "auc", "oracle"
     );
     for set in &sets {
         let mut prompts = crate::bench::prompt_set(set)?;
@@ -260,8 +260,8 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             let tau = r.totals.committed_per_call();
             let acc = r.totals.accept_per_pos();
             let oracle = oracle_auc(&r.obs);
-            let (eb, ea, auc) = if r.obs.is_empty() {
-                (None, None, None)
+            let (eb, ea, auc, floor) = if r.obs.is_empty() {
+                (None, None, None, None)
             } else {
                 let b = cumulative_ece(&r.obs, &Sts::identity(a.gamma));
                 let sts = sts.truncated(a.gamma);
@@ -269,21 +269,34 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 // Markov drafter); its ECE after STS says how well they transfer.
                 let af = cumulative_ece(&r.obs, &sts);
                 let auc = conditional_auc(&r.obs, &sts);
-                (Some(b), Some(af), Some(auc))
+                // What exactly calibrated confidences would read on these blocks.
+                let floor = cumulative_ece_floor(&r.obs, &sts, 200);
+                (Some(b), Some(af), Some(auc), Some(floor))
             };
             let mx = |v: &Option<Vec<f64>>| {
                 v.as_ref().map_or("-".to_string(), |v| {
                     format!("{:.3}", v.iter().cloned().fold(0.0, f64::max))
                 })
             };
+            // The calibrated floor's 95th percentile at the position of the worst ECE.
+            let worst_floor = match (&ea, &floor) {
+                (Some(e), Some(f)) => e
+                    .iter()
+                    .enumerate()
+                    .max_by(|x, y| x.1.total_cmp(y.1))
+                    .and_then(|(k, _)| f.get(k))
+                    .map_or("-".to_string(), |x| format!("{:.3}", x.1)),
+                _ => "-".to_string(),
+            };
             println!(
-                "{:<6} {:<12} {:>5} {:>6.2} {:>9} {:>9} {:>6} {:>6}  {}",
+                "{:<6} {:<12} {:>5} {:>6.2} {:>9} {:>9} {:>9} {:>6} {:>6}  {}",
                 set,
                 arm,
                 a.gamma,
                 tau,
                 mx(&eb),
                 mx(&ea),
+                worst_floor,
                 auc.map_or("-".into(), |x| format!("{x:.3}")),
                 oracle.map_or("-".into(), |x| format!("{x:.3}")),
                 acc.iter()
@@ -295,6 +308,8 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 "drafter": arm, "prompts": set, "gamma": a.gamma, "temperature": a.temperature,
                 "tau": tau, "accept_per_pos": acc,
                 "ece_before": eb, "ece_after": ea, "auc": auc, "auc_oracle": oracle,
+                "ece_floor": floor.as_ref().map(|f| f.iter().map(|x| x.0).collect::<Vec<_>>()),
+                "ece_floor_q95": floor.as_ref().map(|f| f.iter().map(|x| x.1).collect::<Vec<_>>()),
                 "blocks": r.obs.len(), "completion_tokens": r.totals.completion_tokens,
                 "target_calls": r.totals.target_calls,
             }));

@@ -362,7 +362,9 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
         }
         (bias, fits)
     };
-    dr.cfg.copy_bias = copy_bias.clone();
+    // The prior of the kind of request calibrated (a greedy calibration that is there already
+    // keeps its own, emptied above, and would hide one set on the sampled side).
+    dr.cfg.set_copy_bias(greedy, copy_bias.clone());
     let run = run_with(Box::new(
         drafter::DsparkProposer::new(dr, "dspark")?.with_target_head(target.model.clone()),
     ))?;
@@ -374,6 +376,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let before = cumulative_ece(&obs, &Sts::identity(gamma));
     let sts = drafter::calibrate::fit_sts(&obs, gamma, !a.head_only);
     let after = cumulative_ece(&obs, &sts);
+    let floor = drafter::calibrate::cumulative_ece_floor(&obs, &sts, 200);
     let auc = crate::eval::conditional_auc(&obs, &sts);
     // The paper's STS on the head's logit alone, for comparison.
     let head = drafter::calibrate::fit_sts(&obs, gamma, false);
@@ -398,12 +401,14 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
             )
         });
         println!(
-            "position {}: T {:.2}  shift {:+.1}  ECE before {:.3}  after {:.3} (head alone {:.3}){mix}",
+            "position {}: T {:.2}  shift {:+.1}  ECE before {:.3}  after {:.3} (calibrated would read {:.3}, 95 % ≤ {:.3}; head alone {:.3}){mix}",
             k + 1,
             temps[k],
             sts.shifts[k],
             before[k],
             after[k],
+            floor.get(k).map_or(0.0, |f| f.0),
+            floor.get(k).map_or(0.0, |f| f.1),
             ece_head[k]
         );
     }
@@ -411,12 +416,28 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let mut cfg = cfg_before;
     let mut cal = drafter::model::CalibrationCfg::from_sts(&sts);
     cal.copy_bias = copy_bias.clone();
+    // Greedy copy runs: each match length's rate of a right candidate, where it was seen often
+    // enough to trust (30 samples).
+    if greedy {
+        cal.copy_runs = copy_fit
+            .iter()
+            .map(|f| {
+                if f.samples >= 30 {
+                    f.precision as f32
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+    }
+    let copy_runs = cal.copy_runs.clone();
     cfg.set_calibration(greedy, cal);
     let tmp = a.drafter.join("drafter.json.tmp");
     std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
     std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
     let v = serde_json::json!({"blocks": obs.len(), "tau": tau, "auc": auc, "auc_head_only": auc_head, "auc_oracle": oracle, "ece_after_head_only": ece_head, "ece_before": before, "ece_after": after,
-        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "command": std::env::args().collect::<Vec<_>>().join(" ")});
+        "ece_floor": floor.iter().map(|f| f.0).collect::<Vec<_>>(), "ece_floor_q95": floor.iter().map(|f| f.1).collect::<Vec<_>>(),
+        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "copy_runs": copy_runs, "command": std::env::args().collect::<Vec<_>>().join(" ")});
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }

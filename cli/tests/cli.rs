@@ -377,11 +377,34 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     };
     // The copy prior is fitted first (one bias per match length, none negative), then the
     // confidences on drafts made with it.
-    let (out, bias) = calibrate(&[]);
+    let first = d.join("cal1.json").display().to_string();
+    let (out, bias) = calibrate(&["--json", &first]);
     assert!(out.contains("copy prior ("), "{out}");
     let bias = bias.as_array().expect("a greedy copy prior").clone();
     assert_eq!(bias.len(), 6);
     assert!(bias.iter().all(|b| b.as_f64().is_some_and(|x| x >= 0.0)));
+    let runs = read_json(&dir.join("drafter.json"))["greedy_calibration"]["copy_runs"].clone();
+    let runs = runs.as_array().expect("greedy copy runs").clone();
+    assert_eq!(runs.len(), 6);
+    assert!(
+        runs.iter()
+            .all(|r| r.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)))
+    );
+    // Calibrating again gives the same calibration: the second run drafts with the same prior
+    // (a greedy calibration already there once hid it).
+    let second = d.join("cal2.json").display().to_string();
+    calibrate(&["--json", &second]);
+    let (c1, c2) = (read_json(Path::new(&first)), read_json(Path::new(&second)));
+    for key in [
+        "blocks",
+        "tau",
+        "sts",
+        "sts_shift",
+        "copy_bias",
+        "copy_runs",
+    ] {
+        assert_eq!(c1[key], c2[key], "{key}");
+    }
     // Evaluation runs the checkpoint with and without it, on prompts calibration did not see.
     let j = d.join("eval.json");
     let (code, _, err) = dspark(

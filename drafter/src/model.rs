@@ -89,6 +89,13 @@ pub struct CalibrationCfg {
     /// The copy prior (see [`DrafterConfig::copy_bias`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub copy_bias: Vec<f32>,
+    /// Copy runs (greedy only): per match length L = 1.., how often the token that followed
+    /// the suffix's earlier occurrence was the one committed, on the calibration prompts.
+    /// Where it is at least [`crate::proposer::COPY_RUN_MIN`], the proposer drafts the copy
+    /// without running the network (whose output the copy prior decides there anyway), with
+    /// this rate as the confidence. Empty: no copy runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub copy_runs: Vec<f32>,
 }
 
 impl CalibrationCfg {
@@ -101,7 +108,7 @@ impl CalibrationCfg {
             sts: s.temps.clone(),
             sts_shift: s.shifts.clone(),
             conf_mix: s.mix.clone(),
-            copy_bias: Vec::new(),
+            ..Default::default()
         }
     }
 
@@ -141,6 +148,14 @@ impl CalibrationCfg {
                 crate::proposer::COPY_MAX_MATCH
             )));
         }
+        if self.copy_runs.len() > crate::proposer::COPY_MAX_MATCH
+            || self.copy_runs.iter().any(|p| !(0.0..=1.0).contains(p))
+        {
+            return Err(DrafterError::Invalid(format!(
+                "copy runs take at most {} rates in [0, 1]",
+                crate::proposer::COPY_MAX_MATCH
+            )));
+        }
         Ok(())
     }
 }
@@ -167,6 +182,7 @@ impl DrafterConfig {
             sts_shift: self.sts_shift.clone(),
             conf_mix: self.conf_mix.clone(),
             copy_bias: self.copy_bias.clone(),
+            ..Default::default()
         }
     }
 
@@ -178,13 +194,34 @@ impl DrafterConfig {
         }
     }
 
+    /// Per match length, the acceptance rate of a copied token for greedy requests (empty:
+    /// no copy runs; see [`CalibrationCfg::copy_runs`]).
+    pub fn copy_runs(&self) -> &[f32] {
+        self.greedy_calibration
+            .as_ref()
+            .map_or(&[], |g| g.copy_runs.as_slice())
+    }
+
     /// Without the copy prior (the ablation, and the drafts its fit is measured on).
     pub fn without_copy(mut self) -> Self {
         self.copy_bias.clear();
         if let Some(g) = self.greedy_calibration.as_mut() {
             g.copy_bias.clear();
+            g.copy_runs.clear();
         }
         self
+    }
+
+    /// Sets the copy prior of greedy (`true`) or sampled requests, leaving the other's alone
+    /// (greedy requests without a calibration of their own are given one, a copy of the
+    /// sampled one).
+    pub fn set_copy_bias(&mut self, greedy: bool, bias: Vec<f32>) {
+        if greedy {
+            let sampled = self.sampled_calibration();
+            self.greedy_calibration.get_or_insert(sampled).copy_bias = bias;
+        } else {
+            self.copy_bias = bias;
+        }
     }
 
     /// Stores a fitted calibration for greedy or sampled requests.
@@ -919,6 +956,28 @@ pub(crate) mod tests {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         assert!(worst < 1e-4, "worst abs difference {worst}");
+    }
+
+    #[test]
+    fn a_copy_prior_set_for_one_kind_of_request_is_the_one_it_drafts_with() {
+        let (m, tok) = tiny();
+        let mut cfg = tiny_drafter(&m, &tok, 6, 5).cfg;
+        // No greedy calibration: greedy requests share the sampled prior until given their own.
+        cfg.set_copy_bias(false, vec![1.0]);
+        assert_eq!(cfg.copy_bias_for(true), [1.0]);
+        cfg.set_copy_bias(true, vec![9.0, 9.5]);
+        assert_eq!(cfg.copy_bias_for(true), [9.0, 9.5]);
+        assert_eq!(cfg.copy_bias_for(false), [1.0]);
+        // What `calibrate-drafter` starts from when both kinds are calibrated already: the
+        // greedy calibration is kept (emptied), and a prior set on the sampled side would not
+        // reach greedy requests. Set for greedy, it does.
+        let mut c = cfg.clone().uncalibrated().without_copy();
+        assert!(c.greedy_calibration.is_some());
+        c.copy_bias = vec![3.0];
+        assert!(c.copy_bias_for(true).is_empty());
+        c.set_copy_bias(true, vec![3.0]);
+        assert_eq!(c.copy_bias_for(true), [3.0]);
+        c.validate().unwrap();
     }
 
     #[test]

@@ -18,6 +18,36 @@ use std::sync::{Arc, Mutex};
 pub const COPY_MAX_MATCH: usize = 6;
 /// How far back (tokens) the copy prior searches.
 const COPY_WINDOW: usize = 4096;
+/// Fitted acceptance rate of a copied token from which a greedy block is drafted by copying
+/// alone: there the copy prior's bonus (≈ 10 logits) decides the network's output anyway, so
+/// running the network would cost a drafting call for the same tokens.
+pub const COPY_RUN_MIN: f32 = 0.5;
+
+/// A greedy block drafted by the copy prior alone: while the committed-and-drafted suffix has
+/// an earlier occurrence whose match length L has a fitted acceptance rate `runs[L−1]` of at
+/// least [`COPY_RUN_MIN`], the token that followed it, with that rate as its confidence (a
+/// function of x_1..x_{k−1} only). Empty when the first position does not qualify.
+pub fn copy_run(context: &[u32], k: usize, runs: &[f32]) -> (Vec<u32>, Vec<f32>) {
+    let (mut toks, mut conf) = (Vec::new(), Vec::new());
+    if runs.is_empty() || k == 0 {
+        return (toks, conf);
+    }
+    let mut seq = context.to_vec();
+    while toks.len() < k {
+        let Some((len, next)) = suffix_match(&seq, COPY_MAX_MATCH, COPY_WINDOW) else {
+            break;
+        };
+        match runs.get(len.min(runs.len()) - 1) {
+            Some(&p) if p >= COPY_RUN_MIN => {
+                toks.push(next);
+                conf.push(p);
+                seq.push(next);
+            }
+            _ => break,
+        }
+    }
+    (toks, conf)
+}
 
 pub struct DsparkProposer {
     dr: DsparkDrafter,
@@ -272,6 +302,14 @@ impl DsparkProposer {
     }
 
     /// `f` on the target's thread pool when there is one.
+    fn log_copy(&self, samples: Vec<CopySample>) {
+        if let (Some(log), false) = (&self.copy_log, samples.is_empty())
+            && let Ok(mut l) = log.lock()
+        {
+            l.extend(samples);
+        }
+    }
+
     fn on_pool<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         match &self.target {
             Some(m) => m.install(f),
@@ -389,14 +427,43 @@ impl Proposer for DsparkProposer {
 
     fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> specdec::Result<Vec<DraftBlock>> {
         self.last_catch_up = 0.0;
-        let active: Vec<usize> = (0..reqs.len())
+        let g = self.dr.cfg.gamma;
+        let mut active: Vec<usize> = (0..reqs.len())
             .filter(|&i| reqs[i].k > 0 && !reqs[i].context.is_empty())
             .collect();
         let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
+        let mut copy_samples = Vec::new();
+        // Greedy requests whose text repeats itself here take a copy run, and skip the network.
+        let runs = self.dr.cfg.copy_runs();
+        if !runs.is_empty() {
+            let feats = &mut self.feats;
+            active.retain(|&i| {
+                let r = &reqs[i];
+                if !r.params.is_greedy() || r.params.has_penalties() {
+                    return true;
+                }
+                let (tokens, conf) = copy_run(r.context, r.k.min(g), runs);
+                if tokens.is_empty() {
+                    return true;
+                }
+                let f = feats.entry(r.id).or_default();
+                f.resolve_copy(r.context, &mut copy_samples);
+                f.observe_acceptance(r.context);
+                f.last_draft = tokens.clone();
+                f.draft_at = r.context.len();
+                out[i] = DraftBlock {
+                    dists: vec![Dist::OneHot; tokens.len()],
+                    tokens,
+                    confidence: Some(conf),
+                    conf_inputs: None,
+                };
+                false
+            });
+        }
         if active.is_empty() {
+            self.log_copy(copy_samples);
             return Ok(out);
         }
-        let g = self.dr.cfg.gamma;
         let (d, v, rank) = (self.dr.cfg.d_model, self.dr.cfg.vocab, self.dr.cfg.rank);
         let ids: Vec<u64> = active.iter().map(|&i| reqs[i].id).collect();
         let mut t = std::time::Instant::now();
@@ -415,7 +482,6 @@ impl Proposer for DsparkProposer {
             0.0
         };
         // Each request's running acceptance, from how its previous block fared.
-        let mut copy_samples = Vec::new();
         let hist: Vec<(f32, f32)> = active
             .iter()
             .map(|&i| {
@@ -425,11 +491,7 @@ impl Proposer for DsparkProposer {
                 (f.rate_logit(), f.history_logit())
             })
             .collect();
-        if let (Some(log), false) = (&self.copy_log, copy_samples.is_empty())
-            && let Ok(mut l) = log.lock()
-        {
-            l.extend(copy_samples);
-        }
+        self.log_copy(copy_samples);
         let b = active.len();
         let kmax = active.iter().map(|&i| reqs[i].k.min(g)).max().unwrap_or(1);
         let mut anchors = Vec::with_capacity(b);
@@ -799,6 +861,62 @@ mod tests {
         assert!(dr.cfg.validate().is_err());
         dr.cfg.copy_bias = vec![f32::NAN];
         assert!(dr.cfg.validate().is_err());
+    }
+
+    #[test]
+    fn greedy_copy_runs_skip_the_network_and_carry_their_fitted_rates() {
+        // 5 9 2 7 5 9 2 → the repeat continues 7 5 9 2 …, with match lengths 3, 4, 5, 6.
+        let ctx: Vec<u32> = vec![5, 9, 2, 7, 5, 9, 2];
+        let runs = [0.2, 0.55, 0.6, 0.7, 0.8, 0.9];
+        assert_eq!(
+            copy_run(&ctx, 4, &runs),
+            (vec![7, 5, 9, 2], vec![0.6, 0.7, 0.8, 0.9])
+        );
+        assert_eq!(copy_run(&ctx, 2, &runs).0, vec![7, 5]);
+        // A run starts only where its rate reaches COPY_RUN_MIN, and stops where it falls.
+        assert!(copy_run(&ctx, 4, &[0.2, 0.55, 0.45]).0.is_empty());
+        assert_eq!(
+            copy_run(&ctx, 4, &[0.2, 0.55, 0.6, 0.3]).0,
+            vec![7],
+            "the second position has a 4-token match"
+        );
+        assert!(copy_run(&[1, 2, 3], 4, &runs).0.is_empty(), "no repeat");
+        assert!(copy_run(&ctx, 4, &[]).0.is_empty());
+
+        let (m, tok) = crate::model::tests::tiny_target(22, "drafter-target");
+        let rl = 2 * m.cfg.d_model;
+        let mut rng = kernels::rng::Rng::new(4);
+        let rows: Vec<f32> = (0..7 * rl).map(|_| rng.normal() as f32).collect();
+        let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        let mut c = dr.cfg.sampled_calibration();
+        c.copy_runs = runs.to_vec();
+        dr.cfg.greedy_calibration = Some(c);
+        dr.cfg.validate().unwrap();
+        let mut p = DsparkProposer::new(dr, "t").unwrap();
+        p.observe(1, 0, &rows).unwrap();
+        let b = greedy_block(&mut p, &ctx, 4);
+        assert_eq!(b.tokens, vec![7, 5, 9, 2]);
+        assert_eq!(b.confidence, Some(vec![0.6, 0.7, 0.8, 0.9]));
+        assert!(b.dists.iter().all(|d| matches!(d, Dist::OneHot)));
+        assert!(
+            p.stage_seconds().iter().all(|s| s.1 == 0.0),
+            "the network did not run"
+        );
+        // Sampled requests draft through the network (a copy is no sample of q).
+        let s = block_at(&mut p, &ctx, 4, 1.0, 3);
+        assert!(s.conf_inputs.is_some_and(|v| v.len() == 4));
+        assert!(p.stage_seconds().iter().any(|s| s.1 > 0.0));
+        // Rates outside [0, 1] are refused.
+        let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        let mut c = dr.cfg.sampled_calibration();
+        c.copy_runs = vec![1.5];
+        dr.cfg.greedy_calibration = Some(c.clone());
+        assert!(dr.cfg.validate().is_err());
+        c.copy_runs = vec![f32::NAN];
+        dr.cfg.greedy_calibration = Some(c);
+        assert!(dr.cfg.validate().is_err());
+        // Without the copy prior there are no copy runs either.
+        assert!(dr.cfg.without_copy().copy_runs().is_empty());
     }
 
     #[test]
