@@ -302,6 +302,44 @@ impl DsparkProposer {
     }
 
     /// `f` on the target's thread pool when there is one.
+    /// Drafts a copy run (see [`copy_run`]) for each greedy request of `active` that has one,
+    /// into `out`, and removes it from `active`.
+    fn copy_runs_into(
+        &mut self,
+        reqs: &[ProposeReq<'_>],
+        active: &mut Vec<usize>,
+        out: &mut [DraftBlock],
+        copy_samples: &mut Vec<CopySample>,
+    ) {
+        let runs = self.dr.cfg.copy_runs();
+        if runs.is_empty() {
+            return;
+        }
+        let (g, feats) = (self.dr.cfg.gamma, &mut self.feats);
+        active.retain(|&i| {
+            let r = &reqs[i];
+            if !r.params.is_greedy() || r.params.has_penalties() {
+                return true;
+            }
+            let (tokens, conf) = copy_run(r.context, r.k.min(g), runs);
+            if tokens.is_empty() {
+                return true;
+            }
+            let f = feats.entry(r.id).or_default();
+            f.resolve_copy(r.context, copy_samples);
+            f.observe_acceptance(r.context);
+            f.last_draft = tokens.clone();
+            f.draft_at = r.context.len();
+            out[i] = DraftBlock {
+                dists: vec![Dist::OneHot; tokens.len()],
+                tokens,
+                confidence: Some(conf),
+                conf_inputs: None,
+            };
+            false
+        });
+    }
+
     fn log_copy(&self, samples: Vec<CopySample>) {
         if let (Some(log), false) = (&self.copy_log, samples.is_empty())
             && let Ok(mut l) = log.lock()
@@ -434,32 +472,7 @@ impl Proposer for DsparkProposer {
         let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
         let mut copy_samples = Vec::new();
         // Greedy requests whose text repeats itself here take a copy run, and skip the network.
-        let runs = self.dr.cfg.copy_runs();
-        if !runs.is_empty() {
-            let feats = &mut self.feats;
-            active.retain(|&i| {
-                let r = &reqs[i];
-                if !r.params.is_greedy() || r.params.has_penalties() {
-                    return true;
-                }
-                let (tokens, conf) = copy_run(r.context, r.k.min(g), runs);
-                if tokens.is_empty() {
-                    return true;
-                }
-                let f = feats.entry(r.id).or_default();
-                f.resolve_copy(r.context, &mut copy_samples);
-                f.observe_acceptance(r.context);
-                f.last_draft = tokens.clone();
-                f.draft_at = r.context.len();
-                out[i] = DraftBlock {
-                    dists: vec![Dist::OneHot; tokens.len()],
-                    tokens,
-                    confidence: Some(conf),
-                    conf_inputs: None,
-                };
-                false
-            });
-        }
+        self.copy_runs_into(reqs, &mut active, &mut out, &mut copy_samples);
         if active.is_empty() {
             self.log_copy(copy_samples);
             return Ok(out);
@@ -777,6 +790,21 @@ impl Proposer for DsparkProposer {
 
     fn finish(&mut self, id: u64) {
         self.feats.remove(&id);
+    }
+
+    fn has_free_drafts(&self) -> bool {
+        !self.dr.cfg.copy_runs().is_empty()
+    }
+
+    fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> specdec::Result<Vec<DraftBlock>> {
+        let mut active: Vec<usize> = (0..reqs.len())
+            .filter(|&i| reqs[i].k > 0 && !reqs[i].context.is_empty())
+            .collect();
+        let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
+        let mut copy_samples = Vec::new();
+        self.copy_runs_into(reqs, &mut active, &mut out, &mut copy_samples);
+        self.log_copy(copy_samples);
+        Ok(out)
     }
 }
 

@@ -780,6 +780,52 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         k.into_iter().map(|x| x as usize).collect()
     }
 
+    fn select_free(
+        &mut self,
+        conf: &[&[f32]],
+        other_tokens: usize,
+        plain_requests: usize,
+        kv_headroom: usize,
+    ) -> Vec<usize> {
+        // For the lagged budgets this stays a step that drafted nothing: the queue moves on
+        // with the last real decision, and drafting's running gain is not credited with
+        // drafts that needed no drafting call.
+        self.select(&[], other_tokens, plain_requests + conf.len(), kv_headroom);
+        if conf.is_empty() {
+            return Vec::new();
+        }
+        let limits: Vec<ReqLimits> = conf
+            .iter()
+            .map(|_| ReqLimits {
+                min_k: 0,
+                max_k: self.max_k,
+            })
+            .collect();
+        let step = StepLimits {
+            max_batch_tokens: self.max_batch_tokens,
+            kv_headroom: kv_headroom.min(u32::MAX as usize) as u32,
+            other_tokens: other_tokens.min(u32::MAX as usize) as u32,
+            plain_requests: plain_requests.min(u32::MAX as usize) as u32,
+        };
+        let d = self.adm.decide(conf, &limits, step, &self.sps, self.rule);
+        self.clamped_total += self.adm.clamped;
+        // Θ at this step's measured prices, no drafting seconds on either side.
+        let reqs = conf.len() as u32 + step.plain_requests;
+        let spec = self.theta_with_draft(d.expected_tokens, d.batch_tokens, 0);
+        let plain = self.theta_with_draft(reqs as f64, reqs + step.other_tokens, 0);
+        tracing::debug!(
+            k_total = d.k.iter().sum::<u32>(),
+            spec,
+            plain,
+            "free drafts"
+        );
+        if spec > plain {
+            d.k.into_iter().map(|x| x as usize).collect()
+        } else {
+            vec![0; conf.len()]
+        }
+    }
+
     fn probe(&self) -> Option<(usize, usize)> {
         self.probing
             .then_some((self.probe_width.max(1), self.probe_k.max(1)))
@@ -1027,6 +1073,43 @@ mod tests {
             without[100..].iter().filter(|&&d| d).count() >= 90,
             "{without:?}"
         );
+    }
+
+    #[test]
+    fn free_drafts_are_decided_at_once_at_measured_prices_and_leave_the_plan_alone() {
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
+        let fresh = || {
+            let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 4);
+            // Drafting calls are dear (a zero budget is planned), steps cost what the table says.
+            p.observe_draft(0.05, 1);
+            p.observe_step(0.010, 1);
+            p.observe_step(1.0 / 93.0, 2);
+            p
+        };
+        // The same steps, one with free drafts on its zero-planned steps: the lagged plan and
+        // drafting's running gain do not move with them.
+        let (mut a, mut b) = (fresh(), fresh());
+        let row = [0.9f32];
+        for _ in 0..6 {
+            a.planned();
+            b.planned();
+            a.select(&[], 0, 1, 1 << 20);
+            assert_eq!(b.select_free(&[&row], 0, 0, 1 << 20), vec![1]);
+        }
+        assert_eq!(a.planned(), b.planned());
+        assert_eq!((a.gain_seen, a.gain_ema), (b.gain_seen, b.gain_ema));
+        // Where the measured price of one more token exceeds what it is expected to bring, a
+        // free draft is not verified either: a 2-token step at 1.5 times a 1-token one pays
+        // for a draft at 0.9 (1.9 tokens), not at 0.3.
+        let mut c = fresh();
+        for _ in 0..50 {
+            c.observe_step(0.015, 2);
+            c.observe_step(0.010, 1);
+        }
+        assert_eq!(c.select_free(&[&row], 0, 0, 1 << 20), vec![1]);
+        assert_eq!(c.select_free(&[&[0.3f32][..]], 0, 0, 1 << 20), vec![0]);
+        assert_eq!(c.select_free(&[], 0, 1, 1 << 20), Vec::<usize>::new());
     }
 
     #[test]

@@ -170,6 +170,18 @@ pub trait VerifyPolicy: Send {
     /// Seconds this step's target forward, acceptance and commits took over `batch_tokens`
     /// tokens (drafting apart): the profiled table's time scale can be checked against it.
     fn observe_step(&mut self, _secs: f64, _batch_tokens: usize) {}
+    /// [`VerifyPolicy::select`] for a step planned without drafting whose blocks cost nothing
+    /// to draft ([`crate::Proposer::propose_free`]): decided at once, and with no drafting
+    /// cost to recover.
+    fn select_free(
+        &mut self,
+        conf: &[&[f32]],
+        other_tokens: usize,
+        plain_requests: usize,
+        kv_headroom: usize,
+    ) -> Vec<usize> {
+        self.select(conf, other_tokens, plain_requests, kv_headroom)
+    }
 }
 
 /// Relative forward cost T(n)/T(1) for n tokens, measured at start.
@@ -611,6 +623,8 @@ impl Engine {
         // of its drafts verified, so drafting more is wasted). A probe drafts for a few requests
         // only, so keeping the confidences fresh costs little at high load.
         let (mut cap, mut probe) = (usize::MAX, usize::MAX);
+        // A step planned without drafting still verifies drafts that cost nothing to make.
+        let mut free = false;
         if let Some(policy) = self.policy.as_mut() {
             let cfg_gamma = self.cfg.gamma;
             if self
@@ -619,6 +633,7 @@ impl Engine {
                 .any(|s| s.phase == Phase::Decode && s.req.gamma.unwrap_or(cfg_gamma) > 0)
             {
                 match policy.planned() {
+                    Some(0) if self.proposer.has_free_drafts() => free = true,
                     Some(kt) => cap = kt,
                     None => {
                         if let Some((n, k)) = policy.probe() {
@@ -709,7 +724,11 @@ impl Engine {
                     rng: &mut s.rng_draft,
                 });
             }
-            let blocks = self.proposer.propose(&mut reqs)?;
+            let blocks = if free {
+                self.proposer.propose_free(&mut reqs)?
+            } else {
+                self.proposer.propose(&mut reqs)?
+            };
             for (&i, mut b) in drafting.iter().zip(blocks) {
                 let k = ks[i].unwrap_or(0);
                 b.tokens.truncate(k);
@@ -733,7 +752,7 @@ impl Engine {
         }
         // 2b. The scheduler trims the blocks (confidences only).
         if let Some(policy) = self.policy.as_mut() {
-            if !drafting.is_empty() {
+            if !drafting.is_empty() && !free {
                 // Per-step cost only: catching up on deferred context is paid once.
                 let secs = t_draft.elapsed().as_secs_f64() - self.proposer.last_catch_up_seconds();
                 policy.observe_draft(secs.max(0.0), drafting.len());
@@ -753,7 +772,11 @@ impl Engine {
             // drafting request is a decoding one).
             let plain = ks.iter().flatten().count() - drafting.len();
             let headroom = self.cache.free_blocks() * self.cfg.block_size;
-            let k = policy.select(&refs, other, plain, headroom);
+            let k = if free {
+                policy.select_free(&refs, other, plain, headroom)
+            } else {
+                policy.select(&refs, other, plain, headroom)
+            };
             for (j, &i) in drafting.iter().enumerate() {
                 let kk = k.get(j).copied().unwrap_or(0).min(drafts[i].tokens.len());
                 drafts[i].tokens.truncate(kk);

@@ -112,6 +112,17 @@ pub trait Proposer: Send {
     fn last_catch_up_seconds(&self) -> f64 {
         0.0
     }
+    /// Whether [`Proposer::propose_free`] can return anything: drafts that cost next to
+    /// nothing to make (a lookup, no network).
+    fn has_free_drafts(&self) -> bool {
+        false
+    }
+    /// Only the drafts that cost next to nothing (empty blocks elsewhere). The engine asks for
+    /// them on steps the scheduler planned without drafting: a zero budget prices the drafting
+    /// call it saves, and these do not need one. Confidences as in [`Proposer::propose`].
+    fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
+        Ok(reqs.iter().map(|_| DraftBlock::default()).collect())
+    }
 }
 
 /// Which proposer to build.

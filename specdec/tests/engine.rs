@@ -586,6 +586,90 @@ fn a_zero_budget_planned_ahead_skips_drafting_and_keeps_greedy_parity() {
     assert!(shown.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
 
+/// N-gram lookup that also offers its drafts as free ones, counting both kinds of call.
+struct FreeLookup {
+    inner: NgramProposer,
+    calls: Arc<std::sync::Mutex<(usize, usize)>>,
+}
+
+impl Proposer for FreeLookup {
+    fn name(&self) -> &str {
+        "free-lookup"
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::DraftBlock>> {
+        if let Ok(mut c) = self.calls.lock() {
+            c.0 += 1;
+        }
+        self.inner.propose(reqs)
+    }
+    fn has_free_drafts(&self) -> bool {
+        true
+    }
+    fn propose_free(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::DraftBlock>> {
+        if let Ok(mut c) = self.calls.lock() {
+            c.1 += 1;
+        }
+        self.inner.propose(reqs)
+    }
+}
+
+#[test]
+fn steps_planned_without_drafting_verify_free_drafts_and_keep_greedy_parity() {
+    let f = fixture();
+    let ps = prompts(&f, 6);
+    let run = |proposer: Box<dyn Proposer>, policy: Option<PlansZero>| {
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            proposer,
+            cfg(3),
+            CostModel::flat(4),
+        )
+        .unwrap();
+        e.set_policy(policy.map(|p| Box::new(p) as Box<dyn specdec::VerifyPolicy>));
+        for (i, p) in ps.iter().enumerate() {
+            e.add(Request::new(i as u64, p.clone(), 24)).unwrap();
+        }
+        let out = collect(e.run_to_completion().unwrap());
+        (out, e.totals().clone())
+    };
+    let (plain, _) = run(Box::new(NoProposer), None);
+    let plans = || PlansZero {
+        steps: 0,
+        shown: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+    };
+    let (_, costly) = run(Box::new(NgramProposer::default()), Some(plans()));
+    let calls = Arc::new(std::sync::Mutex::new((0, 0)));
+    let (with, free) = run(
+        Box::new(FreeLookup {
+            inner: NgramProposer::default(),
+            calls: calls.clone(),
+        }),
+        Some(plans()),
+    );
+    for (id, (toks, _, _)) in &plain {
+        assert_eq!(&with[id].0, toks, "request {id}");
+    }
+    let (full, cheap) = *calls.lock().unwrap();
+    // Two steps in three are planned at zero: those ask for free drafts only.
+    assert!(
+        full > 0 && cheap > full,
+        "{full} full calls, {cheap} free ones"
+    );
+    assert!(
+        free.spec_calls > costly.spec_calls,
+        "free drafts were verified on zero-planned steps ({} against {} verifying calls)",
+        free.spec_calls,
+        costly.spec_calls
+    );
+}
+
 /// Plans a zero budget on every step except every `every`-th (0: never), which is a probe
 /// limited to one request; records (requests drafting, plain requests) of each drafting step.
 struct ProbesOne {
