@@ -17,8 +17,19 @@ for t in 1.0 0; do
   "$bin" eval-drafter --target smollm2-135m --drafter dspark --prompts all --gamma 7 \
     --temperature "$t" --max-tokens 512 --json "$r/eval-dspark-smollm2$sfx.json"
 done
-"$bin" bench spec --model smollm2-135m --drafter dspark,ngram --gammas 1,3,7 --scheduler \
-  --prompts code --limit 16 --max-tokens 96 --json $r/spec-smollm2-dspark-code.json
+# The shipped checkpoint without copy runs, for the ablation arm.
+norun=/tmp/dspark-norun
+rm -rf "$norun" && cp -r drafters/smollm2-135m "$norun"
+python3 - "$norun/drafter.json" <<'EOF'
+import json, sys
+p = sys.argv[1]
+d = json.load(open(p))
+d.get("greedy_calibration", {}).pop("copy_runs", None)
+json.dump(d, open(p, "w"), indent=2)
+EOF
+"$bin" bench spec --model smollm2-135m --drafter dspark,dspark:$norun,ngram --gammas 1,3,7 \
+  --scheduler --prompts code --limit 16 --max-tokens 96 --rounds 3 \
+  --json $r/spec-smollm2-dspark-code.json
 "$bin" bench frontier --target smollm2-135m --drafter dspark --prompts code \
   --concurrency 1,2,4,8,16,32 --waves 4 --rounds 3 \
   --json $r/frontier-smollm2-dspark.json --plot $r/frontier-smollm2-dspark.svg

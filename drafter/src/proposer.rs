@@ -18,6 +18,13 @@ use std::sync::{Arc, Mutex};
 pub const COPY_MAX_MATCH: usize = 6;
 /// How far back (tokens) the copy prior searches.
 const COPY_WINDOW: usize = 4096;
+/// The requests asking for a block that have a context to draft from.
+fn drafting(reqs: &[ProposeReq<'_>]) -> Vec<usize> {
+    (0..reqs.len())
+        .filter(|&i| reqs[i].k > 0 && !reqs[i].context.is_empty())
+        .collect()
+}
+
 /// Fitted acceptance rate of a copied token from which a greedy block is drafted by copying
 /// alone: there the copy prior's bonus (≈ 10 logits) decides the network's output anyway, so
 /// running the network would cost a drafting call for the same tokens.
@@ -466,9 +473,7 @@ impl Proposer for DsparkProposer {
     fn propose(&mut self, reqs: &mut [ProposeReq<'_>]) -> specdec::Result<Vec<DraftBlock>> {
         self.last_catch_up = 0.0;
         let g = self.dr.cfg.gamma;
-        let mut active: Vec<usize> = (0..reqs.len())
-            .filter(|&i| reqs[i].k > 0 && !reqs[i].context.is_empty())
-            .collect();
+        let mut active = drafting(reqs);
         let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
         let mut copy_samples = Vec::new();
         // Greedy requests whose text repeats itself here take a copy run, and skip the network.
@@ -797,9 +802,7 @@ impl Proposer for DsparkProposer {
     }
 
     fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> specdec::Result<Vec<DraftBlock>> {
-        let mut active: Vec<usize> = (0..reqs.len())
-            .filter(|&i| reqs[i].k > 0 && !reqs[i].context.is_empty())
-            .collect();
+        let mut active = drafting(reqs);
         let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
         let mut copy_samples = Vec::new();
         self.copy_runs_into(reqs, &mut active, &mut out, &mut copy_samples);

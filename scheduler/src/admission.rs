@@ -615,6 +615,28 @@ impl ConfidencePolicy {
         tau / (self.scale_for(b) / s + draft)
     }
 
+    /// Per-request caps (γ) for `n` drafting requests and the step's limits.
+    fn limits(
+        &self,
+        n: usize,
+        other_tokens: usize,
+        plain_requests: usize,
+        kv_headroom: usize,
+    ) -> (Vec<ReqLimits>, StepLimits) {
+        let cap = |x: usize| x.min(u32::MAX as usize) as u32;
+        let req = ReqLimits {
+            min_k: 0,
+            max_k: self.max_k,
+        };
+        let step = StepLimits {
+            max_batch_tokens: self.max_batch_tokens,
+            kv_headroom: cap(kv_headroom),
+            other_tokens: cap(other_tokens),
+            plain_requests: cap(plain_requests),
+        };
+        (vec![req; n], step)
+    }
+
     /// The table's steps are profiled shapes (the slowest per B); the engine's own step times
     /// put drafting seconds and step seconds on one scale: the ratio measured at this B when
     /// there is one, else the one over all steps, else 1.
@@ -675,19 +697,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
             return Vec::new();
         }
-        let limits: Vec<ReqLimits> = conf
-            .iter()
-            .map(|_| ReqLimits {
-                min_k: 0,
-                max_k: self.max_k,
-            })
-            .collect();
-        let step = StepLimits {
-            max_batch_tokens: self.max_batch_tokens,
-            kv_headroom: kv_headroom.min(u32::MAX as usize) as u32,
-            other_tokens: other_tokens.min(u32::MAX as usize) as u32,
-            plain_requests: plain_requests.min(u32::MAX as usize) as u32,
-        };
+        let (limits, step) = self.limits(conf.len(), other_tokens, plain_requests, kv_headroom);
         let d = self.adm.decide(conf, &limits, step, &self.sps, self.rule);
         self.clamped_total += self.adm.clamped;
         if self.adm.clamped > 0 {
@@ -794,19 +804,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         if conf.is_empty() {
             return Vec::new();
         }
-        let limits: Vec<ReqLimits> = conf
-            .iter()
-            .map(|_| ReqLimits {
-                min_k: 0,
-                max_k: self.max_k,
-            })
-            .collect();
-        let step = StepLimits {
-            max_batch_tokens: self.max_batch_tokens,
-            kv_headroom: kv_headroom.min(u32::MAX as usize) as u32,
-            other_tokens: other_tokens.min(u32::MAX as usize) as u32,
-            plain_requests: plain_requests.min(u32::MAX as usize) as u32,
-        };
+        let (limits, step) = self.limits(conf.len(), other_tokens, plain_requests, kv_headroom);
         let d = self.adm.decide(conf, &limits, step, &self.sps, self.rule);
         self.clamped_total += self.adm.clamped;
         // Θ at this step's measured prices, no drafting seconds on either side.
