@@ -44,7 +44,7 @@ pub fn copy_run(context: &[u32], k: usize, runs: &[f32]) -> (Vec<u32>, Vec<f32>)
         let Some((len, next)) = suffix_match(&seq, COPY_MAX_MATCH, COPY_WINDOW) else {
             break;
         };
-        match runs.get(len.min(runs.len()) - 1) {
+        match len.min(runs.len()).checked_sub(1).and_then(|i| runs.get(i)) {
             Some(&p) if p >= COPY_RUN_MIN => {
                 toks.push(next);
                 conf.push(p);
