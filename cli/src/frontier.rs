@@ -29,6 +29,13 @@ pub struct FrontierArgs {
     pub max_gamma: usize,
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
+    /// Each request's answer length is `--max-tokens` × a factor in [1 − s, 1 + s], fixed per
+    /// request (the same in every arm). With one length for all, a wave of requests runs in
+    /// lockstep under plain decoding and the next wave's prefill never overlaps anyone's
+    /// decoding, while any speculation breaks the lockstep: the benchmark would charge
+    /// speculation for prefill interference that real traffic gives every arm.
+    #[arg(long, default_value_t = 0.5)]
+    pub length_spread: f64,
     /// Requests per point, as a multiple of the concurrency.
     #[arg(long, default_value_t = 2)]
     pub waves: usize,
@@ -67,6 +74,10 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
             .all(|&x| (1..=specdec::MAX_GAMMA).contains(&x)),
         "draft lengths must be in 1..={}",
         specdec::MAX_GAMMA
+    );
+    anyhow::ensure!(
+        (0.0..1.0).contains(&a.length_spread),
+        "--length-spread takes a value in [0, 1)"
     );
     let kind = ProposerKind::parse(&a.drafter, crate::spec::default_draft_for(&a.target))?;
     let target = crate::spec::load_target(g, &a.target)?;
@@ -120,11 +131,15 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                     )));
                 }
                 let warm = a.warmup.unwrap_or(c);
-                serve(&mut e, &ids, 0, warm, c, a.max_tokens)?;
+                let lengths = Lengths {
+                    max_tokens: a.max_tokens,
+                    spread: a.length_spread,
+                };
+                serve(&mut e, &ids, 0, warm, c, lengths)?;
                 let (tokens0, calls0) = (e.totals().completion_tokens, e.totals().target_calls);
                 let n = (c * a.waves).max(a.min_requests).max(1);
                 let t0 = Instant::now();
-                let (out_tokens, user) = serve(&mut e, &ids, warm, n, c, a.max_tokens)?;
+                let (out_tokens, user) = serve(&mut e, &ids, warm, n, c, lengths)?;
                 let wall = t0.elapsed().as_secs_f64();
                 let tok_s = out_tokens as f64 / wall;
                 let user_tok_s = if user.is_empty() {
@@ -191,7 +206,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
     let v = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "target": a.target, "drafter": kind.label(), "prompts": a.prompts, "max_tokens": a.max_tokens,
-        "rounds": a.rounds,
+        "length_spread": a.length_spread, "rounds": a.rounds,
         "threads": target.model.threads(), "sps_table": sps.points, "points": points,
         "checks": checks, "paired_vs_none": paired,
     });
@@ -239,6 +254,22 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Answer lengths: `max_tokens` scaled per request by a factor in [1 − spread, 1 + spread].
+#[derive(Clone, Copy)]
+struct Lengths {
+    max_tokens: usize,
+    spread: f64,
+}
+
+impl Lengths {
+    /// Request `id`'s length: a function of the id only, so every arm serves the same lengths.
+    fn of(&self, id: usize) -> usize {
+        let u = kernels::rng::Rng::new(0x1e9 ^ (id as u64).wrapping_mul(0x9e37_79b9)).uniform();
+        let f = 1.0 - self.spread + 2.0 * self.spread * u;
+        ((self.max_tokens as f64 * f).round() as usize).max(2)
+    }
+}
+
 /// Serves requests `first..first + n` (prompts taken round-robin) at concurrency `c` to the end;
 /// returns the tokens streamed and each multi-token request's decode rate (tokens after the
 /// first over the time after it).
@@ -248,7 +279,7 @@ fn serve(
     first: usize,
     n: usize,
     c: usize,
-    max_tokens: usize,
+    lengths: Lengths,
 ) -> anyhow::Result<(usize, Vec<f64>)> {
     let (mut next, mut in_flight, mut out_tokens) = (0usize, 0usize, 0usize);
     let mut user = Vec::new();
@@ -258,7 +289,7 @@ fn serve(
             e.add(Request::new(
                 id as u64,
                 ids[id % ids.len()].clone(),
-                max_tokens,
+                lengths.of(id),
             ))?;
             next += 1;
             in_flight += 1;
@@ -403,6 +434,23 @@ mod tests {
 
     fn pt(arm: &str, c: usize, u: f64, t: f64) -> serde_json::Value {
         json!({"arm": arm, "concurrency": c, "user_tok_s": u, "tok_s": t})
+    }
+
+    #[test]
+    fn answer_lengths_spread_around_the_maximum_and_repeat_per_request() {
+        let l = Lengths {
+            max_tokens: 32,
+            spread: 0.5,
+        };
+        let v: Vec<usize> = (0..200).map(|i| l.of(i)).collect();
+        assert!(v.iter().all(|&x| (16..=48).contains(&x)), "{v:?}");
+        assert!(v.iter().any(|&x| x < 24) && v.iter().any(|&x| x > 40));
+        assert_eq!(v, (0..200).map(|i| l.of(i)).collect::<Vec<_>>());
+        let fixed = Lengths {
+            max_tokens: 32,
+            spread: 0.0,
+        };
+        assert!((0..50).all(|i| fixed.of(i) == 32));
     }
 
     #[test]
