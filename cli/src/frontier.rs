@@ -102,8 +102,8 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
     let mut drafts = crate::spec::DraftCache::default();
     let mut points = Vec::new();
     println!(
-        "{:<12} {:>5} {:>9} {:>11} {:>9}",
-        "arm", "conc", "tok/s", "user tok/s", "per_call"
+        "{:<12} {:>5} {:>9} {:>11} {:>9} {:>8}",
+        "arm", "conc", "tok/s", "user tok/s", "per_call", "ttft ms"
     );
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     let mut paired = Vec::new();
@@ -139,7 +139,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                 let (tokens0, calls0) = (e.totals().completion_tokens, e.totals().target_calls);
                 let n = (c * a.waves).max(a.min_requests).max(1);
                 let t0 = Instant::now();
-                let (out_tokens, user) = serve(&mut e, &ids, warm, n, c, lengths)?;
+                let (out_tokens, user, ttft) = serve(&mut e, &ids, warm, n, c, lengths)?;
                 let wall = t0.elapsed().as_secs_f64();
                 let tok_s = out_tokens as f64 / wall;
                 let user_tok_s = if user.is_empty() {
@@ -147,6 +147,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                 } else {
                     user.iter().sum::<f64>() / user.len() as f64
                 };
+                let ttft_ms = 1e3 * ttft.iter().sum::<f64>() / ttft.len().max(1) as f64;
                 let t = e.totals();
                 let calls = t.target_calls - calls0;
                 // Tokens after each request's first (its prefill's) per target call after prefill:
@@ -161,7 +162,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                 }
                 measured[ai].push(
                     json!({"arm": name, "concurrency": c, "tok_s": tok_s, "user_tok_s": user_tok_s,
-                "committed_per_call": per_call, "requests": n, "wall_s": wall}),
+                "committed_per_call": per_call, "requests": n, "wall_s": wall, "ttft_ms": ttft_ms}),
                 );
             }
         }
@@ -184,7 +185,10 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                 p["user_tok_s"].as_f64().unwrap_or(0.0),
                 p["committed_per_call"].as_f64().unwrap_or(0.0),
             );
-            println!("{name:<12} {c:>5} {tok_s:>9.1} {user_tok_s:>11.1} {per_call:>9.2}");
+            let ttft = p["ttft_ms"].as_f64().unwrap_or(0.0);
+            println!(
+                "{name:<12} {c:>5} {tok_s:>9.1} {user_tok_s:>11.1} {per_call:>9.2} {ttft:>8.1}"
+            );
             p["rounds_tok_s"] = json!(m.iter().map(|q| q["tok_s"].clone()).collect::<Vec<_>>());
             points.push(p);
         }
@@ -272,7 +276,7 @@ impl Lengths {
 
 /// Serves requests `first..first + n` (prompts taken round-robin) at concurrency `c` to the end;
 /// returns the tokens streamed and each multi-token request's decode rate (tokens after the
-/// first over the time after it).
+/// first over the time after it) and time to first token.
 fn serve(
     e: &mut specdec::Engine,
     ids: &[Vec<u32>],
@@ -280,9 +284,9 @@ fn serve(
     n: usize,
     c: usize,
     lengths: Lengths,
-) -> anyhow::Result<(usize, Vec<f64>)> {
+) -> anyhow::Result<(usize, Vec<f64>, Vec<f64>)> {
     let (mut next, mut in_flight, mut out_tokens) = (0usize, 0usize, 0usize);
-    let mut user = Vec::new();
+    let (mut user, mut ttft) = (Vec::new(), Vec::new());
     while next < n || in_flight > 0 {
         while in_flight < c && next < n {
             let id = first + next;
@@ -299,6 +303,7 @@ fn serve(
                 Event::Tokens { tokens, .. } => out_tokens += tokens.len(),
                 Event::Finished { metrics, .. } => {
                     in_flight -= 1;
+                    ttft.push(metrics.ttft_s);
                     let dt = metrics.e2e_s - metrics.ttft_s;
                     if metrics.completion_tokens > 1 && dt > 0.0 {
                         user.push((metrics.completion_tokens - 1) as f64 / dt);
@@ -307,7 +312,7 @@ fn serve(
             }
         }
     }
-    Ok((out_tokens, user))
+    Ok((out_tokens, user, ttft))
 }
 
 /// Geometric mean of the paired ratios a_i / b_i and its 95 % t-interval (on the log ratios);

@@ -69,6 +69,23 @@ impl SpsTable {
         self.points.last().map(|p| p.0).unwrap_or(0)
     }
 
+    /// Seconds of a step of B tokens, linear between the profiled points (1/SPS at each);
+    /// infinite beyond the table. Admission plans on the staircase; this prices batch sizes
+    /// that fall between two points for comparing nearby ones, where the staircase would call
+    /// every B up to the next point equally dear (a CPU pays for every token).
+    pub fn seconds(&self, b: u32) -> f64 {
+        let t = |i: usize| 1.0 / self.points[i].1;
+        match self.points.binary_search_by(|p| p.0.cmp(&b)) {
+            Ok(i) => t(i),
+            Err(0) if !self.points.is_empty() => t(0),
+            Err(i) if i < self.points.len() => {
+                let (b0, b1) = (self.points[i - 1].0 as f64, self.points[i].0 as f64);
+                t(i - 1) + (b as f64 - b0) / (b1 - b0) * (t(i) - t(i - 1))
+            }
+            Err(_) => f64::INFINITY,
+        }
+    }
+
     /// SPS(B); 0 beyond the table (such batches are never chosen).
     pub fn sps(&self, b: u32) -> f64 {
         match self.points.binary_search_by(|p| p.0.cmp(&b)) {
@@ -518,6 +535,25 @@ pub struct ConfidencePolicy {
     /// decision applies at once), instead of waiting out the probe back-off.
     gain_ema: f64,
     gain_seen: u64,
+    /// The engine's output rate λ: running sums of committed tokens and of the seconds the
+    /// steps (and drafting) took, and the seconds of the step under way. A free draft is worth
+    /// verifying when its acceptance chance beats λ × its marginal step seconds: what the same
+    /// seconds earn on average. Weighing it against the step's own rate instead would favour
+    /// drafts on steps that carry a prefill chunk, whose own rate is low.
+    rate_tokens: f64,
+    rate_s: f64,
+    pending_s: f64,
+    /// Free drafts' accepted tokens against their expected ones (running sums, starting at
+    /// one pseudo-draft each): their confidences come from rates calibrated on another
+    /// workload, so survivals are scaled by what this one realizes.
+    free_expected: f64,
+    free_accepted: f64,
+    /// Measured seconds of steps without prefill chunks, per batch-token count (running mean;
+    /// 0 = none yet), and whether the step under way has none. Every token of such a step
+    /// needs its logits, as a verified draft does; a prefill token does not (and is cheaper),
+    /// so a slope fitted over prefill steps understates what a draft costs.
+    decode_secs: Vec<f64>,
+    step_is_decode: bool,
 }
 
 /// Steps whose drafting gain is measured before its running mean may stop drafting: one
@@ -586,6 +622,13 @@ impl ConfidencePolicy {
             step_drift: 1.0,
             gain_ema: 0.0,
             gain_seen: 0,
+            rate_tokens: 0.0,
+            rate_s: 0.0,
+            pending_s: 0.0,
+            free_expected: 1.0,
+            free_accepted: 1.0,
+            decode_secs: vec![0.0; SCALE_BUCKETS],
+            step_is_decode: false,
         }
     }
 
@@ -604,15 +647,58 @@ impl ConfidencePolicy {
             .map(|b| b.k_total)
     }
 
-    /// Θ = τ / (1/SPS(B) + drafting seconds): tokens per second of a step.
+    /// Θ = τ / (step seconds at B + drafting seconds): tokens per second of a step.
     fn theta_with_draft(&self, tau: f64, b: u32, drafted: usize) -> f64 {
-        let s = self.sps.sps(b).max(1e-12);
         let draft = if self.count_draft_cost {
             self.draft_s_per_req * drafted as f64
         } else {
             0.0
         };
-        tau / (self.scale_for(b) / s + draft)
+        tau / (self.step_seconds(b) + draft)
+    }
+
+    /// Seconds of an engine step of B tokens: the table's, between points linearly, on the
+    /// engine's measured scale.
+    fn step_seconds(&self, b: u32) -> f64 {
+        self.scale_for(b) * self.sps.seconds(b)
+    }
+
+    /// Seconds one more verified token costs around B, fitted (least squares) on the seconds
+    /// measured for steps without prefill chunks at batch sizes from B/4 to 2B (at least 8
+    /// either side); 0 with fewer than three of them. The table's shape rescaled by a measured
+    /// ratio misprices a token: its profiled steps carry a fixed cost (long contexts) that
+    /// short ones do not, so its slope times the ratio came out at 0.58 ms a token where
+    /// decoding steps of 16 to 32 tokens measured 0.75 to 1 ms (SmolLM2, 2 threads).
+    fn measured_slope(&self, b: u32) -> f64 {
+        let b = b as usize;
+        let (lo, hi) = ((b / 4).min(b.saturating_sub(8)).max(1), (2 * b).max(b + 8));
+        let pts: Vec<(f64, f64)> = (lo..=hi)
+            .filter_map(|i| {
+                let s = *self.decode_secs.get(i)?;
+                (s > 0.0).then_some((i as f64, s))
+            })
+            .collect();
+        if pts.len() < 3 {
+            return 0.0;
+        }
+        let n = pts.len() as f64;
+        let (mx, my) = (
+            pts.iter().map(|p| p.0).sum::<f64>() / n,
+            pts.iter().map(|p| p.1).sum::<f64>() / n,
+        );
+        let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+        let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+        if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 }
+    }
+
+    /// Accepted over expected free drafts, recently (1 before any; at most 1.5).
+    pub fn free_realized(&self) -> f64 {
+        (self.free_accepted / self.free_expected).clamp(0.0, 1.5)
+    }
+
+    /// The engine's running output rate (tokens per second), once steps have been seen.
+    pub fn token_rate(&self) -> Option<f64> {
+        (self.rate_s > 0.0 && self.rate_tokens > 0.0).then(|| self.rate_tokens / self.rate_s)
     }
 
     /// Per-request caps (γ) for `n` drafting requests and the step's limits.
@@ -639,12 +725,26 @@ impl ConfidencePolicy {
 
     /// The table's steps are profiled shapes (the slowest per B); the engine's own step times
     /// put drafting seconds and step seconds on one scale: the ratio measured at this B when
-    /// there is one, else the one over all steps, else 1.
+    /// there is one; else the larger of the nearest measured ratios within a quarter of B
+    /// either side (a B never seen is priced like its neighbours, and no cheaper than the
+    /// dearer of them: the mean over all steps, prefill-heavy ones included, priced a few
+    /// verified tokens on top of a plain batch as nearly free); else the one over all steps;
+    /// else 1.
     fn scale_for(&self, b: u32) -> f64 {
-        match self.step_scales.get(b as usize) {
-            Some(&r) if r > 0.0 => r * self.step_drift,
-            _ if self.step_scale > 0.0 => self.step_scale,
-            _ => 1.0,
+        let b = b as usize;
+        if let Some(&r) = self.step_scales.get(b)
+            && r > 0.0
+        {
+            return r * self.step_drift;
+        }
+        let reach = (b / 4).max(4);
+        let measured = |i: usize| self.step_scales.get(i).copied().filter(|&r| r > 0.0);
+        let below = (b.saturating_sub(reach)..b).rev().find_map(measured);
+        let above = (b + 1..=b + reach).find_map(measured);
+        match below.into_iter().chain(above).reduce(f64::max) {
+            Some(r) => r * self.step_drift,
+            None if self.step_scale > 0.0 => self.step_scale,
+            None => 1.0,
         }
     }
 
@@ -678,6 +778,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
     ) -> Vec<usize> {
         let t0 = std::time::Instant::now();
         self.steps += 1;
+        self.step_is_decode = other_tokens == 0 && conf.len() + plain_requests > 0;
         if conf.is_empty() && self.lag > 0 {
             // Nothing drafted (a planned zero budget, or no decoding request): no confidences to
             // decide from, so the step two ahead inherits the last real decision, and nothing is
@@ -804,24 +905,59 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         if conf.is_empty() {
             return Vec::new();
         }
-        let (limits, step) = self.limits(conf.len(), other_tokens, plain_requests, kv_headroom);
-        let d = self.adm.decide(conf, &limits, step, &self.sps, self.rule);
-        self.clamped_total += self.adm.clamped;
-        // Θ at this step's measured prices, no drafting seconds on either side.
-        let reqs = conf.len() as u32 + step.plain_requests;
-        let spec = self.theta_with_draft(d.expected_tokens, d.batch_tokens, 0);
-        let plain = self.theta_with_draft(reqs as f64, reqs + step.other_tokens, 0);
+        // Entries by survival, as admission orders them (ties: earlier positions first, so every
+        // prefix of the order is prefix-closed per request), capped per request and by the
+        // step's token and KV room.
+        let mut entries: Vec<(f64, usize, usize)> = Vec::new();
+        let realized = self.free_realized();
+        for (r, c) in conf.iter().enumerate() {
+            let mut a = realized;
+            for (j, &cj) in c.iter().take(self.max_k as usize).enumerate() {
+                let (cj, cl) = clamp_conf(cj);
+                self.clamped_total += cl as usize;
+                a *= cj as f64;
+                entries.push((a, j, r));
+            }
+        }
+        entries.sort_by(|x, y| y.0.total_cmp(&x.0).then(x.1.cmp(&y.1)));
+        let reqs = conf.len() + plain_requests;
+        let b0 = (reqs + other_tokens).min(u32::MAX as usize) as u32;
+        let room = (self.max_batch_tokens as usize)
+            .saturating_sub(b0 as usize)
+            .min(kv_headroom);
+        let t0 = self.step_seconds(b0);
+        let slope = self.measured_slope(b0);
+        let lambda = self.token_rate();
+        // The best count n of top entries: expected tokens gained less what their seconds
+        // earn at the engine's running rate λ (before λ is known, Θ of the step itself).
+        let (mut best, mut best_n, mut gain) = (0.0f64, 0usize, 0.0f64);
+        for (i, e) in entries.iter().take(room).enumerate() {
+            gain += e.0;
+            let n = i as u32 + 1;
+            let t = t0 + (self.step_seconds(b0 + n) - t0).max(slope * n as f64);
+            let v = match lambda {
+                Some(l) => gain - l * (t - t0),
+                None => (reqs as f64 + gain) / t - reqs as f64 / t0,
+            };
+            if v.is_finite() && v > best {
+                (best, best_n) = (v, i + 1);
+            }
+        }
+        let mut k = vec![0usize; conf.len()];
+        for e in &entries[..best_n] {
+            k[e.2] += 1;
+        }
         tracing::debug!(
-            k_total = d.k.iter().sum::<u32>(),
-            spec,
-            plain,
+            k_total = best_n,
+            drafted = entries.len(),
+            batch_tokens = b0,
+            value = best,
+            slope,
+            lambda = lambda.unwrap_or(0.0),
+            realized,
             "free drafts"
         );
-        if spec > plain {
-            d.k.into_iter().map(|x| x as usize).collect()
-        } else {
-            vec![0; conf.len()]
-        }
+        k
     }
 
     fn probe(&self) -> Option<(usize, usize)> {
@@ -885,7 +1021,17 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         } else {
             0.95 * self.step_s + 0.05 * secs
         };
-        let r = secs * self.sps.sps(batch_tokens.min(u32::MAX as usize) as u32);
+        self.pending_s += secs;
+        if std::mem::take(&mut self.step_is_decode)
+            && let Some(x) = self.decode_secs.get_mut(batch_tokens)
+        {
+            *x = if *x == 0.0 {
+                secs
+            } else {
+                0.8 * *x + 0.2 * secs
+            };
+        }
+        let r = secs / self.sps.seconds(batch_tokens.min(u32::MAX as usize) as u32);
         if r.is_finite() && r > 0.0 {
             self.step_scale = if self.step_scale == 0.0 {
                 r
@@ -906,10 +1052,30 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         }
     }
 
+    fn observe_tokens(&mut self, committed: usize) {
+        // About the last fifty steps.
+        const KEEP: f64 = 0.98;
+        let s = std::mem::take(&mut self.pending_s);
+        if s > 0.0 {
+            self.rate_tokens = KEEP * self.rate_tokens + committed as f64;
+            self.rate_s = KEEP * self.rate_s + s;
+        }
+    }
+
+    fn observe_outcome(&mut self, expected: f64, accepted: usize, free: bool) {
+        // About the last fifty verifying steps.
+        const KEEP: f64 = 0.98;
+        if free && expected.is_finite() && expected > 0.0 {
+            self.free_expected = KEEP * self.free_expected + expected;
+            self.free_accepted = KEEP * self.free_accepted + accepted as f64;
+        }
+    }
+
     fn observe_draft(&mut self, secs: f64, n: usize) {
         if n == 0 || !secs.is_finite() {
             return;
         }
+        self.pending_s += secs.max(0.0);
         if self.probing {
             self.last_probe_s = secs;
         }
@@ -1147,6 +1313,141 @@ mod tests {
             p.scale_for(2) / 93.0
         );
         assert!((p.scale_for(1) / 100.0 - 0.010).abs() < 0.0002);
+    }
+
+    #[test]
+    fn a_batch_size_never_measured_is_priced_like_its_measured_neighbours() {
+        use specdec::VerifyPolicy;
+        // 40 batch tokens profile 10 % slower than 32.
+        let sps = SpsTable::new(vec![(32, 10.0), (40, 9.0), (256, 2.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
+        // Plain decoding steps of 32 requests measure at the table's price; the prefill steps
+        // mixed in (B = 200) at a quarter of it, which pulls the mean over all steps down.
+        for _ in 0..40 {
+            p.observe_step(0.100, 32);
+            p.observe_step(0.125, 200);
+        }
+        assert!(p.step_scale < 0.8, "{}", p.step_scale);
+        // 33 tokens (one free draft on top of the plain batch) were never measured: priced like
+        // 32 (and a step of 33 costs an eighth of the profiled 10 % more than one of 32), not
+        // at the mean, so a draft that brings a third of a token on top of 32 is not verified.
+        assert!((p.scale_for(33) - p.scale_for(32)).abs() < 1e-9);
+        assert!((p.scale_for(32) - 1.0).abs() < 0.02, "{}", p.scale_for(32));
+        let row = [0.3f32];
+        assert_eq!(p.select_free(&[&row], 0, 31, 1 << 20), vec![0]);
+        // Between two measured neighbours the dearer one sets the price; far from any, the
+        // mean over all steps.
+        p.observe_step(1.5 / 9.0, 36);
+        assert!(p.scale_for(34) > p.scale_for(32) * 1.2);
+        assert!((p.scale_for(100) - p.step_scale).abs() < 1e-12);
+    }
+
+    #[test]
+    fn free_drafts_are_weighed_against_the_engines_running_rate() {
+        use specdec::VerifyPolicy;
+        // A machine that pays for every token: 1 ms each.
+        let sps = SpsTable::new(vec![
+            (1, 1000.0),
+            (64, 1000.0 / 64.0),
+            (256, 1000.0 / 256.0),
+        ])
+        .unwrap();
+        assert!((sps.seconds(32) - 0.032).abs() < 1e-12);
+        assert!((sps.seconds(160) - 0.160).abs() < 1e-12);
+        assert_eq!(sps.seconds(257), f64::INFINITY);
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        assert_eq!(p.token_rate(), None);
+        // Before the rate is known, a step is weighed on its own: with a 150-token prefill
+        // chunk in it, 31 decoding requests earn little per second, and a draft at 0.4 for a
+        // token's 1 ms looks worth it.
+        let row = [0.4f32];
+        assert_eq!(p.select_free(&[&row], 150, 30, 1 << 20), vec![1]);
+        // Steps of 32 tokens committing 16 (the rest of the time goes to prefill): 500 tokens/s,
+        // 2 ms a token. A draft is worth its 1 ms at acceptance above one half.
+        for _ in 0..200 {
+            p.observe_step(0.032, 32);
+            p.observe_tokens(16);
+        }
+        let rate = p.token_rate().unwrap();
+        assert!((rate - 500.0).abs() < 1.0, "{rate}");
+        assert_eq!(p.select_free(&[&row], 150, 30, 1 << 20), vec![0]);
+        assert_eq!(p.select_free(&[&[0.7f32][..]], 150, 30, 1 << 20), vec![1]);
+        // Within a block, verification stops where the survival drops below one half.
+        assert_eq!(
+            p.select_free(&[&[0.9f32, 0.9, 0.5, 0.9][..]], 150, 30, 1 << 20),
+            vec![2]
+        );
+    }
+
+    #[test]
+    fn free_drafts_that_realize_less_than_their_confidence_are_discounted() {
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![
+            (1, 1000.0),
+            (64, 1000.0 / 64.0),
+            (256, 1000.0 / 256.0),
+        ])
+        .unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        for _ in 0..200 {
+            p.observe_step(0.032, 32);
+            p.observe_tokens(16);
+        }
+        // At 500 tokens/s a token's 1 ms is worth half a token: a draft at 0.7 is verified...
+        let row = [0.7f32];
+        assert_eq!(p.select_free(&[&row], 150, 30, 1 << 20), vec![1]);
+        // ... until free drafts are seen to be accepted at 60 % of their confidence (0.42).
+        for _ in 0..100 {
+            p.observe_outcome(10.0, 6, true);
+            // Drafts from a drafting call do not count.
+            p.observe_outcome(10.0, 1, false);
+        }
+        assert!(
+            (p.free_realized() - 0.6).abs() < 0.01,
+            "{}",
+            p.free_realized()
+        );
+        assert_eq!(p.select_free(&[&row], 150, 30, 1 << 20), vec![0]);
+        assert_eq!(p.select_free(&[&[0.95f32][..]], 150, 30, 1 << 20), vec![1]);
+    }
+
+    #[test]
+    fn a_token_is_priced_at_the_measured_slope_where_the_table_understates_it() {
+        use specdec::VerifyPolicy;
+        // A profiled staircase with a large fixed cost (long contexts): 20 ms + 0.5 ms a token.
+        let pts: Vec<(u32, f64)> = [1u32, 8, 16, 32, 64, 128]
+            .iter()
+            .map(|&b| (b, 1.0 / (0.020 + 0.0005 * b as f64)))
+            .collect();
+        let mut p = ConfidencePolicy::new(SpsTable::new(pts).unwrap(), Rule::Argmax, 2, 4096, 4);
+        // The engine's steps have no fixed cost and 1 ms a token: a draft costs as much as a
+        // decoding token, and at about 900 tokens/s even a draft at 0.85 does not pay for it.
+        for _ in 0..30 {
+            for b in [16usize, 20, 24, 28, 32] {
+                p.select(&[], 0, b, 1 << 20);
+                p.observe_step(0.001 * b as f64, b);
+                p.observe_tokens(b);
+            }
+            // Steps with a prefill chunk (whose tokens need no logits) are cheaper a token;
+            // they price their own B but not a verified token.
+            p.select(&[], 24, 16, 1 << 20);
+            p.observe_step(0.030, 40);
+            p.observe_tokens(16);
+        }
+        assert!(
+            (p.measured_slope(32) - 0.001).abs() < 1e-4,
+            "{}",
+            p.measured_slope(32)
+        );
+        let rate = p.token_rate().unwrap();
+        assert!(rate > 900.0, "{rate}");
+        // The table's slope on the measured scale: 0.5 ms × (32 ms / 36 ms) ≈ 0.44 ms a token,
+        // for which a draft at 0.85 would look worth verifying.
+        let table = p.step_seconds(33) - p.step_seconds(32);
+        assert!(table < 0.0006, "{table}");
+        assert_eq!(p.select_free(&[&[0.85f32][..]], 0, 31, 1 << 20), vec![0]);
+        // Too few measured sizes around B: no slope, the table's shape prices alone.
+        assert_eq!(p.measured_slope(200), 0.0);
     }
 
     #[test]

@@ -170,6 +170,15 @@ pub trait VerifyPolicy: Send {
     /// Seconds this step's target forward, acceptance and commits took over `batch_tokens`
     /// tokens (drafting apart): the profiled table's time scale can be checked against it.
     fn observe_step(&mut self, _secs: f64, _batch_tokens: usize) {}
+    /// Tokens this step committed (every request's, first tokens after prefill included): with
+    /// the seconds above, the engine's running output rate, which a token's marginal cost is
+    /// weighed against.
+    fn observe_tokens(&mut self, _committed: usize) {}
+    /// What this step's verified drafts were expected to yield (the sum of their survivals,
+    /// from the confidences) and how many were accepted; `free`: drafts from
+    /// [`crate::Proposer::propose_free`]. Lets a policy correct confidences that prove off for
+    /// this workload.
+    fn observe_outcome(&mut self, _expected: f64, _accepted: usize, _free: bool) {}
     /// [`VerifyPolicy::select`] for a step planned without drafting whose blocks cost nothing
     /// to draft ([`crate::Proposer::propose_free`]): decided at once, and with no drafting
     /// cost to recover.
@@ -684,7 +693,10 @@ impl Engine {
                 .min(room.saturating_sub(1))
                 .min(budget - 1);
             ks[i] = Some(k);
-            budget -= 1 + k;
+            // Free drafts are verified only where the step has room after the prefill chunks
+            // (they are fitted below, once made): reserving their whole block up front would
+            // hold chunks back for drafts that mostly do not exist.
+            budget -= if free { 1 } else { 1 + k };
         }
         let mut chunks: Vec<Option<(usize, usize)>> = vec![None; self.running.len()];
         for (i, s) in self.running.iter().enumerate() {
@@ -697,6 +709,8 @@ impl Engine {
             chunks[i] = Some((s.prefilled, n));
             budget -= n;
         }
+        // What is left after the prefill chunks, for free drafts.
+        let mut free_room = if free { budget } else { 0 };
         // 2. Draft.
         let t_draft = Instant::now();
         let drafting: Vec<usize> = (0..self.running.len())
@@ -730,7 +744,11 @@ impl Engine {
                 self.proposer.propose(&mut reqs)?
             };
             for (&i, mut b) in drafting.iter().zip(blocks) {
-                let k = ks[i].unwrap_or(0);
+                let mut k = ks[i].unwrap_or(0);
+                if free {
+                    k = k.min(b.tokens.len()).min(free_room);
+                    free_room -= k;
+                }
                 b.tokens.truncate(k);
                 b.dists.truncate(k);
                 if b.dists.len() != b.tokens.len() {
@@ -856,6 +874,8 @@ impl Engine {
             0.9 * self.decode_ema + 0.1 * verify_s
         };
         // 4. Accept, commit, roll back.
+        // (expected, accepted) drafts over this step's verified blocks with confidences.
+        let mut outcome = (0.0f64, 0usize);
         for (j, &(i, _)) in idx.iter().enumerate() {
             let vocab = out.vocab;
             let rows = out.rows_of(j);
@@ -954,6 +974,14 @@ impl Engine {
                 });
             }
             s.gate.observe(k, verdict.accepted);
+            if let Some(c) = d.confidence.as_ref().filter(|_| k > 0) {
+                let mut a = 1.0f64;
+                for &cj in c.iter().take(k) {
+                    a *= (cj as f64).clamp(0.0, 1.0);
+                    outcome.0 += a;
+                }
+                outcome.1 += verdict.accepted;
+            }
             let kv_before = s.tokens.len() - 1;
             let mut new: Vec<u32> = d.tokens[..verdict.accepted].to_vec();
             new.push(verdict.next);
@@ -983,6 +1011,23 @@ impl Engine {
                 "step priced"
             );
             policy.observe_step(t_fwd.elapsed().as_secs_f64(), batch_tokens);
+            let committed = events
+                .iter()
+                .map(|e| match e {
+                    Event::Tokens { tokens, .. } => tokens.len(),
+                    _ => 0,
+                })
+                .sum();
+            policy.observe_tokens(committed);
+            if outcome.0 > 0.0 {
+                tracing::trace!(
+                    expected = outcome.0,
+                    accepted = outcome.1,
+                    free,
+                    "verified drafts"
+                );
+                policy.observe_outcome(outcome.0, outcome.1, free);
+            }
         }
         // 5. Proposer state, finished requests, invariants.
         let mut i = 0;

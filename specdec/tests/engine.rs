@@ -588,7 +588,7 @@ fn a_zero_budget_planned_ahead_skips_drafting_and_keeps_greedy_parity() {
 
 /// N-gram lookup that also offers its drafts as free ones, counting both kinds of call.
 struct FreeLookup {
-    inner: NgramProposer,
+    inner: Box<dyn Proposer>,
     calls: Arc<std::sync::Mutex<(usize, usize)>>,
 }
 
@@ -648,7 +648,7 @@ fn steps_planned_without_drafting_verify_free_drafts_and_keep_greedy_parity() {
     let calls = Arc::new(std::sync::Mutex::new((0, 0)));
     let (with, free) = run(
         Box::new(FreeLookup {
-            inner: NgramProposer::default(),
+            inner: Box::new(NgramProposer::default()),
             calls: calls.clone(),
         }),
         Some(plans()),
@@ -764,8 +764,20 @@ fn a_zero_plan_leaves_the_token_budget_to_prefill_and_a_probe_drafts_a_short_blo
         probe_steps <= plain_steps + plain_steps / 4,
         "probing took {probe_steps} steps, plain decoding {plain_steps}"
     );
+    // Free drafts on zero-planned steps take only the room the prefill chunks leave: the
+    // batch keeps plain decoding's shape and verifies drafts on top, so no more steps.
+    let free = Box::new(FreeLookup {
+        inner: proposer_clone(&f, "draft-model"),
+        calls: Arc::new(std::sync::Mutex::new((0, 0))),
+    });
+    let (freed, free_steps) = run(free, 5, Some(policy(0)));
+    assert!(
+        free_steps < plain_steps,
+        "with free drafts {free_steps} steps, plain decoding {plain_steps}"
+    );
     for (id, (toks, _, _)) in &plain {
         assert_eq!(&zero[id].0, toks, "request {id}");
         assert_eq!(&probed[id].0, toks, "request {id}");
+        assert_eq!(&freed[id].0, toks, "request {id}");
     }
 }
