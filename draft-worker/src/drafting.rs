@@ -19,6 +19,8 @@ pub struct DraftHost {
     /// Floats per feature row (layers × d_model).
     pub row_len: usize,
     pub max_gamma: usize,
+    /// The drafter's greedy copy-run rates (published: target workers make copy runs locally).
+    pub copy_runs: Vec<f32>,
 }
 
 impl DraftHost {
@@ -55,6 +57,7 @@ impl DraftHost {
             };
         let feature_layers = proposer.feature_layers();
         Ok(Self {
+            copy_runs: proposer.copy_runs(),
             drafter: kind.label(),
             row_len: feature_layers.len() * d_model,
             feature_layers,

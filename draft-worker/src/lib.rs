@@ -116,6 +116,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         ttl_ms: args.ttl_ms as u32,
         feature_layers: host.feature_layers.iter().map(|&l| l as u32).collect(),
         max_gamma: host.max_gamma as u32,
+        copy_runs: host.copy_runs.clone(),
         ..Default::default()
     };
     let svc = service::DraftService::start(host, info.clone())?;

@@ -56,6 +56,21 @@ pub fn copy_run(context: &[u32], k: usize, runs: &[f32]) -> (Vec<u32>, Vec<f32>)
     (toks, conf)
 }
 
+/// [`copy_run`] as the engine's block: one-hot draft distributions (greedy verification reads
+/// only the tokens), the rates as confidences. Empty when no run qualifies.
+pub fn copy_block(context: &[u32], k: usize, runs: &[f32]) -> DraftBlock {
+    let (tokens, conf) = copy_run(context, k, runs);
+    if tokens.is_empty() {
+        return DraftBlock::default();
+    }
+    DraftBlock {
+        dists: vec![Dist::OneHot; tokens.len()],
+        tokens,
+        confidence: Some(conf),
+        conf_inputs: None,
+    }
+}
+
 pub struct DsparkProposer {
     dr: DsparkDrafter,
     /// The serving forward (8-bit weights, cached context rows).
@@ -328,21 +343,16 @@ impl DsparkProposer {
             if !r.params.is_greedy() || r.params.has_penalties() {
                 return true;
             }
-            let (tokens, conf) = copy_run(r.context, r.k.min(g), runs);
-            if tokens.is_empty() {
+            let block = copy_block(r.context, r.k.min(g), runs);
+            if block.tokens.is_empty() {
                 return true;
             }
             let f = feats.entry(r.id).or_default();
             f.resolve_copy(r.context, copy_samples);
             f.observe_acceptance(r.context);
-            f.last_draft = tokens.clone();
+            f.last_draft = block.tokens.clone();
             f.draft_at = r.context.len();
-            out[i] = DraftBlock {
-                dists: vec![Dist::OneHot; tokens.len()],
-                tokens,
-                confidence: Some(conf),
-                conf_inputs: None,
-            };
+            out[i] = block;
             false
         });
     }
@@ -799,6 +809,10 @@ impl Proposer for DsparkProposer {
 
     fn has_free_drafts(&self) -> bool {
         !self.dr.cfg.copy_runs().is_empty()
+    }
+
+    fn copy_runs(&self) -> Vec<f32> {
+        self.dr.cfg.copy_runs().to_vec()
     }
 
     fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> specdec::Result<Vec<DraftBlock>> {

@@ -123,6 +123,12 @@ pub trait Proposer: Send {
     fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
         Ok(reqs.iter().map(|_| DraftBlock::default()).collect())
     }
+    /// Greedy copy-run acceptance rates by suffix-match length, when this proposer's free
+    /// drafts are copy runs (a calibrated DSpark drafter's). A draft worker publishes them so
+    /// the target worker, which holds the context, makes the same free drafts without a call.
+    fn copy_runs(&self) -> Vec<f32> {
+        Vec::new()
+    }
 }
 
 /// Which proposer to build.

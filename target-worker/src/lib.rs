@@ -210,6 +210,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         sps_key: handles.as_ref().map(|h| h.key.clone()).unwrap_or_default(),
         central_budget_steps: 0,
         local_budget_steps: 0,
+        copy_runs: Vec::new(),
     };
     let counters = handles
         .as_ref()

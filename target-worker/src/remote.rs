@@ -247,6 +247,22 @@ impl RemoteProposer {
         Vec::new()
     }
 
+    /// The copy-run rates the request's draft worker published (empty: none, or not known
+    /// while its link is down).
+    fn copy_runs_for(&mut self, id: u64) -> Vec<f32> {
+        let Some(addr) = self.link_for(id) else {
+            return Vec::new();
+        };
+        self.links
+            .get(&addr)
+            .filter(|l| l.shared.up.load(Ordering::SeqCst))
+            .and_then(|l| {
+                let i = l.shared.info.lock().ok()?;
+                i.as_ref().map(|i| i.copy_runs.clone())
+            })
+            .unwrap_or_default()
+    }
+
     fn stat(&self, id: u64, f: impl FnOnce(&mut WireStats)) {
         if let Ok(mut m) = self.shared.stats.lock() {
             f(m.entry(id).or_default());
@@ -589,6 +605,31 @@ impl Proposer for RemoteProposer {
         true
     }
 
+    fn has_free_drafts(&self) -> bool {
+        self.links.values().any(|l| {
+            l.shared.up.load(Ordering::SeqCst)
+                && l.shared
+                    .info
+                    .lock()
+                    .is_ok_and(|i| i.as_ref().is_some_and(|i| !i.copy_runs.is_empty()))
+        })
+    }
+
+    /// Copy runs with the rates the draft worker published, made here where the context is:
+    /// the same drafts its drafter would make on a drafting call, without the call.
+    fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
+        let mut out = Vec::with_capacity(reqs.len());
+        for r in reqs.iter() {
+            if r.k == 0 || !r.params.is_greedy() || r.params.has_penalties() {
+                out.push(DraftBlock::default());
+                continue;
+            }
+            let runs = self.copy_runs_for(r.id);
+            out.push(drafter::proposer::copy_block(r.context, r.k, &runs));
+        }
+        Ok(out)
+    }
+
     fn prefetch(&mut self, reqs: &mut [ProposeReq<'_>]) {
         self.drain_ready();
         let groups = self.groups(reqs);
@@ -739,6 +780,87 @@ mod tests {
             q_lens: lens,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn copy_runs_published_by_a_draft_worker_are_drafted_locally_for_free() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let shared = Arc::new(RemoteShared::default());
+        let hello = Hello {
+            worker: "t".into(),
+            model: "m".into(),
+            vocab_hash: "h".into(),
+        };
+        let mut p = RemoteProposer::new(
+            rt.handle().clone(),
+            shared.clone(),
+            hello,
+            Box::new(specdec::proposer::NoProposer),
+            Duration::from_millis(10),
+            Dtype::F16,
+            4,
+            100,
+        );
+        // Request 1 is placed on a draft worker that is up and published its rates (a link
+        // to nowhere: only its shared state matters here).
+        let addr = "127.0.0.1:9".to_string();
+        if let Ok(mut a) = shared.assign.lock() {
+            a.insert(1, addr.clone());
+            a.insert(2, addr.clone());
+        }
+        assert!(
+            p.copy_runs_for(1).is_empty(),
+            "nothing known before the link is up"
+        );
+        assert!(!p.has_free_drafts());
+        let link = &p.links[&addr];
+        link.shared.up.store(true, Ordering::SeqCst);
+        *link.shared.info.lock().expect("info") = Some(WorkerInfo {
+            copy_runs: vec![0.3, 0.6, 0.7],
+            ..Default::default()
+        });
+        assert!(p.has_free_drafts());
+        // "5 6 7 8 5 6" repeats: a match of length 2 (rate 0.6) proposes 7, then 8 (length 3).
+        let ctx = [5u32, 6, 7, 8, 5, 6];
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let sampled = kernels::sampling::SamplingParams {
+            temperature: 1.0,
+            ..greedy
+        };
+        let (mut r1, mut r2) = (kernels::rng::Rng::new(1), kernels::rng::Rng::new(2));
+        let mut reqs = vec![
+            ProposeReq {
+                id: 1,
+                context: &ctx,
+                k: 2,
+                params: &greedy,
+                rng: &mut r1,
+            },
+            ProposeReq {
+                id: 2,
+                context: &ctx,
+                k: 2,
+                params: &sampled,
+                rng: &mut r2,
+            },
+        ];
+        let out = p.propose_free(&mut reqs).expect("free drafts");
+        assert_eq!(out[0].tokens, vec![7, 8]);
+        assert_eq!(out[0].confidence.as_deref(), Some(&[0.6f32, 0.7][..]));
+        assert!(matches!(out[0].dists[..], [Dist::OneHot, Dist::OneHot]));
+        // Sampled requests get none (a copy run is a greedy draft).
+        assert!(out[1].tokens.is_empty());
+        // A link that went down: its rates are not used.
+        p.links[&addr].shared.up.store(false, Ordering::SeqCst);
+        assert!(!p.has_free_drafts());
+        assert!(
+            p.propose_free(&mut reqs).expect("free drafts")[0]
+                .tokens
+                .is_empty()
+        );
     }
 
     #[test]

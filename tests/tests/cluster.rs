@@ -765,7 +765,7 @@ async fn dspark_drafter_in_its_own_worker_gets_features_over_the_wire() {
     let drafter = "dspark".to_string();
     let scheduler = spawn("scheduler", &["scheduler", "--listen", "127.0.0.1:0"]);
     let sched = format!("http://{}", scheduler.addr);
-    let _draft = spawn(
+    let draft = spawn(
         "draft",
         &[
             "draft-worker",
@@ -808,6 +808,24 @@ async fn dspark_drafter_in_its_own_worker_gets_features_over_the_wire() {
         tokens += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
     }
     assert!(remote > 0, "the DSpark drafter drafted remotely");
+    // The drafter's greedy copy-run rates are published, for target workers to make those
+    // drafts themselves on steps planned without drafting.
+    let mut dc = dspark_proto::draft_worker_client::DraftWorkerClient::connect(format!(
+        "http://{}",
+        draft.addr
+    ))
+    .await
+    .expect("draft worker");
+    let runs = dc
+        .info(dspark_proto::InfoRequest {})
+        .await
+        .expect("info")
+        .into_inner()
+        .copy_runs;
+    assert!(
+        !runs.is_empty() && runs.iter().all(|&r| r > 0.0 && r < 1.0),
+        "copy-run rates {runs:?}"
+    );
     // Features are O(d) per committed token: 3 layers × 576 × 2 bytes (f16) ≈ 3.5 kB, never
     // O(vocab) (49152 × 4 bytes).
     let per_token = bytes as f64 / tokens as f64;
