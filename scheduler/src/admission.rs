@@ -535,6 +535,12 @@ pub struct ConfidencePolicy {
     /// decision applies at once), instead of waiting out the probe back-off.
     gain_ema: f64,
     gain_seen: u64,
+    /// Running variance of the per-step gains (same weights as the mean): drafting stops only
+    /// once the mean is below zero by more than its standard error. One step's gain swings by
+    /// ±20 % with its confidences; a mean that stopped at the first dip below zero switched
+    /// drafting off at c = 1 where γ = 1 on every step gained 11 %, and the back-off probes
+    /// were too few to switch it on again.
+    gain_var: f64,
     /// The engine's output rate λ: running sums of committed tokens and of the seconds the
     /// steps (and drafting) took, and the seconds of the step under way. A free draft is worth
     /// verifying when its acceptance chance beats λ × its marginal step seconds: what the same
@@ -555,6 +561,10 @@ pub struct ConfidencePolicy {
     decode_secs: Vec<f64>,
     step_is_decode: bool,
 }
+
+/// Weight of each drafting step's gain in the running mean and variance (about the last
+/// twenty steps).
+const GAIN_ALPHA: f64 = 0.1;
 
 /// Steps whose drafting gain is measured before its running mean may stop drafting: one
 /// unlucky first probe must not turn speculation off for the whole back-off.
@@ -622,6 +632,7 @@ impl ConfidencePolicy {
             step_drift: 1.0,
             gain_ema: 0.0,
             gain_seen: 0,
+            gain_var: 0.0,
             rate_tokens: 0.0,
             rate_s: 0.0,
             pending_s: 0.0,
@@ -630,6 +641,15 @@ impl ConfidencePolicy {
             decode_secs: vec![0.0; SCALE_BUCKETS],
             step_is_decode: false,
         }
+    }
+
+    /// Standard error of the running mean gain: its variance over the steps it holds (at most
+    /// the weights' effective count, (2 − α)/α).
+    fn gain_se(&self) -> f64 {
+        let n = (self.gain_seen as f64)
+            .min((2.0 - GAIN_ALPHA) / GAIN_ALPHA)
+            .max(1.0);
+        (self.gain_var / n).sqrt()
     }
 
     /// The running mean gain of drafting (see the field), when any step has measured it.
@@ -817,11 +837,13 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             let plain = self.theta_with_draft(reqs as f64, b0, 0);
             if plain > 0.0 && spec.is_finite() {
                 let g = spec / plain - 1.0;
-                self.gain_ema = if self.gain_seen == 0 {
-                    g
+                if self.gain_seen == 0 {
+                    self.gain_ema = g;
                 } else {
-                    0.8 * self.gain_ema + 0.2 * g
-                };
+                    let d = g - self.gain_ema;
+                    self.gain_ema += GAIN_ALPHA * d;
+                    self.gain_var = (1.0 - GAIN_ALPHA) * (self.gain_var + GAIN_ALPHA * d * d);
+                }
                 self.gain_seen += 1;
             }
             tracing::debug!(
@@ -989,7 +1011,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             return None;
         }
         let exploring = self.gain_seen < EXPLORE_STEPS && self.gain_ema > EXPLORE_FLOOR;
-        if self.gain_seen > 0 && (self.gain_ema > 0.0 || exploring) {
+        if self.gain_seen > 0 && (self.gain_ema + self.gain_se() > 0.0 || exploring) {
             // Drafting has paid on average lately (or has not had a fair trial yet): this
             // step's zero came from one step's confidences. Draft anyway, as a probe deciding
             // from its own fresh confidences.
@@ -1177,11 +1199,11 @@ mod tests {
         );
         assert!(first[start..].iter().filter(|x| x.1 > 0).count() > 20);
         assert!(p.drafting_gain().is_some_and(|g| g > 0.0));
-        // Confidence collapses: the mean gain turns negative within a few steps, and drafting
-        // falls back to spaced probes.
+        // Confidence collapses: the mean gain turns negative beyond its noise within a dozen
+        // steps or so, and drafting falls back to spaced probes.
         let late: Vec<bool> = (0..64).map(|_| step(&mut p, 0.05).0).collect();
         assert!(p.drafting_gain().is_some_and(|g| g < 0.0));
-        assert!(late.iter().filter(|&&d| d).count() <= 8, "{late:?}");
+        assert!(late.iter().filter(|&&d| d).count() <= 16, "{late:?}");
         assert!(late[16..].iter().filter(|&&d| d).count() <= 2, "{late:?}");
         // One unlucky first probe (drafting cost 13 % then) does not turn drafting off for the
         // whole back-off: the next steps explore, find it pays, and keep drafting.
@@ -1193,6 +1215,17 @@ mod tests {
             .collect();
         assert!(d[15] && d[16..].iter().all(|&x| x), "{d:?}");
         assert!(p.drafting_gain().is_some_and(|g| g > 0.0));
+        // Drafting that pays 3 % on average, in swings: six steps at +22 %, six at −17 %.
+        // A mean that stopped at its first dip below zero would stop here; one that stops only
+        // below its noise keeps drafting.
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
+        p.observe_draft(0.0015, 1);
+        let conf = |i: usize| if i % 12 < 6 { 0.5f32 } else { 0.02 };
+        let d: Vec<bool> = (0..160).map(|i| step(&mut p, conf(i)).0).collect();
+        let start = d.iter().position(|&x| x).expect("a first probe");
+        assert!(d[start..].iter().all(|&x| x), "{d:?}");
+        assert!(p.gain_se() > 0.01, "{}", p.gain_se());
     }
 
     #[test]
