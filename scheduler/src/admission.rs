@@ -828,6 +828,11 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             );
         }
         let mut now: u32 = d.k.iter().sum();
+        // What this step verifies when its decision applies at once (a probe): its drafting is
+        // paid already, so the drafts are worth verifying when they beat plain decoding at the
+        // measured step prices alone; whether to keep drafting is the decision below, with the
+        // drafting seconds counted.
+        let mut now_sunk = now;
         if self.lag > 0 && self.count_draft_cost && self.draft_s_per_req > 0.0 {
             // Skipping drafting saves its cost: keep speculation only if it still pays.
             let n = conf.len();
@@ -860,6 +865,10 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             if now > 0 && plain >= spec {
                 now = 0;
             }
+            if now_sunk > 0 && plain >= self.theta_with_draft(d.expected_tokens, d.batch_tokens, 0)
+            {
+                now_sunk = 0;
+            }
         }
         if let Some(tx) = &self.report {
             let _ = tx.try_send(ConfReport {
@@ -882,7 +891,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             self.budgets.extend(std::iter::repeat_n(now, self.lag));
             self.local_steps
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            self.adm.select_top(conf, &limits, now)
+            self.adm.select_top(conf, &limits, now_sunk)
         } else {
             self.budgets.push_back(now);
             let lagged = if self.budgets.len() > self.lag {
@@ -1481,6 +1490,24 @@ mod tests {
         assert_eq!(p.select_free(&[&[0.85f32][..]], 0, 31, 1 << 20), vec![0]);
         // Too few measured sizes around B: no slope, the table's shape prices alone.
         assert_eq!(p.measured_slope(200), 0.0);
+    }
+
+    #[test]
+    fn a_probe_verifies_what_pays_once_drafted_and_plans_with_the_drafting_cost() {
+        use specdec::VerifyPolicy;
+        // A 2-token step costs 7.5 % more than a 1-token one; drafting 30 % of a step.
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
+        p.observe_draft(0.003, 1);
+        // A probe. A draft at 0.2 does not pay for a drafting call (1.2 tokens in 13.75 ms
+        // against 1 in 10 ms) but, drafted already, pays for its verification (1.2 in
+        // 10.75 ms): it is verified, and the budget carried forward is 0.
+        p.probing = true;
+        assert_eq!(p.select(&[&[0.2f32][..]], 0, 0, 1 << 20), vec![1]);
+        assert_eq!(p.last_real, 0);
+        // A draft at 0.05 does not pay even for its verification.
+        assert_eq!(p.planned(), None, "exploring: the next step probes too");
+        assert_eq!(p.select(&[&[0.05f32][..]], 0, 0, 1 << 20), vec![0]);
     }
 
     #[test]
