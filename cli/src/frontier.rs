@@ -43,19 +43,25 @@ pub struct FrontierArgs {
     /// short answers last a fraction of a second, which this machine's noise swamps.
     #[arg(long, default_value_t = 16)]
     pub min_requests: usize,
-    /// Untimed requests each arm serves before it is timed (default: one wave, `c`), as a
-    /// benchmark of a long-running server would: the scheduler's running estimates start from
-    /// its prior, and the first steps warm caches and threads.
+    /// Untimed requests each arm serves before it is timed (default: two waves, at least 48),
+    /// as a benchmark of a long-running server would: the scheduler's running estimates start
+    /// from its prior, its probes back off over a few hundred steps where drafting does not
+    /// pay (about 1 % of throughput at c = 8 when timed from the first wave), and the first
+    /// steps warm caches and threads.
     #[arg(long)]
     pub warmup: Option<usize>,
-    /// Measure every arm this many times per concurrency, each round in a shuffled order (so no
-    /// arm always follows the same one), and report each arm's median round: this machine's
-    /// noise moves whole seconds, arms must share it.
+    /// Measure every arm this many times per concurrency. Within a round the arms' timed
+    /// requests run interleaved (`--slice-ms`); each arm's point pools all its rounds, and the
+    /// scheduler/none ratio is also given over paired rounds with its 95 % interval.
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
-    /// Pause before each arm (milliseconds).
+    /// Pause after the arms are warmed, before the timed requests (milliseconds).
     #[arg(long, default_value_t = 500)]
     pub settle_ms: u64,
+    /// The arms' timed requests run in turns of this many milliseconds each (shuffled order per
+    /// turn), so every arm sees the same spells of this shared machine.
+    #[arg(long, default_value_t = 200)]
+    pub slice_ms: u64,
     #[arg(long)]
     pub json: Option<PathBuf>,
     #[arg(long)]
@@ -79,6 +85,8 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         (0.0..1.0).contains(&a.length_spread),
         "--length-spread takes a value in [0, 1)"
     );
+    anyhow::ensure!(a.rounds >= 1, "--rounds takes a value ≥ 1");
+    anyhow::ensure!(a.slice_ms >= 1, "--slice-ms takes a value ≥ 1");
     let kind = ProposerKind::parse(&a.drafter, crate::spec::default_draft_for(&a.target))?;
     let target = crate::spec::load_target(g, &a.target)?;
     let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
@@ -106,19 +114,29 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         "arm", "conc", "tok/s", "user tok/s", "per_call", "ttft ms"
     );
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
+    let lengths = Lengths {
+        max_tokens: a.max_tokens,
+        spread: a.length_spread,
+    };
     let mut paired = Vec::new();
-    // Concurrency outside, arms inside: every arm of a concurrency is measured back to back, so
-    // a slow spell of the machine does not land on one arm only.
-    anyhow::ensure!(a.rounds >= 1, "--rounds takes a value ≥ 1");
+    // The KV cache each engine holds: every request's prompt and answer, with room to spare.
+    // Sized from the workload, not the model's context (8192 per slot would cost each of the
+    // arms' engines gigabytes, and they are all alive at once).
+    let longest = ids.iter().map(|p| p.len()).max().unwrap_or(0)
+        + (a.max_tokens as f64 * (1.0 + a.length_spread)).ceil() as usize;
     for &c in &a.concurrency {
-        let mut measured: Vec<Vec<serde_json::Value>> = vec![Vec::new(); arms.len()];
+        let mut measured: Vec<Vec<Measured>> = vec![Vec::new(); arms.len()];
         for round in 0..a.rounds {
+            // Every arm's engine is built and warmed first; then the timed requests of all arms
+            // run in turns of `--slice-ms`, each arm on its own clock (the time spent in its own
+            // steps). A slow spell of this shared machine lasts seconds: it lands on every arm
+            // alike instead of on whichever arm ran then.
+            let mut drivers = Vec::new();
             for ai in arm_order(arms.len(), (c as u64) << 16 | round as u64) {
-                // Let the previous arm's after-effects (freed memory, sleeping threads) settle.
-                std::thread::sleep(std::time::Duration::from_millis(a.settle_ms));
                 let (name, k, gm, sched) = &arms[ai];
                 let proposer = crate::spec::build_proposer(g, k, &target, &mut drafts)?;
-                let mut e = crate::spec::engine(&target, proposer, (*gm).max(1), false, max_c)?;
+                let kv = max_c * (longest + (*gm).max(1) + 64) * 2;
+                let mut e = crate::spec::engine_sized(&target, proposer, (*gm).max(1), max_c, kv)?;
                 if *sched {
                     e.set_policy(Some(Box::new(
                         dspark_scheduler::admission::ConfidencePolicy::new(
@@ -130,66 +148,48 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                         ),
                     )));
                 }
-                let warm = a.warmup.unwrap_or(c);
-                let lengths = Lengths {
-                    max_tokens: a.max_tokens,
-                    spread: a.length_spread,
-                };
-                serve(&mut e, &ids, 0, warm, c, lengths)?;
-                let (tokens0, calls0) = (e.totals().completion_tokens, e.totals().target_calls);
+                let warm = a.warmup.unwrap_or((2 * c).max(48));
+                let mut w = Driver::new(e, 0, warm, c);
+                w.run_for(&ids, lengths, f64::INFINITY)?;
                 let n = (c * a.waves).max(a.min_requests).max(1);
-                let t0 = Instant::now();
-                let (out_tokens, user, ttft) = serve(&mut e, &ids, warm, n, c, lengths)?;
-                let wall = t0.elapsed().as_secs_f64();
-                let tok_s = out_tokens as f64 / wall;
-                let user_tok_s = if user.is_empty() {
-                    0.0
-                } else {
-                    user.iter().sum::<f64>() / user.len() as f64
-                };
-                let ttft_ms = 1e3 * ttft.iter().sum::<f64>() / ttft.len().max(1) as f64;
-                let t = e.totals();
-                let calls = t.target_calls - calls0;
-                // Tokens after each request's first (its prefill's) per target call after prefill:
-                // 1.00 for plain decoding.
-                let per_call = if calls == 0 {
-                    1.0
-                } else {
-                    (t.completion_tokens - tokens0).saturating_sub(n) as f64 / calls as f64
-                };
-                if a.rounds > 1 {
-                    eprintln!("  round {round}: {name} c{c} {tok_s:.1} tok/s");
+                drivers.push((ai, name.clone(), Driver::new(w.e, warm, n, c)));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(a.settle_ms));
+            let slice = a.slice_ms as f64 / 1e3;
+            let mut turn = 0u64;
+            while drivers.iter().any(|d| !d.2.done()) {
+                for i in arm_order(drivers.len(), turn ^ (round as u64) << 32) {
+                    drivers[i].2.run_for(&ids, lengths, slice)?;
                 }
-                measured[ai].push(
-                    json!({"arm": name, "concurrency": c, "tok_s": tok_s, "user_tok_s": user_tok_s,
-                "committed_per_call": per_call, "requests": n, "wall_s": wall, "ttft_ms": ttft_ms}),
-                );
+                turn += 1;
+            }
+            for (ai, name, d) in drivers {
+                let m = d.measure();
+                if a.rounds > 1 {
+                    eprintln!("  round {round}: {name} c{c} {:.1} tok/s", m.tok_s());
+                }
+                measured[ai].push(m);
             }
         }
         // Rounds interleave the arms, so round i of two arms ran close in time: their ratio is a
         // paired sample, and its spread says how much of a difference the machine's noise makes.
-        let rounds_of = |i: usize| -> Vec<f64> {
-            measured[i]
-                .iter()
-                .map(|q| q["tok_s"].as_f64().unwrap_or(0.0))
-                .collect()
-        };
+        let rounds_of = |i: usize| -> Vec<f64> { measured[i].iter().map(|m| m.tok_s()).collect() };
         if let Some((ratio, lo, hi)) = paired_ratio(&rounds_of(arms.len() - 1), &rounds_of(0)) {
             paired.push(json!({"concurrency": c, "ratio": ratio, "ci95": [lo, hi]}));
         }
-        for m in measured {
-            let mut p = median_round(&m);
-            let (name, tok_s, user_tok_s, per_call) = (
-                p["arm"].as_str().unwrap_or("").to_string(),
-                p["tok_s"].as_f64().unwrap_or(0.0),
-                p["user_tok_s"].as_f64().unwrap_or(0.0),
-                p["committed_per_call"].as_f64().unwrap_or(0.0),
-            );
-            let ttft = p["ttft_ms"].as_f64().unwrap_or(0.0);
+        for (ai, rounds) in measured.iter().enumerate() {
+            let name = &arms[ai].0;
+            let m = Measured::pool(rounds);
             println!(
-                "{name:<12} {c:>5} {tok_s:>9.1} {user_tok_s:>11.1} {per_call:>9.2} {ttft:>8.1}"
+                "{name:<12} {c:>5} {:>9.1} {:>11.1} {:>9.2} {:>8.1}",
+                m.tok_s(),
+                m.user_tok_s(),
+                m.per_call(),
+                m.ttft_ms()
             );
-            p["rounds_tok_s"] = json!(m.iter().map(|q| q["tok_s"].clone()).collect::<Vec<_>>());
+            let mut p = m.json(name, c);
+            p["rounds"] = json!(rounds.iter().map(|r| r.json(name, c)).collect::<Vec<_>>());
+            p["rounds_tok_s"] = json!(rounds_of(ai));
             points.push(p);
         }
     }
@@ -274,45 +274,164 @@ impl Lengths {
     }
 }
 
-/// Serves requests `first..first + n` (prompts taken round-robin) at concurrency `c` to the end;
-/// returns the tokens streamed and each multi-token request's decode rate (tokens after the
-/// first over the time after it) and time to first token.
-fn serve(
-    e: &mut specdec::Engine,
-    ids: &[Vec<u32>],
+/// One arm's timed requests, run a slice at a time: requests `first..first + n` at concurrency
+/// `c`, timed on the arm's own clock (the seconds spent in its engine's steps), so the turns of
+/// the other arms in between cost it nothing.
+struct Driver {
+    e: specdec::Engine,
     first: usize,
     n: usize,
     c: usize,
-    lengths: Lengths,
-) -> anyhow::Result<(usize, Vec<f64>, Vec<f64>)> {
-    let (mut next, mut in_flight, mut out_tokens) = (0usize, 0usize, 0usize);
-    let (mut user, mut ttft) = (Vec::new(), Vec::new());
-    while next < n || in_flight > 0 {
-        while in_flight < c && next < n {
-            let id = first + next;
-            e.add(Request::new(
-                id as u64,
-                ids[id % ids.len()].clone(),
-                lengths.of(id),
-            ))?;
-            next += 1;
-            in_flight += 1;
+    next: usize,
+    in_flight: usize,
+    out_tokens: usize,
+    /// Seconds spent in this arm's steps so far.
+    clock: f64,
+    /// Per request in flight: clock when added, clock at its first token, tokens so far.
+    live: std::collections::HashMap<u64, (f64, Option<f64>, usize)>,
+    user: Vec<f64>,
+    ttft: Vec<f64>,
+    tokens0: usize,
+    calls0: usize,
+}
+
+/// What one arm measured over its timed requests (one round, or several pooled).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Measured {
+    /// Tokens streamed, and seconds of the arm's own clock.
+    tokens: usize,
+    active_s: f64,
+    /// Per multi-token request: its decode rate (tokens after the first over the seconds after
+    /// it) and its time to first token.
+    user: Vec<f64>,
+    ttft: Vec<f64>,
+    /// Tokens after each request's first (its prefill's), and target calls.
+    after_first: usize,
+    calls: usize,
+    requests: usize,
+}
+
+impl Measured {
+    fn tok_s(&self) -> f64 {
+        self.tokens as f64 / self.active_s.max(1e-9)
+    }
+    fn user_tok_s(&self) -> f64 {
+        self.user.iter().sum::<f64>() / self.user.len().max(1) as f64
+    }
+    fn ttft_ms(&self) -> f64 {
+        1e3 * self.ttft.iter().sum::<f64>() / self.ttft.len().max(1) as f64
+    }
+    /// Committed tokens per target call after prefill: 1.00 for plain decoding.
+    fn per_call(&self) -> f64 {
+        if self.calls == 0 {
+            1.0
+        } else {
+            self.after_first as f64 / self.calls as f64
         }
-        for ev in e.step()? {
-            match ev {
-                Event::Tokens { tokens, .. } => out_tokens += tokens.len(),
-                Event::Finished { metrics, .. } => {
-                    in_flight -= 1;
-                    ttft.push(metrics.ttft_s);
-                    let dt = metrics.e2e_s - metrics.ttft_s;
-                    if metrics.completion_tokens > 1 && dt > 0.0 {
-                        user.push((metrics.completion_tokens - 1) as f64 / dt);
+    }
+    /// Several rounds as one: their tokens over their seconds, every request's rates. Rounds
+    /// run every arm in interleaved turns, so a slow spell of the machine weighs on all arms
+    /// alike within each round; pooling uses every round (a median round would compare one
+    /// arm's round with another's).
+    fn pool(rounds: &[Measured]) -> Measured {
+        let mut m = Measured::default();
+        for r in rounds {
+            m.tokens += r.tokens;
+            m.active_s += r.active_s;
+            m.user.extend(&r.user);
+            m.ttft.extend(&r.ttft);
+            m.after_first += r.after_first;
+            m.calls += r.calls;
+            m.requests += r.requests;
+        }
+        m
+    }
+    fn json(&self, arm: &str, c: usize) -> serde_json::Value {
+        json!({"arm": arm, "concurrency": c, "tok_s": self.tok_s(), "user_tok_s": self.user_tok_s(),
+            "committed_per_call": self.per_call(), "requests": self.requests,
+            "active_s": self.active_s, "ttft_ms": self.ttft_ms()})
+    }
+}
+
+impl Driver {
+    fn new(e: specdec::Engine, first: usize, n: usize, c: usize) -> Self {
+        let (tokens0, calls0) = (e.totals().completion_tokens, e.totals().target_calls);
+        Self {
+            e,
+            first,
+            n,
+            c,
+            next: 0,
+            in_flight: 0,
+            out_tokens: 0,
+            clock: 0.0,
+            live: Default::default(),
+            user: Vec::new(),
+            ttft: Vec::new(),
+            tokens0,
+            calls0,
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.next >= self.n && self.in_flight == 0
+    }
+
+    /// Runs steps until `slice` seconds of this arm's clock have passed or its requests are done.
+    fn run_for(&mut self, ids: &[Vec<u32>], lengths: Lengths, slice: f64) -> anyhow::Result<()> {
+        let end = self.clock + slice;
+        while !self.done() && self.clock < end {
+            while self.in_flight < self.c && self.next < self.n {
+                let id = self.first + self.next;
+                self.e.add(Request::new(
+                    id as u64,
+                    ids[id % ids.len()].clone(),
+                    lengths.of(id),
+                ))?;
+                self.live.insert(id as u64, (self.clock, None, 0));
+                self.next += 1;
+                self.in_flight += 1;
+            }
+            let t0 = Instant::now();
+            let events = self.e.step()?;
+            self.clock += t0.elapsed().as_secs_f64();
+            for ev in events {
+                match ev {
+                    Event::Tokens { id, tokens, .. } => {
+                        self.out_tokens += tokens.len();
+                        if let Some(r) = self.live.get_mut(&id) {
+                            r.1.get_or_insert(self.clock);
+                            r.2 += tokens.len();
+                        }
+                    }
+                    Event::Finished { id, .. } => {
+                        self.in_flight -= 1;
+                        if let Some((added, Some(first), n)) = self.live.remove(&id) {
+                            self.ttft.push(first - added);
+                            let dt = self.clock - first;
+                            if n > 1 && dt > 0.0 {
+                                self.user.push((n - 1) as f64 / dt);
+                            }
+                        }
                     }
                 }
             }
         }
+        Ok(())
     }
-    Ok((out_tokens, user, ttft))
+
+    fn measure(&self) -> Measured {
+        let t = self.e.totals();
+        Measured {
+            tokens: self.out_tokens,
+            active_s: self.clock,
+            user: self.user.clone(),
+            ttft: self.ttft.clone(),
+            after_first: (t.completion_tokens - self.tokens0).saturating_sub(self.n),
+            calls: t.target_calls - self.calls0,
+            requests: self.n,
+        }
+    }
 }
 
 /// Geometric mean of the paired ratios a_i / b_i and its 95 % t-interval (on the log ratios);
@@ -343,19 +462,6 @@ pub(crate) fn arm_order(n: usize, seed: u64) -> Vec<usize> {
         v.swap(i, j);
     }
     v
-}
-
-/// The round whose total tokens/s is the median of an arm's rounds (the lower middle one for an
-/// even count), whole, so its per-user tokens/s and tokens per call stay consistent with it.
-pub(crate) fn median_round(rounds: &[serde_json::Value]) -> serde_json::Value {
-    let mut v: Vec<&serde_json::Value> = rounds.iter().collect();
-    v.sort_by(|a, b| {
-        let t = |x: &serde_json::Value| x["tok_s"].as_f64().unwrap_or(0.0);
-        t(a).total_cmp(&t(b))
-    });
-    v.get(v.len().saturating_sub(1) / 2)
-        .map(|x| (*x).clone())
-        .unwrap_or_default()
 }
 
 /// Total tokens/s of a curve at per-user tokens/s `u`, by linear interpolation between its
@@ -500,14 +606,28 @@ mod tests {
     }
 
     #[test]
-    fn the_median_round_is_one_whole_measured_round() {
-        let r = |t: f64, u: f64| json!({"arm": "none", "tok_s": t, "user_tok_s": u});
-        let m = median_round(&[r(300.0, 10.0), r(250.0, 8.0), r(320.0, 11.0)]);
-        assert_eq!(m["tok_s"], 300.0);
-        assert_eq!(m["user_tok_s"], 10.0);
-        let m = median_round(&[r(300.0, 10.0), r(250.0, 8.0)]);
-        assert_eq!(m["tok_s"], 250.0);
-        assert_eq!(median_round(&[r(1.0, 1.0)])["tok_s"], 1.0);
+    fn pooled_rounds_weigh_every_round_by_its_tokens_and_seconds() {
+        let r = |tokens, secs, user: &[f64], calls| Measured {
+            tokens,
+            active_s: secs,
+            user: user.to_vec(),
+            ttft: vec![0.1; user.len()],
+            after_first: 2 * calls,
+            calls,
+            requests: user.len(),
+        };
+        let a = r(300, 1.0, &[10.0, 20.0], 100);
+        let b = r(100, 1.0, &[30.0], 50);
+        let m = Measured::pool(&[a.clone(), b]);
+        // 400 tokens in 2 s, not the mean of 300 and 100 tokens/s rounds weighted alike by
+        // requests, and every request's rate.
+        assert_eq!(m.tok_s(), 200.0);
+        assert_eq!(m.user_tok_s(), 20.0);
+        assert_eq!(m.per_call(), 2.0);
+        assert!((m.ttft_ms() - 100.0).abs() < 1e-9);
+        assert_eq!(m.requests, 3);
+        assert_eq!(Measured::pool(std::slice::from_ref(&a)), a);
+        assert_eq!(Measured::default().per_call(), 1.0);
     }
 
     #[test]

@@ -40,6 +40,28 @@ pub fn engine(
     )?)
 }
 
+/// An engine like [`engine`] (gate off) whose KV cache holds `kv_tokens`: for benchmarks that
+/// keep several engines alive at once and know how long their requests get.
+pub fn engine_sized(
+    target: &Loaded,
+    proposer: Box<dyn Proposer>,
+    gamma: usize,
+    max_running: usize,
+    kv_tokens: usize,
+) -> anyhow::Result<Engine> {
+    let gamma = if proposer.name() == "none" { 0 } else { gamma };
+    let cfg = specdec::EngineConfig {
+        kv_tokens,
+        ..drafter::build::engine_config(&target.model, gamma, false, max_running)
+    };
+    Ok(Engine::new(
+        target.model.clone(),
+        Some(target.tok.clone()),
+        proposer,
+        cfg,
+    )?)
+}
+
 /// The target's SPS(B) profile: the cached one whose key matches, else profiled now.
 pub fn sps_profile(
     g: &Global,

@@ -263,6 +263,85 @@ fn bench_spec_pairs_every_arm_per_prompt_group_and_checks_greedy_parity() {
 }
 
 #[test]
+fn bench_frontier_interleaves_the_arms_and_pools_their_rounds() {
+    let d = tmpdir("frontier");
+    let m = tiny(&d);
+    let json = d.join("frontier.json");
+    let (code, out, err) = dspark(
+        &d,
+        &[
+            "bench",
+            "frontier",
+            "--target",
+            &m,
+            "--drafter",
+            "ngram",
+            "--prompts",
+            "code",
+            "--concurrency",
+            "1,3",
+            "--gammas",
+            "1",
+            "--max-tokens",
+            "4",
+            "--waves",
+            "1",
+            "--min-requests",
+            "2",
+            "--warmup",
+            "2",
+            "--rounds",
+            "2",
+            "--slice-ms",
+            "1",
+            "--settle-ms",
+            "0",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 0, "{out}\n{err}");
+    let v = read_json(&json);
+    let points = v["points"].as_array().unwrap();
+    // none, fixed-1 and the scheduler at two concurrencies.
+    assert_eq!(points.len(), 6, "{v}");
+    for p in points {
+        let rounds = p["rounds"].as_array().unwrap();
+        assert_eq!(rounds.len(), 2, "{p}");
+        // The point pools its rounds: their tokens over their seconds, every request.
+        let (tokens, secs) = rounds.iter().fold((0.0, 0.0), |(t, s), r| {
+            let a = r["active_s"].as_f64().unwrap();
+            (t + r["tok_s"].as_f64().unwrap() * a, s + a)
+        });
+        let tok_s = p["tok_s"].as_f64().unwrap();
+        assert!(
+            secs > 0.0 && (tok_s - tokens / secs).abs() < 1e-6 * tok_s,
+            "{p}"
+        );
+        let per_round = rounds[0]["requests"].as_u64().unwrap();
+        assert_eq!(p["requests"].as_u64(), Some(2 * per_round), "{p}");
+        assert!(p["user_tok_s"].as_f64().unwrap() > 0.0, "{p}");
+    }
+    let paired = v["paired_vs_none"].as_array().unwrap();
+    assert_eq!(paired.len(), 2, "{v}");
+    for q in paired {
+        let (lo, r, hi) = (
+            q["ci95"][0].as_f64().unwrap(),
+            q["ratio"].as_f64().unwrap(),
+            q["ci95"][1].as_f64().unwrap(),
+        );
+        assert!(lo <= r && r <= hi && r > 0.0, "{q}");
+    }
+    assert!(v["checks"]["never_below_none"].is_boolean());
+    let (code, _, err) = dspark(
+        &d,
+        &["bench", "frontier", "--target", &m, "--slice-ms", "0"],
+    );
+    assert_ne!(code, 0);
+    assert!(err.contains("--slice-ms"), "{err}");
+}
+
+#[test]
 fn bench_decode_pairs_rounds_with_the_peer_and_reports_an_interval() {
     let d = tmpdir("decode");
     let m = tiny(&d);

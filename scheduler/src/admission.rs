@@ -541,14 +541,6 @@ pub struct ConfidencePolicy {
     /// drafting off at c = 1 where γ = 1 on every step gained 11 %, and the back-off probes
     /// were too few to switch it on again.
     gain_var: f64,
-    /// The engine's output rate λ: running sums of committed tokens and of the seconds the
-    /// steps (and drafting) took, and the seconds of the step under way. A free draft is worth
-    /// verifying when its acceptance chance beats λ × its marginal step seconds: what the same
-    /// seconds earn on average. Weighing it against the step's own rate instead would favour
-    /// drafts on steps that carry a prefill chunk, whose own rate is low.
-    rate_tokens: f64,
-    rate_s: f64,
-    pending_s: f64,
     /// Free drafts' accepted tokens against their expected ones (running sums, starting at
     /// one pseudo-draft each): their confidences come from rates calibrated on another
     /// workload, so survivals are scaled by what this one realizes.
@@ -633,9 +625,6 @@ impl ConfidencePolicy {
             gain_ema: 0.0,
             gain_seen: 0,
             gain_var: 0.0,
-            rate_tokens: 0.0,
-            rate_s: 0.0,
-            pending_s: 0.0,
             free_expected: 1.0,
             free_accepted: 1.0,
             decode_secs: vec![0.0; SCALE_BUCKETS],
@@ -716,9 +705,22 @@ impl ConfidencePolicy {
         (self.free_accepted / self.free_expected).clamp(0.0, 1.5)
     }
 
-    /// The engine's running output rate (tokens per second), once steps have been seen.
-    pub fn token_rate(&self) -> Option<f64> {
-        (self.rate_s > 0.0 && self.rate_tokens > 0.0).then(|| self.rate_tokens / self.rate_s)
+    /// Seconds a decoding token costs in a plain decoding step of `reqs` requests (the step's
+    /// seconds over its tokens): measured at that batch when steps without prefill have been
+    /// seen there, else the table's on the measured scale. A draft accepted saves its request
+    /// one such token: one step fewer in its slot, which the next request takes over. The
+    /// prefill seconds are the same either way, so the engine's overall output rate (prefill
+    /// time included) undervalues the seconds a draft costs: at c = 8 on 32-token answers it
+    /// read 466 tokens/s where decoding steps ran at 790, and verified drafts at 40 % survival
+    /// that lost 2 % of throughput.
+    fn decode_token_seconds(&self, reqs: u32) -> f64 {
+        let r = reqs.max(1);
+        let measured = self
+            .decode_secs
+            .get(r as usize)
+            .copied()
+            .filter(|&s| s > 0.0);
+        measured.unwrap_or_else(|| self.step_seconds(r)) / r as f64
     }
 
     /// Per-request caps (γ) for `n` drafting requests and the step's limits.
@@ -956,20 +958,25 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         let room = (self.max_batch_tokens as usize)
             .saturating_sub(b0 as usize)
             .min(kv_headroom);
+        // A step of B + n tokens: measured at that size when it has been, else the table's
+        // stairs on B's own scale (pricing it on a neighbour's ratio put a jump between B and
+        // B + 1 that no step has); the measured slope where dearer.
+        let scale = self.scale_for(b0);
         let t0 = self.step_seconds(b0);
+        let priced = |b: u32| match self.step_scales.get(b as usize) {
+            Some(&r) if r > 0.0 => self.step_seconds(b),
+            _ => scale * self.sps.seconds(b),
+        };
         let slope = self.measured_slope(b0);
-        let lambda = self.token_rate();
-        // The best count n of top entries: expected tokens gained less what their seconds
-        // earn at the engine's running rate λ (before λ is known, Θ of the step itself).
+        let per_token = self.decode_token_seconds(reqs.min(u32::MAX as usize) as u32);
+        // The best count n of top entries: the decoding seconds their expected tokens save,
+        // less the seconds they add to this step.
         let (mut best, mut best_n, mut gain) = (0.0f64, 0usize, 0.0f64);
         for (i, e) in entries.iter().take(room).enumerate() {
             gain += e.0;
             let n = i as u32 + 1;
-            let t = t0 + (self.step_seconds(b0 + n) - t0).max(slope * n as f64);
-            let v = match lambda {
-                Some(l) => gain - l * (t - t0),
-                None => (reqs as f64 + gain) / t - reqs as f64 / t0,
-            };
+            let added = (priced(b0 + n) - t0).max(slope * n as f64);
+            let v = gain * per_token - added;
             if v.is_finite() && v > best {
                 (best, best_n) = (v, i + 1);
             }
@@ -982,9 +989,9 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             k_total = best_n,
             drafted = entries.len(),
             batch_tokens = b0,
-            value = best,
+            value_s = best,
             slope,
-            lambda = lambda.unwrap_or(0.0),
+            per_token,
             realized,
             "free drafts"
         );
@@ -1052,7 +1059,6 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         } else {
             0.95 * self.step_s + 0.05 * secs
         };
-        self.pending_s += secs;
         if std::mem::take(&mut self.step_is_decode)
             && let Some(x) = self.decode_secs.get_mut(batch_tokens)
         {
@@ -1083,16 +1089,6 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         }
     }
 
-    fn observe_tokens(&mut self, committed: usize) {
-        // About the last fifty steps.
-        const KEEP: f64 = 0.98;
-        let s = std::mem::take(&mut self.pending_s);
-        if s > 0.0 {
-            self.rate_tokens = KEEP * self.rate_tokens + committed as f64;
-            self.rate_s = KEEP * self.rate_s + s;
-        }
-    }
-
     fn observe_outcome(&mut self, expected: f64, accepted: usize, free: bool) {
         // About the last fifty verifying steps.
         const KEEP: f64 = 0.98;
@@ -1106,7 +1102,6 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         if n == 0 || !secs.is_finite() {
             return;
         }
-        self.pending_s += secs.max(0.0);
         if self.probing {
             self.last_probe_s = secs;
         }
@@ -1384,60 +1379,58 @@ mod tests {
         assert!((p.scale_for(100) - p.step_scale).abs() < 1e-12);
     }
 
+    /// A table of `fixed` seconds plus `per` seconds a token, profiled at a few batch sizes.
+    fn linear_table(fixed: f64, per: f64) -> SpsTable {
+        let pts: Vec<(u32, f64)> = [1u32, 8, 16, 32, 64, 128, 256]
+            .iter()
+            .map(|&b| (b, 1.0 / (fixed + per * b as f64)))
+            .collect();
+        SpsTable::new(pts).unwrap()
+    }
+
     #[test]
-    fn free_drafts_are_weighed_against_the_engines_running_rate() {
+    fn free_drafts_are_weighed_against_the_decoding_seconds_they_save() {
         use specdec::VerifyPolicy;
-        // A machine that pays for every token: 1 ms each.
-        let sps = SpsTable::new(vec![
-            (1, 1000.0),
-            (64, 1000.0 / 64.0),
-            (256, 1000.0 / 256.0),
-        ])
-        .unwrap();
-        assert!((sps.seconds(32) - 0.032).abs() < 1e-12);
-        assert!((sps.seconds(160) - 0.160).abs() < 1e-12);
-        assert_eq!(sps.seconds(257), f64::INFINITY);
-        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
-        assert_eq!(p.token_rate(), None);
-        // Before the rate is known, a step is weighed on its own: with a 150-token prefill
-        // chunk in it, 31 decoding requests earn little per second, and a draft at 0.4 for a
-        // token's 1 ms looks worth it.
-        let row = [0.4f32];
-        assert_eq!(p.select_free(&[&row], 150, 30, 1 << 20), vec![1]);
-        // Steps of 32 tokens committing 16 (the rest of the time goes to prefill): 500 tokens/s,
-        // 2 ms a token. A draft is worth its 1 ms at acceptance above one half.
-        for _ in 0..200 {
-            p.observe_step(0.032, 32);
-            p.observe_tokens(16);
-        }
-        let rate = p.token_rate().unwrap();
-        assert!((rate - 500.0).abs() < 1.0, "{rate}");
-        assert_eq!(p.select_free(&[&row], 150, 30, 1 << 20), vec![0]);
-        assert_eq!(p.select_free(&[&[0.7f32][..]], 150, 30, 1 << 20), vec![1]);
+        // 10 ms a step plus 1 ms a token: a decoding token costs 11 ms at one request, 2 ms
+        // at 10 and 1.33 ms at 30, and a verified draft adds 1 ms whatever the batch.
+        let mut p = ConfidencePolicy::new(linear_table(0.010, 0.001), Rule::Argmax, 2, 4096, 4);
+        let row = [0.6f32];
+        // One request: a draft saves a whole 11 ms step for 1 ms; even 0.15 is worth it.
+        assert_eq!(p.select_free(&[&[0.15f32][..]], 0, 0, 1 << 20), vec![1]);
+        // Ten: a draft is worth its 1 ms at survival above one half.
+        assert_eq!(p.select_free(&[&row], 0, 9, 1 << 20), vec![1]);
+        assert_eq!(p.select_free(&[&[0.4f32][..]], 0, 9, 1 << 20), vec![0]);
+        // Thirty: above three quarters. A 150-token prefill chunk in the step changes what the
+        // draft costs, not what it saves (the prefill's seconds are spent either way): with it
+        // the step's own rate is low, and the overall rate (prefill seconds included) would
+        // price a token at 2.4 ms and take the draft at 0.6.
+        assert_eq!(p.select_free(&[&row], 150, 29, 1 << 20), vec![0]);
+        assert_eq!(p.select_free(&[&[0.8f32][..]], 150, 29, 1 << 20), vec![1]);
         // Within a block, verification stops where the survival drops below one half.
         assert_eq!(
-            p.select_free(&[&[0.9f32, 0.9, 0.5, 0.9][..]], 150, 30, 1 << 20),
+            p.select_free(&[&[0.9f32, 0.9, 0.5, 0.9][..]], 0, 9, 1 << 20),
             vec![2]
         );
+        // Decoding steps measured at 2 ms plus 1 ms a token (1.2 ms a token at ten requests,
+        // where the table said 2 ms): a draft at 0.6 no longer pays for its 1 ms.
+        for _ in 0..40 {
+            for b in [8usize, 10, 12] {
+                p.select(&[], 0, b, 1 << 20);
+                p.observe_step(0.002 + 0.001 * b as f64, b);
+            }
+        }
+        assert!((p.decode_token_seconds(10) - 0.0012).abs() < 1e-6);
+        assert_eq!(p.select_free(&[&row], 0, 9, 1 << 20), vec![0]);
+        assert_eq!(p.select_free(&[&[0.95f32][..]], 0, 9, 1 << 20), vec![1]);
     }
 
     #[test]
     fn free_drafts_that_realize_less_than_their_confidence_are_discounted() {
         use specdec::VerifyPolicy;
-        let sps = SpsTable::new(vec![
-            (1, 1000.0),
-            (64, 1000.0 / 64.0),
-            (256, 1000.0 / 256.0),
-        ])
-        .unwrap();
-        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
-        for _ in 0..200 {
-            p.observe_step(0.032, 32);
-            p.observe_tokens(16);
-        }
-        // At 500 tokens/s a token's 1 ms is worth half a token: a draft at 0.7 is verified...
+        let mut p = ConfidencePolicy::new(linear_table(0.010, 0.001), Rule::Argmax, 2, 4096, 4);
+        // Ten requests: a token's 1 ms is worth half a token, a draft at 0.7 is verified...
         let row = [0.7f32];
-        assert_eq!(p.select_free(&[&row], 150, 30, 1 << 20), vec![1]);
+        assert_eq!(p.select_free(&[&row], 0, 9, 1 << 20), vec![1]);
         // ... until free drafts are seen to be accepted at 60 % of their confidence (0.42).
         for _ in 0..100 {
             p.observe_outcome(10.0, 6, true);
@@ -1449,45 +1442,38 @@ mod tests {
             "{}",
             p.free_realized()
         );
-        assert_eq!(p.select_free(&[&row], 150, 30, 1 << 20), vec![0]);
-        assert_eq!(p.select_free(&[&[0.95f32][..]], 150, 30, 1 << 20), vec![1]);
+        assert_eq!(p.select_free(&[&row], 0, 9, 1 << 20), vec![0]);
+        assert_eq!(p.select_free(&[&[0.95f32][..]], 0, 9, 1 << 20), vec![1]);
     }
 
     #[test]
     fn a_token_is_priced_at_the_measured_slope_where_the_table_understates_it() {
         use specdec::VerifyPolicy;
         // A profiled staircase with a large fixed cost (long contexts): 20 ms + 0.5 ms a token.
-        let pts: Vec<(u32, f64)> = [1u32, 8, 16, 32, 64, 128]
-            .iter()
-            .map(|&b| (b, 1.0 / (0.020 + 0.0005 * b as f64)))
-            .collect();
-        let mut p = ConfidencePolicy::new(SpsTable::new(pts).unwrap(), Rule::Argmax, 2, 4096, 4);
-        // The engine's steps have no fixed cost and 1 ms a token: a draft costs as much as a
-        // decoding token, and at about 900 tokens/s even a draft at 0.85 does not pay for it.
+        let mut p = ConfidencePolicy::new(linear_table(0.020, 0.0005), Rule::Argmax, 2, 4096, 4);
+        // The engine's steps: 6 ms + 1 ms a token. At 32 requests a decoding token costs
+        // 1.19 ms and a draft 1 ms: a draft at 0.8 does not pay for itself.
         for _ in 0..30 {
             for b in [16usize, 20, 24, 28, 32] {
                 p.select(&[], 0, b, 1 << 20);
-                p.observe_step(0.001 * b as f64, b);
-                p.observe_tokens(b);
+                p.observe_step(0.006 + 0.001 * b as f64, b);
             }
             // Steps with a prefill chunk (whose tokens need no logits) are cheaper a token;
             // they price their own B but not a verified token.
             p.select(&[], 24, 16, 1 << 20);
             p.observe_step(0.030, 40);
-            p.observe_tokens(16);
         }
         assert!(
             (p.measured_slope(32) - 0.001).abs() < 1e-4,
             "{}",
             p.measured_slope(32)
         );
-        let rate = p.token_rate().unwrap();
-        assert!(rate > 900.0, "{rate}");
-        // The table's slope on the measured scale: 0.5 ms × (32 ms / 36 ms) ≈ 0.44 ms a token,
-        // for which a draft at 0.85 would look worth verifying.
+        // The table's slope on the measured scale: 0.5 ms × (38 ms / 36 ms) ≈ 0.53 ms a token,
+        // for which a draft at 0.8 would look worth verifying.
         let table = p.step_seconds(33) - p.step_seconds(32);
         assert!(table < 0.0006, "{table}");
-        assert_eq!(p.select_free(&[&[0.85f32][..]], 0, 31, 1 << 20), vec![0]);
+        assert_eq!(p.select_free(&[&[0.8f32][..]], 0, 31, 1 << 20), vec![0]);
+        assert_eq!(p.select_free(&[&[0.95f32][..]], 0, 31, 1 << 20), vec![1]);
         // Too few measured sizes around B: no slope, the table's shape prices alone.
         assert_eq!(p.measured_slope(200), 0.0);
     }

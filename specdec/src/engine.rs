@@ -170,10 +170,6 @@ pub trait VerifyPolicy: Send {
     /// Seconds this step's target forward, acceptance and commits took over `batch_tokens`
     /// tokens (drafting apart): the profiled table's time scale can be checked against it.
     fn observe_step(&mut self, _secs: f64, _batch_tokens: usize) {}
-    /// Tokens this step committed (every request's, first tokens after prefill included): with
-    /// the seconds above, the engine's running output rate, which a token's marginal cost is
-    /// weighed against.
-    fn observe_tokens(&mut self, _committed: usize) {}
     /// What this step's verified drafts were expected to yield (the sum of their survivals,
     /// from the confidences) and how many were accepted; `free`: drafts from
     /// [`crate::Proposer::propose_free`]. Lets a policy correct confidences that prove off for
@@ -1011,14 +1007,6 @@ impl Engine {
                 "step priced"
             );
             policy.observe_step(t_fwd.elapsed().as_secs_f64(), batch_tokens);
-            let committed = events
-                .iter()
-                .map(|e| match e {
-                    Event::Tokens { tokens, .. } => tokens.len(),
-                    _ => 0,
-                })
-                .sum();
-            policy.observe_tokens(committed);
             if outcome.0 > 0.0 {
                 tracing::trace!(
                     expected = outcome.0,
