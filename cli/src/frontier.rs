@@ -59,8 +59,9 @@ pub struct FrontierArgs {
     #[arg(long, default_value_t = 500)]
     pub settle_ms: u64,
     /// The arms' timed requests run in turns of this many milliseconds each (shuffled order per
-    /// turn), so every arm sees the same spells of this shared machine.
-    #[arg(long, default_value_t = 200)]
+    /// turn), so every arm sees the same spells of this shared machine: it has spells a quarter
+    /// slower lasting from a few hundred milliseconds to seconds.
+    #[arg(long, default_value_t = 50)]
     pub slice_ms: u64,
     #[arg(long)]
     pub json: Option<PathBuf>,

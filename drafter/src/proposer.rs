@@ -117,8 +117,11 @@ const STAGES: [&str; 5] = ["context", "block", "head", "markov", "sample"];
 /// pays nothing per step but a copy.
 #[derive(Default)]
 struct ReqFeats {
-    /// Feature rows (F·d each) of committed positions 0..n.
+    /// Feature rows (F·d each) of committed positions `raw0..n`: the context window and a
+    /// margin, not the whole request (at 7 kB a position, whole requests grew by reallocation
+    /// and page faults on every step that served them).
     raw: Vec<f32>,
+    raw0: usize,
     /// Context rows of positions `f0 ..`.
     rows: Vec<CtxRow>,
     f0: usize,
@@ -405,8 +408,8 @@ impl DsparkProposer {
             let Some(f) = self.feats.get_mut(&id) else {
                 continue;
             };
-            let n = f.raw.len() / rl;
-            let lo = n.saturating_sub(c);
+            let n = f.raw0 + f.raw.len() / rl;
+            let lo = n.saturating_sub(c).max(f.raw0);
             let have = f.rows.len();
             if f.f0 > lo || f.f0 + have < lo {
                 f.rows.clear();
@@ -417,7 +420,7 @@ impl DsparkProposer {
             }
             let from = f.f0 + f.rows.len();
             if from < n {
-                raw.extend_from_slice(&f.raw[from * rl..n * rl]);
+                raw.extend_from_slice(&f.raw[(from - f.raw0) * rl..(n - f.raw0) * rl]);
                 todo.push((id, n - from));
             }
         }
@@ -470,11 +473,26 @@ impl Proposer for DsparkProposer {
                 rows.len()
             )));
         }
+        let c = self.dr.cfg.context;
         let f = self.feats.entry(id).or_default();
+        if start < f.raw0 {
+            // A rollback below the rows kept (never expected: rollbacks are shorter than the
+            // margin): start over from `start`; the window pads what it lacks.
+            f.raw.clear();
+            f.raw0 = start;
+        }
         // Positions past `start` were rolled back; a gap (never expected) is zero-filled (the
         // fused zero row is the pad).
-        f.raw.resize(start * rl, 0.0);
+        f.raw.resize((start - f.raw0) * rl, 0.0);
         f.raw.extend_from_slice(rows);
+        // Only the last C positions are ever fused; keep 2·C (rollbacks stay above), trimmed
+        // once 4·C are held so the shift is paid once every 2·C positions.
+        let held = f.raw.len() / rl;
+        if held > 4 * c {
+            let drop = held - 2 * c;
+            f.raw.drain(..drop * rl);
+            f.raw0 += drop;
+        }
         let keep = start.saturating_sub(f.f0);
         f.rows.truncate(keep);
         Ok(())
@@ -1049,7 +1067,9 @@ mod tests {
         let mut raw: Vec<f32> = Vec::new();
         // (rows committed from `start`, how many) — appends, a rollback into the computed part,
         // a window that slides past old rows, a long stretch without drafting.
-        let plan: [(Option<usize>, usize, bool); 7] = [
+        // Then a request long past four windows (the raw rows kept are trimmed to two), with
+        // a rollback just after a trim.
+        let plan: [(Option<usize>, usize, bool); 11] = [
             (None, 3, true),
             (None, 1, true),
             (Some(2), 2, true),
@@ -1057,6 +1077,10 @@ mod tests {
             (Some(7), 1, false),
             (None, 9, false),
             (Some(12), 2, true),
+            (None, 13, false),
+            (None, 2, true),
+            (Some(27), 3, true),
+            (None, 30, true),
         ];
         for (step, &(start, n, draft)) in plan.iter().enumerate() {
             let start = start.unwrap_or(raw.len() / rl);
@@ -1083,6 +1107,12 @@ mod tests {
                 assert!(worst < 1e-4, "step {step}: worst {worst}");
                 let f = &p.feats[&1];
                 assert!(f.rows.len() <= 6, "rows stay within the window");
+                assert!(
+                    f.raw.len() / rl <= 4 * 6,
+                    "step {step}: {} raw rows kept",
+                    f.raw.len() / rl
+                );
+                assert_eq!(f.raw0 + f.raw.len() / rl, raw.len() / rl, "step {step}");
             }
         }
     }

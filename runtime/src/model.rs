@@ -626,7 +626,7 @@ impl Model {
         let mut gu = vec![0f32; n * 2 * c.ffn_dim];
         let mut act = vec![0f32; n * c.ffn_dim];
         let mut tmp = Vec::new();
-        let mut layer_hidden = Vec::with_capacity(opts.layers.len());
+        let mut layer_hidden: Vec<Vec<f32>> = vec![Vec::new(); opts.layers.len()];
         let mut prof = ForwardProfile::default();
         let mut clock = Clock::new(opts.profile);
         for (li, layer) in self.layers.iter().enumerate() {
@@ -697,22 +697,12 @@ impl Model {
             for (xv, pv) in x.iter_mut().zip(&proj) {
                 *xv += pv;
             }
-            if opts.layers.contains(&li) {
-                layer_hidden.push((li, x.clone()));
+            // In the caller's requested order (a layer asked for twice gets the copy twice).
+            for (slot, _) in opts.layers.iter().enumerate().filter(|(_, l)| **l == li) {
+                layer_hidden[slot] = x.clone();
             }
         }
-        // Keep the caller's requested order.
-        out.layer_hidden = opts
-            .layers
-            .iter()
-            .map(|l| {
-                layer_hidden
-                    .iter()
-                    .find(|(li, _)| li == l)
-                    .map(|(_, v)| v.clone())
-                    .unwrap_or_default()
-            })
-            .collect();
+        out.layer_hidden = layer_hidden;
         for t in 0..n {
             ops::rms_norm(
                 isa,

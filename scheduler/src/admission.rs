@@ -672,32 +672,57 @@ impl ConfidencePolicy {
         self.scale_for(b) * self.sps.seconds(b)
     }
 
-    /// Seconds one more verified token costs around B, fitted (least squares) on the seconds
-    /// measured for steps without prefill chunks at batch sizes from B/4 to 2B (at least 8
-    /// either side); 0 with fewer than three of them. The table's shape rescaled by a measured
-    /// ratio misprices a token: its profiled steps carry a fixed cost (long contexts) that
-    /// short ones do not, so its slope times the ratio came out at 0.58 ms a token where
-    /// decoding steps of 16 to 32 tokens measured 0.75 to 1 ms (SmolLM2, 2 threads).
+    /// Seconds one more verified token costs above B, fitted (least squares) on the seconds
+    /// measured for steps without prefill chunks at batch sizes from B to 2B (at least B + 8),
+    /// or, with fewer than three of those, from B/2 (at least 4 below); 0 with fewer than three
+    /// either way. The table's shape rescaled by a measured ratio misprices a token: its
+    /// profiled steps carry a fixed cost (long contexts) that short ones do not, so its slope
+    /// times the ratio came out at 0.58 ms a token where decoding steps of 16 to 32 tokens
+    /// measured 0.75 to 1 ms (SmolLM2, 2 threads). Sizes below B are a fallback only: small
+    /// batches read the weights at the same cost whatever their size, so the curve is flat
+    /// there and steep above; fitted from B/4 at B = 8 it gave 0.9 ms a token where steps of
+    /// 8 to 12 tokens added 1.2 ms each.
     fn measured_slope(&self, b: u32) -> f64 {
         let b = b as usize;
-        let (lo, hi) = ((b / 4).min(b.saturating_sub(8)).max(1), (2 * b).max(b + 8));
-        let pts: Vec<(f64, f64)> = (lo..=hi)
-            .filter_map(|i| {
-                let s = *self.decode_secs.get(i)?;
-                (s > 0.0).then_some((i as f64, s))
-            })
-            .collect();
-        if pts.len() < 3 {
-            return 0.0;
+        let hi = (2 * b).max(b + 8);
+        let fit = |lo: usize| -> Option<f64> {
+            let pts: Vec<(f64, f64)> = (lo..=hi)
+                .filter_map(|i| {
+                    let s = *self.decode_secs.get(i)?;
+                    (s > 0.0).then_some((i as f64, s))
+                })
+                .collect();
+            if pts.len() < 3 {
+                return None;
+            }
+            let n = pts.len() as f64;
+            let (mx, my) = (
+                pts.iter().map(|p| p.0).sum::<f64>() / n,
+                pts.iter().map(|p| p.1).sum::<f64>() / n,
+            );
+            let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+            let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+            Some(if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 })
+        };
+        fit(b.max(1))
+            .or_else(|| fit((b / 2).min(b.saturating_sub(4)).max(1)))
+            .unwrap_or(0.0)
+    }
+
+    /// Seconds `n` verified drafts add to a step of `reqs` decoding requests, from decoding
+    /// steps: measured at both sizes when both have been seen (the flat part of the curve then
+    /// costs nothing), else the slope above.
+    fn decode_added(&self, reqs: u32, n: u32, slope: f64) -> f64 {
+        let at = |b: u32| {
+            self.decode_secs
+                .get(b as usize)
+                .copied()
+                .filter(|&s| s > 0.0)
+        };
+        match (at(reqs), at(reqs.saturating_add(n))) {
+            (Some(a), Some(b)) => (b - a).max(0.0),
+            _ => slope * n as f64,
         }
-        let n = pts.len() as f64;
-        let (mx, my) = (
-            pts.iter().map(|p| p.0).sum::<f64>() / n,
-            pts.iter().map(|p| p.1).sum::<f64>() / n,
-        );
-        let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-        let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-        if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 }
     }
 
     /// Accepted over expected free drafts, recently (1 before any; at most 1.5).
@@ -958,24 +983,30 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         let room = (self.max_batch_tokens as usize)
             .saturating_sub(b0 as usize)
             .min(kv_headroom);
-        // A step of B + n tokens: measured at that size when it has been, else the table's
-        // stairs on B's own scale (pricing it on a neighbour's ratio put a jump between B and
-        // B + 1 that no step has); the measured slope where dearer.
+        // What n drafts add to the step: the larger of the step's price at B + n (measured at
+        // that size when it has been, else the table's stairs on B's own scale: pricing B + n
+        // on a neighbour's ratio put a jump between B and B + 1 that no step has) and what
+        // decoding steps measured. A verified draft needs its
+        // logits like a decoding token, unlike a prefill token, so the measured part comes from
+        // decoding steps around the step's decoding requests, whatever prefill rides along
+        // (around B with the chunk no decoding step is measured, and the table alone priced a
+        // draft on a prefill step at under half what it costs).
         let scale = self.scale_for(b0);
         let t0 = self.step_seconds(b0);
         let priced = |b: u32| match self.step_scales.get(b as usize) {
             Some(&r) if r > 0.0 => self.step_seconds(b),
             _ => scale * self.sps.seconds(b),
         };
-        let slope = self.measured_slope(b0);
-        let per_token = self.decode_token_seconds(reqs.min(u32::MAX as usize) as u32);
+        let decoding = reqs.min(u32::MAX as usize) as u32;
+        let slope = self.measured_slope(decoding);
+        let per_token = self.decode_token_seconds(decoding);
         // The best count n of top entries: the decoding seconds their expected tokens save,
         // less the seconds they add to this step.
         let (mut best, mut best_n, mut gain) = (0.0f64, 0usize, 0.0f64);
         for (i, e) in entries.iter().take(room).enumerate() {
             gain += e.0;
             let n = i as u32 + 1;
-            let added = (priced(b0 + n) - t0).max(slope * n as f64);
+            let added = (priced(b0 + n) - t0).max(self.decode_added(decoding, n, slope));
             let v = gain * per_token - added;
             if v.is_finite() && v > best {
                 (best, best_n) = (v, i + 1);
@@ -1001,6 +1032,20 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
     fn probe(&self) -> Option<(usize, usize)> {
         self.probing
             .then_some((self.probe_width.max(1), self.probe_k.max(1)))
+    }
+
+    /// With the drafter on the target's hardware, a budget of K_total tokens drafts for at most
+    /// as many requests (the budget is one more than K_total: one spare candidate): drafting
+    /// every request of a full batch for a budget of one or two, after a probe found one draft
+    /// that paid, cost a whole drafting call and catching up every request's context for a
+    /// token or two (c = 16: 3–4 ms drafting and 9 ms in all on an 18 ms step, twice per such
+    /// probe). A drafter on its own device costs the target nothing to draft more.
+    fn draft_width(&self, k: usize) -> usize {
+        if self.count_draft_cost {
+            k.max(1)
+        } else {
+            usize::MAX
+        }
     }
 
     fn planned(&mut self) -> Option<usize> {
@@ -1476,6 +1521,56 @@ mod tests {
         assert_eq!(p.select_free(&[&[0.95f32][..]], 0, 31, 1 << 20), vec![1]);
         // Too few measured sizes around B: no slope, the table's shape prices alone.
         assert_eq!(p.measured_slope(200), 0.0);
+        // With a 150-token prefill chunk no decoding step was ever measured around B = 182,
+        // and the table's slope there says 0.5 ms. The draft still needs its logits: it is
+        // priced at the decoding slope around the step's 32 decoding requests.
+        assert_eq!(p.measured_slope(182), 0.0);
+        assert_eq!(p.select_free(&[&[0.8f32][..]], 150, 31, 1 << 20), vec![0]);
+        assert_eq!(p.select_free(&[&[0.95f32][..]], 150, 31, 1 << 20), vec![1]);
+    }
+
+    #[test]
+    fn a_small_budget_drafts_for_few_requests_when_drafting_shares_the_hardware() {
+        use specdec::VerifyPolicy;
+        let mut p = ConfidencePolicy::new(linear_table(0.010, 0.001), Rule::Argmax, 2, 4096, 4);
+        assert_eq!(p.draft_width(2), 2);
+        assert_eq!(p.draft_width(0), 1);
+        // A drafter on its own device: drafting more costs the target nothing.
+        p.count_draft_cost = false;
+        assert_eq!(p.draft_width(2), usize::MAX);
+    }
+
+    #[test]
+    fn the_slope_is_fitted_where_the_cost_curve_is_steep() {
+        use specdec::VerifyPolicy;
+        let mut p = ConfidencePolicy::new(linear_table(0.003, 0.0005), Rule::Argmax, 2, 4096, 4);
+        // Flat while the weights' reading dominates (3 ms up to 3 tokens), then 1.25 ms a token.
+        let secs = |b: usize| 0.003 + 0.00125 * b.saturating_sub(3) as f64;
+        for _ in 0..30 {
+            for b in 1..=16usize {
+                p.select(&[], 0, b, 1 << 20);
+                p.observe_step(secs(b), b);
+            }
+        }
+        // Around B = 8 the fit starts at 4: the steep part only.
+        let slope = p.measured_slope(8);
+        assert!((slope - 0.00125).abs() < 1e-5, "{slope}");
+        // At B = 8 a decoding token costs 9.25 / 8 = 1.16 ms, less than a draft adds: no free
+        // draft pays, however confident.
+        assert_eq!(p.select_free(&[&[0.99f32][..]], 0, 7, 1 << 20), vec![0]);
+        // At two requests a step of three was measured at what a step of two costs: a draft
+        // adds nothing, and even one at 0.2 is verified, though a slope fitted across the knee
+        // (from 1 to 10 tokens) would say about 1 ms against the 0.3 ms it saves.
+        let across = p.measured_slope(1);
+        assert!(across > 0.0008, "{across}");
+        assert_eq!(p.select_free(&[&[0.2f32][..]], 0, 1, 1 << 20), vec![1]);
+        // A block stops where a step's measured seconds start to climb: three drafts at
+        // 0.9, 0.9, 0.9 on two requests, of which the second and third cost 1.25 ms each for
+        // 1.5 ms × survivals of 0.81 and 0.73.
+        assert_eq!(
+            p.select_free(&[&[0.9f32, 0.9, 0.9][..]], 0, 1, 1 << 20),
+            vec![1]
+        );
     }
 
     #[test]

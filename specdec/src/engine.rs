@@ -154,10 +154,16 @@ pub trait VerifyPolicy: Send {
         kv_headroom: usize,
     ) -> Vec<usize>;
     /// The verification budget K_total of the coming step when it is already known (decided
-    /// from confidences of earlier steps). `Some(0)` lets the engine skip drafting altogether.
+    /// from confidences of earlier steps). `Some(0)` lets the engine skip drafting altogether;
+    /// `Some(k)` caps every block at k, drafted for [`VerifyPolicy::draft_width`] requests.
     /// `None`: not known (or a probe): the engine drafts full blocks.
     fn planned(&mut self) -> Option<usize> {
         None
+    }
+    /// For a planned budget `k > 0`: how many decoding requests draft (a window rotating over
+    /// the batch); all of them by default.
+    fn draft_width(&self, _k: usize) -> usize {
+        usize::MAX
     }
     /// When `planned` answered `None` for a probe: draft for at most this many requests, at
     /// most this many positions each (fresh confidences need not cost a whole batch of blocks).
@@ -605,6 +611,7 @@ impl Engine {
             return Ok(events);
         }
         self.steps += 1;
+        let t_step = Instant::now();
         // 1. Plan: verification windows first (they hold KV already), then prefill chunks.
         let mut budget = self.cfg.max_batch_tokens;
         let mut ks: Vec<Option<usize>> = vec![None; self.running.len()];
@@ -639,7 +646,9 @@ impl Engine {
             {
                 match policy.planned() {
                     Some(0) if self.proposer.has_free_drafts() => free = true,
-                    Some(kt) => cap = kt,
+                    // A positive budget: blocks capped at it, drafted for as many requests as
+                    // the policy says (a window rotating over the batch).
+                    Some(kt) => (cap, probe) = (kt, policy.draft_width(kt)),
                     None => {
                         if let Some((n, k)) = policy.probe() {
                             (probe, cap) = (n, k);
@@ -1073,6 +1082,15 @@ impl Engine {
         if self.cfg.check_invariants {
             self.check_invariants()?;
         }
+        tracing::trace!(
+            total_s = t_step.elapsed().as_secs_f64(),
+            forward_s = verify_s,
+            draft_s,
+            batch_tokens,
+            proposer = self.proposer.name(),
+            policy = self.policy.is_some(),
+            "step done"
+        );
         Ok(events)
     }
 

@@ -586,6 +586,65 @@ fn a_zero_budget_planned_ahead_skips_drafting_and_keeps_greedy_parity() {
     assert!(shown.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
 
+/// A policy that plans a small positive budget for every step and as many drafting requests,
+/// logging how many requests drafted.
+struct PlansSmall {
+    budget: usize,
+    widths: Arc<std::sync::Mutex<Vec<usize>>>,
+}
+
+impl specdec::VerifyPolicy for PlansSmall {
+    fn name(&self) -> &str {
+        "plans-small"
+    }
+    fn select(&mut self, conf: &[&[f32]], _other: usize, _plain: usize, _kv: usize) -> Vec<usize> {
+        if let Ok(mut w) = self.widths.lock() {
+            w.push(conf.len());
+        }
+        conf.iter().map(|c| c.len()).collect()
+    }
+    fn planned(&mut self) -> Option<usize> {
+        Some(self.budget)
+    }
+    fn draft_width(&self, k: usize) -> usize {
+        k
+    }
+}
+
+#[test]
+fn a_planned_budget_drafts_for_as_many_requests_as_the_policy_says() {
+    let f = fixture();
+    let ps = prompts(&f, 6);
+    let run = |policy: Option<PlansSmall>| {
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            proposer_clone(&f, "draft-model"),
+            cfg(3),
+            CostModel::flat(4),
+        )
+        .unwrap();
+        e.set_policy(policy.map(|p| Box::new(p) as Box<dyn specdec::VerifyPolicy>));
+        for (i, p) in ps.iter().enumerate() {
+            e.add(Request::new(i as u64, p.clone(), 16)).unwrap();
+        }
+        collect(e.run_to_completion().unwrap())
+    };
+    let plain = run(None);
+    let widths = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let with = run(Some(PlansSmall {
+        budget: 2,
+        widths: widths.clone(),
+    }));
+    for (id, (toks, _, _)) in &plain {
+        assert_eq!(&with[id].0, toks, "request {id}");
+    }
+    let w = widths.lock().unwrap().clone();
+    // Six requests decode together; a budget of 2 drafts for two of them at a time.
+    assert!(w.contains(&2), "{w:?}");
+    assert!(w.iter().all(|&n| n <= 2), "{w:?}");
+}
+
 /// N-gram lookup that also offers its drafts as free ones, counting both kinds of call.
 struct FreeLookup {
     inner: Box<dyn Proposer>,
