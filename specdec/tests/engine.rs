@@ -524,6 +524,34 @@ fn pipelined_ping_pong_keeps_greedy_parity_and_uses_prefetched_drafts() {
     );
 }
 
+/// Serves `ps` (`max_tokens` each) with the draft-model proposer at γ = 3 under `policy`: the
+/// outputs and the engine's totals.
+fn with_policy(
+    f: &Fixture,
+    ps: &[Vec<u32>],
+    max_tokens: usize,
+    policy: Option<Box<dyn specdec::VerifyPolicy>>,
+) -> (
+    HashMap<u64, (Vec<u32>, String, FinishReason)>,
+    specdec::metrics::RequestMetrics,
+) {
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        proposer_clone(f, "draft-model"),
+        cfg(3),
+        CostModel::flat(4),
+    )
+    .unwrap();
+    e.set_policy(policy);
+    for (i, p) in ps.iter().enumerate() {
+        e.add(Request::new(i as u64, p.clone(), max_tokens))
+            .unwrap();
+    }
+    let out = collect(e.run_to_completion().unwrap());
+    (out, e.totals().clone())
+}
+
 /// A policy that plans zero-budget steps ahead except every third step, and counts the drafted
 /// rows it is shown.
 struct PlansZero {
@@ -551,20 +579,12 @@ fn a_zero_budget_planned_ahead_skips_drafting_and_keeps_greedy_parity() {
     let f = fixture();
     let ps = prompts(&f, 6);
     let run = |policy: Option<PlansZero>| {
-        let mut e = Engine::with_cost(
-            f.target.clone(),
-            Some(f.tok.clone()),
-            proposer_clone(&f, "draft-model"),
-            cfg(3),
-            CostModel::flat(4),
+        with_policy(
+            &f,
+            &ps,
+            20,
+            policy.map(|p| Box::new(p) as Box<dyn specdec::VerifyPolicy>),
         )
-        .unwrap();
-        e.set_policy(policy.map(|p| Box::new(p) as Box<dyn specdec::VerifyPolicy>));
-        for (i, p) in ps.iter().enumerate() {
-            e.add(Request::new(i as u64, p.clone(), 20)).unwrap();
-        }
-        let out = collect(e.run_to_completion().unwrap());
-        (out, e.totals().clone())
     };
     let (plain, _) = run(None);
     let shown = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -616,19 +636,13 @@ fn a_planned_budget_drafts_for_as_many_requests_as_the_policy_says() {
     let f = fixture();
     let ps = prompts(&f, 6);
     let run = |policy: Option<PlansSmall>| {
-        let mut e = Engine::with_cost(
-            f.target.clone(),
-            Some(f.tok.clone()),
-            proposer_clone(&f, "draft-model"),
-            cfg(3),
-            CostModel::flat(4),
+        with_policy(
+            &f,
+            &ps,
+            16,
+            policy.map(|p| Box::new(p) as Box<dyn specdec::VerifyPolicy>),
         )
-        .unwrap();
-        e.set_policy(policy.map(|p| Box::new(p) as Box<dyn specdec::VerifyPolicy>));
-        for (i, p) in ps.iter().enumerate() {
-            e.add(Request::new(i as u64, p.clone(), 16)).unwrap();
-        }
-        collect(e.run_to_completion().unwrap())
+        .0
     };
     let plain = run(None);
     let widths = Arc::new(std::sync::Mutex::new(Vec::new()));
