@@ -1034,12 +1034,13 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             .then_some((self.probe_width.max(1), self.probe_k.max(1)))
     }
 
-    /// With the drafter on the target's hardware, a budget of K_total tokens drafts for at most
-    /// as many requests (the budget is one more than K_total: one spare candidate): drafting
+    /// When drafting seconds count (the default: an in-process drafter's time, or a remote
+    /// one's that the step waits for), a budget of K_total tokens drafts for at most as many
+    /// requests (the budget is one more than K_total: one spare candidate): drafting
     /// every request of a full batch for a budget of one or two, after a probe found one draft
     /// that paid, cost a whole drafting call and catching up every request's context for a
     /// token or two (c = 16: 3–4 ms drafting and 9 ms in all on an 18 ms step, twice per such
-    /// probe). A drafter on its own device costs the target nothing to draft more.
+    /// probe). With drafting seconds left out (`count_draft_cost` off) every request drafts.
     fn draft_width(&self, k: usize) -> usize {
         if self.count_draft_cost {
             k.max(1)
