@@ -49,16 +49,13 @@ pub fn engine_sized(
     max_running: usize,
     kv_tokens: usize,
 ) -> anyhow::Result<Engine> {
-    let gamma = if proposer.name() == "none" { 0 } else { gamma };
-    let cfg = specdec::EngineConfig {
-        kv_tokens,
-        ..drafter::build::engine_config(&target.model, gamma, false, max_running)
-    };
-    Ok(Engine::new(
-        target.model.clone(),
-        Some(target.tok.clone()),
+    Ok(drafter::build::engine_sized(
+        target,
         proposer,
-        cfg,
+        gamma,
+        false,
+        max_running,
+        Some(kv_tokens),
     )?)
 }
 

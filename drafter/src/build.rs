@@ -164,8 +164,25 @@ pub fn engine(
     gate: bool,
     max_running: usize,
 ) -> Result<specdec::Engine> {
+    engine_sized(target, proposer, gamma, gate, max_running, None)
+}
+
+/// [`engine`] with a KV cache of `kv_tokens` when given: for callers that know how long their
+/// requests get and keep several engines alive at once (the default holds `max_running` full
+/// contexts, gigabytes on a model with a long context).
+pub fn engine_sized(
+    target: &Loaded,
+    proposer: Box<dyn Proposer>,
+    gamma: usize,
+    gate: bool,
+    max_running: usize,
+    kv_tokens: Option<usize>,
+) -> Result<specdec::Engine> {
     let gamma = if proposer.name() == "none" { 0 } else { gamma };
-    let cfg = engine_config(&target.model, gamma, gate, max_running);
+    let mut cfg = engine_config(&target.model, gamma, gate, max_running);
+    if let Some(kv) = kv_tokens {
+        cfg.kv_tokens = kv;
+    }
     specdec::Engine::new(
         target.model.clone(),
         Some(target.tok.clone()),
