@@ -78,6 +78,10 @@ pub struct DsparkProposer {
     /// Per request: the target's feature rows of committed positions, and the context rows
     /// (fused, with per-layer keys and values) of the recent ones.
     feats: HashMap<u64, ReqFeats>,
+    /// Feature buffers of finished requests, for the next ones: each grows to a few hundred
+    /// kB, above the allocator's mmap threshold, so a fresh one per request page-faults its
+    /// way up every time.
+    spare_raw: Vec<Vec<f32>>,
     /// The context row of an all-zero feature row: what pads the window of a short request.
     pad: CtxRow,
     label: String,
@@ -146,6 +150,15 @@ struct PendingCopy {
     gap: f32,
     q_c: f32,
 }
+
+/// Feature rows kept beyond the context window, for rollbacks (longer ones start the window
+/// over, padded): each request holds at most 2·C + this many rows, at 7 kB a row on SmolLM2,
+/// and every step a request decodes appends one, so what is held is what the step's
+/// caches carry.
+const RAW_MARGIN: usize = 8;
+
+/// Feature buffers kept for reuse (about a full batch's worth).
+const MAX_SPARE_RAW: usize = 64;
 
 /// Running acceptance assumed before a request's first verified block.
 const PRIOR_RATE: f32 = 0.25;
@@ -306,6 +319,7 @@ impl DsparkProposer {
             fast,
             dr,
             feats: HashMap::new(),
+            spare_raw: Vec::new(),
             pad,
             label: label.to_string(),
             target: None,
@@ -474,7 +488,11 @@ impl Proposer for DsparkProposer {
             )));
         }
         let c = self.dr.cfg.context;
-        let f = self.feats.entry(id).or_default();
+        let spare = &mut self.spare_raw;
+        let f = self.feats.entry(id).or_insert_with(|| ReqFeats {
+            raw: spare.pop().unwrap_or_default(),
+            ..Default::default()
+        });
         if start < f.raw0 {
             // A rollback below the rows kept (never expected: rollbacks are shorter than the
             // margin): start over from `start`; the window pads what it lacks.
@@ -485,11 +503,11 @@ impl Proposer for DsparkProposer {
         // fused zero row is the pad).
         f.raw.resize((start - f.raw0) * rl, 0.0);
         f.raw.extend_from_slice(rows);
-        // Only the last C positions are ever fused; keep 2·C (rollbacks stay above), trimmed
-        // once 4·C are held so the shift is paid once every 2·C positions.
+        // Only the last C positions are ever fused; keep C + RAW_MARGIN (rollbacks stay
+        // above), trimmed once C more are held so the shift is paid once every C positions.
         let held = f.raw.len() / rl;
-        if held > 4 * c {
-            let drop = held - 2 * c;
+        if held > 2 * c + RAW_MARGIN {
+            let drop = held - c - RAW_MARGIN;
             f.raw.drain(..drop * rl);
             f.raw0 += drop;
         }
@@ -822,7 +840,12 @@ impl Proposer for DsparkProposer {
     }
 
     fn finish(&mut self, id: u64) {
-        self.feats.remove(&id);
+        if let Some(mut f) = self.feats.remove(&id)
+            && self.spare_raw.len() < MAX_SPARE_RAW
+        {
+            f.raw.clear();
+            self.spare_raw.push(f.raw);
+        }
     }
 
     fn has_free_drafts(&self) -> bool {
@@ -1048,6 +1071,28 @@ mod tests {
     }
 
     #[test]
+    fn a_finished_request_leaves_its_feature_buffer_to_the_next_one() {
+        let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
+        let dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        let rl = 2 * m.cfg.d_model;
+        let mut p = DsparkProposer::new(dr, "t").unwrap();
+        p.observe(1, 0, &vec![0.5; 10 * rl]).unwrap();
+        let cap = p.feats[&1].raw.capacity();
+        assert!(cap >= 10 * rl);
+        p.finish(1);
+        assert!(!p.feats.contains_key(&1));
+        p.observe(2, 0, &vec![0.25; rl]).unwrap();
+        let f = &p.feats[&2];
+        assert_eq!(f.raw.capacity(), cap, "the buffer is reused");
+        assert_eq!(
+            f.raw,
+            vec![0.25; rl],
+            "and holds only the new request's rows"
+        );
+        assert_eq!(f.raw0, 0);
+    }
+
+    #[test]
     fn the_context_window_follows_commits_and_rollbacks() {
         let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
         let dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
@@ -1067,7 +1112,7 @@ mod tests {
         let mut raw: Vec<f32> = Vec::new();
         // (rows committed from `start`, how many) — appends, a rollback into the computed part,
         // a window that slides past old rows, a long stretch without drafting.
-        // Then a request long past four windows (the raw rows kept are trimmed to two), with
+        // Then a request long past two windows and the margin (the raw rows kept are trimmed), with
         // a rollback just after a trim.
         let plan: [(Option<usize>, usize, bool); 11] = [
             (None, 3, true),
@@ -1108,7 +1153,7 @@ mod tests {
                 let f = &p.feats[&1];
                 assert!(f.rows.len() <= 6, "rows stay within the window");
                 assert!(
-                    f.raw.len() / rl <= 4 * 6,
+                    f.raw.len() / rl <= 2 * 6 + RAW_MARGIN,
                     "step {step}: {} raw rows kept",
                     f.raw.len() / rl
                 );

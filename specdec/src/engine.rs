@@ -881,14 +881,20 @@ impl Engine {
         // 4. Accept, commit, roll back.
         // (expected, accepted) drafts over this step's verified blocks with confidences.
         let mut outcome = (0.0f64, 0usize);
+        // Seconds handing target features to the proposer (trace only).
+        let mut features_s = 0.0f64;
+        let mut rows_buf: Vec<f32> = Vec::new();
+        let t_accept = Instant::now();
         for (j, &(i, _)) in idx.iter().enumerate() {
             let vocab = out.vocab;
             let rows = out.rows_of(j);
             let s = &mut self.running[i];
             if let Some((from, n)) = chunks[i] {
                 if !fopts.layers.is_empty() {
-                    let rows = feature_rows(&out, out.token_offsets[j], n, d_model);
-                    self.proposer.observe(s.req.id, from, &rows)?;
+                    let t0 = Instant::now();
+                    feature_rows(&out, out.token_offsets[j], n, d_model, &mut rows_buf);
+                    self.proposer.observe(s.req.id, from, &rows_buf)?;
+                    features_s += t0.elapsed().as_secs_f64();
                 }
                 s.prefilled = from + n;
                 if s.prefilled < s.req.prompt.len() {
@@ -997,8 +1003,11 @@ impl Engine {
             }
             if !fopts.layers.is_empty() && s.finished.is_none() {
                 // Positions now committed in the KV: the old pending token and the accepted drafts.
-                let rows = feature_rows(&out, out.token_offsets[j], 1 + verdict.accepted, d_model);
-                self.proposer.observe(s.req.id, kv_before, &rows)?;
+                let t0 = Instant::now();
+                let n = 1 + verdict.accepted;
+                feature_rows(&out, out.token_offsets[j], n, d_model, &mut rows_buf);
+                self.proposer.observe(s.req.id, kv_before, &rows_buf)?;
+                features_s += t0.elapsed().as_secs_f64();
             }
             let t0 = Instant::now();
             // KV keeps pending + accepted drafts; the new pending token is not in the KV yet.
@@ -1006,6 +1015,7 @@ impl Engine {
                 .truncate(s.kv, kv_before + 1 + verdict.accepted.min(committed))?;
             s.metrics.rollback_s += t0.elapsed().as_secs_f64();
         }
+        let accept_s = t_accept.elapsed().as_secs_f64();
         // The step's cost as the policy prices it: the forward, and acceptance, sampling and
         // commits at every verified position (drafting is measured apart).
         if let Some(policy) = self.policy.as_mut() {
@@ -1086,6 +1096,9 @@ impl Engine {
             total_s = t_step.elapsed().as_secs_f64(),
             forward_s = verify_s,
             draft_s,
+            accept_s,
+            features_s,
+            plan_s = t_draft.duration_since(t_step).as_secs_f64(),
             batch_tokens,
             proposer = self.proposer.name(),
             policy = self.policy.is_some(),
@@ -1150,16 +1163,20 @@ impl Engine {
     }
 }
 
-/// Rows `off..off + n` of the captured layers, each row the layers side by side.
-fn feature_rows(out: &dspark_runtime::ForwardOutput, off: usize, n: usize, d: usize) -> Vec<f32> {
-    let nl = out.layer_hidden.len();
-    let mut rows = Vec::with_capacity(n * nl * d);
+/// Rows `off..off + n` of the captured layers into `rows`, each row the layers side by side.
+fn feature_rows(
+    out: &dspark_runtime::ForwardOutput,
+    off: usize,
+    n: usize,
+    d: usize,
+    rows: &mut Vec<f32>,
+) {
+    rows.clear();
     for t in off..off + n {
         for lh in &out.layer_hidden {
             rows.extend_from_slice(&lh[t * d..(t + 1) * d]);
         }
     }
-    rows
 }
 
 fn sample_one(logits: &[f32], seen: &[u32], p: &SamplingParams, rng: &mut Rng) -> u32 {
