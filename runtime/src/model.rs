@@ -135,6 +135,10 @@ pub struct Model {
     pool: Arc<rayon::ThreadPool>,
     /// Human-readable description of the weights (e.g. "gguf Q4_1+Q8_0").
     pub weights_desc: String,
+    /// A logits buffer handed back with [`Model::recycle`], for the next forward: a step's
+    /// logits are rows × vocabulary (6 MB for 32 rows of SmolLM2), and a fresh buffer each
+    /// step was zeroed or page-faulted in every time.
+    spare_logits: std::sync::Mutex<Vec<f32>>,
 }
 
 /// Source of named tensors during loading.
@@ -406,6 +410,7 @@ impl Model {
                 .unwrap_or(if dense { KvDtype::F32 } else { KvDtype::F16 }),
             pool: Arc::new(pool),
             weights_desc: String::new(),
+            spare_logits: Default::default(),
         })
     }
 
@@ -734,7 +739,17 @@ impl Model {
             for (j, &r) in rows.iter().enumerate() {
                 hsel[j * d..(j + 1) * d].copy_from_slice(&xn[r * d..(r + 1) * d]);
             }
-            let mut logits = vec![0f32; rows.len() * c.vocab_size];
+            // The head writes every element, so a recycled buffer needs no zeroing.
+            let need = rows.len() * c.vocab_size;
+            let mut logits = self
+                .spare_logits
+                .lock()
+                .map(|mut v| std::mem::take(&mut *v))
+                .unwrap_or_default();
+            if logits.len() < need {
+                logits.resize(need, 0.0);
+            }
+            logits.truncate(need);
             self.head.as_ref().unwrap_or(&self.embed).forward(
                 &hsel,
                 rows.len(),
@@ -751,6 +766,15 @@ impl Model {
             out.hidden = Some(xn);
         }
         Ok(out)
+    }
+
+    /// Hands a finished forward's logits buffer back for the next forward to fill.
+    pub fn recycle(&self, out: ForwardOutput) {
+        if let Ok(mut v) = self.spare_logits.lock()
+            && out.logits.capacity() > v.capacity()
+        {
+            *v = out.logits;
+        }
     }
 
     fn embed_row(&self, t: usize, out: &mut [f32]) -> Result<()> {

@@ -574,3 +574,48 @@ fn context_overflow_and_kv_exhaustion_are_errors() {
     assert!(matches!(e, Err(RuntimeError::Invalid(_))));
     let _ = Isa::detect();
 }
+
+#[test]
+fn a_recycled_logits_buffer_gives_the_same_logits_as_a_fresh_one() {
+    for (dense, name) in [(false, "recycle-q"), (true, "recycle-f32")] {
+        let m = load(&TinySpec::llama(8), name, dense);
+        let tokens: Vec<u32> = (0..9).map(|i| (i * 7 % 250) as u32).collect();
+        let run = || {
+            let mut c = m.new_cache(64, 16).unwrap();
+            let s = c.new_seq();
+            m.forward(
+                &mut c,
+                &[SeqInput {
+                    seq: s,
+                    tokens: &tokens,
+                    logits: LogitsMode::All,
+                }],
+                &ForwardOptions::default(),
+            )
+            .unwrap()
+        };
+        let fresh = run();
+        let vocab = fresh.vocab;
+        assert_eq!(fresh.logits.len(), tokens.len() * vocab);
+        // A larger buffer full of NaN: every element must be overwritten, and the length cut.
+        m.recycle(dspark_runtime::model::ForwardOutput {
+            logits: vec![f32::NAN; 3 * tokens.len() * vocab],
+            ..Default::default()
+        });
+        let again = run();
+        assert_eq!(again.logits.len(), fresh.logits.len(), "{name}");
+        assert!(
+            again
+                .logits
+                .iter()
+                .zip(&fresh.logits)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: logits differ from a fresh buffer's"
+        );
+        // And the buffer handed back is the one reused.
+        let cap = again.logits.capacity();
+        assert!(cap >= 3 * tokens.len() * vocab, "{name}");
+        m.recycle(again);
+        assert!(run().logits.capacity() >= cap, "{name}");
+    }
+}

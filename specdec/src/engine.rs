@@ -1015,6 +1015,7 @@ impl Engine {
                 .truncate(s.kv, kv_before + 1 + verdict.accepted.min(committed))?;
             s.metrics.rollback_s += t0.elapsed().as_secs_f64();
         }
+        self.model.recycle(out);
         let accept_s = t_accept.elapsed().as_secs_f64();
         // The step's cost as the policy prices it: the forward, and acceptance, sampling and
         // commits at every verified position (drafting is measured apart).
