@@ -140,11 +140,17 @@ impl BlockA32 {
         Self::quantize(x)
     }
 
-    /// Fills the sums from the codes (shared by the scalar and SIMD quantizers).
+    /// Fills the sums from the codes (the scalar quantizer).
     fn finish(&mut self, d2: f32) {
-        self.d = d2;
         let s0: i32 = (0..16).map(|e| self.x16(e)).sum();
         let s1: i32 = (16..32).map(|e| self.x16(e)).sum();
+        self.finish_sums(d2, s0, s1);
+    }
+
+    /// Fills the scale and sums from the code sums of each half (shared by both quantizers,
+    /// so the same integers give the same bits).
+    fn finish_sums(&mut self, d2: f32, s0: i32, s1: i32) {
+        self.d = d2;
         self.neg16x32 = [-32.0 * d2 * s0 as f32, -32.0 * d2 * s1 as f32];
         self.neg32 = -d2 * (s0 + s1) as f32;
     }
@@ -193,34 +199,60 @@ pub struct QuantRows {
 pub fn quantize_rows(x: &[f32], m: usize, cols: usize) -> QuantRows {
     let mut blocks = Vec::with_capacity(m * cols / QK);
     let mut outliers = Vec::with_capacity(m);
-    let mut rest = vec![0f32; cols];
+    // A row is copied only to split outliers off (none of the default models has any).
+    let mut rest: Vec<f32> = Vec::new();
     for row in x[..m * cols].chunks_exact(cols) {
         let mut o = Vec::new();
-        rest.copy_from_slice(row);
-        for (c, span) in rest.chunks_mut(QKK).enumerate() {
-            split_outliers(span, c * QKK, &mut o);
-        }
-        blocks.extend(rest.chunks_exact(QK).map(BlockA32::quantize_fast));
+        let src: &[f32] = if row
+            .chunks(QKK)
+            .any(|span| outlier_threshold(span).is_some())
+        {
+            rest.clear();
+            rest.extend_from_slice(row);
+            for (c, span) in rest.chunks_mut(QKK).enumerate() {
+                split_outliers(span, c * QKK, &mut o);
+            }
+            &rest
+        } else {
+            row
+        };
+        blocks.extend(src.chunks_exact(QK).map(BlockA32::quantize_fast));
         outliers.push(o);
     }
     QuantRows { blocks, outliers }
 }
 
-/// Moves values above [`OUTLIER_RATIO`] × the span's mean |x| (at most [`MAX_OUTLIERS`], the
-/// largest) from `span` to `out`.
-fn split_outliers(span: &mut [f32], base: usize, out: &mut Vec<(usize, f32)>) {
-    // Eight fixed partial sums: vectorizable, and the same bits on every path.
-    let mut part = [0f32; 8];
-    for c in span.chunks(8) {
-        for (p, v) in part.iter_mut().zip(c) {
-            *p += v.abs();
+/// [`OUTLIER_RATIO`] × the span's mean |x|, when some value of the span is above it.
+fn outlier_threshold(span: &[f32]) -> Option<f32> {
+    // Eight fixed partial sums (vectorizable, and the same bits on every path), and the
+    // largest |x| per lane: one pass, with no early exit to keep it from vectorizing.
+    let (mut part, mut top) = ([0f32; 8], [0f32; 8]);
+    let chunks = span.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for ((p, t), v) in part.iter_mut().zip(top.iter_mut()).zip(c) {
+            let a = v.abs();
+            *p += a;
+            *t = t.max(a);
         }
+    }
+    for ((p, t), v) in part.iter_mut().zip(top.iter_mut()).zip(tail) {
+        let a = v.abs();
+        *p += a;
+        *t = t.max(a);
     }
     let mean = part.iter().sum::<f32>() / span.len() as f32;
     let thr = OUTLIER_RATIO * mean;
-    if !thr.is_finite() || span.iter().all(|v| v.abs() <= thr) {
+    // A NaN or an infinity makes the mean, and so the threshold, non-finite.
+    (thr.is_finite() && top.iter().any(|&t| t > thr)).then_some(thr)
+}
+
+/// Moves values above [`OUTLIER_RATIO`] × the span's mean |x| (at most [`MAX_OUTLIERS`], the
+/// largest) from `span` to `out`.
+fn split_outliers(span: &mut [f32], base: usize, out: &mut Vec<(usize, f32)>) {
+    let Some(thr) = outlier_threshold(span) else {
         return;
-    }
+    };
     let mut big: Vec<usize> = (0..span.len()).filter(|&e| span[e].abs() > thr).collect();
     big.sort_by(|&a, &b| span[b].abs().total_cmp(&span[a].abs()).then(a.cmp(&b)));
     big.truncate(MAX_OUTLIERS);
@@ -701,6 +733,7 @@ mod x86 {
         let magic = _mm512_set1_ps(12_582_912.0);
         let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
         let d1v = _mm512_set1_ps(d1);
+        let mut sums = [0i32; 2];
         for (h, vh) in v.iter().enumerate() {
             let q1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(*vh, i1), magic), magic);
             let q1 = _mm512_max_ps(_mm512_min_ps(q1, hi), lo);
@@ -711,8 +744,12 @@ mod x86 {
             let p2 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q2));
             _mm_storeu_si128(b.q1.as_mut_ptr().add(16 * h) as *mut __m128i, p1);
             _mm_storeu_si128(b.q2.as_mut_ptr().add(16 * h) as *mut __m128i, p2);
+            // The half's code sum Σ 128·q1 + q2: integers below 2²⁴ in magnitude, so the
+            // float sum is exact in any order.
+            let x16 = _mm512_add_ps(_mm512_mul_ps(q1, _mm512_set1_ps(128.0)), q2);
+            sums[h] = _mm512_reduce_add_ps(x16) as i32;
         }
-        b.finish(d2);
+        b.finish_sums(d2, sums[0], sums[1]);
         b
     }
 
