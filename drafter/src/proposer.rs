@@ -493,15 +493,16 @@ impl Proposer for DsparkProposer {
             raw: spare.pop().unwrap_or_default(),
             ..Default::default()
         });
-        if start < f.raw0 {
+        if start < f.raw0 || start > f.raw0 + f.raw.len() / rl {
             // A rollback below the rows kept (never expected: rollbacks are shorter than the
-            // margin): start over from `start`; the window pads what it lacks.
+            // margin), or a gap (positions committed while the engine captured no features,
+            // its policy planning no drafting): start over from `start`; the window pads
+            // what it lacks, as for a short request.
             f.raw.clear();
             f.raw0 = start;
         }
-        // Positions past `start` were rolled back; a gap (never expected) is zero-filled (the
-        // fused zero row is the pad).
-        f.raw.resize((start - f.raw0) * rl, 0.0);
+        // Positions past `start` were rolled back.
+        f.raw.truncate((start - f.raw0) * rl);
         f.raw.extend_from_slice(rows);
         // Only the last C positions are ever fused; keep C + RAW_MARGIN (rollbacks stay
         // above), trimmed once C more are held so the shift is paid once every C positions.
@@ -837,6 +838,11 @@ impl Proposer for DsparkProposer {
 
     fn max_gamma(&self) -> Option<usize> {
         Some(self.dr.cfg.gamma)
+    }
+
+    /// The context window: a block conditions on the features of the last C positions.
+    fn feature_window(&self) -> usize {
+        self.dr.cfg.context
     }
 
     fn finish(&mut self, id: u64) {

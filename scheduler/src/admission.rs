@@ -1049,6 +1049,28 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         }
     }
 
+    /// No while plain decoding is planned and the next probe is more than `steps` zero-budget
+    /// steps away (the back-off of [`Self::planned`]); yes whenever a budget, a probe, the
+    /// exploration or a paying drafting gain may have a request draft sooner.
+    fn drafting_within(&self, steps: usize) -> bool {
+        if self.lag == 0 || self.probing || self.budgets.len() < self.lag {
+            return true;
+        }
+        if self.last_real > 0
+            || self.budgets.iter().any(|&b| b > 0)
+            || self.central_budget().is_some_and(|b| b > 0)
+        {
+            return true;
+        }
+        let exploring = self.gain_seen < EXPLORE_STEPS && self.gain_ema > EXPLORE_FLOOR;
+        if self.gain_seen > 0 && (self.gain_ema + self.gain_se() > 0.0 || exploring) {
+            return true;
+        }
+        // `planned` probes once `zero_run` reaches `next_probe`; a step that drafted nothing
+        // counts one more on each call.
+        self.zero_run.saturating_add(steps) + 1 >= self.next_probe
+    }
+
     fn planned(&mut self) -> Option<usize> {
         if self.lag == 0 {
             return None;
@@ -1217,6 +1239,53 @@ mod tests {
         let d = run(&mut p, 80);
         let first = d.iter().position(|&x| x).expect("a probe");
         assert!(d[first..].iter().all(|&x| x), "{d:?}");
+    }
+
+    #[test]
+    fn features_are_wanted_only_within_their_window_before_a_drafting_step() {
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(64, 100.0), (256, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        let rows = [[0.9f32; 4]; 4];
+        let conf: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+        // Drafting that never pays: after the first probes, spaced probes only (as in the
+        // test above). Per step: whether it drafted, and whether features were wanted after it.
+        p.observe_draft(40.0, 4);
+        const W: usize = 4;
+        let steps: Vec<(bool, bool)> = (0..200)
+            .map(|_| {
+                let drafted = p.planned() != Some(0);
+                let rows: &[&[f32]] = if drafted { &conf } else { &[] };
+                p.select(rows, 0, 0, 1 << 20);
+                (drafted, p.drafting_within(W))
+            })
+            .collect();
+        let drafts: Vec<usize> = (0..steps.len()).filter(|&i| steps[i].0).collect();
+        assert!(drafts.len() >= 3, "{drafts:?}");
+        // Every step of the window before a drafting step wanted features: the drafter has
+        // the last W positions of whatever request it drafts for.
+        for &j in &drafts {
+            for i in j.saturating_sub(W)..j {
+                assert!(steps[i].1, "step {i}, {} before drafting step {j}", j - i);
+            }
+        }
+        // And most steps of the back-off did not.
+        let wanted = steps.iter().filter(|s| s.1).count();
+        assert!(
+            wanted * 4 < steps.len(),
+            "{wanted} of {} steps",
+            steps.len()
+        );
+        // A positive budget planned ahead wants them.
+        let sps = SpsTable::new(vec![(64, 100.0), (256, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        for _ in 0..18 {
+            let drafted = p.planned() != Some(0);
+            let rows: &[&[f32]] = if drafted { &conf } else { &[] };
+            p.select(rows, 0, 0, 1 << 20);
+        }
+        assert!(p.planned().is_some_and(|b| b > 0));
+        assert!(p.drafting_within(0));
     }
 
     #[test]

@@ -165,6 +165,14 @@ pub trait VerifyPolicy: Send {
     fn draft_width(&self, _k: usize) -> usize {
         usize::MAX
     }
+    /// Whether this policy may have requests draft (a planned budget or a probe) within the
+    /// next `steps` steps. A proposer conditioned on the target's hidden states needs them
+    /// for the last few positions of whatever request it drafts for; while this answers no,
+    /// the engine does not capture them (a plain decoding step then costs what it costs
+    /// without a drafter). Yes by default.
+    fn drafting_within(&self, _steps: usize) -> bool {
+        true
+    }
     /// When `planned` answered `None` for a probe: draft for at most this many requests, at
     /// most this many positions each (fresh confidences need not cost a whole batch of blocks).
     fn probe(&self) -> Option<(usize, usize)> {
@@ -855,8 +863,18 @@ impl Engine {
             })
             .collect();
         let t_fwd = Instant::now();
+        // Target features only when some request may draft before they leave the proposer's
+        // window (a request that missed some starts its window over, padded).
+        let capture = self
+            .policy
+            .as_ref()
+            .is_none_or(|p| p.drafting_within(self.proposer.feature_window()));
         let fopts = ForwardOptions {
-            layers: self.proposer.feature_layers(),
+            layers: if capture {
+                self.proposer.feature_layers()
+            } else {
+                Vec::new()
+            },
             ..Default::default()
         };
         let out = self.model.forward(&mut self.cache, &inputs, &fopts)?;
@@ -1100,6 +1118,7 @@ impl Engine {
             accept_s,
             features_s,
             plan_s = t_draft.duration_since(t_step).as_secs_f64(),
+            features = !fopts.layers.is_empty(),
             batch_tokens,
             proposer = self.proposer.name(),
             policy = self.policy.is_some(),

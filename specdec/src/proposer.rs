@@ -90,6 +90,12 @@ pub trait Proposer: Send {
     fn feature_layers(&self) -> Vec<usize> {
         Vec::new()
     }
+    /// Steps of features a block needs before it is drafted: the engine may skip capturing
+    /// them while no request can draft within this many steps (its verify policy says so).
+    /// Never, by default.
+    fn feature_window(&self) -> usize {
+        usize::MAX
+    }
     /// Target features of newly committed positions `start..start + n` of a request, each row
     /// the requested layers side by side (`n × layers·d`). Rows arrive in position order; a
     /// position is reported once, after it is committed.

@@ -854,3 +854,135 @@ fn a_zero_plan_leaves_the_token_budget_to_prefill_and_a_probe_drafts_a_short_blo
         assert_eq!(&freed[id].0, toks, "request {id}");
     }
 }
+
+/// Draft-model drafting that also asks for the target's layer-0 features (window `window`),
+/// logging every hand-over: (request, first position, rows).
+struct Watches {
+    inner: Box<dyn Proposer>,
+    window: usize,
+    row: usize,
+    seen: Arc<std::sync::Mutex<Vec<(u64, usize, usize)>>>,
+}
+
+impl Proposer for Watches {
+    fn name(&self) -> &str {
+        "watches"
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::DraftBlock>> {
+        self.inner.propose(reqs)
+    }
+    fn feature_layers(&self) -> Vec<usize> {
+        vec![0]
+    }
+    fn feature_window(&self) -> usize {
+        self.window
+    }
+    fn observe(&mut self, id: u64, start: usize, rows: &[f32]) -> specdec::Result<()> {
+        assert_eq!(rows.len() % self.row, 0);
+        if let Ok(mut s) = self.seen.lock() {
+            s.push((id, start, rows.len() / self.row));
+        }
+        Ok(())
+    }
+}
+
+/// Plans zero budgets with a one-request probe every `every` steps; wants features only
+/// within `window` steps of the next probe when `gates`.
+struct ProbesEvery {
+    every: usize,
+    steps: usize,
+    probing: bool,
+    gates: bool,
+    probe_steps: Arc<std::sync::Mutex<Vec<usize>>>,
+}
+
+impl specdec::VerifyPolicy for ProbesEvery {
+    fn name(&self) -> &str {
+        "probes-every"
+    }
+    fn select(&mut self, conf: &[&[f32]], _other: usize, _plain: usize, _kv: usize) -> Vec<usize> {
+        if !conf.is_empty()
+            && let Ok(mut p) = self.probe_steps.lock()
+        {
+            p.push(self.steps);
+        }
+        conf.iter().map(|c| c.len()).collect()
+    }
+    fn planned(&mut self) -> Option<usize> {
+        self.steps += 1;
+        self.probing = self.steps % self.every == 0;
+        (!self.probing).then_some(0)
+    }
+    fn probe(&self) -> Option<(usize, usize)> {
+        self.probing.then_some((1, 2))
+    }
+    fn drafting_within(&self, steps: usize) -> bool {
+        !self.gates || self.every - self.steps % self.every <= steps
+    }
+}
+
+#[test]
+fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
+    let f = fixture();
+    let ps = prompts(&f, 4);
+    let (plain, _) = with_policy(&f, &ps, 24, None);
+    let d = f.target.cfg.d_model;
+    let run = |gates: bool| {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let probe_steps = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            Box::new(Watches {
+                inner: proposer_clone(&f, "draft-model"),
+                window: 2,
+                row: d,
+                seen: seen.clone(),
+            }),
+            cfg(3),
+            CostModel::flat(4),
+        )
+        .unwrap();
+        e.set_policy(Some(Box::new(ProbesEvery {
+            every: 7,
+            steps: 0,
+            probing: false,
+            gates,
+            probe_steps: probe_steps.clone(),
+        })));
+        for (i, p) in ps.iter().enumerate() {
+            e.add(Request::new(i as u64, p.clone(), 24)).unwrap();
+        }
+        let out = collect(e.run_to_completion().unwrap());
+        let seen = seen.lock().unwrap().clone();
+        let probes = probe_steps.lock().unwrap().clone();
+        (out, seen, probes)
+    };
+    let (all, seen_all, _) = run(false);
+    let (gated, seen_gated, probes) = run(true);
+    for (id, (toks, _, _)) in &plain {
+        assert_eq!(&all[id].0, toks, "request {id}");
+        assert_eq!(&gated[id].0, toks, "request {id}");
+    }
+    let rows = |s: &[(u64, usize, usize)]| s.iter().map(|x| x.2).sum::<usize>();
+    // Without gating every committed position is handed over; gated, about 2 steps in 7.
+    assert!(!probes.is_empty(), "probes drafted");
+    assert!(
+        rows(&seen_gated) * 2 < rows(&seen_all),
+        "{} rows gated, {} always",
+        rows(&seen_gated),
+        rows(&seen_all)
+    );
+    // Gated or not, a request's positions arrive in order, never twice.
+    for seen in [&seen_all, &seen_gated] {
+        let mut next: HashMap<u64, usize> = HashMap::new();
+        for &(id, start, n) in seen.iter() {
+            let at = next.entry(id).or_insert(0);
+            assert!(start >= *at, "request {id}: rows from {start} after {at}");
+            *at = start + n;
+        }
+    }
+}
