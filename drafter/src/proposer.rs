@@ -118,7 +118,8 @@ const STAGES: [&str; 5] = ["context", "block", "head", "markov", "sample"];
 /// A request's context. Context rows are computed row-wise, so a position is processed once,
 /// the first time a block is drafted with it in the window, and kept: drafting every step
 /// processes one or two new rows, and an engine that stops drafting (the scheduler at K = 0)
-/// pays nothing per step but a copy.
+/// pays nothing per step but a copy of the features (and nothing at all while its scheduler
+/// is backed off: the engine then captures none, [`Proposer::feature_window`]).
 #[derive(Default)]
 struct ReqFeats {
     /// Feature rows (F·d each) of committed positions `raw0..n`: the context window and a

@@ -22,6 +22,22 @@ fn load(spec: &TinySpec, name: &str, dense: bool) -> Model {
     .unwrap()
 }
 
+/// One forward of `toks` on a fresh cache, logits at every position.
+fn logits_all(m: &Model, toks: &[u32]) -> dspark_runtime::model::ForwardOutput {
+    let mut c = m.new_cache(64, 16).unwrap();
+    let s = c.new_seq();
+    m.forward(
+        &mut c,
+        &[SeqInput {
+            seq: s,
+            tokens: toks,
+            logits: LogitsMode::All,
+        }],
+        &ForwardOptions::default(),
+    )
+    .unwrap()
+}
+
 fn kl(a: &[f32], b: &[f32]) -> f64 {
     let (mut pa, mut pb) = (a.to_vec(), b.to_vec());
     kernels::ops::softmax(&mut pa);
@@ -69,21 +85,7 @@ fn quantized_forward_tracks_the_dequantized_reference() {
         let q = load(&spec, name, false);
         let d = load(&spec, name, true);
         let toks: Vec<u32> = (0..40).map(|i| (i * 37 % 250) as u32).collect();
-        let run = |m: &Model| {
-            let mut c = m.new_cache(64, 16).unwrap();
-            let s = c.new_seq();
-            m.forward(
-                &mut c,
-                &[SeqInput {
-                    seq: s,
-                    tokens: &toks,
-                    logits: LogitsMode::All,
-                }],
-                &ForwardOptions::default(),
-            )
-            .unwrap()
-        };
-        let (oq, od) = (run(&q), run(&d));
+        let (oq, od) = (logits_all(&q, &toks), logits_all(&d, &toks));
         let v = oq.vocab;
         let mut agree = 0;
         let mut kl_sum = 0.0;
@@ -580,20 +582,7 @@ fn a_recycled_logits_buffer_gives_the_same_logits_as_a_fresh_one() {
     for (dense, name) in [(false, "recycle-q"), (true, "recycle-f32")] {
         let m = load(&TinySpec::llama(8), name, dense);
         let tokens: Vec<u32> = (0..9).map(|i| (i * 7 % 250) as u32).collect();
-        let run = || {
-            let mut c = m.new_cache(64, 16).unwrap();
-            let s = c.new_seq();
-            m.forward(
-                &mut c,
-                &[SeqInput {
-                    seq: s,
-                    tokens: &tokens,
-                    logits: LogitsMode::All,
-                }],
-                &ForwardOptions::default(),
-            )
-            .unwrap()
-        };
+        let run = || logits_all(&m, &tokens);
         let fresh = run();
         let vocab = fresh.vocab;
         assert_eq!(fresh.logits.len(), tokens.len() * vocab);
