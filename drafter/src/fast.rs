@@ -16,6 +16,7 @@
 
 use crate::model::DsparkDrafter;
 use crate::{DrafterError, Result};
+use half::f16;
 use kernels::Isa;
 use kernels::matmul::QMatrix;
 
@@ -70,15 +71,79 @@ pub(crate) fn quantize_q8(w: &[f32], rows: usize, cols: usize) -> Option<QMatrix
     QMatrix::new(rows, cols, kernels::matmul::QWeights::Q8(blocks)).ok()
 }
 
+/// Quantizes a row-major `rows × cols` matrix (cols a multiple of 32) to 4 bits: GGUF's Q4_1
+/// (per 32 values an f16 scale and an f16 minimum, `w = d·q + m`, q in 0..16), grouped by 16
+/// rows where the integer kernels run, else the same blocks with f32 scales. Codes are rounded
+/// against the f16-rounded scale and minimum, the values the kernels decode with.
+pub(crate) fn quantize_q4(w: &[f32], rows: usize, cols: usize) -> Option<QMatrix> {
+    use kernels::quant::BlockQ4;
+    if cols % 32 != 0 || w.len() != rows * cols {
+        return None;
+    }
+    // (d, m, nibbles in GGML order) of one block, with d and m as the kernels will read them.
+    let block = |chunk: &[f32]| -> (f16, f16, [u8; 16]) {
+        let lo = chunk.iter().fold(f32::INFINITY, |a, &x| a.min(x));
+        let hi = chunk.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+        let d = f16::from_f32((hi - lo) / 15.0);
+        let m = f16::from_f32(lo);
+        let (df, mf) = (d.to_f32(), m.to_f32());
+        let code = |x: f32| -> u8 {
+            if df > 0.0 {
+                ((x - mf) / df).round().clamp(0.0, 15.0) as u8
+            } else {
+                0
+            }
+        };
+        let mut qs = [0u8; 16];
+        for (i, q) in qs.iter_mut().enumerate() {
+            *q = code(chunk[i]) | (code(chunk[i + 16]) << 4);
+        }
+        (d, m, qs)
+    };
+    if kernels::grouped::native(Isa::detect()) && rows % kernels::grouped::GROUP_ROWS == 0 {
+        let mut raw = Vec::with_capacity(rows * cols / 32 * 20);
+        for chunk in w.chunks_exact(32) {
+            let (d, m, qs) = block(chunk);
+            raw.extend_from_slice(&d.to_le_bytes());
+            raw.extend_from_slice(&m.to_le_bytes());
+            raw.extend_from_slice(&qs);
+        }
+        let groups = kernels::grouped::repack_q41(&raw, rows, cols).ok()?;
+        return QMatrix::new(rows, cols, kernels::matmul::QWeights::Q41(groups)).ok();
+    }
+    let blocks = w
+        .chunks_exact(32)
+        .map(|chunk| {
+            let (d, m, qs) = block(chunk);
+            BlockQ4 {
+                d: d.to_f32(),
+                m: m.to_f32(),
+                qs,
+            }
+        })
+        .collect();
+    QMatrix::new(rows, cols, kernels::matmul::QWeights::Q4(blocks)).ok()
+}
+
+/// [`quantize_q8`] or [`quantize_q4`] by the drafter's `serve_bits`.
+pub(crate) fn quantize_bits(w: &[f32], rows: usize, cols: usize, bits: u8) -> Option<QMatrix> {
+    match bits {
+        4 => quantize_q4(w, rows, cols),
+        _ => quantize_q8(w, rows, cols),
+    }
+}
+
 fn tensor_vec(t: &candle_core::Tensor) -> Result<Vec<f32>> {
     Ok(t.flatten_all()?.to_vec1()?)
 }
 
-fn q8(l: &candle_nn::Linear) -> Result<QMatrix> {
+fn quant(l: &candle_nn::Linear, bits: u8) -> Result<QMatrix> {
     let w = l.weight();
     let (rows, cols) = w.dims2()?;
-    quantize_q8(&tensor_vec(w)?, rows, cols).ok_or_else(|| {
-        DrafterError::Invalid(format!("a {rows}×{cols} weight does not fit 8-bit blocks"))
+    quantize_bits(&tensor_vec(w)?, rows, cols, bits).ok_or_else(|| {
+        DrafterError::Invalid(format!(
+            "a {rows}×{cols} weight does not fit {bits}-bit blocks"
+        ))
     })
 }
 
@@ -158,9 +223,12 @@ fn rms_norm_rows(x: &[f32], w: Option<&[f32]>, d: usize, eps: f32) -> Vec<f32> {
 }
 
 impl FastDrafter {
-    /// The serving form of `dr` (8-bit weights). Fails when a width is not a multiple of 32.
+    /// The serving form of `dr` (8- or 4-bit weights, `serve_bits`). Fails when a width is not a
+    /// multiple of 32.
     pub fn new(dr: &DsparkDrafter) -> Result<Self> {
         let cfg = &dr.cfg;
+        let bits = cfg.serve_bits;
+        let q8 = |l: &candle_nn::Linear| quant(l, bits);
         let layers = dr
             .layers
             .iter()
@@ -435,32 +503,116 @@ mod tests {
     #[test]
     fn matches_the_candle_forward() {
         let (m, tok) = crate::model::tests::tiny_target(21, "drafter-target");
-        let dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
-        let fast = FastDrafter::new(&dr).unwrap();
-        let d = m.cfg.d_model;
-        let rl = 2 * d;
-        let mut rng = kernels::rng::Rng::new(4);
-        let raw: Vec<f32> = (0..6 * rl).map(|_| rng.normal() as f32 * 3.0).collect();
-        let want = candle_hidden(&dr, &raw, 1, 6, &[9]);
-        // Context rows one at a time (as a serving drafter fuses them), the block in one call.
-        let rows: Vec<CtxRow> = raw
-            .chunks_exact(rl)
-            .flat_map(|r| fast.context_rows(r, 1))
-            .collect();
-        let refs: Vec<&CtxRow> = rows.iter().collect();
-        let anchor: Vec<f32> = tensor_vec(&dr.embed.get(9).unwrap()).unwrap();
-        let g = dr.cfg.gamma;
-        for kmax in [1, 2, g] {
-            let got = fast.hidden(&refs, &anchor, kmax);
-            assert_eq!(got.len(), kmax * d);
-            let scale = max_abs(&want);
-            let worst = max_abs_diff(&got, &want[..kmax * d]);
-            // 8-bit weights and bf16 activations: a few percent of the largest value at most.
-            assert!(
-                worst < 0.05 * scale,
-                "kmax {kmax}: worst {worst}, scale {scale}"
-            );
+        for bits in [8u8, 4] {
+            let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+            dr.cfg.serve_bits = bits;
+            let fast = FastDrafter::new(&dr).unwrap();
+            if bits == 4 {
+                // Hold the 4-bit path to the forward of the weights it serves: the candle
+                // reference gets every matrix rounded to its 4-bit values. (How far 4-bit
+                // values are from the weights is `four_bit_blocks_decode_within_half_a_step…`.)
+                round_to_q4(&dr);
+            }
+            let d = m.cfg.d_model;
+            let rl = 2 * d;
+            let mut rng = kernels::rng::Rng::new(4);
+            let raw: Vec<f32> = (0..6 * rl).map(|_| rng.normal() as f32 * 3.0).collect();
+            let want = candle_hidden(&dr, &raw, 1, 6, &[9]);
+            // Context rows one at a time (as a serving drafter fuses them), the block in one call.
+            let rows: Vec<CtxRow> = raw
+                .chunks_exact(rl)
+                .flat_map(|r| fast.context_rows(r, 1))
+                .collect();
+            let refs: Vec<&CtxRow> = rows.iter().collect();
+            let anchor: Vec<f32> = tensor_vec(&dr.embed.get(9).unwrap()).unwrap();
+            let g = dr.cfg.gamma;
+            for kmax in [1, 2, g] {
+                let got = fast.hidden(&refs, &anchor, kmax);
+                assert_eq!(got.len(), kmax * d);
+                let scale = max_abs(&want);
+                let worst = max_abs_diff(&got, &want[..kmax * d]);
+                // 8-bit weights and bf16 activations: a few percent of the largest value.
+                assert!(
+                    worst < 0.05 * scale,
+                    "{bits} bits, kmax {kmax}: worst {worst}, scale {scale}"
+                );
+            }
         }
+    }
+
+    /// Replaces every matrix of `dr` whose rows split into 32-value blocks by its 4-bit values.
+    fn round_to_q4(dr: &DsparkDrafter) {
+        for var in dr.varmap.all_vars() {
+            let Ok((rows, cols)) = var.dims2() else {
+                continue;
+            };
+            if cols % 32 != 0 {
+                continue;
+            }
+            let w = tensor_vec(var.as_tensor()).unwrap();
+            let q = quantize_q4(&w, rows, cols).unwrap();
+            let mut out = vec![0f32; rows * cols];
+            for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+                q.dequantize_row(r, row);
+            }
+            let t = candle_core::Tensor::from_vec(out, (rows, cols), &candle_core::Device::Cpu)
+                .unwrap();
+            var.set(&t).unwrap();
+        }
+    }
+
+    #[test]
+    fn four_bit_blocks_decode_within_half_a_step_of_the_weights() {
+        let mut rng = kernels::rng::Rng::new(5);
+        // 32 rows (grouped where the integer kernels run), 96 columns; one constant block.
+        let (rows, cols) = (32, 96);
+        let mut w: Vec<f32> = (0..rows * cols).map(|_| rng.normal() as f32).collect();
+        w[..32].fill(0.25);
+        let q = quantize_q4(&w, rows, cols).unwrap();
+        assert!(q.bytes() < rows * cols * 3 / 4, "{} bytes", q.bytes());
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            q.dequantize_row(r, &mut row);
+            for (b, (got, want)) in row
+                .chunks_exact(32)
+                .zip(w[r * cols..(r + 1) * cols].chunks_exact(32))
+                .enumerate()
+            {
+                let lo = want.iter().fold(f32::INFINITY, |a, &x| a.min(x));
+                let hi = want.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+                // Half a step, plus the f16 rounding of the scale (over 15 steps) and minimum.
+                let bound = (hi - lo) / 30.0 * 1.01 + (hi - lo) * 15.0 / 2048.0 + lo.abs() / 2048.0;
+                for (g, x) in got.iter().zip(want) {
+                    assert!(
+                        (g - x).abs() <= bound + 1e-6,
+                        "row {r} block {b}: {g} for {x} (bound {bound})"
+                    );
+                }
+            }
+        }
+        // The matmul reads the same values: it equals the f32 product of the decoded rows.
+        let x: Vec<f32> = (0..2 * cols).map(|_| rng.normal() as f32).collect();
+        let mut got = vec![0f32; 2 * rows];
+        q.matmul(&x, 2, &mut got, Isa::detect());
+        for t in 0..2 {
+            for r in 0..rows {
+                q.dequantize_row(r, &mut row);
+                let want: f32 = row
+                    .iter()
+                    .zip(&x[t * cols..(t + 1) * cols])
+                    .map(|(a, b)| a * b)
+                    .sum();
+                let g = got[t * rows + r];
+                assert!(
+                    (g - want).abs() < 0.02 * (1.0 + want.abs()),
+                    "{g} against {want}"
+                );
+            }
+        }
+        assert!(
+            quantize_q4(&w[..31 * 3], 1, 93).is_none(),
+            "cols not a multiple of 32"
+        );
     }
 
     #[test]

@@ -68,10 +68,24 @@ pub struct DrafterConfig {
     /// reads a fraction of the target's. Lossless either way: verification corrects any q.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub draft_vocab: usize,
+    /// Bits per weight of the serving forward's matrices (context fuse, layers, draft head):
+    /// 8 (GGUF Q8_0 blocks) or 4 (Q4_1 blocks, 0.625 bytes a weight against 1.06). A drafting
+    /// call streams these weights from memory after every target forward has evicted them, so
+    /// its cost follows their bytes. Training and the candle forward stay in f32.
+    #[serde(default = "eight", skip_serializing_if = "is_eight")]
+    pub serve_bits: u8,
 }
 
 fn is_zero(n: &usize) -> bool {
     *n == 0
+}
+
+fn eight() -> u8 {
+    8
+}
+
+fn is_eight(n: &u8) -> bool {
+    *n == 8
 }
 
 /// A stored calibration: STS temperatures and shifts, and the input mix before them.
@@ -283,6 +297,7 @@ impl DrafterConfig {
             copy_bias: Vec::new(),
             greedy_calibration: None,
             draft_vocab: 0,
+            serve_bits: 8,
         }
     }
 
@@ -304,6 +319,12 @@ impl DrafterConfig {
             return Err(DrafterError::Invalid(
                 "feature layers must be target layers".into(),
             ));
+        }
+        if !matches!(self.serve_bits, 4 | 8) {
+            return Err(DrafterError::Invalid(format!(
+                "serve_bits {} is not 4 or 8",
+                self.serve_bits
+            )));
         }
         self.sampled_calibration().validate(self.gamma)?;
         if let Some(g) = &self.greedy_calibration {
@@ -978,6 +999,29 @@ pub(crate) mod tests {
         c.set_copy_bias(true, vec![3.0]);
         assert_eq!(c.copy_bias_for(true), [3.0]);
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn serving_bits_round_trip_and_others_are_refused() {
+        let (m, tok) = tiny();
+        let cfg = tiny_drafter(&m, &tok, 6, 5).cfg;
+        // The default (8) is not written, so older checkpoints read back unchanged.
+        let json = serde_json::to_string(&cfg).unwrap();
+        assert!(!json.contains("serve_bits"), "{json}");
+        let back: DrafterConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.serve_bits, 8);
+        let mut four = cfg.clone();
+        four.serve_bits = 4;
+        let back: DrafterConfig =
+            serde_json::from_str(&serde_json::to_string(&four).unwrap()).unwrap();
+        assert_eq!(back.serve_bits, 4);
+        back.validate().unwrap();
+        for bad in [0u8, 5, 16] {
+            let mut c = cfg.clone();
+            c.serve_bits = bad;
+            let e = c.validate().err().expect("refused");
+            assert!(e.to_string().contains("serve_bits"), "{e}");
+        }
     }
 
     #[test]

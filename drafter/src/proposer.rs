@@ -5,7 +5,7 @@
 //! confidence c_k, which never depends on x_k.
 
 use crate::calibrate::CopySample;
-use crate::fast::{CtxRow, FastDrafter, quantize_q8};
+use crate::fast::{CtxRow, FastDrafter, quantize_bits, quantize_q8};
 use crate::model::DsparkDrafter;
 use kernels::sampling::{argmax, probs, sample};
 use specdec::SpecError;
@@ -259,8 +259,11 @@ impl DsparkProposer {
                     &candle_core::Device::Cpu,
                 )?;
                 let h: Vec<f32> = dr.head().index_select(&idx, 0)?.flatten_all()?.to_vec1()?;
-                Some(quantize_q8(&h, ids.len(), d).ok_or_else(|| {
-                    crate::DrafterError::Invalid("head width does not fit 8-bit blocks".into())
+                let bits = dr.cfg.serve_bits;
+                Some(quantize_bits(&h, ids.len(), d, bits).ok_or_else(|| {
+                    crate::DrafterError::Invalid(format!(
+                        "head width does not fit {bits}-bit blocks"
+                    ))
                 })?)
             }
             None => None,
