@@ -6,7 +6,7 @@
 use crate::config::Global;
 use clap::Args;
 use drafter::calibrate::{Observed, roc_auc};
-use drafter::calibrate::{Sts, cumulative_ece, cumulative_ece_floor};
+use drafter::calibrate::{Sts, cumulative_ece, cumulative_ece_floor, cumulative_means};
 use drafter::{DsparkDrafter, DsparkProposer};
 use specdec::{Event, Proposer, ProposerKind, Request};
 use std::path::PathBuf;
@@ -271,7 +271,12 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 let auc = conditional_auc(&r.obs, &sts);
                 // What exactly calibrated confidences would read on these blocks.
                 let floor = cumulative_ece_floor(&r.obs, &sts, 200);
-                (Some(b), Some(af), Some(auc), Some(floor))
+                let means = cumulative_means(&r.obs, &sts);
+                (Some(b), Some(af), Some(auc), Some((floor, means)))
+            };
+            let (floor, means) = match floor {
+                Some((f, m)) => (Some(f), Some(m)),
+                None => (None, None),
             };
             let mx = |v: &Option<Vec<f64>>| {
                 v.as_ref().map_or("-".to_string(), |v| {
@@ -310,6 +315,8 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 "ece_before": eb, "ece_after": ea, "auc": auc, "auc_oracle": oracle,
                 "ece_floor": floor.as_ref().map(|f| f.iter().map(|x| x.0).collect::<Vec<_>>()),
                 "ece_floor_q95": floor.as_ref().map(|f| f.iter().map(|x| x.1).collect::<Vec<_>>()),
+                "survival_predicted": means.as_ref().map(|m| m.iter().map(|x| x.0).collect::<Vec<_>>()),
+                "survival_observed": means.as_ref().map(|m| m.iter().map(|x| x.1).collect::<Vec<_>>()),
                 "blocks": r.obs.len(), "completion_tokens": r.totals.completion_tokens,
                 "target_calls": r.totals.target_calls,
             }));

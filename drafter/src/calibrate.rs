@@ -535,6 +535,22 @@ pub fn cumulative_ece(obs: &[Observed], sts: &Sts) -> Vec<f64> {
         .collect()
 }
 
+/// Per block position: the mean cumulative calibrated confidence and the observed prefix
+/// survival rate over the blocks that reached it. Where the ECE is large these say which way:
+/// over-confident (first above second) or under-confident.
+pub fn cumulative_means(obs: &[Observed], sts: &Sts) -> Vec<(f64, f64)> {
+    cumulative_survival(obs, sts)
+        .iter()
+        .map(|(p, y)| {
+            let n = p.len().max(1) as f64;
+            (
+                p.iter().sum::<f64>() / n,
+                y.iter().filter(|&&v| v).count() as f64 / n,
+            )
+        })
+        .collect()
+}
+
 /// What [`cumulative_ece`] would read per position if these confidences were exactly
 /// calibrated: `(mean, 95th percentile)` of [`ece_floor`] at each position's sample size.
 pub fn cumulative_ece_floor(obs: &[Observed], sts: &Sts, draws: usize) -> Vec<(f64, f64)> {
@@ -599,6 +615,26 @@ mod tests {
             "{mean10} vs {mean}"
         );
         assert_eq!(ece_floor(&[], ECE_BINS, 10, 0), (0.0, 0.0));
+    }
+
+    #[test]
+    fn cumulative_means_say_which_way_confidences_are_off() {
+        // Logit 0 → c = ½ at both positions: predicted survival ½ then ¼ under identity STS.
+        // Outcomes: of four blocks, three pass position 1 and one passes position 2.
+        let obs: Vec<Observed> = [1, 1, 2, 0]
+            .iter()
+            .map(|&a| Observed::from_logits(&[0.0, 0.0], a))
+            .collect();
+        let m = cumulative_means(&obs, &Sts::identity(2));
+        assert_eq!(m.len(), 2);
+        assert!(
+            (m[0].0 - 0.5).abs() < 1e-9 && (m[0].1 - 0.75).abs() < 1e-9,
+            "{m:?}"
+        );
+        assert!(
+            (m[1].0 - 0.25).abs() < 1e-9 && (m[1].1 - 0.25).abs() < 1e-9,
+            "{m:?}"
+        );
     }
 
     #[test]
