@@ -23,9 +23,10 @@ mapfile -t data < <(scripts/drafter-data.sh "$bin" smollm2-135m)
 # Calibration on held-out prompts (first half of each prompt set): the copy prior (one run
 # without it), then the confidences (input mix, STS temperatures and shifts) on drafts made with
 # it; once for sampled requests (T = 1) and once for greedy ones;
-# evaluation on the second half, at both temperatures.
+# evaluation on the second half, at both temperatures. The first run sets the serving forward's
+# 4-bit weights, which both calibrations then fit.
 "$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \
-  --max-tokens 512 --json bench/results/calibrate-dspark-smollm2.json
+  --max-tokens 512 --serve-bits 4 --json bench/results/calibrate-dspark-smollm2.json
 "$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \
   --max-tokens 512 --temperature 0 --json bench/results/calibrate-dspark-smollm2-greedy.json
 "$bin" eval-drafter --target smollm2-135m --drafter "$out" --prompts all --gamma 7 --temperature 1.0 \

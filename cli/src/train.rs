@@ -270,21 +270,35 @@ pub struct CalibrateArgs {
     /// fits it, and the confidences are then calibrated on drafts made with it).
     #[arg(long)]
     pub no_copy: bool,
+    /// Bits of the serving forward's weights, 4 or 8, stored in the checkpoint before it is
+    /// calibrated (confidences are fitted on the forward that will serve). Default: keep the
+    /// checkpoint's (8 for a new one).
+    #[arg(long)]
+    pub serve_bits: Option<u8>,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
 
 pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
+    if let Some(b) = a.serve_bits
+        && !matches!(b, 4 | 8)
+    {
+        anyhow::bail!("--serve-bits {b}: the serving forward takes 4 or 8 bits");
+    }
     let target = crate::spec::load_target(g, &a.target)?;
     let (e, h) = drafter::model::target_tensors(&target.model)?;
-    let load = || {
-        DsparkDrafter::load(
+    let load = || -> anyhow::Result<DsparkDrafter> {
+        let mut dr = DsparkDrafter::load(
             &a.drafter,
             target.model.cfg.arch.name(),
             &target.tok.vocab_hash(),
             e.clone(),
             h.clone(),
-        )
+        )?;
+        if let Some(b) = a.serve_bits {
+            dr.cfg.serve_bits = b;
+        }
+        Ok(dr)
     };
     let mut dr = load()?;
     let gamma = dr.cfg.gamma;

@@ -484,6 +484,24 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     ] {
         assert_eq!(c1[key], c2[key], "{key}");
     }
+    // Calibrating for the 4-bit serving forward stores that width in the checkpoint (the
+    // evaluation below serves it); other widths are refused before anything loads.
+    calibrate(&["--serve-bits", "4"]);
+    assert_eq!(read_json(&dir.join("drafter.json"))["serve_bits"], 4);
+    let (code, _, err) = dspark(
+        &d,
+        &[
+            "calibrate-drafter",
+            "--target",
+            &m,
+            "--drafter",
+            &o,
+            "--serve-bits",
+            "5",
+        ],
+    );
+    assert_ne!(code, 0);
+    assert!(err.contains("4 or 8"), "{err}");
     // Evaluation runs the checkpoint with and without it, on prompts calibration did not see.
     let j = d.join("eval.json");
     let (code, _, err) = dspark(
@@ -519,6 +537,19 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
         .filter_map(|r| r["drafter"].as_str())
         .collect();
     assert_eq!(arms, ["dspark", "dspark-nocopy", "parallel", "ngram"]);
+    // Per position, the mean predicted and the observed prefix survival, as many as ECEs.
+    let r = &v["results"][0];
+    let n = r["ece_after"].as_array().map_or(0, |e| e.len());
+    assert!(n > 0);
+    for key in ["survival_predicted", "survival_observed"] {
+        let x = r[key].as_array().expect(key);
+        assert_eq!(x.len(), n, "{key}");
+        assert!(
+            x.iter()
+                .all(|p| p.as_f64().is_some_and(|p| (0.0..=1.0).contains(&p))),
+            "{key}: {x:?}"
+        );
+    }
     // --no-copy leaves greedy requests without one.
     let (out, bias) = calibrate(&["--no-copy"]);
     assert!(!out.contains("copy prior ("), "{out}");
