@@ -147,7 +147,7 @@ fn quant(l: &candle_nn::Linear, bits: u8) -> Result<QMatrix> {
     })
 }
 
-/// One drafter layer's 8-bit weights. Matrices that read the same input are stacked (query,
+/// One drafter layer's quantized weights (`serve_bits`). Matrices that read the same input are stacked (query,
 /// key and value; key and value; gate and up), so a call makes one pass over one matrix
 /// instead of several small ones.
 struct FastLayer {
@@ -228,21 +228,21 @@ impl FastDrafter {
     pub fn new(dr: &DsparkDrafter) -> Result<Self> {
         let cfg = &dr.cfg;
         let bits = cfg.serve_bits;
-        let q8 = |l: &candle_nn::Linear| quant(l, bits);
+        let qw = |l: &candle_nn::Linear| quant(l, bits);
         let layers = dr
             .layers
             .iter()
             .map(|l| {
-                let (wq, wk, wv) = (q8(&l.wq)?, q8(&l.wk)?, q8(&l.wv)?);
+                let (wq, wk, wv) = (qw(&l.wq)?, qw(&l.wk)?, qw(&l.wv)?);
                 Ok(FastLayer {
                     n1: tensor_vec(&l.n1)?,
                     wkv: stack(&[&wk, &wv])?,
                     wqkv: stack(&[&wq, &wk, &wv])?,
                     wq,
-                    wo: q8(&l.wo)?,
+                    wo: qw(&l.wo)?,
                     n2: tensor_vec(&l.n2)?,
-                    gate_up: stack(&[&q8(&l.gate)?, &q8(&l.up)?])?,
-                    down: q8(&l.down)?,
+                    gate_up: stack(&[&qw(&l.gate)?, &qw(&l.up)?])?,
+                    down: qw(&l.down)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -253,7 +253,7 @@ impl FastDrafter {
             gamma: cfg.gamma,
             context: cfg.context,
             eps: cfg.rms_eps as f32,
-            fuse: q8(&dr.fuse)?,
+            fuse: qw(&dr.fuse)?,
             n_feats: cfg.feature_layers.len(),
             mask: tensor_vec(&dr.mask)?,
             layers,
