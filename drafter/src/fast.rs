@@ -147,9 +147,9 @@ fn quant(l: &candle_nn::Linear, bits: u8) -> Result<QMatrix> {
     })
 }
 
-/// One drafter layer's quantized weights (`serve_bits`). Matrices that read the same input are stacked (query,
-/// key and value; key and value; gate and up), so a call makes one pass over one matrix
-/// instead of several small ones.
+/// One drafter layer's quantized weights (`serve_bits`). Matrices that read the same input are
+/// stacked (query, key and value; key and value; gate and up), so a call makes one pass over one
+/// matrix instead of several small ones.
 struct FastLayer {
     n1: Vec<f32>,
     wq: QMatrix,
