@@ -896,6 +896,8 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 spec,
                 plain,
                 draft_s_per_req = self.draft_s_per_req,
+                step_spec_s = self.step_seconds(d.batch_tokens),
+                step_plain_s = self.step_seconds(b0),
                 gain_ema = self.gain_ema,
                 "drafting against plain decoding"
             );
