@@ -260,8 +260,8 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             let tau = r.totals.committed_per_call();
             let acc = r.totals.accept_per_pos();
             let oracle = oracle_auc(&r.obs);
-            let (eb, ea, auc, floor) = if r.obs.is_empty() {
-                (None, None, None, None)
+            let (eb, ea, auc, floor, means) = if r.obs.is_empty() {
+                (None, None, None, None, None)
             } else {
                 let b = cumulative_ece(&r.obs, &Sts::identity(a.gamma));
                 let sts = sts.truncated(a.gamma);
@@ -272,11 +272,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 // What exactly calibrated confidences would read on these blocks.
                 let floor = cumulative_ece_floor(&r.obs, &sts, 200);
                 let means = cumulative_means(&r.obs, &sts);
-                (Some(b), Some(af), Some(auc), Some((floor, means)))
-            };
-            let (floor, means) = match floor {
-                Some((f, m)) => (Some(f), Some(m)),
-                None => (None, None),
+                (Some(b), Some(af), Some(auc), Some(floor), Some(means))
             };
             let mx = |v: &Option<Vec<f64>>| {
                 v.as_ref().map_or("-".to_string(), |v| {
