@@ -486,9 +486,16 @@ pub struct ConfidencePolicy {
     /// Steps that used a central / a local budget.
     pub central_steps: std::sync::Arc<std::sync::atomic::AtomicU64>,
     pub local_steps: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    /// Drafting seconds per drafted request (running mean), when drafting shares the target's
-    /// hardware: a step that drafts costs 1/SPS(B) + n·this, one that skips drafting 1/SPS(B).
+    /// Drafting seconds per drafted request (running mean over every block length), when
+    /// drafting shares the target's hardware: a step that drafts costs its step seconds plus
+    /// the drafting seconds, one that skips drafting its step seconds alone.
     pub draft_s_per_req: f64,
+    /// The same per block length drafted (index = positions; 0 = not seen yet). A block of 7
+    /// costs three times a block of 1 on SmolLM2's drafter (0.68 against 0.23 ms at batch 1),
+    /// and a planned budget of K drafts blocks of K + 1 while probes draft one position: one
+    /// mean over both priced a budget of 1 at 0.38–0.46 ms a request where its blocks of 2
+    /// cost about 0.3.
+    draft_s_by_len: Vec<f64>,
     /// Whether to count the drafting cost (co-located drafter) in Θ.
     pub count_draft_cost: bool,
     /// Consecutive steps planned at K_total = 0 (drafting skipped). After `probe_every` such
@@ -607,6 +614,7 @@ impl ConfidencePolicy {
             central_steps: Default::default(),
             local_steps: Default::default(),
             draft_s_per_req: 0.0,
+            draft_s_by_len: vec![0.0; u8::MAX as usize + 1],
             count_draft_cost: true,
             zero_run: 0,
             next_probe: 16,
@@ -656,14 +664,68 @@ impl ConfidencePolicy {
             .map(|b| b.k_total)
     }
 
-    /// Θ = τ / (step seconds at B + drafting seconds): tokens per second of a step.
-    fn theta_with_draft(&self, tau: f64, b: u32, drafted: usize) -> f64 {
-        let draft = if self.count_draft_cost {
-            self.draft_s_per_req * drafted as f64
-        } else {
-            0.0
-        };
-        tau / (self.step_seconds(b) + draft)
+    /// Drafting seconds of a step that drafts blocks of `block` positions for `width`
+    /// requests (0 when drafting seconds do not count): per request, the mean measured at that
+    /// length; else a line fitted over the lengths measured (no cheaper than the nearest
+    /// shorter one); else the mean over every length.
+    fn draft_seconds(&self, width: usize, block: usize) -> f64 {
+        if !self.count_draft_cost || width == 0 {
+            return 0.0;
+        }
+        width as f64 * self.draft_s_at(block)
+    }
+
+    fn draft_s_at(&self, block: usize) -> f64 {
+        let at = |l: usize| self.draft_s_by_len.get(l).copied().filter(|&s| s > 0.0);
+        if let Some(s) = at(block) {
+            return s;
+        }
+        let pts: Vec<(f64, f64)> = (1..self.draft_s_by_len.len())
+            .filter_map(|l| at(l).map(|s| (l as f64, s)))
+            .collect();
+        let below = (1..block.min(self.draft_s_by_len.len()))
+            .rev()
+            .find_map(at)
+            .unwrap_or(0.0);
+        match pts.len() {
+            0 => self.draft_s_per_req,
+            1 => pts[0].1,
+            _ => {
+                let n = pts.len() as f64;
+                let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
+                let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
+                let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+                let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+                let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+                (my + slope * (block as f64 - mx)).max(below).max(0.0)
+            }
+        }
+    }
+
+    /// Seconds of a step of `reqs` decoding requests and `other` prefill tokens that verifies
+    /// `added` drafts. On a step without prefill whose two sizes (with and without the drafts)
+    /// have both been measured on decoding steps, the plain step's price plus their measured
+    /// difference: rescaling the table per size priced a 2-token step at 1.23–1.30 plain
+    /// ones at c = 1 where the engine's steps measured 1.14 (each size's ratio follows its
+    /// own steps' noise, and the difference of two noisy prices is noisier than a measured
+    /// difference). Else the table's price at B, on the measured scale.
+    fn verify_seconds(&self, reqs: u32, other: u32, added: u32) -> f64 {
+        let b0 = reqs.saturating_add(other);
+        if added == 0 {
+            return self.step_seconds(b0);
+        }
+        if other == 0 {
+            let at = |b: u32| {
+                self.decode_secs
+                    .get(b as usize)
+                    .copied()
+                    .filter(|&s| s > 0.0)
+            };
+            if let (Some(a), Some(b)) = (at(reqs), at(reqs.saturating_add(added))) {
+                return self.step_seconds(b0) + (b - a).max(0.0);
+            }
+        }
+        self.step_seconds(b0.saturating_add(added))
     }
 
     /// Seconds of an engine step of B tokens: the table's, between points linearly, on the
@@ -871,12 +933,19 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         // drafting seconds counted.
         let mut now_sunk = now;
         if self.lag > 0 && self.count_draft_cost && self.draft_s_per_req > 0.0 {
-            // Skipping drafting saves its cost: keep speculation only if it still pays.
+            // Skipping drafting saves its cost: keep speculation only if it still pays. Priced
+            // as the steps it plans would run: blocks one longer than the budget, for at most
+            // that many requests.
             let n = conf.len();
             let reqs = n as u32 + step.plain_requests;
             let b0 = reqs + step.other_tokens;
-            let spec = self.theta_with_draft(d.expected_tokens, d.batch_tokens, n);
-            let plain = self.theta_with_draft(reqs as f64, b0, 0);
+            let added = d.batch_tokens.saturating_sub(b0);
+            let step_spec = self.verify_seconds(reqs, step.other_tokens, added);
+            let step_plain = self.step_seconds(b0);
+            let block = (now as usize + 1).min(self.max_k.max(1) as usize);
+            let drafting = self.draft_seconds(self.draft_width(now as usize + 1).min(n), block);
+            let spec = d.expected_tokens / (step_spec + drafting);
+            let plain = reqs as f64 / step_plain;
             if plain > 0.0 && spec.is_finite() {
                 let g = spec / plain - 1.0;
                 if self.gain_seen == 0 {
@@ -895,17 +964,17 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 batch_tokens = d.batch_tokens,
                 spec,
                 plain,
-                draft_s_per_req = self.draft_s_per_req,
-                step_spec_s = self.step_seconds(d.batch_tokens),
-                step_plain_s = self.step_seconds(b0),
+                draft_s = drafting,
+                block,
+                step_spec_s = step_spec,
+                step_plain_s = step_plain,
                 gain_ema = self.gain_ema,
                 "drafting against plain decoding"
             );
             if now > 0 && plain >= spec {
                 now = 0;
             }
-            if now_sunk > 0 && plain >= self.theta_with_draft(d.expected_tokens, d.batch_tokens, 0)
-            {
+            if now_sunk > 0 && plain >= d.expected_tokens / step_spec {
                 now_sunk = 0;
             }
         }
@@ -1178,7 +1247,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         }
     }
 
-    fn observe_draft(&mut self, secs: f64, n: usize) {
+    fn observe_draft(&mut self, secs: f64, n: usize, block: usize) {
         if n == 0 || !secs.is_finite() {
             return;
         }
@@ -1186,11 +1255,13 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             self.last_probe_s = secs;
         }
         let per = secs / n as f64;
-        self.draft_s_per_req = if self.draft_s_per_req == 0.0 {
-            per
-        } else {
-            0.8 * self.draft_s_per_req + 0.2 * per
-        };
+        let ema = |x: &mut f64| *x = if *x == 0.0 { per } else { 0.8 * *x + 0.2 * per };
+        ema(&mut self.draft_s_per_req);
+        if block > 0
+            && let Some(x) = self.draft_s_by_len.get_mut(block)
+        {
+            ema(x);
+        }
     }
 }
 
@@ -1232,7 +1303,7 @@ mod tests {
         // Drafting that costs 10 s per request never pays: two steps later the budget is 0 and
         // drafting stops on every step (no half of the steps left drafting), except probes
         // after 16, then 32 zero-budget steps.
-        p.observe_draft(40.0, 4);
+        p.observe_draft(40.0, 4, 1);
         let d = run(&mut p, 60);
         let drafting: Vec<usize> = (0..d.len()).filter(|&i| d[i]).collect();
         // Steps 0 and 1 still use budgets decided before the cost was known; then the 16th
@@ -1242,7 +1313,7 @@ mod tests {
         // time (500 steps apart).
         p.observe_step(0.01, 8);
         p.probing = true;
-        p.observe_draft(0.05, 1);
+        p.observe_draft(0.05, 1, 1);
         p.probing = false;
         assert_eq!(p.probe_spacing(), 500);
         // Without the cost counted (a remote drafter that overlaps), the next probe's fresh
@@ -1262,7 +1333,7 @@ mod tests {
         let conf: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
         // Drafting that never pays: after the first probes, spaced probes only (as in the
         // test above). Per step: whether it drafted, and whether features were wanted after it.
-        p.observe_draft(40.0, 4);
+        p.observe_draft(40.0, 4, 1);
         const W: usize = 4;
         let steps: Vec<(bool, bool)> = (0..200)
             .map(|_| {
@@ -1308,7 +1379,7 @@ mod tests {
         // A 2-token step costs 7.5 % more than a 1-token one; drafting costs 15 % of a step.
         let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
         let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
-        p.observe_draft(0.0015, 1);
+        p.observe_draft(0.0015, 1, 1);
         // One request; the engine's loop as above (a step that does not draft decodes plainly).
         let step = |p: &mut ConfidencePolicy, c: f32| -> (bool, usize) {
             let drafted = p.planned() != Some(0);
@@ -1342,7 +1413,7 @@ mod tests {
         // whole back-off: the next steps explore, find it pays, and keep drafting.
         let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
         let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
-        p.observe_draft(0.0015, 1);
+        p.observe_draft(0.0015, 1, 1);
         let d: Vec<bool> = (0..40)
             .map(|i| step(&mut p, if i == 15 { 0.05 } else { 0.6 }).0)
             .collect();
@@ -1353,7 +1424,7 @@ mod tests {
         // below its noise keeps drafting.
         let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
         let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
-        p.observe_draft(0.0015, 1);
+        p.observe_draft(0.0015, 1, 1);
         let conf = |i: usize| if i % 12 < 6 { 0.5f32 } else { 0.02 };
         let d: Vec<bool> = (0..160).map(|i| step(&mut p, conf(i)).0).collect();
         let start = d.iter().position(|&x| x).expect("a first probe");
@@ -1372,7 +1443,7 @@ mod tests {
         let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
         let run = |per_b: bool| -> Vec<bool> {
             let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 1);
-            p.observe_draft(0.0015, 1);
+            p.observe_draft(0.0015, 1, 1);
             (0..200)
                 .map(|_| {
                     let drafted = p.planned() != Some(0);
@@ -1387,6 +1458,7 @@ mod tests {
                     p.observe_step(secs, b);
                     if !per_b {
                         p.step_scales.iter_mut().for_each(|x| *x = 0.0);
+                        p.decode_secs.iter_mut().for_each(|x| *x = 0.0);
                         p.step_drift = 1.0;
                     }
                     drafted
@@ -1406,13 +1478,82 @@ mod tests {
     }
 
     #[test]
+    fn verification_is_priced_at_the_measured_difference_of_decoding_steps() {
+        // The table prices a 2-token step at 1.3 one-token steps; the engine's decoding steps
+        // measure 10 and 11.4 ms (1.14), the first 2-token one slow (14 ms, a cold cache).
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 77.0), (64, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        let step = |p: &mut ConfidencePolicy, secs: f64, b: usize| {
+            p.step_is_decode = true;
+            p.observe_step(secs, b);
+        };
+        step(&mut p, 0.010, 1);
+        step(&mut p, 0.014, 2);
+        for _ in 0..10 {
+            for _ in 0..20 {
+                step(&mut p, 0.010, 1);
+            }
+            step(&mut p, 0.0114, 2);
+        }
+        let plain = p.step_seconds(1);
+        assert!((plain - 0.010).abs() < 2e-4, "{plain}");
+        // The per-size scale learns a size's own residual slowly (most of it goes to the
+        // machine's drift): ten steps after the slow one it still reads above 1.2.
+        let scaled = p.step_seconds(2) / plain;
+        assert!(scaled > 1.2, "{scaled}");
+        // The measured difference reads within 3 % of 1.14.
+        let measured = p.verify_seconds(1, 0, 1) / plain;
+        assert!((measured - 1.14).abs() < 0.035, "{measured}");
+        // With a prefill chunk in the step (no decoding step of that shape measured), or at
+        // a size never measured, the scaled table prices it.
+        assert_eq!(p.verify_seconds(1, 16, 1), p.step_seconds(18));
+        assert_eq!(p.verify_seconds(1, 0, 3), p.step_seconds(4));
+    }
+
+    #[test]
+    fn drafting_is_priced_by_the_block_length_it_drafts() {
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 90.0), (64, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 7);
+        // Blocks of 7 cost 6.8 ms, blocks of 2 cost 2 ms (one request each).
+        for _ in 0..3 {
+            p.observe_draft(0.0068, 1, 7);
+        }
+        p.observe_draft(0.002, 1, 2);
+        assert!((p.draft_s_at(7) - 0.0068).abs() < 1e-9);
+        assert!((p.draft_s_at(2) - 0.002).abs() < 1e-9);
+        // Lengths between or outside: the line through the measured ones.
+        let four = p.draft_s_at(4);
+        assert!((four - 0.00392).abs() < 1e-6, "{four}");
+        let one = p.draft_s_at(1);
+        assert!((one - 0.00104).abs() < 1e-6, "{one}");
+        // No shorter block is priced above a longer measured one's floor: a length past the
+        // last measured one is no cheaper than it.
+        assert!(p.draft_s_at(9) >= 0.0068);
+        // A probe at c = 1 whose first position is at 0.4: a budget of 1 drafts blocks of 2
+        // (2 ms) on 11.1 ms steps against 10 ms plain ones, 1.4 tokens in 13.1 ms: +7 %. The
+        // mean over every length (5.8 ms) said 1.4 tokens in 16.9 ms, −17 %.
+        assert!(p.draft_s_per_req > 0.0055, "{}", p.draft_s_per_req);
+        p.probing = true;
+        p.select(&[&[0.4f32, 0.01][..]], 0, 0, 1 << 20);
+        assert_eq!(p.last_real, 1);
+        assert!(p.drafting_gain().is_some_and(|g| g > 0.05 && g < 0.09));
+        // With one length measured, every length is priced at it.
+        let mut q = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 7);
+        q.observe_draft(0.003, 2, 1);
+        assert!((q.draft_s_at(5) - 0.0015).abs() < 1e-9);
+        assert!((q.draft_seconds(2, 5) - 0.003).abs() < 1e-9);
+    }
+
+    #[test]
     fn free_drafts_are_decided_at_once_at_measured_prices_and_leave_the_plan_alone() {
         use specdec::VerifyPolicy;
         let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
         let fresh = || {
             let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 4);
             // Drafting calls are dear (a zero budget is planned), steps cost what the table says.
-            p.observe_draft(0.05, 1);
+            p.observe_draft(0.05, 1, 1);
             p.observe_step(0.010, 1);
             p.observe_step(1.0 / 93.0, 2);
             p
@@ -1709,7 +1850,7 @@ mod tests {
         // A 2-token step costs 7.5 % more than a 1-token one; drafting 30 % of a step.
         let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
         let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
-        p.observe_draft(0.003, 1);
+        p.observe_draft(0.003, 1, 1);
         // A probe. A draft at 0.2 does not pay for a drafting call (1.2 tokens in 13.75 ms
         // against 1 in 10 ms) but, drafted already, pays for its verification (1.2 in
         // 10.75 ms): it is verified, and the budget carried forward is 0.

@@ -178,9 +178,10 @@ pub trait VerifyPolicy: Send {
     fn probe(&self) -> Option<(usize, usize)> {
         None
     }
-    /// Seconds the proposer took to draft this step for `n` requests (the engine waits for it,
-    /// so it is part of the step's cost when drafting shares the target's hardware).
-    fn observe_draft(&mut self, _secs: f64, _n: usize) {}
+    /// Seconds the proposer took to draft this step for `n` requests, blocks of at most `block`
+    /// positions (the engine waits for it, so it is part of the step's cost when drafting
+    /// shares the target's hardware; a longer block costs more, so it is priced per length).
+    fn observe_draft(&mut self, _secs: f64, _n: usize, _block: usize) {}
     /// Seconds this step's target forward, acceptance and commits took over `batch_tokens`
     /// tokens (drafting apart): the profiled table's time scale can be checked against it.
     fn observe_step(&mut self, _secs: f64, _batch_tokens: usize) {}
@@ -786,7 +787,12 @@ impl Engine {
             if !drafting.is_empty() && !free {
                 // Per-step cost only: catching up on deferred context is paid once.
                 let secs = t_draft.elapsed().as_secs_f64() - self.proposer.last_catch_up_seconds();
-                policy.observe_draft(secs.max(0.0), drafting.len());
+                let block = drafting
+                    .iter()
+                    .map(|&i| ks[i].unwrap_or(0))
+                    .max()
+                    .unwrap_or(0);
+                policy.observe_draft(secs.max(0.0), drafting.len(), block);
             }
             let confs: Vec<Vec<f32>> = drafting
                 .iter()
