@@ -535,6 +535,7 @@ impl Proposer for DsparkProposer {
         }
         let (d, v, rank) = (self.dr.cfg.d_model, self.dr.cfg.vocab, self.dr.cfg.rank);
         let ids: Vec<u64> = active.iter().map(|&i| reqs[i].id).collect();
+        let stages0 = self.stages;
         let mut t = std::time::Instant::now();
         let mut lap = |stages: &mut [f64; 5], i: usize| {
             let now = std::time::Instant::now();
@@ -829,6 +830,17 @@ impl Proposer for DsparkProposer {
                 f.pending_copy = std::mem::take(&mut pending[bi]);
             }
         }
+        let d = |i: usize| self.stages[i] - stages0[i];
+        tracing::trace!(
+            requests = b,
+            k = kmax,
+            context_s = d(0),
+            block_s = d(1),
+            head_s = d(2),
+            markov_s = d(3),
+            sampling_s = d(4),
+            "drafted"
+        );
         Ok(out)
     }
 
