@@ -561,6 +561,18 @@ pub struct ConfidencePolicy {
     step_is_decode: bool,
 }
 
+/// Least-squares line through `pts` (x, y): the means of x and y, and the slope, at least 0
+/// (a cost never falls as its size grows; noise that says so is read as flat).
+fn line_fit(pts: &[(f64, f64)]) -> (f64, f64, f64) {
+    let n = pts.len().max(1) as f64;
+    let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+    (mx, my, slope)
+}
+
 /// Weight of each drafting step's gain in the running mean and variance (about the last
 /// twenty steps).
 const GAIN_ALPHA: f64 = 0.1;
@@ -691,12 +703,7 @@ impl ConfidencePolicy {
             0 => self.draft_s_per_req,
             1 => pts[0].1,
             _ => {
-                let n = pts.len() as f64;
-                let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
-                let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
-                let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-                let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-                let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+                let (mx, my, slope) = line_fit(&pts);
                 (my + slope * (block as f64 - mx)).max(below).max(0.0)
             }
         }
@@ -757,14 +764,7 @@ impl ConfidencePolicy {
             if pts.len() < 3 {
                 return None;
             }
-            let n = pts.len() as f64;
-            let (mx, my) = (
-                pts.iter().map(|p| p.0).sum::<f64>() / n,
-                pts.iter().map(|p| p.1).sum::<f64>() / n,
-            );
-            let sxx: f64 = pts.iter().map(|p| (p.0 - mx).powi(2)).sum();
-            let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-            Some(if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 })
+            Some(line_fit(&pts).2)
         };
         fit(b.max(1))
             .or_else(|| fit((b / 2).min(b.saturating_sub(4)).max(1)))
