@@ -9,10 +9,12 @@
 //! * [`accept`]: lossless speculative acceptance (min(1, p/q), residual, bonus) and greedy.
 //! * [`sampling`]: sampling transforms (temperature, top-k, top-p, penalties) and seeded sampling.
 //! * [`rng`]: the seeded RNG injected everywhere randomness is used.
+//! * [`cuda`]: GPU kernels compiled at run time (NVRTC), with the CPU references above.
 //!
-//! This is the one crate where `unsafe` is allowed (SIMD intrinsics).
+//! This is the one crate where `unsafe` is allowed (SIMD intrinsics, kernel launches).
 
 pub mod accept;
+pub mod cuda;
 pub mod grouped;
 pub mod matmul;
 pub mod ops;
