@@ -16,7 +16,9 @@ case "${1:-}" in
   prepare)
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
     mkdir -p .gpu
-    bin=$(cargo test --release -p kernels --no-run --message-format=json 2>/dev/null |
+    json=$(cargo test --release -p kernels --no-run --message-format=json) ||
+      { echo "building the kernels' tests failed" >&2; exit 1; }
+    bin=$(printf '%s\n' "$json" |
       python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -34,7 +36,10 @@ for line in sys.stdin:
   run)
     out="${OUT:-/tmp/gpu-check}"
     mkdir -p "$out"
-    exec > >(tee "$out/gpu-check.log") 2>&1
+    # The whole check through one pipe to its log (pipefail keeps its status).
+    "$0" run-body 2>&1 | tee "$out/gpu-check.log"
+    ;;
+  run-body)
     nvidia-smi -L || true
     # NVRTC and the driver, wherever this image keeps them (the toolkit, or pip's nvidia wheels).
     extra=$(python3 - <<'EOF' 2>/dev/null || true

@@ -496,6 +496,10 @@ pub struct ConfidencePolicy {
     /// mean over both priced a budget of 1 at 0.38–0.46 ms a request where its blocks of 2
     /// cost about 0.3.
     draft_s_by_len: Vec<f64>,
+    /// Calls measured per block length: a length's own mean is trusted from
+    /// [`DRAFT_LEN_TRUSTED`] calls on (one slow first call at a new length, priced as it came,
+    /// could keep that budget from ever being planned, and so from ever being corrected).
+    draft_n_by_len: Vec<u32>,
     /// Whether to count the drafting cost (co-located drafter) in Θ.
     pub count_draft_cost: bool,
     /// Consecutive steps planned at K_total = 0 (drafting skipped). After `probe_every` such
@@ -560,6 +564,10 @@ pub struct ConfidencePolicy {
     decode_secs: Vec<f64>,
     step_is_decode: bool,
 }
+
+/// Drafting calls at a block length before its own mean prices it (else the line over every
+/// length measured does).
+const DRAFT_LEN_TRUSTED: u32 = 3;
 
 /// Least-squares line through `pts` (x, y): the means of x and y, and the slope, at least 0
 /// (a cost never falls as its size grows; noise that says so is read as flat).
@@ -627,6 +635,7 @@ impl ConfidencePolicy {
             local_steps: Default::default(),
             draft_s_per_req: 0.0,
             draft_s_by_len: vec![0.0; u8::MAX as usize + 1],
+            draft_n_by_len: vec![0; u8::MAX as usize + 1],
             count_draft_cost: true,
             zero_run: 0,
             next_probe: 16,
@@ -678,8 +687,11 @@ impl ConfidencePolicy {
 
     /// Drafting seconds of a step that drafts blocks of `block` positions for `width`
     /// requests (0 when drafting seconds do not count): per request, the mean measured at that
-    /// length; else a line fitted over the lengths measured (no cheaper than the nearest
-    /// shorter one); else the mean over every length.
+    /// length once it has [`DRAFT_LEN_TRUSTED`] calls; else what the other lengths say (a line
+    /// fitted over them, no cheaper than the nearest shorter length and, below the shortest,
+    /// than the shortest's cost scaled down by length, where the line can reach 0; one other
+    /// length: its mean), capped by this length's own mean so far; with none measured, the
+    /// mean over every call.
     fn draft_seconds(&self, width: usize, block: usize) -> f64 {
         if !self.count_draft_cost || width == 0 {
             return 0.0;
@@ -689,24 +701,38 @@ impl ConfidencePolicy {
 
     fn draft_s_at(&self, block: usize) -> f64 {
         let at = |l: usize| self.draft_s_by_len.get(l).copied().filter(|&s| s > 0.0);
-        if let Some(s) = at(block) {
+        let own = at(block);
+        let trusted = self
+            .draft_n_by_len
+            .get(block)
+            .is_some_and(|&n| n >= DRAFT_LEN_TRUSTED);
+        if trusted && let Some(s) = own {
             return s;
         }
-        let pts: Vec<(f64, f64)> = (1..self.draft_s_by_len.len())
+        let others: Vec<(f64, f64)> = (1..self.draft_s_by_len.len())
+            .filter(|&l| l != block)
             .filter_map(|l| at(l).map(|s| (l as f64, s)))
             .collect();
-        let below = (1..block.min(self.draft_s_by_len.len()))
-            .rev()
-            .find_map(at)
-            .unwrap_or(0.0);
-        match pts.len() {
-            0 => self.draft_s_per_req,
-            1 => pts[0].1,
+        let est = match others.len() {
+            0 => own.unwrap_or(self.draft_s_per_req),
+            1 => others[0].1,
             _ => {
-                let (mx, my, slope) = line_fit(&pts);
-                (my + slope * (block as f64 - mx)).max(below).max(0.0)
+                let (mx, my, slope) = line_fit(&others);
+                let (l0, s0) = others[0];
+                let floor = if (block as f64) < l0 {
+                    s0 * block as f64 / l0
+                } else {
+                    (1..block.min(self.draft_s_by_len.len()))
+                        .rev()
+                        .find_map(at)
+                        .unwrap_or(0.0)
+                };
+                (my + slope * (block as f64 - mx)).max(floor)
             }
-        }
+        };
+        // A length not yet trusted is priced no dearer than the other lengths say: a slow
+        // first call must not keep its budget from being tried again.
+        own.map_or(est, |o| o.min(est))
     }
 
     /// Seconds of a step of `reqs` decoding requests and `other` prefill tokens that verifies
@@ -1248,7 +1274,9 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
     }
 
     fn observe_draft(&mut self, secs: f64, n: usize, block: usize) {
-        if n == 0 || !secs.is_finite() {
+        // A call whose time was all catch-up (or a clock that did not move) says nothing about
+        // a steady call's cost, and would pull the means towards free.
+        if n == 0 || !secs.is_finite() || secs <= 0.0 {
             return;
         }
         if self.probing {
@@ -1258,9 +1286,13 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         let ema = |x: &mut f64| *x = if *x == 0.0 { per } else { 0.8 * *x + 0.2 * per };
         ema(&mut self.draft_s_per_req);
         if block > 0
-            && let Some(x) = self.draft_s_by_len.get_mut(block)
+            && let (Some(x), Some(c)) = (
+                self.draft_s_by_len.get_mut(block),
+                self.draft_n_by_len.get_mut(block),
+            )
         {
             ema(x);
+            *c = c.saturating_add(1);
         }
     }
 }
@@ -1516,11 +1548,13 @@ mod tests {
         use specdec::VerifyPolicy;
         let sps = SpsTable::new(vec![(1, 100.0), (2, 90.0), (64, 20.0)]).unwrap();
         let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 7);
-        // Blocks of 7 cost 6.8 ms, blocks of 2 cost 2 ms (one request each).
+        // Blocks of 7 cost 6.8 ms, blocks of 2 cost 2 ms (one request each), three calls each.
         for _ in 0..3 {
             p.observe_draft(0.0068, 1, 7);
         }
-        p.observe_draft(0.002, 1, 2);
+        for _ in 0..3 {
+            p.observe_draft(0.002, 1, 2);
+        }
         assert!((p.draft_s_at(7) - 0.0068).abs() < 1e-9);
         assert!((p.draft_s_at(2) - 0.002).abs() < 1e-9);
         // Lengths between or outside: the line through the measured ones.
@@ -1528,22 +1562,57 @@ mod tests {
         assert!((four - 0.00392).abs() < 1e-6, "{four}");
         let one = p.draft_s_at(1);
         assert!((one - 0.00104).abs() < 1e-6, "{one}");
-        // No shorter block is priced above a longer measured one's floor: a length past the
-        // last measured one is no cheaper than it.
-        assert!(p.draft_s_at(9) >= 0.0068);
         // A probe at c = 1 whose first position is at 0.4: a budget of 1 drafts blocks of 2
         // (2 ms) on 11.1 ms steps against 10 ms plain ones, 1.4 tokens in 13.1 ms: +7 %. The
-        // mean over every length (5.8 ms) said 1.4 tokens in 16.9 ms, −17 %.
-        assert!(p.draft_s_per_req > 0.0055, "{}", p.draft_s_per_req);
+        // mean over every length (4.5 ms, though its last three calls were the cheap ones) said
+        // 1.4 tokens in 15.6 ms, −10 %.
+        assert!(p.draft_s_per_req > 0.0044, "{}", p.draft_s_per_req);
         p.probing = true;
         p.select(&[&[0.4f32, 0.01][..]], 0, 0, 1 << 20);
         assert_eq!(p.last_real, 1);
         assert!(p.drafting_gain().is_some_and(|g| g > 0.05 && g < 0.09));
         // With one length measured, every length is priced at it.
-        let mut q = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 7);
+        let mut q = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 7);
         q.observe_draft(0.003, 2, 1);
         assert!((q.draft_s_at(5) - 0.0015).abs() < 1e-9);
         assert!((q.draft_seconds(2, 5) - 0.003).abs() < 1e-9);
+        // A length's own mean prices it only after three calls: one slow first call at length
+        // 3 (9 ms, a cold start) is read through the line until then.
+        q.observe_draft(0.009, 1, 3);
+        assert!(q.draft_s_at(3) < 0.009, "{}", q.draft_s_at(3));
+        // Calls that measured no time at all are not costs.
+        let before = q.draft_s_per_req;
+        q.observe_draft(0.0, 1, 1);
+        assert_eq!(q.draft_s_per_req, before);
+        // Below the shortest measured length the line can reach 0; the shortest's cost scaled
+        // by length is the floor. Longer blocks measured cheaper than shorter ones (noise):
+        // the nearest shorter length is the floor.
+        let mut r = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 7);
+        for _ in 0..3 {
+            r.observe_draft(0.001, 1, 3);
+            r.observe_draft(0.0068, 1, 7);
+        }
+        assert!(
+            (r.draft_s_at(1) - 0.001 / 3.0).abs() < 1e-9,
+            "{}",
+            r.draft_s_at(1)
+        );
+        let mut u = ConfidencePolicy::new(
+            SpsTable::new(vec![(1, 100.0), (64, 20.0)]).unwrap(),
+            Rule::Argmax,
+            2,
+            4096,
+            7,
+        );
+        for _ in 0..3 {
+            u.observe_draft(0.005, 1, 2);
+            u.observe_draft(0.003, 1, 7);
+        }
+        assert!(
+            (u.draft_s_at(5) - 0.005).abs() < 1e-9,
+            "{}",
+            u.draft_s_at(5)
+        );
     }
 
     #[test]
