@@ -735,6 +735,14 @@ impl ConfidencePolicy {
         own.map_or(est, |o| o.min(est))
     }
 
+    /// Measured seconds of a decoding step (no prefill chunk) of `b` tokens, when seen.
+    fn decode_at(&self, b: u32) -> Option<f64> {
+        self.decode_secs
+            .get(b as usize)
+            .copied()
+            .filter(|&s| s > 0.0)
+    }
+
     /// Seconds of a step of `reqs` decoding requests and `other` prefill tokens that verifies
     /// `added` drafts. On a step without prefill whose two sizes (with and without the drafts)
     /// have both been measured on decoding steps, the plain step's price plus their measured
@@ -747,16 +755,13 @@ impl ConfidencePolicy {
         if added == 0 {
             return self.step_seconds(b0);
         }
-        if other == 0 {
-            let at = |b: u32| {
-                self.decode_secs
-                    .get(b as usize)
-                    .copied()
-                    .filter(|&s| s > 0.0)
-            };
-            if let (Some(a), Some(b)) = (at(reqs), at(reqs.saturating_add(added))) {
-                return self.step_seconds(b0) + (b - a).max(0.0);
-            }
+        if other == 0
+            && let (Some(a), Some(b)) = (
+                self.decode_at(reqs),
+                self.decode_at(reqs.saturating_add(added)),
+            )
+        {
+            return self.step_seconds(b0) + (b - a).max(0.0);
         }
         self.step_seconds(b0.saturating_add(added))
     }
@@ -806,14 +811,8 @@ impl ConfidencePolicy {
     /// fitted on the sizes below said 1.8 (c = 8, SmolLM2), and verified at 63 % of their
     /// confidence they did not pay. The profiled table has that stair.
     fn decode_added(&self, reqs: u32, n: u32, slope: f64) -> f64 {
-        let at = |b: u32| {
-            self.decode_secs
-                .get(b as usize)
-                .copied()
-                .filter(|&s| s > 0.0)
-        };
         let above = reqs.saturating_add(n);
-        match (at(reqs), at(above)) {
+        match (self.decode_at(reqs), self.decode_at(above)) {
             (Some(a), Some(b)) => (b - a).max(0.0),
             (Some(a), None) => {
                 let stair = a * (self.sps.seconds(above) / self.sps.seconds(reqs.max(1)) - 1.0);
@@ -838,12 +837,7 @@ impl ConfidencePolicy {
     /// that lost 2 % of throughput.
     fn decode_token_seconds(&self, reqs: u32) -> f64 {
         let r = reqs.max(1);
-        let measured = self
-            .decode_secs
-            .get(r as usize)
-            .copied()
-            .filter(|&s| s > 0.0);
-        measured.unwrap_or_else(|| self.step_seconds(r)) / r as f64
+        self.decode_at(r).unwrap_or_else(|| self.step_seconds(r)) / r as f64
     }
 
     /// Per-request caps (γ) for `n` drafting requests and the step's limits.
