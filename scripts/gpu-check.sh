@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # The GPU checks, in two halves, because the GPU machine has no Rust toolchain and no network:
 #
-#   scripts/gpu-check.sh prepare   # here: builds the kernels' test binary into .gpu/ (ignored by
-#                                  # git; ~15 MB, carried to the GPU machine)
+#   scripts/gpu-check.sh prepare   # here: builds the kernels' and runtime's test binaries and a
+#                                  # one-layer cut of smollm2-135m into .gpu/ (ignored by git;
+#                                  # ~40 MB, carried to the GPU machine)
 #   scripts/gpu-check.sh run       # on the GPU machine (device tool: carry [".gpu"]): runs the
 #                                  # GPU tests against their CPU references, writes $OUT/gpu-check.log
 #
 # What `run` checks: the CUDA kernels (`kernels::cuda`, compiled there at run time by NVRTC)
-# against their CPU references on random shapes, and that opening the device is no error. It
-# prints the driver and NVRTC libraries it finds first, so a failure to load them is visible.
+# against their CPU references on random shapes; the model forward written over those kernels
+# (`dspark_runtime::device`) against the CPU forward's logits on tiny seeded models and on real
+# SmolLM2 weights; and that opening the device is no error. It prints the driver and NVRTC
+# libraries it finds first, so a failure to load them is visible.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 case "${1:-}" in
   prepare)
     grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-    mkdir -p .gpu
-    json=$(cargo test --release -p kernels --no-run --message-format=json) ||
-      { echo "building the kernels' tests failed" >&2; exit 1; }
-    bin=$(printf '%s\n' "$json" |
+    rm -rf .gpu && mkdir -p .gpu
+    json=$(cargo test --release -p kernels -p dspark-runtime --lib --no-run --message-format=json) ||
+      { echo "building the kernels' and runtime's tests failed" >&2; exit 1; }
+    printf '%s\n' "$json" |
       python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -26,12 +29,29 @@ for line in sys.stdin:
         m = json.loads(line)
     except ValueError:
         continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kernels":
-        print(m["executable"])')
-    [ -n "$bin" ] || { echo "no kernels test binary built" >&2; exit 1; }
-    cp "$bin" .gpu/kernels-tests
-    strip .gpu/kernels-tests 2>/dev/null || true
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["target"]["name"], m["executable"])' |
+      while read -r name exe; do
+        case "$name" in
+          kernels) cp "$exe" .gpu/kernels-tests ;;
+          dspark_runtime) cp "$exe" .gpu/runtime-tests ;;
+        esac
+      done
+    for b in kernels-tests runtime-tests; do
+      [ -f ".gpu/$b" ] || { echo "no $b binary built" >&2; exit 1; }
+      strip ".gpu/$b" 2>/dev/null || true
+    done
+    # Real weights for the forward check: the default model cut to its first layers (the GPU
+    # machine has no network, and what travels there is at most 64 MiB with the working tree).
+    layers="${GPU_CHECK_LAYERS:-1}"
+    src=$(cargo run -q --release -p dspark -- fetch-model smollm2-135m | tail -1)
+    [ -f "$src" ] || src="${DSPARK_HOME:-$HOME/.cache/dspark}/models/smollm2-135m.gguf"
+    cargo run -q --release -p dspark-runtime --example slice-gguf -- "$src" .gpu/smollm2-135m-cut.gguf "$layers"
     ls -la .gpu
+    tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    gpu=$(du -cb .gpu/* | tail -1 | cut -f1)
+    echo "working tree $tree B + .gpu $gpu B = $((tree + gpu)) B (limit $((64 << 20)) B)"
+    [ $((tree + gpu)) -lt $((64 << 20)) ] || { echo "too large to carry: lower GPU_CHECK_LAYERS" >&2; exit 1; }
     ;;
   run)
     out="${OUT:-/tmp/gpu-check}"
@@ -62,6 +82,9 @@ EOF
     for d in ${extra//:/ }; do ls "$d" | grep -E 'libcuda\.so|libnvrtc' | sed "s|^|$d/|"; done
     .gpu/kernels-tests cuda --include-ignored --nocapture --test-threads 1
     echo "gpu-check: kernels match their CPU references"
+    DSPARK_GPU_MODEL=.gpu/smollm2-135m-cut.gguf \
+      .gpu/runtime-tests device --include-ignored --nocapture --test-threads 1
+    echo "gpu-check: the CUDA forward matches the CPU forward (tiny models and real weights)"
     ;;
   *)
     echo "usage: scripts/gpu-check.sh prepare|run" >&2

@@ -18,6 +18,8 @@ use cudarc::driver::{
 pub enum GpuError {
     #[error("no CUDA driver (libcuda) or NVRTC library on this machine")]
     NoDriver,
+    #[error("no NVRTC library (libnvrtc) on this machine")]
+    NoNvrtc,
     #[error("CUDA driver: {0}")]
     Driver(String),
     #[error("NVRTC compile: {0}")]
@@ -76,10 +78,109 @@ extern "C" __global__ void silu_mul(const float* gu, float* out, int n, int f) {
     float g = gu[t * 2 * f + j], u = gu[t * 2 * f + f + j];
     out[i] = g / (1.0f + expf(-g)) * u;
 }
+
+extern "C" __global__ void add_assign(float* y, const float* x, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += x[i];
+}
+
+extern "C" __global__ void add_rows(float* y, const float* b, long n, int d) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += b[i % d];
+}
+
+// RoPE over `heads` heads starting at column `offset` of each of n rows of `width` values;
+// row t is position pos0 + t. Angles in double, as the CPU table is built.
+extern "C" __global__ void rope(float* x, int n, int width, int offset, int heads, int hd,
+                                int pos0, float theta, int interleaved) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    int half = hd / 2;
+    if (i >= (long)n * heads * half) return;
+    int t = (int)(i / (heads * half));
+    int r = (int)(i % (heads * half));
+    int h = r / half, j = r % half;
+    double inv = 1.0 / pow((double)theta, 2.0 * j / hd);
+    double a = (double)(pos0 + t) * inv;
+    float c = (float)cos(a), s = (float)sin(a);
+    float* p = x + (long)t * width + offset + h * hd;
+    int ia = interleaved ? 2 * j : j;
+    int ib = interleaved ? 2 * j + 1 : j + half;
+    float x0 = p[ia], x1 = p[ib];
+    p[ia] = x0 * c - x1 * s;
+    p[ib] = x0 * s + x1 * c;
+}
+
+// Causal attention of one sequence from position 0: rows of `width` values [q | k | v] with
+// n_heads query heads and n_kv KV heads of hd values. One block per (query row, head); the
+// scores live in dynamic shared memory (n floats), followed by the block's reduction array.
+extern "C" __global__ void attention_causal(const float* qkv, float* out, int n, int width,
+                                            int n_heads, int n_kv, int hd, float scale) {
+    extern __shared__ float sh[];
+    float* sc = sh;
+    float* red = sh + n;
+    int t = blockIdx.x, h = blockIdx.y;
+    int g = h / (n_heads / n_kv);
+    int qd = n_heads * hd, kvd = n_kv * hd;
+    const float* q = qkv + (long)t * width + h * hd;
+    float mx = __int_as_float(0xff800000);  // −∞ (NVRTC has no math.h macros)
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) {
+        const float* k = qkv + (long)s * width + qd + g * hd;
+        float a = 0.0f;
+        for (int d = 0; d < hd; d++) a += q[d] * k[d];
+        a *= scale;
+        sc[s] = a;
+        mx = fmaxf(mx, a);
+    }
+    red[threadIdx.x] = mx;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + o]);
+        __syncthreads();
+    }
+    mx = red[0];
+    __syncthreads();
+    float sum = 0.0f;
+    for (int s = threadIdx.x; s <= t; s += blockDim.x) {
+        float e = expf(sc[s] - mx);
+        sc[s] = e;
+        sum += e;
+    }
+    red[threadIdx.x] = sum;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
+        __syncthreads();
+    }
+    float inv = 1.0f / red[0];
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s <= t; s++) acc += sc[s] * qkv[(long)s * width + qd + kvd + g * hd + d];
+        out[(long)t * qd + h * hd + d] = acc * inv;
+    }
+}
 "#;
 
 /// Threads per block of the RMSNorm kernel (its shared reduction array has this size).
 const NORM_THREADS: u32 = 256;
+
+/// Threads per block of the attention kernel (a power of two: its reductions halve).
+const ATTN_THREADS: u32 = 128;
+
+/// Longest sequence the attention kernel takes: its scores and reduction array must fit the
+/// 48 KiB of dynamic shared memory a launch gets without opting in to more.
+pub const MAX_ATTENTION_TOKENS: usize = 8192;
+
+/// Compiles the kernels' source with NVRTC alone (no driver, no device) and returns the PTX's
+/// length: what a machine with only the NVRTC library can check of the CUDA path.
+pub fn compile_check() -> Result<usize> {
+    // SAFETY: only tries to open the shared library, and reports whether it could.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(GpuError::NoNvrtc);
+    }
+    let ptx =
+        cudarc::nvrtc::compile_ptx(SOURCE).map_err(|e| GpuError::Compile(format!("{e:?}")))?;
+    Ok(ptx.to_src().len())
+}
 
 /// Whether the CUDA driver and NVRTC libraries can be loaded here. Everything else in this
 /// module needs both; asking `cudarc` for either without them panics.
@@ -94,7 +195,56 @@ pub struct Gpu {
     matmul: CudaFunction,
     norm: CudaFunction,
     silu: CudaFunction,
+    add: CudaFunction,
+    add_rows: CudaFunction,
+    rope: CudaFunction,
+    attention: CudaFunction,
     name: String,
+}
+
+/// A buffer of f32 values resident on the device.
+pub struct DeviceBuf {
+    d: CudaSlice<f32>,
+    len: usize,
+}
+
+impl DeviceBuf {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Where RoPE applies inside rows of fused projections, and how.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeArgs {
+    /// Values per row (e.g. q_dim + 2·kv_dim for fused QKV rows).
+    pub width: usize,
+    /// First column of the heads to rotate.
+    pub offset: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// Position of the first row.
+    pub pos0: usize,
+    pub theta: f32,
+    /// Adjacent pairs (GGUF llama) rather than halves.
+    pub interleaved: bool,
+}
+
+/// Shapes of fused `[q | k | v]` rows for [`Gpu::attention`].
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionArgs {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+fn launch_1d(n: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig::for_num_elems(u32::try_from(n).map_err(
+        |_| GpuError::Shape(format!("{n} elements exceed one launch")),
+    )?))
 }
 
 /// A weight matrix (rows × cols, f32) resident on the device.
@@ -124,6 +274,10 @@ impl Gpu {
             matmul: f("matmul_f32")?,
             norm: f("rms_norm")?,
             silu: f("silu_mul")?,
+            add: f("add_assign")?,
+            add_rows: f("add_rows")?,
+            rope: f("rope")?,
+            attention: f("attention_causal")?,
             stream: ctx.default_stream(),
             name,
         })
@@ -149,6 +303,240 @@ impl Gpu {
         })
     }
 
+    /// Copies values to the device.
+    pub fn buf(&self, x: &[f32]) -> Result<DeviceBuf> {
+        if x.is_empty() {
+            return Err(GpuError::Shape("an empty buffer".into()));
+        }
+        Ok(DeviceBuf {
+            d: self.stream.clone_htod(x).map_err(drv)?,
+            len: x.len(),
+        })
+    }
+
+    fn zeros(&self, n: usize) -> Result<DeviceBuf> {
+        if n == 0 {
+            return Err(GpuError::Shape("an empty buffer".into()));
+        }
+        Ok(DeviceBuf {
+            d: self.stream.alloc_zeros::<f32>(n).map_err(drv)?,
+            len: n,
+        })
+    }
+
+    /// Copies a buffer back to the host.
+    pub fn read(&self, b: &DeviceBuf) -> Result<Vec<f32>> {
+        self.stream.clone_dtoh(&b.d).map_err(drv)
+    }
+
+    /// `y[t][r] = Σ_c W[r][c] x[t][c]` for the `m` rows of `x`, on the device.
+    pub fn matmul_dev(&self, w: &DeviceMatrix, x: &DeviceBuf, m: usize) -> Result<DeviceBuf> {
+        if m == 0 || w.rows == 0 || x.len != m * w.cols {
+            return Err(GpuError::Shape(format!(
+                "{} inputs for {m} rows of {} (a {} × {} matrix)",
+                x.len, w.cols, w.rows, w.cols
+            )));
+        }
+        let mut y = self.zeros(m * w.rows)?;
+        let (rows, cols, mm) = (dim(w.rows, "rows")?, dim(w.cols, "cols")?, dim(m, "m")?);
+        let threads = (m * w.rows)
+            .checked_mul(32)
+            .ok_or_else(|| GpuError::Shape("matmul too large".into()))?;
+        let cfg = launch_1d(threads)?;
+        let mut b = self.stream.launch_builder(&self.matmul);
+        b.arg(&w.w)
+            .arg(&x.d)
+            .arg(&mut y.d)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&mm);
+        // SAFETY: the arguments match the kernel's signature; every index the kernel reads or
+        // writes is below rows × cols (w), m × cols (x) or m × rows (y), the sizes allocated.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(y)
+    }
+
+    /// RMSNorm of each row of `x` (width `w.len()`), on the device.
+    pub fn rms_norm_dev(&self, x: &DeviceBuf, w: &DeviceBuf, eps: f32) -> Result<DeviceBuf> {
+        let d = w.len;
+        if !x.len.is_multiple_of(d) {
+            return Err(GpuError::Shape(format!("{} values in rows of {d}", x.len)));
+        }
+        let n = x.len / d;
+        let mut y = self.zeros(x.len)?;
+        let (nn, dd) = (dim(n, "rows")?, dim(d, "width")?);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(n).map_err(|_| GpuError::Shape("too many rows".into()))?,
+                1,
+                1,
+            ),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.norm);
+        b.arg(&x.d)
+            .arg(&w.d)
+            .arg(&mut y.d)
+            .arg(&nn)
+            .arg(&dd)
+            .arg(&eps);
+        // SAFETY: one block of NORM_THREADS (the shared array's size) per row; reads and writes
+        // stay within row × d + d of buffers of n × d values.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(y)
+    }
+
+    /// SwiGLU of each fused `[gate | up]` row (2·f values a row), on the device.
+    pub fn silu_mul_dev(&self, gate_up: &DeviceBuf, f: usize) -> Result<DeviceBuf> {
+        if f == 0 || !gate_up.len.is_multiple_of(2 * f) {
+            return Err(GpuError::Shape(format!(
+                "{} values in fused rows of 2 × {f}",
+                gate_up.len
+            )));
+        }
+        let n = gate_up.len / (2 * f);
+        let mut out = self.zeros(n * f)?;
+        let (nn, ff) = (dim(n, "rows")?, dim(f, "width")?);
+        let cfg = launch_1d(n * f)?;
+        let mut b = self.stream.launch_builder(&self.silu);
+        b.arg(&gate_up.d).arg(&mut out.d).arg(&nn).arg(&ff);
+        // SAFETY: one thread per output; thread i reads gate_up[t·2f + j] and [t·2f + f + j]
+        // with t < n, j < f, inside the n × 2f values.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(out)
+    }
+
+    /// `y += x`, element by element.
+    pub fn add_dev(&self, y: &mut DeviceBuf, x: &DeviceBuf) -> Result<()> {
+        if y.len != x.len {
+            return Err(GpuError::Shape(format!(
+                "adding {} values to {}",
+                x.len, y.len
+            )));
+        }
+        let n = y.len as i64;
+        let mut b = self.stream.launch_builder(&self.add);
+        b.arg(&mut y.d).arg(&x.d).arg(&n);
+        // SAFETY: one thread per element below n, the length of both buffers.
+        unsafe { b.launch(launch_1d(y.len)?) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// Adds `bias` (one row of d values) to every row of `y`.
+    pub fn add_rows_dev(&self, y: &mut DeviceBuf, bias: &DeviceBuf) -> Result<()> {
+        if !y.len.is_multiple_of(bias.len) {
+            return Err(GpuError::Shape(format!(
+                "a bias of {} values on {} values",
+                bias.len, y.len
+            )));
+        }
+        let (n, d) = (y.len as i64, dim(bias.len, "width")?);
+        let mut b = self.stream.launch_builder(&self.add_rows);
+        b.arg(&mut y.d).arg(&bias.d).arg(&n).arg(&d);
+        // SAFETY: thread i < n writes y[i] and reads bias[i mod d], d the bias length.
+        unsafe { b.launch(launch_1d(y.len)?) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// Rotates heads in place, as [`crate::ops::Rope::apply`] at positions pos0, pos0 + 1, ….
+    pub fn rope_dev(&self, x: &mut DeviceBuf, a: &RopeArgs) -> Result<()> {
+        let hd = a.head_dim;
+        if hd == 0 || !hd.is_multiple_of(2) || a.width == 0 || !x.len.is_multiple_of(a.width) {
+            return Err(GpuError::Shape(format!(
+                "RoPE over heads of {hd} in rows of {} ({} values)",
+                a.width, x.len
+            )));
+        }
+        if a.offset + a.heads * hd > a.width {
+            return Err(GpuError::Shape(format!(
+                "{} heads of {hd} from column {} overflow rows of {}",
+                a.heads, a.offset, a.width
+            )));
+        }
+        let n = x.len / a.width;
+        let total = n * a.heads * (hd / 2);
+        if total == 0 {
+            return Ok(());
+        }
+        dim(a.pos0 + n, "last position")?;
+        let (nn, w, off, heads, hdi, pos0) = (
+            dim(n, "rows")?,
+            dim(a.width, "width")?,
+            dim(a.offset, "offset")?,
+            dim(a.heads, "heads")?,
+            dim(hd, "head_dim")?,
+            dim(a.pos0, "position")?,
+        );
+        let inter = i32::from(a.interleaved);
+        let mut b = self.stream.launch_builder(&self.rope);
+        b.arg(&mut x.d)
+            .arg(&nn)
+            .arg(&w)
+            .arg(&off)
+            .arg(&heads)
+            .arg(&hdi)
+            .arg(&pos0)
+            .arg(&a.theta)
+            .arg(&inter);
+        // SAFETY: thread i < n·heads·hd/2 touches two values of row t < n inside columns
+        // offset .. offset + heads·hd ≤ width (checked), in a buffer of n × width values.
+        unsafe { b.launch(launch_1d(total)?) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// Causal self-attention of one sequence from position 0 over fused `[q | k | v]` rows:
+    /// n × (n_heads · head_dim) outputs, GQA mapping head h to KV head h / (n_heads / n_kv).
+    pub fn attention_dev(&self, qkv: &DeviceBuf, a: &AttentionArgs) -> Result<DeviceBuf> {
+        let (h, kv, hd) = (a.n_heads, a.n_kv_heads, a.head_dim);
+        if h == 0 || kv == 0 || hd == 0 || h % kv != 0 {
+            return Err(GpuError::Shape(format!(
+                "{h} query heads over {kv} KV heads of {hd}"
+            )));
+        }
+        let width = (h + 2 * kv) * hd;
+        if !qkv.len.is_multiple_of(width) {
+            return Err(GpuError::Shape(format!(
+                "{} values in fused rows of {width}",
+                qkv.len
+            )));
+        }
+        let n = qkv.len / width;
+        if n > MAX_ATTENTION_TOKENS {
+            return Err(GpuError::Shape(format!(
+                "{n} tokens (the attention kernel takes at most {MAX_ATTENTION_TOKENS})"
+            )));
+        }
+        let mut out = self.zeros(n * h * hd)?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, h as u32, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: ((n + ATTN_THREADS as usize) * 4) as u32,
+        };
+        let scale = 1.0 / (hd as f32).sqrt();
+        let (nn, w, hh, kk, hdi) = (
+            dim(n, "rows")?,
+            dim(width, "width")?,
+            dim(h, "heads")?,
+            dim(kv, "kv heads")?,
+            dim(hd, "head_dim")?,
+        );
+        let mut b = self.stream.launch_builder(&self.attention);
+        b.arg(&qkv.d)
+            .arg(&mut out.d)
+            .arg(&nn)
+            .arg(&w)
+            .arg(&hh)
+            .arg(&kk)
+            .arg(&hdi)
+            .arg(&scale);
+        // SAFETY: block (t, h) reads rows s ≤ t < n of the n × width input and writes row t,
+        // head h of the n × h·hd output; its shared memory holds n scores and ATTN_THREADS
+        // partials, the size given (n ≤ MAX_ATTENTION_TOKENS keeps it under 48 KiB).
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        Ok(out)
+    }
+
     /// `y[t][r] = Σ_c W[r][c] x[t][c]` for the `m` rows of `x`: the same product as
     /// [`crate::QMatrix::matmul`], on weights held in f32.
     pub fn matmul(&self, w: &DeviceMatrix, x: &[f32], m: usize) -> Result<Vec<f32>> {
@@ -162,87 +550,40 @@ impl Gpu {
         if m == 0 || w.rows == 0 {
             return Ok(vec![0.0; m * w.rows]);
         }
-        let xd = self.stream.clone_htod(x).map_err(drv)?;
-        let mut y = self.stream.alloc_zeros::<f32>(m * w.rows).map_err(drv)?;
-        let (rows, cols, mm) = (dim(w.rows, "rows")?, dim(w.cols, "cols")?, dim(m, "m")?);
-        let threads = (m * w.rows)
-            .checked_mul(32)
-            .ok_or_else(|| GpuError::Shape("matmul too large".into()))?;
-        let cfg = LaunchConfig::for_num_elems(
-            u32::try_from(threads).map_err(|_| GpuError::Shape("matmul too large".into()))?,
-        );
-        let mut b = self.stream.launch_builder(&self.matmul);
-        b.arg(&w.w)
-            .arg(&xd)
-            .arg(&mut y)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&mm);
-        // SAFETY: the arguments match the kernel's signature; every index the kernel reads or
-        // writes is below rows × cols (w), m × cols (x) or m × rows (y), the sizes allocated.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        self.stream.clone_dtoh(&y).map_err(drv)
+        let y = self.matmul_dev(w, &self.buf(x)?, m)?;
+        self.read(&y)
     }
 
     /// RMSNorm of each of the `n` rows of `x` (width `w.len()`), as [`crate::ops::rms_norm`].
     pub fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32) -> Result<Vec<f32>> {
         let d = w.len();
-        if d == 0 || x.len() % d != 0 {
+        if d == 0 || !x.len().is_multiple_of(d) {
             return Err(GpuError::Shape(format!(
                 "{} values in rows of {d}",
                 x.len()
             )));
         }
-        let n = x.len() / d;
-        if n == 0 {
+        if x.is_empty() {
             return Ok(Vec::new());
         }
-        let xd = self.stream.clone_htod(x).map_err(drv)?;
-        let wd = self.stream.clone_htod(w).map_err(drv)?;
-        let mut y = self.stream.alloc_zeros::<f32>(x.len()).map_err(drv)?;
-        let (nn, dd) = (dim(n, "rows")?, dim(d, "width")?);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                u32::try_from(n).map_err(|_| GpuError::Shape("too many rows".into()))?,
-                1,
-                1,
-            ),
-            block_dim: (NORM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.stream.launch_builder(&self.norm);
-        b.arg(&xd).arg(&wd).arg(&mut y).arg(&nn).arg(&dd).arg(&eps);
-        // SAFETY: one block of NORM_THREADS (the shared array's size) per row; reads and writes
-        // stay within row × d + d of buffers of n × d values.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        self.stream.clone_dtoh(&y).map_err(drv)
+        let y = self.rms_norm_dev(&self.buf(x)?, &self.buf(w)?, eps)?;
+        self.read(&y)
     }
 
     /// SwiGLU of each fused `[gate | up]` row of `gate_up` (2·f values a row), as
     /// [`crate::ops::silu_mul`].
     pub fn silu_mul(&self, gate_up: &[f32], f: usize) -> Result<Vec<f32>> {
-        if f == 0 || gate_up.len() % (2 * f) != 0 {
+        if f == 0 || !gate_up.len().is_multiple_of(2 * f) {
             return Err(GpuError::Shape(format!(
                 "{} values in fused rows of 2 × {f}",
                 gate_up.len()
             )));
         }
-        let n = gate_up.len() / (2 * f);
-        if n == 0 {
+        if gate_up.is_empty() {
             return Ok(Vec::new());
         }
-        let gd = self.stream.clone_htod(gate_up).map_err(drv)?;
-        let mut out = self.stream.alloc_zeros::<f32>(n * f).map_err(drv)?;
-        let (nn, ff) = (dim(n, "rows")?, dim(f, "width")?);
-        let cfg = LaunchConfig::for_num_elems(
-            u32::try_from(n * f).map_err(|_| GpuError::Shape("too many values".into()))?,
-        );
-        let mut b = self.stream.launch_builder(&self.silu);
-        b.arg(&gd).arg(&mut out).arg(&nn).arg(&ff);
-        // SAFETY: one thread per output; thread i reads gate_up[t·2f + j] and [t·2f + f + j]
-        // with t < n, j < f, inside the n × 2f values copied.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        self.stream.clone_dtoh(&out).map_err(drv)
+        let y = self.silu_mul_dev(&self.buf(gate_up)?, f)?;
+        self.read(&y)
     }
 }
 
@@ -288,6 +629,54 @@ mod tests {
         }
     }
 
+    /// The kernels' source compiles under NVRTC wherever the library is (no device needed):
+    /// CI installs it (`nvidia-cuda-nvrtc` from PyPI) and sets `DSPARK_REQUIRE_NVRTC=1`, so a
+    /// syntax or type error in the CUDA source fails there, not first on a GPU draw.
+    #[test]
+    fn kernel_source_compiles_under_nvrtc() {
+        match compile_check() {
+            Ok(n) => assert!(n > 1000, "PTX of {n} bytes"),
+            Err(GpuError::NoNvrtc) => {
+                assert!(
+                    std::env::var_os("DSPARK_REQUIRE_NVRTC").is_none(),
+                    "DSPARK_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)"
+                );
+                eprintln!("no libnvrtc here: the CUDA source was not compiled");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Plain causal GQA attention over fused [q | k | v] rows from position 0.
+    fn attention_ref(qkv: &[f32], n: usize, h: usize, kv: usize, hd: usize) -> Vec<f32> {
+        let width = (h + 2 * kv) * hd;
+        let (qd, kvd) = (h * hd, kv * hd);
+        let mut out = vec![0f32; n * qd];
+        for t in 0..n {
+            for head in 0..h {
+                let g = head / (h / kv);
+                let q = &qkv[t * width + head * hd..][..hd];
+                let sc: Vec<f64> = (0..=t)
+                    .map(|s| {
+                        let k = &qkv[s * width + qd + g * hd..][..hd];
+                        q.iter().zip(k).map(|(a, b)| (a * b) as f64).sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|v| (v - mx).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let acc: f64 = (0..=t)
+                        .map(|s| e[s] * qkv[s * width + qd + kvd + g * hd + d] as f64)
+                        .sum();
+                    out[t * qd + head * hd + d] = (acc / z) as f32;
+                }
+            }
+        }
+        out
+    }
+
     #[test]
     #[ignore = "needs a CUDA device (scripts/gpu-check.sh)"]
     fn gpu_kernels_match_their_cpu_references() {
@@ -331,7 +720,76 @@ mod tests {
             let e = max_rel(&y, &r);
             assert!(e < 1e-5, "silu_mul {n}×{f}: {e}");
         }
+        // RoPE on the k heads of fused rows, both layouts, from position 5.
+        for interleaved in [false, true] {
+            let (n, h, kv, hd) = (6, 4, 2, 8);
+            let width = (h + 2 * kv) * hd;
+            let x = randn(&mut rng, n * width);
+            let mut xd = gpu.buf(&x).expect("buf");
+            let a = RopeArgs {
+                width,
+                offset: h * hd,
+                heads: kv,
+                head_dim: hd,
+                pos0: 5,
+                theta: 10000.0,
+                interleaved,
+            };
+            gpu.rope_dev(&mut xd, &a).expect("rope");
+            let y = gpu.read(&xd).expect("read");
+            let rope = ops::Rope::new(hd, 10000.0, 5 + n, interleaved);
+            let mut r = x.clone();
+            for t in 0..n {
+                rope.apply(&mut r[t * width + h * hd..t * width + (h + kv) * hd], 5 + t);
+            }
+            let e = max_rel(&y, &r);
+            assert!(e < 1e-5, "rope (interleaved {interleaved}): {e}");
+        }
+        // Attention: MHA and GQA, one to a few hundred positions.
+        for &(n, h, kv, hd) in &[(1, 1, 1, 4), (7, 4, 2, 8), (300, 9, 3, 64)] {
+            let qkv = randn(&mut rng, n * (h + 2 * kv) * hd);
+            let a = AttentionArgs {
+                n_heads: h,
+                n_kv_heads: kv,
+                head_dim: hd,
+            };
+            let y = gpu
+                .read(
+                    &gpu.attention_dev(&gpu.buf(&qkv).expect("buf"), &a)
+                        .expect("attention"),
+                )
+                .expect("read");
+            let e = max_rel(&y, &attention_ref(&qkv, n, h, kv, hd));
+            assert!(e < 1e-4, "attention n {n}, {h}/{kv} heads of {hd}: {e}");
+        }
+        // Residual and bias adds.
+        let (x, z, bias) = (randn(&mut rng, 12), randn(&mut rng, 12), randn(&mut rng, 4));
+        let mut xd = gpu.buf(&x).expect("buf");
+        gpu.add_dev(&mut xd, &gpu.buf(&z).expect("buf"))
+            .expect("add");
+        gpu.add_rows_dev(&mut xd, &gpu.buf(&bias).expect("buf"))
+            .expect("add_rows");
+        let r: Vec<f32> = (0..12).map(|i| x[i] + z[i] + bias[i % 4]).collect();
+        assert!(max_rel(&gpu.read(&xd).expect("read"), &r) < 1e-6);
         // Bad shapes are errors, not launches.
+        let mut small = gpu.buf(&[1.0; 5]).expect("buf");
+        assert!(
+            gpu.add_dev(&mut small, &gpu.buf(&[1.0; 4]).expect("buf"))
+                .is_err()
+        );
+        assert!(
+            gpu.add_rows_dev(&mut small, &gpu.buf(&[1.0; 2]).expect("buf"))
+                .is_err()
+        );
+        let bad = AttentionArgs {
+            n_heads: 3,
+            n_kv_heads: 2,
+            head_dim: 4,
+        };
+        assert!(
+            gpu.attention_dev(&gpu.buf(&[0.0; 28]).expect("buf"), &bad)
+                .is_err()
+        );
         let dw = gpu.upload(&[1.0; 6], 2, 3).expect("upload");
         assert!(gpu.matmul(&dw, &[1.0; 4], 1).is_err());
         assert!(gpu.upload(&[1.0; 5], 2, 3).is_err());

@@ -148,7 +148,7 @@ fn f16_at(b: &[u8], off: usize) -> f32 {
 
 fn check_len(ty: GgmlType, raw: &[u8], n_elems: usize) -> Result<usize, KernelError> {
     let be = ty.block_elems();
-    if n_elems % be != 0 {
+    if !n_elems.is_multiple_of(be) {
         return Err(KernelError::Shape(format!(
             "{} tensor with {n_elems} elements is not a multiple of its block size {be}",
             ty.name()

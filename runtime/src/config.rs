@@ -59,13 +59,13 @@ impl ModelConfig {
         if self.n_layers == 0 || self.d_model == 0 || self.n_heads == 0 || self.n_kv_heads == 0 {
             return bad("layers, width and head counts must be positive".into());
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} heads are not a multiple of {} KV heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} must be even for RoPE", self.head_dim));
         }
         if self.vocab_size == 0 || self.max_ctx == 0 {

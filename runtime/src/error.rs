@@ -41,6 +41,8 @@ pub enum RuntimeError {
     Invalid(String),
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
+    #[error("device: {0}")]
+    Device(#[from] kernels::cuda::GpuError),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
     #[error("tensor: {0}")]

@@ -110,7 +110,7 @@ impl GgufFile {
         let ty = ggml_type(name, info.ggml_dtype)?;
         let dims = info.shape.dims().to_vec();
         let elems: usize = dims.iter().product();
-        if elems % ty.block_elems() != 0 {
+        if !elems.is_multiple_of(ty.block_elems()) {
             return Err(self.corrupt(format!(
                 "tensor `{name}` has {elems} elements, not a multiple of its block"
             )));

@@ -11,6 +11,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod device;
 pub mod error;
 pub mod fetch;
 pub mod generate;
@@ -24,5 +25,5 @@ pub mod weights;
 pub use config::{Arch, ModelConfig};
 pub use error::{Result, RuntimeError};
 pub use kv::{KvCache, KvConfig, KvDtype, SeqId};
-pub use model::{ForwardOutput, LoadOptions, LogitsMode, Model, SeqInput};
+pub use model::{DenseLayer, ForwardOutput, LoadOptions, LogitsMode, Model, SeqInput};
 pub use tokenizer::Tokenizer;

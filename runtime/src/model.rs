@@ -86,7 +86,7 @@ impl ForwardOutput {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
     /// Threads for this model's pool (0 = all cores).
     pub threads: usize,
@@ -101,18 +101,6 @@ pub struct LoadOptions {
     pub kv_dtype: Option<KvDtype>,
 }
 
-impl Default for LoadOptions {
-    fn default() -> Self {
-        Self {
-            threads: 0,
-            dense: false,
-            isa: None,
-            max_ctx: None,
-            kv_dtype: None,
-        }
-    }
-}
-
 struct Layer {
     attn_norm: Vec<f32>,
     qkv: Fused,
@@ -121,6 +109,21 @@ struct Layer {
     ffn_norm: Vec<f32>,
     gate_up: Fused,
     down: Linear,
+}
+
+/// One layer's weights in f32 ([`Model::dense_layer`]); matrices row-major, outputs × inputs.
+pub struct DenseLayer {
+    pub attn_norm: Vec<f32>,
+    /// (q_dim + 2·kv_dim) × d_model.
+    pub qkv: Vec<f32>,
+    pub qkv_bias: Option<Vec<f32>>,
+    /// d_model × q_dim.
+    pub wo: Vec<f32>,
+    pub ffn_norm: Vec<f32>,
+    /// 2·ffn_dim × d_model.
+    pub gate_up: Vec<f32>,
+    /// d_model × ffn_dim.
+    pub down: Vec<f32>,
 }
 
 pub struct Model {
@@ -458,16 +461,35 @@ impl Model {
     }
 
     fn dense_rows(l: &Linear, rows: usize, cols: usize) -> Result<Vec<f32>> {
-        match l {
-            Linear::Quant(q) => {
-                let mut out = vec![0f32; rows * cols];
-                for (r, o) in out.chunks_exact_mut(cols).enumerate() {
-                    q.dequantize_row(r, o);
-                }
-                Ok(out)
-            }
-            Linear::Dense(t) => Ok(t.flatten_all()?.to_vec1::<f32>()?),
+        if l.rows() != rows || l.cols() != cols {
+            return Err(RuntimeError::Invariant(format!(
+                "a {} × {} matrix where {rows} × {cols} was expected",
+                l.rows(),
+                l.cols()
+            )));
         }
+        l.to_f32()
+    }
+
+    /// Layer `i`'s weights in f32 (dequantized), in the layout the forward uses: fused
+    /// `[q | k | v]` and `[gate | up]` rows. For a second implementation of the forward (the
+    /// device one in [`crate::device`]) that must compute exactly what this model computes.
+    pub fn dense_layer(&self, i: usize) -> Result<DenseLayer> {
+        let l = self.layers.get(i).ok_or_else(|| {
+            RuntimeError::Invalid(format!(
+                "layer {i} out of range (model has {})",
+                self.layers.len()
+            ))
+        })?;
+        Ok(DenseLayer {
+            attn_norm: l.attn_norm.clone(),
+            qkv: l.qkv.to_f32()?,
+            qkv_bias: l.qkv_bias.clone(),
+            wo: l.wo.to_f32()?,
+            ffn_norm: l.ffn_norm.clone(),
+            gate_up: l.gate_up.to_f32()?,
+            down: l.down.to_f32()?,
+        })
     }
 
     /// Element type of the KV caches [`Model::new_cache`] makes.

@@ -266,6 +266,77 @@ pub fn write_gguf(spec: &TinySpec, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Writes a GGUF checkpoint cut to its first `layers` layers (embedding, output norm and head
+/// kept, tensors copied as they are): real weights in a file small enough to carry to a
+/// machine without network (the GPU check's real-model case).
+pub fn slice_gguf(src: &Path, dst: &Path, layers: usize) -> Result<()> {
+    let corrupt = |e: candle_core::Error| crate::RuntimeError::Corrupt {
+        path: src.display().to_string(),
+        reason: e.to_string(),
+    };
+    let mut f = std::fs::File::open(src)
+        .map_err(|_| crate::RuntimeError::NotFound(src.display().to_string()))?;
+    let content = gguf_file::Content::read(&mut f).map_err(corrupt)?;
+    let arch = match content.metadata.get("general.architecture") {
+        Some(Value::String(a)) => a.clone(),
+        _ => {
+            return Err(crate::RuntimeError::Config(
+                "no general.architecture".into(),
+            ));
+        }
+    };
+    let key = format!("{arch}.block_count");
+    let total = match content.metadata.get(&key) {
+        Some(Value::U32(n)) => *n as usize,
+        Some(Value::U64(n)) => *n as usize,
+        _ => return Err(crate::RuntimeError::Config(format!("no {key}"))),
+    };
+    if layers == 0 || layers > total {
+        return Err(crate::RuntimeError::Invalid(format!(
+            "{layers} layers of a {total}-layer model"
+        )));
+    }
+    let mut metadata: Vec<(String, Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    for (k, v) in &mut metadata {
+        if *k == key {
+            *v = Value::U32(layers as u32);
+        }
+    }
+    metadata.sort_by(|a, b| a.0.cmp(&b.0));
+    let keep = |name: &str| match name.strip_prefix("blk.") {
+        Some(rest) => rest
+            .split('.')
+            .next()
+            .and_then(|i| i.parse::<usize>().ok())
+            .is_some_and(|i| i < layers),
+        None => true,
+    };
+    let mut names: Vec<&String> = content.tensor_infos.keys().filter(|n| keep(n)).collect();
+    names.sort();
+    let mut tensors = Vec::with_capacity(names.len());
+    for n in names {
+        tensors.push((
+            n.clone(),
+            content.tensor(&mut f, n, &Device::Cpu).map_err(corrupt)?,
+        ));
+    }
+    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    if let Some(dir) = dst.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = dst.with_extension("tmp");
+    let mut out = std::fs::File::create(&tmp)?;
+    gguf_file::write(&mut out, &md, &ts)?;
+    drop(out);
+    std::fs::rename(&tmp, dst)?;
+    Ok(())
+}
+
 /// Writes (once per process and path) and returns the path of a tiny model in the temp dir.
 pub fn tiny_model_path(spec: &TinySpec, name: &str) -> Result<std::path::PathBuf> {
     // Tests run in parallel threads: one writer at a time.
@@ -287,7 +358,7 @@ trait MinFor {
 impl MinFor for GgmlDType {
     fn min_for(self, cols: usize) -> GgmlDType {
         match self {
-            GgmlDType::Q4K | GgmlDType::Q6K if cols % 256 != 0 => GgmlDType::Q8_0,
+            GgmlDType::Q4K | GgmlDType::Q6K if !cols.is_multiple_of(256) => GgmlDType::Q8_0,
             other => other,
         }
     }

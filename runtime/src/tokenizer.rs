@@ -99,10 +99,10 @@ impl Tokenizer {
             "<|eot_id|>",
             "<|end_of_text|>",
         ] {
-            if let Some(id) = inner.token_to_id(s) {
-                if !stop_ids.contains(&id) {
-                    stop_ids.push(id);
-                }
+            if let Some(id) = inner.token_to_id(s)
+                && !stop_ids.contains(&id)
+            {
+                stop_ids.push(id);
             }
         }
         Self {

@@ -83,6 +83,20 @@ impl Linear {
         }
     }
 
+    /// The weights in f32, row-major (dequantized when quantized).
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
+        match self {
+            Linear::Quant(q) => {
+                let mut out = vec![0f32; q.rows * q.cols];
+                for (r, o) in out.chunks_exact_mut(q.cols).enumerate() {
+                    q.dequantize_row(r, o);
+                }
+                Ok(out)
+            }
+            Linear::Dense(t) => Ok(t.flatten_all()?.to_vec1::<f32>()?),
+        }
+    }
+
     /// Stacks along rows when every part has the same representation (fused QKV / gate-up).
     pub fn concat(parts: Vec<Linear>) -> Result<Vec<Linear>> {
         let all_quant = parts.iter().all(|p| matches!(p, Linear::Quant(_)));
@@ -149,6 +163,15 @@ impl Fused {
 
     pub fn bytes(&self) -> usize {
         self.parts.iter().map(|p| p.bytes()).sum()
+    }
+
+    /// The fused matrix in f32: the parts' rows one after another (out_dim × cols).
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        for p in &self.parts {
+            out.extend(p.to_f32()?);
+        }
+        Ok(out)
     }
 
     pub fn forward(

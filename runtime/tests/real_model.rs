@@ -192,3 +192,31 @@ fn varlen_batch_equals_separate_forwards_on_the_real_model() {
         }
     }
 }
+
+/// The device forward's operations (`dspark_runtime::device`), on the host backend, against the
+/// f32-dequantized reference forward on real weights and text: the same check a GPU draw runs
+/// with the CUDA backend (`scripts/gpu-check.sh`).
+#[test]
+fn device_forward_on_the_host_backend_matches_the_reference_on_smollm2() {
+    use dspark_runtime::device::{CpuOps, DeviceForward, compare_logits, model_logits};
+    let t = tokenizer();
+    let ids = t.encode(include_str!("data/eval_text.txt")).unwrap();
+    let ids = &ids[..64];
+    let reference = Model::load(
+        &model_path(),
+        &LoadOptions {
+            threads: 2,
+            dense: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let want = model_logits(&reference, ids).unwrap();
+    let fwd = DeviceForward::new(CpuOps::new(), &reference).unwrap();
+    let got = fwd.logits(ids).unwrap();
+    let diff = compare_logits(&got, &want, reference.cfg.vocab_size);
+    eprintln!("smollm2-135m device forward (host backend) vs reference: {diff:?}");
+    assert_eq!(diff.positions, 64);
+    assert!(diff.top1_agreement >= 0.99, "{diff:?}");
+    assert!(diff.max_rel < 1e-3, "{diff:?}");
+}
