@@ -557,11 +557,26 @@ pub struct ConfidencePolicy {
     /// workload, so survivals are scaled by what this one realizes.
     free_expected: f64,
     free_accepted: f64,
-    /// Measured seconds of steps without prefill chunks, per batch-token count (running mean;
-    /// 0 = none yet), and whether the step under way has none. Every token of such a step
-    /// needs its logits, as a verified draft does; a prefill token does not (and is cheaper),
-    /// so a slope fitted over prefill steps understates what a draft costs.
+    /// Measured seconds of steps without prefill chunks, per batch-token count, relative to
+    /// the machine's speed at the time (`decode_drift`; running mean; 0 = none yet), and
+    /// whether the step under way has none. Every token of such a step needs its logits, as a
+    /// verified draft does; a prefill token does not (and is cheaper), so a slope fitted over
+    /// prefill steps understates what a draft costs. Relative, because sizes are seen at
+    /// different moments: at c = 2 a 3-token step is seen only when a free draft is verified,
+    /// and in raw seconds its price was a stale one from a faster spell set against the
+    /// 2-token step's fresh one; their difference came out at about 1 ms where 3-token steps
+    /// cost 1.8 ms more, and single free drafts chosen on it lost 10 % of those steps'
+    /// throughput.
     decode_secs: Vec<f64>,
+    /// The machine's speed on decoding steps (seconds over a size's relative price), followed
+    /// on the reference size (the last one seen twice in a row: the load's steady shape),
+    /// whose relative price then stays; a step of another size updates its own relative price
+    /// against this speed instead. Splitting each residual between a
+    /// drift and the size's price left a quarter of a slowdown in the common size's price and
+    /// none in the rare ones', which priced a draft on top 0.5 ms low after a 34 % slowdown.
+    decode_drift: f64,
+    decode_ref: usize,
+    last_decode_size: usize,
     step_is_decode: bool,
 }
 
@@ -657,6 +672,9 @@ impl ConfidencePolicy {
             free_expected: 1.0,
             free_accepted: 1.0,
             decode_secs: vec![0.0; SCALE_BUCKETS],
+            decode_drift: 1.0,
+            decode_ref: 0,
+            last_decode_size: 0,
             step_is_decode: false,
         }
     }
@@ -741,6 +759,7 @@ impl ConfidencePolicy {
             .get(b as usize)
             .copied()
             .filter(|&s| s > 0.0)
+            .map(|s| s * self.decode_drift)
     }
 
     /// Seconds of a step of `reqs` decoding requests and `other` prefill tokens that verifies
@@ -787,10 +806,7 @@ impl ConfidencePolicy {
         let hi = (2 * b).max(b + 8);
         let fit = |lo: usize| -> Option<f64> {
             let pts: Vec<(f64, f64)> = (lo..=hi)
-                .filter_map(|i| {
-                    let s = *self.decode_secs.get(i)?;
-                    (s > 0.0).then_some((i as f64, s))
-                })
+                .filter_map(|i| Some((i as f64, self.decode_at(i as u32)?)))
                 .collect();
             if pts.len() < 3 {
                 return None;
@@ -1228,15 +1244,6 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         } else {
             0.95 * self.step_s + 0.05 * secs
         };
-        if std::mem::take(&mut self.step_is_decode)
-            && let Some(x) = self.decode_secs.get_mut(batch_tokens)
-        {
-            *x = if *x == 0.0 {
-                secs
-            } else {
-                0.8 * *x + 0.2 * secs
-            };
-        }
         let r = secs / self.sps.seconds(batch_tokens.min(u32::MAX as usize) as u32);
         if r.is_finite() && r > 0.0 {
             self.step_scale = if self.step_scale == 0.0 {
@@ -1255,6 +1262,22 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                     *x *= (0.05 * e).exp();
                 }
             }
+        }
+        if std::mem::take(&mut self.step_is_decode)
+            && let Some(&x) = self.decode_secs.get(batch_tokens)
+        {
+            let b = batch_tokens;
+            if x == 0.0 {
+                self.decode_secs[b] = secs / self.decode_drift;
+            } else if b == self.decode_ref {
+                self.decode_drift = 0.8 * self.decode_drift + 0.2 * secs / x;
+            } else {
+                self.decode_secs[b] = 0.8 * x + 0.2 * secs / self.decode_drift;
+                if b == self.last_decode_size {
+                    self.decode_ref = b;
+                }
+            }
+            self.last_decode_size = b;
         }
     }
 
@@ -1485,6 +1508,7 @@ mod tests {
                     if !per_b {
                         p.step_scales.iter_mut().for_each(|x| *x = 0.0);
                         p.decode_secs.iter_mut().for_each(|x| *x = 0.0);
+                        p.decode_drift = 1.0;
                         p.step_drift = 1.0;
                     }
                     drafted
@@ -1535,6 +1559,34 @@ mod tests {
         // a size never measured, the scaled table prices it.
         assert_eq!(p.verify_seconds(1, 16, 1), p.step_seconds(18));
         assert_eq!(p.verify_seconds(1, 0, 3), p.step_seconds(4));
+    }
+
+    #[test]
+    fn a_rarely_seen_size_is_priced_at_the_machine_speed_of_now() {
+        // c = 2: 3-token steps (a free draft) are seen once, in a fast spell (5 ms plain, 6.5 ms
+        // with the draft); then the machine slows by a third and only 2-token steps run.
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 100.0), (3, 70.0), (64, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        let step = |p: &mut ConfidencePolicy, secs: f64, b: usize| {
+            p.step_is_decode = true;
+            p.observe_step(secs, b);
+        };
+        for _ in 0..50 {
+            step(&mut p, 0.005, 2);
+        }
+        step(&mut p, 0.0065, 3);
+        for _ in 0..200 {
+            step(&mut p, 0.0067, 2);
+        }
+        // Now a 3-token step costs about 8.7 ms: the draft adds 2 ms, not the 6.5 − 6.7 of
+        // the raw seconds (nothing at all, floored at 0).
+        let plain = p.decode_at(2).unwrap();
+        assert!((plain - 0.0067).abs() < 3e-4, "{plain}");
+        let added = p.decode_added(2, 1, 0.0);
+        assert!((added - 0.002).abs() < 3e-4, "{added}");
+        let v = p.verify_seconds(2, 0, 1) - p.step_seconds(2);
+        assert!((v - 0.002).abs() < 3e-4, "{v}");
     }
 
     #[test]
