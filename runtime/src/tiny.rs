@@ -253,6 +253,15 @@ pub fn write_gguf(spec: &TinySpec, path: &Path) -> Result<()> {
             Value::String(TINY_CHAT_TEMPLATE.into()),
         ),
     ];
+    write_file(path, &metadata, &tensors)
+}
+
+/// Writes a GGUF file through a temporary name, so a reader never sees half of one.
+fn write_file(
+    path: &Path,
+    metadata: &[(String, Value)],
+    tensors: &[(String, QTensor)],
+) -> Result<()> {
     let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     if let Some(dir) = path.parent() {
@@ -324,17 +333,7 @@ pub fn slice_gguf(src: &Path, dst: &Path, layers: usize) -> Result<()> {
             content.tensor(&mut f, n, &Device::Cpu).map_err(corrupt)?,
         ));
     }
-    let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    if let Some(dir) = dst.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = dst.with_extension("tmp");
-    let mut out = std::fs::File::create(&tmp)?;
-    gguf_file::write(&mut out, &md, &ts)?;
-    drop(out);
-    std::fs::rename(&tmp, dst)?;
-    Ok(())
+    write_file(dst, &metadata, &tensors)
 }
 
 /// Writes (once per process and path) and returns the path of a tiny model in the temp dir.

@@ -35,6 +35,19 @@ fn model() -> &'static Model {
     })
 }
 
+/// The same weights dequantized to f32: the reference forward.
+fn dense_reference() -> Model {
+    Model::load(
+        &model_path(),
+        &LoadOptions {
+            threads: 2,
+            dense: true,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
 fn tokenizer() -> &'static Tokenizer {
     static T: OnceLock<Tokenizer> = OnceLock::new();
     T.get_or_init(|| Tokenizer::load(&model_path()).unwrap())
@@ -72,15 +85,7 @@ fn quantized_forward_matches_f32_dequantized_reference_on_512_positions() {
     let ids = t.encode(text).unwrap();
     assert!(ids.len() >= 512, "eval text has only {} tokens", ids.len());
     let ids = &ids[..512];
-    let reference = Model::load(
-        &model_path(),
-        &LoadOptions {
-            threads: 2,
-            dense: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let reference = dense_reference();
     let run = |m: &Model| {
         let mut c = m.new_cache(600, 16).unwrap();
         let s = c.new_seq();
@@ -202,15 +207,7 @@ fn device_forward_on_the_host_backend_matches_the_reference_on_smollm2() {
     let t = tokenizer();
     let ids = t.encode(include_str!("data/eval_text.txt")).unwrap();
     let ids = &ids[..64];
-    let reference = Model::load(
-        &model_path(),
-        &LoadOptions {
-            threads: 2,
-            dense: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let reference = dense_reference();
     let want = model_logits(&reference, ids).unwrap();
     let fwd = DeviceForward::new(CpuOps::new(), &reference).unwrap();
     let got = fwd.logits(ids).unwrap();
