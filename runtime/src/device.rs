@@ -15,6 +15,7 @@ use crate::config::ModelConfig;
 use crate::model::Model;
 use crate::{Result, RuntimeError};
 use kernels::cuda::{AttentionArgs, DeviceBuf, DeviceMatrix, Gpu, RopeArgs};
+use kernels::sampling::argmax;
 use kernels::{Isa, ops};
 
 /// The operations the forward needs, on buffers of f32 a backend owns.
@@ -417,14 +418,6 @@ pub fn compare_logits(got: &[f32], want: &[f32], vocab: usize) -> LogitsDiff {
             max_rel: f64::INFINITY,
         };
     }
-    let argmax = |r: &[f32]| {
-        r.iter()
-            .enumerate()
-            .fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| {
-                if v > b.1 { (i, v) } else { b }
-            })
-            .0
-    };
     let positions = want.len() / vocab;
     let mut agree = 0usize;
     let mut max_rel = 0f64;
