@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Synthetic user prompts (chat, code, math) whose target-model answers become drafter training
 text (`dspark gen-data`). Seeded, so the set is rebuilt, not committed; prompts that appear in
-the evaluation sets under prompts/ are dropped, and
+the evaluation sets under prompts/ (and prompts/heldout/) are dropped, and
 tasks that the evaluation sets ask (factorial, palindrome, Fibonacci, stack, train speed, percentages,
 linear equations, fractions) are left out of the templates."""
 import random, sys, pathlib
@@ -9,8 +9,9 @@ import random, sys, pathlib
 rng = random.Random(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 root = pathlib.Path(__file__).resolve().parent.parent
 held_out = set()
-for f in ("chat.txt", "code.txt", "math.txt"):
-    held_out |= {l.strip() for l in (root / "prompts" / f).read_text().splitlines() if l.strip()}
+for d in ("prompts", "prompts/heldout"):
+    for f in ("chat.txt", "code.txt", "math.txt"):
+        held_out |= {l.strip() for l in (root / d / f).read_text().splitlines() if l.strip()}
 
 topics = ["photosynthesis", "black holes", "the water cycle", "inflation", "vaccines", "the French Revolution",
     "machine learning", "climate change", "volcanoes", "the immune system", "blockchains", "gravity",

@@ -18,7 +18,8 @@ pub struct EvalArgs {
     /// `dspark` (the shipped default for the target) or a checkpoint directory.
     #[arg(long, default_value = "dspark")]
     pub drafter: String,
-    /// chat | code | math | all (each set reported on its own).
+    /// chat | code | math | all (each set reported on its own), or the larger held-out sets
+    /// chat-heldout | code-heldout | math-heldout | all-heldout (`prompts/heldout/`).
     #[arg(long, default_value = "all")]
     pub prompts: String,
     #[arg(long, default_value_t = 7)]
@@ -182,10 +183,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
     let has_markov = probe.is_markov() && probe.cfg.parallel_trained;
     let has_copy = !probe.cfg.copy_bias_for(a.temperature == 0.0).is_empty();
     drop(probe);
-    let sets: Vec<&str> = match a.prompts.as_str() {
-        "all" => vec!["chat", "code", "math"],
-        s => vec![s],
-    };
+    let sets = crate::bench::prompt_sets(&a.prompts);
     let draft_model = crate::spec::default_draft_for(&target.name);
     let mut arms: Vec<&str> = vec!["dspark"];
     if has_copy {

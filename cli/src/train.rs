@@ -305,10 +305,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let cfg_before = dr.cfg.clone();
     dr.cfg = dr.cfg.uncalibrated().without_copy();
     let greedy = a.temperature == 0.0;
-    let sets: Vec<&str> = match a.prompts.as_str() {
-        "all" => vec!["chat", "code", "math"],
-        s => vec![s],
-    };
+    let sets = crate::bench::prompt_sets(&a.prompts);
     let mut prompts = Vec::new();
     for set in sets {
         prompts.extend(
