@@ -247,7 +247,8 @@ pub struct CalibrateArgs {
     /// Drafter checkpoint directory (its drafter.json gets the fitted temperatures).
     #[arg(long)]
     pub drafter: PathBuf,
-    /// Held-out prompt set: chat | code | math | all.
+    /// Held-out prompt set: chat | code | math | all, or chat-heldout | code-heldout |
+    /// math-heldout | all-heldout (`prompts/heldout/`, which evaluation uses: keep them apart).
     #[arg(long, default_value = "all")]
     pub prompts: String,
     /// Prompts of each set used for calibration: the first `limit` after `offset` (evaluation
