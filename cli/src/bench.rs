@@ -538,10 +538,10 @@ fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
 }
 
 /// The prompt sets shipped with the repository (`prompts/*.txt`, one prompt per line), and the
-/// larger held-out sets (`prompts/heldout/*.txt`, `chat-heldout` …): written apart from the
-/// drafter's training prompts and their tasks, and from the first sets, which calibration and
-/// the benchmarks use. A binned ECE read on a few thousand blocks is biased upward by about
-/// 2 % even for exact confidences; these sets give evaluation three times the blocks.
+/// larger held-out sets (`prompts/heldout/*.txt`, `chat-heldout` …): new prompts, none of them
+/// among the drafter's training prompts or the first sets, which calibration and the
+/// benchmarks use. A binned ECE read on a few thousand blocks is biased upward by about 2 %
+/// even for exact confidences; these sets give evaluation three to four times the blocks.
 pub fn prompt_set(name: &str) -> anyhow::Result<Vec<String>> {
     let text = match name {
         "chat" => include_str!("../../prompts/chat.txt"),
