@@ -537,8 +537,14 @@ pub struct ConfidencePolicy {
     /// bucket is refreshed only on steps of its own B, so without it a B seen while the
     /// machine was slow (a cold start, a noisy neighbour) keeps that price after plain steps
     /// have shown the machine sped up, and drafting, once stopped, never looks worth
-    /// retrying. Each step's log residual moves this fast and its own bucket slowly.
+    /// retrying. Followed on the reference size `step_ref` (the last B seen twice in a row:
+    /// the load's steady shape), whose own ratio then stays; a step of another B updates that
+    /// B's ratio against it, as the decoding prices do (`decode_drift`). Splitting each
+    /// residual three quarters to the drift and one quarter to the B left a quarter of every
+    /// slowdown in the common B's ratio and none in the rare ones'.
     step_drift: f64,
+    step_ref: usize,
+    last_step_size: usize,
     /// Running mean of what drafting gained on the steps that drafted: Θ with the chosen
     /// verification and the drafting seconds, over Θ of plain decoding, minus 1. A zero budget
     /// decided from one step's confidences says little about the next step's; while this mean
@@ -666,6 +672,8 @@ impl ConfidencePolicy {
             step_scale: 0.0,
             step_scales: vec![0.0; SCALE_BUCKETS],
             step_drift: 1.0,
+            step_ref: 0,
+            last_step_size: 0,
             gain_ema: 0.0,
             gain_seen: 0,
             gain_var: 0.0,
@@ -1251,16 +1259,24 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             } else {
                 0.9 * self.step_scale + 0.1 * r
             };
-            if let Some(x) = self.step_scales.get_mut(batch_tokens) {
-                if *x == 0.0 {
-                    *x = r / self.step_drift;
+            let b = batch_tokens;
+            if let Some(&x) = self.step_scales.get(b) {
+                // A fifth of the log residual per step, as the single-bucket mean had: to the
+                // drift on the reference size, to this B's own ratio on any other.
+                if x == 0.0 {
+                    self.step_scales[b] = r / self.step_drift;
                 } else {
-                    // A fifth of the log residual per step, as the single-bucket mean had:
-                    // three quarters to the drift, one quarter to this B.
-                    let e = (r / (*x * self.step_drift)).ln().clamp(-2.0, 2.0);
-                    self.step_drift *= (0.15 * e).exp();
-                    *x *= (0.05 * e).exp();
+                    let e = (r / (x * self.step_drift)).ln().clamp(-2.0, 2.0);
+                    if b == self.step_ref {
+                        self.step_drift *= (0.2 * e).exp();
+                    } else {
+                        self.step_scales[b] = x * (0.2 * e).exp();
+                        if b == self.last_step_size {
+                            self.step_ref = b;
+                        }
+                    }
                 }
+                self.last_step_size = b;
             }
         }
         if std::mem::take(&mut self.step_is_decode)
@@ -1548,13 +1564,14 @@ mod tests {
         }
         let plain = p.step_seconds(1);
         assert!((plain - 0.010).abs() < 2e-4, "{plain}");
-        // The per-size scale learns a size's own residual slowly (most of it goes to the
-        // machine's drift): ten steps after the slow one it still reads above 1.2.
-        let scaled = p.step_seconds(2) / plain;
-        assert!(scaled > 1.2, "{scaled}");
         // The measured difference reads within 3 % of 1.14.
         let measured = p.verify_seconds(1, 0, 1) / plain;
         assert!((measured - 1.14).abs() < 0.035, "{measured}");
+        // The per-size scale, following its own steps against the drift of the 1-token
+        // reference, has left the slow first step behind as well (it read above 1.2 while
+        // three quarters of each residual went to the shared drift).
+        let scaled = p.step_seconds(2) / plain;
+        assert!((scaled - 1.14).abs() < 0.035, "{scaled}");
         // With a prefill chunk in the step (no decoding step of that shape measured), or at
         // a size never measured, the scaled table prices it.
         assert_eq!(p.verify_seconds(1, 16, 1), p.step_seconds(18));
@@ -1735,6 +1752,32 @@ mod tests {
             p.scale_for(2) / 93.0
         );
         assert!((p.scale_for(1) / 100.0 - 0.010).abs() < 0.0002);
+    }
+
+    #[test]
+    fn a_rarely_seen_batch_size_follows_the_machine_speed_of_now() {
+        // c = 8: one 9-token step (a free draft) is measured in a fast spell, at 0.9 of the
+        // table's price; then the machine slows by 34 % and only 8-token steps run. The
+        // 9-token price follows the whole slowdown (split three quarters to the drift, it
+        // stayed 7 % low, and drafts on top of the batch looked that much cheaper).
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(8, 100.0), (9, 60.0), (64, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 1);
+        for _ in 0..50 {
+            p.observe_step(0.010, 8);
+        }
+        p.observe_step(0.9 / 60.0, 9);
+        for _ in 0..200 {
+            p.observe_step(0.0134, 8);
+        }
+        let eight = p.step_seconds(8);
+        assert!((eight - 0.0134).abs() < 2e-4, "{eight}");
+        let nine = p.step_seconds(9);
+        let want = 0.9 / 60.0 * 1.34;
+        assert!(
+            (nine - want).abs() < 3e-4,
+            "9-token step priced at {nine} s, not {want}"
+        );
     }
 
     #[test]
