@@ -19,15 +19,18 @@ pub fn key_for(name: &str, path: &Path, model: &Model) -> SpsKey {
         } else {
             "gguf".into()
         },
+        // The CPU model too: the same instruction sets run at very different speeds on
+        // different CPUs, and a profile copied with $DSPARK_HOME would otherwise be reused.
         device: format!(
-            "cpu-{}{}-kv{}",
+            "cpu-{}{}-kv{}@{}",
             model.isa().name(),
             if kernels::grouped::native(model.isa()) {
                 "-vnni"
             } else {
                 ""
             },
-            model.kv_dtype().name()
+            model.kv_dtype().name(),
+            kernels::cpu_model()
         ),
         threads: model.threads(),
         tp: 1,
