@@ -5,8 +5,9 @@
 
 use crate::config::Global;
 use clap::Args;
-use drafter::calibrate::{Observed, roc_auc};
+use drafter::calibrate::{Observed, Score, roc_auc};
 use drafter::calibrate::{Sts, cumulative_ece, cumulative_ece_floor, cumulative_means};
+use drafter::calibrate::{cumulative_ece_by, cumulative_ece_floor_by, cumulative_means_by};
 use drafter::{DsparkDrafter, DsparkProposer};
 use specdec::{Event, Proposer, ProposerKind, Request};
 use std::path::PathBuf;
@@ -43,6 +44,10 @@ pub struct EvalArgs {
     pub arms: Vec<String>,
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Also write every verified block (set, arm, calibrated conditional confidences, accepted
+    /// drafts), one JSON object a line, in the order requests finished.
+    #[arg(long)]
+    pub blocks: Option<PathBuf>,
 }
 
 /// What one drafter did on one prompt set.
@@ -88,18 +93,21 @@ pub fn run_arm(
                     inputs: b.inputs,
                     accepted: b.accepted,
                     accept_prob: b.accept_prob,
+                    fixed: Vec::new(),
+                    served: b.conf,
+                    step: b.step,
                 }
             } else {
-                // A drafter that reports confidences only: their logits are the inputs.
-                let z: Vec<f32> = b
-                    .conf
-                    .iter()
-                    .map(|&v| {
-                        let v = v.clamp(1e-6, 1.0 - 1e-6);
-                        (v / (1.0 - v)).ln()
-                    })
-                    .collect();
-                Observed::from_logits(&z, b.accepted)
+                // Confidences without inputs (greedy copy runs, a drafter that reports
+                // confidences only) are served as they are, whatever the calibration.
+                Observed {
+                    inputs: Vec::new(),
+                    accepted: b.accepted,
+                    accept_prob: b.accept_prob,
+                    fixed: b.base,
+                    served: b.conf,
+                    step: b.step,
+                }
             }
         })
         .collect();
@@ -116,7 +124,7 @@ pub fn run_arm(
 pub fn oracle_auc(obs: &[Observed]) -> Option<f64> {
     let (mut sc, mut lab) = (Vec::new(), Vec::new());
     for o in obs {
-        if o.accept_prob.len() != o.inputs.len() {
+        if o.accept_prob.len() != o.len() {
             return None;
         }
         for (k, &p) in o.accept_prob.iter().enumerate() {
@@ -131,11 +139,16 @@ pub fn oracle_auc(obs: &[Observed]) -> Option<f64> {
 
 /// ROC-AUC of the conditional confidence for "accepted at k | reached k".
 pub fn conditional_auc(obs: &[Observed], sts: &Sts) -> f64 {
+    conditional_auc_by(obs, Score::Sts(sts))
+}
+
+/// [`conditional_auc`] of the confidences `score` reads.
+pub fn conditional_auc_by(obs: &[Observed], score: Score<'_>) -> f64 {
     let (mut sc, mut lab) = (Vec::new(), Vec::new());
     for o in obs {
-        for (k, x) in o.inputs.iter().enumerate() {
+        for k in 0..o.len() {
             if o.accepted >= k {
-                sc.push(sts.conf(k, x));
+                sc.push(o.conf(k, score));
                 lab.push(o.accepted > k);
             }
         }
@@ -209,9 +222,19 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
     }
     let mut drafts = crate::spec::DraftCache::default();
     let mut results = Vec::new();
+    let mut block_lines = String::new();
     println!(
-        "{:<6} {:<12} {:>5} {:>6} {:>9} {:>9} {:>9} {:>6} {:>6}  accept/pos",
-        "set", "drafter", "gamma", "tau", "ece_bef", "ece_aft", "floor_q95", "auc", "oracle"
+        "{:<6} {:<12} {:>5} {:>6} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6}  accept/pos",
+        "set",
+        "drafter",
+        "gamma",
+        "tau",
+        "ece_bef",
+        "ece_aft",
+        "ece_onl",
+        "floor_q95",
+        "auc",
+        "oracle"
     );
     for set in &sets {
         let mut prompts = crate::bench::prompt_set(set)?;
@@ -222,9 +245,9 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
         for arm in &arms {
             let proposer: Box<dyn Proposer> = match *arm {
                 "dspark" | "dspark-nocopy" | "parallel" => {
+                    // As served: calibrated, with the copy runs (the head's raw logit is
+                    // among the recorded inputs, so the ECE before STS is computed below).
                     let mut dr = load_dspark(&target, &dir)?;
-                    // Raw confidence logits: STS is applied below, before and after.
-                    dr.cfg = dr.cfg.uncalibrated();
                     if *arm == "dspark-nocopy" {
                         dr.cfg = dr.cfg.without_copy();
                     }
@@ -255,6 +278,17 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 a.max_tokens,
                 a.batch,
             )?;
+            if a.blocks.is_some() {
+                let sts = sts.truncated(a.gamma);
+                for o in &r.obs {
+                    let c: Vec<f64> = (0..o.len()).map(|k| o.conf(k, Score::Sts(&sts))).collect();
+                    block_lines.push_str(&serde_json::to_string(&serde_json::json!({
+                        "set": set, "arm": arm, "conf": c, "served": o.served,
+                        "copy_run": !o.fixed.is_empty(), "accepted": o.accepted, "step": o.step,
+                    }))?);
+                    block_lines.push('\n');
+                }
+            }
             let tau = r.totals.committed_per_call();
             let acc = r.totals.accept_per_pos();
             let oracle = oracle_auc(&r.obs);
@@ -272,6 +306,19 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 let means = cumulative_means(&r.obs, &sts);
                 (Some(b), Some(af), Some(auc), Some(floor), Some(means))
             };
+            // What the engine served: the static calibration mapped online by the verdicts of
+            // the blocks verified before (prequential; `specdec::recal`).
+            let served = !r.obs.is_empty() && r.obs.iter().all(|o| o.served.len() == o.len());
+            let (eo, auco, flo, meo) = if served {
+                (
+                    Some(cumulative_ece_by(&r.obs, Score::Served)),
+                    Some(conditional_auc_by(&r.obs, Score::Served)),
+                    Some(cumulative_ece_floor_by(&r.obs, Score::Served, 200)),
+                    Some(cumulative_means_by(&r.obs, Score::Served)),
+                )
+            } else {
+                (None, None, None, None)
+            };
             let mx = |v: &Option<Vec<f64>>| {
                 v.as_ref().map_or("-".to_string(), |v| {
                     format!("{:.3}", v.iter().cloned().fold(0.0, f64::max))
@@ -288,13 +335,14 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 _ => "-".to_string(),
             };
             println!(
-                "{:<6} {:<12} {:>5} {:>6.2} {:>9} {:>9} {:>9} {:>6} {:>6}  {}",
+                "{:<6} {:<12} {:>5} {:>6.2} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6}  {}",
                 set,
                 arm,
                 a.gamma,
                 tau,
                 mx(&eb),
                 mx(&ea),
+                mx(&eo),
                 worst_floor,
                 auc.map_or("-".into(), |x| format!("{x:.3}")),
                 oracle.map_or("-".into(), |x| format!("{x:.3}")),
@@ -311,10 +359,18 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 "ece_floor_q95": floor.as_ref().map(|f| f.iter().map(|x| x.1).collect::<Vec<_>>()),
                 "survival_predicted": means.as_ref().map(|m| m.iter().map(|x| x.0).collect::<Vec<_>>()),
                 "survival_observed": means.as_ref().map(|m| m.iter().map(|x| x.1).collect::<Vec<_>>()),
+                "ece_online": eo, "auc_online": auco,
+                "ece_floor_online": flo.as_ref().map(|f| f.iter().map(|x| x.0).collect::<Vec<_>>()),
+                "ece_floor_q95_online": flo.as_ref().map(|f| f.iter().map(|x| x.1).collect::<Vec<_>>()),
+                "survival_predicted_online": meo.as_ref().map(|m| m.iter().map(|x| x.0).collect::<Vec<_>>()),
+                "copy_run_blocks": r.obs.iter().filter(|o| !o.fixed.is_empty()).count(),
                 "blocks": r.obs.len(), "completion_tokens": r.totals.completion_tokens,
                 "target_calls": r.totals.target_calls,
             }));
         }
+    }
+    if let Some(p) = &a.blocks {
+        std::fs::write(p, &block_lines)?;
     }
     if let Some(p) = &a.json {
         let v = serde_json::json!({

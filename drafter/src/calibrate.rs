@@ -214,12 +214,20 @@ fn sigmoid(z: f64) -> f64 {
 
 /// One held-out block: per drafted position the confidence inputs (head logit first), and how
 /// many drafts were accepted.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Observed {
     pub inputs: Vec<ConfInputs>,
     pub accepted: usize,
     /// Per position, the acceptance probability it had (1 − TV), when known (sampled decoding).
     pub accept_prob: Vec<f32>,
+    /// Confidences that came without inputs (greedy copy runs, proposers that report
+    /// confidences only): served as they are, whatever the calibration; empty otherwise.
+    pub fixed: Vec<f32>,
+    /// The confidences the engine served (after its online recalibration); empty when not
+    /// recorded.
+    pub served: Vec<f32>,
+    /// The engine step that verified the block (0 when not recorded).
+    pub step: usize,
 }
 
 impl Observed {
@@ -236,8 +244,40 @@ impl Observed {
                 .collect(),
             accepted,
             accept_prob: Vec::new(),
+            fixed: Vec::new(),
+            served: Vec::new(),
+            step: 0,
         }
     }
+
+    /// Positions drafted (and verified).
+    pub fn len(&self) -> usize {
+        self.inputs.len().max(self.fixed.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The confidence of position `k` under `score`.
+    pub fn conf(&self, k: usize, score: Score<'_>) -> f64 {
+        match score {
+            Score::Served => self.served.get(k).map_or(f64::NAN, |&c| c as f64),
+            Score::Sts(sts) => match self.fixed.get(k) {
+                Some(&c) => c as f64,
+                None => self.inputs.get(k).map_or(f64::NAN, |x| sts.conf(k, x)),
+            },
+        }
+    }
+}
+
+/// Which confidences a block's evaluation reads.
+#[derive(Clone, Copy, Debug)]
+pub enum Score<'a> {
+    /// The static calibration applied to the recorded inputs (fixed confidences as they are).
+    Sts(&'a Sts),
+    /// What the engine served.
+    Served,
 }
 
 /// Per-position calibration: c_k = σ(z'_k / T_k − s_k), z'_k the mixed logit (the head's logit
@@ -466,12 +506,12 @@ pub fn fit_sts(obs: &[Observed], gamma: usize, mix: bool) -> Sts {
                 .collect()
         })
         .collect();
+    // Blocks whose confidences are served as they are take part through their prefix only.
+    let fixed_at = |i: usize, k: usize| obs[i].fixed.get(k).map(|&c| c as f64);
     // Running product of the calibrated confidences of positions < k, per block.
     let mut prefix: Vec<f64> = vec![1.0; obs.len()];
     for k in 0..gamma {
-        let rows: Vec<usize> = (0..obs.len())
-            .filter(|&i| obs[i].inputs.len() > k)
-            .collect();
+        let rows: Vec<usize> = (0..obs.len()).filter(|&i| obs[i].len() > k).collect();
         if rows.is_empty() {
             break;
         }
@@ -481,7 +521,7 @@ pub fn fit_sts(obs: &[Observed], gamma: usize, mix: bool) -> Sts {
         for &t in &grid {
             for &sh in &shifts {
                 for (pi, &i) in p.iter_mut().zip(&rows) {
-                    *pi = prefix[i] * sigmoid(z[i][k] / t - sh);
+                    *pi = prefix[i] * fixed_at(i, k).unwrap_or_else(|| sigmoid(z[i][k] / t - sh));
                 }
                 let e = log_loss(&p, &y);
                 if e < best.0 {
@@ -492,7 +532,7 @@ pub fn fit_sts(obs: &[Observed], gamma: usize, mix: bool) -> Sts {
         sts.temps[k] = best.1 as f32;
         sts.shifts[k] = best.2 as f32;
         for &i in &rows {
-            prefix[i] *= sts.conf_of_logit(k, z[i][k]);
+            prefix[i] *= fixed_at(i, k).unwrap_or_else(|| sts.conf_of_logit(k, z[i][k]));
         }
     }
     sts
@@ -501,23 +541,20 @@ pub fn fit_sts(obs: &[Observed], gamma: usize, mix: bool) -> Sts {
 /// Bins of every reported ECE.
 pub const ECE_BINS: usize = 15;
 
-/// Per block position: the cumulative calibrated confidence Π_{i≤k} c_i of every block that
-/// reached k, and whether its prefix survived (accepted > k).
-fn cumulative_survival(obs: &[Observed], sts: &Sts) -> Vec<(Vec<f64>, Vec<bool>)> {
-    let g = sts.temps.len();
+/// Per block position: the cumulative confidence Π_{i≤k} c_i of every block that reached k
+/// (`g` positions at most), and whether its prefix survived (accepted > k).
+fn cumulative_survival(obs: &[Observed], g: usize, score: Score<'_>) -> Vec<(Vec<f64>, Vec<bool>)> {
     let mut prefix = vec![1.0f64; obs.len()];
     let mut out = Vec::new();
     for k in 0..g {
-        let rows: Vec<usize> = (0..obs.len())
-            .filter(|&i| obs[i].inputs.len() > k)
-            .collect();
+        let rows: Vec<usize> = (0..obs.len()).filter(|&i| obs[i].len() > k).collect();
         if rows.is_empty() {
             break;
         }
         let mut p = Vec::with_capacity(rows.len());
         let mut y = Vec::with_capacity(rows.len());
         for &i in &rows {
-            prefix[i] *= sts.conf(k, &obs[i].inputs[k]);
+            prefix[i] *= obs[i].conf(k, score);
             p.push(prefix[i]);
             y.push(obs[i].accepted > k);
         }
@@ -526,10 +563,22 @@ fn cumulative_survival(obs: &[Observed], sts: &Sts) -> Vec<(Vec<f64>, Vec<bool>)
     out
 }
 
+fn positions(obs: &[Observed], score: Score<'_>) -> usize {
+    match score {
+        Score::Sts(s) => s.temps.len(),
+        Score::Served => obs.iter().map(|o| o.served.len()).max().unwrap_or(0),
+    }
+}
+
 /// ECE per block position of the cumulative calibrated confidence Π_{i≤k} c_i against observed
 /// prefix survival (accepted > k).
 pub fn cumulative_ece(obs: &[Observed], sts: &Sts) -> Vec<f64> {
-    cumulative_survival(obs, sts)
+    cumulative_ece_by(obs, Score::Sts(sts))
+}
+
+/// [`cumulative_ece`] of the confidences `score` reads.
+pub fn cumulative_ece_by(obs: &[Observed], score: Score<'_>) -> Vec<f64> {
+    cumulative_survival(obs, positions(obs, score), score)
         .iter()
         .map(|(p, y)| ece(p, y, ECE_BINS))
         .collect()
@@ -539,7 +588,12 @@ pub fn cumulative_ece(obs: &[Observed], sts: &Sts) -> Vec<f64> {
 /// survival rate over the blocks that reached it. Where the ECE is large these say which way:
 /// over-confident (first above second) or under-confident.
 pub fn cumulative_means(obs: &[Observed], sts: &Sts) -> Vec<(f64, f64)> {
-    cumulative_survival(obs, sts)
+    cumulative_means_by(obs, Score::Sts(sts))
+}
+
+/// [`cumulative_means`] of the confidences `score` reads.
+pub fn cumulative_means_by(obs: &[Observed], score: Score<'_>) -> Vec<(f64, f64)> {
+    cumulative_survival(obs, positions(obs, score), score)
         .iter()
         .map(|(p, y)| {
             let n = p.len().max(1) as f64;
@@ -554,7 +608,16 @@ pub fn cumulative_means(obs: &[Observed], sts: &Sts) -> Vec<(f64, f64)> {
 /// What [`cumulative_ece`] would read per position if these confidences were exactly
 /// calibrated: `(mean, 95th percentile)` of [`ece_floor`] at each position's sample size.
 pub fn cumulative_ece_floor(obs: &[Observed], sts: &Sts, draws: usize) -> Vec<(f64, f64)> {
-    cumulative_survival(obs, sts)
+    cumulative_ece_floor_by(obs, Score::Sts(sts), draws)
+}
+
+/// [`cumulative_ece_floor`] of the confidences `score` reads.
+pub fn cumulative_ece_floor_by(
+    obs: &[Observed],
+    score: Score<'_>,
+    draws: usize,
+) -> Vec<(f64, f64)> {
+    cumulative_survival(obs, positions(obs, score), score)
         .iter()
         .enumerate()
         .map(|(k, (p, _))| ece_floor(p, ECE_BINS, draws, 0xece0 + k as u64))
@@ -860,7 +923,7 @@ mod tests {
                 Observed {
                     inputs,
                     accepted,
-                    accept_prob: Vec::new(),
+                    ..Default::default()
                 }
             })
             .collect();

@@ -39,6 +39,9 @@ pub struct EngineConfig {
     /// drafting round travels while the other is verified. Each micro-batch reads the weights
     /// again, so this pays only when the drafting hop costs more than that extra pass.
     pub pingpong: bool,
+    /// Online recalibration of the proposer's confidences on verdicts as they come
+    /// ([`crate::recal`]); None: served as the proposer reports them.
+    pub recal: Option<crate::recal::RecalConfig>,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +56,7 @@ impl Default for EngineConfig {
             gate: true,
             check_invariants: true,
             pingpong: false,
+            recal: Some(crate::recal::RecalConfig::default()),
         }
     }
 }
@@ -385,6 +389,7 @@ pub struct Engine {
     /// Requests admitted so far (alternates the micro-batch groups).
     admitted: u64,
     pub steps: usize,
+    recal: Option<crate::recal::OnlineCalibration>,
 }
 
 impl Engine {
@@ -422,6 +427,7 @@ impl Engine {
             }
         }
         let cache = model.new_cache(cfg.kv_tokens, cfg.block_size)?;
+        let recal = cfg.recal.map(crate::recal::OnlineCalibration::new);
         Ok(Self {
             model,
             tok,
@@ -438,6 +444,7 @@ impl Engine {
             policy: None,
             admitted: 0,
             steps: 0,
+            recal,
         })
     }
 
@@ -782,6 +789,18 @@ impl Engine {
                 drafts[i] = b;
             }
         }
+        // 2a. Served confidences: the proposer's, mapped by what earlier verdicts taught.
+        let mut base_conf: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
+        if let Some(recal) = &self.recal {
+            for &i in &drafting {
+                let greedy = self.running[i].req.params.is_greedy();
+                let with_inputs = drafts[i].conf_inputs.is_some();
+                if let Some(c) = drafts[i].confidence.as_mut() {
+                    base_conf[i] = Some(c.clone());
+                    recal.apply(greedy, with_inputs, c);
+                }
+            }
+        }
         // 2b. The scheduler trims the blocks (confidences only).
         if let Some(policy) = self.policy.as_mut() {
             if !drafting.is_empty() && !free {
@@ -995,6 +1014,11 @@ impl Engine {
             };
             s.metrics
                 .record_block(k, verdict.accepted, verdict.bonus && k > 0);
+            let base = base_conf[i].as_deref().map(|b| &b[..k.min(b.len())]);
+            if let (Some(recal), Some(b)) = (self.recal.as_mut(), base) {
+                let greedy = s.req.params.is_greedy();
+                recal.observe(greedy, d.conf_inputs.is_some(), b, verdict.accepted);
+            }
             if let Some(c) = &d.confidence {
                 let inputs = d
                     .conf_inputs
@@ -1003,9 +1027,11 @@ impl Engine {
                     .unwrap_or_default();
                 s.metrics.conf_blocks.push(crate::metrics::ConfBlock {
                     conf: c[..k.min(c.len())].to_vec(),
+                    base: base.unwrap_or(&c[..k.min(c.len())]).to_vec(),
                     inputs,
                     accept_prob: std::mem::take(&mut accept_prob),
                     accepted: verdict.accepted,
+                    step: self.steps,
                 });
             }
             s.gate.observe(k, verdict.accepted);

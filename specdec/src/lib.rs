@@ -10,6 +10,7 @@ pub mod engine;
 pub mod metrics;
 pub mod profile;
 pub mod proposer;
+pub mod recal;
 pub mod stats;
 
 pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, VerifyPolicy};

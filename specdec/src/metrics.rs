@@ -38,13 +38,18 @@ pub struct RequestMetrics {
 /// A verified block's confidences, what they were computed from, and how many drafts survived.
 #[derive(Clone, Debug, Default)]
 pub struct ConfBlock {
+    /// The confidences served (after the engine's online recalibration).
     pub conf: Vec<f32>,
+    /// The proposer's own confidences, before it.
+    pub base: Vec<f32>,
     /// Empty when the drafter did not report them.
     pub inputs: Vec<crate::proposer::ConfInputs>,
     /// Per position, the probability it had of being accepted if reached, 1 − TV(q, p)
     /// (sampled requests; empty for greedy ones, whose acceptance is not random).
     pub accept_prob: Vec<f32>,
     pub accepted: usize,
+    /// The engine step that verified it (orders blocks of requests decoded together).
+    pub step: usize,
 }
 
 impl RequestMetrics {

@@ -986,3 +986,108 @@ fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
         }
     }
 }
+
+/// A proposer that claims every draft survives with probability 0.95, and spoils the first token
+/// of two blocks in three (the tiny draft model alone agrees with the tiny target throughout).
+struct OverConfident(DraftModelProposer, u64, usize);
+
+impl Proposer for OverConfident {
+    fn name(&self) -> &str {
+        "over-confident"
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::DraftBlock>> {
+        let mut out = self.0.propose(reqs)?;
+        for b in &mut out {
+            self.1 += 1;
+            if self.1 % 3 != 0
+                && let Some(t) = b.tokens.first_mut()
+            {
+                *t = (*t + 1) % self.2 as u32;
+            }
+            b.confidence = Some(vec![0.95; b.tokens.len()]);
+            b.conf_inputs = Some(vec![[0.0; specdec::proposer::CONF_INPUTS]; b.tokens.len()]);
+        }
+        Ok(out)
+    }
+    fn commit(&mut self, id: u64, context: &[u32]) -> specdec::Result<()> {
+        self.0.commit(id, context)
+    }
+    fn finish(&mut self, id: u64) {
+        self.0.finish(id)
+    }
+}
+
+#[test]
+fn served_confidences_learn_the_acceptance_the_verdicts_show() {
+    let f = fixture();
+    let ps = prompts(&f, 48);
+    let run = |recal: Option<specdec::recal::RecalConfig>| {
+        let inner = DraftModelProposer::new(
+            f.draft.clone(),
+            &f.draft_tok,
+            &f.tok,
+            f.target.cfg.vocab_size,
+            4096,
+            "draft-model:tiny",
+        )
+        .unwrap();
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            Box::new(OverConfident(inner, 0, f.target.cfg.vocab_size)),
+            EngineConfig {
+                recal,
+                max_running: 4,
+                ..cfg(3)
+            },
+            CostModel::flat(4),
+        )
+        .unwrap();
+        let mut blocks = Vec::new();
+        let mut tokens = HashMap::new();
+        for (i, p) in ps.iter().enumerate() {
+            e.add(Request::new(i as u64, p.clone(), 40)).unwrap();
+        }
+        while !e.is_idle() {
+            for ev in e.step().unwrap() {
+                match ev {
+                    Event::Finished { id, metrics, .. } => blocks.push((id, metrics.conf_blocks)),
+                    Event::Tokens { id, tokens: t, .. } => {
+                        tokens.entry(id).or_insert_with(Vec::new).extend(t)
+                    }
+                }
+            }
+        }
+        blocks.sort_by_key(|b| b.0);
+        let blocks: Vec<_> = blocks.into_iter().flat_map(|b| b.1).collect();
+        (blocks, tokens)
+    };
+    let (off, plain) = run(None);
+    let (on, served_tokens) = run(Some(specdec::recal::RecalConfig::default()));
+    // What is served never changes what is generated.
+    assert_eq!(plain, served_tokens);
+    for b in &off {
+        assert_eq!(
+            b.conf, b.base,
+            "without recalibration the proposer's confidences are served"
+        );
+    }
+    // Position 1 of the last half of the blocks: served confidence against the acceptance seen.
+    let on: Vec<_> = on.into_iter().filter(|b| !b.conf.is_empty()).collect();
+    let late = &on[on.len() / 2..];
+    let rate = late.iter().filter(|b| b.accepted > 0).count() as f64 / late.len() as f64;
+    let served = late.iter().map(|b| b.conf[0] as f64).sum::<f64>() / late.len() as f64;
+    assert!(late.iter().all(|b| b.base[0] == 0.95));
+    assert!(
+        rate < 0.6,
+        "the drafts are accepted at {rate}, far from the claimed 0.95"
+    );
+    assert!(
+        (served - rate).abs() < 0.06,
+        "served {served:.3} against an acceptance of {rate:.3} over {} blocks",
+        late.len()
+    );
+}

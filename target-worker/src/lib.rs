@@ -85,6 +85,10 @@ pub struct TargetArgs {
     /// micro-batch verifies (pays when the drafting hop costs more than an extra weight pass).
     #[arg(long, env = "DSPARK_PINGPONG")]
     pub pingpong: bool,
+    /// Verified positions after which a verdict weighs half in the online recalibration of
+    /// the drafter's confidences (0: serve them as the drafter reports them).
+    #[arg(long, env = "DSPARK_CALIBRATION_HALF_LIFE", default_value_t = 4000.0)]
+    pub calibration_half_life: f64,
     /// How verification lengths are chosen: `gate` (per request, from its acceptance rate and
     /// the forward-cost curve) or `scheduler` (hardware-aware admission over the batch from
     /// calibrated confidences and the profiled SPS(B) table, budgets from the central scheduler
@@ -337,6 +341,7 @@ fn build_engine(
     };
     let mut cfg = drafter::build::engine_config(&target.model, gamma, !a.no_gate, a.max_running);
     cfg.pingpong = a.pingpong;
+    cfg.recal = specdec::recal::RecalConfig::with_half_life(a.calibration_half_life)?;
     let max_batch = cfg.max_batch_tokens;
     let mut engine = specdec::Engine::new(
         target.model.clone(),

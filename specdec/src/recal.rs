@@ -1,0 +1,393 @@
+//! Online recalibration of served confidences.
+//!
+//! A drafter's calibration (STS and its input mix) is fitted once, offline, on calibration
+//! prompts. A worker's traffic is not those prompts: each kind of prompt is accepted at its own
+//! rate, and a static calibration reads a few points of survival off on prompts it was not
+//! fitted on. The engine sees every verdict, so per block position it keeps refitting a
+//! two-parameter map c' = σ(α·logit(c) + β) of the proposer's confidences on the verdicts of
+//! blocks already verified, and serves c'.
+//!
+//! - Prequential: a block's confidences are mapped with what earlier verdicts taught, never its
+//!   own, and c is a function of x_1..x_{k−1} (the proposer's contract), so c'_k never depends
+//!   on the drafted token x_k either.
+//! - A ridge pulls (α, β) toward (1, 0), the proposer's calibration as it is, so a cold start or
+//!   a position seldom reached serves what the proposer said.
+//! - Observations fade with a half-life (in verified positions), so the map follows the traffic.
+//! - Verdicts are grouped in bins of logit(c), so a refit costs the same however long the
+//!   worker has run. Where the verdicts of a bin depart from the two-parameter map (a
+//!   miscalibration that is not a slope and a shift: too low at both ends and too high in the
+//!   middle, say), the bin's own correction is added to the logit, shrunk toward none by
+//!   [`RecalConfig::bin_ridge`] (histogram binning on top of Platt scaling).
+//! - Separate maps per kind of block: greedy or sampled requests, and drafts whose confidences
+//!   come with the drafter's inputs (network drafts) or alone (copy runs, confidence-only
+//!   proposers); their confidences are off in different ways.
+
+use crate::MAX_GAMMA;
+
+/// Bins of logit(c), over [`LOGIT_MIN`, `LOGIT_MAX`].
+const BINS: usize = 32;
+const LOGIT_MIN: f64 = -8.0;
+const LOGIT_MAX: f64 = 8.0;
+/// Observations at a position between refits.
+const REFIT_EVERY: u32 = 8;
+/// Kinds of block: (greedy, with inputs).
+const CLASSES: usize = 4;
+
+/// Settings of [`OnlineCalibration`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RecalConfig {
+    /// Verified positions (per block position and kind) after which an observation weighs half.
+    pub half_life: f64,
+    /// Strength of the pull toward the proposer's own calibration, in units of the log-loss
+    /// curvature one observation adds at c = ½ (¼): 100 is as firm as 400 such verdicts.
+    pub ridge: f64,
+    /// Shrinkage of a bin's own correction, in the same units: at 100 a bin needs about 100
+    /// verdicts at c = ½ (200 at c = 0.15) before half of what they say is applied.
+    pub bin_ridge: f64,
+}
+
+impl Default for RecalConfig {
+    fn default() -> Self {
+        Self {
+            half_life: 4000.0,
+            ridge: 25.0,
+            bin_ridge: 100.0,
+        }
+    }
+}
+
+impl RecalConfig {
+    /// The defaults with this half-life; 0 turns the recalibration off (None).
+    pub fn with_half_life(half_life: f64) -> crate::Result<Option<Self>> {
+        if !half_life.is_finite() || half_life < 0.0 {
+            return Err(crate::SpecError::Invalid(format!(
+                "calibration half-life must be a number ≥ 0 (0: off), not {half_life}"
+            )));
+        }
+        Ok((half_life > 0.0).then(|| Self {
+            half_life,
+            ..Self::default()
+        }))
+    }
+}
+
+#[derive(Clone, Debug)]
+struct PosFit {
+    /// Faded count, accepted count and sum of logit(c) per bin.
+    n: [f64; BINS],
+    s: [f64; BINS],
+    l: [f64; BINS],
+    alpha: f64,
+    beta: f64,
+    since: u32,
+}
+
+impl Default for PosFit {
+    fn default() -> Self {
+        Self {
+            n: [0.0; BINS],
+            s: [0.0; BINS],
+            l: [0.0; BINS],
+            alpha: 1.0,
+            beta: 0.0,
+            since: 0,
+        }
+    }
+}
+
+fn bin_of(l: f64) -> usize {
+    (((l - LOGIT_MIN) / (LOGIT_MAX - LOGIT_MIN) * BINS as f64) as usize).min(BINS - 1)
+}
+
+fn sigmoid(z: f64) -> f64 {
+    1.0 / (1.0 + (-z).exp())
+}
+
+/// logit(c), clamped to the binned range; None for a confidence that is not a number.
+fn logit(c: f32) -> Option<f64> {
+    if !c.is_finite() {
+        return None;
+    }
+    let c = (c as f64).clamp(1e-6, 1.0 - 1e-6);
+    Some((c / (1.0 - c)).ln().clamp(LOGIT_MIN, LOGIT_MAX))
+}
+
+impl PosFit {
+    fn observe(&mut self, l: f64, accepted: bool, decay: f64, ridge: f64) {
+        for b in 0..BINS {
+            self.n[b] *= decay;
+            self.s[b] *= decay;
+            self.l[b] *= decay;
+        }
+        let b = bin_of(l);
+        self.n[b] += 1.0;
+        self.s[b] += accepted as u8 as f64;
+        self.l[b] += l;
+        self.since += 1;
+        if self.since >= REFIT_EVERY {
+            self.since = 0;
+            self.refit(ridge);
+        }
+    }
+
+    /// The served logit of a proposer's logit `l`: the map, plus its bin's shrunk correction
+    /// (one Newton step from none on the bin's verdicts, at the bin's mean logit).
+    fn logit_of(&self, l: f64, bin_ridge: f64) -> f64 {
+        let z = self.alpha * l + self.beta;
+        let b = bin_of(l);
+        let n = self.n[b];
+        if n < 1e-9 {
+            return z;
+        }
+        let p = sigmoid(self.alpha * self.l[b] / n + self.beta);
+        z + (self.s[b] - n * p) / (n * p * (1.0 - p) + bin_ridge * 0.25)
+    }
+
+    /// Newton steps on the ridge-penalized log loss of the binned verdicts, from the last fit.
+    fn refit(&mut self, ridge: f64) {
+        let lam = ridge * 0.25;
+        let (mut a, mut c) = (self.alpha, self.beta);
+        for _ in 0..4 {
+            let (mut ga, mut gb) = (lam * (a - 1.0), lam * c);
+            let (mut haa, mut hab, mut hbb) = (lam, 0.0, lam);
+            for b in 0..BINS {
+                let n = self.n[b];
+                if n < 1e-9 {
+                    continue;
+                }
+                let x = self.l[b] / n;
+                let p = sigmoid(a * x + c);
+                let r = n * p - self.s[b];
+                ga += r * x;
+                gb += r;
+                let w = n * p * (1.0 - p);
+                haa += w * x * x;
+                hab += w * x;
+                hbb += w;
+            }
+            let det = haa * hbb - hab * hab;
+            if det.is_nan() || det <= 1e-12 {
+                return;
+            }
+            let da = (hbb * ga - hab * gb) / det;
+            let mut db = (haa * gb - hab * ga) / det;
+            let a_new = (a - da).clamp(0.05, 5.0);
+            if a_new != a - da {
+                // The slope is at its bound: the best shift for the slope kept (a joint step
+                // that assumed the slope moved further would stall the shift).
+                db = gb / hbb;
+            }
+            a = a_new;
+            c = (c - db).clamp(-6.0, 6.0);
+            if da.abs() + db.abs() < 1e-6 {
+                break;
+            }
+        }
+        if a.is_finite() && c.is_finite() {
+            self.alpha = a;
+            self.beta = c;
+        }
+    }
+}
+
+/// Per kind of block and block position, the map from the proposer's confidences to served
+/// ones, refitted on verdicts as they come (see the module doc).
+#[derive(Clone, Debug)]
+pub struct OnlineCalibration {
+    fits: Vec<Vec<PosFit>>,
+    decay: f64,
+    ridge: f64,
+    bin_ridge: f64,
+}
+
+impl OnlineCalibration {
+    pub fn new(cfg: RecalConfig) -> Self {
+        let hl = if cfg.half_life.is_finite() && cfg.half_life > 0.0 {
+            cfg.half_life
+        } else {
+            f64::INFINITY
+        };
+        Self {
+            fits: vec![vec![PosFit::default(); MAX_GAMMA]; CLASSES],
+            decay: 0.5f64.powf(1.0 / hl),
+            ridge: cfg.ridge.max(0.0),
+            bin_ridge: cfg.bin_ridge.max(1e-3),
+        }
+    }
+
+    fn class(greedy: bool, with_inputs: bool) -> usize {
+        greedy as usize * 2 + with_inputs as usize
+    }
+
+    /// Maps a block's conditional confidences (position 0 first) in place. Confidences that are
+    /// not numbers are left for the policy to refuse.
+    pub fn apply(&self, greedy: bool, with_inputs: bool, conf: &mut [f32]) {
+        let fits = &self.fits[Self::class(greedy, with_inputs)];
+        for (c, f) in conf.iter_mut().zip(fits) {
+            if let Some(l) = logit(*c) {
+                *c = sigmoid(f.logit_of(l, self.bin_ridge)) as f32;
+            }
+        }
+    }
+
+    /// Learns from a verified block: `base` are the proposer's confidences of the verified
+    /// positions (before [`OnlineCalibration::apply`]), `accepted` how many drafts survived.
+    /// Position k was reached when accepted ≥ k, and accepted there when accepted > k.
+    pub fn observe(&mut self, greedy: bool, with_inputs: bool, base: &[f32], accepted: usize) {
+        let (decay, ridge) = (self.decay, self.ridge);
+        let fits = &mut self.fits[Self::class(greedy, with_inputs)];
+        for (k, (&c, f)) in base.iter().zip(fits.iter_mut()).enumerate() {
+            if k > accepted {
+                break;
+            }
+            if let Some(l) = logit(c) {
+                f.observe(l, accepted > k, decay, ridge);
+            }
+        }
+    }
+
+    /// The current map (α, β) of a kind of block at position `k`.
+    pub fn params(&self, greedy: bool, with_inputs: bool, k: usize) -> (f64, f64) {
+        self.fits[Self::class(greedy, with_inputs)]
+            .get(k)
+            .map_or((1.0, 0.0), |f| (f.alpha, f.beta))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kernels::rng::Rng;
+
+    fn mean_conf(cal: &OnlineCalibration, c: f32) -> f32 {
+        let mut v = [c];
+        cal.apply(false, true, &mut v);
+        v[0]
+    }
+
+    #[test]
+    fn a_cold_start_serves_the_proposers_confidences() {
+        let cal = OnlineCalibration::new(RecalConfig::default());
+        let mut c = [0.1f32, 0.5, 0.93, f32::NAN];
+        cal.apply(true, true, &mut c);
+        assert!((c[0] - 0.1).abs() < 1e-5 && (c[1] - 0.5).abs() < 1e-5);
+        assert!((c[2] - 0.93).abs() < 1e-5);
+        assert!(c[3].is_nan(), "a NaN is left for the policy to refuse");
+    }
+
+    #[test]
+    fn a_biased_stream_is_corrected_and_an_honest_one_left_alone() {
+        // The proposer says c; the truth is c shifted by −1 in logit (over-confident).
+        let mut rng = Rng::new(11);
+        let mut off = OnlineCalibration::new(RecalConfig::default());
+        let mut honest = OnlineCalibration::new(RecalConfig::default());
+        for _ in 0..20_000 {
+            let c = 0.05 + 0.9 * rng.uniform() as f32;
+            let l = (c / (1.0 - c)).ln() as f64;
+            let truth = sigmoid(l - 1.0);
+            off.observe(false, true, &[c], (rng.uniform() < truth) as usize);
+            honest.observe(
+                false,
+                true,
+                &[c],
+                (rng.uniform() < l.exp() / (1.0 + l.exp())) as usize,
+            );
+        }
+        let (a, b) = off.params(false, true, 0);
+        assert!(
+            (a - 1.0).abs() < 0.1 && (b + 1.0).abs() < 0.1,
+            "α {a}, β {b}"
+        );
+        let (a, b) = honest.params(false, true, 0);
+        assert!((a - 1.0).abs() < 0.1 && b.abs() < 0.1, "α {a}, β {b}");
+        let served = mean_conf(&off, 0.5);
+        assert!((served as f64 - sigmoid(-1.0)).abs() < 0.03, "{served}");
+        // Other kinds of block and positions are untouched.
+        assert_eq!(off.params(true, true, 0), (1.0, 0.0));
+        assert_eq!(off.params(false, false, 0), (1.0, 0.0));
+        assert_eq!(off.params(false, true, 1), (1.0, 0.0));
+    }
+
+    #[test]
+    fn only_reached_positions_are_observed() {
+        let mut cal = OnlineCalibration::new(RecalConfig {
+            half_life: 0.0,
+            ridge: 1.0,
+            ..Default::default()
+        });
+        let served = |cal: &OnlineCalibration, k: usize| {
+            let mut v = [0.9f32; 3];
+            cal.apply(false, true, &mut v);
+            v[k]
+        };
+        // Position 0 always rejected: positions 1.. are never reached and stay as they were.
+        for _ in 0..500 {
+            cal.observe(false, true, &[0.9, 0.9, 0.9], 0);
+        }
+        assert!(served(&cal, 0) < 0.05, "{}", served(&cal, 0));
+        assert_eq!(cal.params(false, true, 1), (1.0, 0.0));
+        // Accepted through position 1, rejected at 2.
+        for _ in 0..500 {
+            cal.observe(false, true, &[0.9, 0.9, 0.9], 2);
+        }
+        assert!(served(&cal, 1) > 0.95, "{}", served(&cal, 1));
+        assert!(served(&cal, 2) < 0.05, "{}", served(&cal, 2));
+    }
+
+    #[test]
+    fn a_miscalibration_that_is_not_a_slope_and_shift_is_corrected_per_bin() {
+        // Too low at both ends, too high in the middle: no σ(α·l + β) fits it.
+        let truth = |c: f64| {
+            if (0.25..0.45).contains(&c) {
+                c - 0.08
+            } else {
+                (c + 0.06).min(1.0)
+            }
+        };
+        let mut rng = Rng::new(3);
+        let mut cal = OnlineCalibration::new(RecalConfig::default());
+        let mut flat = OnlineCalibration::new(RecalConfig {
+            bin_ridge: 1e12,
+            ..Default::default()
+        });
+        for _ in 0..40_000 {
+            let c = 0.05 + 0.7 * rng.uniform();
+            let y = (rng.uniform() < truth(c)) as usize;
+            cal.observe(false, true, &[c as f32], y);
+            flat.observe(false, true, &[c as f32], y);
+        }
+        let err = |cal: &OnlineCalibration| {
+            [0.1f64, 0.35, 0.65]
+                .iter()
+                .map(|&c| (mean_conf(cal, c as f32) as f64 - truth(c)).abs())
+                .fold(0.0, f64::max)
+        };
+        // The map alone is off by about 0.11 at one of these; the bins take most of it back
+        // (what is left is the shrinkage, at the half-life's worth of verdicts per bin).
+        let (binned, alone) = (err(&cal), err(&flat));
+        assert!(alone > 0.08, "the map alone {alone}");
+        assert!(
+            binned < 0.045 && binned < alone / 2.5,
+            "binned {binned}, alone {alone}"
+        );
+    }
+
+    #[test]
+    fn the_map_follows_a_change_of_traffic() {
+        let mut rng = Rng::new(5);
+        let mut cal = OnlineCalibration::new(RecalConfig {
+            half_life: 1000.0,
+            ..Default::default()
+        });
+        for phase in [0.6f64, 0.2] {
+            for _ in 0..8000 {
+                cal.observe(false, true, &[0.4], (rng.uniform() < phase) as usize);
+            }
+            let served = mean_conf(&cal, 0.4) as f64;
+            assert!(
+                (served - phase).abs() < 0.04,
+                "served {served}, truth {phase}"
+            );
+        }
+    }
+}
