@@ -315,6 +315,7 @@ fn fill(m: &mut DraftBlock, b: specdec::proposer::DraftBlock, k: usize, vocab: u
         .confidence
         .map(|c| c[..n.min(c.len())].to_vec())
         .unwrap_or_default();
+    m.fitted_rates = b.fitted_rates;
     let dists = &b.dists[..n];
     if dists.iter().all(|d| matches!(d, Dist::OneHot)) {
         m.q_kind = QKind::OneHot as i32;
@@ -357,4 +358,26 @@ fn fill(m: &mut DraftBlock, b: specdec::proposer::DraftBlock, k: usize, vocab: u
     }
     m.q_kind = QKind::Dense as i32;
     m.q = Some(Tensor::from_f32(&rows, &[n, vocab], Dtype::F32));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_goes_on_the_wire_with_its_confidences_and_their_kind() {
+        let b = specdec::proposer::DraftBlock {
+            tokens: vec![4, 5, 6],
+            dists: vec![Dist::OneHot; 3],
+            confidence: Some(vec![0.6, 0.7, 0.8]),
+            conf_inputs: None,
+            fitted_rates: true,
+        };
+        let mut m = DraftBlock::default();
+        fill(&mut m, b, 2, 10);
+        assert_eq!(m.tokens, vec![4, 5]);
+        assert_eq!(m.confidence, vec![0.6, 0.7]);
+        assert!(m.fitted_rates);
+        assert_eq!(m.q_kind, QKind::OneHot as i32);
+    }
 }

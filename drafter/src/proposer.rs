@@ -68,6 +68,7 @@ pub fn copy_block(context: &[u32], k: usize, runs: &[f32]) -> DraftBlock {
         tokens,
         confidence: Some(conf),
         conf_inputs: None,
+        fitted_rates: true,
     }
 }
 

@@ -794,10 +794,10 @@ impl Engine {
         if let Some(recal) = &self.recal {
             for &i in &drafting {
                 let greedy = self.running[i].req.params.is_greedy();
-                let with_inputs = drafts[i].conf_inputs.is_some();
+                let head = !drafts[i].fitted_rates;
                 if let Some(c) = drafts[i].confidence.as_mut() {
                     base_conf[i] = Some(c.clone());
-                    recal.apply(greedy, with_inputs, c);
+                    recal.apply(greedy, head, c);
                 }
             }
         }
@@ -1017,7 +1017,7 @@ impl Engine {
             let base = base_conf[i].as_deref().map(|b| &b[..k.min(b.len())]);
             if let (Some(recal), Some(b)) = (self.recal.as_mut(), base) {
                 let greedy = s.req.params.is_greedy();
-                recal.observe(greedy, d.conf_inputs.is_some(), b, verdict.accepted);
+                recal.observe(greedy, !d.fitted_rates, b, verdict.accepted);
             }
             if let Some(c) = &d.confidence {
                 let inputs = d

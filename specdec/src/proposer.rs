@@ -52,6 +52,9 @@ pub struct DraftBlock {
     pub confidence: Option<Vec<f32>>,
     /// Per position, what the confidence was computed from (calibration data).
     pub conf_inputs: Option<Vec<ConfInputs>>,
+    /// The confidences are fitted rates served as they are (a greedy copy run's per-match-length
+    /// acceptance), not a confidence head's: the engine recalibrates them apart.
+    pub fitted_rates: bool,
 }
 
 /// What the engine asks of a proposer for one request.
@@ -282,6 +285,7 @@ impl Proposer for NgramProposer {
                     dists,
                     confidence: None,
                     conf_inputs: None,
+                    fitted_rates: false,
                 }
             })
             .collect())

@@ -18,9 +18,9 @@
 //!   miscalibration that is not a slope and a shift: too low at both ends and too high in the
 //!   middle, say), the bin's own correction is added to the logit, shrunk toward none by
 //!   [`RecalConfig::bin_ridge`] (histogram binning on top of Platt scaling).
-//! - Separate maps per kind of block: greedy or sampled requests, and drafts whose confidences
-//!   come with the drafter's inputs (network drafts) or alone (copy runs, confidence-only
-//!   proposers); their confidences are off in different ways.
+//! - Separate maps per kind of block: greedy or sampled requests, and confidences from a
+//!   confidence head or fitted rates (greedy copy runs,
+//!   [`crate::proposer::DraftBlock::fitted_rates`]); they are off in different ways.
 
 use crate::MAX_GAMMA;
 
@@ -215,14 +215,14 @@ impl OnlineCalibration {
         }
     }
 
-    fn class(greedy: bool, with_inputs: bool) -> usize {
-        greedy as usize * 2 + with_inputs as usize
+    fn class(greedy: bool, head: bool) -> usize {
+        greedy as usize * 2 + head as usize
     }
 
     /// Maps a block's conditional confidences (position 0 first) in place. Confidences that are
     /// not numbers are left for the policy to refuse.
-    pub fn apply(&self, greedy: bool, with_inputs: bool, conf: &mut [f32]) {
-        let fits = &self.fits[Self::class(greedy, with_inputs)];
+    pub fn apply(&self, greedy: bool, head: bool, conf: &mut [f32]) {
+        let fits = &self.fits[Self::class(greedy, head)];
         for (c, f) in conf.iter_mut().zip(fits) {
             if let Some(l) = logit(*c) {
                 *c = sigmoid(f.logit_of(l, self.bin_ridge)) as f32;
@@ -233,9 +233,9 @@ impl OnlineCalibration {
     /// Learns from a verified block: `base` are the proposer's confidences of the verified
     /// positions (before [`OnlineCalibration::apply`]), `accepted` how many drafts survived.
     /// Position k was reached when accepted ≥ k, and accepted there when accepted > k.
-    pub fn observe(&mut self, greedy: bool, with_inputs: bool, base: &[f32], accepted: usize) {
+    pub fn observe(&mut self, greedy: bool, head: bool, base: &[f32], accepted: usize) {
         let (decay, ridge) = (self.decay, self.ridge);
-        let fits = &mut self.fits[Self::class(greedy, with_inputs)];
+        let fits = &mut self.fits[Self::class(greedy, head)];
         for (k, (&c, f)) in base.iter().zip(fits.iter_mut()).enumerate() {
             if k > accepted {
                 break;
@@ -247,8 +247,8 @@ impl OnlineCalibration {
     }
 
     /// The current map (α, β) of a kind of block at position `k`.
-    pub fn params(&self, greedy: bool, with_inputs: bool, k: usize) -> (f64, f64) {
-        self.fits[Self::class(greedy, with_inputs)]
+    pub fn params(&self, greedy: bool, head: bool, k: usize) -> (f64, f64) {
+        self.fits[Self::class(greedy, head)]
             .get(k)
             .map_or((1.0, 0.0), |f| (f.alpha, f.beta))
     }

@@ -313,6 +313,7 @@ impl RemoteProposer {
             dists,
             confidence,
             conf_inputs: None,
+            fitted_rates: b.fitted_rates,
         })
     }
 }
@@ -851,6 +852,10 @@ mod tests {
         assert_eq!(out[0].tokens, vec![7, 8]);
         assert_eq!(out[0].confidence.as_deref(), Some(&[0.6f32, 0.7][..]));
         assert!(matches!(out[0].dists[..], [Dist::OneHot, Dist::OneHot]));
+        assert!(
+            out[0].fitted_rates,
+            "the engine recalibrates copy-run rates apart"
+        );
         // Sampled requests get none (a copy run is a greedy draft).
         assert!(out[1].tokens.is_empty());
         // A link that went down: its rates are not used.
