@@ -54,6 +54,8 @@ pub struct EvalArgs {
 pub struct ArmRun {
     pub totals: specdec::RequestMetrics,
     pub obs: Vec<Observed>,
+    /// The request each of `obs` came from.
+    pub requests: Vec<u64>,
 }
 
 /// Runs `proposer` at fixed γ (no gate, no policy) over rendered prompts at `temperature`.
@@ -78,9 +80,11 @@ pub fn run_arm(
         eng.add(r)?;
     }
     let mut blocks = Vec::new();
+    let mut requests = Vec::new();
     while !eng.is_idle() {
         for ev in eng.step()? {
-            if let Event::Finished { metrics, .. } = ev {
+            if let Event::Finished { id, metrics, .. } = ev {
+                requests.extend(std::iter::repeat_n(id, metrics.conf_blocks.len()));
                 blocks.extend(metrics.conf_blocks);
             }
         }
@@ -114,6 +118,7 @@ pub fn run_arm(
     Ok(ArmRun {
         totals: eng.totals().clone(),
         obs,
+        requests,
     })
 }
 
@@ -280,11 +285,11 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             )?;
             if a.blocks.is_some() {
                 let sts = sts.truncated(a.gamma);
-                for o in &r.obs {
+                for (o, req) in r.obs.iter().zip(&r.requests) {
                     let c: Vec<f64> = (0..o.len()).map(|k| o.conf(k, Score::Sts(&sts))).collect();
                     block_lines.push_str(&serde_json::to_string(&serde_json::json!({
                         "set": set, "arm": arm, "conf": c, "served": o.served,
-                        "copy_run": !o.fixed.is_empty(), "accepted": o.accepted, "step": o.step,
+                        "copy_run": !o.fixed.is_empty(), "accepted": o.accepted, "step": o.step, "request": req,
                     }))?);
                     block_lines.push('\n');
                 }
