@@ -44,8 +44,9 @@ pub struct EvalArgs {
     pub arms: Vec<String>,
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Also write every verified block (set, arm, calibrated conditional confidences, accepted
-    /// drafts), one JSON object a line, in the order requests finished.
+    /// Also write every verified block (set, arm, static and served conditional confidences,
+    /// accepted drafts, engine step, request), one JSON object a line, in the order requests
+    /// finished: enough to replay the online recalibration offline.
     #[arg(long)]
     pub blocks: Option<PathBuf>,
 }
