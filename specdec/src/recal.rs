@@ -49,6 +49,12 @@ pub const STRONG_RUN: f32 = 0.85;
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RecalConfig {
     /// Verified positions (per block position and kind) after which an observation weighs half.
+    /// 1000 by default: a worker's traffic drifts within a run (held-out math prompts were
+    /// accepted at 0.30 to 0.43 at position 1 between quarters of a run), and a map that
+    /// remembers 4000 verdicts followed that only on average. Replayed on the first 48 held-out
+    /// prompts of each set, 1000 served a lower worst-position ECE than 4000 on all six sets
+    /// (chat, code, math × greedy, T = 1; math at T = 1: 1.8 against 2.2 %). On 96 newer
+    /// prompts, without such drift, the two were level (within 0.3 points either way).
     pub half_life: f64,
     /// Strength of the pull toward the proposer's own calibration, in units of the log-loss
     /// curvature one observation adds at c = ½ (¼): 100 is as firm as 400 such verdicts.
@@ -61,7 +67,7 @@ pub struct RecalConfig {
 impl Default for RecalConfig {
     fn default() -> Self {
         Self {
-            half_life: 4000.0,
+            half_life: 1000.0,
             ridge: 25.0,
             bin_ridge: 100.0,
         }
@@ -390,11 +396,17 @@ mod tests {
                 (c + 0.06).min(1.0)
             }
         };
+        // Bins shrink toward none by the verdicts they hold, so this checks the mechanism at
+        // a memory of 4000 verdicts (the default's 1000 leaves each bin a quarter of them).
         let mut rng = Rng::new(3);
-        let mut cal = OnlineCalibration::new(RecalConfig::default());
+        let long = RecalConfig {
+            half_life: 4000.0,
+            ..Default::default()
+        };
+        let mut cal = OnlineCalibration::new(long);
         let mut flat = OnlineCalibration::new(RecalConfig {
             bin_ridge: 1e12,
-            ..Default::default()
+            ..long
         });
         for _ in 0..40_000 {
             let c = 0.05 + 0.7 * rng.uniform();
