@@ -389,3 +389,182 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `dspark recal-replay`: the engine's online recalibration replayed on the blocks an
+/// `eval-drafter --blocks FILE` run wrote, for other half-lives. With a fixed γ and no
+/// scheduler what that run drafted and verified does not depend on the served confidences, so
+/// the settings compare side by side on the same blocks.
+#[derive(Args, Debug)]
+pub struct ReplayArgs {
+    /// The blocks file of an `eval-drafter --blocks FILE` run.
+    pub blocks: PathBuf,
+    /// The run was greedy (`--temperature 0`): blocks map by the greedy kinds.
+    #[arg(long)]
+    pub greedy: bool,
+    /// Half-lives to replay, in verified positions.
+    #[arg(long, value_delimiter = ',', default_values_t = [1000.0, 4000.0])]
+    pub half_life: Vec<f64>,
+}
+
+#[derive(serde::Deserialize)]
+struct BlockLine {
+    set: String,
+    conf: Vec<f64>,
+    served: Vec<f64>,
+    copy_run: bool,
+    accepted: usize,
+    step: u64,
+}
+
+/// Cumulative ECE per position of `served` confidences against observed prefix survival.
+fn replay_ece(blocks: &[&BlockLine], served: &[Vec<f64>]) -> Vec<f64> {
+    let gamma = served.iter().map(Vec::len).max().unwrap_or(0);
+    (0..gamma)
+        .map(|k| {
+            let (mut p, mut y) = (Vec::new(), Vec::new());
+            for (b, s) in blocks.iter().zip(served) {
+                if s.len() > k {
+                    p.push(s[..=k].iter().product::<f64>());
+                    y.push(b.accepted > k);
+                }
+            }
+            drafter::calibrate::ece(&p, &y, drafter::calibrate::ECE_BINS)
+        })
+        .collect()
+}
+
+pub fn recal_replay(a: ReplayArgs) -> anyhow::Result<()> {
+    use specdec::recal::{OnlineCalibration, RecalConfig};
+    let text = std::fs::read_to_string(&a.blocks)
+        .map_err(|e| anyhow::anyhow!("reading {}: {e}", a.blocks.display()))?;
+    let mut lines = Vec::new();
+    for (i, l) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let b: BlockLine = serde_json::from_str(l)
+            .map_err(|e| anyhow::anyhow!("{} line {}: {e}", a.blocks.display(), i + 1))?;
+        lines.push(b);
+    }
+    let mut sets: Vec<&str> = Vec::new();
+    for b in &lines {
+        if !sets.contains(&b.set.as_str()) {
+            sets.push(&b.set);
+        }
+    }
+    let pct = |v: &[f64]| {
+        let worst = v.iter().cloned().fold(0.0, f64::max);
+        let per: Vec<String> = v.iter().map(|x| format!("{:.2}", 100.0 * x)).collect();
+        format!("worst {:.2} %, {}", 100.0 * worst, per.join(" "))
+    };
+    for set in sets {
+        // Blocks of one engine step are served before any of them is observed.
+        let mut blocks: Vec<&BlockLine> = lines.iter().filter(|b| b.set == set).collect();
+        blocks.sort_by_key(|b| b.step);
+        let engine: Vec<Vec<f64>> = blocks.iter().map(|b| b.served.clone()).collect();
+        println!(
+            "{set}: {} blocks; served by the engine: {}",
+            blocks.len(),
+            pct(&replay_ece(&blocks, &engine))
+        );
+        for &hl in &a.half_life {
+            let cfg = RecalConfig::with_half_life(hl)?
+                .ok_or_else(|| anyhow::anyhow!("a half-life of 0 turns the recalibration off"))?;
+            let mut cal = OnlineCalibration::new(cfg);
+            let mut served = Vec::with_capacity(blocks.len());
+            let mut i = 0;
+            while i < blocks.len() {
+                let j = i + blocks[i..]
+                    .iter()
+                    .take_while(|b| b.step == blocks[i].step)
+                    .count();
+                for b in &blocks[i..j] {
+                    let mut c: Vec<f32> = b.conf.iter().map(|&x| x as f32).collect();
+                    cal.apply(a.greedy, !b.copy_run, &mut c);
+                    served.push(c.iter().map(|&x| x as f64).collect::<Vec<f64>>());
+                }
+                for b in &blocks[i..j] {
+                    let base: Vec<f32> = b.conf.iter().map(|&x| x as f32).collect();
+                    cal.observe(a.greedy, !b.copy_run, &base, b.accepted);
+                }
+                i = j;
+            }
+            let mut err: Vec<f64> = blocks
+                .iter()
+                .zip(&served)
+                .map(|(b, s)| {
+                    b.served
+                        .iter()
+                        .zip(s)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0.0, f64::max)
+                })
+                .collect();
+            err.sort_by(f64::total_cmp);
+            println!(
+                "  half-life {hl}: {}   (median |replay − served| {:.1e})",
+                pct(&replay_ece(&blocks, &served)),
+                err.get(err.len() / 2).copied().unwrap_or(0.0)
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod replay_tests {
+    use super::*;
+
+    fn args(path: &std::path::Path) -> ReplayArgs {
+        ReplayArgs {
+            blocks: path.to_path_buf(),
+            greedy: false,
+            half_life: vec![1000.0],
+        }
+    }
+
+    #[test]
+    fn replay_reads_blocks_and_refuses_bad_lines_and_settings() {
+        let dir = std::env::temp_dir().join(format!("dspark-replay-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.jsonl");
+        let line = |step: u64, acc: usize| {
+            format!(
+                r#"{{"set":"s","arm":"dspark","conf":[0.5,0.4],"served":[0.5,0.4],"copy_run":false,"accepted":{acc},"step":{step},"request":0}}"#
+            )
+        };
+        let text: Vec<String> = (0..40).map(|i| line(i / 4, (i % 3) as usize)).collect();
+        std::fs::write(&good, text.join("\n")).unwrap();
+        assert!(recal_replay(args(&good)).is_ok());
+        let mut off = args(&good);
+        off.half_life = vec![0.0];
+        assert!(
+            recal_replay(off).is_err(),
+            "a half-life of 0 replays nothing"
+        );
+        let bad = dir.join("bad.jsonl");
+        std::fs::write(&bad, format!("{}\n{{\"set\":\"s\"}}\n", line(0, 1))).unwrap();
+        let e = recal_replay(args(&bad)).unwrap_err().to_string();
+        assert!(e.contains("line 2"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn the_replayed_ece_reads_zero_where_confidences_match_survival() {
+        // Two blocks at position 1: confidence 0.5, one accepted and one not.
+        let b = |acc| BlockLine {
+            set: "s".into(),
+            conf: vec![0.5],
+            served: vec![0.5],
+            copy_run: false,
+            accepted: acc,
+            step: 0,
+        };
+        let (x, y) = (b(1), b(0));
+        let e = replay_ece(&[&x, &y], &[vec![0.5], vec![0.5]]);
+        assert!(e[0].abs() < 1e-12, "{e:?}");
+        let e = replay_ece(&[&x, &y], &[vec![0.9], vec![0.9]]);
+        assert!((e[0] - 0.4).abs() < 1e-9, "{e:?}");
+    }
+}

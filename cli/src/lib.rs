@@ -47,6 +47,8 @@ pub enum Command {
     TrainDrafter(train::TrainArgs),
     /// Evaluate a DSpark drafter against its parallel-only ablation, n-gram and the draft model.
     EvalDrafter(eval::EvalArgs),
+    /// Replay the online recalibration on an `eval-drafter --blocks` file, for other half-lives.
+    RecalReplay(eval::ReplayArgs),
     /// Drafter training text: the target's own answers to a prompt file, chat-rendered.
     GenData(train::GenDataArgs),
     /// Fit the drafter's per-position confidence temperatures (STS) on held-out prompts.
@@ -177,6 +179,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::DrafterVocab(a) => train::drafter_vocab(&g, a),
         Command::GenData(a) => train::gen_data(&g, a),
         Command::EvalDrafter(a) => eval::run(&g, a),
+        Command::RecalReplay(a) => eval::recal_replay(a),
         Command::Up(a) => up::run(&g, a),
         Command::Profile(a) => profile::run(&g, a),
         Command::Service(_) => anyhow::bail!("service commands are dispatched above"),
