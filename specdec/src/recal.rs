@@ -45,6 +45,9 @@ const CLASSES: usize = 6;
 /// to five matched tokens and 0.95 from six.
 pub const STRONG_RUN: f32 = 0.85;
 
+/// [`RecalConfig::half_life`]'s default (also the target worker's `--calibration-half-life`).
+pub const DEFAULT_HALF_LIFE: f64 = 1000.0;
+
 /// Settings of [`OnlineCalibration`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RecalConfig {
@@ -67,7 +70,7 @@ pub struct RecalConfig {
 impl Default for RecalConfig {
     fn default() -> Self {
         Self {
-            half_life: 1000.0,
+            half_life: DEFAULT_HALF_LIFE,
             ridge: 25.0,
             bin_ridge: 100.0,
         }

@@ -87,7 +87,7 @@ pub struct TargetArgs {
     pub pingpong: bool,
     /// Verified positions after which a verdict weighs half in the online recalibration of
     /// the drafter's confidences (0: serve them as the drafter reports them).
-    #[arg(long, env = "DSPARK_CALIBRATION_HALF_LIFE", default_value_t = 1000.0)]
+    #[arg(long, env = "DSPARK_CALIBRATION_HALF_LIFE", default_value_t = specdec::recal::DEFAULT_HALF_LIFE)]
     pub calibration_half_life: f64,
     /// How verification lengths are chosen: `gate` (per request, from its acceptance rate and
     /// the forward-cost curve) or `scheduler` (hardware-aware admission over the batch from
