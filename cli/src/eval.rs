@@ -288,10 +288,16 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 let sts = sts.truncated(a.gamma);
                 for (o, req) in r.obs.iter().zip(&r.requests) {
                     let c: Vec<f64> = (0..o.len()).map(|k| o.conf(k, Score::Sts(&sts))).collect();
-                    block_lines.push_str(&serde_json::to_string(&serde_json::json!({
-                        "set": set, "arm": arm, "conf": c, "served": o.served,
-                        "copy_run": !o.fixed.is_empty(), "accepted": o.accepted, "step": o.step, "request": req,
-                    }))?);
+                    block_lines.push_str(&serde_json::to_string(&BlockLine {
+                        set: set.to_string(),
+                        arm: arm.to_string(),
+                        conf: c,
+                        served: o.served.iter().map(|&x| x as f64).collect(),
+                        copy_run: !o.fixed.is_empty(),
+                        accepted: o.accepted,
+                        step: o.step as u64,
+                        request: *req,
+                    })?);
                     block_lines.push('\n');
                 }
             }
@@ -406,14 +412,19 @@ pub struct ReplayArgs {
     pub half_life: Vec<f64>,
 }
 
-#[derive(serde::Deserialize)]
+/// One line of `eval-drafter --blocks FILE`: a verified block, as `recal-replay` reads it back.
+#[derive(serde::Serialize, serde::Deserialize)]
 struct BlockLine {
     set: String,
+    arm: String,
+    /// The static calibration's confidences (what the engine's recalibration maps).
     conf: Vec<f64>,
+    /// What the engine served.
     served: Vec<f64>,
     copy_run: bool,
     accepted: usize,
     step: u64,
+    request: u64,
 }
 
 /// Cumulative ECE per position of `served` confidences against observed prefix survival.
@@ -555,11 +566,13 @@ mod replay_tests {
         // Two blocks at position 1: confidence 0.5, one accepted and one not.
         let b = |acc| BlockLine {
             set: "s".into(),
+            arm: "dspark".into(),
             conf: vec![0.5],
             served: vec![0.5],
             copy_run: false,
             accepted: acc,
             step: 0,
+            request: 0,
         };
         let (x, y) = (b(1), b(0));
         let e = replay_ece(&[&x, &y], &[vec![0.5], vec![0.5]]);
