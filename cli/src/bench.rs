@@ -208,10 +208,15 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
     )?;
     let max_k = a.k.iter().max().copied().unwrap_or(1);
     let mut points = Vec::new();
-    println!(
+    out!(
         "{:>6} {:>6} {:>4} {:>10} {:>10} {:>8}",
-        "ctx", "batch", "k", "ms_median", "ms_min", "x_k1"
-    );
+        "ctx",
+        "batch",
+        "k",
+        "ms_median",
+        "ms_min",
+        "x_k1"
+    )?;
     for &ctx in &a.ctx {
         for &batch in &a.batch {
             let (mut cache, seqs) = prefilled(&model, ctx, batch, max_k)?;
@@ -243,10 +248,10 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
                 }
                 let (med, min) = stats(times);
                 let b = *base.get_or_insert(min);
-                println!(
+                out!(
                     "{ctx:>6} {batch:>6} {k:>4} {med:>10.2} {min:>10.2} {:>8.2}",
                     min / b
-                );
+                )?;
                 points.push(
                     json!({"ctx": ctx, "batch": batch, "k": k, "ms_median": med, "ms_min": min}),
                 );
@@ -426,28 +431,28 @@ fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
     } else {
         Some(best(&peer))
     };
-    println!(
+    out!(
         "model {}  threads {threads}  isa {}",
         a.model,
         model.isa().name()
-    );
-    println!("ours      batch 1: {o1:8.1} tok/s");
-    println!("ours      batch 8: {o8:8.1} tok/s");
+    )?;
+    out!("ours      batch 1: {o1:8.1} tok/s")?;
+    out!("ours      batch 8: {o8:8.1} tok/s")?;
     match (&p, &peer_err) {
         (Some(v), _) => {
-            println!(
+            out!(
                 "llama.cpp batch 1: {v:8.1} tok/s  (best of each: ours/llama.cpp = {:.2})",
                 o1 / v
-            );
+            )?;
             if let Some((m, lo, hi)) = paired {
-                println!(
+                out!(
                     "paired over {} rounds: ours/llama.cpp = {m:.3} [95 %: {lo:.3}, {hi:.3}]",
                     ours1.len()
-                );
+                )?;
             }
         }
-        (None, Some(e)) => println!("llama.cpp: not measured ({e})"),
-        _ => println!("llama.cpp: not measured"),
+        (None, Some(e)) => out!("llama.cpp: not measured ({e})")?,
+        _ => out!("llama.cpp: not measured")?,
     }
     let v = json!({
         "model": a.model, "threads": threads, "isa": model.isa().name(), "command": command_line(),
@@ -521,7 +526,7 @@ fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
         kl_max = kl_max.max(k);
     }
     let n = ids.len() as f64;
-    println!(
+    out!(
         "{}: {} positions, top-1 agreement {:.4}, mean KL {:.6}, max KL {:.5} (isa {})",
         a.model,
         ids.len(),
@@ -529,7 +534,7 @@ fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
         kl / n,
         kl_max,
         result[0].0
-    );
+    )?;
     let out = json!({
         "model": a.model, "positions": ids.len(), "isa": result[0].0, "command": command_line(),
         "top1_agreement": agree as f64 / n, "mean_kl": kl / n, "max_kl": kl_max,
@@ -632,10 +637,15 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         None
     };
     let mut drafts = crate::spec::DraftCache::default();
-    println!(
+    out!(
         "{:<28} {:>5} {:>9} {:>9} {:>9} {:>10}  accept/pos",
-        "drafter", "gamma", "tok/s", "tpot_ms", "ttft_ms", "per_call"
-    );
+        "drafter",
+        "gamma",
+        "tok/s",
+        "tpot_ms",
+        "ttft_ms",
+        "per_call"
+    )?;
     let rounds = a.rounds.max(1);
     // Every arm's engine is built first (setup is not timed). The prompts then go in groups of
     // `concurrency`, and each group runs on every arm back to back, in a seeded shuffled order:
@@ -750,7 +760,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
                 .push(round_tokens[ai] as f64 / round_secs[ai].max(1e-9));
         }
         if rounds > 1 {
-            println!("  round {} of {rounds} done", round + 1);
+            out!("  round {} of {rounds} done", round + 1)?;
         }
     }
     // Per arm: tokens/s over every group, and the speedup over `none` as the geometric mean of
@@ -780,7 +790,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         } else {
             String::new()
         };
-        println!(
+        out!(
             "{:<28} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>10.2}  {:?}   ({:.2}x{ci})",
             label,
             gm,
@@ -793,7 +803,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
                 .map(|v| (v * 100.0).round() / 100.0)
                 .collect::<Vec<_>>(),
             speedup
-        );
+        )?;
         let arm = json!({
             "drafter": label, "scheduler": sched, "gamma": gm, "tok_s": tok_s, "tpot_ms": mean(&ac.tpot) * 1e3, "ttft_ms": mean(&ac.ttft) * 1e3,
             "committed_per_call": tot.committed_per_call(), "accept_per_pos": acc_pos, "speedup": speedup,
@@ -808,7 +818,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
     // Greedy runs must agree token for token across arms (lossless check on real prompts).
     let greedy_identical = a.temperature == 0.0 && results.iter().all(|r| r.2 == results[0].2);
     if a.temperature == 0.0 {
-        println!("greedy outputs identical across arms: {greedy_identical}");
+        out!("greedy outputs identical across arms: {greedy_identical}")?;
     }
     let v = json!({
         "model": a.model, "drafters": a.drafter, "prompts": a.prompts, "n_prompts": ids.len(), "concurrency": a.concurrency,
@@ -932,7 +942,7 @@ pub fn sched_bench(a: SchedArgs) -> anyhow::Result<()> {
         "p99_us": head_p99,
         "cases": cases,
     });
-    println!("{}", serde_json::to_string_pretty(&out)?);
+    out!("{}", serde_json::to_string_pretty(&out)?)?;
     write_json(&a.json, &out)
 }
 

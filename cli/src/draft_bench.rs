@@ -80,10 +80,14 @@ pub fn run(g: &Global, a: DraftArgs) -> anyhow::Result<()> {
         rows
     };
     let mut points = Vec::new();
-    println!(
+    out!(
         "{:>5} {:>5} {:>10} {:>10} {:>9}  stages (ms per call)",
-        "batch", "gamma", "draft_ms", "decode_ms", "ratio"
-    );
+        "batch",
+        "gamma",
+        "draft_ms",
+        "decode_ms",
+        "ratio"
+    )?;
     let mut next_id = 1u64;
     for &b in &a.batch {
         for &k in &a.gammas {
@@ -186,11 +190,11 @@ pub fn run(g: &Global, a: DraftArgs) -> anyhow::Result<()> {
                 .zip(&stage_acc)
                 .map(|((name, _), s)| format!("{name} {:.3}", s / n * 1e3))
                 .collect();
-            println!(
+            out!(
                 "{b:>5} {k:>5} {dms:>10.3} {tms:>10.3} {:>9.3}  {}",
                 dms / tms.max(1e-9),
                 stage_txt.join(", ")
-            );
+            )?;
             points.push(json!({
                 "batch": b, "gamma": k, "draft_ms": dms, "decode_ms": tms,
                 "draft_over_decode": dms / tms.max(1e-9), "stages_ms": stages,

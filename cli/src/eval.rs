@@ -229,7 +229,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
     let mut drafts = crate::spec::DraftCache::default();
     let mut results = Vec::new();
     let mut block_lines = String::new();
-    println!(
+    out!(
         "{:<6} {:<12} {:>5} {:>6} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6}  accept/pos",
         "set",
         "drafter",
@@ -241,7 +241,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
         "floor_q95",
         "auc",
         "oracle"
-    );
+    )?;
     for set in &sets {
         let mut prompts = crate::bench::prompt_set(set)?;
         prompts = prompts.into_iter().skip(a.offset).take(a.limit).collect();
@@ -346,7 +346,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                     .map_or("-".to_string(), |x| format!("{:.3}", x.1)),
                 _ => "-".to_string(),
             };
-            println!(
+            out!(
                 "{:<6} {:<12} {:>5} {:>6.2} {:>9} {:>9} {:>9} {:>9} {:>6} {:>6}  {}",
                 set,
                 arm,
@@ -362,7 +362,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                     .map(|x| format!("{x:.2}"))
                     .collect::<Vec<_>>()
                     .join(" ")
-            );
+            )?;
             results.push(serde_json::json!({
                 "drafter": arm, "prompts": set, "gamma": a.gamma, "temperature": a.temperature,
                 "tau": tau, "accept_per_pos": acc,
@@ -474,11 +474,11 @@ pub fn recal_replay(a: ReplayArgs) -> anyhow::Result<()> {
         let mut blocks: Vec<&BlockLine> = lines.iter().filter(|b| b.set == set).collect();
         blocks.sort_by_key(|b| b.step);
         let engine: Vec<Vec<f64>> = blocks.iter().map(|b| b.served.clone()).collect();
-        println!(
+        out!(
             "{set}: {} blocks; served by the engine: {}",
             blocks.len(),
             pct(&replay_ece(&blocks, &engine))
-        );
+        )?;
         for &hl in &a.half_life {
             let cfg = RecalConfig::with_half_life(hl)?
                 .ok_or_else(|| anyhow::anyhow!("a half-life of 0 turns the recalibration off"))?;
@@ -513,11 +513,11 @@ pub fn recal_replay(a: ReplayArgs) -> anyhow::Result<()> {
                 })
                 .collect();
             err.sort_by(f64::total_cmp);
-            println!(
+            out!(
                 "  half-life {hl}: {}   (median |replay − served| {:.1e})",
                 pct(&replay_ece(&blocks, &served)),
                 err.get(err.len() / 2).copied().unwrap_or(0.0)
-            );
+            )?;
         }
     }
     Ok(())

@@ -110,10 +110,15 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
     arms.push(("scheduler".into(), kind.clone(), a.max_gamma, true));
     let mut drafts = crate::spec::DraftCache::default();
     let mut points = Vec::new();
-    println!(
+    out!(
         "{:<12} {:>5} {:>9} {:>11} {:>9} {:>8}",
-        "arm", "conc", "tok/s", "user tok/s", "per_call", "ttft ms"
-    );
+        "arm",
+        "conc",
+        "tok/s",
+        "user tok/s",
+        "per_call",
+        "ttft ms"
+    )?;
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     let lengths = Lengths {
         max_tokens: a.max_tokens,
@@ -181,13 +186,13 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         for (ai, rounds) in measured.iter().enumerate() {
             let name = &arms[ai].0;
             let m = Measured::pool(rounds);
-            println!(
+            out!(
                 "{name:<12} {c:>5} {:>9.1} {:>11.1} {:>9.2} {:>8.1}",
                 m.tok_s(),
                 m.user_tok_s(),
                 m.per_call(),
                 m.ttft_ms()
-            );
+            )?;
             let mut p = m.json(name, c);
             p["rounds"] = json!(rounds.iter().map(|r| r.json(name, c)).collect::<Vec<_>>());
             p["rounds_tok_s"] = json!(rounds_of(ai));
@@ -195,18 +200,19 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         }
     }
     let checks = criteria(&points);
-    println!(
+    out!(
         "scheduler ≥ none at every concurrency: {}; scheduler above every fixed γ at equal per-user tok/s: {}",
-        checks["never_below_none"], checks["above_every_fixed_gamma"]
-    );
+        checks["never_below_none"],
+        checks["above_every_fixed_gamma"]
+    )?;
     for q in &paired {
-        println!(
+        out!(
             "scheduler / none at c{}: {:.3} (paired rounds, 95 % interval {:.3}–{:.3})",
             q["concurrency"],
             q["ratio"].as_f64().unwrap_or(f64::NAN),
             q["ci95"][0].as_f64().unwrap_or(f64::NAN),
             q["ci95"][1].as_f64().unwrap_or(f64::NAN)
-        );
+        )?;
     }
     let v = json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),

@@ -90,8 +90,9 @@ pub fn run(g: &Global, a: GenerateArgs) -> anyhow::Result<()> {
                     token_ids.extend(tokens);
                     full.push_str(&text);
                     if !a.json {
-                        let _ = stdout.write_all(text.as_bytes());
-                        let _ = stdout.flush();
+                        // A closed pipe ends the command (quietly: see `run`).
+                        stdout.write_all(text.as_bytes())?;
+                        stdout.flush()?;
                     }
                 }
                 Event::Finished {
@@ -112,12 +113,12 @@ pub fn run(g: &Global, a: GenerateArgs) -> anyhow::Result<()> {
         let mut metrics = m.summary();
         metrics["tok_s"] = serde_json::json!(tps);
         metrics["drafter"] = serde_json::json!(kind.label());
-        println!(
+        out!(
             "{}",
             serde_json::json!({"text": full, "token_ids": token_ids, "finish_reason": reason.as_str(), "metrics": metrics})
-        );
+        )?;
     } else {
-        println!();
+        out!()?;
         eprintln!(
             "[{} prompt + {n} tokens, {tps:.1} tok/s, TTFT {:.0} ms, {:.2} tokens/target call, drafter {}, finish: {}]",
             m.prompt_tokens,

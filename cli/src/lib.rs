@@ -3,6 +3,15 @@
 #![deny(rust_2018_idioms)]
 #![forbid(unsafe_code)]
 
+/// `println!` that returns the write's `io::Result` instead of panicking: a reader that closes
+/// the pipe early (`dspark … | head`) ends the command quietly (see [`run`]).
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($t)*)
+    }};
+}
+
 pub mod bench;
 pub mod config;
 pub mod draft_bench;
@@ -98,11 +107,21 @@ pub fn run() -> ExitCode {
         .init();
     match dispatch(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader went away (`| head`): what it wanted, it has.
+        Err(e) if broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// Whether an error is stdout's reader having closed the pipe.
+fn broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 /// Runs a service subcommand (its own flags, parsed by its crate).
@@ -158,17 +177,17 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             })?;
             let p =
                 dspark_runtime::fetch::fetch(&spec, &g.home, &g.python, &mut |m| eprintln!("{m}"))?;
-            println!("{}", p.display());
+            out!("{}", p.display())?;
             Ok(())
         }
         Command::Models => {
             for m in dspark_runtime::fetch::known_models() {
-                println!(
+                out!(
                     "{:<20} {:>6} MB  {}",
                     m.name,
                     m.bytes / 1_000_000,
                     m.description
-                );
+                )?;
             }
             Ok(())
         }

@@ -40,12 +40,13 @@ pub fn run(g: &Global, a: ProfileArgs) -> anyhow::Result<()> {
     batch.dedup();
     let cmd = std::env::args().collect::<Vec<_>>().join(" ");
     let art = target_worker::sps::profile(&model, key.clone(), &batch, &a.ctx, a.reps, &cmd)?;
-    println!(
+    out!(
         "{:>6} {:>12}   (staircase: slowest shape and context per B, non-increasing)",
-        "B", "steps/s"
-    );
+        "B",
+        "steps/s"
+    )?;
     for (b, s) in &art.table {
-        println!("{b:>6} {s:>12.2}");
+        out!("{b:>6} {s:>12.2}")?;
     }
     let cache = dspark_scheduler::sps::cache_path(&g.home, &key);
     art.save(&cache)?;

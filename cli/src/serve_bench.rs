@@ -200,7 +200,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         let wall = t0.elapsed().as_secs_f64();
         anyhow::Ok(summarize(&a, &model, mode, samples, wall))
     })?;
-    println!("{}", serde_json::to_string_pretty(&out)?);
+    out!("{}", serde_json::to_string_pretty(&out)?)?;
     if let Some(p) = &a.json {
         if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(d)?;

@@ -346,7 +346,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
             .clone();
         let (bias, fits) =
             drafter::calibrate::fit_copy(&samples, drafter::proposer::COPY_MAX_MATCH, greedy, 100);
-        println!(
+        out!(
             "copy prior ({} drafted positions with a candidate; {}):",
             samples.len(),
             if greedy {
@@ -354,9 +354,9 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
             } else {
                 "objective: mean log-likelihood gain of the committed token over the drafter alone"
             }
-        );
+        )?;
         for f in &fits {
-            println!(
+            out!(
                 "  match {}{}: {:>6} samples  candidate right {:.3}  drafter's top right {:.3}  bias {:.2}  objective {:.4} → {:.4}",
                 f.len,
                 if f.len == drafter::proposer::COPY_MAX_MATCH {
@@ -370,7 +370,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
                 f.bias,
                 f.objective_before,
                 f.objective_after
-            );
+            )?;
         }
         (bias, fits)
     };
@@ -397,14 +397,14 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let temps = sts.temps.clone();
     let tau = run.totals.committed_per_call();
     let oracle = crate::eval::oracle_auc(&obs);
-    println!(
+    out!(
         "blocks {}  τ {:.2}  ROC-AUC {:.3} (head logit alone {:.3}; of the true acceptance probabilities {})",
         obs.len(),
         tau,
         auc,
         auc_head,
         oracle.map_or("-".into(), |x| format!("{x:.3}"))
-    );
+    )?;
     for k in 0..after.len() {
         let mix = sts.mix.get(k).map_or(String::new(), |w| {
             format!(
@@ -412,7 +412,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
                 w[0], w[1], w[2], w[3], w[4], w[5], w[6]
             )
         });
-        println!(
+        out!(
             "position {}: T {:.2}  shift {:+.1}  ECE before {:.3}  after {:.3} (calibrated would read {:.3}, 95 % ≤ {:.3}; head alone {:.3}){mix}",
             k + 1,
             temps[k],
@@ -422,7 +422,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
             floor.get(k).map_or(0.0, |f| f.0),
             floor.get(k).map_or(0.0, |f| f.1),
             ece_head[k]
-        );
+        )?;
     }
     // Greedy requests get their own calibration; the other one is kept.
     let mut cfg = cfg_before;
@@ -620,14 +620,14 @@ pub fn drafter_vocab(g: &Global, a: VocabArgs) -> anyhow::Result<()> {
         let keep = frequent_tokens(&ids, vocab, &tok.stop_ids, a.size);
         let kept: std::collections::HashSet<u32> = keep.iter().copied().collect();
         let covered = ids.iter().filter(|t| kept.contains(t)).count();
-        println!(
+        out!(
             "{} tokens of text ({} files, {:.1} MB): the {} most frequent of {vocab} cover {:.2} %",
             ids.len(),
             files,
             bytes as f64 / 1e6,
             keep.len(),
             100.0 * covered as f64 / ids.len() as f64
-        );
+        )?;
         dr.set_draft_vocab(Some(keep))?;
     }
     // Only the config and the vocabulary change; the weights stay as they are on disk.

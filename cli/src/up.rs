@@ -239,7 +239,7 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    println!(
+    out!(
         "\ndspark cluster up in {:.1} s: router {url} · {} target worker(s) · {} draft worker(s) ({drafter}{})",
         t0.elapsed().as_secs_f64(),
         a.target_workers,
@@ -249,11 +249,11 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         } else {
             ""
         }
-    );
-    println!(
+    )?;
+    out!(
         "try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\nCtrl-C stops the cluster.",
         a.target
-    );
+    )?;
     let stop = rt.block_on(async {
         let mut term =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();

@@ -555,3 +555,32 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     assert!(!out.contains("copy prior ("), "{out}");
     assert!(bias.is_null() || bias.as_array().is_some_and(|b| b.is_empty()));
 }
+
+#[test]
+fn a_reader_closing_the_pipe_ends_a_command_quietly() {
+    // `dspark … | head`: the reader is gone before the table is written. Rust ignores SIGPIPE,
+    // so a bare `println!` would panic on the failed write.
+    use std::process::Stdio;
+    let d = tmpdir("pipe");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dspark"))
+        .args([
+            "bench",
+            "sched",
+            "--requests",
+            "8",
+            "--gamma",
+            "4",
+            "--iters",
+            "20",
+        ])
+        .env("DSPARK_HOME", &d)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+}
