@@ -58,6 +58,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let svc = service::SchedulerService::default();
+    svc.spawn_sweeper();
     if let Some(e) = args.etcd.as_deref().filter(|e| !e.is_empty()) {
         let eps = e.split(',').map(|s| s.trim().to_string()).collect();
         discovery::spawn_etcd_watcher(eps, Arc::clone(&svc.cluster));

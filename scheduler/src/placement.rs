@@ -3,6 +3,10 @@
 //! Workers appear by registration (static mode) or an etcd lease (discovery mode) and vanish when
 //! their TTL passes. A new request goes to the least-loaded target worker of its model that has
 //! room, paired with the least-loaded draft worker of the same model and vocabulary.
+//!
+//! Time the scheduler itself did not run (SIGSTOP, a paused VM, a starved process) is not held
+//! against workers: their heartbeats could not be heard then, so a sweep that finds the previous
+//! one far behind gives every worker a fresh TTL to check in instead of dropping them all.
 
 use dspark_proto::WorkerInfo;
 use std::collections::HashMap;
@@ -15,6 +19,7 @@ pub const ROLE_DRAFT: &str = "draft";
 struct Entry {
     info: WorkerInfo,
     expires: Instant,
+    ttl: Duration,
     /// Requests placed since the worker last reported its load (so bursts spread out).
     placed: u32,
 }
@@ -22,7 +27,14 @@ struct Entry {
 #[derive(Default, Debug)]
 pub struct Cluster {
     workers: HashMap<String, Entry>,
+    /// When `expire` last ran (a sweeper calls it every [`SWEEP_PERIOD`]).
+    last_sweep: Option<Instant>,
 }
+
+/// How often the service sweeps for expired workers.
+pub const SWEEP_PERIOD: Duration = Duration::from_millis(100);
+/// A gap between sweeps longer than this means the scheduler was not running.
+pub const STALL_GAP: Duration = Duration::from_millis(500);
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum PlaceError {
@@ -38,6 +50,7 @@ impl Cluster {
             Entry {
                 info,
                 expires: now + ttl,
+                ttl,
                 placed: 0,
             },
         );
@@ -47,8 +60,24 @@ impl Cluster {
         self.workers.remove(id).is_some()
     }
 
-    /// Drops workers whose TTL passed; returns their ids.
+    /// Drops workers whose TTL passed; returns their ids. After a stall (the previous sweep more
+    /// than [`STALL_GAP`] ago) every worker first gets a fresh TTL: nobody could be heard then.
     pub fn expire(&mut self, now: Instant) -> Vec<String> {
+        if let Some(prev) = self.last_sweep {
+            let gap = now.saturating_duration_since(prev);
+            if gap > STALL_GAP {
+                if !self.workers.is_empty() {
+                    tracing::warn!(
+                        gap_ms = gap.as_millis() as u64,
+                        "scheduler was not running; workers get a TTL to check in again"
+                    );
+                }
+                for e in self.workers.values_mut() {
+                    e.expires = e.expires.max(now + e.ttl);
+                }
+            }
+        }
+        self.last_sweep = Some(self.last_sweep.map_or(now, |p| p.max(now)));
         let gone: Vec<String> = self
             .workers
             .iter()
@@ -179,12 +208,44 @@ mod tests {
         c.upsert(w("1", ROLE_TARGET, 4, 0), Duration::from_millis(100), now);
         c.upsert(w("2", ROLE_TARGET, 4, 0), Duration::from_secs(10), now);
         assert!(c.expire(now).is_empty());
-        assert_eq!(
-            c.expire(now + Duration::from_secs(1)),
-            vec!["1".to_string()]
-        );
+        // Swept on time (a late sweep would read as a stall of the scheduler itself).
+        let gone: Vec<String> = (1..=10)
+            .flat_map(|k| c.expire(now + Duration::from_millis(100 * k)))
+            .collect();
+        assert_eq!(gone, vec!["1".to_string()]);
         assert_eq!(c.workers().len(), 1);
         assert_eq!(c.place("m", &[]).unwrap().0.id, "2");
+    }
+
+    #[test]
+    fn a_stalled_scheduler_does_not_drop_workers_it_could_not_hear() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut c = Cluster::default();
+        c.upsert(w("1", ROLE_TARGET, 4, 0), ms(1000), t0);
+        c.upsert(w("2", ROLE_DRAFT, 4, 0), ms(300), t0);
+        assert!(c.expire(t0 + ms(100)).is_empty());
+        // Five seconds without a sweep: both TTLs passed while nothing ran.
+        assert!(c.expire(t0 + ms(5100)).is_empty(), "a stall is not a death");
+        assert_eq!(c.workers().len(), 2);
+        // Swept on time from here: whoever does not check in within its TTL goes.
+        let mut gone = Vec::new();
+        for k in 1..=11 {
+            gone.extend(c.expire(t0 + ms(5100 + 100 * k)));
+            if k == 2 {
+                assert!(gone.is_empty(), "a TTL of grace: {gone:?}");
+            }
+        }
+        gone.sort();
+        assert_eq!(gone, vec!["1".to_string(), "2".to_string()]);
+        // Without a stall the TTL is not extended.
+        let mut c = Cluster::default();
+        c.upsert(w("1", ROLE_TARGET, 4, 0), ms(300), t0);
+        let mut gone = Vec::new();
+        for k in 1..=4 {
+            gone.extend(c.expire(t0 + ms(100 * k)));
+        }
+        assert_eq!(gone, vec!["1".to_string()]);
     }
 
     #[test]

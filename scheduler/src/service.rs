@@ -34,6 +34,23 @@ impl Default for SchedulerService {
 const WARMUP: Duration = Duration::from_secs(3);
 
 impl SchedulerService {
+    /// Sweeps the view every [`crate::placement::SWEEP_PERIOD`], so that expiry happens on time
+    /// (not only when a call arrives) and a gap between sweeps marks a stall of this process.
+    pub fn spawn_sweeper(&self) {
+        let cluster = Arc::clone(&self.cluster);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(crate::placement::SWEEP_PERIOD);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Ok(mut c) = cluster.lock() else { return };
+                for id in c.expire(Instant::now()) {
+                    tracing::info!(worker = id, "worker expired");
+                }
+            }
+        });
+    }
+
     fn warming(&self) -> bool {
         self.started.elapsed() < WARMUP
     }

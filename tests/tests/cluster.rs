@@ -725,7 +725,23 @@ async fn scheduler_budgets_are_central_and_workers_survive_its_loss() {
         target_info(&target.addr).await.local_budget_steps > local_stall,
         "local budgets while the scheduler is stalled"
     );
+    // Stalled past the worker's TTL (1.5 s): it could not be heard, which is no reason to drop it.
+    if let Some(rest) = Duration::from_secs(2).checked_sub(t0.elapsed()) {
+        tokio::time::sleep(rest).await;
+    }
     scheduler.signal("CONT");
+    let view = dspark_proto::scheduler_client::SchedulerClient::connect(sched.clone())
+        .await
+        .expect("scheduler")
+        .cluster(dspark_proto::ClusterRequest {})
+        .await
+        .expect("cluster view")
+        .into_inner();
+    assert!(
+        view.workers.iter().any(|w| w.role == "target"),
+        "the target survives a stall of the scheduler: {:?}",
+        view.workers
+    );
 
     // Scheduler gone: the router places from its last view, the worker budgets locally.
     scheduler.kill();
