@@ -321,26 +321,35 @@ impl<'c> Merge<'c> {
         let a = self.a[r];
         let j = self.next[r] as usize + 1;
         let leaf = self.leaves + r;
-        if j < self.cap[r] as usize {
+        let mut v = if j < self.cap[r] as usize {
             let (cj, cl) = clamp_conf(self.conf[r][j]);
             self.clamped += cl as usize;
             self.a[r] = a * cj;
             self.next[r] = j as u8;
-            self.tree[leaf] = head(self.a[r], r);
+            head(self.a[r], r)
         } else {
-            self.tree[leaf] = 0;
-        }
+            0
+        };
+        // Replay the leaf's path carrying the new value in a register: a node is the max of the
+        // value coming up and its other three children, read before the child is written (so
+        // they are old values, ready early, not a store reloaded). The chain from one pop to
+        // the next is then one max a level.
         let t = &mut self.tree[..];
         let mut i = leaf;
         while i > 0 {
-            i = (i - 1) / 4;
-            let c = 4 * i + 1;
+            let p = (i - 1) / 4;
+            let c = 4 * p + 1;
             let q: [u64; 4] = match t.get(c..c + 4).and_then(|q| q.try_into().ok()) {
                 Some(q) => q,
                 None => break,
             };
-            t[i] = q[0].max(q[1]).max(q[2].max(q[3]));
+            t[i] = v;
+            let k = i - c;
+            let sib = |n: usize| if n == k { 0 } else { q[n] };
+            v = v.max(sib(0).max(sib(1)).max(sib(2).max(sib(3))));
+            i = p;
         }
+        t[i] = v;
         Some((r, a))
     }
 
