@@ -110,6 +110,29 @@ impl Drop for Children {
     }
 }
 
+/// SIGINT (Ctrl-C) and SIGTERM, registered once (created inside the runtime).
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+        })
+    }
+
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+        }
+    }
+}
+
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
@@ -139,6 +162,12 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
     };
     let sport = free_port()?;
     let sched_url = format!("http://127.0.0.1:{sport}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // From the first child on, Ctrl-C or SIGTERM stops the cluster cleanly, while it is still
+    // starting too (the default action would leave the children to notice stdin closing).
+    let mut signals = rt.block_on(async { Signals::new() })?;
     let mut kids = Children(Vec::new());
     let mut s = vec![
         "scheduler".to_string(),
@@ -213,8 +242,8 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
     kids.spawn("router", &r)?;
     // Ready when the router sees every worker.
     let url = format!("http://{listen}");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
         .build()?;
     let t0 = Instant::now();
     loop {
@@ -226,18 +255,35 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
             "cluster not ready after {} s",
             a.startup_timeout
         );
-        let ready = rt.block_on(async {
-            let r = reqwest::get(format!("{url}/ready")).await.ok()?;
+        let check = async {
+            let r = http.get(format!("{url}/ready")).send().await.ok()?;
             let v: serde_json::Value = r.json().await.ok()?;
             Some(
                 v["target_workers"].as_u64()? as usize >= a.target_workers
                     && v["draft_workers"].as_u64()? as usize >= drafts,
             )
+        };
+        let ready = rt.block_on(async {
+            tokio::select! {
+                _ = signals.recv() => None,
+                r = async {
+                    let r = check.await;
+                    if r != Some(true) {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                    r
+                } => Some(r),
+            }
         });
-        if ready == Some(true) {
-            break;
+        match ready {
+            None => {
+                eprintln!("stopping the cluster (it was still starting)");
+                kids.stop();
+                return Ok(());
+            }
+            Some(Some(true)) => break,
+            Some(_) => {}
         }
-        std::thread::sleep(Duration::from_millis(200));
     }
     out!(
         "\ndspark cluster up in {:.1} s: router {url} · {} target worker(s) · {} draft worker(s) ({drafter}{})",
@@ -255,12 +301,9 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         a.target
     )?;
     let stop = rt.block_on(async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         loop {
             tokio::select! {
-                _ = tokio::signal::ctrl_c() => return None,
-                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => futures::future::pending::<()>().await } } => return None,
+                _ = signals.recv() => return None,
                 _ = tokio::time::sleep(Duration::from_millis(500)) => {
                     if let Some(e) = kids.exited() { return Some(e); }
                 }

@@ -76,9 +76,17 @@ async fn register_static(
     beat: Duration,
     info: &Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
 ) -> Result<()> {
-    let mut c = SchedulerClient::connect(url.to_string())
+    // A scheduler that vanished without closing the connection (its node gone) must not hold a
+    // heartbeat forever: each call gets a TTL, then the worker reconnects, to a replacement too.
+    let limit = ttl.max(Duration::from_secs(1));
+    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| SchedError::Discovery(format!("scheduler {url}: {e}")))?
+        .connect_timeout(limit)
+        .timeout(limit)
+        .connect()
         .await
         .map_err(|e| SchedError::Discovery(format!("scheduler {url}: {e}")))?;
+    let mut c = SchedulerClient::new(ch);
     loop {
         let mut i = info();
         i.ttl_ms = ttl.as_millis() as u32;
@@ -105,18 +113,23 @@ async fn register_etcd(
         let mut i = info();
         i.ttl_ms = ttl.as_millis() as u32;
         let key = format!("{ETCD_PREFIX}{}", i.id);
-        c.put(
+        // Renewal alongside the put, not after it: a put waits for etcd's disk (fsync), and one
+        // slow write on a busy disk must not let the lease run out.
+        let put = c.put(
             key,
             i.encode_to_vec(),
             Some(PutOptions::new().with_lease(lease.id())),
-        )
-        .await
-        .map_err(etcd_err)?;
-        keeper.keep_alive().await.map_err(etcd_err)?;
-        match acks.message().await.map_err(etcd_err)? {
-            Some(a) if a.ttl() > 0 => {}
-            _ => return Err(SchedError::Discovery("lease expired".into())),
-        }
+        );
+        let renew = async {
+            keeper.keep_alive().await.map_err(etcd_err)?;
+            match acks.message().await.map_err(etcd_err)? {
+                Some(a) if a.ttl() > 0 => Ok(()),
+                _ => Err(SchedError::Discovery("lease expired".into())),
+            }
+        };
+        let (put, renew) = tokio::join!(put, renew);
+        put.map_err(etcd_err)?;
+        renew?;
         tokio::time::sleep(beat).await;
     }
 }

@@ -103,9 +103,18 @@ where
     }
 }
 
+/// An HTTP client whose requests fail after five minutes: a hung server fails its test instead
+/// of hanging CI.
+fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .expect("HTTP client")
+}
+
 /// GET/POST returning (status, JSON body).
 pub async fn post(url: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
-    let r = reqwest::Client::new()
+    let r = http()
         .post(url)
         .json(body)
         .send()
@@ -117,7 +126,7 @@ pub async fn post(url: &str, body: &serde_json::Value) -> (u16, serde_json::Valu
 }
 
 pub async fn post_raw(url: &str, body: Vec<u8>) -> (u16, serde_json::Value) {
-    let r = reqwest::Client::new()
+    let r = http()
         .post(url)
         .header("content-type", "application/json")
         .body(body)
@@ -130,7 +139,7 @@ pub async fn post_raw(url: &str, body: Vec<u8>) -> (u16, serde_json::Value) {
 }
 
 pub async fn get(url: &str) -> (u16, serde_json::Value) {
-    match reqwest::get(url).await {
+    match http().get(url).send().await {
         Ok(r) => {
             let st = r.status().as_u16();
             (st, r.json().await.unwrap_or(serde_json::Value::Null))

@@ -700,9 +700,11 @@ async fn scheduler_budgets_are_central_and_workers_survive_its_loss() {
     );
     let want = greedy(PROMPTS[0], 32).0;
     // Central budgets arrive off the critical path; on a loaded machine the first steps of a
-    // request may run on local ones. A healthy scheduler must be heard within a few requests.
+    // request may run on local ones (a budget counts only if it lands within two steps of its
+    // report). A healthy scheduler must be heard within a minute of requests.
     let mut central = 0;
-    for _ in 0..5 {
+    let t_central = std::time::Instant::now();
+    while t_central.elapsed() < Duration::from_secs(60) {
         let v = complete(&url, PROMPTS[0], 32).await;
         assert_eq!(ids_of(&v), want);
         central = target_info(&target.addr).await.central_budget_steps;
