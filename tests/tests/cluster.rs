@@ -636,6 +636,55 @@ async fn dspark_up_serves_the_quick_start_and_stops_cleanly() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dspark_up_interrupted_while_starting_stops_what_it_started() {
+    let _s = serial();
+    let port = free_port();
+    let mut up = std::process::Command::new(dspark_bin())
+        .args(["up", "--port", &port.to_string(), "--threads", "1"])
+        .env("DSPARK_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("dspark up");
+    // The scheduler is its first child: once it listens, `up` is starting its cluster.
+    let out = up.stdout.take().expect("piped stdout");
+    let sched = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines() {
+            let line = line.ok()?;
+            if let Some(i) = line.find("scheduler listening on ") {
+                return Some(line[i + 23..].trim().to_string());
+            }
+        }
+        None
+    })
+    .await
+    .expect("reader")
+    .expect("the scheduler started");
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &up.id().to_string()])
+        .status();
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(st) = up.try_wait().expect("wait") {
+            break st;
+        }
+        if t0.elapsed() > Duration::from_secs(20) {
+            let _ = up.kill();
+            panic!("dspark up did not stop while starting");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        status.success(),
+        "a clean stop, not death by SIGINT: {status}"
+    );
+    assert!(
+        std::net::TcpStream::connect(&sched).is_err(),
+        "the scheduler it started is gone"
+    );
+}
+
 async fn target_info(addr: &str) -> dspark_proto::WorkerInfo {
     let mut c = TargetWorkerClient::connect(format!("http://{addr}"))
         .await
