@@ -588,16 +588,39 @@ async fn expired_etcd_lease_removes_a_worker_from_placement() {
     assert_eq!(ids_of(&v), greedy(PROMPTS[1], 8).0);
 }
 
+/// `dspark up` on `port` (one compute thread a worker).
+fn spawn_up(port: u16, stdout: std::process::Stdio) -> std::process::Child {
+    std::process::Command::new(dspark_bin())
+        .args(["up", "--port", &port.to_string(), "--threads", "1"])
+        .env("DSPARK_LOG", "warn")
+        .stdout(stdout)
+        .spawn()
+        .expect("dspark up")
+}
+
+/// Ctrl-C (SIGINT) to `up`, and its exit status once it stopped within `limit`.
+async fn interrupt(up: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &up.id().to_string()])
+        .status();
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Some(st) = up.try_wait().expect("wait") {
+            return st;
+        }
+        if t0.elapsed() > limit {
+            let _ = up.kill();
+            panic!("dspark up did not stop within {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dspark_up_serves_the_quick_start_and_stops_cleanly() {
     let _s = serial();
     let port = free_port();
-    let mut up = std::process::Command::new(dspark_bin())
-        .args(["up", "--port", &port.to_string(), "--threads", "1"])
-        .env("DSPARK_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("dspark up");
+    let mut up = spawn_up(port, std::process::Stdio::null());
     let url = format!("http://127.0.0.1:{port}");
     wait_for("dspark up", Duration::from_secs(120), || ready(&url, 1, 1)).await;
     let (st, v) = post(
@@ -614,20 +637,7 @@ async fn dspark_up_serves_the_quick_start_and_stops_cleanly() {
             .contains("Paris"),
         "{v}"
     );
-    let _ = std::process::Command::new("kill")
-        .args(["-INT", &up.id().to_string()])
-        .status();
-    let t0 = std::time::Instant::now();
-    loop {
-        if up.try_wait().expect("wait").is_some() {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(15),
-            "dspark up did not stop"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    interrupt(&mut up, Duration::from_secs(15)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
         get(&format!("{url}/health")).await.0,
@@ -640,12 +650,7 @@ async fn dspark_up_serves_the_quick_start_and_stops_cleanly() {
 async fn dspark_up_interrupted_while_starting_stops_what_it_started() {
     let _s = serial();
     let port = free_port();
-    let mut up = std::process::Command::new(dspark_bin())
-        .args(["up", "--port", &port.to_string(), "--threads", "1"])
-        .env("DSPARK_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("dspark up");
+    let mut up = spawn_up(port, std::process::Stdio::piped());
     // The scheduler is its first child: once it listens, `up` is starting its cluster.
     let out = up.stdout.take().expect("piped stdout");
     let sched = tokio::task::spawn_blocking(move || {
@@ -661,20 +666,7 @@ async fn dspark_up_interrupted_while_starting_stops_what_it_started() {
     .await
     .expect("reader")
     .expect("the scheduler started");
-    let _ = std::process::Command::new("kill")
-        .args(["-INT", &up.id().to_string()])
-        .status();
-    let t0 = std::time::Instant::now();
-    let status = loop {
-        if let Some(st) = up.try_wait().expect("wait") {
-            break st;
-        }
-        if t0.elapsed() > Duration::from_secs(20) {
-            let _ = up.kill();
-            panic!("dspark up did not stop while starting");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let status = interrupt(&mut up, Duration::from_secs(20)).await;
     assert!(
         status.success(),
         "a clean stop, not death by SIGINT: {status}"
