@@ -44,9 +44,7 @@ impl SchedulerService {
             loop {
                 tick.tick().await;
                 let Ok(mut c) = cluster.lock() else { return };
-                for id in c.expire(Instant::now()) {
-                    tracing::info!(worker = id, "worker expired");
-                }
+                expire_now(&mut c);
             }
         });
     }
@@ -60,10 +58,15 @@ impl SchedulerService {
             .cluster
             .lock()
             .map_err(|_| Status::internal("cluster view poisoned"))?;
-        for id in c.expire(Instant::now()) {
-            tracing::info!(worker = id, "worker expired");
-        }
+        expire_now(&mut c);
         Ok(c)
+    }
+}
+
+/// Drops the workers whose TTL passed (the sweeper's tick and every call do it).
+fn expire_now(c: &mut Cluster) {
+    for id in c.expire(Instant::now()) {
+        tracing::info!(worker = id, "worker expired");
     }
 }
 
