@@ -16,6 +16,8 @@ pub struct ProfileArgs {
     /// Context lengths.
     #[arg(long, value_delimiter = ',', default_values_t = target_worker::sps::DEFAULT_CTXS.to_vec())]
     pub ctx: Vec<usize>,
+    /// Passes over the whole grid; each point is its fastest pass (a busy spell of the machine
+    /// lasting seconds lands on one pass of a point, not on all of them).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
     /// Also write the artifact here (it always goes to the cache the workers read).
@@ -32,14 +34,12 @@ pub fn run(g: &Global, a: ProfileArgs) -> anyhow::Result<()> {
         !a.ctx.is_empty() && a.ctx.iter().all(|&c| c >= 1),
         "--ctx takes positive values"
     );
+    anyhow::ensure!(a.reps >= 1, "--reps takes a value ≥ 1");
     let path = g.resolve_model(&a.model)?;
     let model = dspark_runtime::Model::load(&path, &g.load_opts())?;
-    let key = target_worker::sps::key_for(&a.model, &path, &model);
-    let mut batch = a.batch.clone();
-    batch.sort_unstable();
-    batch.dedup();
+    let key = target_worker::sps::key_for(&a.model, &path, &model, &a.batch, &a.ctx);
     let cmd = std::env::args().collect::<Vec<_>>().join(" ");
-    let art = target_worker::sps::profile(&model, key.clone(), &batch, &a.ctx, a.reps, &cmd)?;
+    let art = target_worker::sps::profile(&model, key.clone(), a.reps, &cmd)?;
     out!(
         "{:>6} {:>12}   (staircase: slowest shape and context per B, non-increasing)",
         "B",

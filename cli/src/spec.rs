@@ -66,14 +66,14 @@ pub fn sps_profile(
     target: &Loaded,
 ) -> anyhow::Result<dspark_scheduler::admission::SpsTable> {
     let path = g.resolve_model(name)?;
-    let key = target_worker::sps::key_for(name, &path, &target.model);
-    let (sps, cached) = target_worker::sps::load_or_profile(
-        &g.home,
-        key,
+    let key = target_worker::sps::key_for(
+        name,
+        &path,
         &target.model,
         target_worker::sps::DEFAULT_GRID,
         target_worker::sps::DEFAULT_CTXS,
-    )?;
+    );
+    let (sps, cached) = target_worker::sps::load_or_profile(&g.home, key, &target.model)?;
     eprintln!(
         "SPS(B) table: {} stairs ({})",
         sps.points.len(),

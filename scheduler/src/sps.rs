@@ -1,13 +1,16 @@
 //! The SPS(B) artifact: a profiled staircase keyed by what it was measured on (model, dtype,
-//! device and ISA, threads, TP degree, runtime version), stored as versioned JSON, reused when the
-//! key matches and refused (with the reason) when it does not.
+//! device and ISA, threads, TP degree, runtime version) and how (batch grid, contexts), stored
+//! as versioned JSON, reused when the key matches and refused (with the reason) when it does not.
 
 use crate::admission::{AdmissionError, SpsTable};
 use serde::{Deserialize, Serialize};
 use specdec::profile::SpsPoint;
 use std::path::{Path, PathBuf};
 
-pub const ARTIFACT_VERSION: u32 = 1;
+/// 2: the key names the grid and contexts, and each point is the fastest of passes
+/// interleaved over the grid (version 1 took the median of consecutive forwards, which a
+/// neighbour's busy spell of a few seconds skewed; such tables are measured again).
+pub const ARTIFACT_VERSION: u32 = 2;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SpsKey {
@@ -19,6 +22,10 @@ pub struct SpsKey {
     pub threads: usize,
     pub tp: usize,
     pub runtime: String,
+    /// The batch-token counts and context lengths measured: a profile over a short grid (a
+    /// test's) must not stand in for the full one.
+    pub grid: Vec<usize>,
+    pub ctxs: Vec<usize>,
 }
 
 impl SpsKey {
@@ -129,6 +136,8 @@ mod tests {
             threads: 2,
             tp: 1,
             runtime: "0.1.0".into(),
+            grid: vec![1, 8, 64],
+            ctxs: vec![256],
         }
     }
 
@@ -152,6 +161,13 @@ mod tests {
             SpsArtifact::load(&p, Some(&other)),
             Err(SpsError::WrongKey { .. })
         ));
+        // A profile over a shorter grid (or other contexts) is another key.
+        let mut short = key();
+        short.grid = vec![1, 8];
+        assert!(matches!(
+            SpsArtifact::load(&p, Some(&short)),
+            Err(SpsError::WrongKey { .. })
+        ));
         let mut b = a.clone();
         b.table = vec![(1, 10.0), (8, 90.0)];
         b.save(&p).unwrap();
@@ -171,6 +187,9 @@ mod tests {
             Err(SpsError::Invalid { .. })
         ));
         assert_ne!(key().file_name(), other.file_name());
+        let mut short = key();
+        short.grid = vec![1, 8];
+        assert_ne!(key().file_name(), short.file_name());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

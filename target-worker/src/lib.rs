@@ -353,10 +353,9 @@ fn build_engine(
         "gate" => None,
         "scheduler" => {
             let path = hub.resolve(&a.model)?;
-            let key = sps::key_for(&a.model, &path, &target.model);
+            let key = sps::key_for(&a.model, &path, &target.model, &a.sps_grid, &a.sps_ctx);
             let key_s = serde_json::to_string(&key).unwrap_or_default();
-            let (table, cached) =
-                sps::load_or_profile(&hub.home, key, &target.model, &a.sps_grid, &a.sps_ctx)?;
+            let (table, cached) = sps::load_or_profile(&hub.home, key, &target.model)?;
             tracing::info!(cached, stairs = table.points.len(), "SPS(B) table ready");
             let mut p = dspark_scheduler::admission::ConfidencePolicy::new(
                 table.clone(),

@@ -1,5 +1,6 @@
 //! The worker's SPS(B) table: loaded from the profile cache when its key matches this worker
-//! (model file, dtype, device/ISA, threads, TP degree, runtime version), profiled otherwise.
+//! (model file, dtype, device/ISA, threads, TP degree, runtime version, grid and contexts),
+//! profiled otherwise.
 
 use dspark_runtime::Model;
 use dspark_scheduler::admission::SpsTable;
@@ -10,7 +11,15 @@ use std::path::Path;
 pub const DEFAULT_GRID: &[usize] = &[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256];
 pub const DEFAULT_CTXS: &[usize] = &[256, 1024];
 
-pub fn key_for(name: &str, path: &Path, model: &Model) -> SpsKey {
+/// The key of a profile of `model` over `grid` × `ctxs` (both taken sorted, without
+/// duplicates, as [`profile`] measures them).
+pub fn key_for(name: &str, path: &Path, model: &Model, grid: &[usize], ctxs: &[usize]) -> SpsKey {
+    let set = |v: &[usize]| {
+        let mut v = v.to_vec();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
     SpsKey {
         model: name.to_string(),
         model_bytes: std::fs::metadata(path).map(|m| m.len()).unwrap_or(0),
@@ -36,19 +45,19 @@ pub fn key_for(name: &str, path: &Path, model: &Model) -> SpsKey {
         tp: 1,
         // The kernels' revision too: a profile measured before a kernel change is stale.
         runtime: format!("{}+{}", env!("CARGO_PKG_VERSION"), kernels::REVISION),
+        grid: set(grid),
+        ctxs: set(ctxs),
     }
 }
 
-/// Measures and builds the artifact.
+/// Measures the key's grid and contexts (`reps` interleaved passes) and builds the artifact.
 pub fn profile(
     model: &Model,
     key: SpsKey,
-    grid: &[usize],
-    ctxs: &[usize],
     reps: usize,
     command: &str,
 ) -> specdec::Result<SpsArtifact> {
-    let points = specdec::profile::measure(model, grid, ctxs, reps)?;
+    let points = specdec::profile::measure(model, &key.grid, &key.ctxs, reps)?;
     Ok(SpsArtifact {
         version: ARTIFACT_VERSION,
         key,
@@ -59,13 +68,7 @@ pub fn profile(
 }
 
 /// The cached table for this key, or a fresh profile (saved to the cache).
-pub fn load_or_profile(
-    home: &Path,
-    key: SpsKey,
-    model: &Model,
-    grid: &[usize],
-    ctxs: &[usize],
-) -> crate::Result<(SpsTable, bool)> {
+pub fn load_or_profile(home: &Path, key: SpsKey, model: &Model) -> crate::Result<(SpsTable, bool)> {
     let path = cache_path(home, &key);
     match SpsArtifact::load(&path, Some(&key)) {
         Ok((_, t)) => return Ok((t, true)),
@@ -77,7 +80,7 @@ pub fn load_or_profile(
         key.model,
         path.display()
     );
-    let a = profile(model, key, grid, ctxs, 3, "target-worker start")?;
+    let a = profile(model, key, 3, "target-worker start")?;
     let t = SpsTable::new(a.table.clone())
         .map_err(|e| crate::TargetError::Config(format!("profiled SPS table: {e}")))?;
     if let Err(e) = a.save(&path) {
