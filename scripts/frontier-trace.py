@@ -11,6 +11,7 @@ Usage: scripts/frontier-trace.py trace.log[.gz]
 import collections, datetime, gzip, re, statistics, sys
 
 KV = re.compile(r'(\w+)=("[^"]*"|\S+)')
+PARTS = ("forward", "draft", "accept", "features", "plan")
 
 
 def lines(path):
@@ -34,7 +35,8 @@ def main(path):
         prev = t
         if "step done" in line:
             arm = "none" if d["proposer"] == "none" else ("scheduler" if d["policy"] == "true" else "fixed")
-            s = dict(phase=phase, total=own, B=int(d["batch_tokens"]), features=d["features"] == "true")
+            s = dict(phase=phase, total=own, B=int(d["batch_tokens"]), features=d["features"] == "true",
+                     parts={k: float(d.get(k + "_s", 0.0)) for k in PARTS})
             s.update(pending.pop(arm, {}))
             steps[arm].append(s)
         elif "free drafts" in line:
@@ -47,6 +49,25 @@ def main(path):
         sizes = collections.Counter(s["B"] for s in st)
         print(f"{arm:9} steps {len(st):5}  seconds {sum(s['total'] for s in st):8.3f}  "
               f"feature steps {sum(s['features'] for s in st):4}  sizes {sorted(sizes.items())}")
+    # Where `none` and the scheduler differ: per step size, steps and seconds in each arm, and
+    # the scheduler's seconds over none's at none's median for that size (its count × the
+    # difference of medians: what a per-step overhead costs in all).
+    a, b = timed.get("none", []), timed.get("scheduler", [])
+    if a and b:
+        print("per size (none | scheduler): steps, median ms, seconds; parts (s) over all steps")
+        for arm, st in (("none", a), ("scheduler", b)):
+            tot = {k: sum(s["parts"][k] for s in st) for k in PARTS}
+            rest = sum(s["total"] for s in st) - sum(tot.values())
+            print(f"  {arm:9} " + "  ".join(f"{k} {v:.3f}" for k, v in tot.items()) + f"  other {rest:.3f}")
+        ga, gb = collections.defaultdict(list), collections.defaultdict(list)
+        for s in a:
+            ga[s["B"]].append(s["total"] * 1e3)
+        for s in b:
+            gb[s["B"]].append(s["total"] * 1e3)
+        for size in sorted(set(ga) | set(gb)):
+            x, y = ga.get(size, []), gb.get(size, [])
+            fmt = lambda v: f"{len(v):4} {statistics.median(v) if v else 0:7.1f} {sum(v) / 1e3:6.3f}"
+            print(f"  B {size:4}: {fmt(x)} | {fmt(y)}")
     sched = timed.get("scheduler", [])
     free = [s for s in sched if s.get("free", 0) > 0]
     print(f"free-draft steps {len(free)}: drafts {sum(s['free'] for s in free)}, accepted "
