@@ -26,14 +26,7 @@ pub struct ProfileArgs {
 }
 
 pub fn run(g: &Global, a: ProfileArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !a.batch.is_empty() && a.batch.iter().all(|&b| b >= 1 && b <= 8192),
-        "--batch takes values in 1..=8192"
-    );
-    anyhow::ensure!(
-        !a.ctx.is_empty() && a.ctx.iter().all(|&c| c >= 1),
-        "--ctx takes positive values"
-    );
+    target_worker::sps::check_grid(&a.batch, &a.ctx).map_err(anyhow::Error::msg)?;
     anyhow::ensure!(a.reps >= 1, "--reps takes a value ≥ 1");
     let path = g.resolve_model(&a.model)?;
     let model = dspark_runtime::Model::load(&path, &g.load_opts())?;

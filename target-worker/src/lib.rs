@@ -140,6 +140,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             specdec::MAX_GAMMA
         )));
     }
+    sps::check_grid(&args.sps_grid, &args.sps_ctx).map_err(TargetError::Config)?;
     let fallback_kind = specdec::ProposerKind::parse(&args.fallback, None)?;
     if !matches!(
         fallback_kind,

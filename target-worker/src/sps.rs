@@ -11,6 +11,21 @@ use std::path::Path;
 pub const DEFAULT_GRID: &[usize] = &[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256];
 pub const DEFAULT_CTXS: &[usize] = &[256, 1024];
 
+/// Refuses a grid or context list a profile cannot measure (before any forward runs).
+pub fn check_grid(grid: &[usize], ctxs: &[usize]) -> Result<(), String> {
+    if grid.is_empty() || grid.iter().any(|&b| !(1..=8192).contains(&b)) {
+        return Err(format!(
+            "SPS grid {grid:?}: batch-token counts must be in 1..=8192 (at least one)"
+        ));
+    }
+    if ctxs.is_empty() || ctxs.contains(&0) {
+        return Err(format!(
+            "SPS contexts {ctxs:?}: context lengths must be positive (at least one)"
+        ));
+    }
+    Ok(())
+}
+
 /// The key of a profile of `model` over `grid` × `ctxs` (both taken sorted, without
 /// duplicates, as [`profile`] measures them).
 pub fn key_for(name: &str, path: &Path, model: &Model, grid: &[usize], ctxs: &[usize]) -> SpsKey {
@@ -87,4 +102,24 @@ pub fn load_or_profile(home: &Path, key: SpsKey, model: &Model) -> crate::Result
         tracing::warn!("could not cache the SPS profile: {e}");
     }
     Ok((t, false))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grids_a_profile_cannot_measure_are_refused() {
+        assert!(check_grid(DEFAULT_GRID, DEFAULT_CTXS).is_ok());
+        for (g, c) in [
+            (&[][..], &[256][..]),
+            (&[0, 1][..], &[256][..]),
+            (&[1, 9000][..], &[256][..]),
+            (&[1, 2][..], &[][..]),
+            (&[1, 2][..], &[0][..]),
+        ] {
+            let e = check_grid(g, c).unwrap_err();
+            assert!(e.contains("SPS"), "{e}");
+        }
+    }
 }
