@@ -158,7 +158,7 @@ mod tests {
     use dspark_runtime::tiny::{TinySpec, tiny_model_path};
 
     #[test]
-    fn every_shape_is_measured_in_each_pass_and_kept_at_its_fastest() {
+    fn every_shape_is_measured_and_kept_at_its_fastest_pass() {
         let path = tiny_model_path(&TinySpec::llama(5), "profile").unwrap();
         let opts = LoadOptions {
             threads: 1,
