@@ -49,9 +49,9 @@ def main(path):
         sizes = collections.Counter(s["B"] for s in st)
         print(f"{arm:9} steps {len(st):5}  seconds {sum(s['total'] for s in st):8.3f}  "
               f"feature steps {sum(s['features'] for s in st):4}  sizes {sorted(sizes.items())}")
-    # Where `none` and the scheduler differ: per step size, steps and seconds in each arm, and
-    # the scheduler's seconds over none's at none's median for that size (its count × the
-    # difference of medians: what a per-step overhead costs in all).
+    # Where `none` and the scheduler differ: each arm's seconds per part of a step (what is
+    # left of a step's total is "other"), then per step size each arm's steps, median ms and
+    # seconds in all.
     a, b = timed.get("none", []), timed.get("scheduler", [])
     if a and b:
         print("per size (none | scheduler): steps, median ms, seconds; parts (s) over all steps")

@@ -187,8 +187,6 @@ mod tests {
             Err(SpsError::Invalid { .. })
         ));
         assert_ne!(key().file_name(), other.file_name());
-        let mut short = key();
-        short.grid = vec![1, 8];
         assert_ne!(key().file_name(), short.file_name());
         let _ = std::fs::remove_dir_all(&dir);
     }
