@@ -51,6 +51,10 @@ pub struct DraftArgs {
     /// gRPC listen address (port 0 picks a free port; the bound address is registered).
     #[arg(long, env = "DSPARK_DRAFT_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
+    /// Address peers dial, HOST[:PORT], published with the registration (default: the bound
+    /// address; required when listening on a wildcard such as 0.0.0.0, e.g. the pod IP).
+    #[arg(long, env = "DSPARK_ADVERTISE")]
+    pub advertise: Option<String>,
     /// Scheduler URL for static registration.
     #[arg(long, env = "DSPARK_SCHEDULER")]
     pub scheduler: Option<String>,
@@ -85,6 +89,13 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         args.etcd.as_deref(),
     )
     .ok();
+    // Refuse an address peers cannot dial before loading the drafter.
+    let advertise = |a: std::net::SocketAddr| match &disc {
+        Some(_) => dspark_scheduler::discovery::advertised_address(a, args.advertise.as_deref())
+            .map_err(|e| DraftError::Config(e.to_string())),
+        None => Ok(a.to_string()),
+    };
+    advertise(args.listen)?;
     let hub = drafter::build::ModelHub {
         home: dspark_runtime::fetch::dspark_home(args.home.as_deref()),
         python: args.python.clone(),
@@ -99,6 +110,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         .map_err(|e| DraftError::Config(format!("loader: {e}")))??;
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
+    let advertised = advertise(addr)?;
     let id = args
         .id
         .clone()
@@ -106,7 +118,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     let info = dspark_proto::WorkerInfo {
         id: id.clone(),
         role: dspark_scheduler::placement::ROLE_DRAFT.into(),
-        address: addr.to_string(),
+        address: advertised.clone(),
         model: args.target.clone(),
         vocab_hash: host.vocab_hash.clone(),
         capacity: args.capacity,

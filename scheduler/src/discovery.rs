@@ -39,6 +39,55 @@ impl Discovery {
     }
 }
 
+/// The address a worker publishes for peers to dial: `--advertise HOST[:PORT]` when given (a
+/// bare host takes the bound port), else the bound address. A wildcard bind (`0.0.0.0`, `::`)
+/// without `--advertise` is refused: published as is, no peer could reach it (in Kubernetes,
+/// advertise the pod IP from the downward API).
+pub fn advertised_address(bound: std::net::SocketAddr, advertise: Option<&str>) -> Result<String> {
+    let adv = advertise.map(str::trim).filter(|a| !a.is_empty());
+    let Some(a) = adv else {
+        if bound.ip().is_unspecified() {
+            return Err(SchedError::Config(format!(
+                "listening on {bound}, which peers cannot dial: pass --advertise HOST[:PORT] \
+                 (DSPARK_ADVERTISE; in Kubernetes the pod IP)"
+            )));
+        }
+        return Ok(bound.to_string());
+    };
+    if a.contains("://") || a.contains('/') || a.chars().any(char::is_whitespace) {
+        return Err(SchedError::Config(format!(
+            "--advertise `{a}`: expected HOST or HOST:PORT, without a scheme or path"
+        )));
+    }
+    if let Ok(sa) = a.parse::<std::net::SocketAddr>() {
+        return port_ok(a, sa.port()).map(|_| sa.to_string());
+    }
+    if let Ok(ip) = a.parse::<std::net::IpAddr>() {
+        return Ok(std::net::SocketAddr::new(ip, bound.port()).to_string());
+    }
+    match a.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && !host.contains(':') => {
+            let p: u16 = port.parse().map_err(|_| {
+                SchedError::Config(format!("--advertise `{a}`: port `{port}` is not a number"))
+            })?;
+            port_ok(a, p).map(|_| format!("{host}:{p}"))
+        }
+        Some(_) => Err(SchedError::Config(format!(
+            "--advertise `{a}`: an IPv6 address takes brackets, e.g. [::1]:50051"
+        ))),
+        None => Ok(format!("{a}:{}", bound.port())),
+    }
+}
+
+fn port_ok(a: &str, p: u16) -> Result<()> {
+    if p == 0 {
+        return Err(SchedError::Config(format!(
+            "--advertise `{a}`: port 0 cannot be dialed"
+        )));
+    }
+    Ok(())
+}
+
 /// `host:port` → `http://host:port`.
 pub fn normalize_url(s: &str) -> String {
     if s.starts_with("http://") || s.starts_with("https://") {
@@ -198,4 +247,57 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
         }
     }
     Err(SchedError::Discovery("watch stream ended".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::advertised_address;
+
+    #[test]
+    fn advertised_address_is_dialable() {
+        let wild: std::net::SocketAddr = "0.0.0.0:50051".parse().unwrap();
+        let lo: std::net::SocketAddr = "127.0.0.1:4000".parse().unwrap();
+        assert_eq!(advertised_address(lo, None).unwrap(), "127.0.0.1:4000");
+        assert_eq!(
+            advertised_address(lo, Some("  ")).unwrap(),
+            "127.0.0.1:4000"
+        );
+        let e = advertised_address(wild, None).unwrap_err().to_string();
+        assert!(
+            e.contains("--advertise") && e.contains("0.0.0.0:50051"),
+            "{e}"
+        );
+        // A bare host takes the bound port; an explicit port wins.
+        assert_eq!(
+            advertised_address(wild, Some("10.1.2.3")).unwrap(),
+            "10.1.2.3:50051"
+        );
+        assert_eq!(
+            advertised_address(wild, Some("10.1.2.3:7")).unwrap(),
+            "10.1.2.3:7"
+        );
+        assert_eq!(
+            advertised_address(wild, Some("tw-0.tw.ns.svc")).unwrap(),
+            "tw-0.tw.ns.svc:50051"
+        );
+        assert_eq!(
+            advertised_address(wild, Some("fd00::1")).unwrap(),
+            "[fd00::1]:50051"
+        );
+        assert_eq!(
+            advertised_address(wild, Some("[fd00::1]:9")).unwrap(),
+            "[fd00::1]:9"
+        );
+        for bad in [
+            "http://10.0.0.1:1",
+            "host:port",
+            "host:0",
+            "a b",
+            "host:1/x",
+            "fd00::1:zz",
+        ] {
+            let e = advertised_address(wild, Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("--advertise"), "{bad}: {e}");
+        }
+    }
 }

@@ -45,6 +45,10 @@ pub struct TargetArgs {
     /// gRPC listen address (port 0 picks a free port; the bound address is registered).
     #[arg(long, env = "DSPARK_TARGET_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
+    /// Address peers dial, HOST[:PORT], published with the registration (default: the bound
+    /// address; required when listening on a wildcard such as 0.0.0.0, e.g. the pod IP).
+    #[arg(long, env = "DSPARK_ADVERTISE")]
+    pub advertise: Option<String>,
     /// Scheduler URL for static registration.
     #[arg(long, env = "DSPARK_SCHEDULER")]
     pub scheduler: Option<String>,
@@ -153,6 +157,13 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         args.etcd.as_deref(),
     )
     .ok();
+    // Refuse an address peers cannot dial before spending minutes loading the model.
+    let advertise = |a: SocketAddr| match &disc {
+        Some(_) => dspark_scheduler::discovery::advertised_address(a, args.advertise.as_deref())
+            .map_err(|e| TargetError::Config(e.to_string())),
+        None => Ok(a.to_string()),
+    };
+    advertise(args.listen)?;
     let hub = drafter::build::ModelHub {
         home: dspark_runtime::fetch::dspark_home(args.home.as_deref()),
         python: args.python.clone(),
@@ -164,6 +175,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     };
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
+    let advertised = advertise(addr)?;
     let id = args
         .id
         .clone()
@@ -190,7 +202,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     let info = dspark_proto::WorkerInfo {
         id: id.clone(),
         role: dspark_scheduler::placement::ROLE_TARGET.into(),
-        address: addr.to_string(),
+        address: advertised.clone(),
         model: args.model.clone(),
         vocab_hash,
         capacity: args.max_running as u32,

@@ -1,0 +1,137 @@
+{{/* Names: <release>-dspark-serve-<component>, trimmed to 63 characters. */}}
+{{- define "dspark.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dspark.name" -}}
+{{- printf "%s-%s" (include "dspark.fullname" .root) .component | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "dspark.selectorLabels" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "dspark.labels" -}}
+{{ include "dspark.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end -}}
+
+{{- define "dspark.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* etcd endpoints, comma-separated. */}}
+{{- define "dspark.etcdEndpoints" -}}
+{{- if .Values.etcd.endpoints -}}
+{{- join "," .Values.etcd.endpoints -}}
+{{- else -}}
+{{- printf "http://%s:%v" (include "dspark.name" (dict "root" . "component" "etcd")) .Values.etcd.clientPort -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dspark.schedulerUrl" -}}
+{{- printf "http://%s:%v" (include "dspark.name" (dict "root" . "component" "scheduler")) .Values.scheduler.port -}}
+{{- end -}}
+
+{{/* Environment every dspark container shares. */}}
+{{- define "dspark.commonEnv" -}}
+- name: DSPARK_HOME
+  value: {{ .Values.modelCache.mountPath | quote }}
+- name: DSPARK_LOG
+  value: {{ .Values.logLevel | quote }}
+- name: HOME
+  value: /tmp
+{{- with .Values.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Downward API: workers publish their pod IP and register under their pod name. */}}
+{{- define "dspark.workerEnv" -}}
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: DSPARK_ADVERTISE
+  value: $(POD_IP)
+- name: DSPARK_WORKER_ID
+  value: $(POD_NAME)
+- name: DSPARK_ETCD
+  value: {{ include "dspark.etcdEndpoints" . | quote }}
+- name: DSPARK_SCHEDULER
+  value: {{ include "dspark.schedulerUrl" . | quote }}
+- name: DSPARK_TTL_MS
+  value: {{ .Values.registrationTtlMs | quote }}
+{{- end -}}
+
+{{/* Volumes every dspark pod mounts: the model cache and a writable /tmp. */}}
+{{- define "dspark.volumes" -}}
+- name: model-cache
+{{- if .Values.modelCache.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.modelCache.existingClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.modelCache.sizeLimit }}
+{{- end }}
+- name: tmp
+  emptyDir: {}
+{{- end -}}
+
+{{- define "dspark.volumeMounts" -}}
+- name: model-cache
+  mountPath: {{ .Values.modelCache.mountPath }}
+- name: tmp
+  mountPath: /tmp
+{{- end -}}
+
+{{/* Fetches the model into the cache before the main container starts. */}}
+{{- define "dspark.fetchModel" -}}
+{{- if not (hasPrefix "/" .Values.model) }}
+- name: fetch-model
+  image: {{ include "dspark.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["dspark"]
+  args: ["fetch-model", {{ .Values.model | quote }}]
+  env:
+    {{- include "dspark.commonEnv" . | nindent 4 }}
+  volumeMounts:
+    {{- include "dspark.volumeMounts" . | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+{{- end }}
+{{- end -}}
+
+{{- define "dspark.podCommon" -}}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
