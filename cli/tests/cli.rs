@@ -159,6 +159,36 @@ fn bad_request_values_are_clear_errors() {
     }
 }
 
+#[test]
+fn workers_refuse_an_address_peers_cannot_dial() {
+    let d = tmpdir("adv");
+    let m = tiny(&d);
+    // Registering a wildcard bind, or a malformed --advertise, fails at start, before loading.
+    for (role, model_flag) in [("target-worker", "--model"), ("draft-worker", "--target")] {
+        for (extra, want) in [
+            (vec![], "--advertise HOST[:PORT]"),
+            (vec!["--advertise", "http://10.0.0.1:5"], "without a scheme"),
+            (vec!["--advertise", "10.0.0.1:0"], "port 0"),
+        ] {
+            let mut args = vec![
+                role,
+                model_flag,
+                &m,
+                "--listen",
+                "0.0.0.0:0",
+                "--etcd",
+                "http://127.0.0.1:9",
+            ];
+            args.extend(extra.iter());
+            let (code, _, err) = dspark(&d, &args);
+            assert!(
+                code != 0 && err.contains(want) && !err.contains("panicked"),
+                "{role} {extra:?}: {err}"
+            );
+        }
+    }
+}
+
 /// A stand-in for `python3` whose `-m pip download` writes wheels with the wrong bytes, or fails
 /// like an unreachable registry.
 fn fake_python(dir: &Path, mode: &str) -> String {

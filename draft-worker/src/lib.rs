@@ -92,7 +92,10 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     // Refuse an address peers cannot dial before loading the drafter.
     let advertise = |a: std::net::SocketAddr| match &disc {
         Some(_) => dspark_scheduler::discovery::advertised_address(a, args.advertise.as_deref())
-            .map_err(|e| DraftError::Config(e.to_string())),
+            .map_err(|e| match e {
+                dspark_scheduler::SchedError::Config(m) => DraftError::Config(m),
+                e => DraftError::Config(e.to_string()),
+            }),
         None => Ok(a.to_string()),
     };
     advertise(args.listen)?;

@@ -160,7 +160,10 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     // Refuse an address peers cannot dial before spending minutes loading the model.
     let advertise = |a: SocketAddr| match &disc {
         Some(_) => dspark_scheduler::discovery::advertised_address(a, args.advertise.as_deref())
-            .map_err(|e| TargetError::Config(e.to_string())),
+            .map_err(|e| match e {
+                dspark_scheduler::SchedError::Config(m) => TargetError::Config(m),
+                e => TargetError::Config(e.to_string()),
+            }),
         None => Ok(a.to_string()),
     };
     advertise(args.listen)?;

@@ -43,8 +43,6 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 
 {{/* Environment every dspark container shares. */}}
 {{- define "dspark.commonEnv" -}}
-- name: DSPARK_HOME
-  value: {{ .Values.modelCache.mountPath | quote }}
 - name: DSPARK_LOG
   value: {{ .Values.logLevel | quote }}
 - name: HOME
@@ -91,6 +89,12 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
   emptyDir: {}
 {{- end -}}
 
+{{/* The model cache every pod but the scheduler's uses. */}}
+{{- define "dspark.cacheEnv" -}}
+- name: DSPARK_HOME
+  value: {{ .Values.modelCache.mountPath | quote }}
+{{- end -}}
+
 {{- define "dspark.volumeMounts" -}}
 - name: model-cache
   mountPath: {{ .Values.modelCache.mountPath }}
@@ -108,6 +112,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
   args: ["fetch-model", {{ .Values.model | quote }}]
   env:
     {{- include "dspark.commonEnv" . | nindent 4 }}
+    {{- include "dspark.cacheEnv" . | nindent 4 }}
   volumeMounts:
     {{- include "dspark.volumeMounts" . | nindent 4 }}
   securityContext:

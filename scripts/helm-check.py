@@ -1,0 +1,366 @@
+#!/usr/bin/env python3
+"""Checks the Helm chart in helm/dspark-serve without a Kubernetes cluster.
+
+1. `helm lint` (Helm 4 as a library, PyPI helm-python-sdk): no warnings or errors.
+2. values.schema.json accepts the chart's defaults and every helm/dspark-serve/ci/*-values.yaml,
+   and refuses values a user could get wrong (a test that it can fail).
+3. Renders the defaults and each ci values file and validates every object against the
+   Kubernetes API schemas, strictly (PyPI kubernetes-validate).
+4. Cross-checks each render against the real binary and itself: every DSPARK_* variable and
+   --flag a dspark container gets is one `dspark <role> --help` lists; Service selectors, target
+   ports, PDBs, the HPA and NetworkPolicies point at workloads and ports that exist; the
+   scheduler and etcd URLs the pods get name Services of the render.
+5. With --run: renders one replica of each component on free ports and starts every container
+   of the render (init containers first) as a process on loopback, the way the kubelet would:
+   the same command, arguments and environment, with the downward API's pod IP as 127.0.0.1,
+   Service names resolved to 127.0.0.1, and the model cache at $DSPARK_HOME. It passes when the
+   router reports the target and draft worker registered (through etcd, at the addresses they
+   advertise) and answers a chat completion.
+
+Usage: scripts/helm-check.py [--bin target/debug/dspark] [--run]
+Needs: pip install helm-python-sdk==0.2.2 kubernetes-validate==1.37.0 pyyaml; for --run, etcd.
+"""
+
+import argparse
+import base64
+import glob
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHART = os.path.join(ROOT, "helm", "dspark-serve")
+K8S_VERSION = "1.30.0"
+# Read by the binaries outside clap (logging); everything else must be a documented flag's env.
+NON_CLAP_ENV = {"DSPARK_LOG"}
+
+
+def fail(msg):
+    print(f"helm-check: FAIL: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def load_values(path):
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def deep_merge(base, over):
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def render(helm, values, name="demo", namespace="prod"):
+    with helm.Chart.load(CHART) as c:
+        files = c.render(values, name=name, namespace=namespace)
+    docs = []
+    for path, text in sorted(files.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for d in yaml.safe_load_all(text):
+            if d:
+                docs.append(d)
+    return docs
+
+
+def pod_specs(docs):
+    """(workload, pod template) for every Deployment and StatefulSet."""
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            yield d, d["spec"]["template"]
+
+
+def matches(selector, labels):
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_schema(helm, values_sets):
+    with helm.Chart.load(CHART) as c:
+        for name, v in values_sets:
+            try:
+                c.validate_schema(v)
+            except Exception as e:  # noqa: BLE001 (the SDK raises its own error types)
+                fail(f"schema refuses {name}: {e}")
+        bad = [
+            ({"targetWorker": {"verifyPolicy": "fast"}}, "an unknown verify policy"),
+            ({"targetWorker": {"gamma": 33}}, "a draft length over 32"),
+            ({"router": {"replicas": "three"}}, "a string replica count"),
+            ({"drafter": "eagle"}, "an unknown drafter"),
+            ({"etcd": {"endpoints": ["etcd:2379"]}}, "an etcd endpoint without a scheme"),
+            ({"targetWorkers": {"replicas": 2}}, "a misspelt top-level key"),
+        ]
+        for v, what in bad:
+            try:
+                c.validate_schema(v)
+            except Exception:  # noqa: BLE001
+                continue
+            fail(f"values.schema.json accepts {what}: {v}")
+    print(f"schema: {len(values_sets)} values sets accepted, {len(bad)} bad ones refused")
+
+
+def check_k8s(docs, label):
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump_all(docs, f)
+        path = f.name
+    try:
+        r = subprocess.run(
+            ["kubernetes-validate", "--strict", "-k", K8S_VERSION, "--quiet", path],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        os.unlink(path)
+    if r.returncode != 0:
+        fail(f"{label}: kubernetes-validate --strict:\n{r.stdout}{r.stderr}")
+    print(f"{label}: {len(docs)} objects valid against Kubernetes {K8S_VERSION} (strict)")
+
+
+def help_text(binary, role, cache={}):  # noqa: B006 (a per-run memo)
+    if role not in cache:
+        r = subprocess.run([binary, role, "--help"], capture_output=True, text=True)
+        if r.returncode != 0:
+            fail(f"`dspark {role} --help` failed: {r.stderr}")
+        cache[role] = r.stdout
+    return cache[role]
+
+
+def check_wiring(docs, binary, label, external_etcd):
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    workloads = list(pod_specs(docs))
+    n_env = 0
+    for w, tpl in workloads:
+        spec = tpl["spec"]
+        containers = spec.get("initContainers", []) + spec["containers"]
+        for c in containers:
+            if c.get("command") != ["dspark"]:
+                continue
+            role = c["args"][0]
+            text = help_text(binary, role)
+            for e in c.get("env", []):
+                n = e["name"]
+                if n.startswith("DSPARK_") and n not in NON_CLAP_ENV:
+                    if f"[env: {n}=" not in text:
+                        fail(f"{label}: {w['metadata']['name']}/{c['name']} sets {n}, "
+                             f"which `dspark {role} --help` does not list")
+                    n_env += 1
+                val = str(e.get("value", ""))
+                if n in ("DSPARK_SCHEDULER", "DSPARK_ETCD") and not (n == "DSPARK_ETCD" and external_etcd):
+                    for url in val.split(","):
+                        m = re.match(r"^https?://([^:/]+):(\d+)$", url)
+                        if not m:
+                            fail(f"{label}: {n}={url} is not http://HOST:PORT")
+                        svc = services.get(m.group(1))
+                        if not svc or int(m.group(2)) not in [p["port"] for p in svc["spec"]["ports"]]:
+                            fail(f"{label}: {n}={url} names no Service port of the render")
+            for a in c["args"][1:]:
+                if a.startswith("--"):
+                    flag = a.split("=", 1)[0]
+                    if not re.search(re.escape(flag) + r"\b", text):
+                        fail(f"{label}: {c['name']} passes {flag}, unknown to `dspark {role}`")
+    # Services select pods and name their ports.
+    for name, svc in services.items():
+        sel = svc["spec"]["selector"]
+        hit = [tpl for _, tpl in workloads if matches(sel, tpl["metadata"]["labels"])]
+        if not hit:
+            fail(f"{label}: Service {name} selects no pods")
+        ports = {p["name"]: p["containerPort"] for c in hit[0]["spec"]["containers"] for p in c.get("ports", [])}
+        for p in svc["spec"]["ports"]:
+            if p["targetPort"] not in ports:
+                fail(f"{label}: Service {name} targets port {p['targetPort']}, not on its pods")
+    names = {(w["kind"], w["metadata"]["name"]) for w, _ in workloads}
+    for d in docs:
+        k = d["kind"]
+        if k == "PodDisruptionBudget":
+            sel = d["spec"]["selector"]["matchLabels"]
+            if not any(matches(sel, tpl["metadata"]["labels"]) for _, tpl in workloads):
+                fail(f"{label}: PDB {d['metadata']['name']} selects no pods")
+        elif k == "HorizontalPodAutoscaler":
+            ref = d["spec"]["scaleTargetRef"]
+            if (ref["kind"], ref["name"]) not in names:
+                fail(f"{label}: HPA targets {ref}, not in the render")
+        elif k == "NetworkPolicy":
+            sel = d["spec"]["podSelector"]["matchLabels"]
+            hit = [tpl for _, tpl in workloads if matches(sel, tpl["metadata"]["labels"])]
+            if not hit:
+                fail(f"{label}: NetworkPolicy {d['metadata']['name']} selects no pods")
+            cports = {p["containerPort"] for c in hit[0]["spec"]["containers"] for p in c.get("ports", [])}
+            for rule in d["spec"]["ingress"]:
+                for p in rule.get("ports", []):
+                    if p["port"] not in cports:
+                        fail(f"{label}: NetworkPolicy {d['metadata']['name']} opens {p['port']}, not a port of its pods")
+                for peer in rule.get("from", []):
+                    ps = peer.get("podSelector")
+                    if ps and not any(matches(ps["matchLabels"], t["metadata"]["labels"]) for _, t in workloads):
+                        fail(f"{label}: NetworkPolicy {d['metadata']['name']} admits pods that do not exist")
+        elif k == "Deployment" and d["metadata"]["name"].endswith("-router"):
+            # The router's Service must be reachable: the pods' readiness gates on /ready.
+            probe = d["spec"]["template"]["spec"]["containers"][0].get("readinessProbe", {})
+            if probe.get("httpGet", {}).get("path") != "/ready":
+                fail(f"{label}: router readiness does not use /ready")
+    print(f"{label}: wiring consistent ({len(workloads)} workloads, {len(services)} services, "
+          f"{n_env} DSPARK_* variables known to the binary)")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_render(helm, binary):
+    """Starts the render's pods as loopback processes and serves one request through them."""
+    ports = {k: free_port() for k in ("router", "scheduler", "target", "draft", "etcd", "peer")}
+    values = {
+        "router": {"port": ports["router"], "autoscaling": {"enabled": False}, "replicas": 1},
+        "scheduler": {"port": ports["scheduler"]},
+        "targetWorker": {"port": ports["target"], "replicas": 1, "threads": 1},
+        "draftWorker": {"port": ports["draft"], "replicas": 1, "threads": 1},
+        "etcd": {"clientPort": ports["etcd"], "peerPort": ports["peer"]},
+        "registrationTtlMs": 1500,
+    }
+    docs = render(helm, values, name="loop", namespace="default")
+    services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"]
+    secrets = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "Secret"}
+    home = os.environ.get("DSPARK_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "dspark")
+    tmp = tempfile.mkdtemp(prefix="dspark-helm-")
+    order = ["etcd", "scheduler", "draft-worker", "target-worker", "router"]
+    workloads = sorted(
+        pod_specs(docs),
+        key=lambda wt: order.index(wt[1]["metadata"]["labels"]["app.kubernetes.io/component"]),
+    )
+    procs = []
+
+    def resolve_host(s):
+        # Cluster DNS: a Service name (alone or before a port) is this machine.
+        for name in sorted(services, key=len, reverse=True):
+            s = re.sub(r"(?<![\w.-])" + re.escape(name) + r"(?=[:/]|$)", "127.0.0.1", s)
+        return s
+
+    def env_of(c, pod):
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        if os.environ.get("LD_LIBRARY_PATH"):
+            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+        for e in c.get("env", []):
+            if "value" in e:
+                v = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), str(e["value"]))
+            else:
+                src = e["valueFrom"]
+                if "fieldRef" in src:
+                    v = {"status.podIP": "127.0.0.1", "metadata.name": pod}[src["fieldRef"]["fieldPath"]]
+                else:
+                    ref = src["secretKeyRef"]
+                    v = base64.b64decode(secrets[ref["name"]][ref["key"]]).decode()
+            env[e["name"]] = resolve_host(v)
+        for m in c.get("volumeMounts", []):
+            if m["name"] == "model-cache":
+                env["DSPARK_HOME"] = home
+        return env
+
+    def argv_of(c):
+        cmd = c["command"][0]
+        exe = {"dspark": binary, "etcd": "etcd"}[cmd]
+        args = [resolve_host(a) for a in c.get("args", [])]
+        if cmd == "etcd":
+            args = [f"--data-dir={tmp}/etcd" if a.startswith("--data-dir=") else a for a in args]
+        return [exe] + args
+
+    try:
+        for w, tpl in workloads:
+            pod = w["metadata"]["name"] + "-0"
+            for c in tpl["spec"].get("initContainers", []):
+                r = subprocess.run(argv_of(c), env=env_of(c, pod), capture_output=True, text=True, timeout=600)
+                if r.returncode != 0:
+                    fail(f"init container {pod}/{c['name']} exited {r.returncode}: {r.stderr[-2000:]}")
+            for c in tpl["spec"]["containers"]:
+                log = open(os.path.join(tmp, f"{pod}-{c['name']}.log"), "w")
+                p = subprocess.Popen(argv_of(c), env=env_of(c, pod), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                procs.append((f"{pod}/{c['name']}", p, log.name))
+        base = f"http://127.0.0.1:{ports['router']}"
+        t0, last = time.time(), None
+        while True:
+            for name, p, logf in procs:
+                if p.poll() is not None:
+                    fail(f"{name} exited {p.returncode}:\n{open(logf).read()[-3000:]}")
+            try:
+                with urllib.request.urlopen(base + "/ready", timeout=5) as r:
+                    last = json.load(r)
+                if last.get("target_workers") == 1 and last.get("draft_workers") == 1:
+                    break
+            except Exception as e:  # noqa: BLE001 (not up yet)
+                last = str(e)
+            if time.time() - t0 > 300:
+                logs = "\n".join(f"--- {n}\n{open(lf).read()[-1500:]}" for n, _, lf in procs)
+                fail(f"router not ready with 1 target + 1 draft worker after 300 s ({last}):\n{logs}")
+            time.sleep(0.5)
+        print(f"run: router ready after {time.time() - t0:.0f} s: {last}")
+        body = json.dumps({
+            "model": "smollm2-135m",
+            "messages": [{"role": "user", "content": "What is 2 plus 2?"}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }).encode()
+        req = urllib.request.Request(base + "/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.load(r)
+        text = out["choices"][0]["message"]["content"]
+        if not text.strip() or out["usage"]["completion_tokens"] < 1:
+            fail(f"empty completion: {out}")
+        print(f"run: chat completion through the render's pods: {text!r}")
+    finally:
+        for _, p, _ in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+        subprocess.run(["rm", "-rf", tmp])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bin", default=os.path.join(ROOT, "target", "debug", "dspark"))
+    ap.add_argument("--run", action="store_true", help="also start the render as loopback processes")
+    a = ap.parse_args()
+    try:
+        import helm_python as helm
+    except ImportError:
+        fail("needs `python3 -m pip install helm-python-sdk==0.2.2 kubernetes-validate==1.37.0` (.ci/run installs them)")
+    if not os.access(a.bin, os.X_OK):
+        fail(f"{a.bin} is not built (cargo build -p dspark)")
+    lint = helm.lint(CHART)
+    bad = [m for m in lint.get("messages", []) if m.get("severity", 0) >= 2] + lint.get("errors", [])
+    if bad:
+        fail(f"helm lint: {bad}")
+    print("lint: clean")
+    defaults = load_values(os.path.join(CHART, "values.yaml"))
+    sets = [("defaults", {})] + [
+        (os.path.relpath(p, ROOT), load_values(p)) for p in sorted(glob.glob(os.path.join(CHART, "ci", "*-values.yaml")))
+    ]
+    check_schema(helm, [(n, deep_merge(defaults, v)) for n, v in sets])
+    for name, v in sets:
+        docs = render(helm, v)
+        check_k8s(docs, name)
+        check_wiring(docs, a.bin, name, bool(v.get("etcd", {}).get("endpoints")))
+    if a.run:
+        run_render(helm, a.bin)
+    print("helm-check: ok")
+
+
+if __name__ == "__main__":
+    main()
