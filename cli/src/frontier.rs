@@ -218,6 +218,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "target": a.target, "drafter": kind.label(), "prompts": a.prompts, "max_tokens": a.max_tokens,
         "length_spread": a.length_spread, "rounds": a.rounds,
+        "prompt_tokens_mean": ids.iter().map(Vec::len).sum::<usize>() as f64 / ids.len().max(1) as f64,
         "threads": target.model.threads(), "sps_table": sps.points, "points": points,
         "checks": checks, "paired_vs_none": paired,
     });

@@ -18,6 +18,7 @@ pub mod draft_bench;
 pub mod eval;
 pub mod frontier;
 pub mod generate;
+pub mod plan;
 pub mod plot;
 pub mod profile;
 pub mod serve_bench;
@@ -69,6 +70,9 @@ pub enum Command {
     Bench(bench::BenchCmd),
     /// Profile SPS(B), the steps per second at each total batch size, for the scheduler.
     Profile(profile::ProfileArgs),
+    /// Capacity planner: target and draft workers (and their ratio) that meet an SLO for a
+    /// traffic mix, simulated over measured SPS(B), drafting cost and recorded verifications.
+    Plan(plan::PlanArgs),
     /// Start the whole cluster on loopback: scheduler, draft and target workers, router.
     Up(up::UpArgs),
     /// One cluster piece: `dspark scheduler|target-worker|draft-worker|router --help`.
@@ -201,6 +205,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::RecalReplay(a) => eval::recal_replay(a),
         Command::Up(a) => up::run(&g, a),
         Command::Profile(a) => profile::run(&g, a),
+        Command::Plan(a) => plan::run(a),
         Command::Service(_) => anyhow::bail!("service commands are dispatched above"),
     }
 }

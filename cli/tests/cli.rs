@@ -624,3 +624,128 @@ fn a_reader_closing_the_pipe_ends_a_command_quietly() {
     assert!(!err.contains("panicked"), "{err}");
     assert!(out.status.success(), "{:?}: {err}", out.status);
 }
+
+/// Inputs `dspark plan` reads, written in the formats of `dspark profile`, `bench draft` and
+/// `eval-drafter --blocks`: a step costs 5 ms + 1 ms a token; drafts of 0.9 confidence with
+/// 0–7 accepted; a drafting round costs 0.5 ms a request.
+fn plan_inputs(d: &Path, accepted: &[u8]) -> (String, String, String) {
+    let table: Vec<serde_json::Value> = [1u32, 2, 4, 8, 16, 32, 64, 128, 256]
+        .iter()
+        .map(|&b| serde_json::json!([b, 1.0 / (0.005 + 0.001 * b as f64)]))
+        .collect();
+    let sps = d.join("sps.json");
+    std::fs::write(&sps, serde_json::json!({"table": table}).to_string()).unwrap();
+    let blocks = d.join("blocks.jsonl");
+    let lines: Vec<String> = accepted
+        .iter()
+        .map(|&a| {
+            let c = vec![0.9; 7];
+            serde_json::json!({"set": "code", "arm": "dspark", "conf": c, "served": c,
+                "copy_run": false, "accepted": a, "step": 0, "request": 0})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&blocks, lines.join("\n")).unwrap();
+    let cost = d.join("draft.json");
+    std::fs::write(
+        &cost,
+        serde_json::json!({"points": [
+            {"batch": 1, "gamma": 7, "draft_ms": 0.5}, {"batch": 16, "gamma": 7, "draft_ms": 8.0}]})
+        .to_string(),
+    )
+    .unwrap();
+    let s = |p: PathBuf| p.display().to_string();
+    (s(sps), s(blocks), s(cost))
+}
+
+#[test]
+fn plan_sizes_both_pools_for_an_slo_and_refuses_bad_inputs() {
+    let d = tmpdir("plan");
+    let (sps, blocks, cost) = plan_inputs(&d, &[7, 6, 5, 7, 4, 7, 3, 6]);
+    let out = d.join("plan.json");
+    let svg = d.join("plan.svg");
+    let o = out.display().to_string();
+    let v = svg.display().to_string();
+    let base = [
+        "plan",
+        "--sps",
+        &sps,
+        "--blocks",
+        &blocks,
+        "--draft-cost",
+        &cost,
+        "--seconds",
+        "10",
+        "--warmup",
+        "2",
+        "--max-running",
+        "16",
+    ];
+    let mut args = base.to_vec();
+    args.extend([
+        "--rate",
+        "8",
+        "--prompt-tokens",
+        "32",
+        "--output-tokens",
+        "64",
+        "--slo-user-tok-s",
+        "200",
+        "--slo-ttft-ms",
+        "1000",
+        "--max-targets",
+        "6",
+        "--max-drafts",
+        "3",
+        "--json",
+        &o,
+        "--plot",
+        &v,
+    ]);
+    let (code, so, se) = dspark(&d, &args);
+    assert_eq!(code, 0, "{se}");
+    assert!(so.contains("plan:"), "{so}");
+    let j = read_json(&out);
+    let best = &j["best"];
+    assert!(best.is_object(), "{j}");
+    // Without drafts a user gets at most 1 / 6 ms = 167 tokens/s here, so only shapes with
+    // draft workers meet 200; the plan is the cheapest of those.
+    assert!(best["drafts"].as_u64().unwrap() >= 1, "{best}");
+    let cost_best = best["cost"].as_f64().unwrap();
+    for s in j["shapes"].as_array().unwrap() {
+        let feasible = s["feasible"].as_bool().unwrap();
+        assert!(!feasible || s["cost"].as_f64().unwrap() >= cost_best, "{s}");
+        if s["drafts"] == 0 {
+            assert!(
+                !feasible && s["reason"].as_str().unwrap().contains("per user"),
+                "{s}"
+            );
+        }
+    }
+    assert!(j["frontier"].as_array().unwrap().len() >= 4);
+    assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    // Bad inputs: clear errors, no panics.
+    let empty = d.join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let rising = d.join("rising.json");
+    std::fs::write(&rising, r#"{"table": [[1, 100.0], [2, 200.0]]}"#).unwrap();
+    let (empty, rising) = (empty.display().to_string(), rising.display().to_string());
+    for (flag, value, want) in [
+        ("--blocks", empty.as_str(), "no blocks"),
+        ("--sps", rising.as_str(), "point 1"),
+        ("--sps", "/nonexistent/sps.json", "/nonexistent/sps.json"),
+    ] {
+        let mut args: Vec<&str> = base.to_vec();
+        let i = args.iter().position(|a| *a == flag).unwrap();
+        args[i + 1] = value;
+        args.extend(["--rate", "1"]);
+        let (code, _, err) = dspark(&d, &args);
+        assert!(code != 0 && err.contains(want), "{flag} {value}: {err}");
+    }
+    let (code, _, err) = dspark(&d, &base);
+    assert!(code != 0 && err.contains("--rate"), "{err}");
+    let mut args = base.to_vec();
+    args.extend(["--concurrency", "0"]);
+    let (code, _, err) = dspark(&d, &args);
+    assert!(code != 0 && err.contains("concurrency"), "{err}");
+}

@@ -8,6 +8,7 @@
 pub mod admission;
 pub mod discovery;
 pub mod placement;
+pub mod planner;
 pub mod service;
 pub mod sps;
 

@@ -1,0 +1,476 @@
+//! `dspark plan`: the capacity planner's command line (the simulation itself is
+//! `dspark_scheduler::planner`, pure and unit-tested). Inputs are measurements this repository's
+//! own tools write: an SPS(B) profile (`dspark profile --json`), drafting cost
+//! (`dspark bench draft --json`) and recorded verifications (`dspark eval-drafter --blocks`).
+
+use clap::Args;
+use dspark_scheduler::admission::SpsTable;
+use dspark_scheduler::planner::{
+    self, Block, DraftCost, EngineSpec, Load, SimTime, Slo, Verify, Workload,
+};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// SPS(B) profile: a `dspark profile --json` artifact (or a `bench frontier` JSON, whose
+    /// `sps_table` it planned on).
+    #[arg(long)]
+    pub sps: PathBuf,
+    /// Use the profile's decode points measured at this context length instead of its table
+    /// (the slowest context at each B).
+    #[arg(long)]
+    pub ctx: Option<u32>,
+    /// Recorded verifications: an `eval-drafter --blocks FILE` run of the drafter to plan for.
+    #[arg(long)]
+    pub blocks: PathBuf,
+    /// Only the blocks of this prompt set (the `set` field, e.g. code).
+    #[arg(long)]
+    pub set: Option<String>,
+    /// Drafting cost: a `bench draft --json` file (draft_ms by batch and γ).
+    #[arg(long)]
+    pub draft_cost: PathBuf,
+    /// Cluster arrival rate (requests/s, Poisson). Or --concurrency.
+    #[arg(long, conflicts_with = "concurrency")]
+    pub rate: Option<f64>,
+    /// Requests in flight, each replaced when it finishes (closed loop).
+    #[arg(long)]
+    pub concurrency: Option<u32>,
+    #[arg(long, default_value_t = 64)]
+    pub prompt_tokens: u32,
+    #[arg(long, default_value_t = 128)]
+    pub output_tokens: u32,
+    /// Each answer is --output-tokens × a factor uniform in [1 − s, 1 + s].
+    #[arg(long, default_value_t = 0.5)]
+    pub output_spread: f64,
+    /// Requests one target worker decodes at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_running: u32,
+    #[arg(long, default_value_t = 256)]
+    pub prefill_chunk: u32,
+    /// Longest block verified (the drafter's γ).
+    #[arg(long, default_value_t = 7)]
+    pub max_gamma: u8,
+    /// Round trip of a drafting round between pods (ms).
+    #[arg(long, default_value_t = 1.0)]
+    pub hop_ms: f64,
+    /// SLO: median decode rate per user (tokens/s) at least.
+    #[arg(long, default_value_t = 10.0)]
+    pub slo_user_tok_s: f64,
+    /// SLO: 90th-percentile time to first token (ms) at most.
+    #[arg(long, default_value_t = 2000.0)]
+    pub slo_ttft_ms: f64,
+    #[arg(long, default_value_t = 8)]
+    pub max_targets: u32,
+    #[arg(long, default_value_t = 4)]
+    pub max_drafts: u32,
+    /// Price of one target worker and of one draft worker (any unit: $/h, devices).
+    #[arg(long, default_value_t = 1.0)]
+    pub target_price: f64,
+    #[arg(long, default_value_t = 0.25)]
+    pub draft_price: f64,
+    /// Simulated seconds measured per shape (after --warmup).
+    #[arg(long, default_value_t = 60.0)]
+    pub seconds: f64,
+    #[arg(long, default_value_t = 10.0)]
+    pub warmup: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Instead of planning: replay a `bench frontier` JSON's arms and concurrencies (one
+    /// engine, in-process drafting) and report predicted against measured tokens/s.
+    #[arg(long)]
+    pub validate: Option<PathBuf>,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Throughput–interactivity frontier per draft:target ratio (SVG).
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+fn read_json(p: &Path) -> anyhow::Result<Value> {
+    let text = std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+    serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not JSON: {e}", p.display()))
+}
+
+fn pairs(v: &Value) -> Option<Vec<(u32, f64)>> {
+    v.as_array()?
+        .iter()
+        .map(|p| Some((p.get(0)?.as_u64()? as u32, p.get(1)?.as_f64()?)))
+        .collect()
+}
+
+/// The SPS table from a profile artifact (`table`, or the decode points at `ctx`) or a frontier
+/// JSON (`sps_table`).
+pub fn load_sps(path: &Path, ctx: Option<u32>) -> anyhow::Result<SpsTable> {
+    let v = read_json(path)?;
+    let pts = match ctx {
+        Some(c) => {
+            let mut pts: Vec<(u32, f64)> = v["points"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|p| p["kind"] == "decode" && p["ctx"].as_u64() == Some(c as u64))
+                .filter_map(|p| {
+                    Some((
+                        p["batch_tokens"].as_u64()? as u32,
+                        p["steps_per_s"].as_f64()?,
+                    ))
+                })
+                .collect();
+            anyhow::ensure!(
+                !pts.is_empty(),
+                "{}: no decode points at ctx {c}",
+                path.display()
+            );
+            pts.sort_by_key(|p| p.0);
+            // A staircase: a bigger batch is never faster than a smaller one.
+            for i in 1..pts.len() {
+                pts[i].1 = pts[i].1.min(pts[i - 1].1);
+            }
+            pts
+        }
+        None => pairs(&v["table"])
+            .or_else(|| pairs(&v["sps_table"]))
+            .ok_or_else(|| anyhow::anyhow!("{}: no `table` or `sps_table`", path.display()))?,
+    };
+    SpsTable::new(pts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+/// Blocks from an `eval-drafter --blocks` file: the served confidences and accepted length.
+pub fn load_blocks(path: &Path, set: Option<&str>) -> anyhow::Result<Vec<Block>> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: Value = serde_json::from_str(line)
+            .map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), i + 1))?;
+        if set.is_some_and(|s| v["set"].as_str() != Some(s)) {
+            continue;
+        }
+        let conf: Vec<f32> = v["served"]
+            .as_array()
+            .ok_or_else(|| anyhow::anyhow!("{} line {}: no `served`", path.display(), i + 1))?
+            .iter()
+            .map(|c| c.as_f64().map(|c| c as f32))
+            .collect::<Option<_>>()
+            .ok_or_else(|| anyhow::anyhow!("{} line {}: bad confidence", path.display(), i + 1))?;
+        let accepted = v["accepted"]
+            .as_u64()
+            .filter(|&a| a as usize <= conf.len())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{} line {}: `accepted` missing or > drafted",
+                    path.display(),
+                    i + 1
+                )
+            })?;
+        if conf.is_empty() {
+            continue;
+        }
+        out.push(Block {
+            conf,
+            accepted: accepted as u8,
+            copy_run: v["copy_run"].as_bool().unwrap_or(false),
+        });
+    }
+    anyhow::ensure!(
+        !out.is_empty(),
+        "{}: no blocks{}",
+        path.display(),
+        set.map(|s| format!(" of set `{s}`")).unwrap_or_default()
+    );
+    Ok(out)
+}
+
+/// Drafting seconds by (γ, batch) from a `bench draft --json` file.
+pub fn load_draft_cost(path: &Path) -> anyhow::Result<DraftCost> {
+    let v = read_json(path)?;
+    let pts: Vec<(u8, u32, f64)> = v["points"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| {
+            Some((
+                p["gamma"].as_u64()? as u8,
+                p["batch"].as_u64()? as u32,
+                p["draft_ms"].as_f64()? / 1e3,
+            ))
+        })
+        .collect();
+    DraftCost::new(pts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+fn engine_json(r: &planner::EngineReport) -> Value {
+    json!({
+        "tok_s": r.tok_s, "user_tok_s_p50": r.user_tok_s_p50, "user_tok_s_p10": r.user_tok_s_p10,
+        "ttft_p50_ms": r.ttft_p50_s * 1e3, "ttft_p90_ms": r.ttft_p90_s * 1e3,
+        "committed_per_call": r.committed_per_call, "draft_round_ms": r.draft_round_s * 1e3,
+        "finished": r.finished, "backlog": r.backlog,
+    })
+}
+
+pub fn run(a: PlanArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.seconds > 0.0 && a.warmup >= 0.0,
+        "--seconds > 0 and --warmup ≥ 0"
+    );
+    anyhow::ensure!(a.hop_ms >= 0.0, "--hop-ms ≥ 0");
+    anyhow::ensure!(
+        a.max_gamma >= 1 && a.max_gamma as usize <= dspark_scheduler::admission::MAX_GAMMA,
+        "--max-gamma in 1..={}",
+        dspark_scheduler::admission::MAX_GAMMA
+    );
+    anyhow::ensure!(a.max_targets >= 1, "--max-targets ≥ 1");
+    let sps = load_sps(&a.sps, a.ctx)?;
+    let blocks = load_blocks(&a.blocks, a.set.as_deref())?;
+    let cost = load_draft_cost(&a.draft_cost)?;
+    let time = SimTime {
+        warmup_s: a.warmup,
+        measure_s: a.seconds,
+        seed: a.seed,
+    };
+    let spec = EngineSpec {
+        sps,
+        max_running: a.max_running,
+        prefill_chunk: a.prefill_chunk,
+        max_gamma: a.max_gamma,
+        verify: Verify::Scheduler,
+        hop_s: a.hop_ms / 1e3,
+    };
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    if let Some(f) = &a.validate {
+        return validate(&a, f, spec, &blocks, &cost, time, command);
+    }
+    let load = match (a.rate, a.concurrency) {
+        (Some(r), None) => Load::Open { rate: r },
+        (None, Some(c)) => Load::Closed { concurrency: c },
+        _ => anyhow::bail!("give the load: --rate REQ_PER_S or --concurrency N"),
+    };
+    let w = Workload {
+        load,
+        prompt_tokens: a.prompt_tokens,
+        output_tokens: a.output_tokens,
+        output_spread: a.output_spread,
+    };
+    let slo = Slo {
+        min_user_tok_s: a.slo_user_tok_s,
+        max_ttft_p90_s: a.slo_ttft_ms / 1e3,
+    };
+    let prices = (a.target_price, a.draft_price);
+    let p = planner::plan(
+        &spec,
+        &w,
+        &blocks,
+        &cost,
+        a.max_targets,
+        a.max_drafts,
+        time,
+        slo,
+        prices,
+    )?;
+    println!(
+        "{:>7} {:>6} {:>9} {:>12} {:>10} {:>9} {:>6}  verdict",
+        "targets", "drafts", "tok/s", "user tok/s", "TTFT p90", "ρ draft", "cost"
+    );
+    let shapes: Vec<Value> = p
+        .shapes
+        .iter()
+        .map(|s| {
+            println!(
+                "{:>7} {:>6} {:>9.1} {:>12.1} {:>8.0}ms {:>9.2} {:>6.2}  {}",
+                s.targets,
+                s.drafts,
+                s.tok_s,
+                s.engine.user_tok_s_p50,
+                s.engine.ttft_p90_s * 1e3,
+                s.draft_util,
+                s.cost,
+                if s.feasible {
+                    "meets the SLO"
+                } else {
+                    &s.reason
+                }
+            );
+            json!({"targets": s.targets, "drafts": s.drafts, "tok_s": s.tok_s,
+                "draft_util": s.draft_util, "cost": s.cost, "feasible": s.feasible,
+                "reason": s.reason, "engine": engine_json(&s.engine)})
+        })
+        .collect();
+    let best = p.best.map(|i| &p.shapes[i]);
+    match best {
+        Some(b) => println!(
+            "plan: {} target worker(s) + {} draft worker(s) (draft:target {}:{}), {:.0} tok/s, \
+             median {:.1} tok/s per user, TTFT p90 {:.0} ms, cost {:.2}",
+            b.targets,
+            b.drafts,
+            b.drafts,
+            b.targets,
+            b.tok_s,
+            b.engine.user_tok_s_p50,
+            b.engine.ttft_p90_s * 1e3,
+            b.cost
+        ),
+        None => println!(
+            "plan: no shape up to {} target and {} draft workers meets the SLO",
+            a.max_targets, a.max_drafts
+        ),
+    }
+    // The frontier per draft:target ratio at the planned target count: closed-loop load per
+    // target worker 1, 2, 4, ... up to max_running.
+    let t = best.map(|b| b.targets).unwrap_or(a.max_targets);
+    let mut ratios: Vec<u32> = vec![0, t.div_ceil(4), t.div_ceil(2), t];
+    if let Some(b) = best {
+        ratios.push(b.drafts);
+    }
+    ratios.sort_unstable();
+    ratios.dedup();
+    let mut frontier = Vec::new();
+    let mut series = Vec::new();
+    for &d in &ratios {
+        let mut pts = Vec::new();
+        let mut c = 1u32;
+        while c <= a.max_running {
+            let wc = Workload {
+                load: Load::Closed { concurrency: c * t },
+                ..w
+            };
+            let r = planner::evaluate(&spec, &wc, &blocks, &cost, t, d, time, slo, prices)?;
+            if r.reason.contains("saturated") {
+                break;
+            }
+            frontier.push(json!({"targets": t, "drafts": d, "concurrency_per_target": c,
+                "tok_s": r.tok_s, "user_tok_s": r.engine.user_tok_s_p50, "draft_util": r.draft_util}));
+            pts.push((r.engine.user_tok_s_p50, r.tok_s));
+            c *= 2;
+        }
+        series.push(crate::plot::Series {
+            name: if d == 0 {
+                "no speculation".into()
+            } else {
+                format!("{d} draft : {t} target")
+            },
+            points: pts,
+        });
+    }
+    let v = json!({
+        "command": command,
+        "inputs": {"sps": a.sps, "ctx": a.ctx, "blocks": a.blocks, "blocks_n": blocks.len(),
+            "set": a.set, "draft_cost": a.draft_cost,
+            "rate": a.rate, "concurrency": a.concurrency, "prompt_tokens": a.prompt_tokens,
+            "output_tokens": a.output_tokens, "output_spread": a.output_spread,
+            "max_running": a.max_running, "prefill_chunk": a.prefill_chunk,
+            "max_gamma": a.max_gamma, "hop_ms": a.hop_ms, "seconds": a.seconds,
+            "warmup": a.warmup, "seed": a.seed, "target_price": a.target_price,
+            "draft_price": a.draft_price},
+        "slo": {"user_tok_s_p50": a.slo_user_tok_s, "ttft_p90_ms": a.slo_ttft_ms},
+        "shapes": shapes,
+        "best": best.map(|b| json!({"targets": b.targets, "drafts": b.drafts, "tok_s": b.tok_s,
+            "cost": b.cost, "engine": engine_json(&b.engine)})),
+        "frontier": frontier,
+    });
+    crate::bench::write_json(&a.json, &v)?;
+    if let Some(p) = &a.plot {
+        let svg = crate::plot::line_chart(
+            &format!("Planned frontier, {t} target worker(s), by draft workers"),
+            "median tokens/s per user",
+            "cluster tokens/s",
+            &series,
+        );
+        std::fs::write(p, svg)?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+/// Predicted against measured, arm by arm, for a `bench frontier` run: one engine, the drafter
+/// in process (its cost on the critical path, no pool, no hop).
+fn validate(
+    a: &PlanArgs,
+    path: &Path,
+    mut spec: EngineSpec,
+    blocks: &[Block],
+    cost: &DraftCost,
+    time: SimTime,
+    command: String,
+) -> anyhow::Result<()> {
+    let f = read_json(path)?;
+    let out_tokens = f["max_tokens"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("{}: no max_tokens", path.display()))?;
+    let spread = f["length_spread"].as_f64().unwrap_or(0.5);
+    let prompt = f["prompt_tokens_mean"]
+        .as_f64()
+        .map(|p| p.round() as u32)
+        .unwrap_or(a.prompt_tokens);
+    spec.hop_s = 0.0;
+    let mut rows = Vec::new();
+    let mut errs = Vec::new();
+    println!(
+        "{:>10} {:>4} {:>10} {:>10} {:>7} {:>9} {:>9}",
+        "arm", "c", "measured", "predicted", "ratio", "τ meas.", "τ pred."
+    );
+    for p in f["points"].as_array().into_iter().flatten() {
+        let (Some(arm), Some(c), Some(meas)) = (
+            p["arm"].as_str(),
+            p["concurrency"].as_u64(),
+            p["tok_s"].as_f64(),
+        ) else {
+            continue;
+        };
+        let verify = match arm {
+            "none" => None,
+            "scheduler" => Some(Verify::Scheduler),
+            s => match s.strip_prefix("fixed-").and_then(|g| g.parse::<u8>().ok()) {
+                Some(g) => Some(Verify::Fixed(g)),
+                None => continue,
+            },
+        };
+        let w = Workload {
+            load: Load::Closed {
+                concurrency: c as u32,
+            },
+            prompt_tokens: prompt,
+            output_tokens: out_tokens as u32,
+            output_spread: spread,
+        };
+        let r = match verify {
+            None => planner::simulate_engine(&spec, &w, None, time)?,
+            Some(v) => {
+                spec.verify = v;
+                planner::simulate_engine(&spec, &w, Some((blocks, cost, 0.0)), time)?
+            }
+        };
+        let ratio = r.tok_s / meas;
+        errs.push(ratio.ln().abs());
+        println!(
+            "{arm:>10} {c:>4} {meas:>10.1} {:>10.1} {ratio:>7.3} {:>9.2} {:>9.2}",
+            r.tok_s,
+            p["committed_per_call"].as_f64().unwrap_or(f64::NAN),
+            r.committed_per_call
+        );
+        rows.push(json!({"arm": arm, "concurrency": c, "measured_tok_s": meas,
+            "predicted_tok_s": r.tok_s, "ratio": ratio,
+            "measured_committed_per_call": p["committed_per_call"],
+            "predicted_committed_per_call": r.committed_per_call,
+            "measured_user_tok_s": p["user_tok_s"], "predicted_user_tok_s": r.user_tok_s_p50}));
+    }
+    anyhow::ensure!(!rows.is_empty(), "{}: no points to replay", path.display());
+    errs.sort_by(f64::total_cmp);
+    let median_err = (errs[errs.len() / 2]).exp() - 1.0;
+    let max_err = errs.last().map(|e| e.exp() - 1.0).unwrap_or(0.0);
+    println!(
+        "predicted / measured tokens/s: median error {:.1} %, worst {:.1} % over {} points",
+        median_err * 100.0,
+        max_err * 100.0,
+        rows.len()
+    );
+    let v = json!({"command": command, "frontier": path, "sps": a.sps, "ctx": a.ctx,
+        "blocks": a.blocks, "blocks_n": blocks.len(), "draft_cost": a.draft_cost,
+        "prompt_tokens": prompt, "points": rows,
+        "median_abs_error": median_err, "max_abs_error": max_err});
+    crate::bench::write_json(&a.json, &v)
+}

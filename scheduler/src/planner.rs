@@ -1,0 +1,840 @@
+//! Capacity planner: how many target and draft workers a traffic mix needs to meet an SLO, and
+//! at which draft:target ratio.
+//!
+//! Pure and deterministic (seeded). Each target worker is simulated step by step over its
+//! profiled SPS(B) table (step seconds = [`SpsTable::seconds`] of the step's batch tokens, prefill
+//! chunks included), with the verification lengths chosen by the real admission code
+//! ([`Admission::decide`], the decision the `scheduler` verify policy makes). Drafting is
+//! replayed from recorded verifications (`eval-drafter --blocks`): each drafting request draws a
+//! real block, whose served confidences the admission sees and whose accepted length decides what
+//! commits, so acceptance and calibration are the drafter's own, not a model of them.
+//!
+//! Draft workers are a shared pool. A drafting round of n requests costs the measured drafting
+//! time for n ([`DraftCost`]) plus the network hop, on the target's critical path; the pool's
+//! utilization ρ = (target workers × drafting seconds each demands per second) / draft workers
+//! adds an M/D/1 queueing wait ρ·s̄ / (2(1 − ρ)) to every round, solved to a fixed point with the
+//! simulation. ρ ≥ 1 cannot be served. Rounds drafted from copy runs (the target worker's own
+//! prompt lookup) cost the pool nothing.
+//!
+//! Target workers are symmetric (placement sends each request to the least-loaded one), so one
+//! engine at 1/T of the load stands for T of them.
+
+use crate::admission::{Admission, ReqLimits, Rule, SpsTable, StepLimits};
+use crate::{Result, SchedError};
+use kernels::rng::Rng;
+use std::collections::VecDeque;
+
+/// One recorded verification: the confidences served for the drafted positions and how many of
+/// them the target accepted.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Block {
+    pub conf: Vec<f32>,
+    pub accepted: u8,
+    /// Drafted by the target worker's copy-run lookup: no drafting call.
+    pub copy_run: bool,
+}
+
+/// Drafting seconds per round by block length γ and the number of requests in the round:
+/// linear in requests between measured points (the last segment's slope beyond them), linear in
+/// γ between measured lengths (the nearest one outside them).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DraftCost {
+    /// (γ, [(requests, seconds)]), γ increasing, requests increasing within each.
+    curves: Vec<(u8, Vec<(u32, f64)>)>,
+}
+
+impl DraftCost {
+    /// From (γ, requests, seconds) measurements.
+    pub fn new(points: Vec<(u8, u32, f64)>) -> Result<Self> {
+        if points.is_empty()
+            || points
+                .iter()
+                .any(|&(g, n, s)| g == 0 || n == 0 || !s.is_finite() || s < 0.0)
+        {
+            return Err(SchedError::Config(
+                "draft cost: need points (γ ≥ 1, requests ≥ 1, seconds ≥ 0, finite)".into(),
+            ));
+        }
+        let mut curves: Vec<(u8, Vec<(u32, f64)>)> = Vec::new();
+        for (g, n, sec) in points {
+            match curves.iter_mut().find(|c| c.0 == g) {
+                Some(c) => c.1.push((n, sec)),
+                None => curves.push((g, vec![(n, sec)])),
+            }
+        }
+        curves.sort_by_key(|c| c.0);
+        for c in &mut curves {
+            c.1.sort_by_key(|p| p.0);
+            c.1.dedup_by_key(|p| p.0);
+        }
+        Ok(Self { curves })
+    }
+
+    /// A cost that does not depend on γ.
+    pub fn flat(points: Vec<(u32, f64)>) -> Result<Self> {
+        Self::new(points.into_iter().map(|(n, s)| (1, n, s)).collect())
+    }
+
+    fn along(p: &[(u32, f64)], n: u32) -> f64 {
+        let seg = |i: usize, j: usize| {
+            let ((n0, s0), (n1, s1)) = (p[i], p[j]);
+            s0 + (n as f64 - n0 as f64) * (s1 - s0) / (n1 as f64 - n0 as f64)
+        };
+        match p.iter().position(|&(m, _)| m >= n) {
+            Some(0) => p[0].1 * n as f64 / p[0].0 as f64,
+            Some(i) => seg(i - 1, i),
+            None if p.len() >= 2 => seg(p.len() - 2, p.len() - 1).max(p[p.len() - 1].1),
+            None => p[0].1 * n as f64 / p[0].0 as f64,
+        }
+    }
+
+    /// Seconds of a round of `n` requests drafting `gamma` tokens each.
+    pub fn seconds(&self, gamma: u8, n: u32) -> f64 {
+        if n == 0 {
+            return 0.0;
+        }
+        let c = &self.curves;
+        match c.iter().position(|x| x.0 >= gamma) {
+            Some(0) => Self::along(&c[0].1, n),
+            Some(i) if c[i].0 == gamma => Self::along(&c[i].1, n),
+            Some(i) => {
+                let (g0, g1) = (c[i - 1].0 as f64, c[i].0 as f64);
+                let (s0, s1) = (Self::along(&c[i - 1].1, n), Self::along(&c[i].1, n));
+                s0 + (gamma as f64 - g0) * (s1 - s0) / (g1 - g0)
+            }
+            None => Self::along(&c[c.len() - 1].1, n),
+        }
+    }
+}
+
+/// How a target worker picks verification lengths.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Verify {
+    /// The hardware-aware admission (argmax of Θ on the served confidences).
+    Scheduler,
+    /// Every drafting request verifies this many tokens.
+    Fixed(u8),
+}
+
+/// How requests arrive at the cluster.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Load {
+    /// Poisson arrivals, requests per second.
+    Open { rate: f64 },
+    /// A fixed number of requests in flight; each finished one is replaced at once (the
+    /// frontier benchmark's setting).
+    Closed { concurrency: u32 },
+}
+
+/// The traffic mix.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Workload {
+    pub load: Load,
+    pub prompt_tokens: u32,
+    /// Mean answer length; each request's is this × a factor uniform in [1 − spread, 1 + spread].
+    pub output_tokens: u32,
+    pub output_spread: f64,
+}
+
+/// One target worker.
+#[derive(Clone, Debug)]
+pub struct EngineSpec {
+    pub sps: SpsTable,
+    /// Requests decoded at once; more wait.
+    pub max_running: u32,
+    /// Prompt tokens prefilled per step at most (chunked prefill).
+    pub prefill_chunk: u32,
+    /// Longest block verified.
+    pub max_gamma: u8,
+    pub verify: Verify,
+    /// Network round trip of a drafting round to the draft pool (0 for an in-process drafter).
+    pub hop_s: f64,
+}
+
+/// Simulated time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SimTime {
+    /// Not measured: the engine fills up.
+    pub warmup_s: f64,
+    /// Measured.
+    pub measure_s: f64,
+    pub seed: u64,
+}
+
+/// What one target worker did in the measured window.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineReport {
+    /// Tokens committed per second.
+    pub tok_s: f64,
+    /// Decode rate per request, (tokens − 1) / (finish − first token): median and the slow tail.
+    pub user_tok_s_p50: f64,
+    pub user_tok_s_p10: f64,
+    pub ttft_p50_s: f64,
+    pub ttft_p90_s: f64,
+    /// Tokens committed per decoding request per verification step (1 without drafts).
+    pub committed_per_call: f64,
+    /// Drafting-pool seconds this worker asks for per second, and the mean round.
+    pub draft_demand: f64,
+    pub draft_round_s: f64,
+    pub finished: usize,
+    /// Requests still waiting for a slot at the end: a queue that grows means overload.
+    pub backlog: usize,
+    pub steps: usize,
+}
+
+struct Req {
+    arrival: f64,
+    prompt_left: u32,
+    out: u32,
+    produced: u32,
+    first_token: f64,
+}
+
+fn quantile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() - 1) as f64 * q).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// Simulates one target worker. `drafting`: recorded blocks, the draft cost and the extra wait
+/// per round the pool adds; `None` decodes without speculation.
+pub fn simulate_engine(
+    spec: &EngineSpec,
+    w: &Workload,
+    drafting: Option<(&[Block], &DraftCost, f64)>,
+    time: SimTime,
+) -> Result<EngineReport> {
+    if spec.max_running == 0 || spec.prefill_chunk == 0 || w.output_tokens == 0 {
+        return Err(SchedError::Config(
+            "planner: max_running, prefill_chunk and output_tokens must be ≥ 1".into(),
+        ));
+    }
+    if !(0.0..1.0).contains(&w.output_spread) {
+        return Err(SchedError::Config(
+            "planner: output spread in [0, 1)".into(),
+        ));
+    }
+    let max_b = spec.sps.max_batch();
+    if max_b <= spec.max_running {
+        return Err(SchedError::Config(format!(
+            "planner: the SPS table stops at B = {max_b}, not above max_running {}",
+            spec.max_running
+        )));
+    }
+    if let Some((blocks, _, _)) = drafting {
+        if blocks.is_empty() {
+            return Err(SchedError::Config("planner: no recorded blocks".into()));
+        }
+    }
+    let mut rng = Rng::new(time.seed);
+    let end = time.warmup_s + time.measure_s;
+    let new_req = |arrival: f64, rng: &mut Rng| {
+        let f = 1.0 + w.output_spread * (2.0 * rng.uniform() - 1.0);
+        Req {
+            arrival,
+            prompt_left: w.prompt_tokens.max(1),
+            out: ((w.output_tokens as f64 * f).round() as u32).max(1),
+            produced: 0,
+            first_token: 0.0,
+        }
+    };
+    let mut waiting: VecDeque<Req> = VecDeque::new();
+    let mut running: Vec<Req> = Vec::new();
+    let mut next_arrival = f64::INFINITY;
+    match w.load {
+        Load::Open { rate } => {
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err(SchedError::Config(
+                    "planner: arrival rate must be > 0".into(),
+                ));
+            }
+            next_arrival = -rng.uniform().max(1e-300).ln() / rate;
+        }
+        Load::Closed { concurrency } => {
+            if concurrency == 0 {
+                return Err(SchedError::Config(
+                    "planner: concurrency must be ≥ 1".into(),
+                ));
+            }
+            for _ in 0..concurrency {
+                let r = new_req(0.0, &mut rng);
+                waiting.push_back(r);
+            }
+        }
+    }
+    let mut adm = Admission::default();
+    let (mut t, mut committed, mut steps) = (0.0f64, 0u64, 0usize);
+    let (mut dec_calls, mut dec_tokens) = (0u64, 0u64);
+    let (mut draft_busy, mut rounds) = (0.0f64, 0u64);
+    let (mut user, mut ttft, mut finished) = (Vec::new(), Vec::new(), 0usize);
+    let mut conf_buf: Vec<Vec<f32>> = Vec::new();
+    let mut accepted: Vec<u8> = Vec::new();
+    while t < end {
+        if let Load::Open { rate } = w.load {
+            while next_arrival <= t {
+                let r = new_req(next_arrival, &mut rng);
+                waiting.push_back(r);
+                next_arrival += -rng.uniform().max(1e-300).ln() / rate;
+            }
+            if running.is_empty() && waiting.is_empty() {
+                t = next_arrival;
+                continue;
+            }
+        }
+        while running.len() < spec.max_running as usize {
+            match waiting.pop_front() {
+                Some(r) => running.push(r),
+                None => break,
+            }
+        }
+        // Decoding requests verify; the rest of the batch's room goes to prompt chunks.
+        let decoding: Vec<usize> = (0..running.len())
+            .filter(|&i| running[i].prompt_left == 0)
+            .collect();
+        conf_buf.clear();
+        accepted.clear();
+        let mut drafting_requests = 0u32;
+        if let Some((blocks, _, _)) = drafting {
+            for _ in &decoding {
+                let b = &blocks[rng.below(blocks.len())];
+                let g = b.conf.len().min(spec.max_gamma as usize);
+                conf_buf.push(b.conf[..g].to_vec());
+                accepted.push(b.accepted.min(g as u8));
+                drafting_requests += u32::from(!b.copy_run);
+            }
+        }
+        let fixed: Option<Vec<u32>> = match spec.verify {
+            Verify::Fixed(k) if !conf_buf.is_empty() => Some(
+                conf_buf
+                    .iter()
+                    .map(|c| (k as usize).min(c.len()) as u32)
+                    .collect(),
+            ),
+            _ => None,
+        };
+        let decode_tokens =
+            decoding.len() as u32 + fixed.as_ref().map_or(0, |k| k.iter().sum::<u32>());
+        let mut prefill_budget = spec.prefill_chunk.min(max_b.saturating_sub(decode_tokens));
+        let mut prefill = 0u32;
+        let mut prefill_done = Vec::new();
+        for (i, r) in running.iter_mut().enumerate() {
+            if r.prompt_left > 0 && prefill_budget > 0 {
+                let take = r.prompt_left.min(prefill_budget);
+                r.prompt_left -= take;
+                prefill_budget -= take;
+                prefill += take;
+                if r.prompt_left == 0 {
+                    prefill_done.push(i);
+                }
+            }
+        }
+        let ks: Vec<u32> = if let Some(k) = fixed {
+            k
+        } else if conf_buf.is_empty() {
+            vec![0; decoding.len()]
+        } else {
+            let conf: Vec<&[f32]> = conf_buf.iter().map(Vec::as_slice).collect();
+            let limits = vec![ReqLimits::default(); conf.len()];
+            let d = adm.decide(
+                &conf,
+                &limits,
+                StepLimits {
+                    max_batch_tokens: max_b,
+                    kv_headroom: u32::MAX,
+                    other_tokens: prefill,
+                    plain_requests: 0,
+                },
+                &spec.sps,
+                Rule::Argmax,
+            );
+            d.k
+        };
+        let batch = decoding.len() as u32 + ks.iter().sum::<u32>() + prefill;
+        if batch > max_b {
+            return Err(SchedError::Config(format!(
+                "planner: a step of {batch} tokens is beyond the SPS table (B ≤ {max_b}); \
+                 profile larger batches or lower max_running × (1 + γ)"
+            )));
+        }
+        let mut step_s = spec.sps.seconds(batch.max(1));
+        if let Some((_, cost, wait)) = drafting {
+            if drafting_requests > 0 && ks.iter().any(|&k| k > 0) {
+                let gamma = match spec.verify {
+                    Verify::Fixed(k) => k.min(spec.max_gamma),
+                    Verify::Scheduler => spec.max_gamma,
+                };
+                let d = cost.seconds(gamma, drafting_requests);
+                step_s += d + spec.hop_s + wait;
+                if t >= time.warmup_s {
+                    draft_busy += d;
+                    rounds += 1;
+                }
+            }
+        }
+        t += step_s;
+        steps += 1;
+        let measured = t >= time.warmup_s && t <= end;
+        for (j, &i) in decoding.iter().enumerate() {
+            let r = &mut running[i];
+            let acc = accepted.get(j).copied().unwrap_or(0) as u32;
+            let n = (1 + ks[j].min(acc)).min(r.out - r.produced);
+            r.produced += n;
+            if measured {
+                committed += n as u64;
+                dec_calls += 1;
+                dec_tokens += n as u64;
+            }
+        }
+        for &i in &prefill_done {
+            let r = &mut running[i];
+            r.produced = 1;
+            r.first_token = t;
+            if measured {
+                committed += 1;
+            }
+        }
+        let mut i = 0;
+        while i < running.len() {
+            let r = &running[i];
+            if r.prompt_left == 0 && r.produced >= r.out {
+                if r.arrival >= time.warmup_s && measured {
+                    finished += 1;
+                    ttft.push(r.first_token - r.arrival);
+                    if r.out > 1 && t > r.first_token {
+                        user.push((r.out - 1) as f64 / (t - r.first_token));
+                    }
+                }
+                running.swap_remove(i);
+                if let Load::Closed { .. } = w.load {
+                    let r = new_req(t, &mut rng);
+                    waiting.push_back(r);
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+    let span = time.measure_s.max(1e-9);
+    Ok(EngineReport {
+        tok_s: committed as f64 / span,
+        user_tok_s_p50: quantile(&mut user, 0.5),
+        user_tok_s_p10: quantile(&mut user, 0.1),
+        ttft_p50_s: quantile(&mut ttft, 0.5),
+        ttft_p90_s: quantile(&mut ttft, 0.9),
+        committed_per_call: if dec_calls > 0 {
+            dec_tokens as f64 / dec_calls as f64
+        } else {
+            0.0
+        },
+        draft_demand: draft_busy / span,
+        draft_round_s: if rounds > 0 {
+            draft_busy / rounds as f64
+        } else {
+            0.0
+        },
+        finished,
+        backlog: waiting.len(),
+        steps,
+    })
+}
+
+/// The service level a plan must meet.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Slo {
+    /// Median decode rate per request (tokens/s) at least this.
+    pub min_user_tok_s: f64,
+    /// 90th-percentile time to first token at most this (seconds).
+    pub max_ttft_p90_s: f64,
+}
+
+/// One cluster shape, simulated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolReport {
+    pub targets: u32,
+    pub drafts: u32,
+    /// One target worker's report (each carries 1/targets of the load).
+    pub engine: EngineReport,
+    /// Cluster tokens/s.
+    pub tok_s: f64,
+    /// Draft pool utilization ρ (0 without drafts).
+    pub draft_util: f64,
+    pub cost: f64,
+    pub feasible: bool,
+    /// Why not, when not.
+    pub reason: String,
+}
+
+/// Arrivals one simulated engine sees at least, under an open load.
+pub const MIN_REQUESTS: f64 = 2000.0;
+/// Longest simulated window (seconds).
+pub const MAX_MEASURE_S: f64 = 3600.0;
+
+/// Simulates `targets` target workers sharing `drafts` draft workers (0: no speculation).
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate(
+    spec: &EngineSpec,
+    w: &Workload,
+    blocks: &[Block],
+    cost: &DraftCost,
+    targets: u32,
+    drafts: u32,
+    time: SimTime,
+    slo: Slo,
+    prices: (f64, f64),
+) -> Result<PoolReport> {
+    if targets == 0 {
+        return Err(SchedError::Config(
+            "planner: at least one target worker".into(),
+        ));
+    }
+    let per = Workload {
+        load: match w.load {
+            Load::Open { rate } => Load::Open {
+                rate: rate / targets as f64,
+            },
+            Load::Closed { concurrency } => Load::Closed {
+                concurrency: concurrency.div_ceil(targets),
+            },
+        },
+        ..*w
+    };
+    // One engine's share of an open load must see enough requests that T × its rate is not
+    // T × its noise: at least MIN_REQUESTS arrivals in the measured window.
+    let time = match per.load {
+        Load::Open { rate } => SimTime {
+            measure_s: time.measure_s.max(MIN_REQUESTS / rate).min(MAX_MEASURE_S),
+            ..time
+        },
+        Load::Closed { .. } => time,
+    };
+    let (mut engine, mut util, mut saturated) = (None, 0.0, false);
+    if drafts == 0 {
+        engine = Some(simulate_engine(spec, &per, None, time)?);
+    } else {
+        // Fixed point of the pool's queueing wait and the rounds it slows down.
+        let mut wait = 0.0;
+        for _ in 0..6 {
+            let r = simulate_engine(spec, &per, Some((blocks, cost, wait)), time)?;
+            let rho = r.draft_demand * targets as f64 / drafts as f64;
+            util = rho;
+            let next = if rho < 1.0 {
+                rho * r.draft_round_s / (2.0 * (1.0 - rho))
+            } else {
+                f64::INFINITY
+            };
+            engine = Some(r);
+            if !next.is_finite() {
+                saturated = true;
+                break;
+            }
+            let done = (next - wait).abs() <= 0.01 * next.max(1e-6);
+            wait = next;
+            if done {
+                break;
+            }
+        }
+    }
+    let engine = engine.unwrap_or_default();
+    let tok_s = engine.tok_s * targets as f64;
+    let mut reason = Vec::new();
+    if saturated {
+        reason.push(format!("draft pool saturated (ρ = {util:.2})"));
+    }
+    let open = matches!(w.load, Load::Open { .. });
+    if open && engine.backlog > spec.max_running as usize {
+        reason.push(format!(
+            "queue grows ({} waiting at the end)",
+            engine.backlog
+        ));
+    }
+    if engine.finished == 0 {
+        reason.push("no request finished in the window".into());
+    }
+    if engine.user_tok_s_p50 < slo.min_user_tok_s {
+        reason.push(format!(
+            "median {:.1} tok/s per user < {:.1}",
+            engine.user_tok_s_p50, slo.min_user_tok_s
+        ));
+    }
+    if engine.ttft_p90_s > slo.max_ttft_p90_s {
+        reason.push(format!(
+            "TTFT p90 {:.0} ms > {:.0} ms",
+            engine.ttft_p90_s * 1e3,
+            slo.max_ttft_p90_s * 1e3
+        ));
+    }
+    Ok(PoolReport {
+        targets,
+        drafts,
+        tok_s,
+        draft_util: util,
+        cost: targets as f64 * prices.0 + drafts as f64 * prices.1,
+        feasible: reason.is_empty(),
+        reason: reason.join("; "),
+        engine,
+    })
+}
+
+/// Every shape up to the limits, and the cheapest feasible one (ties: more tokens/s).
+pub struct Plan {
+    pub shapes: Vec<PoolReport>,
+    pub best: Option<usize>,
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn plan(
+    spec: &EngineSpec,
+    w: &Workload,
+    blocks: &[Block],
+    cost: &DraftCost,
+    max_targets: u32,
+    max_drafts: u32,
+    time: SimTime,
+    slo: Slo,
+    prices: (f64, f64),
+) -> Result<Plan> {
+    let mut shapes = Vec::new();
+    for t in 1..=max_targets {
+        for d in 0..=max_drafts {
+            shapes.push(evaluate(spec, w, blocks, cost, t, d, time, slo, prices)?);
+        }
+    }
+    let best = shapes
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.feasible)
+        .min_by(|(_, a), (_, b)| a.cost.total_cmp(&b.cost).then(b.tok_s.total_cmp(&a.tok_s)))
+        .map(|(i, _)| i);
+    Ok(Plan { shapes, best })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> EngineSpec {
+        // A CPU-like cost, profiled at every B (no free room up to a stair): a step costs
+        // 5 ms + 1 ms per token.
+        let pts = (1u32..=256)
+            .map(|b| (b, 1.0 / (0.005 + 0.001 * b as f64)))
+            .collect();
+        EngineSpec {
+            sps: SpsTable::new(pts).unwrap(),
+            max_running: 16,
+            prefill_chunk: 64,
+            max_gamma: 7,
+            verify: Verify::Scheduler,
+            hop_s: 0.0,
+        }
+    }
+
+    fn blocks(conf: f32, accepted: u8, n: usize) -> Vec<Block> {
+        (0..n)
+            .map(|_| Block {
+                conf: vec![conf; 7],
+                accepted,
+                copy_run: false,
+            })
+            .collect()
+    }
+
+    const T: SimTime = SimTime {
+        warmup_s: 2.0,
+        measure_s: 20.0,
+        seed: 7,
+    };
+    const LOOSE: Slo = Slo {
+        min_user_tok_s: 0.0,
+        max_ttft_p90_s: f64::INFINITY,
+    };
+
+    fn closed(c: u32) -> Workload {
+        Workload {
+            load: Load::Closed { concurrency: c },
+            prompt_tokens: 32,
+            output_tokens: 64,
+            output_spread: 0.0,
+        }
+    }
+
+    #[test]
+    fn a_lone_request_decodes_at_the_table_rate() {
+        // Closed loop, one request: every step is B = 1 (6 ms) apart from its prefill.
+        let r = simulate_engine(&spec(), &closed(1), None, T).unwrap();
+        let per_token = 0.006;
+        assert!((r.user_tok_s_p50 * per_token - 1.0).abs() < 0.01, "{r:?}");
+        assert!((r.committed_per_call - 1.0).abs() < 1e-9);
+        // Prefill of 32 tokens in one 37 ms step, then 63 decode steps: 64 tokens per 0.415 s.
+        let want = 64.0 / (0.037 + 63.0 * per_token);
+        assert!((r.tok_s / want - 1.0).abs() < 0.03, "{} vs {want}", r.tok_s);
+    }
+
+    #[test]
+    fn drafts_that_are_never_accepted_are_never_verified() {
+        // Honest confidences near 0 on a table without free room: admission verifies nothing,
+        // so speculation costs only the drafting calls it never makes (a round is skipped when
+        // no request verifies a draft). (On a staircase it would fill a stair's free room.)
+        let free = DraftCost::flat(vec![(1, 0.0)]).unwrap();
+        let plain = simulate_engine(&spec(), &closed(8), None, T).unwrap();
+        let b = blocks(0.001, 0, 64);
+        let spec_r = simulate_engine(&spec(), &closed(8), Some((&b, &free, 0.0)), T).unwrap();
+        assert!((spec_r.committed_per_call - 1.0).abs() < 1e-9);
+        assert!(
+            (spec_r.tok_s / plain.tok_s - 1.0).abs() < 0.01,
+            "{spec_r:?} vs {plain:?}"
+        );
+    }
+
+    #[test]
+    fn accepted_confident_drafts_multiply_what_a_step_commits() {
+        // Every drafted token accepted with confidence 0.95: at c = 1 admission verifies long
+        // blocks and each step commits several tokens, at little extra cost per step.
+        let free = DraftCost::flat(vec![(1, 0.0)]).unwrap();
+        let b = blocks(0.95, 7, 64);
+        let plain = simulate_engine(&spec(), &closed(1), None, T).unwrap();
+        let r = simulate_engine(&spec(), &closed(1), Some((&b, &free, 0.0)), T).unwrap();
+        assert!(r.committed_per_call > 4.0, "{r:?}");
+        assert!(
+            r.tok_s > 2.5 * plain.tok_s,
+            "{} vs {}",
+            r.tok_s,
+            plain.tok_s
+        );
+        // A draft that is confidently wrong: verified, rejected, one token per step.
+        let liar = blocks(0.95, 0, 64);
+        let l = simulate_engine(&spec(), &closed(1), Some((&liar, &free, 0.0)), T).unwrap();
+        assert!((l.committed_per_call - 1.0).abs() < 1e-9);
+        assert!(l.tok_s < plain.tok_s);
+    }
+
+    #[test]
+    fn a_saturated_draft_pool_is_infeasible_and_more_drafts_relieve_it() {
+        // Each round costs 20 ms: four target workers at c = 4 each ask for far more than one
+        // draft worker gives.
+        let slow = DraftCost::flat(vec![(1, 0.02), (4, 0.02)]).unwrap();
+        let b = blocks(0.9, 5, 64);
+        let one = evaluate(&spec(), &closed(16), &b, &slow, 4, 1, T, LOOSE, (1.0, 1.0)).unwrap();
+        assert!(!one.feasible && one.reason.contains("saturated"), "{one:?}");
+        let many = evaluate(&spec(), &closed(16), &b, &slow, 4, 8, T, LOOSE, (1.0, 1.0)).unwrap();
+        assert!(many.feasible, "{many:?}");
+        assert!(many.draft_util < 1.0 && many.draft_util > 0.0);
+    }
+
+    #[test]
+    fn open_load_beyond_capacity_is_refused_and_more_targets_serve_it() {
+        // One worker decodes ~16 × 48 tok/s at most; 60 requests/s of 64 tokens is ~3800 tok/s.
+        let w = Workload {
+            load: Load::Open { rate: 60.0 },
+            prompt_tokens: 32,
+            output_tokens: 64,
+            output_spread: 0.5,
+        };
+        let b = blocks(0.5, 1, 8);
+        let c = DraftCost::flat(vec![(1, 0.0005)]).unwrap();
+        let slo = Slo {
+            min_user_tok_s: 20.0,
+            max_ttft_p90_s: 1.0,
+        };
+        let p = plan(&spec(), &w, &b, &c, 8, 1, T, slo, (4.0, 1.0)).unwrap();
+        let one = &p.shapes[0];
+        assert!(!one.feasible, "{one:?}");
+        let best = &p.shapes[p.best.expect("some shape serves it")];
+        assert!(best.targets > 1 && best.feasible);
+        // Cheapest: no feasible shape costs less.
+        for s in &p.shapes {
+            assert!(!s.feasible || s.cost >= best.cost, "{s:?} beats {best:?}");
+        }
+        // Served load: what arrives, ~60 × 64 tokens/s.
+        assert!(
+            (best.tok_s / (60.0 * 64.0) - 1.0).abs() < 0.1,
+            "{}",
+            best.tok_s
+        );
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        assert!(DraftCost::new(vec![]).is_err());
+        assert!(DraftCost::new(vec![(1, 0, 0.1)]).is_err());
+        assert!(DraftCost::new(vec![(0, 1, 0.1)]).is_err());
+        assert!(DraftCost::flat(vec![(1, f64::NAN)]).is_err());
+        let mut w = closed(1);
+        w.output_spread = 1.5;
+        assert!(simulate_engine(&spec(), &w, None, T).is_err());
+        let w = Workload {
+            load: Load::Open { rate: 0.0 },
+            ..closed(1)
+        };
+        assert!(simulate_engine(&spec(), &w, None, T).is_err());
+        let c = DraftCost::flat(vec![(1, 0.0)]).unwrap();
+        assert!(simulate_engine(&spec(), &closed(1), Some((&[], &c, 0.0)), T).is_err());
+        let mut s = spec();
+        s.max_running = 300;
+        assert!(simulate_engine(&s, &closed(1), None, T).is_err());
+    }
+
+    #[test]
+    fn draft_cost_interpolates_and_extrapolates() {
+        let c = DraftCost::new(vec![
+            (7, 4, 0.008),
+            (1, 4, 0.004),
+            (1, 1, 0.001),
+            (7, 1, 0.002),
+        ])
+        .unwrap();
+        assert!((c.seconds(1, 1) - 0.001).abs() < 1e-12);
+        assert!((c.seconds(1, 2) - 0.002).abs() < 1e-12);
+        assert!((c.seconds(1, 8) - 0.008).abs() < 1e-12);
+        assert!((c.seconds(7, 4) - 0.008).abs() < 1e-12);
+        // Halfway in γ: halfway in cost.
+        assert!((c.seconds(4, 4) - 0.006).abs() < 1e-12);
+        assert!((c.seconds(9, 1) - 0.002).abs() < 1e-12);
+        assert_eq!(c.seconds(3, 0), 0.0);
+    }
+
+    #[test]
+    fn fixed_lengths_verify_what_they_are_told_and_pay_for_it() {
+        let free = DraftCost::flat(vec![(1, 0.0)]).unwrap();
+        let b = blocks(0.01, 2, 64);
+        for k in [1u8, 3, 7] {
+            let mut s = spec();
+            s.verify = Verify::Fixed(k);
+            let r = simulate_engine(&s, &closed(1), Some((&b, &free, 0.0)), T).unwrap();
+            // Two of every block accepted: 1 + min(k, 2) per step, whatever the confidences;
+            // the 63 tokens after the prefill's take ⌈63 / that⌉ steps.
+            let per = 1 + k.min(2) as u32;
+            let want = 63.0 / 63u32.div_ceil(per) as f64;
+            // (The window's edges cut one request: within 1 %.)
+            assert!(
+                (r.committed_per_call / want - 1.0).abs() < 0.01,
+                "k {k}: {r:?}"
+            );
+        }
+        // The scheduler verifies nothing of drafts it is told are hopeless.
+        let r = simulate_engine(&spec(), &closed(1), Some((&b, &free, 0.0)), T).unwrap();
+        assert!((r.committed_per_call - 1.0).abs() < 1e-9);
+        // A batch beyond the table is an error, not an infinite step.
+        let mut s = spec();
+        s.verify = Verify::Fixed(31);
+        s.max_gamma = 31;
+        s.sps = SpsTable::new(
+            (1u32..=24)
+                .map(|b| (b, 1.0 / (0.005 + 0.001 * b as f64)))
+                .collect(),
+        )
+        .unwrap();
+        let long = vec![
+            Block {
+                conf: vec![0.5; 31],
+                accepted: 0,
+                copy_run: false,
+            };
+            4
+        ];
+        let e = simulate_engine(&s, &closed(1), Some((&long, &free, 0.0)), T).unwrap_err();
+        assert!(e.to_string().contains("beyond the SPS table"), "{e}");
+    }
+}
