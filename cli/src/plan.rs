@@ -6,7 +6,7 @@
 use clap::Args;
 use dspark_scheduler::admission::SpsTable;
 use dspark_scheduler::planner::{
-    self, Block, DraftCost, EngineSpec, Load, SimTime, Slo, Verify, Workload,
+    self, Block, DraftCost, EngineSpec, Load, Scenario, SimTime, Slo, Verify, Workload,
 };
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -51,6 +51,10 @@ pub struct PlanArgs {
     /// Longest block verified (the drafter's γ).
     #[arg(long, default_value_t = 7)]
     pub max_gamma: u8,
+    /// How target workers pick verification lengths: `scheduler` (the hardware-aware policy,
+    /// `verifyPolicy: scheduler` in the chart) or `fixed-K` (every drafting request verifies K).
+    #[arg(long, default_value = "scheduler")]
+    pub verify: String,
     /// Round trip of a drafting round between pods (ms).
     #[arg(long, default_value_t = 1.0)]
     pub hop_ms: f64,
@@ -69,7 +73,8 @@ pub struct PlanArgs {
     pub target_price: f64,
     #[arg(long, default_value_t = 0.25)]
     pub draft_price: f64,
-    /// Simulated seconds measured per shape (after --warmup).
+    /// Simulated seconds measured per shape (after --warmup); under --rate, long enough for
+    /// each target worker to see 2000 arrivals, whatever this says (at most an hour).
     #[arg(long, default_value_t = 60.0)]
     pub seconds: f64,
     #[arg(long, default_value_t = 10.0)]
@@ -155,9 +160,19 @@ pub fn load_blocks(path: &Path, set: Option<&str>) -> anyhow::Result<Vec<Block>>
             .as_array()
             .ok_or_else(|| anyhow::anyhow!("{} line {}: no `served`", path.display(), i + 1))?
             .iter()
-            .map(|c| c.as_f64().map(|c| c as f32))
+            .map(|c| {
+                c.as_f64()
+                    .filter(|c| c.is_finite() && (0.0..=1.0).contains(c))
+                    .map(|c| c as f32)
+            })
             .collect::<Option<_>>()
-            .ok_or_else(|| anyhow::anyhow!("{} line {}: bad confidence", path.display(), i + 1))?;
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{} line {}: a confidence that is not a number in [0, 1]",
+                    path.display(),
+                    i + 1
+                )
+            })?;
         let accepted = v["accepted"]
             .as_u64()
             .filter(|&a| a as usize <= conf.len())
@@ -191,16 +206,21 @@ pub fn load_draft_cost(path: &Path) -> anyhow::Result<DraftCost> {
     let v = read_json(path)?;
     let pts: Vec<(u8, u32, f64)> = v["points"]
         .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|p| {
-            Some((
-                p["gamma"].as_u64()? as u8,
-                p["batch"].as_u64()? as u32,
-                p["draft_ms"].as_f64()? / 1e3,
-            ))
+        .ok_or_else(|| anyhow::anyhow!("{}: no `points`", path.display()))?
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let g = p["gamma"].as_u64().filter(|&g| g <= u8::MAX as u64);
+            let b = p["batch"].as_u64().filter(|&b| b <= u32::MAX as u64);
+            match (g, b, p["draft_ms"].as_f64()) {
+                (Some(g), Some(b), Some(ms)) => Ok((g as u8, b as u32, ms / 1e3)),
+                _ => anyhow::bail!(
+                    "{}: point {i} needs integer `gamma` and `batch` and a number `draft_ms`",
+                    path.display()
+                ),
+            }
         })
-        .collect();
+        .collect::<anyhow::Result<_>>()?;
     DraftCost::new(pts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
@@ -214,11 +234,37 @@ fn engine_json(r: &planner::EngineReport) -> Value {
 }
 
 pub fn run(a: PlanArgs) -> anyhow::Result<()> {
+    let finite = |v: f64, lo: f64, what: &str| {
+        anyhow::ensure!(
+            v.is_finite() && v >= lo,
+            "{what} must be a finite number ≥ {lo}"
+        );
+        Ok(())
+    };
+    finite(a.seconds, f64::MIN_POSITIVE, "--seconds")?;
+    finite(a.warmup, 0.0, "--warmup")?;
+    finite(a.hop_ms, 0.0, "--hop-ms")?;
+    finite(a.slo_user_tok_s, 0.0, "--slo-user-tok-s")?;
+    finite(a.slo_ttft_ms, 0.0, "--slo-ttft-ms")?;
+    finite(a.target_price, 0.0, "--target-price")?;
+    finite(a.draft_price, 0.0, "--draft-price")?;
+    if let Some(r) = a.rate {
+        finite(r, f64::MIN_POSITIVE, "--rate")?;
+    }
     anyhow::ensure!(
-        a.seconds > 0.0 && a.warmup >= 0.0,
-        "--seconds > 0 and --warmup ≥ 0"
+        (0.0..1.0).contains(&a.output_spread),
+        "--output-spread in [0, 1)"
     );
-    anyhow::ensure!(a.hop_ms >= 0.0, "--hop-ms ≥ 0");
+    let verify = match a.verify.as_str() {
+        "scheduler" => Verify::Scheduler,
+        v => match v.strip_prefix("fixed-").and_then(|k| k.parse::<u8>().ok()) {
+            Some(k) if k >= 1 && k <= a.max_gamma => Verify::Fixed(k),
+            _ => anyhow::bail!(
+                "--verify `{v}`: scheduler or fixed-K with K in 1..={}",
+                a.max_gamma
+            ),
+        },
+    };
     anyhow::ensure!(
         a.max_gamma >= 1 && a.max_gamma as usize <= dspark_scheduler::admission::MAX_GAMMA,
         "--max-gamma in 1..={}",
@@ -238,7 +284,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         max_running: a.max_running,
         prefill_chunk: a.prefill_chunk,
         max_gamma: a.max_gamma,
-        verify: Verify::Scheduler,
+        verify,
         hop_s: a.hop_ms / 1e3,
     };
     let command = std::env::args().collect::<Vec<_>>().join(" ");
@@ -261,17 +307,16 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         max_ttft_p90_s: a.slo_ttft_ms / 1e3,
     };
     let prices = (a.target_price, a.draft_price);
-    let p = planner::plan(
-        &spec,
-        &w,
-        &blocks,
-        &cost,
-        a.max_targets,
-        a.max_drafts,
+    let sc = Scenario {
+        spec: &spec,
+        workload: w,
+        blocks: &blocks,
+        cost: &cost,
         time,
         slo,
         prices,
-    )?;
+    };
+    let p = planner::plan(&sc, a.max_targets, a.max_drafts)?;
     println!(
         "{:>7} {:>6} {:>9} {:>12} {:>10} {:>9} {:>6}  verdict",
         "targets", "drafts", "tok/s", "user tok/s", "TTFT p90", "ρ draft", "cost"
@@ -338,7 +383,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
                 load: Load::Closed { concurrency: c * t },
                 ..w
             };
-            let r = planner::evaluate(&spec, &wc, &blocks, &cost, t, d, time, slo, prices)?;
+            let r = planner::evaluate(&Scenario { workload: wc, ..sc }, t, d)?;
             if r.reason.contains("saturated") {
                 break;
             }
@@ -358,7 +403,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     }
     let v = json!({
         "command": command,
-        "inputs": {"sps": a.sps, "ctx": a.ctx, "blocks": a.blocks, "blocks_n": blocks.len(),
+        "inputs": {"verify": a.verify, "sps": a.sps, "ctx": a.ctx, "blocks": a.blocks, "blocks_n": blocks.len(),
             "set": a.set, "draft_cost": a.draft_cost,
             "rate": a.rate, "concurrency": a.concurrency, "prompt_tokens": a.prompt_tokens,
             "output_tokens": a.output_tokens, "output_spread": a.output_spread,
@@ -444,6 +489,13 @@ fn validate(
                 planner::simulate_engine(&spec, &w, Some((blocks, cost, 0.0)), time)?
             }
         };
+        if !(meas > 0.0 && r.tok_s > 0.0) {
+            eprintln!(
+                "{arm} c {c}: measured {meas} or predicted {} tok/s is not positive; skipped",
+                r.tok_s
+            );
+            continue;
+        }
         let ratio = r.tok_s / meas;
         errs.push(ratio.ln().abs());
         println!(

@@ -90,13 +90,9 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     )
     .ok();
     // Refuse an address peers cannot dial before loading the drafter.
-    let advertise = |a: std::net::SocketAddr| match &disc {
-        Some(_) => dspark_scheduler::discovery::advertised_address(a, args.advertise.as_deref())
-            .map_err(|e| match e {
-                dspark_scheduler::SchedError::Config(m) => DraftError::Config(m),
-                e => DraftError::Config(e.to_string()),
-            }),
-        None => Ok(a.to_string()),
+    let advertise = |a: std::net::SocketAddr| {
+        dspark_scheduler::discovery::published_address(disc.as_ref(), a, args.advertise.as_deref())
+            .map_err(DraftError::Config)
     };
     advertise(args.listen)?;
     let hub = drafter::build::ModelHub {

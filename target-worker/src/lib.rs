@@ -158,13 +158,9 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     )
     .ok();
     // Refuse an address peers cannot dial before spending minutes loading the model.
-    let advertise = |a: SocketAddr| match &disc {
-        Some(_) => dspark_scheduler::discovery::advertised_address(a, args.advertise.as_deref())
-            .map_err(|e| match e {
-                dspark_scheduler::SchedError::Config(m) => TargetError::Config(m),
-                e => TargetError::Config(e.to_string()),
-            }),
-        None => Ok(a.to_string()),
+    let advertise = |a: SocketAddr| {
+        dspark_scheduler::discovery::published_address(disc.as_ref(), a, args.advertise.as_deref())
+            .map_err(TargetError::Config)
     };
     advertise(args.listen)?;
     let hub = drafter::build::ModelHub {
@@ -176,8 +172,17 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             ..Default::default()
         },
     };
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
-    let addr = listener.local_addr()?;
+    // Bound now (the worker's id and published address name its port), listening only once
+    // the engine is built: until then connections are refused, so a TCP probe (Kubernetes)
+    // reads "not ready" while the model loads and profiles.
+    let socket = if args.listen.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(args.listen)?;
+    let addr = socket.local_addr()?;
     let advertised = advertise(addr)?;
     let id = args
         .id
@@ -192,6 +197,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         })
         .await
         .map_err(|e| TargetError::Config(format!("loader: {e}")))??;
+    let listener = socket.listen(1024)?;
     let load = Arc::new(AtomicUsize::new(0));
     let (tx, rx) = std::sync::mpsc::channel();
     let el = engine_loop::EngineLoop {
