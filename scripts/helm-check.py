@@ -9,7 +9,8 @@
 4. Cross-checks each render against the real binary and itself: every DSPARK_* variable and
    --flag a dspark container gets is one `dspark <role> --help` lists; Service selectors, target
    ports, PDBs, the HPA and NetworkPolicies point at workloads and ports that exist; the
-   scheduler and etcd URLs the pods get name Services of the render.
+   scheduler and etcd URLs the pods get name Services of the render. The `helm_values` of the
+   capacity planner's committed plans (bench/results/plan-*.json) are rendered and checked too.
 5. With --run: renders one replica of each component on free ports and starts every container
    of the render (init containers first) as a process on loopback, the way the kubelet would:
    the same command, arguments and environment, with the downward API's pod IP as 127.0.0.1,
@@ -353,6 +354,12 @@ def main():
     sets = [("defaults", {})] + [
         (os.path.relpath(p, ROOT), load_values(p)) for p in sorted(glob.glob(os.path.join(CHART, "ci", "*-values.yaml")))
     ]
+    # The capacity planner's answers (`dspark plan --json`) are values this chart takes.
+    for p in sorted(glob.glob(os.path.join(ROOT, "bench", "results", "plan-*.json"))):
+        with open(p) as f:
+            hv = json.load(f).get("helm_values")
+        if hv:
+            sets.append((os.path.relpath(p, ROOT) + " helm_values", hv))
     check_schema(helm, [(n, deep_merge(defaults, v)) for n, v in sets])
     for name, v in sets:
         docs = render(helm, v)

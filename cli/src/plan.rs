@@ -346,6 +346,17 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         })
         .collect();
     let best = p.best.map(|i| &p.shapes[i]);
+    // The plan as the chart's values (helm/dspark-serve).
+    let helm = best.map(|b| {
+        // Fixed lengths are closest to the per-request gate capped at K.
+        let (policy, gamma) = match verify {
+            Verify::Scheduler => ("scheduler", a.max_gamma),
+            Verify::Fixed(k) => ("gate", k),
+        };
+        json!({"targetWorker": {"replicas": b.targets, "maxRunning": a.max_running,
+            "verifyPolicy": policy, "gamma": gamma},
+            "draftWorker": {"replicas": b.drafts}})
+    });
     match best {
         Some(b) => println!(
             "plan: {} target worker(s) + {} draft worker(s) (draft:target {}:{}), {:.0} tok/s, \
@@ -363,6 +374,20 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             "plan: no shape up to {} target and {} draft workers meets the SLO",
             a.max_targets, a.max_drafts
         ),
+    }
+    if let Some(h) = &helm {
+        println!(
+            "helm: --set targetWorker.replicas={} --set draftWorker.replicas={} \
+             --set targetWorker.maxRunning={} --set targetWorker.verifyPolicy={} \
+             --set targetWorker.gamma={}",
+            h["targetWorker"]["replicas"],
+            h["draftWorker"]["replicas"],
+            h["targetWorker"]["maxRunning"],
+            h["targetWorker"]["verifyPolicy"]
+                .as_str()
+                .unwrap_or("scheduler"),
+            h["targetWorker"]["gamma"]
+        );
     }
     // The frontier per draft:target ratio at the planned target count: closed-loop load per
     // target worker 1, 2, 4, ... up to max_running.
@@ -415,6 +440,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         "shapes": shapes,
         "best": best.map(|b| json!({"targets": b.targets, "drafts": b.drafts, "tok_s": b.tok_s,
             "cost": b.cost, "engine": engine_json(&b.engine)})),
+        "helm_values": helm,
         "frontier": frontier,
     });
     crate::bench::write_json(&a.json, &v)?;

@@ -723,6 +723,12 @@ fn plan_sizes_both_pools_for_an_slo_and_refuses_bad_inputs() {
         }
     }
     assert!(j["frontier"].as_array().unwrap().len() >= 4);
+    // The plan as the chart's values.
+    let h = &j["helm_values"];
+    assert_eq!(h["targetWorker"]["replicas"], best["targets"]);
+    assert_eq!(h["draftWorker"]["replicas"], best["drafts"]);
+    assert_eq!(h["targetWorker"]["verifyPolicy"], "scheduler");
+    assert!(so.contains("helm: --set targetWorker.replicas="), "{so}");
     assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
     // Bad inputs: clear errors, no panics.
     let empty = d.join("empty.jsonl");
