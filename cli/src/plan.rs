@@ -6,7 +6,7 @@
 use clap::Args;
 use dspark_scheduler::admission::SpsTable;
 use dspark_scheduler::planner::{
-    self, Block, DraftCost, EngineSpec, Load, Scenario, SimTime, Slo, Verify, Workload,
+    self, Block, BlockSet, DraftCost, EngineSpec, Load, Scenario, SimTime, Slo, Verify, Workload,
 };
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -25,8 +25,12 @@ pub struct PlanArgs {
     #[arg(long)]
     pub blocks: PathBuf,
     /// Only the blocks of this prompt set (the `set` field, e.g. code).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "mix")]
     pub set: Option<String>,
+    /// The traffic mix: kinds of prompts (the blocks' `set` names) and their shares of
+    /// requests, e.g. `chat=2,code=1` (default: every block of the file, as recorded).
+    #[arg(long, value_delimiter = ',')]
+    pub mix: Vec<String>,
     /// Drafting cost: a `bench draft --json` file (draft_ms by batch and γ).
     #[arg(long)]
     pub draft_cost: PathBuf,
@@ -201,6 +205,36 @@ pub fn load_blocks(path: &Path, set: Option<&str>) -> anyhow::Result<Vec<Block>>
     Ok(out)
 }
 
+/// The traffic mix's block sets: `--mix NAME=W,...`, or one set (`--set NAME`, or the whole
+/// file).
+pub fn load_mix(path: &Path, set: Option<&str>, mix: &[String]) -> anyhow::Result<Vec<BlockSet>> {
+    if mix.is_empty() {
+        let blocks = load_blocks(path, set)?;
+        return Ok(vec![BlockSet {
+            name: set.unwrap_or("all").to_string(),
+            weight: 1.0,
+            blocks,
+        }]);
+    }
+    mix.iter()
+        .map(|m| {
+            let (name, w) = m
+                .split_once('=')
+                .ok_or_else(|| anyhow::anyhow!("--mix `{m}`: expected NAME=WEIGHT"))?;
+            let weight: f64 = w
+                .parse()
+                .ok()
+                .filter(|w: &f64| w.is_finite() && *w > 0.0)
+                .ok_or_else(|| anyhow::anyhow!("--mix `{m}`: the weight must be a number > 0"))?;
+            Ok(BlockSet {
+                name: name.to_string(),
+                weight,
+                blocks: load_blocks(path, Some(name))?,
+            })
+        })
+        .collect()
+}
+
 /// Drafting seconds by (γ, batch) from a `bench draft --json` file.
 pub fn load_draft_cost(path: &Path) -> anyhow::Result<DraftCost> {
     let v = read_json(path)?;
@@ -272,7 +306,8 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     );
     anyhow::ensure!(a.max_targets >= 1, "--max-targets ≥ 1");
     let sps = load_sps(&a.sps, a.ctx)?;
-    let blocks = load_blocks(&a.blocks, a.set.as_deref())?;
+    let blocks = load_mix(&a.blocks, a.set.as_deref(), &a.mix)?;
+    let n_blocks: usize = blocks.iter().map(|s| s.blocks.len()).sum();
     let cost = load_draft_cost(&a.draft_cost)?;
     let time = SimTime {
         warmup_s: a.warmup,
@@ -428,8 +463,8 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     }
     let v = json!({
         "command": command,
-        "inputs": {"verify": a.verify, "sps": a.sps, "ctx": a.ctx, "blocks": a.blocks, "blocks_n": blocks.len(),
-            "set": a.set, "draft_cost": a.draft_cost,
+        "inputs": {"verify": a.verify, "sps": a.sps, "ctx": a.ctx, "blocks": a.blocks, "blocks_n": n_blocks,
+            "set": a.set, "mix": a.mix, "draft_cost": a.draft_cost,
             "rate": a.rate, "concurrency": a.concurrency, "prompt_tokens": a.prompt_tokens,
             "output_tokens": a.output_tokens, "output_spread": a.output_spread,
             "max_running": a.max_running, "prefill_chunk": a.prefill_chunk,
@@ -463,7 +498,7 @@ fn validate(
     a: &PlanArgs,
     path: &Path,
     mut spec: EngineSpec,
-    blocks: &[Block],
+    blocks: &[BlockSet],
     cost: &DraftCost,
     time: SimTime,
     command: String,
@@ -547,7 +582,8 @@ fn validate(
         rows.len()
     );
     let v = json!({"command": command, "frontier": path, "sps": a.sps, "ctx": a.ctx,
-        "blocks": a.blocks, "blocks_n": blocks.len(), "draft_cost": a.draft_cost,
+        "blocks": a.blocks, "blocks_n": blocks.iter().map(|s| s.blocks.len()).sum::<usize>(),
+        "draft_cost": a.draft_cost,
         "prompt_tokens": prompt, "points": rows,
         "median_abs_error": median_err, "max_abs_error": max_err});
     crate::bench::write_json(&a.json, &v)

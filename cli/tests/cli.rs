@@ -748,6 +748,16 @@ fn plan_sizes_both_pools_for_an_slo_and_refuses_bad_inputs() {
         let (code, _, err) = dspark(&d, &args);
         assert!(code != 0 && err.contains(want), "{flag} {value}: {err}");
     }
+    for (mix, want) in [
+        ("code=1,chat=1", "no blocks of set `chat`"),
+        ("code=0", "weight"),
+        ("code", "NAME=WEIGHT"),
+    ] {
+        let mut args = base.to_vec();
+        args.extend(["--rate", "1", "--mix", mix]);
+        let (code, _, err) = dspark(&d, &args);
+        assert!(code != 0 && err.contains(want), "{mix}: {err}");
+    }
     let (code, _, err) = dspark(&d, &base);
     assert!(code != 0 && err.contains("--rate"), "{err}");
     let mut args = base.to_vec();

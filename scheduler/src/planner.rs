@@ -35,6 +35,25 @@ pub struct Block {
     pub copy_run: bool,
 }
 
+/// One kind of traffic in the mix: its recorded blocks and its share of requests.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockSet {
+    pub name: String,
+    pub weight: f64,
+    pub blocks: Vec<Block>,
+}
+
+impl BlockSet {
+    /// All traffic of one kind.
+    pub fn only(blocks: Vec<Block>) -> Vec<BlockSet> {
+        vec![BlockSet {
+            name: "all".into(),
+            weight: 1.0,
+            blocks,
+        }]
+    }
+}
+
 /// Drafting seconds per round by block length γ and the number of requests in the round:
 /// linear in requests between measured points (the last segment's slope beyond them), linear in
 /// γ between measured lengths (the nearest one outside them).
@@ -184,6 +203,8 @@ pub struct EngineReport {
 }
 
 struct Req {
+    /// Which set of the mix it belongs to.
+    set: usize,
     arrival: f64,
     prompt_left: u32,
     out: u32,
@@ -200,12 +221,13 @@ fn quantile(v: &mut [f64], q: f64) -> f64 {
     v[i.min(v.len() - 1)]
 }
 
-/// Simulates one target worker. `drafting`: recorded blocks, the draft cost and the extra wait
-/// per round the pool adds; `None` decodes without speculation.
+/// Simulates one target worker. `drafting`: the traffic mix's recorded blocks (each request
+/// belongs to one set, drawn by weight, and drafts from its blocks), the draft cost and the
+/// extra wait per round the pool adds; `None` decodes without speculation.
 pub fn simulate_engine(
     spec: &EngineSpec,
     w: &Workload,
-    drafting: Option<(&[Block], &DraftCost, f64)>,
+    drafting: Option<(&[BlockSet], &DraftCost, f64)>,
     time: SimTime,
 ) -> Result<EngineReport> {
     if spec.max_running == 0 || spec.prefill_chunk == 0 || w.output_tokens == 0 {
@@ -225,16 +247,43 @@ pub fn simulate_engine(
             spec.max_running
         )));
     }
-    if let Some((blocks, _, _)) = drafting {
-        if blocks.is_empty() {
+    let mut cum_weights = Vec::new();
+    if let Some((sets, _, _)) = drafting {
+        if sets.is_empty() {
             return Err(SchedError::Config("planner: no recorded blocks".into()));
+        }
+        let mut total = 0.0;
+        for st in sets {
+            if st.blocks.is_empty() {
+                return Err(SchedError::Config(format!(
+                    "planner: no recorded blocks for `{}`",
+                    st.name
+                )));
+            }
+            if !(st.weight.is_finite() && st.weight > 0.0) {
+                return Err(SchedError::Config(format!(
+                    "planner: the weight of `{}` must be > 0",
+                    st.name
+                )));
+            }
+            total += st.weight;
+            cum_weights.push(total);
+        }
+        for c in &mut cum_weights {
+            *c /= total;
         }
     }
     let mut rng = Rng::new(time.seed);
     let end = time.warmup_s + time.measure_s;
     let new_req = |arrival: f64, rng: &mut Rng| {
         let f = 1.0 + w.output_spread * (2.0 * rng.uniform() - 1.0);
+        let u = if cum_weights.len() > 1 {
+            rng.uniform()
+        } else {
+            0.0
+        };
         Req {
+            set: cum_weights.iter().position(|&c| u < c).unwrap_or(0),
             arrival,
             prompt_left: w.prompt_tokens.max(1),
             out: ((w.output_tokens as f64 * f).round() as u32).max(1),
@@ -278,7 +327,8 @@ pub fn simulate_engine(
         )),
         _ => None,
     };
-    let free_capable = drafting.is_some_and(|(b, _, _)| b.iter().any(|b| b.copy_run));
+    let free_capable =
+        drafting.is_some_and(|(s, _, _)| s.iter().any(|s| s.blocks.iter().any(|b| b.copy_run)));
     let mut copy: Vec<bool> = Vec::new();
     let (mut t, mut committed, mut steps) = (0.0f64, 0u64, 0usize);
     let (mut dec_calls, mut dec_tokens) = (0u64, 0u64);
@@ -316,7 +366,7 @@ pub fn simulate_engine(
         // Decoding requests this step holds (the engine leaves out those the budget cannot fit).
         let mut active = vec![false; n_dec];
         let mut free = false;
-        if let Some((blocks, _, _)) = drafting {
+        if let Some((sets, _, _)) = drafting {
             let (mut cap, mut width) = (spec.max_gamma as u32, usize::MAX);
             if n_dec > 0 {
                 if let Some(p) = policy.as_mut() {
@@ -352,7 +402,8 @@ pub fn simulate_engine(
             conf_buf.clear();
             accepted.clear();
             copy.clear();
-            for &k in &ks {
+            for (di, &k) in ks.iter().enumerate() {
+                let blocks = &sets[running[decoding[di]].set].blocks;
                 let b = &blocks[rng.below(blocks.len())];
                 let usable = if free && !b.copy_run { 0 } else { b.conf.len() };
                 let n = (k as usize).min(usable);
@@ -571,8 +622,8 @@ pub const MAX_MEASURE_S: f64 = 3600.0;
 pub struct Scenario<'a> {
     pub spec: &'a EngineSpec,
     pub workload: Workload,
-    /// Recorded verifications of the drafter.
-    pub blocks: &'a [Block],
+    /// Recorded verifications of the drafter, by kind of traffic (the mix).
+    pub blocks: &'a [BlockSet],
     pub cost: &'a DraftCost,
     pub time: SimTime,
     pub slo: Slo,
@@ -791,14 +842,16 @@ mod tests {
         }
     }
 
-    fn blocks(conf: f32, accepted: u8, n: usize) -> Vec<Block> {
-        (0..n)
-            .map(|_| Block {
-                conf: vec![conf; 7],
-                accepted,
-                copy_run: false,
-            })
-            .collect()
+    fn blocks(conf: f32, accepted: u8, n: usize) -> Vec<BlockSet> {
+        BlockSet::only(
+            (0..n)
+                .map(|_| Block {
+                    conf: vec![conf; 7],
+                    accepted,
+                    copy_run: false,
+                })
+                .collect(),
+        )
     }
 
     const T: SimTime = SimTime {
@@ -989,6 +1042,59 @@ mod tests {
     }
 
     #[test]
+    fn a_traffic_mix_commits_between_its_parts_by_their_weights() {
+        // Some requests draft blocks accepted in full, the rest blocks never accepted; fixed
+        // blocks of 3, so every step verifies 3 per request.
+        let free = DraftCost::flat(vec![(1, 0.0)]).unwrap();
+        let mut s = spec();
+        s.verify = Verify::Fixed(3);
+        let good = blocks(0.9, 7, 16).remove(0).blocks;
+        let bad = blocks(0.9, 0, 16).remove(0).blocks;
+        let mix = |wg: f64, wb: f64| {
+            vec![
+                BlockSet {
+                    name: "good".into(),
+                    weight: wg,
+                    blocks: good.clone(),
+                },
+                BlockSet {
+                    name: "bad".into(),
+                    weight: wb,
+                    blocks: bad.clone(),
+                },
+            ]
+        };
+        let run = |m: &[BlockSet]| {
+            simulate_engine(&s, &closed(8), Some((m, &free, 0.0)), T)
+                .unwrap()
+                .committed_per_call
+        };
+        let (all_good, all_bad) = (run(&mix(1.0, 1e-9)), run(&mix(1e-9, 1.0)));
+        assert!(
+            all_good > 3.5 && (all_bad - 1.0).abs() < 1e-9,
+            "{all_good} {all_bad}"
+        );
+        // Per request the same tokens, in 1/rate steps: the mix commits the weighted harmonic
+        // mean per call (the slow kind holds the batch longer).
+        let want = |wg: f64| 1.0 / (wg / all_good + (1.0 - wg) / all_bad);
+        let half = run(&mix(1.0, 1.0));
+        assert!(
+            (half / want(0.5) - 1.0).abs() < 0.05,
+            "{half} vs {}",
+            want(0.5)
+        );
+        let quarter = run(&mix(1.0, 3.0));
+        assert!(
+            (quarter / want(0.25) - 1.0).abs() < 0.05,
+            "{quarter} vs {}",
+            want(0.25)
+        );
+        let mut zero = mix(1.0, 1.0);
+        zero[1].weight = 0.0;
+        assert!(simulate_engine(&s, &closed(1), Some((&zero, &free, 0.0)), T).is_err());
+    }
+
+    #[test]
     fn bad_inputs_are_errors() {
         assert!(DraftCost::new(vec![]).is_err());
         assert!(DraftCost::new(vec![(1, 0, 0.1)]).is_err());
@@ -1059,14 +1165,14 @@ mod tests {
                 .collect(),
         )
         .unwrap();
-        let long = vec![
+        let long = BlockSet::only(vec![
             Block {
                 conf: vec![0.5; 31],
                 accepted: 31,
                 copy_run: false,
             };
             4
-        ];
+        ]);
         let r = simulate_engine(&s, &closed(4), Some((&long, &free, 0.0)), T).unwrap();
         assert!(r.committed_per_call > 1.0 && r.tok_s > 0.0, "{r:?}");
     }
