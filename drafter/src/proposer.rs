@@ -862,6 +862,10 @@ impl Proposer for DsparkProposer {
         self.dr.cfg.context
     }
 
+    fn context_rows(&self) -> usize {
+        self.dr.cfg.context
+    }
+
     fn finish(&mut self, id: u64) {
         if let Some(mut f) = self.feats.remove(&id)
             && self.spare_raw.len() < MAX_SPARE_RAW

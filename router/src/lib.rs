@@ -491,6 +491,9 @@ async fn drive(
                     let s = f.stats.unwrap_or_default();
                     merge(&mut stats, &s);
                     stats.prompt_tokens = job.prompt.len() as u32;
+                    // What the worker that finished found cached (of its own prompt, which
+                    // after a failover includes what was generated before).
+                    stats.cached_tokens = s.cached_tokens.min(stats.prompt_tokens);
                     stats.completion_tokens = generated.len() as u32;
                     let _ = tx
                         .send(Piece::Done {
@@ -578,6 +581,7 @@ fn usage(stats: &SpecStats, target: &str) -> Value {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
         "dspark": {
             "target_worker": target,
             "verify_forwards": stats.verify_forwards,
@@ -861,6 +865,7 @@ fn finish(reason: &str) -> &'static str {
 fn account(app: &App, s: &SpecStats) {
     let m = &app.metrics;
     Metrics::add(&m.prompt_tokens, s.prompt_tokens as u64);
+    Metrics::add(&m.cached_prompt_tokens, s.cached_tokens as u64);
     Metrics::add(&m.completion_tokens, s.completion_tokens as u64);
     Metrics::add(&m.drafted, s.drafted_tokens as u64);
     Metrics::add(&m.accepted, s.accepted_tokens as u64);

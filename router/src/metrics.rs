@@ -8,6 +8,7 @@ pub const REQUEST_ERRORS_TOTAL: &str = "dspark_router_request_errors_total";
 pub const REJECTED_TOTAL: &str = "dspark_router_rejected_total";
 pub const INFLIGHT: &str = "dspark_router_inflight_requests";
 pub const PROMPT_TOKENS_TOTAL: &str = "dspark_router_prompt_tokens_total";
+pub const CACHED_PROMPT_TOKENS_TOTAL: &str = "dspark_router_cached_prompt_tokens_total";
 pub const COMPLETION_TOKENS_TOTAL: &str = "dspark_router_completion_tokens_total";
 pub const DRAFTED_TOKENS_TOTAL: &str = "dspark_router_drafted_tokens_total";
 pub const ACCEPTED_TOKENS_TOTAL: &str = "dspark_router_accepted_tokens_total";
@@ -22,6 +23,7 @@ pub struct Metrics {
     pub rejected: AtomicU64,
     pub inflight: AtomicU64,
     pub prompt_tokens: AtomicU64,
+    pub cached_prompt_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
     pub drafted: AtomicU64,
     pub accepted: AtomicU64,
@@ -38,7 +40,7 @@ impl Metrics {
     pub fn render(&self) -> String {
         let mut s = String::new();
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let rows: [(&str, &str, &str, u64); 10] = [
+        let rows: [(&str, &str, &str, u64); 11] = [
             (
                 REQUESTS_TOTAL,
                 "counter",
@@ -68,6 +70,12 @@ impl Metrics {
                 "counter",
                 "Prompt tokens served.",
                 g(&self.prompt_tokens),
+            ),
+            (
+                CACHED_PROMPT_TOKENS_TOTAL,
+                "counter",
+                "Prompt tokens whose KV a target worker found in its prefix cache.",
+                g(&self.cached_prompt_tokens),
             ),
             (
                 COMPLETION_TOKENS_TOTAL,

@@ -7,6 +7,16 @@
 //! (copy-on-write), so forks never see each other's tokens. [`KvCache::check`] verifies that every
 //! block is either free or referenced exactly `refcount` times: no leaks, ever.
 //!
+//! **Prefix caching** ([`KvCache::set_prefix_caching`]): a full block whose tokens are known can be
+//! registered under (its parent block, its tokens), so a later sequence with the same leading
+//! tokens attaches those blocks instead of computing them again (a shared system prompt, the
+//! earlier turns of a chat). Keys are exact token lists, not hashes: a collision cannot hand a
+//! sequence another prompt's keys and values. A registered block nobody references stays
+//! cached and counts as free; it is evicted least recently used first, when an allocation
+//! finds the free list empty, and its descendants in the index go with it. A registered block
+//! is never written again: growing into one that is shared copies it (as for a fork), and one
+//! that is not is unregistered first.
+//!
 //! Layout per layer: K is `[block][kv_head][head_dim][block_size]` (each block transposed, so
 //! attention scores a whole block with vertical FMAs), V is `[block][block_size][kv_dim]`. Both
 //! keep a block contiguous, so copy-on-write copies one range.
@@ -18,7 +28,32 @@
 use crate::RuntimeError;
 use half::f16;
 use kernels::ops::KvElem;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+
+/// Parent of a sequence's first block in the prefix index.
+const ROOT: u32 = u32::MAX;
+
+/// Key of a registered block: its parent block (or [`ROOT`]) and its tokens.
+type PrefixKey = (u32, Box<[u32]>);
+
+/// Index of registered blocks (prefix caching).
+#[derive(Default)]
+struct PrefixIndex {
+    enabled: bool,
+    map: HashMap<PrefixKey, u32>,
+    /// Per block: its key while registered.
+    key: Vec<Option<PrefixKey>>,
+    /// Per block: registered blocks keyed under it.
+    children: Vec<Vec<u32>>,
+    /// Registered blocks with no reference, by last use (eviction order).
+    idle: BTreeMap<u64, u32>,
+    /// Per block: when it was last attached or released (key into `idle` while there).
+    last_use: Vec<u64>,
+    tick: u64,
+    /// Prompt tokens looked up and found, since start (metrics).
+    queried_tokens: u64,
+    hit_tokens: u64,
+}
 
 /// Element type of the K and V pools.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -153,6 +188,7 @@ pub struct KvCache {
     free: Vec<u32>,
     seqs: HashMap<SeqId, Table>,
     next_id: u64,
+    prefix: PrefixIndex,
 }
 
 impl KvConfig {
@@ -178,21 +214,153 @@ impl KvCache {
             free: (0..cfg.num_blocks as u32).rev().collect(),
             seqs: HashMap::new(),
             next_id: 0,
+            prefix: PrefixIndex {
+                key: vec![None; cfg.num_blocks],
+                children: vec![Vec::new(); cfg.num_blocks],
+                last_use: vec![0; cfg.num_blocks],
+                ..Default::default()
+            },
             cfg,
         })
+    }
+
+    /// Turns prefix caching on or off; off drops every cached block that nobody references.
+    pub fn set_prefix_caching(&mut self, on: bool) {
+        self.prefix.enabled = on;
+        if !on {
+            self.clear_prefix_cache();
+        }
+    }
+
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix.enabled
+    }
+
+    /// Forgets every registered block (the unreferenced ones return to the free list).
+    pub fn clear_prefix_cache(&mut self) {
+        for b in 0..self.cfg.num_blocks as u32 {
+            if self.prefix.key[b as usize].is_some() {
+                self.unregister(b);
+            }
+        }
+    }
+
+    /// Blocks held only by the prefix cache (free for allocation, evicted on demand).
+    pub fn cached_blocks(&self) -> usize {
+        self.prefix.idle.len()
+    }
+
+    /// Prompt tokens looked up in the prefix cache and tokens found there, since start.
+    pub fn prefix_stats(&self) -> (u64, u64) {
+        (self.prefix.queried_tokens, self.prefix.hit_tokens)
+    }
+
+    /// A new sequence starting with the longest cached prefix of `tokens` in whole blocks, at
+    /// most `max_tokens` long; returns it and the tokens it already holds (0 when prefix
+    /// caching is off or nothing matches).
+    pub fn new_seq_with_prefix(&mut self, tokens: &[u32], max_tokens: usize) -> (SeqId, usize) {
+        let id = self.new_seq();
+        if !self.prefix.enabled {
+            return (id, 0);
+        }
+        let bs = self.cfg.block_size;
+        let mut blocks = Vec::new();
+        let mut parent = ROOT;
+        for chunk in tokens[..max_tokens.min(tokens.len())].chunks_exact(bs) {
+            let key: PrefixKey = (parent, chunk.into());
+            let Some(&b) = self.prefix.map.get(&key) else {
+                break;
+            };
+            blocks.push(b);
+            parent = b;
+        }
+        self.prefix.queried_tokens += tokens.len() as u64;
+        self.prefix.hit_tokens += (blocks.len() * bs) as u64;
+        self.prefix.tick += 1;
+        for &b in &blocks {
+            let rc = &mut self.refcount[b as usize];
+            if *rc == 0 {
+                self.prefix.idle.remove(&self.prefix.last_use[b as usize]);
+            }
+            *rc += 1;
+        }
+        let len = blocks.len() * bs;
+        if let Some(t) = self.seqs.get_mut(&id) {
+            *t = Table { blocks, len };
+        }
+        (id, len)
+    }
+
+    /// Registers `seq`'s full blocks whose tokens are `tokens[..]` (positions written so far,
+    /// at most `tokens.len()`), so later sequences can share them. No-op when caching is off.
+    pub fn register(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(), RuntimeError> {
+        if !self.prefix.enabled {
+            return Ok(());
+        }
+        let bs = self.cfg.block_size;
+        let t = self.table(seq)?;
+        let n = t.len.min(tokens.len()) / bs;
+        let blocks: Vec<u32> = t.blocks[..n].to_vec();
+        let mut parent = ROOT;
+        for (i, &b) in blocks.iter().enumerate() {
+            let key: PrefixKey = (parent, tokens[i * bs..(i + 1) * bs].into());
+            if let Some(&have) = self.prefix.map.get(&key) {
+                // This prefix is cached already (this block, or an equal one computed
+                // alongside): chain what follows under the cached one.
+                parent = have;
+                continue;
+            }
+            if self.prefix.key[b as usize].is_some() {
+                // Registered under another prefix: cannot be this one's block.
+                return Ok(());
+            }
+            if parent != ROOT {
+                self.prefix.children[parent as usize].push(b);
+            }
+            self.prefix.map.insert(key.clone(), b);
+            self.prefix.key[b as usize] = Some(key);
+            parent = b;
+        }
+        Ok(())
+    }
+
+    /// Removes `b` and every block keyed under it from the index; those nobody references
+    /// return to the free list.
+    fn unregister(&mut self, b: u32) {
+        let mut stack = vec![b];
+        while let Some(x) = stack.pop() {
+            let Some(key) = self.prefix.key[x as usize].take() else {
+                continue;
+            };
+            if key.0 != ROOT {
+                self.prefix.children[key.0 as usize].retain(|&c| c != x);
+            }
+            self.prefix.map.remove(&key);
+            stack.append(&mut self.prefix.children[x as usize]);
+            if self.refcount[x as usize] == 0
+                && self
+                    .prefix
+                    .idle
+                    .remove(&self.prefix.last_use[x as usize])
+                    .is_some()
+            {
+                self.free.push(x);
+            }
+        }
     }
 
     pub fn config(&self) -> &KvConfig {
         &self.cfg
     }
 
+    /// Blocks an allocation can take: free ones and cached ones nobody references.
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.prefix.idle.len()
     }
 
     /// Tokens that could still be appended across all sequences (whole free blocks only).
     pub fn free_tokens(&self) -> usize {
-        self.free.len() * self.cfg.block_size
+        self.free_blocks() * self.cfg.block_size
     }
 
     pub fn new_seq(&mut self) -> SeqId {
@@ -219,6 +387,16 @@ impl KvCache {
     }
 
     fn alloc(&mut self) -> Result<u32, RuntimeError> {
+        if self.free.is_empty() {
+            // Evict the least recently used cached block (and what is keyed under it).
+            let (_, b) = self
+                .prefix
+                .idle
+                .first_key_value()
+                .map(|(&t, &b)| (t, b))
+                .ok_or(RuntimeError::KvFull)?;
+            self.unregister(b);
+        }
         let b = self.free.pop().ok_or(RuntimeError::KvFull)?;
         debug_assert_eq!(self.refcount[b as usize], 0);
         self.refcount[b as usize] = 1;
@@ -230,7 +408,13 @@ impl KvCache {
         debug_assert!(*rc > 0, "double free of block {b}");
         *rc -= 1;
         if *rc == 0 {
-            self.free.push(b);
+            if self.prefix.key[b as usize].is_some() {
+                self.prefix.tick += 1;
+                self.prefix.last_use[b as usize] = self.prefix.tick;
+                self.prefix.idle.insert(self.prefix.tick, b);
+            } else {
+                self.free.push(b);
+            }
         }
     }
 
@@ -263,7 +447,7 @@ impl KvCache {
     /// The positions become valid only through [`KvCache::set_len`] after they are written.
     pub fn reserve(&mut self, seq: SeqId, new_len: usize) -> Result<(), RuntimeError> {
         let need = self.blocks_needed(seq, new_len)?;
-        if need > self.free.len() {
+        if need > self.free_blocks() {
             return Err(RuntimeError::KvFull);
         }
         let bs = self.cfg.block_size;
@@ -277,6 +461,9 @@ impl KvCache {
                 self.copy_block(last, nb);
                 self.release(last);
                 blocks[i] = nb;
+            } else if self.prefix.key[last as usize].is_some() {
+                // Only this sequence holds it and its tail is about to be rewritten.
+                self.unregister(last);
             }
         }
         while blocks.len() < new_len.div_ceil(bs) {
@@ -322,7 +509,7 @@ impl KvCache {
         t.len = len;
         let keep = len.div_ceil(bs);
         let dropped: Vec<u32> = t.blocks.drain(keep..).collect();
-        for b in dropped {
+        for b in dropped.into_iter().rev() {
             self.release(b);
         }
         Ok(())
@@ -353,7 +540,9 @@ impl KvCache {
             .seqs
             .remove(&seq)
             .ok_or(RuntimeError::UnknownSeq(seq.0))?;
-        for b in t.blocks {
+        // Last block first: cached blocks are evicted leaves first, so a prefix many
+        // sequences share outlives the tails that hang from it.
+        for b in t.blocks.into_iter().rev() {
             self.release(b);
         }
         Ok(())
@@ -444,6 +633,48 @@ impl KvCache {
                 )));
             }
             is_free[b as usize] = true;
+        }
+        for (&t, &b) in &self.prefix.idle {
+            if is_free[b as usize] {
+                return Err(RuntimeError::Invariant(format!(
+                    "block {b} both free and cached"
+                )));
+            }
+            if self.prefix.key[b as usize].is_none() || self.prefix.last_use[b as usize] != t {
+                return Err(RuntimeError::Invariant(format!(
+                    "cached block {b} not registered under its last use"
+                )));
+            }
+            is_free[b as usize] = true;
+        }
+        let mut registered = 0;
+        for (b, key) in self.prefix.key.iter().enumerate() {
+            let Some(key) = key else { continue };
+            registered += 1;
+            if self.prefix.map.get(key) != Some(&(b as u32)) {
+                return Err(RuntimeError::Invariant(format!(
+                    "registered block {b} missing from the prefix index"
+                )));
+            }
+            if key.1.len() != self.cfg.block_size {
+                return Err(RuntimeError::Invariant(format!(
+                    "registered block {b} keyed by {} tokens",
+                    key.1.len()
+                )));
+            }
+            if key.0 != ROOT
+                && (self.prefix.key[key.0 as usize].is_none()
+                    || !self.prefix.children[key.0 as usize].contains(&(b as u32)))
+            {
+                return Err(RuntimeError::Invariant(format!(
+                    "registered block {b} under a parent that does not list it"
+                )));
+            }
+        }
+        if registered != self.prefix.map.len() {
+            return Err(RuntimeError::Invariant(
+                "prefix index holds unregistered blocks".into(),
+            ));
         }
         for b in 0..self.cfg.num_blocks {
             if refs[b] != self.refcount[b] {
@@ -598,6 +829,230 @@ mod tests {
             c.remove(s).unwrap();
         }
         assert_eq!(c.free_blocks(), 64);
+        c.check().unwrap();
+    }
+
+    /// What a position's K and V hold in the prefix tests: a function of every token up to it,
+    /// as a real model's would be.
+    fn prefix_value(tokens: &[u32]) -> f32 {
+        let h = tokens.iter().fold(17u64, |h, &t| {
+            h.wrapping_mul(1_000_003).wrapping_add(t as u64)
+        });
+        (h % 100_003) as f32
+    }
+
+    /// Appends `new` to `seq` (whose tokens are `tokens`), writing each position's value.
+    fn append(c: &mut KvCache, seq: SeqId, tokens: &mut Vec<u32>, new: &[u32]) -> bool {
+        let len = c.len(seq).unwrap();
+        assert_eq!(len, tokens.len());
+        if c.reserve(seq, len + new.len()).is_err() {
+            return false;
+        }
+        for &t in new {
+            tokens.push(t);
+            let v = prefix_value(tokens);
+            let slot = c.slot(seq, tokens.len() - 1).unwrap();
+            for l in 0..2 {
+                c.write(l, slot, &[v; 4], &[-v; 4]);
+            }
+        }
+        c.set_len(seq, tokens.len()).unwrap();
+        true
+    }
+
+    fn assert_contents(c: &KvCache, seq: SeqId, tokens: &[u32]) {
+        for p in 0..c.len(seq).unwrap() {
+            let slot = c.slot(seq, p).unwrap();
+            let v = prefix_value(&tokens[..=p]);
+            for l in 0..2 {
+                assert_eq!(c.read_k(l, slot), vec![v; 4], "position {p}");
+                assert_eq!(c.read_v(l, slot), vec![-v; 4], "position {p}");
+            }
+        }
+    }
+
+    #[test]
+    fn prefix_cache_shares_whole_blocks_of_equal_prefixes_only() {
+        let mut c = cache(16);
+        c.set_prefix_caching(true);
+        let prompt: Vec<u32> = (0..10).collect();
+        let (a, hit) = c.new_seq_with_prefix(&prompt, 10);
+        assert_eq!(hit, 0);
+        let mut ta = Vec::new();
+        assert!(append(&mut c, a, &mut ta, &prompt));
+        c.register(a, &ta).unwrap();
+        // Two full blocks (8 tokens) are registered; the half-full third is not.
+        let (b, hit) = c.new_seq_with_prefix(&prompt, 10);
+        assert_eq!(hit, 8);
+        assert_eq!(c.blocks(b).unwrap(), &c.blocks(a).unwrap()[..2]);
+        let mut tb = prompt[..8].to_vec();
+        assert_contents(&c, b, &tb);
+        // b continues differently: its own blocks, a's untouched.
+        assert!(append(&mut c, b, &mut tb, &[50, 51, 52]));
+        assert_contents(&c, a, &ta);
+        assert_contents(&c, b, &tb);
+        // A prefix that differs in its second block matches the first only; `max_tokens` caps.
+        let mut other = prompt.clone();
+        other[5] = 99;
+        let (d, hit) = c.new_seq_with_prefix(&other, 10);
+        assert_eq!(hit, 4);
+        let (e, hit) = c.new_seq_with_prefix(&prompt, 7);
+        assert_eq!(hit, 4);
+        // The same tokens at another offset are another prefix.
+        let shifted: Vec<u32> = (4..14).collect();
+        let (f, hit) = c.new_seq_with_prefix(&shifted, 10);
+        assert_eq!(hit, 0);
+        c.check().unwrap();
+        for s in [a, b, d, e, f] {
+            c.remove(s).unwrap();
+        }
+        // Everything is allocatable again; the registered blocks stay cached.
+        assert_eq!(c.free_blocks(), 16);
+        assert_eq!(c.cached_blocks(), 2);
+        c.check().unwrap();
+        let (g, hit) = c.new_seq_with_prefix(&prompt, 10);
+        assert_eq!(hit, 8);
+        assert_contents(&c, g, &prompt[..8]);
+        assert_eq!(c.prefix_stats(), (60, 24));
+        c.remove(g).unwrap();
+        // Off: the cache is dropped and nothing matches.
+        c.set_prefix_caching(false);
+        assert_eq!(c.cached_blocks(), 0);
+        let (h, hit) = c.new_seq_with_prefix(&prompt, 10);
+        assert_eq!(hit, 0);
+        c.remove(h).unwrap();
+        c.check().unwrap();
+    }
+
+    #[test]
+    fn cached_blocks_are_evicted_least_recently_used_tails_first() {
+        let mut c = cache(6);
+        c.set_prefix_caching(true);
+        let p1: Vec<u32> = (0..8).collect();
+        let p2: Vec<u32> = (100..108).collect();
+        for p in [&p1, &p2] {
+            let (s, _) = c.new_seq_with_prefix(p, 8);
+            let mut t = Vec::new();
+            assert!(append(&mut c, s, &mut t, p));
+            c.register(s, &t).unwrap();
+            c.remove(s).unwrap();
+        }
+        assert_eq!((c.cached_blocks(), c.free_blocks()), (4, 6));
+        // Three blocks: the two free ones, then the least recently used cached one: p1's
+        // second block (a sequence's blocks are released last first, so tails go before the
+        // prefixes they hang from).
+        let s = c.new_seq();
+        c.reserve(s, 12).unwrap();
+        assert_eq!((c.cached_blocks(), c.free_blocks()), (3, 3));
+        c.check().unwrap();
+        let (x, hit) = c.new_seq_with_prefix(&p1, 8);
+        assert_eq!(hit, 4);
+        assert_contents(&c, x, &p1[..4]);
+        c.remove(x).unwrap();
+        // x's release made p1's first block the most recently used: p2's blocks go next,
+        // its second before its first, then p1's.
+        c.reserve(s, 16).unwrap();
+        let (y, hit) = c.new_seq_with_prefix(&p2, 8);
+        assert_eq!(hit, 4);
+        c.remove(y).unwrap();
+        c.reserve(s, 20).unwrap();
+        let (x, hit) = c.new_seq_with_prefix(&p1, 8);
+        assert_eq!(hit, 0);
+        c.remove(x).unwrap();
+        let (y, hit) = c.new_seq_with_prefix(&p2, 8);
+        assert_eq!(hit, 4);
+        assert_contents(&c, y, &p2[..4]);
+        c.remove(y).unwrap();
+        c.reserve(s, 24).unwrap();
+        assert_eq!((c.cached_blocks(), c.free_blocks()), (0, 0));
+        // Referenced blocks are never evicted: the cache is full.
+        assert!(matches!(c.reserve(s, 25), Err(RuntimeError::KvFull)));
+        c.check().unwrap();
+    }
+
+    #[test]
+    fn a_registered_block_is_never_rewritten() {
+        let mut c = cache(12);
+        c.set_prefix_caching(true);
+        let p: Vec<u32> = (0..8).collect();
+        let (a, _) = c.new_seq_with_prefix(&p, 8);
+        let mut ta = Vec::new();
+        assert!(append(&mut c, a, &mut ta, &p));
+        c.register(a, &ta).unwrap();
+        // a rolls back into its registered second block and writes there: that block leaves
+        // the index (only a holds it), so nobody is handed the new contents under the old key.
+        c.truncate(a, 6).unwrap();
+        ta.truncate(6);
+        assert!(append(&mut c, a, &mut ta, &[77, 78]));
+        let (b, hit) = c.new_seq_with_prefix(&p, 8);
+        assert_eq!(hit, 4);
+        // b shares the first block; rolling b into it copies the block first.
+        c.truncate(b, 2).unwrap();
+        let mut tb = p[..2].to_vec();
+        assert!(append(&mut c, b, &mut tb, &[5, 6, 7]));
+        assert_contents(&c, a, &ta);
+        assert_contents(&c, b, &tb);
+        let (d, hit) = c.new_seq_with_prefix(&p, 8);
+        assert_eq!(hit, 4);
+        assert_contents(&c, d, &p[..4]);
+        c.check().unwrap();
+    }
+
+    #[test]
+    fn random_prefix_sharing_keeps_every_sequence_contents_and_leaks_nothing() {
+        let mut c = cache(40);
+        c.set_prefix_caching(true);
+        let mut rng = Rng::new(7);
+        // A few shared "system prompts", each sequence one of them plus its own tokens.
+        let systems: Vec<Vec<u32>> = (0..3)
+            .map(|s| (0..4 + 5 * s).map(|i| (s * 50 + i) as u32).collect())
+            .collect();
+        let mut live: Vec<(SeqId, Vec<u32>)> = Vec::new();
+        let mut hits = 0;
+        for _ in 0..5_000 {
+            match rng.below(8) {
+                0 if live.len() < 8 => {
+                    let mut prompt = systems[rng.below(3)].clone();
+                    prompt.extend((0..rng.below(6)).map(|_| 200 + rng.below(3) as u32));
+                    let (s, hit) = c.new_seq_with_prefix(&prompt, prompt.len() - 1);
+                    hits += hit;
+                    let mut t = prompt[..hit].to_vec();
+                    if append(&mut c, s, &mut t, &prompt[hit..]) {
+                        c.register(s, &t).unwrap();
+                        live.push((s, t));
+                    } else {
+                        c.remove(s).unwrap();
+                    }
+                }
+                1 if !live.is_empty() => {
+                    let (s, t) = live.swap_remove(rng.below(live.len()));
+                    assert_contents(&c, s, &t);
+                    c.register(s, &t).unwrap();
+                    c.remove(s).unwrap();
+                }
+                _ if !live.is_empty() => {
+                    // A verification cycle: append k + 1, keep a random accepted prefix.
+                    let i = rng.below(live.len());
+                    let (s, mut t) = live[i].clone();
+                    let k = 1 + rng.below(5);
+                    let new: Vec<u32> = (0..k).map(|_| 200 + rng.below(3) as u32).collect();
+                    if append(&mut c, s, &mut t, &new) {
+                        let keep = t.len() - k + rng.below(k + 1);
+                        c.truncate(s, keep).unwrap();
+                        t.truncate(keep);
+                    }
+                    live[i].1 = t;
+                }
+                _ => {}
+            }
+            c.check().unwrap();
+        }
+        assert!(hits > 1000, "prefix hits {hits}");
+        for (s, t) in live {
+            assert_contents(&c, s, &t);
+            c.remove(s).unwrap();
+        }
+        assert_eq!(c.free_blocks(), 40);
         c.check().unwrap();
     }
 }

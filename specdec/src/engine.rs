@@ -42,6 +42,10 @@ pub struct EngineConfig {
     /// Online recalibration of the proposer's confidences on verdicts as they come
     /// ([`crate::recal`]); None: served as the proposer reports them.
     pub recal: Option<crate::recal::RecalConfig>,
+    /// Reuse the KV of whole blocks of earlier requests' prompts and answers that this one
+    /// starts with ([`dspark_runtime::KvCache::set_prefix_caching`]). Greedy output is the same
+    /// with it on or off; the prefill is shorter.
+    pub prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +61,7 @@ impl Default for EngineConfig {
             check_invariants: true,
             pingpong: false,
             recal: Some(crate::recal::RecalConfig::default()),
+            prefix_caching: false,
         }
     }
 }
@@ -426,7 +431,8 @@ impl Engine {
                 )));
             }
         }
-        let cache = model.new_cache(cfg.kv_tokens, cfg.block_size)?;
+        let mut cache = model.new_cache(cfg.kv_tokens, cfg.block_size)?;
+        cache.set_prefix_caching(cfg.prefix_caching);
         let recal = cfg.recal.map(crate::recal::OnlineCalibration::new);
         Ok(Self {
             model,
@@ -570,6 +576,8 @@ impl Engine {
     }
 
     fn release(&mut self, s: Seq) -> Result<()> {
+        // Whatever is in its KV may start a later request (the next turn of a chat).
+        self.cache.register(s.kv, &s.tokens)?;
         self.cache.remove(s.kv)?;
         self.proposer.finish(s.req.id);
         self.reserved_tokens -= s.reserved;
@@ -588,16 +596,23 @@ impl Engine {
             let Some((req, arrived)) = self.waiting.pop_front() else {
                 break;
             };
-            let kv = self.cache.new_seq();
+            // Cached prefix: whole blocks, leaving the last prompt token (its logits give the
+            // first token) and the proposer's feature window to be computed, so drafting sees
+            // the same context rows with the cache or without it.
+            let window = self.proposer.context_rows().max(1);
+            let (kv, cached) = self
+                .cache
+                .new_seq_with_prefix(&req.prompt, req.prompt.len().saturating_sub(window));
             let metrics = RequestMetrics {
                 prompt_tokens: req.prompt.len(),
+                cached_tokens: cached,
                 ..Default::default()
             };
             self.reserved_tokens += need;
             self.running.push(Seq {
                 kv,
                 tokens: req.prompt.clone(),
-                prefilled: 0,
+                prefilled: cached,
                 phase: Phase::Prefill,
                 rng_draft: Rng::new(req.seed ^ 0x5eed_d4af_7a11_0001),
                 rng_accept: Rng::new(req.seed),
@@ -943,6 +958,8 @@ impl Engine {
                 if s.prefilled < s.req.prompt.len() {
                     continue;
                 }
+                // Concurrent requests with the same prompt start can share it from now on.
+                self.cache.register(s.kv, &s.req.prompt)?;
                 // Prefill done: the first token comes from the last prompt position.
                 let t0 = Instant::now();
                 let first = sample_one(&rows[..vocab], &s.tokens, &s.req.params, &mut s.rng_accept);
@@ -1203,6 +1220,16 @@ impl Engine {
 
     pub fn kv_free_blocks(&self) -> usize {
         self.cache.free_blocks()
+    }
+
+    /// Prompt tokens looked up in the prefix cache, and found there, since start.
+    pub fn prefix_cache_stats(&self) -> (u64, u64) {
+        self.cache.prefix_stats()
+    }
+
+    /// Forgets the prefix cache (benchmarks that replay prompts clear it between arms).
+    pub fn clear_prefix_cache(&mut self) {
+        self.cache.clear_prefix_cache();
     }
 
     /// Runs until every queued request finishes; returns all events in order.

@@ -7,6 +7,8 @@ use serde::Serialize;
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RequestMetrics {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache (not computed for this request).
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     /// Target forwards this request took part in after its prefill (decode / verify cycles).
     pub target_calls: usize,

@@ -99,6 +99,12 @@ pub trait Proposer: Send {
     fn feature_window(&self) -> usize {
         usize::MAX
     }
+    /// Committed positions before a block whose target features the draft reads (0: none).
+    /// A request starting from the prefix cache still computes at least this many prompt
+    /// positions, so its first draft sees the same features as without the cache.
+    fn context_rows(&self) -> usize {
+        0
+    }
     /// Target features of newly committed positions `start..start + n` of a request, each row
     /// the requested layers side by side (`n × layers·d`). Rows arrive in position order; a
     /// position is reported once, after it is committed.

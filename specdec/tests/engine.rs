@@ -1091,3 +1091,130 @@ fn served_confidences_learn_the_acceptance_the_verdicts_show() {
         late.len()
     );
 }
+
+/// Requests sharing a long prompt start, and the next turn of a finished one, reuse cached KV
+/// blocks (reported per request), and every output is what plain decoding gives: greedy token
+/// for token against `generate`, sampled token for token against the same engine without the
+/// cache (same seeds); no block leaks, and the cache is allocatable.
+#[test]
+fn prefix_cache_reuses_shared_prompts_and_changes_no_output() {
+    let f = fixture();
+    let system: String = (0..40)
+        .map(|i| ["the ", "theater ", "inner ", "rather "][i % 4])
+        .collect();
+    let mut ps: Vec<Vec<u32>> = prompts(&f, 6)
+        .iter()
+        .map(|p| {
+            let mut s = f.tok.encode(&system).unwrap();
+            s.extend_from_slice(p);
+            s
+        })
+        .collect();
+    assert!(ps[0].len() > 48, "prompt of {} tokens", ps[0].len());
+    // Two prompts that differ from the others in one token of the system prompt: the last
+    // of the first block (nothing may be shared), a middle one of the second (one block).
+    let other = |at: usize| {
+        let mut p = ps[1].clone();
+        p[at] = if p[at] == 5 { 6 } else { 5 };
+        p
+    };
+    let (a, b) = (other(15), other(20));
+    ps.extend([a, b]);
+    let n = ps.len();
+    let plain = |p: &[u32], n: usize| {
+        generate(
+            &f.target,
+            &f.tok,
+            p,
+            &GenerateParams {
+                max_tokens: n,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap()
+        .token_ids
+    };
+    for name in ["none", "ngram", "draft-model"] {
+        let gamma = if name == "none" { 0 } else { 3 };
+        let engine = |on: bool| {
+            Engine::with_cost(
+                f.target.clone(),
+                Some(f.tok.clone()),
+                proposer_clone(&f, name),
+                EngineConfig {
+                    prefix_caching: on,
+                    ..cfg(gamma)
+                },
+                CostModel::flat(gamma + 1),
+            )
+            .unwrap()
+        };
+        let mut e = engine(true);
+        let mut off = engine(false);
+        let run = |e: &mut Engine, reqs: Vec<Request>| {
+            for r in reqs {
+                e.add(r).unwrap();
+            }
+            let events = e.run_to_completion().unwrap();
+            let cached: HashMap<u64, usize> = events
+                .iter()
+                .filter_map(|ev| match ev {
+                    Event::Finished { id, metrics, .. } => Some((*id, metrics.cached_tokens)),
+                    _ => None,
+                })
+                .collect();
+            (collect(events), cached)
+        };
+        // First one alone: nothing cached yet.
+        let (got, cached) = run(&mut e, vec![Request::new(0, ps[0].clone(), 12)]);
+        assert_eq!(cached[&0], 0, "{name}");
+        assert_eq!(got[&0].0, plain(&ps[0], 12), "{name}");
+        // The rest together: each finds the shared system prompt (whole blocks of it).
+        let reqs: Vec<Request> = (1..ps.len())
+            .map(|i| Request::new(i as u64, ps[i].clone(), 12))
+            .collect();
+        let (got, cached) = run(&mut e, reqs);
+        for (i, p) in ps.iter().enumerate().skip(1) {
+            let c = cached[&(i as u64)];
+            match n - i {
+                2 => assert_eq!(c, 0, "{name}"),
+                1 => assert_eq!(c, 16, "{name}"),
+                _ => assert!(c >= 32, "{name} prompt {i}: {cached:?}"),
+            }
+            assert_eq!(got[&(i as u64)].0, plain(p, 12), "{name} prompt {i}");
+        }
+        // The next turn of request 0: its prompt and answer come from the cache.
+        let mut turn = ps[0].clone();
+        turn.extend(plain(&ps[0], 12));
+        turn.extend(f.tok.encode("then in there ").unwrap());
+        let (got, cached) = run(&mut e, vec![Request::new(10, turn.clone(), 10)]);
+        assert!(cached[&10] >= ps[0].len() - 16, "{name}: {cached:?}");
+        assert_eq!(got[&10].0, plain(&turn, 10), "{name} next turn");
+        // Sampled requests: the same tokens as without the cache.
+        ps.push(turn);
+        for (i, p) in ps.iter().enumerate() {
+            let mut r = Request::new(100 + i as u64, p.clone(), 10);
+            r.params.temperature = 0.9;
+            r.seed = 7 + i as u64;
+            let (a, _) = run(&mut e, vec![r.clone()]);
+            let (b, cached) = run(&mut off, vec![r]);
+            assert_eq!(cached[&(100 + i as u64)], 0);
+            assert_eq!(
+                a[&(100 + i as u64)].0,
+                b[&(100 + i as u64)].0,
+                "{name} sampled {i}"
+            );
+        }
+        ps.pop();
+        let (queried, hit) = e.prefix_cache_stats();
+        assert!(hit > 0 && hit < queried, "{name}: {hit} of {queried}");
+        e.check_kv().unwrap();
+        assert_eq!(e.kv_free_blocks(), 8192 / 16);
+        // Cleared, nothing is found any more.
+        e.clear_prefix_cache();
+        let (_, cached) = run(&mut e, vec![Request::new(20, ps[1].clone(), 4)]);
+        assert_eq!(cached[&20], 0, "{name}");
+        e.check_kv().unwrap();
+    }
+}

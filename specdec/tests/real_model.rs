@@ -172,3 +172,108 @@ fn sampled_distribution_matches_with_speculation_on_the_real_model() {
         assert!(tv < bound, "token {}: TV {tv} ≥ {bound}", j + 1);
     }
 }
+
+/// Prefix caching on the real model: chat requests sharing a system prompt, and the next
+/// turn of one of them, take most of their prompt from the cache and still answer exactly as
+/// plain greedy decoding does (f16 KV written by other batches and chunk shapes).
+#[test]
+fn prefix_cache_keeps_greedy_parity_on_real_chats() {
+    let (m, t) = real();
+    let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(t).unwrap();
+    let system = "You are a careful assistant for a team of engineers. Answer in plain \
+        English, keep answers short, show the steps of any arithmetic, name the units of every \
+        quantity, and when you are not sure of something, say so instead of guessing. Prefer \
+        concrete examples to general advice and never invent references.";
+    let questions = [
+        "What is the capital of France?",
+        "How many minutes are there in a day?",
+        "Write a Python function that reverses a string.",
+        "What is 17 times 23?",
+        "Name three primary colours.",
+    ];
+    let render = |msgs: &[(&str, &str)]| {
+        let m: Vec<_> = msgs
+            .iter()
+            .map(|(r, c)| dspark_runtime::chat::Message::new(r, c))
+            .collect();
+        t.encode(&tmpl.render(&m, true).unwrap()).unwrap()
+    };
+    let plain = |p: &[u32], n: usize| {
+        generate(
+            m,
+            t,
+            p,
+            &GenerateParams {
+                max_tokens: n,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap()
+        .token_ids
+    };
+    let prompts: Vec<Vec<u32>> = questions
+        .iter()
+        .map(|q| render(&[("system", system), ("user", q)]))
+        .collect();
+    let cached_of = |events: &[Event]| -> HashMap<u64, usize> {
+        events
+            .iter()
+            .filter_map(|ev| match ev {
+                Event::Finished { id, metrics, .. } => Some((*id, metrics.cached_tokens)),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut e = {
+        Engine::with_cost(
+            m.clone(),
+            Some(t.clone()),
+            Box::new(NgramProposer::default()),
+            EngineConfig {
+                gamma: 3,
+                gate: false,
+                max_running: 8,
+                max_batch_tokens: 2048,
+                kv_tokens: 64 * 1024,
+                prefix_caching: true,
+                ..Default::default()
+            },
+            CostModel::flat(4),
+        )
+        .unwrap()
+    };
+    e.add(Request::new(0, prompts[0].clone(), 24)).unwrap();
+    let ev = e.run_to_completion().unwrap();
+    assert_eq!(cached_of(&ev)[&0], 0);
+    let first = outputs(ev)[&0].clone();
+    assert_eq!(first, plain(&prompts[0], 24));
+    for (i, p) in prompts.iter().enumerate().skip(1) {
+        e.add(Request::new(i as u64, p.clone(), 24)).unwrap();
+    }
+    let ev = e.run_to_completion().unwrap();
+    let cached = cached_of(&ev);
+    let got = outputs(ev);
+    for (i, p) in prompts.iter().enumerate().skip(1) {
+        assert!(
+            cached[&(i as u64)] >= 48,
+            "prompt {i}: {cached:?} of {}",
+            p.len()
+        );
+        assert_eq!(got[&(i as u64)], plain(p, 24), "prompt {i}");
+    }
+    // The next turn of the first chat.
+    let answer = t.decode(&first, true).unwrap();
+    let turn = render(&[
+        ("system", system),
+        ("user", questions[0]),
+        ("assistant", answer.trim()),
+        ("user", "And of Germany?"),
+    ]);
+    e.add(Request::new(9, turn.clone(), 24)).unwrap();
+    let ev = e.run_to_completion().unwrap();
+    let cached = cached_of(&ev);
+    assert!(cached[&9] >= prompts[0].len() - 16, "{cached:?}");
+    assert_eq!(outputs(ev)[&9], plain(&turn, 24));
+    e.check_kv().unwrap();
+}

@@ -143,6 +143,7 @@ impl EngineLoop {
                 if let Some(tx) = senders.get(&id) {
                     let stats = SpecStats {
                         prompt_tokens: metrics.prompt_tokens as u32,
+                        cached_tokens: metrics.cached_tokens as u32,
                         completion_tokens: metrics.completion_tokens as u32,
                         verify_forwards: metrics.target_calls as u32,
                         drafted_tokens: metrics.drafted_tokens as u32,

@@ -89,6 +89,11 @@ pub struct TargetArgs {
     /// micro-batch verifies (pays when the drafting hop costs more than an extra weight pass).
     #[arg(long, env = "DSPARK_PINGPONG")]
     pub pingpong: bool,
+    /// Do not reuse the KV of earlier requests' prompts and answers (automatic prefix
+    /// caching, on by default: whole 16-token blocks a new prompt starts with are not
+    /// computed again; output is the same either way).
+    #[arg(long, env = "DSPARK_NO_PREFIX_CACHING")]
+    pub no_prefix_caching: bool,
     /// Verified positions after which a verdict weighs half in the online recalibration of
     /// the drafter's confidences (0: serve them as the drafter reports them).
     #[arg(long, env = "DSPARK_CALIBRATION_HALF_LIFE", default_value_t = specdec::recal::DEFAULT_HALF_LIFE)]
@@ -363,6 +368,7 @@ fn build_engine(
     };
     let mut cfg = drafter::build::engine_config(&target.model, gamma, !a.no_gate, a.max_running);
     cfg.pingpong = a.pingpong;
+    cfg.prefix_caching = !a.no_prefix_caching;
     cfg.recal = specdec::recal::RecalConfig::with_half_life(a.calibration_half_life)?;
     let max_batch = cfg.max_batch_tokens;
     let mut engine = specdec::Engine::new(

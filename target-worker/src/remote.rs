@@ -553,6 +553,15 @@ impl Proposer for RemoteProposer {
         self.layers()
     }
 
+    /// The rows kept per request for the draft worker (at least any drafter's context).
+    fn context_rows(&self) -> usize {
+        if self.layers().is_empty() {
+            0
+        } else {
+            KEEP_ROWS
+        }
+    }
+
     fn observe(&mut self, id: u64, start: usize, rows: &[f32]) -> Result<()> {
         let rl = self.layers().len() * self.d_model;
         if rl == 0 || rows.len() % rl != 0 {
