@@ -27,6 +27,8 @@ pub enum BenchCmd {
     Frontier(crate::frontier::FrontierArgs),
     /// Cost of one drafting call against one target decode, per stage, in the serving loop.
     Draft(crate::draft_bench::DraftArgs),
+    /// Automatic prefix caching on a chat workload sharing a system prompt: cache off and on.
+    Prefix(crate::prefix_bench::PrefixArgs),
 }
 
 #[derive(Args, Debug)]
@@ -133,6 +135,7 @@ pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Sched(a) => sched_bench(a),
         BenchCmd::Frontier(a) => crate::frontier::run(g, a),
         BenchCmd::Draft(a) => crate::draft_bench::run(g, a),
+        BenchCmd::Prefix(a) => crate::prefix_bench::run(g, a),
     }
 }
 

@@ -20,6 +20,7 @@ pub mod frontier;
 pub mod generate;
 pub mod plan;
 pub mod plot;
+pub mod prefix_bench;
 pub mod profile;
 pub mod serve_bench;
 pub mod spec;
