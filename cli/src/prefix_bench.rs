@@ -60,8 +60,11 @@ fn quantile(v: &[f64], q: f64) -> f64 {
 
 /// Runs `reqs` closed loop, `concurrency` at a time.
 fn run_arm(e: &mut Engine, reqs: &[Vec<u32>], a: &PrefixArgs) -> anyhow::Result<Run> {
-    let mut queue: VecDeque<(u64, &Vec<u32>)> =
-        reqs.iter().enumerate().map(|(i, p)| (i as u64, p)).collect();
+    let mut queue: VecDeque<(u64, &Vec<u32>)> = reqs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (i as u64, p))
+        .collect();
     let mut in_flight = 0;
     let mut r = Run {
         wall_s: 0.0,
@@ -182,7 +185,11 @@ pub fn run(g: &Global, a: PrefixArgs) -> anyhow::Result<()> {
                     cfg,
                 )?;
                 // Warm up on an unrelated prompt (the system prompt stays uncached).
-                e.add(Request::new(u64::MAX, target.tok.encode("Hello there.")?, 4))?;
+                e.add(Request::new(
+                    u64::MAX,
+                    target.tok.encode("Hello there.")?,
+                    4,
+                ))?;
                 e.run_to_completion()?;
                 runs[arm].push(run_arm(&mut e, &reqs, &a)?);
             }

@@ -119,6 +119,7 @@ impl Cluster {
         &self,
         model: &str,
         exclude: &[String],
+        prompt: &[u32],
     ) -> Result<(WorkerInfo, Option<WorkerInfo>), PlaceError> {
         let skip = self
             .skip_scheduler_until
@@ -134,6 +135,8 @@ impl Cluster {
                         SCHEDULER_TIMEOUT,
                         c.place(PlaceRequest {
                             model: model.to_string(),
+                            prompt_tokens: prompt.len() as u32,
+                            prefix_hashes: dspark_scheduler::placement::prefix_hashes(prompt),
                             ..Default::default()
                         }),
                     )

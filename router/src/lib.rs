@@ -391,7 +391,7 @@ async fn open(
 ) -> Result<(WorkerInfo, EventStream, Option<dspark_proto::GenerateEvent>), ApiError> {
     let (target, draft) = app
         .cluster
-        .place(&app.name, exclude)
+        .place(&app.name, exclude, &prompt)
         .await
         .map_err(|e| match e {
             cluster::PlaceError::NoTarget => ApiError::new(

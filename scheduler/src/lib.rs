@@ -48,6 +48,11 @@ pub struct SchedulerArgs {
     /// etcd endpoints (comma-separated); without it workers register over gRPC.
     #[arg(long, env = "DSPARK_ETCD")]
     pub etcd: Option<String>,
+    /// How much busier (load over capacity) than the least-loaded target worker the one that
+    /// holds the longest cached run of a prompt's leading blocks may be and still get the
+    /// request (prefix-affinity placement); 0 places by load alone.
+    #[arg(long, env = "DSPARK_PREFIX_AFFINITY_SLACK", default_value_t = placement::DEFAULT_AFFINITY_SLACK)]
+    pub prefix_affinity_slack: f64,
     /// Exit when stdin closes (set by `dspark up`).
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
@@ -58,7 +63,16 @@ pub async fn serve(
     args: SchedulerArgs,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    if !(args.prefix_affinity_slack.is_finite() && args.prefix_affinity_slack >= 0.0) {
+        return Err(SchedError::Config(format!(
+            "--prefix-affinity-slack takes a value ≥ 0, not {}",
+            args.prefix_affinity_slack
+        )));
+    }
     let svc = service::SchedulerService::default();
+    if let Ok(mut c) = svc.cluster.lock() {
+        c.set_affinity_slack(args.prefix_affinity_slack);
+    }
     svc.spawn_sweeper();
     if let Some(e) = args.etcd.as_deref().filter(|e| !e.is_empty()) {
         let eps = e.split(',').map(|s| s.trim().to_string()).collect();

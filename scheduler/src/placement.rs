@@ -4,16 +4,87 @@
 //! their TTL passes. A new request goes to the least-loaded target worker of its model that has
 //! room, paired with the least-loaded draft worker of the same model and vocabulary.
 //!
+//! **Prefix affinity.** Target workers cache the KV of the 16-token blocks their requests
+//! started with. The router sends the chained hashes of a prompt's leading blocks
+//! ([`prefix_hashes`]); the scheduler remembers, per target worker, the hashes of what it placed
+//! there, and sends a request to the worker that holds the longest run of its blocks, as long
+//! as that worker's load (relative to its capacity) is within a slack of the least-loaded one.
+//! Otherwise, or when nothing matches, load decides alone. What a worker remembers is a
+//! bounded, least-recently-placed set: an estimate of its cache, as SGLang's router keeps.
+//!
 //! Time the scheduler itself did not run (SIGSTOP, a paused VM, a starved process) is not held
 //! against workers: their heartbeats could not be heard then, so a sweep that finds the previous
 //! one far behind gives every worker a fresh TTL to check in instead of dropping them all.
 
 use dspark_proto::WorkerInfo;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 pub const ROLE_TARGET: &str = "target";
 pub const ROLE_DRAFT: &str = "draft";
+
+/// Tokens per hashed block: the target workers' KV block size.
+pub const PREFIX_BLOCK: usize = 16;
+/// Leading blocks of a prompt hashed for placement (1024 tokens).
+pub const PREFIX_BLOCKS_MAX: usize = 64;
+/// Block hashes remembered per target worker.
+const PREFIX_MEMORY: usize = 16 * 1024;
+/// Default slack of [`Cluster::set_affinity_slack`]: a quarter of a worker's capacity.
+pub const DEFAULT_AFFINITY_SLACK: f64 = 0.25;
+
+/// Chained hashes of `tokens`' leading whole blocks (at most [`PREFIX_BLOCKS_MAX`]): entry i
+/// names blocks 0..=i together. FNV-1a, fixed across processes and versions.
+pub fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    tokens
+        .chunks_exact(PREFIX_BLOCK)
+        .take(PREFIX_BLOCKS_MAX)
+        .map(|block| {
+            for t in block {
+                for b in t.to_le_bytes() {
+                    h ^= b as u64;
+                    h = h.wrapping_mul(0x0100_0000_01b3);
+                }
+            }
+            h
+        })
+        .collect()
+}
+
+/// The block hashes placed on one worker, forgetting the least recently placed.
+#[derive(Debug, Default)]
+struct PrefixMemory {
+    last: HashMap<u64, u64>,
+    order: VecDeque<(u64, u64)>,
+    tick: u64,
+}
+
+impl PrefixMemory {
+    /// Leading hashes of `prefix` this worker holds.
+    fn matched(&self, prefix: &[u64]) -> usize {
+        prefix
+            .iter()
+            .take_while(|h| self.last.contains_key(h))
+            .count()
+    }
+
+    fn insert(&mut self, prefix: &[u64]) {
+        for &h in prefix {
+            self.tick += 1;
+            self.last.insert(h, self.tick);
+            self.order.push_back((h, self.tick));
+        }
+        // Drop stale queue entries and the least recently placed hashes beyond the bound.
+        while self.order.len() > 2 * PREFIX_MEMORY || self.last.len() > PREFIX_MEMORY {
+            let Some((h, t)) = self.order.pop_front() else {
+                break;
+            };
+            if self.last.get(&h) == Some(&t) {
+                self.last.remove(&h);
+            }
+        }
+    }
+}
 
 #[derive(Clone, Debug)]
 struct Entry {
@@ -24,11 +95,25 @@ struct Entry {
     placed: u32,
 }
 
-#[derive(Default, Debug)]
+#[derive(Debug)]
 pub struct Cluster {
     workers: HashMap<String, Entry>,
     /// When `expire` last ran (a sweeper calls it every [`SWEEP_PERIOD`]).
     last_sweep: Option<Instant>,
+    /// Per target worker: the prompt blocks placed there (kept across heartbeats).
+    prefixes: HashMap<String, PrefixMemory>,
+    affinity_slack: f64,
+}
+
+impl Default for Cluster {
+    fn default() -> Self {
+        Self {
+            workers: HashMap::new(),
+            last_sweep: None,
+            prefixes: HashMap::new(),
+            affinity_slack: DEFAULT_AFFINITY_SLACK,
+        }
+    }
 }
 
 /// How often the service sweeps for expired workers.
@@ -57,7 +142,18 @@ impl Cluster {
     }
 
     pub fn remove(&mut self, id: &str) -> bool {
+        self.prefixes.remove(id);
         self.workers.remove(id).is_some()
+    }
+
+    /// How much busier (load over capacity) than the least-loaded target a worker holding a
+    /// request's prefix may be and still get it; 0 turns prefix affinity off.
+    pub fn set_affinity_slack(&mut self, slack: f64) {
+        self.affinity_slack = if slack.is_finite() {
+            slack.max(0.0)
+        } else {
+            0.0
+        };
     }
 
     /// Drops workers whose TTL passed; returns their ids. After a stall (the previous sweep more
@@ -86,6 +182,7 @@ impl Cluster {
             .collect();
         for id in &gone {
             self.workers.remove(id);
+            self.prefixes.remove(id);
         }
         gone
     }
@@ -105,40 +202,83 @@ impl Cluster {
     }
 
     /// Places a request of `model` (empty = any): a target worker with room and, when one is up,
-    /// a draft worker for the same model and vocabulary.
+    /// a draft worker for the same model and vocabulary. `prefix` is the prompt's
+    /// [`prefix_hashes`] (empty: by load alone).
     pub fn place(
         &mut self,
         model: &str,
         exclude: &[String],
+        prefix: &[u64],
     ) -> Result<(WorkerInfo, Option<WorkerInfo>), PlaceError> {
-        let pick = |role: &str, vocab: Option<&str>, need_room: bool| {
-            self.workers
-                .values()
-                .filter(|e| e.info.role == role)
-                .filter(|e| model.is_empty() || e.info.model == model)
-                .filter(|e| vocab.is_none_or(|v| e.info.vocab_hash == v))
-                .filter(|e| !exclude.contains(&e.info.id))
-                .filter(|e| !need_room || e.info.load + e.placed < e.info.capacity.max(1))
-                .min_by(|a, b| {
-                    let la = (a.info.load + a.placed) as f64 / a.info.capacity.max(1) as f64;
-                    let lb = (b.info.load + b.placed) as f64 / b.info.capacity.max(1) as f64;
-                    la.total_cmp(&lb).then_with(|| a.info.id.cmp(&b.info.id))
-                })
-                .map(|e| e.info.id.clone())
+        let ratio = |e: &Entry| (e.info.load + e.placed) as f64 / e.info.capacity.max(1) as f64;
+        let eligible = |e: &&Entry, role: &str| {
+            e.info.role == role
+                && (model.is_empty() || e.info.model == model)
+                && !exclude.contains(&e.info.id)
         };
-        let any_target = self
+        let targets: Vec<&Entry> = self
             .workers
             .values()
-            .any(|e| e.info.role == ROLE_TARGET && (model.is_empty() || e.info.model == model));
-        let Some(tid) = pick(ROLE_TARGET, None, true) else {
+            .filter(|e| eligible(e, ROLE_TARGET))
+            .filter(|e| e.info.load + e.placed < e.info.capacity.max(1))
+            .collect();
+        let least = targets
+            .iter()
+            .min_by(|a, b| {
+                ratio(a)
+                    .total_cmp(&ratio(b))
+                    .then_with(|| a.info.id.cmp(&b.info.id))
+            })
+            .copied();
+        let Some(least) = least else {
+            let any_target = self
+                .workers
+                .values()
+                .any(|e| e.info.role == ROLE_TARGET && (model.is_empty() || e.info.model == model));
             return Err(if any_target {
                 PlaceError::Full(model.to_string())
             } else {
                 PlaceError::NoTarget(model.to_string())
             });
         };
+        let mut tid = least.info.id.clone();
+        if self.affinity_slack > 0.0 && !prefix.is_empty() {
+            let floor = ratio(least) + self.affinity_slack;
+            let matched = |e: &Entry| {
+                self.prefixes
+                    .get(&e.info.id)
+                    .map_or(0, |m| m.matched(prefix))
+            };
+            if let Some((m, e)) = targets
+                .iter()
+                .filter(|e| ratio(e) <= floor)
+                .map(|e| (matched(e), e))
+                .filter(|(m, _)| *m > 0)
+                .max_by(|(ma, a), (mb, b)| {
+                    ma.cmp(mb)
+                        .then_with(|| ratio(b).total_cmp(&ratio(a)))
+                        .then_with(|| b.info.id.cmp(&a.info.id))
+                })
+            {
+                tracing::debug!(worker = %e.info.id, blocks = m, "placed by prefix");
+                tid = e.info.id.clone();
+            }
+        }
         let vocab = self.workers[&tid].info.vocab_hash.clone();
-        let did = pick(ROLE_DRAFT, Some(&vocab), false);
+        let did = self
+            .workers
+            .values()
+            .filter(|e| eligible(e, ROLE_DRAFT))
+            .filter(|e| e.info.vocab_hash == vocab)
+            .min_by(|a, b| {
+                ratio(a)
+                    .total_cmp(&ratio(b))
+                    .then_with(|| a.info.id.cmp(&b.info.id))
+            })
+            .map(|e| e.info.id.clone());
+        if !prefix.is_empty() {
+            self.prefixes.entry(tid.clone()).or_default().insert(prefix);
+        }
         let Some(t) = self.workers.get_mut(&tid) else {
             return Err(PlaceError::NoTarget(model.to_string()));
         };
@@ -175,30 +315,36 @@ mod tests {
         let now = Instant::now();
         let ttl = Duration::from_secs(5);
         let mut c = Cluster::default();
-        assert_eq!(c.place("m", &[]), Err(PlaceError::NoTarget("m".into())));
+        assert_eq!(
+            c.place("m", &[], &[]),
+            Err(PlaceError::NoTarget("m".into()))
+        );
         c.upsert(w("1", ROLE_TARGET, 4, 3), ttl, now);
         c.upsert(w("2", ROLE_TARGET, 4, 1), ttl, now);
-        let (t, d) = c.place("m", &[]).unwrap();
+        let (t, d) = c.place("m", &[], &[]).unwrap();
         assert_eq!(t.id, "2");
         assert!(d.is_none());
         c.upsert(w("3", ROLE_DRAFT, 8, 0), ttl, now);
-        let (t, d) = c.place("m", &[]).unwrap();
+        let (t, d) = c.place("m", &[], &[]).unwrap();
         assert_eq!(t.id, "2"); // 1+1 of 4 beats 3 of 4
         assert_eq!(d.unwrap().id, "3");
         // One slot left on each.
         let mut got = Vec::new();
-        while let Ok((t, _)) = c.place("m", &[]) {
+        while let Ok((t, _)) = c.place("m", &[], &[]) {
             got.push(t.id);
         }
-        assert_eq!(c.place("m", &[]), Err(PlaceError::Full("m".into())));
+        assert_eq!(c.place("m", &[], &[]), Err(PlaceError::Full("m".into())));
         assert_eq!(got.len(), 2, "{got:?}");
         // Another model: no target.
-        assert!(matches!(c.place("x", &[]), Err(PlaceError::NoTarget(_))));
+        assert!(matches!(
+            c.place("x", &[], &[]),
+            Err(PlaceError::NoTarget(_))
+        ));
         // A report of the real load resets the estimate.
         c.upsert(w("1", ROLE_TARGET, 4, 0), ttl, now);
-        assert_eq!(c.place("m", &[]).unwrap().0.id, "1");
+        assert_eq!(c.place("m", &[], &[]).unwrap().0.id, "1");
         // Excluded workers are skipped.
-        assert!(c.place("m", &["1".to_string()]).is_err());
+        assert!(c.place("m", &["1".to_string()], &[]).is_err());
     }
 
     #[test]
@@ -214,7 +360,7 @@ mod tests {
             .collect();
         assert_eq!(gone, vec!["1".to_string()]);
         assert_eq!(c.workers().len(), 1);
-        assert_eq!(c.place("m", &[]).unwrap().0.id, "2");
+        assert_eq!(c.place("m", &[], &[]).unwrap().0.id, "2");
     }
 
     #[test]
@@ -257,6 +403,92 @@ mod tests {
         let mut d = w("2", ROLE_DRAFT, 4, 0);
         d.vocab_hash = "other".into();
         c.upsert(d, ttl, now);
-        assert!(c.place("m", &[]).unwrap().1.is_none());
+        assert!(c.place("m", &[], &[]).unwrap().1.is_none());
+    }
+
+    #[test]
+    fn prefix_hashes_name_whole_leading_blocks_in_a_chain() {
+        let a: Vec<u32> = (0..40).collect();
+        let mut b = a.clone();
+        b[20] = 999;
+        let (ha, hb) = (prefix_hashes(&a), prefix_hashes(&b));
+        // Two whole blocks; the partial third is not hashed.
+        assert_eq!(ha.len(), 2);
+        assert_eq!(ha[0], hb[0]);
+        assert_ne!(ha[1], hb[1]);
+        // Entry 1 names blocks 0 and 1 together: the same second block after another first
+        // one is another prefix.
+        let mut c = a.clone();
+        c[0] = 7;
+        assert_ne!(prefix_hashes(&c)[1], ha[1]);
+        assert!(prefix_hashes(&a[..15]).is_empty());
+        let long: Vec<u32> = (0..5000).collect();
+        assert_eq!(prefix_hashes(&long).len(), PREFIX_BLOCKS_MAX);
+    }
+
+    #[test]
+    fn prompts_follow_their_cached_prefix_within_the_load_slack() {
+        let now = Instant::now();
+        let ttl = Duration::from_secs(5);
+        let mut c = Cluster::default();
+        c.upsert(w("1", ROLE_TARGET, 8, 0), ttl, now);
+        c.upsert(w("2", ROLE_TARGET, 8, 0), ttl, now);
+        let sys: Vec<u32> = (0..64).collect();
+        let with = |tail: u32| {
+            let mut p = sys.clone();
+            p.extend(std::iter::repeat_n(tail, 20));
+            prefix_hashes(&p)
+        };
+        let other: Vec<u64> = prefix_hashes(&(1000..1064).collect::<Vec<u32>>());
+        // The first goes by load (tie: the lower id); the next ones with the same system
+        // prompt follow it while "1" is at most a quarter of its capacity busier than "2".
+        assert_eq!(c.place("m", &[], &with(1)).unwrap().0.id, "1");
+        assert_eq!(c.place("m", &[], &with(2)).unwrap().0.id, "1");
+        // Another prompt goes by load.
+        assert_eq!(c.place("m", &[], &other).unwrap().0.id, "2");
+        assert_eq!(c.place("m", &[], &with(3)).unwrap().0.id, "1");
+        // "1" holds 3 of 8, "2" 1 of 8: 0.375 is within 0.125 + 0.25; at 4 of 8 load wins.
+        assert_eq!(c.place("m", &[], &with(4)).unwrap().0.id, "1");
+        assert_eq!(c.place("m", &[], &with(5)).unwrap().0.id, "2");
+        // Now both hold the system prompt; the longer match wins: "1" has seen tail 1.
+        assert_eq!(c.place("m", &[], &with(1)).unwrap().0.id, "1");
+        // A heartbeat (fresh load report) keeps what was placed; leaving forgets it.
+        c.upsert(w("1", ROLE_TARGET, 8, 0), ttl, now);
+        c.upsert(w("2", ROLE_TARGET, 8, 0), ttl, now);
+        assert_eq!(c.place("m", &[], &other).unwrap().0.id, "2");
+        assert!(c.remove("2"));
+        c.upsert(w("2", ROLE_TARGET, 8, 0), ttl, now);
+        c.upsert(w("1", ROLE_TARGET, 8, 1), ttl, now);
+        assert_eq!(c.place("m", &[], &other).unwrap().0.id, "2");
+        assert_eq!(c.place("m", &[], &with(9)).unwrap().0.id, "1");
+        // A full worker is never chosen for its prefix; slack 0 places by load alone.
+        c.upsert(w("1", ROLE_TARGET, 8, 8), ttl, now);
+        assert_eq!(c.place("m", &[], &with(1)).unwrap().0.id, "2");
+        c.upsert(w("1", ROLE_TARGET, 8, 1), ttl, now);
+        c.upsert(w("2", ROLE_TARGET, 8, 0), ttl, now);
+        c.set_affinity_slack(0.0);
+        assert_eq!(c.place("m", &[], &with(1)).unwrap().0.id, "2");
+        c.set_affinity_slack(f64::NAN);
+        assert_eq!(c.affinity_slack, 0.0);
+    }
+
+    #[test]
+    fn prefix_memory_forgets_the_least_recently_placed() {
+        let mut m = PrefixMemory::default();
+        let first: Vec<u64> = (0..10).collect();
+        m.insert(&first);
+        assert_eq!(m.matched(&first), 10);
+        for i in 0..(PREFIX_MEMORY as u64 / 10 + 1) {
+            let p: Vec<u64> = (0..10).map(|j| 1_000_000 + i * 10 + j).collect();
+            m.insert(&p);
+        }
+        assert_eq!(m.matched(&first), 0);
+        assert!(m.last.len() <= PREFIX_MEMORY && m.order.len() <= 2 * PREFIX_MEMORY);
+        // Placing a prefix again refreshes it.
+        m.insert(&first);
+        for i in 0..(PREFIX_MEMORY as u64 / 20) {
+            m.insert(&[5_000_000 + i]);
+        }
+        assert_eq!(m.matched(&first), 10);
     }
 }

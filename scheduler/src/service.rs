@@ -126,7 +126,7 @@ impl Scheduler for SchedulerService {
 
     async fn place(&self, req: Request<PlaceRequest>) -> Result<Response<Placement>, Status> {
         let r = req.into_inner();
-        match self.lock()?.place(&r.model, &[]) {
+        match self.lock()?.place(&r.model, &[], &r.prefix_hashes) {
             Ok((t, d)) => Ok(Response::new(Placement {
                 target: Some(t),
                 draft: d,

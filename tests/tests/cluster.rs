@@ -227,6 +227,88 @@ print(json.dumps({"text": text, "usage": usage, "chunks": chunks}))
         "{v}"
     );
 
+    // Prefix caching with prefix-affinity placement. A long request keeps target-0 busy while
+    // the first request with a long shared preamble is placed, so that one lands on target-1.
+    // Then, with both idle (where load alone would pick target-0), the requests sharing the
+    // preamble follow it to target-1 and find it cached; every answer is plain greedy's.
+    let preamble = "The following notes describe a small library. It lends books for three \
+        weeks, renews them twice unless someone else has reserved them, charges nothing for \
+        late returns of children's books, and keeps a reading room open from nine in the \
+        morning until eight in the evening on weekdays and until four on Saturdays. Members \
+        may borrow up to twelve items at once, including four films. The library also runs a \
+        book club on the first Monday of every month and a coding club for teenagers on \
+        Thursdays. Printing costs ten cents a page, scanning is free, and the wireless network \
+        needs no password.\nQuestion: ";
+    // Target-0 busy: a long request sent to it directly, reported in its next heartbeat, and
+    // cancelled (its stream dropped) once the first request with the preamble is placed.
+    let counting = reference()
+        .1
+        .encode(PROMPTS[PROMPTS.len() - 1])
+        .expect("tokens");
+    let mut t0 = TargetWorkerClient::connect(format!("http://{}", c.targets[0].addr))
+        .await
+        .expect("target worker");
+    let mut stream = t0
+        .generate(GenerateRequest {
+            prompt: counting,
+            max_tokens: 4000,
+            ..Default::default()
+        })
+        .await
+        .expect("generate")
+        .into_inner();
+    let mut busy = Some(tokio::spawn(async move {
+        while let Ok(Some(_)) = stream.message().await {}
+    }));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let questions = [
+        "How long can a book be kept?",
+        "When does the reading room close on Saturdays?",
+        "How many films can a member borrow?",
+        "When does the book club meet?",
+        "Who is the coding club for?",
+    ];
+    let mut home = String::new();
+    for (i, q) in questions.iter().enumerate() {
+        let p = format!("{preamble}{q}\nAnswer:");
+        let v = complete(&c.url, &p, 8).await;
+        assert_eq!(ids_of(&v), greedy(&p, 8).0, "{q}");
+        let worker = v["usage"]["dspark"]["target_worker"].as_str().unwrap_or("");
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached_tokens in usage");
+        let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+        assert!(prompt > 120, "preamble of {prompt} tokens");
+        if i == 0 {
+            assert_eq!(cached, 0, "{v}");
+            assert_eq!(worker, "target-1", "placed beside the busy worker: {v}");
+            home = worker.to_string();
+            if let Some(b) = busy.take() {
+                b.abort();
+            }
+        } else {
+            assert_eq!(worker, home, "{q}: follows its cached prefix");
+            assert!(
+                cached >= 112 && cached < prompt,
+                "{q}: {cached} of {prompt}"
+            );
+        }
+        // Let the workers report their load (heartbeats) before the next placement.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+    }
+    let metrics = reqwest::get(format!("{}/metrics", c.url))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .unwrap_or_default();
+    let cached_total: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("dspark_router_cached_prompt_tokens_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("cached prompt tokens metric");
+    assert!(cached_total >= 4.0 * 96.0, "{cached_total}");
+
     // Bad input: clear 4xx JSON errors.
     let u = format!("{}/v1/completions", c.url);
     let cu = format!("{}/v1/chat/completions", c.url);
