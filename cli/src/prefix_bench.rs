@@ -1,7 +1,8 @@
 //! `dspark bench prefix`: what automatic prefix caching buys a chat workload whose requests
-//! share a system prompt. Both arms (cache off, cache on) run the same requests, closed loop at
-//! a fixed concurrency, in a shuffled order each round, on engines built side by side; greedy
-//! outputs must be identical across arms (the command fails otherwise).
+//! share a system prompt. Both arms (cache off, cache on) run the same requests in the same
+//! order, closed loop at a fixed concurrency, on fresh engines each round, the arms' order
+//! shuffled per round; greedy outputs must be identical across arms (the command fails
+//! otherwise).
 
 use crate::bench::{command_line, prompt_set, write_json};
 use crate::config::Global;

@@ -518,6 +518,7 @@ pub fn gen_data(g: &Global, a: GenDataArgs) -> anyhow::Result<()> {
                     id,
                     tokens: t,
                     text,
+                    ..
                 } => {
                     tokens += t.len();
                     if let Some(s) = answers.get_mut(id as usize) {

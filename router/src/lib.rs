@@ -342,7 +342,8 @@ fn admit(app: &Arc<App>) -> Result<Inflight, ApiError> {
 
 /// What the generation task hands the HTTP side.
 enum Piece {
-    Text(String, Vec<u32>),
+    /// Text, token ids, and per-token log-probabilities when asked for.
+    Text(String, Vec<u32>, Vec<dspark_proto::TokenLogprob>),
     Done {
         reason: String,
         stats: SpecStats,
@@ -433,6 +434,8 @@ async fn open(
         gamma: job.settings.gamma,
         draft_worker: draft.map(|d| d.address).unwrap_or_default(),
         traceparent: job.traceparent.clone(),
+        logprobs: job.settings.logprobs.is_some(),
+        top_logprobs: job.settings.logprobs.unwrap_or(0) as u32,
     });
     if let Ok(v) = job.traceparent.parse() {
         req.metadata_mut().insert("traceparent", v);
@@ -483,7 +486,11 @@ async fn drive(
                         Metrics::add(&app.metrics.ttft_us, t0.elapsed().as_micros() as u64);
                     }
                     generated.extend_from_slice(&t.ids);
-                    if tx.send(Piece::Text(t.text, t.ids)).await.is_err() {
+                    if tx
+                        .send(Piece::Text(t.text, t.ids, t.logprobs))
+                        .await
+                        .is_err()
+                    {
                         break; // client gone: dropping the stream cancels on the worker
                     }
                 }
@@ -738,12 +745,14 @@ async fn serve(
     if !settings.stream {
         let mut text = String::new();
         let mut ids: Vec<u32> = Vec::new();
+        let mut lps: Vec<dspark_proto::TokenLogprob> = Vec::new();
         let mut end = None;
         while let Some(p) = rx.recv().await {
             match p {
-                Piece::Text(t, i) => {
+                Piece::Text(t, i, l) => {
                     text.push_str(&t);
                     ids.extend(i);
+                    lps.extend(l);
                 }
                 Piece::Done {
                     reason,
@@ -769,6 +778,9 @@ async fn serve(
         } else {
             json!({"index": 0, "text": text, "finish_reason": finish(&reason), "logprobs": null})
         };
+        if settings.logprobs.is_some() {
+            choice["logprobs"] = logprobs_json(&app.tok, kind, &ids, &lps, 0);
+        }
         if settings.return_token_ids {
             choice["token_ids"] = json!(ids);
         }
@@ -790,6 +802,7 @@ async fn serve(
     };
     let include_usage = settings.include_usage;
     let return_ids = settings.return_token_ids;
+    let want_logprobs = settings.logprobs.is_some();
     let app2 = Arc::clone(&app);
     let s = async_stream(move |out| async move {
         let _guard = guard;
@@ -805,10 +818,12 @@ async fn serve(
                 .send(mk(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]), Value::Null))
                 .await;
         }
+        // Text offset of the next token (completions' `text_offset`).
+        let mut offset = 0usize;
         while let Some(p) = rx.recv().await {
             match p {
-                Piece::Text(t, ids) => {
-                    if t.is_empty() && !return_ids {
+                Piece::Text(t, ids, lps) => {
+                    if t.is_empty() && !return_ids && !(want_logprobs && !ids.is_empty()) {
                         continue;
                     }
                     let mut c = if kind == Kind::Chat {
@@ -818,6 +833,13 @@ async fn serve(
                     };
                     if return_ids {
                         c[0]["token_ids"] = json!(ids);
+                    }
+                    if want_logprobs {
+                        c[0]["logprobs"] = logprobs_json(&app2.tok, kind, &ids, &lps, offset);
+                        offset += ids
+                            .iter()
+                            .map(|&i| token_text(&app2.tok, i).len())
+                            .sum::<usize>();
                     }
                     if out.send(mk(c, Value::Null)).await.is_err() {
                         return;
@@ -853,6 +875,72 @@ async fn serve(
         r.headers_mut().insert("traceparent", v);
     }
     Ok(r)
+}
+
+/// A token as text: its bytes, with any part of a UTF-8 character as U+FFFD.
+fn token_text(tok: &Tokenizer, id: u32) -> String {
+    String::from_utf8_lossy(&tok.token_bytes(id)).into_owned()
+}
+
+/// The `logprobs` of a choice (or chunk) for `ids`: chat's `{"content": [{token, logprob,
+/// bytes, top_logprobs}]}` or completions' `{tokens, token_logprobs, top_logprobs,
+/// text_offset}` with offsets counted from `offset`.
+fn logprobs_json(
+    tok: &Tokenizer,
+    kind: Kind,
+    ids: &[u32],
+    lps: &[dspark_proto::TokenLogprob],
+    offset: usize,
+) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let b = tok.token_bytes(id);
+        json!({"token": String::from_utf8_lossy(&b), "logprob": lp, "bytes": b})
+    };
+    let pairs = |l: &dspark_proto::TokenLogprob| {
+        l.top_ids
+            .iter()
+            .zip(&l.top_logprobs)
+            .map(|(&i, &p)| (i, p))
+            .collect::<Vec<_>>()
+    };
+    if kind == Kind::Chat {
+        let content: Vec<Value> = ids
+            .iter()
+            .zip(lps)
+            .map(|(&id, l)| {
+                let mut e = entry(id, l.logprob);
+                e["top_logprobs"] = pairs(l).into_iter().map(|(i, p)| entry(i, p)).collect();
+                e
+            })
+            .collect();
+        json!({ "content": content })
+    } else {
+        let mut at = offset;
+        let mut tokens = Vec::new();
+        let mut offsets = Vec::new();
+        for &id in ids.iter().take(lps.len()) {
+            let t = token_text(tok, id);
+            offsets.push(at);
+            at += t.len();
+            tokens.push(t);
+        }
+        let top: Vec<Value> = lps
+            .iter()
+            .map(|l| {
+                let mut m = serde_json::Map::new();
+                for (i, p) in pairs(l) {
+                    m.insert(token_text(tok, i), json!(p));
+                }
+                Value::Object(m)
+            })
+            .collect();
+        json!({
+            "tokens": tokens,
+            "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+            "top_logprobs": top,
+            "text_offset": offsets,
+        })
+    }
 }
 
 fn finish(reason: &str) -> &'static str {

@@ -95,7 +95,10 @@ pub struct Common {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// Completions: the number of alternatives per token (0..=20); chat: `true` to report
+    /// log-probabilities, with `top_logprobs` alternatives.
     pub logprobs: Option<Value>,
+    pub top_logprobs: Option<i64>,
     pub echo: Option<bool>,
     /// Extension: draft length for this request.
     pub gamma: Option<i64>,
@@ -149,9 +152,13 @@ pub struct GenSettings {
     pub include_usage: bool,
     pub gamma: u32,
     pub return_token_ids: bool,
+    /// Log-probability of each output token and this many alternatives; None: not asked.
+    pub logprobs: Option<usize>,
 }
 
 pub const MAX_STOPS: usize = 16;
+/// Most alternatives per token (OpenAI's bound; the target worker enforces the same).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Common {
     pub fn settings(&self, default_max: usize, limit: usize) -> Result<GenSettings, ApiError> {
@@ -160,16 +167,41 @@ impl Common {
                 return Err(ApiError::bad("only n = 1 is supported", Some("n")));
             }
         }
-        if self
-            .logprobs
-            .as_ref()
-            .is_some_and(|v| !v.is_null() && v != &json!(false))
-        {
-            return Err(ApiError::bad(
-                "logprobs are not supported",
-                Some("logprobs"),
-            ));
-        }
+        let top = match self.top_logprobs {
+            None => None,
+            Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
+            Some(_) => {
+                return Err(ApiError::bad(
+                    format!("top_logprobs must be in 0..={}", MAX_TOP_LOGPROBS),
+                    Some("top_logprobs"),
+                ));
+            }
+        };
+        let logprobs = match &self.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => {
+                if top.is_some_and(|n| n > 0) {
+                    return Err(ApiError::bad(
+                        "top_logprobs needs logprobs: true",
+                        Some("top_logprobs"),
+                    ));
+                }
+                None
+            }
+            Some(Value::Bool(true)) => Some(top.unwrap_or(0)),
+            Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n <= MAX_TOP_LOGPROBS as u64) => {
+                n.as_u64().map(|n| n as usize)
+            }
+            Some(_) => {
+                return Err(ApiError::bad(
+                    format!(
+                        "logprobs must be true or false (chat) or a number of alternatives in \
+                         0..={} (completions)",
+                        MAX_TOP_LOGPROBS
+                    ),
+                    Some("logprobs"),
+                ));
+            }
+        };
         if self.echo == Some(true) {
             return Err(ApiError::bad("echo is not supported", Some("echo")));
         }
@@ -273,6 +305,7 @@ impl Common {
                 .is_some_and(|o| o.include_usage),
             gamma,
             return_token_ids: self.return_token_ids,
+            logprobs,
         })
     }
 }

@@ -145,6 +145,21 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes one token stands for (byte-level BPE symbols mapped back to their bytes; a
+    /// token of another vocabulary, or a special one, as its decoded text). A token may hold
+    /// part of a UTF-8 character: these bytes are exact where its text is not.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        if let Some(s) = self.inner.id_to_token(id) {
+            let bytes: Option<Vec<u8>> = s.chars().map(byte_of_symbol).collect();
+            if let Some(b) = bytes {
+                return b;
+            }
+        }
+        self.decode(&[id], false)
+            .map(String::into_bytes)
+            .unwrap_or_default()
+    }
+
     /// A stable hash of the vocabulary (id → token), used to check that two models share one.
     pub fn vocab_hash(&self) -> String {
         use sha2::{Digest, Sha256};
@@ -157,6 +172,22 @@ impl Tokenizer {
         }
         format!("{:x}", h.finalize())
     }
+}
+
+/// The byte a GPT-2 byte-level BPE symbol stands for: printable bytes stand for themselves,
+/// the other 68 were shifted to U+0100.. in order.
+fn byte_of_symbol(c: char) -> Option<u8> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let u = c as u32;
+    if u < 256 && printable(u) {
+        return Some(u as u8);
+    }
+    let n = u.checked_sub(256)?;
+    (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth(n as usize)
+        .map(|b| b as u8)
 }
 
 /// Incremental detokenizer: emits text only once it is valid UTF-8 and stable, so multi-token

@@ -495,6 +495,15 @@ fn tokenizer_round_trips_and_hf_json_matches_gguf() {
         "special <|im_end|> is one token"
     );
     assert_eq!(t.decode(&ids, false).unwrap(), text);
+    // Each token's bytes, concatenated, are the text's (the emoji spans several tokens, each
+    // of which holds part of a character).
+    let bytes: Vec<u8> = ids.iter().flat_map(|&i| t.token_bytes(i)).collect();
+    assert_eq!(bytes, text.as_bytes());
+    assert!(
+        ids.iter()
+            .any(|&i| std::str::from_utf8(&t.token_bytes(i)).is_err()),
+        "some token holds part of a character"
+    );
     let dir = std::env::temp_dir().join(format!("dspark-tokjson-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     t.save_json(&dir.join("tokenizer.json")).unwrap();

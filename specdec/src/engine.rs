@@ -96,6 +96,44 @@ pub struct Request {
     pub seed: u64,
     /// Draft length for this request (default: the engine's).
     pub gamma: Option<usize>,
+    /// Report each output token's log-probability and this many most likely alternatives
+    /// (OpenAI `logprobs`); None: not asked.
+    pub logprobs: Option<usize>,
+}
+
+/// Most alternatives a request may ask for per token (OpenAI's `top_logprobs` bound).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// An output token's log-probability under the target model's raw distribution (log-softmax
+/// of its logits, before temperature, penalties or truncation, as vLLM reports by default),
+/// and the most likely tokens at that position with theirs.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TokenLogprob {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprob {
+    /// From the logits row that produced `token`.
+    pub fn of(row: &[f32], token: u32, top: usize) -> Self {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = max + row.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+        let lp = |t: u32| row.get(t as usize).map_or(f32::NEG_INFINITY, |&x| x - lse);
+        let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+        if top > 0 {
+            for (i, &x) in row.iter().enumerate() {
+                if best.len() < top || x > best[best.len() - 1].1 {
+                    let at = best.partition_point(|&(_, y)| y >= x);
+                    best.insert(at, (i as u32, x));
+                    best.truncate(top);
+                }
+            }
+        }
+        Self {
+            logprob: lp(token),
+            top: best.into_iter().map(|(t, x)| (t, x - lse)).collect(),
+        }
+    }
 }
 
 impl Request {
@@ -108,6 +146,7 @@ impl Request {
             stop: Vec::new(),
             seed: id,
             gamma: None,
+            logprobs: None,
         }
     }
 }
@@ -137,6 +176,8 @@ pub enum Event {
         id: u64,
         tokens: Vec<u32>,
         text: String,
+        /// One per token when the request asked for log-probabilities, else empty.
+        logprobs: Vec<TokenLogprob>,
     },
     Finished {
         id: u64,
@@ -506,6 +547,13 @@ impl Engine {
                 )));
             }
         }
+        if let Some(n) = req.logprobs
+            && n > MAX_TOP_LOGPROBS
+        {
+            return Err(SpecError::Invalid(format!(
+                "top_logprobs {n} out of range 0..={MAX_TOP_LOGPROBS}"
+            )));
+        }
         if !req.stop.is_empty() && self.tok.is_none() {
             return Err(SpecError::Invalid("stop strings need a tokenizer".into()));
         }
@@ -576,8 +624,15 @@ impl Engine {
     }
 
     fn release(&mut self, s: Seq) -> Result<()> {
-        // Whatever is in its KV may start a later request (the next turn of a chat).
-        self.cache.register(s.kv, &s.tokens)?;
+        // Whatever is in its KV may start a later request (the next turn of a chat): the
+        // committed tokens but the pending last one, exactly what the KV holds after a cycle
+        // (after a failed one it may hold more, a rejected draft included, which stays out).
+        let written = match s.phase {
+            Phase::Prefill => s.prefilled,
+            Phase::Decode => s.tokens.len().saturating_sub(1),
+        };
+        self.cache
+            .register(s.kv, &s.tokens[..written.min(s.tokens.len())])?;
         self.cache.remove(s.kv)?;
         self.proposer.finish(s.req.id);
         self.reserved_tokens -= s.reserved;
@@ -966,7 +1021,14 @@ impl Engine {
                 s.metrics.accept_s += t0.elapsed().as_secs_f64();
                 s.phase = Phase::Decode;
                 s.metrics.ttft_s = s.arrived.elapsed().as_secs_f64();
-                commit_tokens(s, &[first], self.tok.as_deref(), ctx, &mut events)?;
+                commit_tokens(
+                    s,
+                    &[first],
+                    (&rows[..vocab], vocab),
+                    self.tok.as_deref(),
+                    ctx,
+                    &mut events,
+                )?;
                 continue;
             }
             // Verification window.
@@ -1063,7 +1125,14 @@ impl Engine {
             let kv_before = s.tokens.len() - 1;
             let mut new: Vec<u32> = d.tokens[..verdict.accepted].to_vec();
             new.push(verdict.next);
-            let committed = commit_tokens(s, &new, self.tok.as_deref(), ctx, &mut events)?;
+            let committed = commit_tokens(
+                s,
+                &new,
+                (&rows[..new.len() * vocab], vocab),
+                self.tok.as_deref(),
+                ctx,
+                &mut events,
+            )?;
             if committed < new.len() {
                 // A stop condition cut the block: the accepted drafts after it are waste too.
                 s.metrics.wasted_tokens += verdict.accepted.saturating_sub(committed);
@@ -1273,16 +1342,20 @@ fn sample_one(logits: &[f32], seen: &[u32], p: &SamplingParams, rng: &mut Rng) -
 /// Appends tokens in order until a stop condition; returns how many were committed (a stop
 /// token itself counts as consumed but is not part of the output). Text that could still be the
 /// start of a stop string is held back until it is not (or the request ends).
+/// Commits `new` (token i produced by logits row i of `rows`: `(rows, vocab)`), up to a stop
+/// condition; returns how many were consumed.
 fn commit_tokens(
     s: &mut Seq,
     new: &[u32],
+    (rows, vocab): (&[f32], usize),
     tok: Option<&Tokenizer>,
     ctx: usize,
     events: &mut Vec<Event>,
 ) -> Result<usize> {
     let mut emitted = Vec::new();
+    let mut logprobs = Vec::new();
     let mut consumed = 0;
-    for &t in new {
+    for (i, &t) in new.iter().enumerate() {
         consumed += 1;
         if tok.is_some_and(|tk| tk.is_stop(t)) {
             s.finished = Some(FinishReason::Stop);
@@ -1290,6 +1363,12 @@ fn commit_tokens(
         }
         s.tokens.push(t);
         emitted.push(t);
+        if let Some(top) = s.req.logprobs {
+            let row = rows.get(i * vocab..(i + 1) * vocab).ok_or_else(|| {
+                SpecError::Invariant("no logits row for a committed token".into())
+            })?;
+            logprobs.push(TokenLogprob::of(row, t, top));
+        }
         if let Some(tk) = tok {
             if let Some(delta) = s.decoder.push(tk, t)? {
                 let before = s.text.len();
@@ -1327,6 +1406,7 @@ fn commit_tokens(
             id: s.req.id,
             tokens: emitted.clone(),
             text,
+            logprobs,
         });
     }
     Ok(if s.finished.is_some() {

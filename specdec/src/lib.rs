@@ -13,7 +13,10 @@ pub mod proposer;
 pub mod recal;
 pub mod stats;
 
-pub use engine::{Engine, EngineConfig, Event, FinishReason, Request, VerifyPolicy};
+pub use engine::{
+    Engine, EngineConfig, Event, FinishReason, MAX_TOP_LOGPROBS, Request, TokenLogprob,
+    VerifyPolicy,
+};
 pub use metrics::{ConfBlock, RequestMetrics};
 pub use proposer::{DraftBlock, Proposer, ProposerKind};
 

@@ -108,6 +108,7 @@ impl RequestMetrics {
     /// Adds another request's counters (engine totals).
     pub fn merge(&mut self, o: &RequestMetrics) {
         self.prompt_tokens += o.prompt_tokens;
+        self.cached_tokens += o.cached_tokens;
         self.completion_tokens += o.completion_tokens;
         self.target_calls += o.target_calls;
         self.spec_calls += o.spec_calls;
@@ -146,6 +147,7 @@ impl RequestMetrics {
         };
         serde_json::json!({
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "target_calls": self.target_calls,
             "committed_per_call": self.committed_per_call(),

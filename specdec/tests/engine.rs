@@ -78,7 +78,9 @@ fn collect(events: Vec<Event>) -> HashMap<u64, (Vec<u32>, String, FinishReason)>
     let mut out: HashMap<u64, (Vec<u32>, String, FinishReason)> = HashMap::new();
     for e in events {
         match e {
-            Event::Tokens { id, tokens, text } => {
+            Event::Tokens {
+                id, tokens, text, ..
+            } => {
                 let ent =
                     out.entry(id)
                         .or_insert((Vec::new(), String::new(), FinishReason::Cancelled));
@@ -1215,6 +1217,113 @@ fn prefix_cache_reuses_shared_prompts_and_changes_no_output() {
         e.clear_prefix_cache();
         let (_, cached) = run(&mut e, vec![Request::new(20, ps[1].clone(), 4)]);
         assert_eq!(cached[&20], 0, "{name}");
+        e.check_kv().unwrap();
+    }
+}
+
+/// Log-probabilities reported per output token are the target's raw log-softmax at that
+/// position (checked against one forward over prompt + output), with the top alternatives in
+/// order; greedy tokens are their position's most likely; speculation does not change them;
+/// sampled tokens get theirs too; too many alternatives are refused.
+#[test]
+fn logprobs_are_the_targets_raw_log_softmax_with_or_without_speculation() {
+    use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
+    let f = fixture();
+    let ps = prompts(&f, 6);
+    let reference = |p: &[u32], out: &[u32]| -> Vec<specdec::TokenLogprob> {
+        let mut all = p.to_vec();
+        all.extend_from_slice(out);
+        let mut c = f.target.new_cache(1024, 16).unwrap();
+        let s = c.new_seq();
+        let o = f
+            .target
+            .forward(
+                &mut c,
+                &[SeqInput {
+                    seq: s,
+                    tokens: &all,
+                    logits: LogitsMode::All,
+                }],
+                &ForwardOptions::default(),
+            )
+            .unwrap();
+        let v = o.vocab;
+        out.iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                let r = p.len() - 1 + i;
+                specdec::TokenLogprob::of(&o.logits[r * v..(r + 1) * v], t, 3)
+            })
+            .collect()
+    };
+    for (name, gamma) in [("none", 0usize), ("ngram", 3), ("draft-model", 3)] {
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            proposer_clone(&f, name),
+            cfg(gamma),
+            CostModel::flat(gamma + 1),
+        )
+        .unwrap();
+        for (i, p) in ps.iter().enumerate() {
+            let mut r = Request::new(i as u64, p.clone(), 16);
+            r.logprobs = Some(3);
+            if i % 2 == 1 {
+                r.params.temperature = 0.8;
+            }
+            e.add(r).unwrap();
+        }
+        // One without: nothing reported.
+        e.add(Request::new(99, ps[0].clone(), 8)).unwrap();
+        let mut toks: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut lps: HashMap<u64, Vec<specdec::TokenLogprob>> = HashMap::new();
+        for ev in e.run_to_completion().unwrap() {
+            if let Event::Tokens {
+                id,
+                tokens,
+                logprobs,
+                ..
+            } = ev
+            {
+                if id != 99 {
+                    assert_eq!(logprobs.len(), tokens.len(), "{name}");
+                } else {
+                    assert!(logprobs.is_empty());
+                }
+                toks.entry(id).or_default().extend(tokens);
+                lps.entry(id).or_default().extend(logprobs);
+            }
+        }
+        for (i, p) in ps.iter().enumerate() {
+            let (out, got) = (&toks[&(i as u64)], &lps[&(i as u64)]);
+            let want = reference(p, out);
+            for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g.logprob - w.logprob).abs() < 1e-3,
+                    "{name} prompt {i} token {j}: {g:?} vs {w:?}"
+                );
+                assert_eq!(g.top.len(), 3);
+                assert!(g.top.windows(2).all(|x| x[0].1 >= x[1].1));
+                for ((_, gl), (_, wl)) in g.top.iter().zip(&w.top) {
+                    assert!((gl - wl).abs() < 1e-3, "{name} {i}/{j}");
+                }
+                // The same alternatives, wherever no two are within rounding of each other.
+                if w.top.windows(2).all(|x| x[0].1 - x[1].1 > 1e-3) {
+                    let ids =
+                        |t: &specdec::TokenLogprob| t.top.iter().map(|x| x.0).collect::<Vec<_>>();
+                    assert_eq!(ids(g), ids(w), "{name} {i}/{j}");
+                }
+                assert!(g.logprob <= 0.0 && g.logprob <= g.top[0].1 + 1e-6);
+                if i % 2 == 0 {
+                    // Greedy: the token is its position's most likely.
+                    assert_eq!(g.top[0].0, out[j], "{name} {i}/{j}");
+                    assert!((g.top[0].1 - g.logprob).abs() < 1e-6);
+                }
+            }
+        }
+        let mut r = Request::new(200, ps[0].clone(), 4);
+        r.logprobs = Some(specdec::MAX_TOP_LOGPROBS + 1);
+        assert!(e.add(r).is_err());
         e.check_kv().unwrap();
     }
 }

@@ -114,12 +114,25 @@ impl EngineLoop {
 
     fn dispatch(&mut self, ev: Event, senders: &mut HashMap<u64, EventTx>) {
         match ev {
-            Event::Tokens { id, tokens, text } => {
+            Event::Tokens {
+                id,
+                tokens,
+                text,
+                logprobs,
+            } => {
                 if let Some(tx) = senders.get(&id) {
                     let m = GenerateEvent {
                         kind: Some(generate_event::Kind::Tokens(TokenChunk {
                             ids: tokens,
                             text,
+                            logprobs: logprobs
+                                .into_iter()
+                                .map(|l| dspark_proto::TokenLogprob {
+                                    logprob: l.logprob,
+                                    top_ids: l.top.iter().map(|x| x.0).collect(),
+                                    top_logprobs: l.top.iter().map(|x| x.1).collect(),
+                                })
+                                .collect(),
                         })),
                     };
                     if tx.send(Ok(m)).is_err() {

@@ -59,6 +59,13 @@ impl TargetService {
                 self.max_ctx
             ));
         }
+        if r.top_logprobs as usize > specdec::MAX_TOP_LOGPROBS {
+            return bad(format!(
+                "top_logprobs {} out of range 0..={}",
+                r.top_logprobs,
+                specdec::MAX_TOP_LOGPROBS
+            ));
+        }
         if r.gamma as usize > specdec::MAX_GAMMA {
             return bad(format!(
                 "gamma {} out of range 0..={}",
@@ -122,6 +129,7 @@ impl TargetWorker for TargetService {
             stop: r.stop,
             seed: r.seed,
             gamma: (r.gamma > 0).then_some(r.gamma as usize),
+            logprobs: r.logprobs.then_some(r.top_logprobs as usize),
         };
         let draft = if self.local_drafting {
             None

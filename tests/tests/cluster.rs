@@ -227,6 +227,88 @@ print(json.dumps({"text": text, "usage": usage, "chunks": chunks}))
         "{v}"
     );
 
+    // Log-probabilities. Completions: per token its logprob, the top alternatives and text
+    // offsets; greedy tokens are their position's most likely.
+    let (st, v) = post(
+        &format!("{}/v1/completions", c.url),
+        &json!({"model": "smollm2-135m", "prompt": PROMPTS[0], "max_tokens": 12,
+                "temperature": 0, "logprobs": 2, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let ids = ids_of(&v);
+    assert_eq!(ids, greedy(PROMPTS[0], 12).0);
+    let n = ids.len();
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(lp[key].as_array().map(|a| a.len()), Some(n), "{key}: {lp}");
+    }
+    let mut joined = String::new();
+    for i in 0..n {
+        let l = lp["token_logprobs"][i].as_f64().expect("logprob");
+        let top = lp["top_logprobs"][i].as_object().expect("top");
+        assert_eq!(top.len(), 2, "{lp}");
+        let best = top
+            .values()
+            .filter_map(|x| x.as_f64())
+            .fold(f64::MIN, f64::max);
+        assert!(
+            l <= 0.0 && (l - best).abs() < 1e-6,
+            "greedy token {i}: {l} vs {best}"
+        );
+        assert_eq!(lp["text_offset"][i].as_u64(), Some(joined.len() as u64));
+        joined.push_str(lp["tokens"][i].as_str().unwrap_or(""));
+    }
+    assert_eq!(joined, v["choices"][0]["text"].as_str().unwrap_or("-"));
+    // Chat, streamed through the official client: logprobs with bytes and alternatives.
+    let script = r#"
+import json, sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+s = c.chat.completions.create(model="smollm2-135m",
+    messages=[{"role": "user", "content": "Name a colour."}], max_tokens=10, temperature=0,
+    stream=True, logprobs=True, top_logprobs=3)
+text, items = "", []
+for ch in s:
+    if ch.choices and ch.choices[0].delta.content:
+        text += ch.choices[0].delta.content
+    if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content:
+        for e in ch.choices[0].logprobs.content:
+            items.append({"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+                          "top": [[t.token, t.logprob] for t in e.top_logprobs]})
+print(json.dumps({"text": text, "items": items}))
+"#;
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", script, &c.url])
+        .output()
+        .await
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "openai client: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    let items = v["items"].as_array().expect("items");
+    assert!(!items.is_empty(), "{v}");
+    let mut bytes: Vec<u8> = Vec::new();
+    for e in items {
+        let top = e["top"].as_array().expect("top");
+        assert_eq!(top.len(), 3, "{e}");
+        assert_eq!(top[0][0], e["token"], "greedy: the most likely token: {e}");
+        bytes.extend(
+            e["bytes"]
+                .as_array()
+                .expect("bytes")
+                .iter()
+                .map(|b| b.as_u64().unwrap_or(0) as u8),
+        );
+    }
+    assert_eq!(
+        String::from_utf8_lossy(&bytes),
+        v["text"].as_str().unwrap_or("-")
+    );
+
     // Prefix caching with prefix-affinity placement. A long request keeps target-0 busy while
     // the first request with a long shared preamble is placed, so that one lands on target-1.
     // Then, with both idle (where load alone would pick target-0), the requests sharing the
@@ -385,6 +467,34 @@ print(json.dumps({"text": text, "usage": usage, "chunks": chunks}))
         (
             "no messages",
             post(&cu, &json!({"model": "smollm2-135m"})).await,
+            400,
+        ),
+        (
+            "too many alternatives",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": "hi", "logprobs": 21}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "top_logprobs without logprobs",
+            post(
+                &cu,
+                &json!({"model": "smollm2-135m", "top_logprobs": 2,
+                        "messages": [{"role": "user", "content": "x"}]}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "logprobs not a bool or number",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": "hi", "logprobs": "yes"}),
+            )
+            .await,
             400,
         ),
         (
