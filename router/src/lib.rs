@@ -705,7 +705,9 @@ async fn serve(
     mut settings: GenSettings,
     kind: Kind,
 ) -> Result<Response, ApiError> {
-    let guard = admit(&app)?;
+    let n = settings.n.max(1);
+    // Each choice is a request of its own: it holds a place in the cluster like one.
+    let guards: Vec<Inflight> = (0..n).map(|_| admit(&app)).collect::<Result<_, _>>()?;
     let tp = traceparent(&headers);
     let id = app.next_id(if kind == Kind::Chat {
         "chatcmpl"
@@ -723,18 +725,46 @@ async fn serve(
             }
         }
     }
-    let job = Job {
-        prompt: prompt.clone(),
-        settings: settings.clone(),
-        traceparent: tp.clone(),
-        request_id: id.clone(),
-    };
-    let (target, stream, first) = open(&app, &job, prompt, settings.max_tokens, &[])
-        .instrument(span.clone())
-        .await
-        .inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Piece>(64);
-    tokio::spawn(drive(Arc::clone(&app), job, target, stream, first, tx).instrument(span));
+    // Choice i samples with seed + i (greedy choices are alike, as in vLLM). All are placed
+    // and opened before anything is answered, so a refusal is one HTTP error.
+    let mut opened = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut s = settings.clone();
+        s.seed = settings.seed.wrapping_add(i as u64);
+        let job = Job {
+            prompt: prompt.clone(),
+            settings: s,
+            traceparent: tp.clone(),
+            request_id: if n > 1 {
+                format!("{id}-{i}")
+            } else {
+                id.clone()
+            },
+        };
+        let (target, stream, first) = open(&app, &job, prompt.clone(), settings.max_tokens, &[])
+            .instrument(span.clone())
+            .await
+            .inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
+        opened.push((job, target, stream, first));
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Piece)>(64);
+    for (i, (job, target, stream, first)) in opened.into_iter().enumerate() {
+        let (txi, mut rxi) = tokio::sync::mpsc::channel::<Piece>(64);
+        tokio::spawn(
+            drive(Arc::clone(&app), job, target, stream, first, txi).instrument(span.clone()),
+        );
+        let tx = tx.clone();
+        // A client that went away closes `rx`: the forwarder stops, `drive` sees its channel
+        // closed and drops the worker's stream, which cancels the request there.
+        tokio::spawn(async move {
+            while let Some(p) = rxi.recv().await {
+                if tx.send((i, p)).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    drop(tx);
     let created = now_s();
     let model = app.name.clone();
     let object = if kind == Kind::Chat {
@@ -743,51 +773,59 @@ async fn serve(
         "text_completion"
     };
     if !settings.stream {
-        let mut text = String::new();
-        let mut ids: Vec<u32> = Vec::new();
-        let mut lps: Vec<dspark_proto::TokenLogprob> = Vec::new();
-        let mut end = None;
-        while let Some(p) = rx.recv().await {
+        let mut text = vec![String::new(); n];
+        let mut ids: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let mut lps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); n];
+        let mut ends: Vec<Option<(String, SpecStats, String)>> = vec![None; n];
+        while let Some((i, p)) = rx.recv().await {
             match p {
-                Piece::Text(t, i, l) => {
-                    text.push_str(&t);
-                    ids.extend(i);
-                    lps.extend(l);
+                Piece::Text(t, d, l) => {
+                    text[i].push_str(&t);
+                    ids[i].extend(d);
+                    lps[i].extend(l);
                 }
                 Piece::Done {
                     reason,
                     stats,
                     target,
-                } => end = Some((reason, stats, target)),
+                } => ends[i] = Some((reason, stats, target)),
                 Piece::Error(e) => {
                     Metrics::add(&app.metrics.errors, 1);
                     return Err(e);
                 }
             }
         }
-        let (reason, stats, target) = end.ok_or_else(|| {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
-                "generation ended early",
-            )
-        })?;
+        let ends: Vec<(String, SpecStats, String)> =
+            ends.into_iter().collect::<Option<_>>().ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_error",
+                    "generation ended early",
+                )
+            })?;
+        let stats = combine(ends.iter().map(|e| &e.1));
         account(&app, &stats);
-        let mut choice = if kind == Kind::Chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish(&reason), "logprobs": null})
-        } else {
-            json!({"index": 0, "text": text, "finish_reason": finish(&reason), "logprobs": null})
-        };
-        if settings.logprobs.is_some() {
-            choice["logprobs"] = logprobs_json(&app.tok, kind, &ids, &lps, 0);
-        }
-        if settings.return_token_ids {
-            choice["token_ids"] = json!(ids);
-        }
-        drop(guard);
+        let choices: Vec<Value> = (0..n)
+            .map(|i| {
+                let reason = finish(&ends[i].0);
+                let mut choice = if kind == Kind::Chat {
+                    json!({"index": i, "message": {"role": "assistant", "content": text[i]}, "finish_reason": reason, "logprobs": null})
+                } else {
+                    json!({"index": i, "text": text[i], "finish_reason": reason, "logprobs": null})
+                };
+                if settings.return_token_ids {
+                    choice["token_ids"] = json!(ids[i]);
+                }
+                if settings.logprobs.is_some() {
+                    choice["logprobs"] = logprobs_json(&app.tok, kind, &ids[i], &lps[i], 0);
+                }
+                choice
+            })
+            .collect();
+        drop(guards);
         let mut r = Json(
             json!({"id": id, "object": object, "created": created, "model": model,
-            "choices": [choice], "usage": usage(&stats, &target)}),
+            "choices": choices, "usage": usage(&stats, &ends[0].2)}),
         )
         .into_response();
         if let Ok(v) = tp.parse() {
@@ -805,7 +843,7 @@ async fn serve(
     let want_logprobs = settings.logprobs.is_some();
     let app2 = Arc::clone(&app);
     let s = async_stream(move |out| async move {
-        let _guard = guard;
+        let _guards = guards;
         let mk = |choices: Value, usage: Value| {
             let mut v = json!({"id": id, "object": chunk_obj, "created": created, "model": model, "choices": choices});
             if !usage.is_null() {
@@ -814,31 +852,34 @@ async fn serve(
             Event::default().data(v.to_string())
         };
         if kind == Kind::Chat {
-            let _ = out
-                .send(mk(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]), Value::Null))
-                .await;
+            for i in 0..n {
+                let _ = out
+                    .send(mk(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]), Value::Null))
+                    .await;
+            }
         }
-        // Text offset of the next token (completions' `text_offset`).
-        let mut offset = 0usize;
-        while let Some(p) = rx.recv().await {
+        // Per choice: text offset of its next token (completions' `text_offset`).
+        let mut offset = vec![0usize; n];
+        let mut ends: Vec<Option<(SpecStats, String)>> = vec![None; n];
+        while let Some((i, p)) = rx.recv().await {
             match p {
                 Piece::Text(t, ids, lps) => {
                     if t.is_empty() && !return_ids && !(want_logprobs && !ids.is_empty()) {
                         continue;
                     }
                     let mut c = if kind == Kind::Chat {
-                        json!([{"index": 0, "delta": {"content": t}, "finish_reason": null}])
+                        json!([{"index": i, "delta": {"content": t}, "finish_reason": null}])
                     } else {
-                        json!([{"index": 0, "text": t, "finish_reason": null, "logprobs": null}])
+                        json!([{"index": i, "text": t, "finish_reason": null, "logprobs": null}])
                     };
                     if return_ids {
                         c[0]["token_ids"] = json!(ids);
                     }
                     if want_logprobs {
-                        c[0]["logprobs"] = logprobs_json(&app2.tok, kind, &ids, &lps, offset);
-                        offset += ids
+                        c[0]["logprobs"] = logprobs_json(&app2.tok, kind, &ids, &lps, offset[i]);
+                        offset[i] += ids
                             .iter()
-                            .map(|&i| token_text(&app2.tok, i).len())
+                            .map(|&t| token_text(&app2.tok, t).len())
                             .sum::<usize>();
                     }
                     if out.send(mk(c, Value::Null)).await.is_err() {
@@ -850,15 +891,20 @@ async fn serve(
                     stats,
                     target,
                 } => {
-                    account(&app2, &stats);
                     let c = if kind == Kind::Chat {
-                        json!([{"index": 0, "delta": {}, "finish_reason": finish(&reason)}])
+                        json!([{"index": i, "delta": {}, "finish_reason": finish(&reason)}])
                     } else {
-                        json!([{"index": 0, "text": "", "finish_reason": finish(&reason), "logprobs": null}])
+                        json!([{"index": i, "text": "", "finish_reason": finish(&reason), "logprobs": null}])
                     };
                     let _ = out.send(mk(c, Value::Null)).await;
-                    if include_usage {
-                        let _ = out.send(mk(json!([]), usage(&stats, &target))).await;
+                    ends[i] = Some((stats, target));
+                    if ends.iter().all(|e| e.is_some()) {
+                        let stats = combine(ends.iter().flatten().map(|e| &e.0));
+                        account(&app2, &stats);
+                        if include_usage {
+                            let target = ends[0].as_ref().map(|e| e.1.clone()).unwrap_or_default();
+                            let _ = out.send(mk(json!([]), usage(&stats, &target))).await;
+                        }
                     }
                 }
                 Piece::Error(e) => {
@@ -875,6 +921,22 @@ async fn serve(
         r.headers_mut().insert("traceparent", v);
     }
     Ok(r)
+}
+
+/// Usage of a request's choices together: the prompt counted once, the rest summed.
+fn combine<'a>(all: impl Iterator<Item = &'a SpecStats>) -> SpecStats {
+    let mut out: Option<SpecStats> = None;
+    for s in all {
+        match out.as_mut() {
+            None => out = Some(s.clone()),
+            Some(o) => {
+                merge(o, s);
+                o.completion_tokens += s.completion_tokens;
+                o.cached_tokens = o.cached_tokens.min(s.cached_tokens);
+            }
+        }
+    }
+    out.unwrap_or_default()
 }
 
 /// A token as text: its bytes, with any part of a UTF-8 character as U+FFFD.

@@ -154,19 +154,28 @@ pub struct GenSettings {
     pub return_token_ids: bool,
     /// Log-probability of each output token and this many alternatives; None: not asked.
     pub logprobs: Option<usize>,
+    /// Choices to generate (each a request of its own, sampled with seed + index).
+    pub n: usize,
 }
 
 pub const MAX_STOPS: usize = 16;
+/// Most choices per request.
+pub const MAX_N: usize = 16;
 /// Most alternatives per token (OpenAI's bound; the target worker enforces the same).
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Common {
     pub fn settings(&self, default_max: usize, limit: usize) -> Result<GenSettings, ApiError> {
-        if let Some(n) = self.n {
-            if n != 1 {
-                return Err(ApiError::bad("only n = 1 is supported", Some("n")));
+        let n = match self.n {
+            None => 1,
+            Some(n) if (1..=MAX_N as i64).contains(&n) => n as usize,
+            Some(_) => {
+                return Err(ApiError::bad(
+                    format!("n must be in 1..={MAX_N}"),
+                    Some("n"),
+                ));
             }
-        }
+        };
         let top = match self.top_logprobs {
             None => None,
             Some(n) if (0..=MAX_TOP_LOGPROBS as i64).contains(&n) => Some(n as usize),
@@ -306,6 +315,7 @@ impl Common {
             gamma,
             return_token_ids: self.return_token_ids,
             logprobs,
+            n,
         })
     }
 }

@@ -309,6 +309,88 @@ print(json.dumps({"text": text, "items": items}))
         v["text"].as_str().unwrap_or("-")
     );
 
+    // n choices: greedy ones are plain greedy's; sampled ones (seed + index) differ, and the
+    // usage counts the prompt once and every choice's tokens.
+    let (st, v) = post(
+        &format!("{}/v1/completions", c.url),
+        &json!({"model": "smollm2-135m", "prompt": PROMPTS[2], "max_tokens": 10,
+                "temperature": 0, "n": 2, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let want = greedy(PROMPTS[2], 10).0;
+    for i in 0..2 {
+        assert_eq!(v["choices"][i]["index"].as_u64(), Some(i as u64));
+        let got: Vec<u32> = v["choices"][i]["token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().unwrap_or(0) as u32)
+            .collect();
+        assert_eq!(got, want, "greedy choice {i}");
+    }
+    assert_eq!(
+        v["usage"]["completion_tokens"].as_u64(),
+        Some(2 * want.len() as u64)
+    );
+    let (st, v) = post(
+        &format!("{}/v1/completions", c.url),
+        &json!({"model": "smollm2-135m", "prompt": PROMPTS[0], "max_tokens": 16,
+                "temperature": 1.0, "seed": 5, "n": 3, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3);
+    let texts: std::collections::BTreeSet<String> = choices
+        .iter()
+        .map(|c| c["token_ids"].to_string())
+        .collect();
+    assert_eq!(texts.len(), 3, "three samples, three different answers: {v}");
+    let total: u64 = choices
+        .iter()
+        .map(|c| c["token_ids"].as_array().map_or(0, |a| a.len() as u64))
+        .sum();
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(total));
+    assert_eq!(
+        v["usage"]["prompt_tokens"].as_u64(),
+        Some(reference().1.encode(PROMPTS[0]).expect("ids").len() as u64)
+    );
+    // Streamed chat with two choices through the official client.
+    let script = r#"
+import json, sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+s = c.chat.completions.create(model="smollm2-135m",
+    messages=[{"role": "user", "content": "Say something about cats."}], max_tokens=12,
+    temperature=1.0, seed=3, n=2, stream=True)
+texts, done = ["", ""], [None, None]
+for ch in s:
+    for c in ch.choices:
+        if c.delta.content:
+            texts[c.index] += c.delta.content
+        if c.finish_reason:
+            done[c.index] = c.finish_reason
+print(json.dumps({"texts": texts, "done": done}))
+"#;
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", script, &c.url])
+        .output()
+        .await
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "openai client: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    for i in 0..2 {
+        assert!(
+            !v["texts"][i].as_str().unwrap_or("").is_empty() && v["done"][i].is_string(),
+            "{v}"
+        );
+    }
+
     // Prefix caching with prefix-affinity placement. A long request keeps target-0 busy while
     // the first request with a long shared preamble is placed, so that one lands on target-1.
     // Then, with both idle (where load alone would pick target-0), the requests sharing the
@@ -432,7 +514,16 @@ print(json.dumps({"text": text, "items": items}))
             "n",
             post(
                 &u,
-                &json!({"model": "smollm2-135m", "prompt": "hi", "n": 2}),
+                &json!({"model": "smollm2-135m", "prompt": "hi", "n": 17}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "n zero",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": "hi", "n": 0}),
             )
             .await,
             400,
