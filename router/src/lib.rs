@@ -342,8 +342,14 @@ fn admit(app: &Arc<App>) -> Result<Inflight, ApiError> {
 
 /// What the generation task hands the HTTP side.
 enum Piece {
-    /// Text, token ids, and per-token log-probabilities when asked for.
-    Text(String, Vec<u32>, Vec<dspark_proto::TokenLogprob>),
+    /// Text, token ids, per-token log-probabilities when asked for, and in the first piece
+    /// the prompt's when echoed.
+    Text(
+        String,
+        Vec<u32>,
+        Vec<dspark_proto::TokenLogprob>,
+        Vec<dspark_proto::TokenLogprob>,
+    ),
     Done {
         reason: String,
         stats: SpecStats,
@@ -389,6 +395,7 @@ async fn open(
     prompt: Vec<u32>,
     max_tokens: usize,
     exclude: &[String],
+    prompt_logprobs: bool,
 ) -> Result<(WorkerInfo, EventStream, Option<dspark_proto::GenerateEvent>), ApiError> {
     let (target, draft) = app
         .cluster
@@ -436,6 +443,7 @@ async fn open(
         traceparent: job.traceparent.clone(),
         logprobs: job.settings.logprobs.is_some(),
         top_logprobs: job.settings.logprobs.unwrap_or(0) as u32,
+        prompt_logprobs,
     });
     if let Ok(v) = job.traceparent.parse() {
         req.metadata_mut().insert("traceparent", v);
@@ -487,7 +495,7 @@ async fn drive(
                     }
                     generated.extend_from_slice(&t.ids);
                     if tx
-                        .send(Piece::Text(t.text, t.ids, t.logprobs))
+                        .send(Piece::Text(t.text, t.ids, t.logprobs, t.prompt_logprobs))
                         .await
                         .is_err()
                     {
@@ -550,7 +558,10 @@ async fn drive(
                 Metrics::add(&app.metrics.failovers, 1);
                 let mut prompt = job.prompt.clone();
                 prompt.extend_from_slice(&generated);
-                match open(&app, &job, prompt, left, &failed).await {
+                // The prompt's log-probabilities come with the first tokens: ask again only
+                // when none arrived.
+                let again = first_token && job.settings.echo && job.settings.logprobs.is_some();
+                match open(&app, &job, prompt, left, &failed, again).await {
                     Ok((t, s, f)) => {
                         target = t;
                         stream = s;
@@ -684,6 +695,12 @@ async fn chat_completions(
     let settings = r
         .common
         .settings(app.max_tokens_limit.min(512), app.max_tokens_limit)?;
+    if settings.echo {
+        return Err(ApiError::bad(
+            "echo is supported on /v1/completions only",
+            Some("echo"),
+        ));
+    }
     serve(app, headers, prompt, settings, Kind::Chat).await
 }
 
@@ -741,10 +758,18 @@ async fn serve(
                 id.clone()
             },
         };
-        let (target, stream, first) = open(&app, &job, prompt.clone(), settings.max_tokens, &[])
-            .instrument(span.clone())
-            .await
-            .inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
+        let echo_lps = settings.echo && settings.logprobs.is_some();
+        let (target, stream, first) = open(
+            &app,
+            &job,
+            prompt.clone(),
+            settings.max_tokens,
+            &[],
+            echo_lps,
+        )
+        .instrument(span.clone())
+        .await
+        .inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
         opened.push((job, target, stream, first));
     }
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Piece)>(64);
@@ -776,13 +801,17 @@ async fn serve(
         let mut text = vec![String::new(); n];
         let mut ids: Vec<Vec<u32>> = vec![Vec::new(); n];
         let mut lps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); n];
+        let mut plps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); n];
         let mut ends: Vec<Option<(String, SpecStats, String)>> = vec![None; n];
         while let Some((i, p)) = rx.recv().await {
             match p {
-                Piece::Text(t, d, l) => {
-                    text[i].push_str(&t);
-                    ids[i].extend(d);
-                    lps[i].extend(l);
+                Piece::Text(t, d, l, pl) => {
+                    plps[i].extend(pl);
+                    if !settings.score_only {
+                        text[i].push_str(&t);
+                        ids[i].extend(d);
+                        lps[i].extend(l);
+                    }
                 }
                 Piece::Done {
                     reason,
@@ -803,21 +832,35 @@ async fn serve(
                     "generation ended early",
                 )
             })?;
-        let stats = combine(ends.iter().map(|e| &e.1));
+        let mut stats = combine(ends.iter().map(|e| &e.1));
+        if settings.score_only {
+            stats.completion_tokens = 0;
+        }
         account(&app, &stats);
+        let echo = if settings.echo {
+            app.tok.decode(&prompt, false).unwrap_or_default()
+        } else {
+            String::new()
+        };
         let choices: Vec<Value> = (0..n)
             .map(|i| {
-                let reason = finish(&ends[i].0);
+                let reason = if settings.score_only {
+                    "length"
+                } else {
+                    finish(&ends[i].0)
+                };
                 let mut choice = if kind == Kind::Chat {
                     json!({"index": i, "message": {"role": "assistant", "content": text[i]}, "finish_reason": reason, "logprobs": null})
                 } else {
-                    json!({"index": i, "text": text[i], "finish_reason": reason, "logprobs": null})
+                    json!({"index": i, "text": format!("{echo}{}", text[i]), "finish_reason": reason, "logprobs": null})
                 };
                 if settings.return_token_ids {
                     choice["token_ids"] = json!(ids[i]);
                 }
                 if settings.logprobs.is_some() {
-                    choice["logprobs"] = logprobs_json(&app.tok, kind, &ids[i], &lps[i], 0);
+                    let echoed = settings.echo.then_some((&prompt[..], &plps[i][..]));
+                    choice["logprobs"] =
+                        logprobs_json(&app.tok, kind, &ids[i], &lps[i], 0, echoed);
                 }
                 choice
             })
@@ -841,6 +884,12 @@ async fn serve(
     let include_usage = settings.include_usage;
     let return_ids = settings.return_token_ids;
     let want_logprobs = settings.logprobs.is_some();
+    let (echo, score_only) = (settings.echo, settings.score_only);
+    let echo_text = if echo {
+        app.tok.decode(&prompt, false).unwrap_or_default()
+    } else {
+        String::new()
+    };
     let app2 = Arc::clone(&app);
     let s = async_stream(move |out| async move {
         let _guards = guards;
@@ -861,9 +910,21 @@ async fn serve(
         // Per choice: text offset of its next token (completions' `text_offset`).
         let mut offset = vec![0usize; n];
         let mut ends: Vec<Option<(SpecStats, String)>> = vec![None; n];
+        let mut echoed = vec![!echo; n];
         while let Some((i, p)) = rx.recv().await {
             match p {
-                Piece::Text(t, ids, lps) => {
+                Piece::Text(mut t, mut ids, mut lps, plps) => {
+                    if score_only {
+                        (t, ids, lps) = (String::new(), Vec::new(), Vec::new());
+                    }
+                    // The echoed prompt leads the choice's first chunk.
+                    let lead = (!echoed[i]).then(|| {
+                        echoed[i] = true;
+                        (&prompt[..], plps)
+                    });
+                    if lead.is_some() {
+                        t.insert_str(0, &echo_text);
+                    }
                     if t.is_empty() && !return_ids && !(want_logprobs && !ids.is_empty()) {
                         continue;
                     }
@@ -876,9 +937,13 @@ async fn serve(
                         c[0]["token_ids"] = json!(ids);
                     }
                     if want_logprobs {
-                        c[0]["logprobs"] = logprobs_json(&app2.tok, kind, &ids, &lps, offset[i]);
-                        offset[i] += ids
+                        let lead_ids: &[u32] = lead.as_ref().map_or(&[], |l| l.0);
+                        let lead = lead.as_ref().map(|(p, l)| (&p[..], &l[..]));
+                        c[0]["logprobs"] =
+                            logprobs_json(&app2.tok, kind, &ids, &lps, offset[i], lead);
+                        offset[i] += lead_ids
                             .iter()
+                            .chain(&ids)
                             .map(|&t| token_text(&app2.tok, t).len())
                             .sum::<usize>();
                     }
@@ -899,7 +964,10 @@ async fn serve(
                     let _ = out.send(mk(c, Value::Null)).await;
                     ends[i] = Some((stats, target));
                     if ends.iter().all(|e| e.is_some()) {
-                        let stats = combine(ends.iter().flatten().map(|e| &e.0));
+                        let mut stats = combine(ends.iter().flatten().map(|e| &e.0));
+                        if score_only {
+                            stats.completion_tokens = 0;
+                        }
                         account(&app2, &stats);
                         if include_usage {
                             let target = ends[0].as_ref().map(|e| e.1.clone()).unwrap_or_default();
@@ -946,13 +1014,16 @@ fn token_text(tok: &Tokenizer, id: u32) -> String {
 
 /// The `logprobs` of a choice (or chunk) for `ids`: chat's `{"content": [{token, logprob,
 /// bytes, top_logprobs}]}` or completions' `{tokens, token_logprobs, top_logprobs,
-/// text_offset}` with offsets counted from `offset`.
+/// text_offset}` with offsets counted from `offset`, led by the echoed prompt's tokens when
+/// `echoed` holds them and their log-probabilities (from the second token on; the first has
+/// none).
 fn logprobs_json(
     tok: &Tokenizer,
     kind: Kind,
     ids: &[u32],
     lps: &[dspark_proto::TokenLogprob],
     offset: usize,
+    echoed: Option<(&[u32], &[dspark_proto::TokenLogprob])>,
 ) -> Value {
     let entry = |id: u32, lp: f32| {
         let b = tok.token_bytes(id);
@@ -977,28 +1048,32 @@ fn logprobs_json(
             .collect();
         json!({ "content": content })
     } else {
-        let mut at = offset;
-        let mut tokens = Vec::new();
-        let mut offsets = Vec::new();
-        for &id in ids.iter().take(lps.len()) {
+        let (pids, plps) = echoed.unwrap_or((&[], &[]));
+        // Prompt tokens after the first have one each (when they were computed).
+        let plps: Vec<Option<&dspark_proto::TokenLogprob>> = (0..pids.len())
+            .map(|k| k.checked_sub(1).and_then(|k| plps.get(k)))
+            .collect();
+        let all_ids = pids.iter().chain(ids.iter().take(lps.len()));
+        let all_lps = plps.into_iter().chain(lps.iter().map(Some));
+        let (mut at, mut tokens, mut offsets, mut values, mut top) =
+            (offset, Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (&id, l) in all_ids.zip(all_lps) {
             let t = token_text(tok, id);
             offsets.push(at);
             at += t.len();
             tokens.push(t);
-        }
-        let top: Vec<Value> = lps
-            .iter()
-            .map(|l| {
+            values.push(l.map_or(Value::Null, |l| json!(l.logprob)));
+            top.push(l.map_or(Value::Null, |l| {
                 let mut m = serde_json::Map::new();
                 for (i, p) in pairs(l) {
                     m.insert(token_text(tok, i), json!(p));
                 }
                 Value::Object(m)
-            })
-            .collect();
+            }));
+        }
         json!({
             "tokens": tokens,
-            "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+            "token_logprobs": values,
             "top_logprobs": top,
             "text_offset": offsets,
         })

@@ -156,6 +156,11 @@ pub struct GenSettings {
     pub logprobs: Option<usize>,
     /// Choices to generate (each a request of its own, sampled with seed + index).
     pub n: usize,
+    /// Completions: the prompt precedes the completion in the text (and in the
+    /// log-probabilities, its first token with none).
+    pub echo: bool,
+    /// `echo` with `max_tokens: 0`: the prompt only, scored.
+    pub score_only: bool,
 }
 
 pub const MAX_STOPS: usize = 16;
@@ -211,12 +216,13 @@ impl Common {
                 ));
             }
         };
-        if self.echo == Some(true) {
-            return Err(ApiError::bad("echo is not supported", Some("echo")));
-        }
+        let echo = self.echo == Some(true);
         let max = self.max_completion_tokens.or(self.max_tokens);
+        let score_only = echo && max == Some(0);
         let max_tokens = match max {
             None => default_max,
+            // Echo without generating: the prompt scored (one token is made, and dropped).
+            Some(0) if echo => 1,
             Some(m) if m < 1 => {
                 return Err(ApiError::bad(
                     "max_tokens must be at least 1",
@@ -316,6 +322,8 @@ impl Common {
             return_token_ids: self.return_token_ids,
             logprobs,
             n,
+            echo,
+            score_only,
         })
     }
 }

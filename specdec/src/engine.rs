@@ -99,6 +99,10 @@ pub struct Request {
     /// Report each output token's log-probability and this many most likely alternatives
     /// (OpenAI `logprobs`); None: not asked.
     pub logprobs: Option<usize>,
+    /// Report the log-probability of every prompt token after the first, with this many
+    /// alternatives (OpenAI `echo` with `logprobs`): the prefill computes logits at every
+    /// position, and the prompt is not taken from the prefix cache.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Most alternatives a request may ask for per token (OpenAI's `top_logprobs` bound).
@@ -147,6 +151,7 @@ impl Request {
             seed: id,
             gamma: None,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -178,6 +183,9 @@ pub enum Event {
         text: String,
         /// One per token when the request asked for log-probabilities, else empty.
         logprobs: Vec<TokenLogprob>,
+        /// In a request's first event when it asked for them: prompt tokens 1.. (the first
+        /// has no context to be predicted from).
+        prompt_logprobs: Vec<TokenLogprob>,
     },
     Finished {
         id: u64,
@@ -409,6 +417,8 @@ struct Seq {
     /// Whether the proposer has drafted for this request before (its first drafting call also
     /// catches the drafter up on the whole prompt, which says nothing about steady-state cost).
     drafted_before: bool,
+    /// Prompt log-probabilities gathered over the prefill chunks, sent with the first event.
+    prompt_lps: Vec<TokenLogprob>,
 }
 
 impl Seq {
@@ -547,7 +557,7 @@ impl Engine {
                 )));
             }
         }
-        if let Some(n) = req.logprobs
+        if let Some(n) = req.logprobs.max(req.prompt_logprobs)
             && n > MAX_TOP_LOGPROBS
         {
             return Err(SpecError::Invalid(format!(
@@ -655,9 +665,13 @@ impl Engine {
             // first token) and the proposer's feature window to be computed, so drafting sees
             // the same context rows with the cache or without it.
             let window = self.proposer.context_rows().max(1);
-            let (kv, cached) = self
-                .cache
-                .new_seq_with_prefix(&req.prompt, req.prompt.len().saturating_sub(window));
+            // Prompt log-probabilities need the logits of every prompt position: no cache.
+            let usable = if req.prompt_logprobs.is_some() {
+                0
+            } else {
+                req.prompt.len().saturating_sub(window)
+            };
+            let (kv, cached) = self.cache.new_seq_with_prefix(&req.prompt, usable);
             let metrics = RequestMetrics {
                 prompt_tokens: req.prompt.len(),
                 cached_tokens: cached,
@@ -681,6 +695,7 @@ impl Engine {
                 finished: None,
                 reserved: need,
                 drafted_before: false,
+                prompt_lps: Vec::new(),
                 group: (self.admitted % 2) as u8,
                 req,
             });
@@ -941,7 +956,9 @@ impl Engine {
                 let last = from + n == s.req.prompt.len();
                 idx.push((
                     i,
-                    if last {
+                    if s.req.prompt_logprobs.is_some() {
+                        LogitsMode::All
+                    } else if last {
                         LogitsMode::Last
                     } else {
                         LogitsMode::None
@@ -1009,6 +1026,18 @@ impl Engine {
                     self.proposer.observe(s.req.id, from, &rows_buf)?;
                     features_s += t0.elapsed().as_secs_f64();
                 }
+                if let Some(top) = s.req.prompt_logprobs {
+                    // Row r predicts prompt position from + r + 1 (the last row, the first
+                    // output token).
+                    for r in 0..n {
+                        if let Some(&t) = s.req.prompt.get(from + r + 1) {
+                            let row = rows.get(r * vocab..(r + 1) * vocab).ok_or_else(|| {
+                                SpecError::Invariant("no logits row for a prompt token".into())
+                            })?;
+                            s.prompt_lps.push(TokenLogprob::of(row, t, top));
+                        }
+                    }
+                }
                 s.prefilled = from + n;
                 if s.prefilled < s.req.prompt.len() {
                     continue;
@@ -1017,7 +1046,15 @@ impl Engine {
                 self.cache.register(s.kv, &s.req.prompt)?;
                 // Prefill done: the first token comes from the last prompt position.
                 let t0 = Instant::now();
-                let first = sample_one(&rows[..vocab], &s.tokens, &s.req.params, &mut s.rng_accept);
+                let last = if s.req.prompt_logprobs.is_some() {
+                    n - 1
+                } else {
+                    0
+                };
+                let rows = rows
+                    .get(last * vocab..(last + 1) * vocab)
+                    .ok_or_else(|| SpecError::Invariant("no logits for the first token".into()))?;
+                let first = sample_one(rows, &s.tokens, &s.req.params, &mut s.rng_accept);
                 s.metrics.accept_s += t0.elapsed().as_secs_f64();
                 s.phase = Phase::Decode;
                 s.metrics.ttft_s = s.arrived.elapsed().as_secs_f64();
@@ -1396,7 +1433,8 @@ fn commit_tokens(
         String::new()
     };
     s.sent = s.sent.max(safe);
-    if !emitted.is_empty() || !text.is_empty() {
+    let prompt_logprobs = std::mem::take(&mut s.prompt_lps);
+    if !emitted.is_empty() || !text.is_empty() || !prompt_logprobs.is_empty() {
         let now = Instant::now();
         if let Some(prev) = s.last_emit {
             s.metrics.itl_s.push((now - prev).as_secs_f64());
@@ -1407,6 +1445,7 @@ fn commit_tokens(
             tokens: emitted.clone(),
             text,
             logprobs,
+            prompt_logprobs,
         });
     }
     Ok(if s.finished.is_some() {

@@ -1327,3 +1327,97 @@ fn logprobs_are_the_targets_raw_log_softmax_with_or_without_speculation() {
         e.check_kv().unwrap();
     }
 }
+
+/// Prompt log-probabilities (OpenAI `echo`): every prompt token after the first gets the
+/// target's log-softmax at its position, gathered across prefill chunks and sent with the
+/// request's first event; such a request computes its whole prompt even when it is cached,
+/// and its output is plain greedy's.
+#[test]
+fn prompt_logprobs_cover_every_prompt_token_across_chunks() {
+    use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
+    let f = fixture();
+    let mut prompt = prompts(&f, 9).concat();
+    prompt.truncate(40);
+    assert!(prompt.len() > 20);
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        proposer_clone(&f, "ngram"),
+        EngineConfig {
+            prefill_chunk: 8,
+            prefix_caching: true,
+            ..cfg(3)
+        },
+        CostModel::flat(4),
+    )
+    .unwrap();
+    // Cache the prompt first.
+    e.add(Request::new(1, prompt.clone(), 4)).unwrap();
+    e.run_to_completion().unwrap();
+    let mut r = Request::new(2, prompt.clone(), 6);
+    r.logprobs = Some(2);
+    r.prompt_logprobs = Some(2);
+    e.add(r).unwrap();
+    let (mut out, mut lps, mut plps, mut firsts, mut cached) =
+        (Vec::new(), Vec::new(), Vec::new(), 0, usize::MAX);
+    for ev in e.run_to_completion().unwrap() {
+        match ev {
+            Event::Tokens {
+                tokens,
+                logprobs,
+                prompt_logprobs,
+                ..
+            } => {
+                if !prompt_logprobs.is_empty() {
+                    firsts += 1;
+                    assert!(out.is_empty(), "prompt log-probabilities come first");
+                }
+                out.extend(tokens);
+                lps.extend(logprobs);
+                plps.extend(prompt_logprobs);
+            }
+            Event::Finished { metrics, .. } => cached = metrics.cached_tokens,
+        }
+    }
+    assert_eq!((firsts, cached), (1, 0));
+    let plain = generate(
+        &f.target,
+        &f.tok,
+        &prompt,
+        &GenerateParams {
+            max_tokens: 6,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap()
+    .token_ids;
+    assert_eq!(out, plain);
+    // Against one forward over prompt + output.
+    let mut all = prompt.clone();
+    all.extend_from_slice(&out);
+    let mut c = f.target.new_cache(1024, 16).unwrap();
+    let s = c.new_seq();
+    let o = f
+        .target
+        .forward(
+            &mut c,
+            &[SeqInput {
+                seq: s,
+                tokens: &all,
+                logits: LogitsMode::All,
+            }],
+            &ForwardOptions::default(),
+        )
+        .unwrap();
+    let v = o.vocab;
+    assert_eq!(plps.len(), prompt.len() - 1);
+    assert_eq!(lps.len(), out.len());
+    for (p, got) in plps.iter().chain(&lps).enumerate() {
+        let want = specdec::TokenLogprob::of(&o.logits[p * v..(p + 1) * v], all[p + 1], 2);
+        assert!((got.logprob - want.logprob).abs() < 1e-3, "position {p}");
+        assert_eq!(got.top.len(), 2);
+        assert!((got.top[0].1 - want.top[0].1).abs() < 1e-3, "position {p}");
+    }
+    e.check_kv().unwrap();
+}

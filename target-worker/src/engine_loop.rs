@@ -119,20 +119,24 @@ impl EngineLoop {
                 tokens,
                 text,
                 logprobs,
+                prompt_logprobs,
             } => {
+                let wire = |l: Vec<specdec::TokenLogprob>| -> Vec<dspark_proto::TokenLogprob> {
+                    l.into_iter()
+                        .map(|l| dspark_proto::TokenLogprob {
+                            logprob: l.logprob,
+                            top_ids: l.top.iter().map(|x| x.0).collect(),
+                            top_logprobs: l.top.iter().map(|x| x.1).collect(),
+                        })
+                        .collect()
+                };
                 if let Some(tx) = senders.get(&id) {
                     let m = GenerateEvent {
                         kind: Some(generate_event::Kind::Tokens(TokenChunk {
                             ids: tokens,
                             text,
-                            logprobs: logprobs
-                                .into_iter()
-                                .map(|l| dspark_proto::TokenLogprob {
-                                    logprob: l.logprob,
-                                    top_ids: l.top.iter().map(|x| x.0).collect(),
-                                    top_logprobs: l.top.iter().map(|x| x.1).collect(),
-                                })
-                                .collect(),
+                            logprobs: wire(logprobs),
+                            prompt_logprobs: wire(prompt_logprobs),
                         })),
                     };
                     if tx.send(Ok(m)).is_err() {

@@ -309,6 +309,96 @@ print(json.dumps({"text": text, "items": items}))
         v["text"].as_str().unwrap_or("-")
     );
 
+    // Echo (completions): the prompt scored, with max_tokens 0 (as evaluation harnesses ask
+    // for log-likelihoods), against one forward of the reference model; and prompt +
+    // completion, streamed through the official client.
+    let (st, v) = post(
+        &format!("{}/v1/completions", c.url),
+        &json!({"model": "smollm2-135m", "prompt": PROMPTS[1], "max_tokens": 0,
+                "echo": true, "logprobs": 1, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let (m, tk) = reference();
+    let pids = tk.encode(PROMPTS[1]).expect("ids");
+    assert_eq!(v["choices"][0]["text"].as_str(), Some(PROMPTS[1]));
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(0));
+    assert_eq!(
+        lp["token_logprobs"].as_array().map(|a| a.len()),
+        Some(pids.len())
+    );
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+    let mut cache = m.new_cache(256, 16).expect("cache");
+    let seq = cache.new_seq();
+    let o = m
+        .forward(
+            &mut cache,
+            &[dspark_runtime::model::SeqInput {
+                seq,
+                tokens: &pids,
+                logits: dspark_runtime::model::LogitsMode::All,
+            }],
+            &dspark_runtime::model::ForwardOptions::default(),
+        )
+        .expect("forward");
+    let vsz = o.vocab;
+    for p in 1..pids.len() {
+        let row = &o.logits[(p - 1) * vsz..p * vsz];
+        let max = row.iter().copied().fold(f32::MIN, f32::max);
+        let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+        let want = (row[pids[p] as usize] - lse) as f64;
+        let got = lp["token_logprobs"][p].as_f64().expect("prompt logprob");
+        assert!(
+            (got - want).abs() < 2e-3,
+            "prompt token {p}: {got} vs {want}"
+        );
+        assert_eq!(lp["top_logprobs"][p].as_object().map(|o| o.len()), Some(1));
+    }
+    let plain = greedy(PROMPTS[1], 6).1;
+    let script = r#"
+import json, sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+s = c.completions.create(model="smollm2-135m", prompt=sys.argv[2], max_tokens=6,
+    temperature=0, echo=True, logprobs=0, stream=True)
+text, tokens, values = "", [], []
+for ch in s:
+    if ch.choices:
+        text += ch.choices[0].text
+        if ch.choices[0].logprobs:
+            tokens += ch.choices[0].logprobs.tokens
+            values += ch.choices[0].logprobs.token_logprobs
+print(json.dumps({"text": text, "tokens": tokens, "values": values}))
+"#;
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", script, &c.url, PROMPTS[1]])
+        .output()
+        .await
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "openai client: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    assert_eq!(
+        v["text"].as_str(),
+        Some(format!("{}{plain}", PROMPTS[1]).as_str()),
+        "{v}"
+    );
+    let tokens: String = v["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .filter_map(|t| t.as_str())
+        .collect();
+    assert_eq!(tokens, v["text"].as_str().unwrap_or("-"));
+    assert!(
+        v["values"][0].is_null() && v["values"][1].is_number(),
+        "{v}"
+    );
+
     // n choices: greedy ones are plain greedy's; sampled ones (seed + index) differ, and the
     // usage counts the prompt once and every choice's tokens.
     let (st, v) = post(
@@ -342,11 +432,13 @@ print(json.dumps({"text": text, "items": items}))
     assert_eq!(st, 200, "{v}");
     let choices = v["choices"].as_array().expect("choices");
     assert_eq!(choices.len(), 3);
-    let texts: std::collections::BTreeSet<String> = choices
-        .iter()
-        .map(|c| c["token_ids"].to_string())
-        .collect();
-    assert_eq!(texts.len(), 3, "three samples, three different answers: {v}");
+    let texts: std::collections::BTreeSet<String> =
+        choices.iter().map(|c| c["token_ids"].to_string()).collect();
+    assert_eq!(
+        texts.len(),
+        3,
+        "three samples, three different answers: {v}"
+    );
     let total: u64 = choices
         .iter()
         .map(|c| c["token_ids"].as_array().map_or(0, |a| a.len() as u64))
@@ -558,6 +650,16 @@ print(json.dumps({"texts": texts, "done": done}))
         (
             "no messages",
             post(&cu, &json!({"model": "smollm2-135m"})).await,
+            400,
+        ),
+        (
+            "echo in chat",
+            post(
+                &cu,
+                &json!({"model": "smollm2-135m", "echo": true,
+                        "messages": [{"role": "user", "content": "x"}]}),
+            )
+            .await,
             400,
         ),
         (
