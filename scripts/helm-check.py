@@ -104,6 +104,8 @@ def check_schema(helm, values_sets):
             ({"etcd": {"endpoints": ["etcd:2379"]}}, "an etcd endpoint without a scheme"),
             ({"targetWorkers": {"replicas": 2}}, "a misspelt top-level key"),
             ({"listenHost": "localhost:80"}, "a listen host with a port"),
+            ({"scheduler": {"prefixAffinitySlack": -1}}, "a negative affinity slack"),
+            ({"targetWorker": {"prefixCaching": "yes"}}, "a string for prefix caching"),
         ]
         for v, what in bad:
             try:
