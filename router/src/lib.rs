@@ -24,7 +24,7 @@ use dspark_proto::{GenerateRequest, SpecStats, WorkerInfo, generate_event};
 use dspark_runtime::Tokenizer;
 use dspark_runtime::chat::{ChatTemplate, Message};
 use metrics::Metrics;
-use openai::{ApiError, ChatRequest, CompletionRequest, GenSettings, Prompt};
+use openai::{ApiError, ChatRequest, CompletionRequest, GenSettings, MAX_PROMPTS, Prompt};
 use serde_json::{Value, json};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -637,19 +637,23 @@ async fn completions(
     let settings = r
         .common
         .settings(app.default_max_tokens, app.max_tokens_limit)?;
-    let prompt = match r.prompt {
+    let prompts: Vec<Vec<u32>> = match r.prompt {
         None => return Err(ApiError::bad("`prompt` is required", Some("prompt"))),
-        Some(Prompt::Text(s)) => encode(&app, &s)?,
-        Some(Prompt::Texts(v)) if v.len() == 1 => encode(&app, &v[0])?,
-        Some(Prompt::Texts(_)) => {
-            return Err(ApiError::bad(
-                "exactly one prompt per request",
-                Some("prompt"),
-            ));
-        }
-        Some(Prompt::Tokens(t)) => t,
+        Some(Prompt::Text(s)) => vec![encode(&app, &s)?],
+        Some(Prompt::Texts(v)) => v
+            .iter()
+            .map(|s| encode(&app, s))
+            .collect::<Result<_, _>>()?,
+        Some(Prompt::Tokens(t)) => vec![t],
+        Some(Prompt::TokenLists(v)) => v,
     };
-    serve(app, headers, prompt, settings, Kind::Completion).await
+    if prompts.is_empty() || prompts.len() > MAX_PROMPTS {
+        return Err(ApiError::bad(
+            format!("between 1 and {MAX_PROMPTS} prompts per request"),
+            Some("prompt"),
+        ));
+    }
+    serve(app, headers, prompts, settings, Kind::Completion).await
 }
 
 async fn chat_completions(
@@ -701,7 +705,7 @@ async fn chat_completions(
             Some("echo"),
         ));
     }
-    serve(app, headers, prompt, settings, Kind::Chat).await
+    serve(app, headers, vec![prompt], settings, Kind::Chat).await
 }
 
 fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -718,13 +722,22 @@ fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
 async fn serve(
     app: Arc<App>,
     headers: HeaderMap,
-    prompt: Vec<u32>,
+    prompts: Vec<Vec<u32>>,
     mut settings: GenSettings,
     kind: Kind,
 ) -> Result<Response, ApiError> {
     let n = settings.n.max(1);
-    // Each choice is a request of its own: it holds a place in the cluster like one.
-    let guards: Vec<Inflight> = (0..n).map(|_| admit(&app)).collect::<Result<_, _>>()?;
+    // Sequence i is choice i % n of prompt i / n (OpenAI's choice index), a request of its
+    // own: placed, admitted and counted as one. A request with several prompts runs at most
+    // `window` of them at once (half the cluster's capacity), so a large batch waits for room
+    // instead of being refused.
+    let total = prompts.len() * n;
+    let window = if prompts.len() == 1 {
+        total
+    } else {
+        total.min((app.cluster.capacity() / 2).max(n))
+    };
+    let guards: Vec<Inflight> = (0..window).map(|_| admit(&app)).collect::<Result<_, _>>()?;
     let tp = traceparent(&headers);
     let id = app.next_id(if kind == Kind::Chat {
         "chatcmpl"
@@ -735,34 +748,43 @@ async fn serve(
     dspark_scheduler::set_parent(&span, &tp);
     // Chat without max_tokens: what fits, up to the default cap.
     if kind == Kind::Chat {
-        if let Some(t) = app.cluster.targets().first() {
-            let room = (t.max_context as usize).saturating_sub(prompt.len());
+        if let (Some(t), Some(p)) = (app.cluster.targets().first(), prompts.first()) {
+            let room = (t.max_context as usize).saturating_sub(p.len());
             if room > 0 {
                 settings.max_tokens = settings.max_tokens.min(room);
             }
         }
     }
-    // Choice i samples with seed + i (greedy choices are alike, as in vLLM). All are placed
-    // and opened before anything is answered, so a refusal is one HTTP error.
-    let mut opened = Vec::with_capacity(n);
-    for i in 0..n {
-        let mut s = settings.clone();
-        s.seed = settings.seed.wrapping_add(i as u64);
-        let job = Job {
-            prompt: prompt.clone(),
-            settings: s,
-            traceparent: tp.clone(),
-            request_id: if n > 1 {
-                format!("{id}-{i}")
-            } else {
-                id.clone()
-            },
+    // Choice c samples with seed + c (greedy choices are alike, as in vLLM).
+    let echo_lps = settings.echo && settings.logprobs.is_some();
+    let mut jobs: std::collections::VecDeque<(usize, Job)> = (0..total)
+        .map(|i| {
+            let mut s = settings.clone();
+            s.seed = settings.seed.wrapping_add((i % n) as u64);
+            let job = Job {
+                prompt: prompts[i / n].clone(),
+                settings: s,
+                traceparent: tp.clone(),
+                request_id: if total > 1 {
+                    format!("{id}-{i}")
+                } else {
+                    id.clone()
+                },
+            };
+            (i, job)
+        })
+        .collect();
+    // The first window is placed and opened before anything is answered, so a refusal is one
+    // HTTP error; later sequences open as earlier ones finish.
+    let mut opened = Vec::with_capacity(window);
+    while opened.len() < window {
+        let Some((i, job)) = jobs.pop_front() else {
+            break;
         };
-        let echo_lps = settings.echo && settings.logprobs.is_some();
         let (target, stream, first) = open(
             &app,
             &job,
-            prompt.clone(),
+            job.prompt.clone(),
             settings.max_tokens,
             &[],
             echo_lps,
@@ -770,24 +792,65 @@ async fn serve(
         .instrument(span.clone())
         .await
         .inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
-        opened.push((job, target, stream, first));
+        opened.push((i, job, target, stream, first));
     }
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Piece)>(64);
-    for (i, (job, target, stream, first)) in opened.into_iter().enumerate() {
-        let (txi, mut rxi) = tokio::sync::mpsc::channel::<Piece>(64);
+    // Permits for the sequences still waiting: one comes back as each running one ends.
+    let room = Arc::new(tokio::sync::Semaphore::new(0));
+    let run = {
+        let (app, span, room) = (Arc::clone(&app), span.clone(), Arc::clone(&room));
+        move |i: usize,
+              job: Job,
+              target: WorkerInfo,
+              stream: EventStream,
+              first: Option<dspark_proto::GenerateEvent>,
+              tx: tokio::sync::mpsc::Sender<(usize, Piece)>| {
+            let (txi, mut rxi) = tokio::sync::mpsc::channel::<Piece>(64);
+            tokio::spawn(
+                drive(Arc::clone(&app), job, target, stream, first, txi).instrument(span.clone()),
+            );
+            let room = Arc::clone(&room);
+            // A client that went away closes `rx`: the forwarder stops, `drive` sees its
+            // channel closed and drops the worker's stream, which cancels the request there.
+            tokio::spawn(async move {
+                while let Some(p) = rxi.recv().await {
+                    if tx.send((i, p)).await.is_err() {
+                        break;
+                    }
+                }
+                room.add_permits(1);
+            });
+        }
+    };
+    for (i, job, target, stream, first) in opened {
+        run(i, job, target, stream, first, tx.clone());
+    }
+    if !jobs.is_empty() {
+        let (app, tx, room) = (Arc::clone(&app), tx.clone(), Arc::clone(&room));
+        let max_tokens = settings.max_tokens;
         tokio::spawn(
-            drive(Arc::clone(&app), job, target, stream, first, txi).instrument(span.clone()),
-        );
-        let tx = tx.clone();
-        // A client that went away closes `rx`: the forwarder stops, `drive` sees its channel
-        // closed and drops the worker's stream, which cancels the request there.
-        tokio::spawn(async move {
-            while let Some(p) = rxi.recv().await {
-                if tx.send((i, p)).await.is_err() {
-                    break;
+            async move {
+                while let Some((i, job)) = jobs.pop_front() {
+                    match room.acquire().await {
+                        Ok(p) => p.forget(),
+                        Err(_) => return,
+                    }
+                    if tx.is_closed() {
+                        return;
+                    }
+                    match open(&app, &job, job.prompt.clone(), max_tokens, &[], echo_lps).await {
+                        Ok((target, stream, first)) => {
+                            run(i, job, target, stream, first, tx.clone())
+                        }
+                        Err(e) => {
+                            let _ = tx.send((i, Piece::Error(e))).await;
+                            return;
+                        }
+                    }
                 }
             }
-        });
+            .instrument(span.clone()),
+        );
     }
     drop(tx);
     let created = now_s();
@@ -797,12 +860,23 @@ async fn serve(
     } else {
         "text_completion"
     };
+    let echoes: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            if settings.echo {
+                app.tok.decode(p, false).unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .collect();
+    let prompt_tokens: u32 = prompts.iter().map(|p| p.len() as u32).sum();
     if !settings.stream {
-        let mut text = vec![String::new(); n];
-        let mut ids: Vec<Vec<u32>> = vec![Vec::new(); n];
-        let mut lps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); n];
-        let mut plps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); n];
-        let mut ends: Vec<Option<(String, SpecStats, String)>> = vec![None; n];
+        let mut text = vec![String::new(); total];
+        let mut ids: Vec<Vec<u32>> = vec![Vec::new(); total];
+        let mut lps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); total];
+        let mut plps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); total];
+        let mut ends: Vec<Option<(String, SpecStats, String)>> = vec![None; total];
         while let Some((i, p)) = rx.recv().await {
             match p {
                 Piece::Text(t, d, l, pl) => {
@@ -832,17 +906,14 @@ async fn serve(
                     "generation ended early",
                 )
             })?;
-        let mut stats = combine(ends.iter().map(|e| &e.1));
-        if settings.score_only {
-            stats.completion_tokens = 0;
-        }
+        let stats = combine(
+            ends.iter().map(|e| &e.1),
+            n,
+            prompt_tokens,
+            settings.score_only,
+        );
         account(&app, &stats);
-        let echo = if settings.echo {
-            app.tok.decode(&prompt, false).unwrap_or_default()
-        } else {
-            String::new()
-        };
-        let choices: Vec<Value> = (0..n)
+        let choices: Vec<Value> = (0..total)
             .map(|i| {
                 let reason = if settings.score_only {
                     "length"
@@ -852,13 +923,13 @@ async fn serve(
                 let mut choice = if kind == Kind::Chat {
                     json!({"index": i, "message": {"role": "assistant", "content": text[i]}, "finish_reason": reason, "logprobs": null})
                 } else {
-                    json!({"index": i, "text": format!("{echo}{}", text[i]), "finish_reason": reason, "logprobs": null})
+                    json!({"index": i, "text": format!("{}{}", echoes[i / n], text[i]), "finish_reason": reason, "logprobs": null})
                 };
                 if settings.return_token_ids {
                     choice["token_ids"] = json!(ids[i]);
                 }
                 if settings.logprobs.is_some() {
-                    let echoed = settings.echo.then_some((&prompt[..], &plps[i][..]));
+                    let echoed = settings.echo.then_some((&prompts[i / n][..], &plps[i][..]));
                     choice["logprobs"] =
                         logprobs_json(&app.tok, kind, &ids[i], &lps[i], 0, echoed);
                 }
@@ -885,11 +956,6 @@ async fn serve(
     let return_ids = settings.return_token_ids;
     let want_logprobs = settings.logprobs.is_some();
     let (echo, score_only) = (settings.echo, settings.score_only);
-    let echo_text = if echo {
-        app.tok.decode(&prompt, false).unwrap_or_default()
-    } else {
-        String::new()
-    };
     let app2 = Arc::clone(&app);
     let s = async_stream(move |out| async move {
         let _guards = guards;
@@ -901,16 +967,16 @@ async fn serve(
             Event::default().data(v.to_string())
         };
         if kind == Kind::Chat {
-            for i in 0..n {
+            for i in 0..total {
                 let _ = out
                     .send(mk(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]), Value::Null))
                     .await;
             }
         }
         // Per choice: text offset of its next token (completions' `text_offset`).
-        let mut offset = vec![0usize; n];
-        let mut ends: Vec<Option<(SpecStats, String)>> = vec![None; n];
-        let mut echoed = vec![!echo; n];
+        let mut offset = vec![0usize; total];
+        let mut ends: Vec<Option<(SpecStats, String)>> = vec![None; total];
+        let mut echoed = vec![!echo; total];
         while let Some((i, p)) = rx.recv().await {
             match p {
                 Piece::Text(mut t, mut ids, mut lps, plps) => {
@@ -920,10 +986,10 @@ async fn serve(
                     // The echoed prompt leads the choice's first chunk.
                     let lead = (!echoed[i]).then(|| {
                         echoed[i] = true;
-                        (&prompt[..], plps)
+                        (&prompts[i / n][..], plps)
                     });
                     if lead.is_some() {
-                        t.insert_str(0, &echo_text);
+                        t.insert_str(0, &echoes[i / n]);
                     }
                     if t.is_empty() && !return_ids && !(want_logprobs && !ids.is_empty()) {
                         continue;
@@ -964,10 +1030,12 @@ async fn serve(
                     let _ = out.send(mk(c, Value::Null)).await;
                     ends[i] = Some((stats, target));
                     if ends.iter().all(|e| e.is_some()) {
-                        let mut stats = combine(ends.iter().flatten().map(|e| &e.0));
-                        if score_only {
-                            stats.completion_tokens = 0;
-                        }
+                        let stats = combine(
+                            ends.iter().flatten().map(|e| &e.0),
+                            n,
+                            prompt_tokens,
+                            score_only,
+                        );
                         account(&app2, &stats);
                         if include_usage {
                             let target = ends[0].as_ref().map(|e| e.1.clone()).unwrap_or_default();
@@ -991,20 +1059,34 @@ async fn serve(
     Ok(r)
 }
 
-/// Usage of a request's choices together: the prompt counted once, the rest summed.
-fn combine<'a>(all: impl Iterator<Item = &'a SpecStats>) -> SpecStats {
-    let mut out: Option<SpecStats> = None;
-    for s in all {
-        match out.as_mut() {
-            None => out = Some(s.clone()),
-            Some(o) => {
-                merge(o, s);
-                o.completion_tokens += s.completion_tokens;
-                o.cached_tokens = o.cached_tokens.min(s.cached_tokens);
-            }
+/// Usage of a request's sequences together (in index order, `n` choices per prompt): each
+/// prompt counted once (`prompt_tokens` in all) with what its first choice found cached,
+/// the rest summed; a scored-only echo generated nothing.
+fn combine<'a>(
+    all: impl Iterator<Item = &'a SpecStats>,
+    n: usize,
+    prompt_tokens: u32,
+    score_only: bool,
+) -> SpecStats {
+    let mut out = SpecStats::default();
+    let mut cached = 0;
+    for (i, s) in all.enumerate() {
+        if i == 0 {
+            out = s.clone();
+        } else {
+            merge(&mut out, s);
+            out.completion_tokens += s.completion_tokens;
+        }
+        if i % n.max(1) == 0 {
+            cached += s.cached_tokens;
         }
     }
-    out.unwrap_or_default()
+    out.prompt_tokens = prompt_tokens;
+    out.cached_tokens = cached;
+    if score_only {
+        out.completion_tokens = 0;
+    }
+    out
 }
 
 /// A token as text: its bytes, with any part of a UTF-8 character as U+FFFD.

@@ -67,7 +67,11 @@ pub enum Prompt {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
 }
+
+/// Most prompts in one completions request.
+pub const MAX_PROMPTS: usize = 256;
 
 #[derive(Deserialize, Debug, Default)]
 pub struct StreamOptions {

@@ -448,6 +448,53 @@ print(json.dumps({"text": text, "tokens": tokens, "values": values}))
         v["usage"]["prompt_tokens"].as_u64(),
         Some(reference().1.encode(PROMPTS[0]).expect("ids").len() as u64)
     );
+    // Several prompts in one request (as batching clients send them), two choices each:
+    // choice i answers prompt i / 2; more sequences than half the cluster's capacity, so some
+    // wait for others to finish. Token-id prompts too.
+    let batch = [PROMPTS[0], PROMPTS[3], PROMPTS[4]];
+    let (st, v) = post(
+        &format!("{}/v1/completions", c.url),
+        &json!({"model": "smollm2-135m", "prompt": batch, "max_tokens": 6,
+                "temperature": 0, "n": 2, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 6);
+    let mut completion = 0;
+    for (i, ch) in choices.iter().enumerate() {
+        assert_eq!(ch["index"].as_u64(), Some(i as u64));
+        let got: Vec<u32> = ch["token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().unwrap_or(0) as u32)
+            .collect();
+        assert_eq!(got, greedy(batch[i / 2], 6).0, "choice {i}");
+        completion += got.len() as u64;
+    }
+    let lens: Vec<Vec<u32>> = batch
+        .iter()
+        .map(|p| reference().1.encode(p).expect("ids"))
+        .collect();
+    assert_eq!(
+        v["usage"]["prompt_tokens"].as_u64(),
+        Some(lens.iter().map(|l| l.len() as u64).sum())
+    );
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(completion));
+    let (st, v) = post(
+        &format!("{}/v1/completions", c.url),
+        &json!({"model": "smollm2-135m", "prompt": lens, "max_tokens": 4, "temperature": 0,
+                "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(ids_of(&v), greedy(batch[0], 4).0);
+    assert_eq!(
+        v["choices"][2]["text"].as_str(),
+        Some(greedy(batch[2], 4).1.as_str())
+    );
+
     // Streamed chat with two choices through the official client.
     let script = r#"
 import json, sys
@@ -650,6 +697,20 @@ print(json.dumps({"texts": texts, "done": done}))
         (
             "no messages",
             post(&cu, &json!({"model": "smollm2-135m"})).await,
+            400,
+        ),
+        (
+            "an empty prompt list",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": Vec::<String>::new()}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "an empty prompt in a list",
+            post(&u, &json!({"model": "smollm2-135m", "prompt": ["hi", ""]})).await,
             400,
         ),
         (
