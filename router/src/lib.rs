@@ -188,6 +188,8 @@ pub fn app(state: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
@@ -237,6 +239,66 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Result<Json<
     auth(&app, &headers)?;
     Ok(Json(json!({"object": "list", "data": [
         {"id": app.name, "object": "model", "created": 0, "owned_by": "dspark"}]})))
+}
+
+/// `/tokenize` (as vLLM serves it): a `prompt`, or chat `messages` rendered with the
+/// template, as the model's token ids.
+async fn tokenize(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    auth(&app, &headers)?;
+    let r: openai::TokenizeRequest = parse_body(&body)?;
+    if r.model.is_some() {
+        check_model(&app, &r.model)?;
+    }
+    let text = match (&r.prompt, &r.messages) {
+        (Some(p), None) => p.clone(),
+        (None, Some(_)) => render_chat(&app, &r.messages)?,
+        _ => {
+            return Err(ApiError::bad(
+                "give either `prompt` or `messages`",
+                Some("prompt"),
+            ));
+        }
+    };
+    let ids = app
+        .tok
+        .encode(&text)
+        .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("prompt")))?;
+    let max_len = app.cluster.targets().first().map_or(0, |t| t.max_context);
+    Ok(Json(
+        json!({"count": ids.len(), "max_model_len": max_len, "tokens": ids}),
+    ))
+}
+
+/// `/detokenize`: token ids back to text.
+async fn detokenize(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    auth(&app, &headers)?;
+    let r: openai::DetokenizeRequest = parse_body(&body)?;
+    if r.model.is_some() {
+        check_model(&app, &r.model)?;
+    }
+    if let Some(&t) = r
+        .tokens
+        .iter()
+        .find(|&&t| t as usize >= app.tok.vocab_size())
+    {
+        return Err(ApiError::bad(
+            format!("token id {t} outside the vocabulary"),
+            Some("tokens"),
+        ));
+    }
+    let text = app
+        .tok
+        .decode(&r.tokens, false)
+        .map_err(|e| ApiError::bad(format!("detokenization: {e}"), Some("tokens")))?;
+    Ok(Json(json!({ "prompt": text })))
 }
 
 fn auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -363,6 +425,8 @@ struct Job {
     settings: GenSettings,
     traceparent: String,
     request_id: String,
+    /// When the HTTP request arrived (latency metrics count from here).
+    arrived: Instant,
 }
 
 fn status_to_api(s: &tonic::Status) -> ApiError {
@@ -444,6 +508,7 @@ async fn open(
         logprobs: job.settings.logprobs.is_some(),
         top_logprobs: job.settings.logprobs.unwrap_or(0) as u32,
         prompt_logprobs,
+        ignore_eos: job.settings.ignore_eos,
     });
     if let Ok(v) = job.traceparent.parse() {
         req.metadata_mut().insert("traceparent", v);
@@ -479,8 +544,8 @@ async fn drive(
     let mut generated: Vec<u32> = Vec::new();
     let mut stats = SpecStats::default();
     let mut failed: Vec<String> = Vec::new();
-    let t0 = Instant::now();
     let mut first_token = true;
+    let mut ttft = 0.0f64;
     loop {
         let ev = match first.take() {
             Some(e) => Some(Ok(e)),
@@ -491,7 +556,9 @@ async fn drive(
                 Some(generate_event::Kind::Tokens(t)) => {
                     if first_token {
                         first_token = false;
-                        Metrics::add(&app.metrics.ttft_us, t0.elapsed().as_micros() as u64);
+                        ttft = job.arrived.elapsed().as_secs_f64();
+                        Metrics::add(&app.metrics.ttft_us, (ttft * 1e6) as u64);
+                        app.metrics.ttft.observe(ttft);
                     }
                     generated.extend_from_slice(&t.ids);
                     if tx
@@ -510,6 +577,13 @@ async fn drive(
                     // after a failover includes what was generated before).
                     stats.cached_tokens = s.cached_tokens.min(stats.prompt_tokens);
                     stats.completion_tokens = generated.len() as u32;
+                    let e2e = job.arrived.elapsed().as_secs_f64();
+                    app.metrics.e2e.observe(e2e);
+                    if generated.len() > 1 {
+                        app.metrics
+                            .tpot
+                            .observe((e2e - ttft) / (generated.len() - 1) as f64);
+                    }
                     let _ = tx
                         .send(Piece::Done {
                             reason: f.reason,
@@ -665,7 +739,23 @@ async fn chat_completions(
     Metrics::add(&app.metrics.requests, 1);
     let r: ChatRequest = parse_body(&body).inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
     check_model(&app, &r.common.model)?;
-    let msgs = match &r.messages {
+    let text = render_chat(&app, &r.messages)?;
+    let prompt = encode(&app, &text)?;
+    let settings = r
+        .common
+        .settings(app.max_tokens_limit.min(512), app.max_tokens_limit)?;
+    if settings.echo {
+        return Err(ApiError::bad(
+            "echo is supported on /v1/completions only",
+            Some("echo"),
+        ));
+    }
+    serve(app, headers, vec![prompt], settings, Kind::Chat).await
+}
+
+/// The chat template rendered over `messages` (with the assistant's turn opened).
+fn render_chat(app: &App, messages: &Option<Vec<openai::ChatMessage>>) -> Result<String, ApiError> {
+    let msgs = match messages {
         Some(m) if !m.is_empty() => m,
         _ => {
             return Err(ApiError::bad(
@@ -695,17 +785,7 @@ async fn chat_completions(
     let text = tpl
         .render(&conv, true)
         .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
-    let prompt = encode(&app, &text)?;
-    let settings = r
-        .common
-        .settings(app.max_tokens_limit.min(512), app.max_tokens_limit)?;
-    if settings.echo {
-        return Err(ApiError::bad(
-            "echo is supported on /v1/completions only",
-            Some("echo"),
-        ));
-    }
-    serve(app, headers, vec![prompt], settings, Kind::Chat).await
+    Ok(text)
 }
 
 fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -726,6 +806,7 @@ async fn serve(
     mut settings: GenSettings,
     kind: Kind,
 ) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
     let n = settings.n.max(1);
     // Sequence i is choice i % n of prompt i / n (OpenAI's choice index), a request of its
     // own: placed, admitted and counted as one. A request with several prompts runs at most
@@ -770,18 +851,21 @@ async fn serve(
                 } else {
                     id.clone()
                 },
+                arrived,
             };
             (i, job)
         })
         .collect();
     // The first window is placed and opened before anything is answered, so a refusal is one
     // HTTP error; later sequences open as earlier ones finish.
+    // A full cluster refuses the request only if not even its first sequence fits; later
+    // ones wait for room.
     let mut opened = Vec::with_capacity(window);
     while opened.len() < window {
         let Some((i, job)) = jobs.pop_front() else {
             break;
         };
-        let (target, stream, first) = open(
+        match open(
             &app,
             &job,
             job.prompt.clone(),
@@ -791,8 +875,17 @@ async fn serve(
         )
         .instrument(span.clone())
         .await
-        .inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
-        opened.push((i, job, target, stream, first));
+        {
+            Ok((target, stream, first)) => opened.push((i, job, target, stream, first)),
+            Err(e) if e.status == StatusCode::TOO_MANY_REQUESTS && !opened.is_empty() => {
+                jobs.push_front((i, job));
+                break;
+            }
+            Err(e) => {
+                Metrics::add(&app.metrics.errors, 1);
+                return Err(e);
+            }
+        }
     }
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Piece)>(64);
     // Permits for the sequences still waiting: one comes back as each running one ends.
@@ -838,13 +931,27 @@ async fn serve(
                     if tx.is_closed() {
                         return;
                     }
-                    match open(&app, &job, job.prompt.clone(), max_tokens, &[], echo_lps).await {
-                        Ok((target, stream, first)) => {
-                            run(i, job, target, stream, first, tx.clone())
-                        }
-                        Err(e) => {
-                            let _ = tx.send((i, Piece::Error(e))).await;
-                            return;
+                    // A full cluster (placement counts lag the workers' reports) is waited
+                    // out, up to a limit.
+                    let deadline = Instant::now() + Duration::from_secs(120);
+                    loop {
+                        match open(&app, &job, job.prompt.clone(), max_tokens, &[], echo_lps).await
+                        {
+                            Ok((target, stream, first)) => {
+                                run(i, job, target, stream, first, tx.clone());
+                                break;
+                            }
+                            Err(e)
+                                if e.status == StatusCode::TOO_MANY_REQUESTS
+                                    && Instant::now() < deadline
+                                    && !tx.is_closed() =>
+                            {
+                                tokio::time::sleep(Duration::from_millis(200)).await;
+                            }
+                            Err(e) => {
+                                let _ = tx.send((i, Piece::Error(e))).await;
+                                return;
+                            }
                         }
                     }
                 }

@@ -70,6 +70,21 @@ pub enum Prompt {
     TokenLists(Vec<Vec<u32>>),
 }
 
+/// `/tokenize`: one of `prompt` or `messages`.
+#[derive(Deserialize, Debug)]
+pub struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<ChatMessage>>,
+}
+
+/// `/detokenize`.
+#[derive(Deserialize, Debug)]
+pub struct DetokenizeRequest {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
+}
+
 /// Most prompts in one completions request.
 pub const MAX_PROMPTS: usize = 256;
 
@@ -109,6 +124,10 @@ pub struct Common {
     /// Extension (as in vLLM): return the generated token ids with each choice / chunk.
     #[serde(default)]
     pub return_token_ids: bool,
+    /// Extension (vLLM): keep generating past the end-of-sequence token (benchmarks that
+    /// want fixed output lengths).
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 #[derive(Deserialize, Debug)]
@@ -165,6 +184,7 @@ pub struct GenSettings {
     pub echo: bool,
     /// `echo` with `max_tokens: 0`: the prompt only, scored.
     pub score_only: bool,
+    pub ignore_eos: bool,
 }
 
 pub const MAX_STOPS: usize = 16;
@@ -328,6 +348,7 @@ impl Common {
             n,
             echo,
             score_only,
+            ignore_eos: self.ignore_eos,
         })
     }
 }

@@ -103,6 +103,8 @@ pub struct Request {
     /// alternatives (OpenAI `echo` with `logprobs`): the prefill computes logits at every
     /// position, and the prompt is not taken from the prefix cache.
     pub prompt_logprobs: Option<usize>,
+    /// Commit end-of-sequence tokens like any other and go on (vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 /// Most alternatives a request may ask for per token (OpenAI's `top_logprobs` bound).
@@ -152,6 +154,7 @@ impl Request {
             gamma: None,
             logprobs: None,
             prompt_logprobs: None,
+            ignore_eos: false,
         }
     }
 }
@@ -1394,7 +1397,7 @@ fn commit_tokens(
     let mut consumed = 0;
     for (i, &t) in new.iter().enumerate() {
         consumed += 1;
-        if tok.is_some_and(|tk| tk.is_stop(t)) {
+        if !s.req.ignore_eos && tok.is_some_and(|tk| tk.is_stop(t)) {
             s.finished = Some(FinishReason::Stop);
             break;
         }

@@ -131,6 +131,7 @@ impl TargetWorker for TargetService {
             gamma: (r.gamma > 0).then_some(r.gamma as usize),
             logprobs: r.logprobs.then_some(r.top_logprobs as usize),
             prompt_logprobs: r.prompt_logprobs.then_some(r.top_logprobs as usize),
+            ignore_eos: r.ignore_eos,
         };
         let draft = if self.local_drafting {
             None

@@ -309,6 +309,61 @@ print(json.dumps({"text": text, "items": items}))
         v["text"].as_str().unwrap_or("-")
     );
 
+    // ignore_eos: the answer that stopped at the end-of-sequence token goes on past it.
+    let chat = |extra: Value| {
+        let mut b = json!({"model": "smollm2-135m", "max_tokens": 40, "temperature": 0,
+            "return_token_ids": true,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]});
+        if let (Some(b), Some(e)) = (b.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        b
+    };
+    let (st, short) = post(&format!("{}/v1/chat/completions", c.url), &chat(json!({}))).await;
+    assert_eq!(st, 200, "{short}");
+    let (st, long) = post(
+        &format!("{}/v1/chat/completions", c.url),
+        &chat(json!({"ignore_eos": true})),
+    )
+    .await;
+    assert_eq!(st, 200, "{long}");
+    let (a, b) = (ids_of(&short), ids_of(&long));
+    assert_eq!(short["choices"][0]["finish_reason"], "stop", "{short}");
+    assert_eq!(long["choices"][0]["finish_reason"], "length", "{long}");
+    assert!(
+        a.len() < 40 && b.len() == 40 && b[..a.len()] == a[..],
+        "{a:?} {b:?}"
+    );
+    // /tokenize and /detokenize.
+    let (st, v) = post(
+        &format!("{}/tokenize", c.url),
+        &json!({"model": "smollm2-135m", "prompt": PROMPTS[0]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let want = reference().1.encode(PROMPTS[0]).expect("ids");
+    assert_eq!(v["count"].as_u64(), Some(want.len() as u64));
+    assert_eq!(
+        v["tokens"].as_array().map(|a| a.len()),
+        Some(want.len()),
+        "{v}"
+    );
+    assert!(v["max_model_len"].as_u64().unwrap_or(0) >= 2048, "{v}");
+    let (st, d) = post(
+        &format!("{}/detokenize", c.url),
+        &json!({"model": "smollm2-135m", "tokens": v["tokens"]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{d}");
+    assert_eq!(d["prompt"].as_str(), Some(PROMPTS[0]));
+    let (st, v) = post(
+        &format!("{}/tokenize", c.url),
+        &json!({"messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert!(v["count"].as_u64().unwrap_or(0) > 3, "{v}");
+
     // Echo (completions): the prompt scored, with max_tokens 0 (as evaluation harnesses ask
     // for log-likelihoods), against one forward of the reference model; and prompt +
     // completion, streamed through the official client.
@@ -611,11 +666,29 @@ print(json.dumps({"texts": texts, "done": done}))
         .and_then(|v| v.trim().parse().ok())
         .expect("cached prompt tokens metric");
     assert!(cached_total >= 4.0 * 96.0, "{cached_total}");
+    // Latency histograms, counted from each request's arrival.
+    let value = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing"))
+    };
+    let ttft_n = value("dspark_router_time_to_first_token_seconds_count ");
+    let ttft_sum = value("dspark_router_time_to_first_token_seconds_sum ");
+    assert!(ttft_n >= 10.0, "{ttft_n}");
+    // The preamble requests alone took tens of milliseconds each before their first token.
+    assert!(ttft_sum / ttft_n > 0.005, "mean TTFT {}", ttft_sum / ttft_n);
+    assert_eq!(
+        value("dspark_router_e2e_request_latency_seconds_bucket{le=\"+Inf\"} "),
+        value("dspark_router_e2e_request_latency_seconds_count ")
+    );
 
     // Bad input: clear 4xx JSON errors.
     let u = format!("{}/v1/completions", c.url);
     let cu = format!("{}/v1/chat/completions", c.url);
-    let cases: Vec<(&str, (u16, Value), u16)> = vec![
+    let cases: Vec<(&str, (u16, Value), u16)> =
+        vec![
         (
             "malformed JSON",
             post_raw(&u, b"{\"model\": ".to_vec()).await,
@@ -697,6 +770,20 @@ print(json.dumps({"texts": texts, "done": done}))
         (
             "no messages",
             post(&cu, &json!({"model": "smollm2-135m"})).await,
+            400,
+        ),
+        (
+            "tokenize with prompt and messages",
+            post(
+                &format!("{}/tokenize", c.url),
+                &json!({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "detokenize outside the vocabulary",
+            post(&format!("{}/detokenize", c.url), &json!({"tokens": [999999]})).await,
             400,
         ),
         (
