@@ -750,6 +750,12 @@ async fn chat_completions(
             Some("echo"),
         ));
     }
+    if r.common.logprobs.as_ref().is_some_and(|v| v.is_number()) {
+        return Err(ApiError::bad(
+            "chat takes `logprobs: true` and `top_logprobs: N`",
+            Some("logprobs"),
+        ));
+    }
     serve(app, headers, vec![prompt], settings, Kind::Chat).await
 }
 
@@ -809,14 +815,19 @@ async fn serve(
     let arrived = Instant::now();
     let n = settings.n.max(1);
     // Sequence i is choice i % n of prompt i / n (OpenAI's choice index), a request of its
-    // own: placed, admitted and counted as one. A request with several prompts runs at most
-    // `window` of them at once (half the cluster's capacity), so a large batch waits for room
-    // instead of being refused.
+    // own: placed, admitted and counted as one. A request of several sequences runs at most
+    // `window` of them at once (half of what admission lets in), so a large batch waits for
+    // room instead of being refused.
     let total = prompts.len() * n;
-    let window = if prompts.len() == 1 {
-        total
+    let limit = if app.max_inflight > 0 {
+        app.max_inflight
     } else {
-        total.min((app.cluster.capacity() / 2).max(n))
+        app.cluster.capacity()
+    };
+    let window = if total == 1 {
+        1
+    } else {
+        total.min((limit / 2).max(1))
     };
     let guards: Vec<Inflight> = (0..window).map(|_| admit(&app)).collect::<Result<_, _>>()?;
     let tp = traceparent(&headers);
@@ -856,37 +867,76 @@ async fn serve(
             (i, job)
         })
         .collect();
-    // The first window is placed and opened before anything is answered, so a refusal is one
-    // HTTP error; later sequences open as earlier ones finish.
-    // A full cluster refuses the request only if not even its first sequence fits; later
-    // ones wait for room.
-    let mut opened = Vec::with_capacity(window);
-    while opened.len() < window {
-        let Some((i, job)) = jobs.pop_front() else {
-            break;
-        };
-        match open(
+    // Every prompt is non-empty and fits the context, or nothing starts.
+    if prompts.iter().any(|p| p.is_empty()) {
+        return Err(ApiError::bad("the prompt is empty", Some("prompt")));
+    }
+    if let Some(t) = app.cluster.targets().first().filter(|t| t.max_context > 0) {
+        if let Some(p) = prompts
+            .iter()
+            .find(|p| p.len() + settings.max_tokens > t.max_context as usize)
+        {
+            return Err(ApiError::bad(
+                format!(
+                    "prompt ({} tokens) + max_tokens ({}) exceeds the model's context of {} tokens",
+                    p.len(),
+                    settings.max_tokens,
+                    t.max_context
+                ),
+                Some("max_tokens"),
+            ));
+        }
+    }
+    // The first window is placed and opened together before anything is answered, so a
+    // refusal is one HTTP error; a full cluster refuses the request only if not even its
+    // first sequence fits, and the others wait for room. Later sequences open as earlier
+    // ones finish.
+    let first_window: Vec<(usize, Job)> = (0..window).filter_map(|_| jobs.pop_front()).collect();
+    let results = futures::future::join_all(first_window.iter().map(|(_, job)| {
+        open(
             &app,
-            &job,
+            job,
             job.prompt.clone(),
             settings.max_tokens,
             &[],
             echo_lps,
         )
         .instrument(span.clone())
-        .await
-        {
+    }))
+    .await;
+    let mut opened = Vec::with_capacity(window);
+    let mut failure = None;
+    for ((i, job), r) in first_window.into_iter().zip(results) {
+        match r {
             Ok((target, stream, first)) => opened.push((i, job, target, stream, first)),
-            Err(e) if e.status == StatusCode::TOO_MANY_REQUESTS && !opened.is_empty() => {
-                jobs.push_front((i, job));
-                break;
+            Err(e) if e.status == StatusCode::TOO_MANY_REQUESTS && i > 0 => {
+                jobs.push_back((i, job));
             }
             Err(e) => {
-                Metrics::add(&app.metrics.errors, 1);
-                return Err(e);
+                failure.get_or_insert(e);
             }
         }
     }
+    if let Some(e) = failure.or_else(|| {
+        opened.is_empty().then(|| {
+            let mut e = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "every target worker is at capacity; retry shortly",
+            );
+            e.retry_after = Some(1);
+            e
+        })
+    }) {
+        // What did open is dropped (the workers cancel it) and no longer counted.
+        for (_, _, target, _, _) in &opened {
+            app.cluster.track(&target.address, -1);
+        }
+        Metrics::add(&app.metrics.errors, 1);
+        return Err(e);
+    }
+    // Sequences deferred by a full cluster go in index order.
+    jobs.make_contiguous().sort_by_key(|(i, _)| *i);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Piece)>(64);
     // Permits for the sequences still waiting: one comes back as each running one ends.
     let room = Arc::new(tokio::sync::Semaphore::new(0));
@@ -931,29 +981,34 @@ async fn serve(
                     if tx.is_closed() {
                         return;
                     }
-                    // A full cluster (placement counts lag the workers' reports) is waited
-                    // out, up to a limit.
-                    let deadline = Instant::now() + Duration::from_secs(120);
-                    loop {
-                        match open(&app, &job, job.prompt.clone(), max_tokens, &[], echo_lps).await
-                        {
-                            Ok((target, stream, first)) => {
-                                run(i, job, target, stream, first, tx.clone());
-                                break;
-                            }
-                            Err(e)
-                                if e.status == StatusCode::TOO_MANY_REQUESTS
-                                    && Instant::now() < deadline
-                                    && !tx.is_closed() =>
+                    // Each opens on its own, so one prefill does not wait for another's.
+                    let (app, tx, run) = (Arc::clone(&app), tx.clone(), run.clone());
+                    tokio::spawn(async move {
+                        // A full cluster (placement counts lag the workers' reports) is
+                        // waited out, up to a limit.
+                        let deadline = Instant::now() + Duration::from_secs(120);
+                        loop {
+                            match open(&app, &job, job.prompt.clone(), max_tokens, &[], echo_lps)
+                                .await
                             {
-                                tokio::time::sleep(Duration::from_millis(200)).await;
-                            }
-                            Err(e) => {
-                                let _ = tx.send((i, Piece::Error(e))).await;
-                                return;
+                                Ok((target, stream, first)) => {
+                                    run(i, job, target, stream, first, tx);
+                                    return;
+                                }
+                                Err(e)
+                                    if e.status == StatusCode::TOO_MANY_REQUESTS
+                                        && Instant::now() < deadline
+                                        && !tx.is_closed() =>
+                                {
+                                    tokio::time::sleep(Duration::from_millis(200)).await;
+                                }
+                                Err(e) => {
+                                    let _ = tx.send((i, Piece::Error(e))).await;
+                                    return;
+                                }
                             }
                         }
-                    }
+                    });
                 }
             }
             .instrument(span.clone()),
@@ -1117,7 +1172,7 @@ async fn serve(
                         offset[i] += lead_ids
                             .iter()
                             .chain(&ids)
-                            .map(|&t| token_text(&app2.tok, t).len())
+                            .map(|&t| app2.tok.token_bytes(t).len())
                             .sum::<usize>();
                     }
                     if out.send(mk(c, Value::Null)).await.is_err() {
@@ -1129,10 +1184,15 @@ async fn serve(
                     stats,
                     target,
                 } => {
-                    let c = if kind == Kind::Chat {
-                        json!([{"index": i, "delta": {}, "finish_reason": finish(&reason)}])
+                    let reason = if score_only {
+                        "length"
                     } else {
-                        json!([{"index": i, "text": "", "finish_reason": finish(&reason), "logprobs": null}])
+                        finish(&reason)
+                    };
+                    let c = if kind == Kind::Chat {
+                        json!([{"index": i, "delta": {}, "finish_reason": reason}])
+                    } else {
+                        json!([{"index": i, "text": "", "finish_reason": reason, "logprobs": null}])
                     };
                     let _ = out.send(mk(c, Value::Null)).await;
                     ends[i] = Some((stats, target));
@@ -1247,10 +1307,11 @@ fn logprobs_json(
         let (mut at, mut tokens, mut offsets, mut values, mut top) =
             (offset, Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (&id, l) in all_ids.zip(all_lps) {
-            let t = token_text(tok, id);
+            // Offsets in bytes of the text: exact even where a token holds part of a character.
+            let b = tok.token_bytes(id);
             offsets.push(at);
-            at += t.len();
-            tokens.push(t);
+            at += b.len();
+            tokens.push(String::from_utf8_lossy(&b).into_owned());
             values.push(l.map_or(Value::Null, |l| json!(l.logprob)));
             top.push(l.map_or(Value::Null, |l| {
                 let mut m = serde_json::Map::new();

@@ -97,6 +97,23 @@ fn collect(events: Vec<Event>) -> HashMap<u64, (Vec<u32>, String, FinishReason)>
     out
 }
 
+/// One forward of the target over `tokens` with logits at every position.
+fn logits_all(m: &Model, tokens: &[u32]) -> dspark_runtime::model::ForwardOutput {
+    use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
+    let mut c = m.new_cache(1024, 16).unwrap();
+    let seq = c.new_seq();
+    m.forward(
+        &mut c,
+        &[SeqInput {
+            seq,
+            tokens,
+            logits: LogitsMode::All,
+        }],
+        &ForwardOptions::default(),
+    )
+    .unwrap()
+}
+
 fn cfg(gamma: usize) -> EngineConfig {
     EngineConfig {
         gamma,
@@ -1227,26 +1244,12 @@ fn prefix_cache_reuses_shared_prompts_and_changes_no_output() {
 /// sampled tokens get theirs too; too many alternatives are refused.
 #[test]
 fn logprobs_are_the_targets_raw_log_softmax_with_or_without_speculation() {
-    use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
     let f = fixture();
     let ps = prompts(&f, 6);
     let reference = |p: &[u32], out: &[u32]| -> Vec<specdec::TokenLogprob> {
         let mut all = p.to_vec();
         all.extend_from_slice(out);
-        let mut c = f.target.new_cache(1024, 16).unwrap();
-        let s = c.new_seq();
-        let o = f
-            .target
-            .forward(
-                &mut c,
-                &[SeqInput {
-                    seq: s,
-                    tokens: &all,
-                    logits: LogitsMode::All,
-                }],
-                &ForwardOptions::default(),
-            )
-            .unwrap();
+        let o = logits_all(&f.target, &all);
         let v = o.vocab;
         out.iter()
             .enumerate()
@@ -1334,7 +1337,6 @@ fn logprobs_are_the_targets_raw_log_softmax_with_or_without_speculation() {
 /// and its output is plain greedy's.
 #[test]
 fn prompt_logprobs_cover_every_prompt_token_across_chunks() {
-    use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
     let f = fixture();
     let mut prompt = prompts(&f, 9).concat();
     prompt.truncate(40);
@@ -1396,20 +1398,7 @@ fn prompt_logprobs_cover_every_prompt_token_across_chunks() {
     // Against one forward over prompt + output.
     let mut all = prompt.clone();
     all.extend_from_slice(&out);
-    let mut c = f.target.new_cache(1024, 16).unwrap();
-    let s = c.new_seq();
-    let o = f
-        .target
-        .forward(
-            &mut c,
-            &[SeqInput {
-                seq: s,
-                tokens: &all,
-                logits: LogitsMode::All,
-            }],
-            &ForwardOptions::default(),
-        )
-        .unwrap();
+    let o = logits_all(&f.target, &all);
     let v = o.vocab;
     assert_eq!(plps.len(), prompt.len() - 1);
     assert_eq!(lps.len(), out.len());

@@ -147,6 +147,23 @@ async fn complete(url: &str, prompt: &str, max_tokens: usize) -> Value {
     v
 }
 
+/// Runs a Python script that uses the official `openai` client and prints one JSON object.
+async fn openai_client(script: &str, args: &[&str]) -> Value {
+    let out = tokio::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .await
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "openai client failed (pip install openai): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("client JSON")
+}
+
 fn ids_of(v: &Value) -> Vec<u32> {
     v["choices"][0]["token_ids"]
         .as_array()
@@ -210,17 +227,7 @@ for ch in s:
         usage = ch.usage.completion_tokens
 print(json.dumps({"text": text, "usage": usage, "chunks": chunks}))
 "#;
-    let out = tokio::process::Command::new("python3")
-        .args(["-c", script, &c.url])
-        .output()
-        .await
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "openai client failed (pip install openai): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    let v = openai_client(script, &[&c.url]).await;
     assert!(v["text"].as_str().unwrap_or("").contains("Paris"), "{v}");
     assert!(
         v["usage"].as_u64().unwrap_or(0) > 0 && v["chunks"].as_u64().unwrap_or(0) > 2,
@@ -278,17 +285,7 @@ for ch in s:
                           "top": [[t.token, t.logprob] for t in e.top_logprobs]})
 print(json.dumps({"text": text, "items": items}))
 "#;
-    let out = tokio::process::Command::new("python3")
-        .args(["-c", script, &c.url])
-        .output()
-        .await
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "openai client: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    let v = openai_client(script, &[&c.url]).await;
     let items = v["items"].as_array().expect("items");
     assert!(!items.is_empty(), "{v}");
     let mut bytes: Vec<u8> = Vec::new();
@@ -426,17 +423,7 @@ for ch in s:
             values += ch.choices[0].logprobs.token_logprobs
 print(json.dumps({"text": text, "tokens": tokens, "values": values}))
 "#;
-    let out = tokio::process::Command::new("python3")
-        .args(["-c", script, &c.url, PROMPTS[1]])
-        .output()
-        .await
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "openai client: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    let v = openai_client(script, &[&c.url, PROMPTS[1]]).await;
     assert_eq!(
         v["text"].as_str(),
         Some(format!("{}{plain}", PROMPTS[1]).as_str()),
@@ -567,17 +554,7 @@ for ch in s:
             done[c.index] = c.finish_reason
 print(json.dumps({"texts": texts, "done": done}))
 "#;
-    let out = tokio::process::Command::new("python3")
-        .args(["-c", script, &c.url])
-        .output()
-        .await
-        .expect("python3");
-    assert!(
-        out.status.success(),
-        "openai client: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("client JSON");
+    let v = openai_client(script, &[&c.url]).await;
     for i in 0..2 {
         assert!(
             !v["texts"][i].as_str().unwrap_or("").is_empty() && v["done"][i].is_string(),
@@ -791,6 +768,35 @@ print(json.dumps({"texts": texts, "done": done}))
             post(
                 &u,
                 &json!({"model": "smollm2-135m", "prompt": Vec::<String>::new()}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "an empty token list in a batch",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": [[1, 2, 3], []]}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "a batch with one prompt over the context",
+            post(
+                &u,
+                &json!({"model": "smollm2-135m", "prompt": [[1, 2, 3], vec![42u32; 9000]],
+                        "max_tokens": 4}),
+            )
+            .await,
+            400,
+        ),
+        (
+            "numeric logprobs in chat",
+            post(
+                &cu,
+                &json!({"model": "smollm2-135m", "logprobs": 2,
+                        "messages": [{"role": "user", "content": "x"}]}),
             )
             .await,
             400,
