@@ -26,6 +26,9 @@ pub struct GenerateArgs {
     pub top_k: usize,
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
+    /// Drop tokens less likely than this fraction of the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub min_p: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Print one JSON object instead of streaming text.
@@ -47,6 +50,7 @@ pub fn run(g: &Global, a: GenerateArgs) -> anyhow::Result<()> {
         temperature: a.temperature,
         top_k: a.top_k,
         top_p: a.top_p,
+        min_p: a.min_p,
         ..Default::default()
     };
     sampling.validate()?;

@@ -130,6 +130,7 @@ fn bad_request_values_are_clear_errors() {
         (vec!["--temperature", "-1"], "temperature"),
         (vec!["--top-p", "1.5"], "top_p"),
         (vec!["--top-p", "0"], "top_p"),
+        (vec!["--min-p", "1.5"], "min_p"),
         (vec!["--max-tokens", "0"], "max-tokens"),
     ] {
         let mut args = vec!["generate", "--model", &m, "--prompt", "hi"];

@@ -362,7 +362,7 @@ impl DsparkProposer {
         let (g, feats) = (self.dr.cfg.gamma, &mut self.feats);
         active.retain(|&i| {
             let r = &reqs[i];
-            if !r.params.is_greedy() || r.params.has_penalties() {
+            if !r.params.is_greedy() || r.params.shapes_logits() {
                 return true;
             }
             let block = copy_block(r.context, r.k.min(g), runs);
@@ -609,7 +609,7 @@ impl Proposer for DsparkProposer {
         let mut seen: Vec<Vec<u32>> = active
             .iter()
             .map(|&i| {
-                if reqs[i].params.has_penalties() {
+                if reqs[i].params.shapes_logits() {
                     reqs[i].context.to_vec()
                 } else {
                     Vec::new()
@@ -777,7 +777,7 @@ impl Proposer for DsparkProposer {
                 let (tok, dist) = match &self.vocab_ids {
                     // Without penalties the draft vocabulary is all there is to look at: q is
                     // 0 outside it, and q travels as (token, probability) pairs.
-                    Some(ids) if !r.params.has_penalties() => {
+                    Some(ids) if !r.params.shapes_logits() => {
                         if r.params.is_greedy() {
                             let t = top.unwrap_or_else(|| argmax(&logits));
                             (ids[t as usize], Dist::OneHot)

@@ -79,6 +79,15 @@ fn greedy_parity(vocab: Option<Vec<u32>>) {
     for (i, t) in prompts.iter().enumerate() {
         let ids = tok.encode(t).unwrap();
         let max = 9 + 4 * i;
+        // Odd prompts: a logit bias (tokens in and out of a draft vocabulary of every third
+        // token) and min_tokens, which move the drafter off its draft-vocabulary path.
+        let mut sampling = kernels::sampling::SamplingParams::greedy();
+        let min_tokens = if i % 2 == 1 {
+            sampling.set_logit_bias([(1, 3.0), (4, 2.0), (7, -100.0), (9, 1.0)]);
+            3
+        } else {
+            0
+        };
         want.push(
             generate(
                 &m,
@@ -86,6 +95,8 @@ fn greedy_parity(vocab: Option<Vec<u32>>) {
                 &ids,
                 &GenerateParams {
                     max_tokens: max,
+                    sampling: sampling.clone(),
+                    min_tokens,
                     ..Default::default()
                 },
                 &mut |_| {},
@@ -93,7 +104,10 @@ fn greedy_parity(vocab: Option<Vec<u32>>) {
             .unwrap()
             .token_ids,
         );
-        eng.add(Request::new(i as u64, ids, max)).unwrap();
+        let mut r = Request::new(i as u64, ids, max);
+        r.params = sampling;
+        r.min_tokens = min_tokens;
+        eng.add(r).unwrap();
     }
     let mut got = vec![Vec::new(); prompts.len()];
     let mut drafted = 0;

@@ -200,6 +200,41 @@ mod tests {
     }
 
     #[test]
+    fn acceptance_preserves_the_target_distribution_under_min_p_and_logit_bias() {
+        let n = 1_000_000u64;
+        let mut rng = Rng::new(2);
+        let vocab = 12;
+        let logits_p: Vec<f32> = (0..vocab).map(|_| rng.normal() as f32 * 2.0).collect();
+        let logits_q: Vec<f32> = (0..vocab).map(|_| rng.normal() as f32 * 2.0).collect();
+        let mut biased = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        biased.set_logit_bias([(0, 3.0), (5, -100.0), (7, 1.5)]);
+        let cases = [
+            SamplingParams {
+                temperature: 1.0,
+                min_p: 0.15,
+                ..Default::default()
+            },
+            biased.clone(),
+            SamplingParams {
+                min_p: 0.05,
+                top_p: 0.9,
+                temperature: 0.8,
+                ..biased
+            },
+        ];
+        for (i, sp) in cases.iter().enumerate() {
+            let p = probs(&logits_p, &[], sp);
+            let q = probs(&logits_q, &[], sp);
+            let d = check_first_token(&p, &q, n, 200 + i as u64);
+            let b = tv_bound(vocab, n);
+            assert!(d < b, "{sp:?}: TV {d} ≥ bound {b}");
+        }
+    }
+
+    #[test]
     fn edge_cases_q_equals_p_and_residual_near_zero() {
         let n = 1_000_000u64;
         let mut p = vec![0.5f32, 0.25, 0.125, 0.125];

@@ -1,8 +1,8 @@
 //! Sampling transforms and seeded sampling.
 //!
-//! The transform pipeline (penalties → temperature → top-k → top-p → renormalize) is one pure
-//! function, [`probs`], so the speculative verifier can apply exactly the same transform to the
-//! target's p and the drafter's q before acceptance. Temperature 0 means greedy: [`argmax`], with
+//! The transform pipeline (logit bias → held-back end tokens → penalties → temperature → min-p →
+//! top-k → top-p → renormalize) is one pure function, [`probs`], so the speculative verifier can
+//! apply exactly the same transform to the target's p and the drafter's q before acceptance. Temperature 0 means greedy: [`argmax`], with
 //! ties broken toward the lowest token id so greedy output is deterministic.
 
 use crate::KernelError;
@@ -23,7 +23,22 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// 0 = off. Subtracted per occurrence.
     pub frequency_penalty: f32,
+    /// 0 = off; in [0, 1]. After temperature, tokens less likely than `min_p` times the most
+    /// likely one are dropped (vLLM's `min_p`).
+    pub min_p: f32,
+    /// Added to the logits of these tokens before anything else (OpenAI's `logit_bias`, each in
+    /// [-100, 100]). Sorted by token id, one entry per token ([`SamplingParams::set_logit_bias`]).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// While the context (`seen`) is shorter than this, `held_ids` cannot be produced: vLLM's
+    /// `min_tokens`, made absolute (prompt length + min_tokens) by whoever starts the request
+    /// ([`SamplingParams::hold_end_tokens`]). 0 = off.
+    pub hold_until: usize,
+    /// The end-of-sequence and stop token ids `hold_until` holds back.
+    pub held_ids: Vec<u32>,
 }
+
+/// Largest |bias| OpenAI's `logit_bias` accepts.
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -34,6 +49,10 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            min_p: 0.0,
+            logit_bias: Vec::new(),
+            hold_until: 0,
+            held_ids: Vec::new(),
         }
     }
 }
@@ -51,6 +70,37 @@ impl SamplingParams {
         self.repetition_penalty != 1.0
             || self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
+    }
+
+    /// Whether the logits are changed before temperature (penalties, logit bias, held-back end
+    /// tokens): then greedy is the argmax of the changed logits, not of the raw ones, and the
+    /// transform needs ordinary token ids and the context.
+    pub fn shapes_logits(&self) -> bool {
+        self.has_penalties() || !self.logit_bias.is_empty() || self.hold_until > 0
+    }
+
+    /// Sets `logit_bias` from (token, bias) pairs: sorted, and a token listed twice keeps its
+    /// last bias (as a JSON object would).
+    pub fn set_logit_bias(&mut self, pairs: impl IntoIterator<Item = (u32, f32)>) {
+        let mut m = std::collections::BTreeMap::new();
+        for (t, b) in pairs {
+            m.insert(t, b);
+        }
+        self.logit_bias = m.into_iter().collect();
+    }
+
+    /// vLLM's `min_tokens`: `end_ids` (end-of-sequence and stop tokens) cannot be produced
+    /// before `min_tokens` tokens follow a prompt of `prompt_len`.
+    pub fn hold_end_tokens(&mut self, prompt_len: usize, min_tokens: usize, end_ids: &[u32]) {
+        if min_tokens == 0 || end_ids.is_empty() {
+            self.hold_until = 0;
+            self.held_ids.clear();
+            return;
+        }
+        self.hold_until = prompt_len + min_tokens;
+        self.held_ids = end_ids.to_vec();
+        self.held_ids.sort_unstable();
+        self.held_ids.dedup();
     }
 
     pub fn validate(&self) -> Result<(), KernelError> {
@@ -77,6 +127,29 @@ impl SamplingParams {
             if !v.is_finite() || !(-2.0..=2.0).contains(&v) {
                 return bad(format!("{name} must be in [-2, 2], got {v}"));
             }
+        }
+        if !self.min_p.is_finite() || !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        for &(t, b) in &self.logit_bias {
+            if !b.is_finite() || !(-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&b) {
+                return bad(format!(
+                    "logit_bias for token {t} must be in [-100, 100], got {b}"
+                ));
+            }
+        }
+        if self.logit_bias.windows(2).any(|w| w[0].0 >= w[1].0) {
+            return bad("logit_bias must be sorted by token, one entry each".into());
+        }
+        Ok(())
+    }
+
+    /// Checks token ids against the vocabulary (they are ignored past it otherwise).
+    pub fn validate_vocab(&self, vocab: usize) -> Result<(), KernelError> {
+        if let Some(&(t, _)) = self.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            return Err(KernelError::InvalidParam(format!(
+                "logit_bias names token {t}, outside the vocabulary of {vocab}"
+            )));
         }
         Ok(())
     }
@@ -119,12 +192,32 @@ pub fn apply_penalties(logits: &mut [f32], seen: &[u32], p: &SamplingParams) {
     }
 }
 
-/// The sampling distribution for one position: penalties, temperature, top-k, top-p, renormalized.
-/// For greedy parameters it is the one-hot of [`argmax`]. `seen` are the tokens that count for
-/// the penalties (prompt and output so far).
+/// Everything done to the logits before temperature: logit bias, end tokens held back while
+/// the context is shorter than `hold_until`, penalties. `seen` is the context (prompt and
+/// output so far, ordinary token ids).
+pub fn shape_logits(logits: &mut [f32], seen: &[u32], p: &SamplingParams) {
+    for &(t, b) in &p.logit_bias {
+        if let Some(l) = logits.get_mut(t as usize) {
+            *l += b;
+        }
+    }
+    if seen.len() < p.hold_until {
+        for &t in &p.held_ids {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    apply_penalties(logits, seen, p);
+}
+
+/// The sampling distribution for one position: [`shape_logits`], temperature, min-p, top-k,
+/// top-p, renormalized. For greedy parameters it is the one-hot of [`argmax`] of the shaped
+/// logits. `seen` is the context: prompt and output so far (the penalties count its tokens,
+/// `hold_until` measures its length).
 pub fn probs(logits: &[f32], seen: &[u32], p: &SamplingParams) -> Vec<f32> {
     let mut l = logits.to_vec();
-    apply_penalties(&mut l, seen, p);
+    shape_logits(&mut l, seen, p);
     let n = l.len();
     if p.is_greedy() {
         let mut out = vec![0f32; n];
@@ -148,6 +241,21 @@ pub fn probs(logits: &[f32], seen: &[u32], p: &SamplingParams) -> Vec<f32> {
     let inv = (1.0 / sum) as f32;
     for v in l.iter_mut() {
         *v *= inv;
+    }
+    if p.min_p > 0.0 {
+        // The most likely token has probability exp(0)/sum: the threshold in the same units.
+        let cut = p.min_p * inv;
+        let mut kept = 0f64;
+        for v in l.iter_mut() {
+            if *v < cut {
+                *v = 0.0;
+            }
+            kept += *v as f64;
+        }
+        let inv = (1.0 / kept) as f32;
+        for v in l.iter_mut() {
+            *v *= inv;
+        }
     }
     if (p.top_k > 0 && p.top_k < n) || p.top_p < 1.0 {
         // Sort descending by probability, ties by lower id, then keep a prefix.
@@ -206,7 +314,7 @@ pub fn sample(probs: &[f32], rng: &mut Rng) -> u32 {
 
 /// One sampled token from logits under `p` (argmax when greedy).
 pub fn sample_logits(logits: &[f32], seen: &[u32], p: &SamplingParams, rng: &mut Rng) -> u32 {
-    if p.is_greedy() && !p.has_penalties() {
+    if p.is_greedy() && !p.shapes_logits() {
         return argmax(logits);
     }
     let pr = probs(logits, seen, p);
@@ -282,5 +390,93 @@ mod tests {
         let mut l = [2.0f32, -2.0, 1.0];
         apply_penalties(&mut l, &[0, 1, 1], &p);
         assert_eq!(l, [0.5, -4.5, 1.0]);
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_a_fraction_of_the_best() {
+        // Softmax of 0..3 ≈ [0.032, 0.087, 0.237, 0.644]; 0.2 × 0.644 = 0.129 keeps {2, 3}.
+        let p = SamplingParams {
+            temperature: 1.0,
+            min_p: 0.2,
+            ..Default::default()
+        };
+        let pr = probs(&[0.0, 1.0, 2.0, 3.0], &[], &p);
+        assert_eq!((pr[0], pr[1]), (0.0, 0.0));
+        assert!((pr[2] + pr[3] - 1.0).abs() < 1e-6);
+        assert!((pr[3] / pr[2] - 1f32.exp()).abs() < 1e-4);
+        // min_p 1 keeps only the best; 0 keeps everything.
+        let only = probs(
+            &[0.0, 1.0, 2.0, 3.0],
+            &[],
+            &SamplingParams {
+                min_p: 1.0,
+                ..p.clone()
+            },
+        );
+        assert_eq!(only, vec![0.0, 0.0, 0.0, 1.0]);
+        let all = probs(
+            &[0.0, 1.0, 2.0, 3.0],
+            &[],
+            &SamplingParams { min_p: 0.0, ..p },
+        );
+        assert!(all.iter().all(|&v| v > 0.0));
+    }
+
+    #[test]
+    fn logit_bias_moves_greedy_and_sampled_choices() {
+        let mut p = SamplingParams::greedy();
+        p.set_logit_bias([(0, 5.0), (3, -100.0), (0, 4.0)]);
+        assert_eq!(p.logit_bias, vec![(0, 4.0), (3, -100.0)]);
+        assert!(p.validate().is_ok() && p.shapes_logits());
+        let logits = [0.0f32, 1.0, 2.0, 3.0];
+        // 0 + 4 beats 2; 3 − 100 is out.
+        let mut rng = Rng::new(1);
+        assert_eq!(sample_logits(&logits, &[], &p, &mut rng), 0);
+        p.temperature = 1.0;
+        let pr = probs(&logits, &[], &p);
+        assert!(pr[3] < 1e-40 && pr[0] > pr[2]);
+        assert!(p.validate_vocab(4).is_ok());
+        assert!(p.validate_vocab(3).is_err());
+        p.set_logit_bias([(1, 100.5)]);
+        assert!(p.validate().is_err());
+        p.set_logit_bias([(1, f32::NAN)]);
+        assert!(p.validate().is_err());
+        p.logit_bias = vec![(2, 1.0), (1, 1.0)];
+        assert!(p.validate().is_err(), "unsorted");
+    }
+
+    #[test]
+    fn end_tokens_are_held_back_until_min_tokens() {
+        let mut p = SamplingParams::greedy();
+        p.hold_end_tokens(2, 3, &[3, 3]);
+        assert_eq!((p.hold_until, p.held_ids.clone()), (5, vec![3]));
+        let logits = [0.0f32, 1.0, 2.0, 3.0];
+        let mut rng = Rng::new(1);
+        // Prompt of 2 and 0..2 outputs: 3 is held; with 3 outputs it is free again.
+        for n in 2..5 {
+            let seen = vec![7u32; n];
+            assert_eq!(
+                sample_logits(&logits, &seen, &p, &mut rng),
+                2,
+                "context {n}"
+            );
+        }
+        assert_eq!(sample_logits(&logits, &[7; 5], &p, &mut rng), 3);
+        p.temperature = 1.0;
+        assert_eq!(probs(&logits, &[7; 4], &p)[3], 0.0);
+        assert!(probs(&logits, &[7; 5], &p)[3] > 0.5);
+        p.hold_end_tokens(2, 0, &[3]);
+        assert!(p.hold_until == 0 && p.held_ids.is_empty() && !p.shapes_logits());
+    }
+
+    #[test]
+    fn validation_rejects_bad_min_p() {
+        for m in [-0.1f32, 1.5, f32::NAN] {
+            let p = SamplingParams {
+                min_p: m,
+                ..Default::default()
+            };
+            assert!(p.validate().is_err(), "{m}");
+        }
     }
 }

@@ -145,6 +145,10 @@ impl From<&kernels::sampling::SamplingParams> for Sampling {
             repetition_penalty: p.repetition_penalty,
             presence_penalty: p.presence_penalty,
             frequency_penalty: p.frequency_penalty,
+            min_p: p.min_p,
+            logit_bias: p.logit_bias.iter().copied().collect(),
+            hold_until: p.hold_until as u64,
+            held_ids: p.held_ids.clone(),
         }
     }
 }
@@ -164,7 +168,14 @@ impl Sampling {
             },
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            min_p: self.min_p,
+            logit_bias: Vec::new(),
+            hold_until: usize::try_from(self.hold_until)
+                .map_err(|_| WireError::Invalid("sampling: hold_until out of range".into()))?,
+            held_ids: self.held_ids.clone(),
         };
+        let mut p = p;
+        p.set_logit_bias(self.logit_bias.iter().map(|(&t, &b)| (t, b)));
         p.validate()
             .map_err(|e| WireError::Invalid(format!("sampling: {e}")))?;
         Ok(p)

@@ -495,6 +495,7 @@ async fn open(
         .cluster
         .target_client(&target.address)
         .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", e))?;
+    let prompt_len = prompt.len();
     let mut req = tonic::Request::new(GenerateRequest {
         request_id: job.request_id.clone(),
         prompt,
@@ -509,6 +510,12 @@ async fn open(
         top_logprobs: job.settings.logprobs.unwrap_or(0) as u32,
         prompt_logprobs,
         ignore_eos: job.settings.ignore_eos,
+        // After a failover the prompt holds what was generated before: it counts.
+        min_tokens: job
+            .settings
+            .min_tokens
+            .saturating_sub(prompt_len.saturating_sub(job.prompt.len())) as u32,
+        stop_token_ids: job.settings.stop_token_ids.clone(),
     });
     if let Ok(v) = job.traceparent.parse() {
         req.metadata_mut().insert("traceparent", v);
@@ -708,9 +715,11 @@ async fn completions(
     let r: CompletionRequest =
         parse_body(&body).inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
     check_model(&app, &r.common.model)?;
-    let settings = r
-        .common
-        .settings(app.default_max_tokens, app.max_tokens_limit)?;
+    let settings = r.common.settings(
+        app.default_max_tokens,
+        app.max_tokens_limit,
+        app.tok.vocab_size(),
+    )?;
     let prompts: Vec<Vec<u32>> = match r.prompt {
         None => return Err(ApiError::bad("`prompt` is required", Some("prompt"))),
         Some(Prompt::Text(s)) => vec![encode(&app, &s)?],
@@ -741,9 +750,11 @@ async fn chat_completions(
     check_model(&app, &r.common.model)?;
     let text = render_chat(&app, &r.messages)?;
     let prompt = encode(&app, &text)?;
-    let settings = r
-        .common
-        .settings(app.max_tokens_limit.min(512), app.max_tokens_limit)?;
+    let settings = r.common.settings(
+        app.max_tokens_limit.min(512),
+        app.max_tokens_limit,
+        app.tok.vocab_size(),
+    )?;
     if settings.echo {
         return Err(ApiError::bad(
             "echo is supported on /v1/completions only",

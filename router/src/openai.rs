@@ -128,6 +128,15 @@ pub struct Common {
     /// want fixed output lengths).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Extension (vLLM): after temperature, drop tokens less likely than `min_p` times the
+    /// most likely one.
+    pub min_p: Option<f64>,
+    /// Token id (as a string key) -> bias in [-100, 100] added to its logit.
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    /// Extension (vLLM): no end-of-sequence or stop token before this many tokens.
+    pub min_tokens: Option<i64>,
+    /// Extension (vLLM): more tokens that end the completion (they are part of it).
+    pub stop_token_ids: Option<Vec<i64>>,
 }
 
 #[derive(Deserialize, Debug)]
@@ -185,16 +194,28 @@ pub struct GenSettings {
     /// `echo` with `max_tokens: 0`: the prompt only, scored.
     pub score_only: bool,
     pub ignore_eos: bool,
+    pub min_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
 }
 
 pub const MAX_STOPS: usize = 16;
+/// Most `logit_bias` entries per request (each costs an add per sampled position).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+/// Most `stop_token_ids` per request.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
 /// Most choices per request.
 pub const MAX_N: usize = 16;
 /// Most alternatives per token (OpenAI's bound; the target worker enforces the same).
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Common {
-    pub fn settings(&self, default_max: usize, limit: usize) -> Result<GenSettings, ApiError> {
+    /// Checks every field against this server's limits and the tokenizer's `vocab` size.
+    pub fn settings(
+        &self,
+        default_max: usize,
+        limit: usize,
+        vocab: usize,
+    ) -> Result<GenSettings, ApiError> {
         let n = match self.n {
             None => 1,
             Some(n) if (1..=MAX_N as i64).contains(&n) => n as usize,
@@ -318,14 +339,79 @@ impl Common {
             Some(g) if (0..=32).contains(&g) => g as u32,
             Some(_) => return Err(ApiError::bad("gamma must be in [0, 32]", Some("gamma"))),
         };
-        let sampling = kernels::sampling::SamplingParams {
+        let min_p = self.min_p.unwrap_or(0.0);
+        if !(0.0..=1.0).contains(&min_p) {
+            return Err(ApiError::bad("min_p must be in [0, 1]", Some("min_p")));
+        }
+        let token = |t: i64, name: &'static str| -> Result<u32, ApiError> {
+            u32::try_from(t)
+                .ok()
+                .filter(|&t| (t as usize) < vocab)
+                .ok_or_else(|| {
+                    ApiError::bad(
+                        format!("{name}: token id {t} outside the vocabulary of {vocab}"),
+                        Some(name),
+                    )
+                })
+        };
+        let mut bias = Vec::new();
+        if let Some(m) = &self.logit_bias {
+            if m.len() > MAX_LOGIT_BIAS {
+                return Err(ApiError::bad(
+                    format!("logit_bias takes at most {MAX_LOGIT_BIAS} tokens"),
+                    Some("logit_bias"),
+                ));
+            }
+            for (k, &b) in m {
+                let t = k.trim().parse::<i64>().map_err(|_| {
+                    ApiError::bad(
+                        format!("logit_bias keys are token ids, got {k:?}"),
+                        Some("logit_bias"),
+                    )
+                })?;
+                let t = token(t, "logit_bias")?;
+                if !(-100.0..=100.0).contains(&b) {
+                    return Err(ApiError::bad(
+                        format!("logit_bias for token {t} must be in [-100, 100], got {b}"),
+                        Some("logit_bias"),
+                    ));
+                }
+                bias.push((t, b as f32));
+            }
+        }
+        let stop_token_ids = self
+            .stop_token_ids
+            .iter()
+            .flatten()
+            .map(|&t| token(t, "stop_token_ids"))
+            .collect::<Result<Vec<u32>, _>>()?;
+        if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(ApiError::bad(
+                format!("stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids"),
+                Some("stop_token_ids"),
+            ));
+        }
+        let min_tokens = match self.min_tokens {
+            None => 0,
+            Some(m) if m >= 0 && m as u64 <= max_tokens as u64 => m as usize,
+            Some(m) => {
+                return Err(ApiError::bad(
+                    format!("min_tokens must be in [0, max_tokens = {max_tokens}], got {m}"),
+                    Some("min_tokens"),
+                ));
+            }
+        };
+        let mut sampling = kernels::sampling::SamplingParams {
             temperature: temperature as f32,
             top_k,
             top_p: top_p as f32,
             repetition_penalty: rep as f32,
             presence_penalty: presence,
             frequency_penalty: frequency,
+            min_p: min_p as f32,
+            ..Default::default()
         };
+        sampling.set_logit_bias(bias);
         sampling
             .validate()
             .map_err(|e| ApiError::bad(e.to_string(), None))?;
@@ -349,6 +435,8 @@ impl Common {
             echo,
             score_only,
             ignore_eos: self.ignore_eos,
+            min_tokens,
+            stop_token_ids,
         })
     }
 }

@@ -15,6 +15,11 @@ pub struct GenerateParams {
     pub seed: u64,
     /// Prefill chunk size (tokens per forward).
     pub prefill_chunk: usize,
+    /// End-of-sequence and stop tokens are held back until this many tokens (vLLM's
+    /// `min_tokens`).
+    pub min_tokens: usize,
+    /// More tokens that end generation; they are part of the output.
+    pub stop_token_ids: Vec<u32>,
 }
 
 impl Default for GenerateParams {
@@ -24,6 +29,8 @@ impl Default for GenerateParams {
             sampling: SamplingParams::greedy(),
             seed: 0,
             prefill_chunk: 256,
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
         }
     }
 }
@@ -51,6 +58,13 @@ pub fn validate(model: &Model, prompt: &[u32], p: &GenerateParams) -> Result<()>
         ));
     }
     p.sampling.validate()?;
+    p.sampling.validate_vocab(model.cfg.vocab_size)?;
+    if p.min_tokens > p.max_tokens {
+        return Err(RuntimeError::Invalid(format!(
+            "min_tokens {} exceeds max_tokens {}",
+            p.min_tokens, p.max_tokens
+        )));
+    }
     if prompt.len() + 1 > model.cfg.max_ctx {
         return Err(RuntimeError::ContextOverflow {
             tokens: prompt.len() + 1,
@@ -96,12 +110,20 @@ pub fn generate(
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut rng = Rng::new(p.seed);
+    let mut sampling = p.sampling.clone();
+    let ends: Vec<u32> = tok
+        .stop_ids
+        .iter()
+        .chain(&p.stop_token_ids)
+        .copied()
+        .collect();
+    sampling.hold_end_tokens(prompt.len(), p.min_tokens, &ends);
     let mut seen: Vec<u32> = prompt.to_vec();
     let mut out_ids = Vec::new();
     let mut dec = StreamDecoder::new();
     let mut finish = "length";
     loop {
-        let next = sample_logits(&logits, &seen, &p.sampling, &mut rng);
+        let next = sample_logits(&logits, &seen, &sampling, &mut rng);
         if tok.is_stop(next) {
             finish = "stop";
             break;
@@ -110,6 +132,10 @@ pub fn generate(
         seen.push(next);
         if let Some(s) = dec.push(tok, next)? {
             on_text(&s);
+        }
+        if p.stop_token_ids.contains(&next) {
+            finish = "stop";
+            break;
         }
         if out_ids.len() >= p.max_tokens || prompt.len() + out_ids.len() >= model.cfg.max_ctx {
             break;

@@ -105,6 +105,13 @@ pub struct Request {
     pub prompt_logprobs: Option<usize>,
     /// Commit end-of-sequence tokens like any other and go on (vLLM's `ignore_eos`).
     pub ignore_eos: bool,
+    /// Generate at least this many tokens before an end-of-sequence or stop token (vLLM's
+    /// `min_tokens`): the engine holds those tokens back in the sampling transform, so the
+    /// output follows the target's distribution with them removed.
+    pub min_tokens: usize,
+    /// More tokens that end the request (vLLM's `stop_token_ids`); unlike end-of-sequence
+    /// tokens they are part of the output.
+    pub stop_token_ids: Vec<u32>,
 }
 
 /// Most alternatives a request may ask for per token (OpenAI's `top_logprobs` bound).
@@ -155,6 +162,8 @@ impl Request {
             logprobs: None,
             prompt_logprobs: None,
             ignore_eos: false,
+            min_tokens: 0,
+            stop_token_ids: Vec::new(),
         }
     }
 }
@@ -539,7 +548,7 @@ impl Engine {
     }
 
     /// Validates and queues a request.
-    pub fn add(&mut self, req: Request) -> Result<()> {
+    pub fn add(&mut self, mut req: Request) -> Result<()> {
         if req.prompt.is_empty() {
             return Err(SpecError::Invalid("the prompt is empty".into()));
         }
@@ -547,6 +556,30 @@ impl Engine {
             return Err(SpecError::Invalid("max_tokens must be at least 1".into()));
         }
         req.params.validate()?;
+        let vocab = self.model.cfg.vocab_size;
+        req.params.validate_vocab(vocab)?;
+        if let Some(&t) = req.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(SpecError::Invalid(format!(
+                "stop token id {t} outside the vocabulary"
+            )));
+        }
+        if req.min_tokens > req.max_tokens {
+            return Err(SpecError::Invalid(format!(
+                "min_tokens {} exceeds max_tokens {}",
+                req.min_tokens, req.max_tokens
+            )));
+        }
+        // min_tokens holds back what would end the request: end-of-sequence (unless ignored)
+        // and the request's stop tokens.
+        let mut ends = req.stop_token_ids.clone();
+        if !req.ignore_eos
+            && let Some(tk) = self.tok.as_deref()
+        {
+            ends.extend_from_slice(&tk.stop_ids);
+        }
+        let prompt_len = req.prompt.len();
+        req.params
+            .hold_end_tokens(prompt_len, req.min_tokens, &ends);
         if let Some(g) = req.gamma {
             let max = self
                 .proposer
@@ -1082,7 +1115,7 @@ impl Engine {
                 let mut am = Vec::with_capacity(k + 1);
                 for r in 0..=k {
                     let row = &rows[r * vocab..(r + 1) * vocab];
-                    if s.req.params.has_penalties() {
+                    if s.req.params.shapes_logits() {
                         let mut seen = s.tokens.clone();
                         seen.extend_from_slice(&d.tokens[..r]);
                         am.push(argmax(&probs(row, &seen, &s.req.params)));
@@ -1369,7 +1402,7 @@ fn feature_rows(
 
 fn sample_one(logits: &[f32], seen: &[u32], p: &SamplingParams, rng: &mut Rng) -> u32 {
     if p.is_greedy() {
-        if p.has_penalties() {
+        if p.shapes_logits() {
             argmax(&probs(logits, seen, p))
         } else {
             argmax(logits)
@@ -1403,6 +1436,7 @@ fn commit_tokens(
         }
         s.tokens.push(t);
         emitted.push(t);
+        let stop_token = s.req.stop_token_ids.contains(&t);
         if let Some(top) = s.req.logprobs {
             let row = rows.get(i * vocab..(i + 1) * vocab).ok_or_else(|| {
                 SpecError::Invariant("no logits row for a committed token".into())
@@ -1419,6 +1453,10 @@ fn commit_tokens(
                     break;
                 }
             }
+        }
+        if stop_token {
+            s.finished = Some(FinishReason::Stop);
+            break;
         }
         if s.output_len() >= s.req.max_tokens || s.tokens.len() >= ctx {
             s.finished = Some(FinishReason::Length);

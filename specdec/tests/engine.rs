@@ -233,76 +233,211 @@ fn stop_strings_and_eos_cut_blocks_exactly_like_plain_decoding() {
     }
 }
 
+/// logit_bias, min_tokens and stop_token_ids change the target's greedy choice; every proposer
+/// must still reproduce plain decoding under them token for token, and each option must have
+/// done what it says (an end-of-sequence pushed to the front held back until min_tokens, a
+/// stop token ending the output and kept in it, a bias moving choices).
+#[test]
+fn greedy_parity_holds_under_logit_bias_min_tokens_and_stop_token_ids() {
+    let f = fixture();
+    let ps = prompts(&f, 24);
+    let eos = f.tok.stop_ids[0];
+    let run = |p: &[u32], sampling: SamplingParams, min_tokens: usize, stops: Vec<u32>| {
+        generate(
+            &f.target,
+            &f.tok,
+            p,
+            &GenerateParams {
+                max_tokens: 30,
+                sampling,
+                min_tokens,
+                stop_token_ids: stops,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap()
+    };
+    let plain: Vec<_> = ps
+        .iter()
+        .map(|p| run(p, SamplingParams::greedy(), 0, Vec::new()))
+        .collect();
+    // Every prompt: its plain second token suppressed, another token boosted a little. One in
+    // three (not a multiple of 3, odd): end-of-sequence boosted to the top and min_tokens 12.
+    // Multiples of 3: a stop token id, the seventh token of its output without one.
+    let eos_first = |i: usize| i % 2 == 1 && i % 3 != 0;
+    let params = |i: usize| {
+        let mut sp = SamplingParams::greedy();
+        let mut bias = vec![(((i * 37) % 200) as u32 + 5, 2.5)];
+        if let Some(&t) = plain[i].token_ids.get(1) {
+            bias.push((t, -100.0));
+        }
+        if eos_first(i) {
+            bias.push((eos, 100.0));
+        }
+        sp.set_logit_bias(bias);
+        sp
+    };
+    let min_tokens = |i: usize| if i % 3 == 0 { 0 } else { 12 };
+    let stops: Vec<Vec<u32>> = (0..ps.len())
+        .map(|i| {
+            if i % 3 != 0 {
+                return Vec::new();
+            }
+            let o = run(&ps[i], params(i), 0, Vec::new());
+            o.token_ids.get(6).copied().into_iter().collect()
+        })
+        .collect();
+    let want: Vec<_> = (0..ps.len())
+        .map(|i| run(&ps[i], params(i), min_tokens(i), stops[i].clone()))
+        .collect();
+    let moved = (0..ps.len())
+        .filter(|&i| want[i].token_ids != plain[i].token_ids)
+        .count();
+    assert!(
+        moved >= ps.len() / 2,
+        "the options changed only {moved} outputs"
+    );
+    for (i, w) in want.iter().enumerate() {
+        if eos_first(i) {
+            // EOS wins every position once it may: exactly min_tokens tokens.
+            assert_eq!(
+                (w.token_ids.len(), w.finish_reason),
+                (12, "stop"),
+                "prompt {i}"
+            );
+        }
+        if let Some(&st) = stops[i].first() {
+            assert_eq!(w.finish_reason, "stop", "prompt {i}");
+            assert_eq!(w.token_ids.last(), Some(&st), "prompt {i}");
+            assert!(w.token_ids.len() <= 7, "prompt {i}");
+        }
+    }
+    for (name, _) in proposers(&f) {
+        for gamma in [1usize, 4] {
+            let mut e = Engine::with_cost(
+                f.target.clone(),
+                Some(f.tok.clone()),
+                proposer_clone(&f, name),
+                cfg(gamma),
+                CostModel::flat(gamma + 1),
+            )
+            .unwrap();
+            for (i, p) in ps.iter().enumerate() {
+                let mut r = Request::new(i as u64, p.clone(), 30);
+                r.params = params(i);
+                r.min_tokens = min_tokens(i);
+                r.stop_token_ids = stops[i].clone();
+                e.add(r).unwrap();
+            }
+            let got = collect(e.run_to_completion().unwrap());
+            for (i, w) in want.iter().enumerate() {
+                let g = &got[&(i as u64)];
+                assert_eq!(g.0, w.token_ids, "{name} γ={gamma} prompt {i}");
+                let reason = match g.2 {
+                    FinishReason::Stop => "stop",
+                    FinishReason::Length => "length",
+                    _ => "other",
+                };
+                assert_eq!(reason, w.finish_reason, "{name} γ={gamma} prompt {i}");
+            }
+            e.check_kv().unwrap();
+        }
+    }
+}
+
 #[test]
 fn sampled_first_and_second_tokens_match_with_speculation_on_and_off() {
     // Same prompt, many seeds: the empirical distribution of (first, second) output token with the
     // draft model on must match speculation off. Bound: two independent samples of n draws over
     // m cells each have E[TV] ≤ ½√(m/n); with McDiarmid at 99.9% each, TV(a, b) < √(m/n) + 2√(ln(1000)/(2n)).
+    // Also under min_p, a logit bias (one token pushed up, one forbidden) and min_tokens
+    // holding end-of-sequence back for both tokens.
     let f = fixture();
     let prompt = f.tok.encode("the theater in there ").unwrap();
     let n = 3000u64;
-    let params = SamplingParams {
+    let plain = SamplingParams {
         temperature: 0.9,
         top_k: 40,
         ..Default::default()
     };
-    let mut hists = Vec::new();
-    for name in ["none", "draft-model"] {
-        let mut e = Engine::with_cost(
-            f.target.clone(),
-            Some(f.tok.clone()),
-            proposer_clone(&f, name),
-            EngineConfig {
-                max_running: 64,
-                ..cfg(3)
-            },
-            CostModel::flat(4),
-        )
-        .unwrap();
-        for seed in 0..n {
-            let mut r = Request::new(seed, prompt.clone(), 2);
-            r.params = params.clone();
-            r.seed = seed * 7919 + 1;
-            e.add(r).unwrap();
-        }
-        let got = collect(e.run_to_completion().unwrap());
-        let mut first: HashMap<u32, u64> = HashMap::new();
-        let mut second: HashMap<u32, u64> = HashMap::new();
-        for (_, (toks, _, _)) in got {
-            *first.entry(toks[0]).or_default() += 1;
-            if toks.len() > 1 {
-                *second.entry(toks[1]).or_default() += 1;
+    let mut shaped = SamplingParams {
+        temperature: 1.1,
+        min_p: 0.05,
+        ..Default::default()
+    };
+    let top = kernels::sampling::argmax(logits_all(&f.target, &prompt).row(0, prompt.len() - 1));
+    shaped.set_logit_bias([(top, -100.0), (top + 1, 1.5)]);
+    for (params, min_tokens) in [(plain, 0usize), (shaped, 2)] {
+        let mut hists = Vec::new();
+        for name in ["none", "draft-model"] {
+            let mut e = Engine::with_cost(
+                f.target.clone(),
+                Some(f.tok.clone()),
+                proposer_clone(&f, name),
+                EngineConfig {
+                    max_running: 64,
+                    ..cfg(3)
+                },
+                CostModel::flat(4),
+            )
+            .unwrap();
+            for seed in 0..n {
+                let mut r = Request::new(seed, prompt.clone(), 2);
+                r.params = params.clone();
+                r.seed = seed * 7919 + 1;
+                e.add(r).unwrap();
             }
+            let got = collect(e.run_to_completion().unwrap());
+            let mut first: HashMap<u32, u64> = HashMap::new();
+            let mut second: HashMap<u32, u64> = HashMap::new();
+            let got_two = got.values().all(|(toks, _, _)| toks.len() == 2);
+            for (_, (toks, _, _)) in got {
+                *first.entry(toks[0]).or_default() += 1;
+                if toks.len() > 1 {
+                    *second.entry(toks[1]).or_default() += 1;
+                }
+            }
+            if min_tokens > 0 {
+                // Forbidden by its bias; end-of-sequence held back for both tokens.
+                assert!(
+                    !first.contains_key(&top),
+                    "{name}: the forbidden token was drawn"
+                );
+                let eos = f.tok.stop_ids[0];
+                assert!(!first.contains_key(&eos) && !second.contains_key(&eos));
+                assert!(got_two, "{name}: an output ended before min_tokens");
+            }
+            hists.push((first, second));
+            e.check_kv().unwrap();
         }
-        hists.push((first, second));
-        e.check_kv().unwrap();
-    }
-    for which in 0..2 {
-        let (a, b) = if which == 0 {
-            (&hists[0].0, &hists[1].0)
-        } else {
-            (&hists[0].1, &hists[1].1)
-        };
-        let keys: std::collections::HashSet<u32> = a.keys().chain(b.keys()).copied().collect();
-        let (na, nb) = (
-            a.values().sum::<u64>() as f64,
-            b.values().sum::<u64>() as f64,
-        );
-        let tv: f64 = 0.5
-            * keys
-                .iter()
-                .map(|k| {
-                    (*a.get(k).unwrap_or(&0) as f64 / na - *b.get(k).unwrap_or(&0) as f64 / nb)
-                        .abs()
-                })
-                .sum::<f64>();
-        let m = keys.len() as f64;
-        let bound = (m / n as f64).sqrt() + 2.0 * ((1000f64).ln() / (2.0 * n as f64)).sqrt();
-        assert!(
-            tv < bound,
-            "token {} TV {tv} ≥ {bound} over {m} cells",
-            which + 1
-        );
+        for which in 0..2 {
+            let (a, b) = if which == 0 {
+                (&hists[0].0, &hists[1].0)
+            } else {
+                (&hists[0].1, &hists[1].1)
+            };
+            let keys: std::collections::HashSet<u32> = a.keys().chain(b.keys()).copied().collect();
+            let (na, nb) = (
+                a.values().sum::<u64>() as f64,
+                b.values().sum::<u64>() as f64,
+            );
+            let tv: f64 = 0.5
+                * keys
+                    .iter()
+                    .map(|k| {
+                        (*a.get(k).unwrap_or(&0) as f64 / na - *b.get(k).unwrap_or(&0) as f64 / nb)
+                            .abs()
+                    })
+                    .sum::<f64>();
+            let m = keys.len() as f64;
+            let bound = (m / n as f64).sqrt() + 2.0 * ((1000f64).ln() / (2.0 * n as f64)).sqrt();
+            assert!(
+                tv < bound,
+                "token {} TV {tv} ≥ {bound} over {m} cells",
+                which + 1
+            );
+        }
     }
 }
 
@@ -326,6 +461,19 @@ fn cancellation_and_bad_input() {
     let mut r = Request::new(1, p.clone(), 5);
     r.params.top_p = 1.5;
     assert!(e.add(r).is_err());
+    let vocab = f.target.cfg.vocab_size as u32;
+    let mut r = Request::new(1, p.clone(), 5);
+    r.params.set_logit_bias([(vocab, 1.0)]);
+    assert!(e.add(r).unwrap_err().to_string().contains("logit_bias"));
+    let mut r = Request::new(1, p.clone(), 5);
+    r.params.min_p = 2.0;
+    assert!(e.add(r).unwrap_err().to_string().contains("min_p"));
+    let mut r = Request::new(1, p.clone(), 5);
+    r.stop_token_ids = vec![vocab + 3];
+    assert!(e.add(r).unwrap_err().to_string().contains("stop token"));
+    let mut r = Request::new(1, p.clone(), 5);
+    r.min_tokens = 6;
+    assert!(e.add(r).unwrap_err().to_string().contains("min_tokens"));
     let mut r = Request::new(1, p.clone(), 5);
     r.gamma = Some(1000);
     assert!(e.add(r).is_err());

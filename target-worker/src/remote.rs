@@ -630,7 +630,7 @@ impl Proposer for RemoteProposer {
     fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
         let mut out = Vec::with_capacity(reqs.len());
         for r in reqs.iter() {
-            if r.k == 0 || !r.params.is_greedy() || r.params.has_penalties() {
+            if r.k == 0 || !r.params.is_greedy() || r.params.shapes_logits() {
                 out.push(DraftBlock::default());
                 continue;
             }
@@ -838,7 +838,7 @@ mod tests {
         let greedy = kernels::sampling::SamplingParams::greedy();
         let sampled = kernels::sampling::SamplingParams {
             temperature: 1.0,
-            ..greedy
+            ..greedy.clone()
         };
         let (mut r1, mut r2) = (kernels::rng::Rng::new(1), kernels::rng::Rng::new(2));
         let mut reqs = vec![

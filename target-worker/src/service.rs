@@ -132,6 +132,8 @@ impl TargetWorker for TargetService {
             logprobs: r.logprobs.then_some(r.top_logprobs as usize),
             prompt_logprobs: r.prompt_logprobs.then_some(r.top_logprobs as usize),
             ignore_eos: r.ignore_eos,
+            min_tokens: r.min_tokens as usize,
+            stop_token_ids: r.stop_token_ids,
         };
         let draft = if self.local_drafting {
             None

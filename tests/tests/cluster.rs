@@ -331,6 +331,52 @@ print(json.dumps({"text": text, "items": items}))
         a.len() < 40 && b.len() == 40 && b[..a.len()] == a[..],
         "{a:?} {b:?}"
     );
+    // min_tokens holds the end-of-sequence token back (the answer goes on with another
+    // token where ignore_eos committed it); stop_token_ids end the answer on a token, kept;
+    // logit_bias moves a choice; min_p 1 keeps only the most likely token.
+    let url = format!("{}/v1/chat/completions", c.url);
+    let (st, v) = post(&url, &chat(json!({"min_tokens": a.len() + 3}))).await;
+    assert_eq!(st, 200, "{v}");
+    let m = ids_of(&v);
+    assert!(
+        m.len() >= a.len() + 3 && m[..a.len()] == a[..],
+        "{a:?} {m:?}"
+    );
+    assert!(
+        !m[..a.len() + 3].contains(&b[a.len()]),
+        "EOS came early: {m:?}"
+    );
+    let (st, v) = post(&url, &chat(json!({"stop_token_ids": [a[2]]}))).await;
+    assert_eq!(st, 200, "{v}");
+    let cut = a.iter().position(|&t| t == a[2]).map_or(0, |p| p + 1);
+    assert_eq!(ids_of(&v), a[..cut].to_vec(), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let (st, v) = post(
+        &url,
+        &chat(json!({"logit_bias": {a[0].to_string(): -100}, "max_tokens": 3})),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_ne!(ids_of(&v).first(), Some(&a[0]), "{v}");
+    let (st, v) = post(
+        &url,
+        &chat(json!({"min_p": 1.0, "temperature": 1.0, "seed": 5})),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(ids_of(&v), a, "{v}");
+    for (bad, param) in [
+        (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"5": 101}}), "logit_bias"),
+        (json!({"logit_bias": {"99999999": 1}}), "logit_bias"),
+        (json!({"stop_token_ids": [-1]}), "stop_token_ids"),
+        (json!({"min_tokens": 41}), "min_tokens"),
+        (json!({"min_p": 1.5}), "min_p"),
+    ] {
+        let (st, v) = post(&url, &chat(bad.clone())).await;
+        assert_eq!(st, 400, "{bad}: {v}");
+        assert_eq!(v["error"]["param"], param, "{bad}: {v}");
+    }
     // /tokenize and /detokenize.
     let (st, v) = post(
         &format!("{}/tokenize", c.url),
