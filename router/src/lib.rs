@@ -516,6 +516,7 @@ async fn open(
             .min_tokens
             .saturating_sub(prompt_len.saturating_sub(job.prompt.len())) as u32,
         stop_token_ids: job.settings.stop_token_ids.clone(),
+        json: job.settings.json,
     });
     if let Ok(v) = job.traceparent.parse() {
         req.metadata_mut().insert("traceparent", v);

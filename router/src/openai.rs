@@ -137,6 +137,8 @@ pub struct Common {
     pub min_tokens: Option<i64>,
     /// Extension (vLLM): more tokens that end the completion (they are part of it).
     pub stop_token_ids: Option<Vec<i64>>,
+    /// `{"type": "json_object"}` (JSON mode) or `{"type": "text"}`.
+    pub response_format: Option<Value>,
 }
 
 #[derive(Deserialize, Debug)]
@@ -196,6 +198,8 @@ pub struct GenSettings {
     pub ignore_eos: bool,
     pub min_tokens: usize,
     pub stop_token_ids: Vec<u32>,
+    /// JSON mode: the output is one JSON object.
+    pub json: bool,
 }
 
 pub const MAX_STOPS: usize = 16;
@@ -401,6 +405,31 @@ impl Common {
                 ));
             }
         };
+        let json = match &self.response_format {
+            None => false,
+            Some(f) => match f.get("type").and_then(Value::as_str) {
+                Some("text") => false,
+                Some("json_object") => true,
+                Some("json_schema") => {
+                    return Err(ApiError::bad(
+                        "response_format `json_schema` is not supported; `json_object` is",
+                        Some("response_format"),
+                    ));
+                }
+                _ => {
+                    return Err(ApiError::bad(
+                        "response_format must be {\"type\": \"text\"} or {\"type\": \"json_object\"}",
+                        Some("response_format"),
+                    ));
+                }
+            },
+        };
+        if json && min_tokens > 0 {
+            return Err(ApiError::bad(
+                "min_tokens cannot be combined with JSON mode",
+                Some("min_tokens"),
+            ));
+        }
         let mut sampling = kernels::sampling::SamplingParams {
             temperature: temperature as f32,
             top_k,
@@ -437,6 +466,7 @@ impl Common {
             ignore_eos: self.ignore_eos,
             min_tokens,
             stop_token_ids,
+            json,
         })
     }
 }

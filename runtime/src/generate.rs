@@ -1,6 +1,7 @@
 //! Plain autoregressive decoding over the runtime (the baseline every speculative arm is compared
 //! with, and `dspark generate --drafter none`).
 
+use crate::json::{JsonState, JsonVocab};
 use crate::model::{ForwardOptions, LogitsMode, Model, SeqInput};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Result, RuntimeError};
@@ -20,6 +21,8 @@ pub struct GenerateParams {
     pub min_tokens: usize,
     /// More tokens that end generation; they are part of the output.
     pub stop_token_ids: Vec<u32>,
+    /// JSON mode: the output is one JSON object ([`crate::json`]).
+    pub json: bool,
 }
 
 impl Default for GenerateParams {
@@ -31,6 +34,7 @@ impl Default for GenerateParams {
             prefill_chunk: 256,
             min_tokens: 0,
             stop_token_ids: Vec::new(),
+            json: false,
         }
     }
 }
@@ -64,6 +68,11 @@ pub fn validate(model: &Model, prompt: &[u32], p: &GenerateParams) -> Result<()>
             "min_tokens {} exceeds max_tokens {}",
             p.min_tokens, p.max_tokens
         )));
+    }
+    if p.json && p.min_tokens > 0 {
+        return Err(RuntimeError::Invalid(
+            "min_tokens cannot be combined with JSON mode".into(),
+        ));
     }
     if prompt.len() + 1 > model.cfg.max_ctx {
         return Err(RuntimeError::ContextOverflow {
@@ -118,12 +127,22 @@ pub fn generate(
         .copied()
         .collect();
     sampling.hold_end_tokens(prompt.len(), p.min_tokens, &ends);
+    let json = p.json.then(|| JsonVocab::new(tok));
+    let mut doc = JsonState::new();
     let mut seen: Vec<u32> = prompt.to_vec();
     let mut out_ids = Vec::new();
     let mut dec = StreamDecoder::new();
     let mut finish = "length";
     loop {
+        if let Some(jv) = &json {
+            jv.mask(&doc, &mut logits);
+        }
         let next = sample_logits(&logits, &seen, &sampling, &mut rng);
+        if let Some(jv) = &json {
+            doc = jv.advance(&doc, next).ok_or_else(|| {
+                RuntimeError::Invalid(format!("token {next} breaks the JSON document"))
+            })?;
+        }
         if tok.is_stop(next) {
             finish = "stop";
             break;

@@ -16,6 +16,7 @@ pub mod error;
 pub mod fetch;
 pub mod generate;
 pub mod gguf;
+pub mod json;
 pub mod kv;
 pub mod model;
 pub mod tiny;

@@ -137,6 +137,16 @@ impl Tokenizer {
         self.inner.decode(ids, skip_special).map_err(tok_err)
     }
 
+    /// Ids of the special added tokens (chat markers, end-of-sequence and the like).
+    pub fn special_ids(&self) -> std::collections::HashSet<u32> {
+        self.inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, _)| id)
+            .collect()
+    }
+
     pub fn is_stop(&self, id: u32) -> bool {
         self.stop_ids.contains(&id)
     }

@@ -10,6 +10,7 @@
 use crate::metrics::RequestMetrics;
 use crate::proposer::{Dist, DraftBlock, ProposeReq, Proposer};
 use crate::{MAX_GAMMA, Result, SpecError};
+use dspark_runtime::json::{JsonState, JsonVocab};
 use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
 use dspark_runtime::tokenizer::StreamDecoder;
 use dspark_runtime::{KvCache, Model, SeqId, Tokenizer};
@@ -112,6 +113,10 @@ pub struct Request {
     /// More tokens that end the request (vLLM's `stop_token_ids`); unlike end-of-sequence
     /// tokens they are part of the output.
     pub stop_token_ids: Vec<u32>,
+    /// JSON mode (OpenAI's `response_format: json_object`): the output is one JSON object;
+    /// tokens that cannot continue one are masked out of the target's distribution
+    /// ([`dspark_runtime::json`]). Needs a tokenizer.
+    pub json: bool,
 }
 
 /// Most alternatives a request may ask for per token (OpenAI's `top_logprobs` bound).
@@ -164,6 +169,7 @@ impl Request {
             ignore_eos: false,
             min_tokens: 0,
             stop_token_ids: Vec::new(),
+            json: false,
         }
     }
 }
@@ -431,6 +437,8 @@ struct Seq {
     drafted_before: bool,
     /// Prompt log-probabilities gathered over the prefill chunks, sent with the first event.
     prompt_lps: Vec<TokenLogprob>,
+    /// JSON mode: the document after the committed output.
+    json: Option<JsonState>,
 }
 
 impl Seq {
@@ -458,6 +466,8 @@ pub struct Engine {
     admitted: u64,
     pub steps: usize,
     recal: Option<crate::recal::OnlineCalibration>,
+    /// Every token's bytes for JSON mode, built on the first request that asks for it.
+    json_vocab: Option<Arc<JsonVocab>>,
 }
 
 impl Engine {
@@ -514,6 +524,7 @@ impl Engine {
             admitted: 0,
             steps: 0,
             recal,
+            json_vocab: None,
         })
     }
 
@@ -563,6 +574,11 @@ impl Engine {
                 "stop token id {t} outside the vocabulary"
             )));
         }
+        if req.json && req.min_tokens > 0 {
+            return Err(SpecError::Invalid(
+                "min_tokens cannot be combined with JSON mode".into(),
+            ));
+        }
         if req.min_tokens > req.max_tokens {
             return Err(SpecError::Invalid(format!(
                 "min_tokens {} exceeds max_tokens {}",
@@ -580,6 +596,13 @@ impl Engine {
         let prompt_len = req.prompt.len();
         req.params
             .hold_end_tokens(prompt_len, req.min_tokens, &ends);
+        if req.json && self.json_vocab.is_none() {
+            let tk = self
+                .tok
+                .as_deref()
+                .ok_or_else(|| SpecError::Invalid("JSON mode needs a tokenizer".into()))?;
+            self.json_vocab = Some(Arc::new(JsonVocab::new(tk)));
+        }
         if let Some(g) = req.gamma {
             let max = self
                 .proposer
@@ -733,6 +756,7 @@ impl Engine {
                 drafted_before: false,
                 prompt_lps: Vec::new(),
                 group: (self.admitted % 2) as u8,
+                json: req.json.then(JsonState::new),
                 req,
             });
             self.admitted += 1;
@@ -1051,6 +1075,7 @@ impl Engine {
         let mut features_s = 0.0f64;
         let mut rows_buf: Vec<f32> = Vec::new();
         let t_accept = Instant::now();
+        let jv = self.json_vocab.clone();
         for (j, &(i, _)) in idx.iter().enumerate() {
             let vocab = out.vocab;
             let rows = out.rows_of(j);
@@ -1090,7 +1115,8 @@ impl Engine {
                 let rows = rows
                     .get(last * vocab..(last + 1) * vocab)
                     .ok_or_else(|| SpecError::Invariant("no logits for the first token".into()))?;
-                let first = sample_one(rows, &s.tokens, &s.req.params, &mut s.rng_accept);
+                let masked = json_row(rows, jv.as_deref(), s.json.as_ref());
+                let first = sample_one(&masked, &s.tokens, &s.req.params, &mut s.rng_accept);
                 s.metrics.accept_s += t0.elapsed().as_secs_f64();
                 s.phase = Phase::Decode;
                 s.metrics.ttft_s = s.arrived.elapsed().as_secs_f64();
@@ -1098,7 +1124,7 @@ impl Engine {
                     s,
                     &[first],
                     (&rows[..vocab], vocab),
-                    self.tok.as_deref(),
+                    (self.tok.as_deref(), jv.as_deref()),
                     ctx,
                     &mut events,
                 )?;
@@ -1111,10 +1137,18 @@ impl Engine {
             // For calibration data: the probability each position had of being accepted,
             // 1 − TV(q, p) (sampled requests only) — the most any confidence could know.
             let mut accept_prob: Vec<f32> = Vec::new();
+            // JSON mode: the document before each verified position (None past a draft that
+            // breaks it: that draft is rejected, so what follows is never read).
+            let states = json_states(jv.as_deref(), s.json, &d.tokens);
             let verdict = if s.req.params.is_greedy() {
                 let mut am = Vec::with_capacity(k + 1);
                 for r in 0..=k {
-                    let row = &rows[r * vocab..(r + 1) * vocab];
+                    let row = json_row(
+                        &rows[r * vocab..(r + 1) * vocab],
+                        jv.as_deref(),
+                        states[r].as_ref(),
+                    );
+                    let row = &row[..];
                     if s.req.params.shapes_logits() {
                         let mut seen = s.tokens.clone();
                         seen.extend_from_slice(&d.tokens[..r]);
@@ -1129,11 +1163,12 @@ impl Engine {
                 for r in 0..=k {
                     let mut seen = s.tokens.clone();
                     seen.extend_from_slice(&d.tokens[..r]);
-                    ps.push(probs(
+                    let row = json_row(
                         &rows[r * vocab..(r + 1) * vocab],
-                        &seen,
-                        &s.req.params,
-                    ));
+                        jv.as_deref(),
+                        states[r].as_ref(),
+                    );
+                    ps.push(probs(&row, &seen, &s.req.params));
                 }
                 let pr: Vec<&[f32]> = ps.iter().map(|v| v.as_slice()).collect();
                 let qs: Vec<kernels::accept::DraftDist<'_>> =
@@ -1202,7 +1237,7 @@ impl Engine {
                 s,
                 &new,
                 (&rows[..new.len() * vocab], vocab),
-                self.tok.as_deref(),
+                (self.tok.as_deref(), jv.as_deref()),
                 ctx,
                 &mut events,
             )?;
@@ -1400,6 +1435,45 @@ fn feature_rows(
     }
 }
 
+/// The logits a JSON-mode request samples from at a position whose document stands at `st`
+/// (tokens that would break it at −∞); any other row as it is.
+fn json_row<'a>(
+    row: &'a [f32],
+    jv: Option<&JsonVocab>,
+    st: Option<&JsonState>,
+) -> std::borrow::Cow<'a, [f32]> {
+    match (jv, st) {
+        (Some(jv), Some(st)) => {
+            let mut m = row.to_vec();
+            jv.mask(st, &mut m);
+            std::borrow::Cow::Owned(m)
+        }
+        _ => std::borrow::Cow::Borrowed(row),
+    }
+}
+
+/// The JSON document before each position of a verification window (k drafts + 1): the
+/// committed state, then each draft applied; None from the first draft that breaks it.
+fn json_states(
+    jv: Option<&JsonVocab>,
+    st: Option<JsonState>,
+    drafts: &[u32],
+) -> Vec<Option<JsonState>> {
+    let mut out = vec![None; drafts.len() + 1];
+    let (Some(jv), Some(mut cur)) = (jv, st) else {
+        return out;
+    };
+    out[0] = Some(cur);
+    for (r, &t) in drafts.iter().enumerate() {
+        match jv.advance(&cur, t) {
+            Some(n) => cur = n,
+            None => break,
+        }
+        out[r + 1] = Some(cur);
+    }
+    out
+}
+
 fn sample_one(logits: &[f32], seen: &[u32], p: &SamplingParams, rng: &mut Rng) -> u32 {
     if p.is_greedy() {
         if p.shapes_logits() {
@@ -1421,7 +1495,7 @@ fn commit_tokens(
     s: &mut Seq,
     new: &[u32],
     (rows, vocab): (&[f32], usize),
-    tok: Option<&Tokenizer>,
+    (tok, json): (Option<&Tokenizer>, Option<&JsonVocab>),
     ctx: usize,
     events: &mut Vec<Event>,
 ) -> Result<usize> {
@@ -1436,6 +1510,11 @@ fn commit_tokens(
         }
         s.tokens.push(t);
         emitted.push(t);
+        if let (Some(jv), Some(st)) = (json, s.json.as_mut()) {
+            *st = jv.advance(st, t).ok_or_else(|| {
+                SpecError::Invariant(format!("token {t} breaks the request's JSON document"))
+            })?;
+        }
         let stop_token = s.req.stop_token_ids.contains(&t);
         if let Some(top) = s.req.logprobs {
             let row = rows.get(i * vocab..(i + 1) * vocab).ok_or_else(|| {

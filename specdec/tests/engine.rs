@@ -346,13 +346,126 @@ fn greedy_parity_holds_under_logit_bias_min_tokens_and_stop_token_ids() {
     }
 }
 
+/// JSON mode masks the target's distribution to tokens that continue one JSON object; every
+/// proposer must reproduce plain decoding under the mask token for token (greedy), and what
+/// comes out is JSON: complete objects where the request stopped, valid prefixes where it
+/// ran out of tokens.
+#[test]
+fn json_mode_keeps_greedy_parity_and_yields_json() {
+    let f = fixture();
+    let ps = prompts(&f, 16);
+    let close = f.tok.encode("}").unwrap();
+    let run = |p: &[u32], sampling: SamplingParams| {
+        generate(
+            &f.target,
+            &f.tok,
+            p,
+            &GenerateParams {
+                max_tokens: 40,
+                sampling,
+                json: true,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap()
+    };
+    // Half the prompts lean toward closing the object and away from whitespace, so some
+    // documents complete (a tiny random model otherwise pads with whitespace).
+    let blank: Vec<u32> = (0..f.tok.vocab_size() as u32)
+        .filter(|&t| {
+            let b = f.tok.token_bytes(t);
+            !b.is_empty() && b.iter().all(|c| c.is_ascii_whitespace())
+        })
+        .collect();
+    // The other half open the object at once and lean toward a key, so their documents get
+    // strings to verify drafts in.
+    let open = f.tok.encode("{").unwrap();
+    let quote = f.tok.encode("\"").unwrap();
+    let params = |i: usize| {
+        let mut sp = SamplingParams::greedy();
+        if i % 2 == 1 {
+            sp.set_logit_bias(
+                close
+                    .iter()
+                    .map(|&t| (t, 4.0))
+                    .chain(blank.iter().map(|&t| (t, -20.0))),
+            );
+        } else {
+            sp.set_logit_bias(
+                open.iter()
+                    .map(|&t| (t, 30.0))
+                    .chain(quote.iter().map(|&t| (t, 3.0)))
+                    .chain(close.iter().map(|&t| (t, -100.0)))
+                    .chain(blank.iter().map(|&t| (t, -100.0))),
+            );
+        }
+        sp
+    };
+    let want: Vec<_> = (0..ps.len()).map(|i| run(&ps[i], params(i))).collect();
+    let mut complete = 0;
+    for (i, w) in want.iter().enumerate() {
+        let mut st = dspark_runtime::json::JsonState::new();
+        assert!(st.push_bytes(w.text.as_bytes()), "prompt {i}: {:?}", w.text);
+        if w.finish_reason == "stop" {
+            let v: serde_json::Value = serde_json::from_str(&w.text)
+                .unwrap_or_else(|e| panic!("prompt {i}: {e}: {:?}", w.text));
+            assert!(v.is_object(), "{v}");
+            complete += 1;
+        }
+    }
+    assert!(
+        complete > 0,
+        "no JSON document completed: {:?}",
+        want.iter().map(|w| &w.text).collect::<Vec<_>>()
+    );
+    for (name, _) in proposers(&f) {
+        for gamma in [1usize, 4] {
+            let mut e = Engine::with_cost(
+                f.target.clone(),
+                Some(f.tok.clone()),
+                proposer_clone(&f, name),
+                cfg(gamma),
+                CostModel::flat(gamma + 1),
+            )
+            .unwrap();
+            for (i, p) in ps.iter().enumerate() {
+                let mut r = Request::new(i as u64, p.clone(), 40);
+                r.params = params(i);
+                r.json = true;
+                e.add(r).unwrap();
+            }
+            let got = collect(e.run_to_completion().unwrap());
+            for (i, w) in want.iter().enumerate() {
+                let g = &got[&(i as u64)];
+                assert_eq!(g.0, w.token_ids, "{name} γ={gamma} prompt {i}");
+                assert_eq!(g.1, w.text, "{name} γ={gamma} prompt {i}");
+            }
+            e.check_kv().unwrap();
+        }
+    }
+    // JSON mode with min_tokens is refused (the two could leave nothing to sample).
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        Box::new(NoProposer),
+        cfg(1),
+        CostModel::flat(2),
+    )
+    .unwrap();
+    let mut r = Request::new(1, ps[0].clone(), 10);
+    r.json = true;
+    r.min_tokens = 2;
+    assert!(e.add(r).unwrap_err().to_string().contains("JSON"));
+}
+
 #[test]
 fn sampled_first_and_second_tokens_match_with_speculation_on_and_off() {
     // Same prompt, many seeds: the empirical distribution of (first, second) output token with the
     // draft model on must match speculation off. Bound: two independent samples of n draws over
     // m cells each have E[TV] ≤ ½√(m/n); with McDiarmid at 99.9% each, TV(a, b) < √(m/n) + 2√(ln(1000)/(2n)).
     // Also under min_p, a logit bias (one token pushed up, one forbidden) and min_tokens
-    // holding end-of-sequence back for both tokens.
+    // holding end-of-sequence back for both tokens; and in JSON mode.
     let f = fixture();
     let prompt = f.tok.encode("the theater in there ").unwrap();
     let n = 3000u64;
@@ -368,7 +481,15 @@ fn sampled_first_and_second_tokens_match_with_speculation_on_and_off() {
     };
     let top = kernels::sampling::argmax(logits_all(&f.target, &prompt).row(0, prompt.len() - 1));
     shaped.set_logit_bias([(top, -100.0), (top + 1, 1.5)]);
-    for (params, min_tokens) in [(plain, 0usize), (shaped, 2)] {
+    let json_mode = SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    for (params, min_tokens, json) in [
+        (plain, 0usize, false),
+        (shaped, 2, false),
+        (json_mode, 0, true),
+    ] {
         let mut hists = Vec::new();
         for name in ["none", "draft-model"] {
             let mut e = Engine::with_cost(
@@ -385,6 +506,8 @@ fn sampled_first_and_second_tokens_match_with_speculation_on_and_off() {
             for seed in 0..n {
                 let mut r = Request::new(seed, prompt.clone(), 2);
                 r.params = params.clone();
+                r.min_tokens = min_tokens;
+                r.json = json;
                 r.seed = seed * 7919 + 1;
                 e.add(r).unwrap();
             }
@@ -407,6 +530,16 @@ fn sampled_first_and_second_tokens_match_with_speculation_on_and_off() {
                 let eos = f.tok.stop_ids[0];
                 assert!(!first.contains_key(&eos) && !second.contains_key(&eos));
                 assert!(got_two, "{name}: an output ended before min_tokens");
+            }
+            if json {
+                // Every first token opens the object or pads before it.
+                for t in first.keys() {
+                    let b = f.tok.token_bytes(*t);
+                    assert!(
+                        b.iter().all(|c| c.is_ascii_whitespace() || *c == b'{'),
+                        "{name}: first token {b:?}"
+                    );
+                }
             }
             hists.push((first, second));
             e.check_kv().unwrap();

@@ -134,6 +134,7 @@ impl TargetWorker for TargetService {
             ignore_eos: r.ignore_eos,
             min_tokens: r.min_tokens as usize,
             stop_token_ids: r.stop_token_ids,
+            json: r.json,
         };
         let draft = if self.local_drafting {
             None

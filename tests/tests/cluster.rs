@@ -365,7 +365,51 @@ print(json.dumps({"text": text, "items": items}))
     .await;
     assert_eq!(st, 200, "{v}");
     assert_eq!(ids_of(&v), a, "{v}");
+    // JSON mode: the cluster's greedy answer equals plain greedy decoding under the same mask
+    // in this process, and it is a JSON object.
+    let jprompt =
+        "Paris as a JSON object with the keys \"name\", \"country\" and \"population\":\n";
+    let (st, v) = post(
+        &format!("{}/v1/completions", c.url),
+        &json!({"model": "smollm2-135m", "prompt": jprompt, "max_tokens": 80,
+            "temperature": 0, "return_token_ids": true,
+            "response_format": {"type": "json_object"}}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let want = {
+        let (m, t) = reference();
+        generate(
+            m,
+            t,
+            &t.encode(jprompt).expect("encode"),
+            &GenerateParams {
+                max_tokens: 80,
+                json: true,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .expect("generate")
+    };
+    assert_eq!(ids_of(&v), want.token_ids, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap_or_default();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let obj: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    assert!(obj.is_object(), "{obj}");
     for (bad, param) in [
+        (
+            json!({"response_format": {"type": "json_schema"}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "yaml"}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_object"}, "min_tokens": 3}),
+            "min_tokens",
+        ),
         (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
         (json!({"logit_bias": {"5": 101}}), "logit_bias"),
         (json!({"logit_bias": {"99999999": 1}}), "logit_bias"),

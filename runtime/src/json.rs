@@ -1,0 +1,560 @@
+//! JSON mode (OpenAI's `response_format: {"type": "json_object"}`): a byte-level JSON
+//! validator small enough to copy once per vocabulary token, and the token mask it implies.
+//!
+//! The mask is part of the sampling transform: a token that cannot continue a valid JSON object
+//! gets logit −∞ before anything else, and end-of-sequence is allowed only once the object is
+//! closed. Plain decoding and speculative verification apply the same mask at every position,
+//! so speculative output is exactly the masked target distribution.
+//!
+//! Two limits keep a small model from wandering: objects and arrays nest at most
+//! [`MAX_DEPTH`] deep, and at most [`MAX_WS_RUN`] whitespace bytes follow each other outside
+//! strings.
+
+use crate::tokenizer::Tokenizer;
+
+/// Deepest nesting of objects and arrays.
+pub const MAX_DEPTH: u8 = 64;
+/// Longest run of whitespace bytes between tokens of the document.
+pub const MAX_WS_RUN: u8 = 32;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Num {
+    Minus,
+    Zero,
+    Int,
+    Dot,
+    Frac,
+    E,
+    ESign,
+    Exp,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum St {
+    /// Before the top-level object.
+    Start,
+    /// A value must start (after `:`, or `,` in an array).
+    Value,
+    /// After `{`: a key or `}`.
+    ObjFirst,
+    /// After `,` in an object: a key.
+    ObjKey,
+    /// After a key: `:`.
+    Colon,
+    /// After a value inside a container: `,` or its closer.
+    After,
+    /// After `[`: a value or `]`.
+    ArrFirst,
+    Str {
+        key: bool,
+    },
+    Esc {
+        key: bool,
+    },
+    Hex {
+        key: bool,
+        left: u8,
+    },
+    Num(Num),
+    /// Inside `true` (0), `false` (1) or `null` (2), `at` bytes matched.
+    Lit {
+        lit: u8,
+        at: u8,
+    },
+    /// The top-level object is closed.
+    Done,
+}
+
+const LITS: [&[u8]; 3] = [b"true", b"false", b"null"];
+
+/// Where a JSON document stands after some bytes. `Copy`: the mask tries every token on a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JsonState {
+    st: St,
+    /// Bit d set: nesting level d is an object (else an array).
+    kinds: u64,
+    depth: u8,
+    /// Whitespace bytes in a row.
+    ws: u8,
+    /// UTF-8 continuation bytes still due inside a string.
+    utf8: u8,
+}
+
+impl Default for JsonState {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl JsonState {
+    pub fn new() -> Self {
+        Self {
+            st: St::Start,
+            kinds: 0,
+            depth: 0,
+            ws: 0,
+            utf8: 0,
+        }
+    }
+
+    /// Inside a string, between characters: any printable ASCII byte but `"` and `\` keeps
+    /// it there (the mask's fast path).
+    fn in_string(&self) -> bool {
+        matches!(self.st, St::Str { .. }) && self.utf8 == 0
+    }
+
+    /// Whether the document is a complete JSON object (trailing whitespace allowed).
+    pub fn complete(&self) -> bool {
+        self.st == St::Done
+    }
+
+    /// Feeds bytes; false (and the state is then meaningless) if they cannot continue a valid
+    /// document.
+    pub fn push_bytes(&mut self, bytes: &[u8]) -> bool {
+        bytes.iter().all(|&b| self.push(b))
+    }
+
+    /// Feeds one byte; false if it cannot continue a valid document.
+    pub fn push(&mut self, b: u8) -> bool {
+        let ws = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+        match self.st {
+            St::Str { key } => return self.string_byte(key, b),
+            St::Esc { key } => {
+                self.st = match b {
+                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => St::Str { key },
+                    b'u' => St::Hex { key, left: 4 },
+                    _ => return false,
+                };
+                return true;
+            }
+            St::Hex { key, left } => {
+                if !b.is_ascii_hexdigit() {
+                    return false;
+                }
+                self.st = if left == 1 {
+                    St::Str { key }
+                } else {
+                    St::Hex {
+                        key,
+                        left: left - 1,
+                    }
+                };
+                return true;
+            }
+            St::Num(n) => return self.number_byte(n, b),
+            St::Lit { lit, at } => {
+                let word = LITS[lit as usize];
+                if word.get(at as usize) != Some(&b) {
+                    return false;
+                }
+                self.st = if at as usize + 1 == word.len() {
+                    St::After
+                } else {
+                    St::Lit { lit, at: at + 1 }
+                };
+                return true;
+            }
+            _ => {}
+        }
+        // Structural states: whitespace, bounded.
+        if ws {
+            if self.ws >= MAX_WS_RUN {
+                return false;
+            }
+            self.ws += 1;
+            return true;
+        }
+        self.ws = 0;
+        match (self.st, b) {
+            (St::Start, b'{') => self.open(true),
+            (St::Value | St::ArrFirst, _) => {
+                if self.st == St::ArrFirst && b == b']' {
+                    return self.close(false);
+                }
+                self.value_start(b)
+            }
+            (St::ObjFirst, b'}') => self.close(true),
+            (St::ObjFirst | St::ObjKey, b'"') => {
+                self.st = St::Str { key: true };
+                true
+            }
+            (St::Colon, b':') => {
+                self.st = St::Value;
+                true
+            }
+            (St::After, b',') => {
+                self.st = if self.top_is_object() {
+                    St::ObjKey
+                } else {
+                    St::Value
+                };
+                true
+            }
+            (St::After, b'}') if self.top_is_object() => self.close(true),
+            (St::After, b']') if !self.top_is_object() => self.close(false),
+            _ => false,
+        }
+    }
+
+    fn top_is_object(&self) -> bool {
+        self.depth > 0 && self.kinds >> (self.depth - 1) & 1 == 1
+    }
+
+    fn open(&mut self, object: bool) -> bool {
+        if self.depth >= MAX_DEPTH {
+            return false;
+        }
+        let bit = 1u64 << self.depth;
+        self.kinds = if object {
+            self.kinds | bit
+        } else {
+            self.kinds & !bit
+        };
+        self.depth += 1;
+        self.st = if object { St::ObjFirst } else { St::ArrFirst };
+        true
+    }
+
+    fn close(&mut self, object: bool) -> bool {
+        if self.depth == 0 || self.top_is_object() != object {
+            return false;
+        }
+        self.depth -= 1;
+        self.st = if self.depth == 0 { St::Done } else { St::After };
+        true
+    }
+
+    fn value_start(&mut self, b: u8) -> bool {
+        self.st = match b {
+            b'{' => return self.open(true),
+            b'[' => return self.open(false),
+            b'"' => St::Str { key: false },
+            b'-' => St::Num(Num::Minus),
+            b'0' => St::Num(Num::Zero),
+            b'1'..=b'9' => St::Num(Num::Int),
+            b't' => St::Lit { lit: 0, at: 1 },
+            b'f' => St::Lit { lit: 1, at: 1 },
+            b'n' => St::Lit { lit: 2, at: 1 },
+            _ => return false,
+        };
+        true
+    }
+
+    fn string_byte(&mut self, key: bool, b: u8) -> bool {
+        if self.utf8 > 0 {
+            if !(0x80..=0xBF).contains(&b) {
+                return false;
+            }
+            self.utf8 -= 1;
+            return true;
+        }
+        match b {
+            b'"' => {
+                self.st = if key { St::Colon } else { St::After };
+                true
+            }
+            b'\\' => {
+                self.st = St::Esc { key };
+                true
+            }
+            0x00..=0x1F => false,
+            0x20..=0x7F => true,
+            0xC2..=0xDF => {
+                self.utf8 = 1;
+                true
+            }
+            0xE0..=0xEF => {
+                self.utf8 = 2;
+                true
+            }
+            0xF0..=0xF4 => {
+                self.utf8 = 3;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn number_byte(&mut self, n: Num, b: u8) -> bool {
+        use Num::*;
+        let digit = b.is_ascii_digit();
+        let next = match (n, b) {
+            (Minus, b'0') => Some(Zero),
+            (Minus, b'1'..=b'9') => Some(Int),
+            (Int, _) if digit => Some(Int),
+            (Zero | Int, b'.') => Some(Dot),
+            (Dot | Frac, _) if digit => Some(Frac),
+            (Zero | Int | Frac, b'e' | b'E') => Some(E),
+            (E, b'+' | b'-') => Some(ESign),
+            (E | ESign | Exp, _) if digit => Some(Exp),
+            _ => None,
+        };
+        if let Some(s) = next {
+            self.st = St::Num(s);
+            return true;
+        }
+        // The number ends here if it may; the byte then belongs to what follows it.
+        if matches!(n, Zero | Int | Frac | Exp) {
+            self.st = St::After;
+            self.push(b)
+        } else {
+            false
+        }
+    }
+}
+
+/// Every token's bytes, for masking.
+pub struct JsonVocab {
+    /// Empty for tokens that may never appear in a document (special tokens, empty ones).
+    bytes: Vec<Box<[u8]>>,
+    /// End-of-sequence tokens: allowed once the object is complete.
+    stop_ids: Vec<u32>,
+    /// Tokens of printable ASCII without `"` or `\`: inside a string they only add
+    /// characters, so the mask allows them there without running the validator.
+    plain: Vec<bool>,
+    /// Tokens that may appear in a document (not end-of-sequence, not special, not empty),
+    /// grouped by their first byte.
+    by_first: Vec<Vec<u32>>,
+}
+
+impl JsonVocab {
+    pub fn new(tok: &Tokenizer) -> Self {
+        let special = tok.special_ids();
+        let bytes = (0..tok.vocab_size() as u32)
+            .map(|id| {
+                if special.contains(&id) {
+                    Box::default()
+                } else {
+                    tok.token_bytes(id).into_boxed_slice()
+                }
+            })
+            .collect::<Vec<Box<[u8]>>>();
+        let plain = bytes
+            .iter()
+            .enumerate()
+            .map(|(id, b)| {
+                !tok.stop_ids.contains(&(id as u32))
+                    && !b.is_empty()
+                    && b.iter()
+                        .all(|&c| (0x20..0x7F).contains(&c) && c != b'"' && c != b'\\')
+            })
+            .collect();
+        let mut by_first = vec![Vec::new(); 256];
+        for (id, b) in bytes.iter().enumerate() {
+            if let Some(&first) = b.first()
+                && !tok.stop_ids.contains(&(id as u32))
+            {
+                by_first[first as usize].push(id as u32);
+            }
+        }
+        Self {
+            bytes,
+            stop_ids: tok.stop_ids.clone(),
+            plain,
+            by_first,
+        }
+    }
+
+    /// Whether `token` may follow a document at `st` (end-of-sequence: only after a complete
+    /// object).
+    pub fn allows(&self, st: &JsonState, token: u32) -> bool {
+        if self.stop_ids.contains(&token) {
+            return st.complete();
+        }
+        match self.bytes.get(token as usize) {
+            Some(b) if !b.is_empty() => {
+                let mut s = *st;
+                s.push_bytes(b)
+            }
+            _ => false,
+        }
+    }
+
+    /// Sets the logit of every token that may not follow `st` to −∞. Should nothing be allowed
+    /// (a vocabulary without the byte needed), end-of-sequence stays open so the request ends.
+    pub fn mask(&self, st: &JsonState, logits: &mut [f32]) {
+        let mut keep = vec![false; logits.len()];
+        let in_string = st.in_string();
+        // Only tokens whose first byte the document takes can be allowed: outside strings that
+        // is a handful of bytes, so most of the vocabulary is never run through the validator.
+        for (b, group) in self.by_first.iter().enumerate() {
+            let mut s = *st;
+            if group.is_empty() || !s.push(b as u8) {
+                continue;
+            }
+            for &t in group {
+                let t = t as usize;
+                let ok = in_string && self.plain[t] || {
+                    let mut s = *st;
+                    s.push_bytes(&self.bytes[t])
+                };
+                if let Some(k) = keep.get_mut(t) {
+                    *k = ok;
+                }
+            }
+        }
+        if st.complete() {
+            for &t in &self.stop_ids {
+                if let Some(k) = keep.get_mut(t as usize) {
+                    *k = true;
+                }
+            }
+        }
+        let mut any = false;
+        for (l, &k) in logits.iter_mut().zip(&keep) {
+            if k {
+                any |= *l > f32::NEG_INFINITY;
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        if !any {
+            for &t in &self.stop_ids {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = 0.0;
+                }
+            }
+        }
+    }
+
+    /// The state after `token` (unchanged for end-of-sequence tokens); None if not allowed.
+    pub fn advance(&self, st: &JsonState, token: u32) -> Option<JsonState> {
+        if self.stop_ids.contains(&token) {
+            return Some(*st);
+        }
+        let b = self.bytes.get(token as usize).filter(|b| !b.is_empty())?;
+        let mut s = *st;
+        s.push_bytes(b).then_some(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn accepts(doc: &str) -> Option<bool> {
+        let mut s = JsonState::new();
+        s.push_bytes(doc.as_bytes()).then_some(s.complete())
+    }
+
+    #[test]
+    fn valid_objects_are_accepted_and_complete() {
+        for doc in [
+            "{}",
+            " {\"a\": 1}\n",
+            "{\"a\":[1,-2.5e+3,0,0.25,1E9,true,false,null,\"x\"],\"b\":{\"c\":{}}}",
+            "{\"s\": \"esc \\\" \\\\ \\/ \\b\\f\\n\\r\\t \\u00e9 é ü 日本 🙂\"}",
+            "{\"e\": [], \"f\": [[], [{}]], \"g\": -0.0e-0}",
+        ] {
+            assert_eq!(accepts(doc), Some(true), "{doc}");
+            assert!(serde_json::from_str::<serde_json::Value>(doc).is_ok());
+        }
+    }
+
+    #[test]
+    fn prefixes_are_accepted_but_not_complete() {
+        let doc = "{\"a\": [1, {\"b\": \"c\\u00e9\"}], \"n\": -12.5e3}";
+        for cut in 0..doc.len() {
+            if doc.is_char_boundary(cut) {
+                assert_eq!(accepts(&doc[..cut]), Some(false), "{}", &doc[..cut]);
+            }
+        }
+        // A number at the end of a prefix is not closed yet.
+        assert_eq!(accepts("{\"n\": 12"), Some(false));
+    }
+
+    #[test]
+    fn invalid_documents_are_refused() {
+        for doc in [
+            "[1]",
+            "\"s\"",
+            "1",
+            "{\"a\" 1}",
+            "{\"a\": 01}",
+            "{\"a\": 1,}",
+            "{,}",
+            "{\"a\": [1,]}",
+            "{\"a\": tru}",
+            "{\"a\": truex}",
+            "{\"a\": -}",
+            "{\"a\": 1.}",
+            "{\"a\": 1e}",
+            "{\"a\": \"x\ny\"}",
+            "{\"a\": \"\\x\"}",
+            "{\"a\": \"\\u12g4\"}",
+            "{\"a\": 1]",
+            "{\"a\": [1}",
+            "{} {}",
+            "{}x",
+            "{a: 1}",
+        ] {
+            let got = accepts(doc);
+            assert!(got != Some(true), "{doc} was accepted: {got:?}");
+            assert!(
+                serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(doc).is_err()
+            );
+        }
+        // Invalid UTF-8 inside a string.
+        let mut s = JsonState::new();
+        assert!(!s.push_bytes(b"{\"a\": \"\xff\"}"));
+        let mut s = JsonState::new();
+        assert!(!s.push_bytes(b"{\"a\": \"\xc3\"}"));
+    }
+
+    #[test]
+    fn nesting_and_whitespace_are_bounded() {
+        let deep = "[".repeat(MAX_DEPTH as usize - 1);
+        let mut s = JsonState::new();
+        assert!(s.push_bytes(format!("{{\"a\": {deep}").as_bytes()));
+        assert!(!{
+            let mut c = s;
+            c.push(b'[')
+        });
+        let mut c = s;
+        assert!(c.push(b']'));
+        let mut s = JsonState::new();
+        assert!(s.push_bytes(&[b' '; MAX_WS_RUN as usize]));
+        let mut c = s;
+        assert!(!c.push(b'\n'));
+        assert!(s.push(b'{'));
+        // Whitespace inside strings is content, not counted.
+        assert!(s.push_bytes(format!("\"{}\"", " ".repeat(100)).as_bytes()));
+    }
+
+    #[test]
+    fn the_mask_allows_exactly_the_tokens_that_keep_the_document_valid() {
+        let path = crate::tiny::tiny_model_path(&crate::tiny::TinySpec::llama(5), "json-mask")
+            .expect("tiny model");
+        let tok = Tokenizer::load(&path).expect("tokenizer");
+        let jv = JsonVocab::new(&tok);
+        let n = tok.vocab_size();
+        // The last document stops inside a two-byte character.
+        let docs: [&[u8]; 7] = [
+            b"",
+            b"{",
+            b"{\"a\": \"x y",
+            b"{\"a\": 1",
+            b"{}",
+            b"{\"a\":[tr",
+            b"{\"a\": \"\xc3",
+        ];
+        for doc in docs {
+            let mut st = JsonState::new();
+            assert!(st.push_bytes(doc), "{doc:?}");
+            let mut logits = vec![0f32; n];
+            jv.mask(&st, &mut logits);
+            let mut allowed = 0;
+            for t in 0..n as u32 {
+                let ok = tok.stop_ids.contains(&t) && st.complete()
+                    || !tok.special_ids().contains(&t) && {
+                        let b = tok.token_bytes(t);
+                        let mut s = st;
+                        !b.is_empty() && s.push_bytes(&b)
+                    };
+                assert_eq!(logits[t as usize].is_finite(), ok, "{doc:?} token {t}");
+                allowed += ok as usize;
+            }
+            assert!(allowed > 0, "{doc:?}");
+        }
+    }
+}
