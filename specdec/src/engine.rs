@@ -117,6 +117,10 @@ pub struct Request {
     /// tokens that cannot continue one are masked out of the target's distribution
     /// ([`dspark_runtime::json`]). Needs a tokenizer.
     pub json: bool,
+    /// The last `resumed` prompt tokens are output generated before, elsewhere (the router
+    /// continues a request this way when a worker dies): JSON mode reads them as the start
+    /// of the document.
+    pub resumed: usize,
 }
 
 /// Most alternatives a request may ask for per token (OpenAI's `top_logprobs` bound).
@@ -170,6 +174,7 @@ impl Request {
             min_tokens: 0,
             stop_token_ids: Vec::new(),
             json: false,
+            resumed: 0,
         }
     }
 }
@@ -603,6 +608,18 @@ impl Engine {
                 .ok_or_else(|| SpecError::Invalid("JSON mode needs a tokenizer".into()))?;
             self.json_vocab = Some(Arc::new(JsonVocab::new(tk)));
         }
+        if req.resumed > req.prompt.len() {
+            return Err(SpecError::Invalid(format!(
+                "{} resumed tokens in a prompt of {}",
+                req.resumed,
+                req.prompt.len()
+            )));
+        }
+        if req.json && resumed_json(self.json_vocab.as_deref(), &req).is_none() {
+            return Err(SpecError::Invalid(
+                "the resumed output is not the start of a JSON object".into(),
+            ));
+        }
         if let Some(g) = req.gamma {
             let max = self
                 .proposer
@@ -756,7 +773,11 @@ impl Engine {
                 drafted_before: false,
                 prompt_lps: Vec::new(),
                 group: (self.admitted % 2) as u8,
-                json: req.json.then(JsonState::new),
+                json: if req.json {
+                    resumed_json(self.json_vocab.as_deref(), &req)
+                } else {
+                    None
+                },
                 req,
             });
             self.admitted += 1;
@@ -1433,6 +1454,16 @@ fn feature_rows(
             rows.extend_from_slice(&lh[t * d..(t + 1) * d]);
         }
     }
+}
+
+/// A JSON-mode request's document after its resumed output (a fresh one without); None if
+/// that output cannot start a JSON object.
+fn resumed_json(jv: Option<&JsonVocab>, req: &Request) -> Option<JsonState> {
+    let jv = jv?;
+    let from = req.prompt.len().checked_sub(req.resumed)?;
+    req.prompt[from..]
+        .iter()
+        .try_fold(JsonState::new(), |st, &t| jv.advance(&st, t))
 }
 
 /// The logits a JSON-mode request samples from at a position whose document stands at `st`

@@ -444,7 +444,8 @@ fn json_mode_keeps_greedy_parity_and_yields_json() {
             e.check_kv().unwrap();
         }
     }
-    // JSON mode with min_tokens is refused (the two could leave nothing to sample).
+    // A request continued after a failover: the output so far rides at the end of the prompt
+    // and the document picks up where it was, so the rest equals the uninterrupted run.
     let mut e = Engine::with_cost(
         f.target.clone(),
         Some(f.tok.clone()),
@@ -453,6 +454,32 @@ fn json_mode_keeps_greedy_parity_and_yields_json() {
         CostModel::flat(2),
     )
     .unwrap();
+    let cont = (0..ps.len())
+        .filter(|&i| want[i].token_ids.len() > 6)
+        .collect::<Vec<_>>();
+    assert!(!cont.is_empty());
+    for &i in &cont {
+        let mut prompt = ps[i].clone();
+        prompt.extend_from_slice(&want[i].token_ids[..5]);
+        let mut r = Request::new(i as u64, prompt, 35);
+        r.params = params(i);
+        r.json = true;
+        r.resumed = 5;
+        e.add(r).unwrap();
+    }
+    let got = collect(e.run_to_completion().unwrap());
+    for &i in &cont {
+        assert_eq!(got[&(i as u64)].0, want[i].token_ids[5..], "prompt {i}");
+    }
+    // Resumed output that cannot start an object, or more of it than the prompt holds.
+    let mut r = Request::new(1, ps[0].clone(), 10);
+    r.json = true;
+    r.resumed = 2;
+    assert!(e.add(r).unwrap_err().to_string().contains("JSON"));
+    let mut r = Request::new(1, ps[0].clone(), 10);
+    r.resumed = ps[0].len() + 1;
+    assert!(e.add(r).unwrap_err().to_string().contains("resumed"));
+    // JSON mode with min_tokens is refused (the two could leave nothing to sample).
     let mut r = Request::new(1, ps[0].clone(), 10);
     r.json = true;
     r.min_tokens = 2;

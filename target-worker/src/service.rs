@@ -135,6 +135,7 @@ impl TargetWorker for TargetService {
             min_tokens: r.min_tokens as usize,
             stop_token_ids: r.stop_token_ids,
             json: r.json,
+            resumed: r.resumed as usize,
         };
         let draft = if self.local_drafting {
             None
