@@ -517,6 +517,7 @@ async fn open(
             .saturating_sub(prompt_len.saturating_sub(job.prompt.len())) as u32,
         stop_token_ids: job.settings.stop_token_ids.clone(),
         json: job.settings.json,
+        json_schema: job.settings.json_schema.clone().unwrap_or_default(),
         resumed: prompt_len.saturating_sub(job.prompt.len()) as u32,
     });
     if let Ok(v) = job.traceparent.parse() {

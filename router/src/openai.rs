@@ -200,6 +200,8 @@ pub struct GenSettings {
     pub stop_token_ids: Vec<u32>,
     /// JSON mode: the output is one JSON object.
     pub json: bool,
+    /// Structured output: the output is a document of this schema (its JSON text, checked).
+    pub json_schema: Option<String>,
 }
 
 pub const MAX_STOPS: usize = 16;
@@ -405,20 +407,31 @@ impl Common {
                 ));
             }
         };
+        let mut json_schema = None;
         let json = match &self.response_format {
             None => false,
             Some(f) => match f.get("type").and_then(Value::as_str) {
                 Some("text") => false,
                 Some("json_object") => true,
                 Some("json_schema") => {
-                    return Err(ApiError::bad(
-                        "response_format `json_schema` is not supported; `json_object` is",
-                        Some("response_format"),
-                    ));
+                    let schema = f
+                        .get("json_schema")
+                        .and_then(|j| j.get("schema"))
+                        .ok_or_else(|| {
+                            ApiError::bad(
+                                "response_format json_schema needs `json_schema.schema`",
+                                Some("response_format"),
+                            )
+                        })?;
+                    dspark_runtime::json_schema::Schema::compile(schema).map_err(|e| {
+                        ApiError::bad(format!("json_schema: {e}"), Some("response_format"))
+                    })?;
+                    json_schema = Some(schema.to_string());
+                    true
                 }
                 _ => {
                     return Err(ApiError::bad(
-                        "response_format must be {\"type\": \"text\"} or {\"type\": \"json_object\"}",
+                        "response_format type must be `text`, `json_object` or `json_schema`",
                         Some("response_format"),
                     ));
                 }
@@ -467,6 +480,7 @@ impl Common {
             min_tokens,
             stop_token_ids,
             json,
+            json_schema,
         })
     }
 }

@@ -1,7 +1,7 @@
 //! Plain autoregressive decoding over the runtime (the baseline every speculative arm is compared
 //! with, and `dspark generate --drafter none`).
 
-use crate::json::{JsonState, JsonVocab};
+use crate::json::{Format, JsonVocab};
 use crate::model::{ForwardOptions, LogitsMode, Model, SeqInput};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Result, RuntimeError};
@@ -21,8 +21,8 @@ pub struct GenerateParams {
     pub min_tokens: usize,
     /// More tokens that end generation; they are part of the output.
     pub stop_token_ids: Vec<u32>,
-    /// JSON mode: the output is one JSON object ([`crate::json`]).
-    pub json: bool,
+    /// Structured output: a JSON object, or a document of a schema ([`crate::json`]).
+    pub json: Option<Format>,
 }
 
 impl Default for GenerateParams {
@@ -34,7 +34,7 @@ impl Default for GenerateParams {
             prefill_chunk: 256,
             min_tokens: 0,
             stop_token_ids: Vec::new(),
-            json: false,
+            json: None,
         }
     }
 }
@@ -69,7 +69,7 @@ pub fn validate(model: &Model, prompt: &[u32], p: &GenerateParams) -> Result<()>
             p.min_tokens, p.max_tokens
         )));
     }
-    if p.json && p.min_tokens > 0 {
+    if p.json.is_some() && p.min_tokens > 0 {
         return Err(RuntimeError::Invalid(
             "min_tokens cannot be combined with JSON mode".into(),
         ));
@@ -127,19 +127,19 @@ pub fn generate(
         .copied()
         .collect();
     sampling.hold_end_tokens(prompt.len(), p.min_tokens, &ends);
-    let json = p.json.then(|| JsonVocab::new(tok));
-    let mut doc = JsonState::new();
+    let json = p.json.as_ref().map(|f| (JsonVocab::new(tok), f));
+    let mut doc = p.json.as_ref().map(Format::start);
     let mut seen: Vec<u32> = prompt.to_vec();
     let mut out_ids = Vec::new();
     let mut dec = StreamDecoder::new();
     let mut finish = "length";
     loop {
-        if let Some(jv) = &json {
-            jv.mask(&doc, &mut logits);
+        if let (Some((jv, f)), Some(d)) = (&json, &doc) {
+            jv.mask_doc(f, d, &mut logits);
         }
         let next = sample_logits(&logits, &seen, &sampling, &mut rng);
-        if let Some(jv) = &json {
-            doc = jv.advance(&doc, next).ok_or_else(|| {
+        if let (Some((jv, f)), Some(d)) = (&json, doc.as_mut()) {
+            *d = jv.advance_doc(f, d, next).ok_or_else(|| {
                 RuntimeError::Invalid(format!("token {next} breaks the JSON document"))
             })?;
         }

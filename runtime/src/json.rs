@@ -10,7 +10,9 @@
 //! [`MAX_DEPTH`] deep, and at most [`MAX_WS_RUN`] whitespace bytes follow each other outside
 //! strings.
 
+use crate::json_schema::{Schema, SchemaState};
 use crate::tokenizer::Tokenizer;
+use std::sync::Arc;
 
 /// Deepest nesting of objects and arrays.
 pub const MAX_DEPTH: u8 = 64;
@@ -99,7 +101,7 @@ impl JsonState {
 
     /// Inside a string, between characters: any printable ASCII byte but `"` and `\` keeps
     /// it there (the mask's fast path).
-    fn in_string(&self) -> bool {
+    pub fn in_string(&self) -> bool {
         matches!(self.st, St::Str { .. }) && self.utf8 == 0
     }
 
@@ -357,7 +359,7 @@ impl JsonVocab {
 
     /// Whether `token` may follow a document at `st` (end-of-sequence: only after a complete
     /// object).
-    pub fn allows(&self, st: &JsonState, token: u32) -> bool {
+    pub fn allows<D: Document>(&self, st: &D, token: u32) -> bool {
         if self.stop_ids.contains(&token) {
             return st.complete();
         }
@@ -372,7 +374,7 @@ impl JsonVocab {
 
     /// Sets the logit of every token that may not follow `st` to −∞. Should nothing be allowed
     /// (a vocabulary without the byte needed), end-of-sequence stays open so the request ends.
-    pub fn mask(&self, st: &JsonState, logits: &mut [f32]) {
+    pub fn mask<D: Document>(&self, st: &D, logits: &mut [f32]) {
         let mut keep = vec![false; logits.len()];
         let in_string = st.in_string();
         // Only tokens whose first byte the document takes can be allowed: outside strings that
@@ -418,7 +420,7 @@ impl JsonVocab {
     }
 
     /// The state after `token` (unchanged for end-of-sequence tokens); None if not allowed.
-    pub fn advance(&self, st: &JsonState, token: u32) -> Option<JsonState> {
+    pub fn advance<D: Document>(&self, st: &D, token: u32) -> Option<D> {
         if self.stop_ids.contains(&token) {
             return Some(*st);
         }
@@ -426,6 +428,114 @@ impl JsonVocab {
         let mut s = *st;
         s.push_bytes(b).then_some(s)
     }
+
+    /// [`JsonVocab::mask`] for a request's format and document.
+    pub fn mask_doc(&self, f: &Format, d: &Doc, logits: &mut [f32]) {
+        match (f, d) {
+            (Format::Object, Doc::Object(st)) => self.mask(st, logits),
+            (Format::Schema(schema), Doc::Schema(st)) => {
+                self.mask(&Bound { schema, st: *st }, logits)
+            }
+            // A document of another format: nothing may follow but the end.
+            _ => self.mask(&Done, logits),
+        }
+    }
+
+    /// [`JsonVocab::advance`] for a request's format and document.
+    pub fn advance_doc(&self, f: &Format, d: &Doc, token: u32) -> Option<Doc> {
+        match (f, d) {
+            (Format::Object, Doc::Object(st)) => self.advance(st, token).map(Doc::Object),
+            (Format::Schema(schema), Doc::Schema(st)) => self
+                .advance(&Bound { schema, st: *st }, token)
+                .map(|b| Doc::Schema(b.st)),
+            _ => None,
+        }
+    }
+}
+
+/// What the mask needs of a document: bytes in, and whether it is complete or inside a string.
+pub trait Document: Copy {
+    fn push(&mut self, b: u8) -> bool;
+    fn complete(&self) -> bool;
+    /// Between characters of a string, where printable ASCII without `"` or `\` only adds
+    /// characters.
+    fn in_string(&self) -> bool;
+    fn push_bytes(&mut self, bytes: &[u8]) -> bool {
+        bytes.iter().all(|&b| self.push(b))
+    }
+}
+
+impl Document for JsonState {
+    fn push(&mut self, b: u8) -> bool {
+        JsonState::push(self, b)
+    }
+    fn complete(&self) -> bool {
+        JsonState::complete(self)
+    }
+    fn in_string(&self) -> bool {
+        JsonState::in_string(self)
+    }
+}
+
+/// A schema's document with its schema at hand.
+#[derive(Clone, Copy)]
+struct Bound<'a> {
+    schema: &'a Schema,
+    st: SchemaState,
+}
+
+/// A document that takes no byte and is complete (a format mismatch: only the end may follow).
+#[derive(Clone, Copy)]
+struct Done;
+
+impl Document for Done {
+    fn push(&mut self, _: u8) -> bool {
+        false
+    }
+    fn complete(&self) -> bool {
+        true
+    }
+    fn in_string(&self) -> bool {
+        false
+    }
+}
+
+impl Document for Bound<'_> {
+    fn push(&mut self, b: u8) -> bool {
+        self.st.push(self.schema, b)
+    }
+    fn complete(&self) -> bool {
+        self.st.complete()
+    }
+    fn in_string(&self) -> bool {
+        self.st.in_string(self.schema)
+    }
+}
+
+/// What a structured-output request's answer must be.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Format {
+    /// Any JSON object (`response_format: json_object`).
+    Object,
+    /// A document of this schema (`response_format: json_schema`).
+    Schema(Arc<Schema>),
+}
+
+impl Format {
+    /// The empty document.
+    pub fn start(&self) -> Doc {
+        match self {
+            Format::Object => Doc::Object(JsonState::new()),
+            Format::Schema(s) => Doc::Schema(SchemaState::new(s)),
+        }
+    }
+}
+
+/// Where an answer stands against its [`Format`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Doc {
+    Object(JsonState),
+    Schema(SchemaState),
 }
 
 #[cfg(test)]
@@ -550,6 +660,39 @@ mod tests {
                         let b = tok.token_bytes(t);
                         let mut s = st;
                         !b.is_empty() && s.push_bytes(&b)
+                    };
+                assert_eq!(logits[t as usize].is_finite(), ok, "{doc:?} token {t}");
+                allowed += ok as usize;
+            }
+            assert!(allowed > 0, "{doc:?}");
+        }
+        // The same through a schema: inside a key, a string value, a number, an enum.
+        let schema = Arc::new(
+            Schema::compile(&serde_json::json!({"type": "object", "required": ["a"],
+                "properties": {"a": {"type": "string"}, "b": {"type": "number"},
+                    "c": {"enum": ["x", "yz", 3]}}}))
+            .expect("schema"),
+        );
+        let f = Format::Schema(schema.clone());
+        for doc in [
+            "",
+            "{\"",
+            "{\"a\": \"x y",
+            "{\"a\": \"\", \"b\": 1",
+            "{\"a\":\"\",\"c\":\"y",
+            "{\"a\":\"\"}",
+        ] {
+            let mut st = SchemaState::new(&schema);
+            assert!(st.push_bytes(&schema, doc.as_bytes()), "{doc}");
+            let mut logits = vec![0f32; n];
+            jv.mask_doc(&f, &Doc::Schema(st), &mut logits);
+            let mut allowed = 0;
+            for t in 0..n as u32 {
+                let ok = tok.stop_ids.contains(&t) && st.complete()
+                    || !tok.special_ids().contains(&t) && {
+                        let b = tok.token_bytes(t);
+                        let mut s = st;
+                        !b.is_empty() && s.push_bytes(&schema, &b)
                     };
                 assert_eq!(logits[t as usize].is_finite(), ok, "{doc:?} token {t}");
                 allowed += ok as usize;

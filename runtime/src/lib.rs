@@ -17,6 +17,7 @@ pub mod fetch;
 pub mod generate;
 pub mod gguf;
 pub mod json;
+pub mod json_schema;
 pub mod kv;
 pub mod model;
 pub mod tiny;

@@ -10,7 +10,7 @@
 use crate::metrics::RequestMetrics;
 use crate::proposer::{Dist, DraftBlock, ProposeReq, Proposer};
 use crate::{MAX_GAMMA, Result, SpecError};
-use dspark_runtime::json::{JsonState, JsonVocab};
+use dspark_runtime::json::{Doc, Format, JsonVocab};
 use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
 use dspark_runtime::tokenizer::StreamDecoder;
 use dspark_runtime::{KvCache, Model, SeqId, Tokenizer};
@@ -113,10 +113,10 @@ pub struct Request {
     /// More tokens that end the request (vLLM's `stop_token_ids`); unlike end-of-sequence
     /// tokens they are part of the output.
     pub stop_token_ids: Vec<u32>,
-    /// JSON mode (OpenAI's `response_format: json_object`): the output is one JSON object;
-    /// tokens that cannot continue one are masked out of the target's distribution
-    /// ([`dspark_runtime::json`]). Needs a tokenizer.
-    pub json: bool,
+    /// Structured output (OpenAI's `response_format`: `json_object`, or `json_schema` for a
+    /// document of a schema): tokens that cannot continue one are masked out of the target's
+    /// distribution ([`dspark_runtime::json`]). Needs a tokenizer.
+    pub json: Option<Format>,
     /// The last `resumed` prompt tokens are output generated before, elsewhere (the router
     /// continues a request this way when a worker dies): JSON mode reads them as the start
     /// of the document.
@@ -173,7 +173,7 @@ impl Request {
             ignore_eos: false,
             min_tokens: 0,
             stop_token_ids: Vec::new(),
-            json: false,
+            json: None,
             resumed: 0,
         }
     }
@@ -443,7 +443,7 @@ struct Seq {
     /// Prompt log-probabilities gathered over the prefill chunks, sent with the first event.
     prompt_lps: Vec<TokenLogprob>,
     /// JSON mode: the document after the committed output.
-    json: Option<JsonState>,
+    json: Option<Doc>,
 }
 
 impl Seq {
@@ -579,7 +579,7 @@ impl Engine {
                 "stop token id {t} outside the vocabulary"
             )));
         }
-        if req.json && req.min_tokens > 0 {
+        if req.json.is_some() && req.min_tokens > 0 {
             return Err(SpecError::Invalid(
                 "min_tokens cannot be combined with JSON mode".into(),
             ));
@@ -601,7 +601,7 @@ impl Engine {
         let prompt_len = req.prompt.len();
         req.params
             .hold_end_tokens(prompt_len, req.min_tokens, &ends);
-        if req.json && self.json_vocab.is_none() {
+        if req.json.is_some() && self.json_vocab.is_none() {
             let tk = self
                 .tok
                 .as_deref()
@@ -615,7 +615,7 @@ impl Engine {
                 req.prompt.len()
             )));
         }
-        if req.json && resumed_json(self.json_vocab.as_deref(), &req).is_none() {
+        if req.json.is_some() && resumed_json(self.json_vocab.as_deref(), &req).is_none() {
             return Err(SpecError::Invalid(
                 "the resumed output is not the start of a JSON object".into(),
             ));
@@ -773,11 +773,7 @@ impl Engine {
                 drafted_before: false,
                 prompt_lps: Vec::new(),
                 group: (self.admitted % 2) as u8,
-                json: if req.json {
-                    resumed_json(self.json_vocab.as_deref(), &req)
-                } else {
-                    None
-                },
+                json: resumed_json(self.json_vocab.as_deref(), &req),
                 req,
             });
             self.admitted += 1;
@@ -1136,7 +1132,8 @@ impl Engine {
                 let rows = rows
                     .get(last * vocab..(last + 1) * vocab)
                     .ok_or_else(|| SpecError::Invariant("no logits for the first token".into()))?;
-                let masked = json_row(rows, jv.as_deref(), s.json.as_ref());
+                let fmt = s.req.json.clone();
+                let masked = json_row(rows, jv.as_deref().zip(fmt.as_ref()), s.json.as_ref());
                 let first = sample_one(&masked, &s.tokens, &s.req.params, &mut s.rng_accept);
                 s.metrics.accept_s += t0.elapsed().as_secs_f64();
                 s.phase = Phase::Decode;
@@ -1160,15 +1157,14 @@ impl Engine {
             let mut accept_prob: Vec<f32> = Vec::new();
             // JSON mode: the document before each verified position (None past a draft that
             // breaks it: that draft is rejected, so what follows is never read).
-            let states = json_states(jv.as_deref(), s.json, &d.tokens);
+            let fmt = s.req.json.clone();
+            let shape = jv.as_deref().zip(fmt.as_ref());
+            let states = json_states(shape, s.json, &d.tokens);
             let verdict = if s.req.params.is_greedy() {
                 let mut am = Vec::with_capacity(k + 1);
                 for r in 0..=k {
-                    let row = json_row(
-                        &rows[r * vocab..(r + 1) * vocab],
-                        jv.as_deref(),
-                        states[r].as_ref(),
-                    );
+                    let row =
+                        json_row(&rows[r * vocab..(r + 1) * vocab], shape, states[r].as_ref());
                     let row = &row[..];
                     if s.req.params.shapes_logits() {
                         let mut seen = s.tokens.clone();
@@ -1184,11 +1180,8 @@ impl Engine {
                 for r in 0..=k {
                     let mut seen = s.tokens.clone();
                     seen.extend_from_slice(&d.tokens[..r]);
-                    let row = json_row(
-                        &rows[r * vocab..(r + 1) * vocab],
-                        jv.as_deref(),
-                        states[r].as_ref(),
-                    );
+                    let row =
+                        json_row(&rows[r * vocab..(r + 1) * vocab], shape, states[r].as_ref());
                     ps.push(probs(&row, &seen, &s.req.params));
                 }
                 let pr: Vec<&[f32]> = ps.iter().map(|v| v.as_slice()).collect();
@@ -1458,25 +1451,25 @@ fn feature_rows(
 
 /// A JSON-mode request's document after its resumed output (a fresh one without); None if
 /// that output cannot start a JSON object.
-fn resumed_json(jv: Option<&JsonVocab>, req: &Request) -> Option<JsonState> {
-    let jv = jv?;
+fn resumed_json(jv: Option<&JsonVocab>, req: &Request) -> Option<Doc> {
+    let (jv, f) = (jv?, req.json.as_ref()?);
     let from = req.prompt.len().checked_sub(req.resumed)?;
     req.prompt[from..]
         .iter()
-        .try_fold(JsonState::new(), |st, &t| jv.advance(&st, t))
+        .try_fold(f.start(), |st, &t| jv.advance_doc(f, &st, t))
 }
 
 /// The logits a JSON-mode request samples from at a position whose document stands at `st`
 /// (tokens that would break it at −∞); any other row as it is.
 fn json_row<'a>(
     row: &'a [f32],
-    jv: Option<&JsonVocab>,
-    st: Option<&JsonState>,
+    shape: Option<(&JsonVocab, &Format)>,
+    st: Option<&Doc>,
 ) -> std::borrow::Cow<'a, [f32]> {
-    match (jv, st) {
-        (Some(jv), Some(st)) => {
+    match (shape, st) {
+        (Some((jv, f)), Some(st)) => {
             let mut m = row.to_vec();
-            jv.mask(st, &mut m);
+            jv.mask_doc(f, st, &mut m);
             std::borrow::Cow::Owned(m)
         }
         _ => std::borrow::Cow::Borrowed(row),
@@ -1486,17 +1479,17 @@ fn json_row<'a>(
 /// The JSON document before each position of a verification window (k drafts + 1): the
 /// committed state, then each draft applied; None from the first draft that breaks it.
 fn json_states(
-    jv: Option<&JsonVocab>,
-    st: Option<JsonState>,
+    shape: Option<(&JsonVocab, &Format)>,
+    st: Option<Doc>,
     drafts: &[u32],
-) -> Vec<Option<JsonState>> {
+) -> Vec<Option<Doc>> {
     let mut out = vec![None; drafts.len() + 1];
-    let (Some(jv), Some(mut cur)) = (jv, st) else {
+    let (Some((jv, f)), Some(mut cur)) = (shape, st) else {
         return out;
     };
     out[0] = Some(cur);
     for (r, &t) in drafts.iter().enumerate() {
-        match jv.advance(&cur, t) {
+        match jv.advance_doc(f, &cur, t) {
             Some(n) => cur = n,
             None => break,
         }
@@ -1541,8 +1534,8 @@ fn commit_tokens(
         }
         s.tokens.push(t);
         emitted.push(t);
-        if let (Some(jv), Some(st)) = (json, s.json.as_mut()) {
-            *st = jv.advance(st, t).ok_or_else(|| {
+        if let (Some(jv), Some(f), Some(st)) = (json, s.req.json.as_ref(), s.json.as_mut()) {
+            *st = jv.advance_doc(f, st, t).ok_or_else(|| {
                 SpecError::Invariant(format!("token {t} breaks the request's JSON document"))
             })?;
         }

@@ -3,6 +3,7 @@
 //! batching), the sampled distribution with speculation on vs off, KV hygiene and bad input.
 
 use dspark_runtime::generate::{GenerateParams, generate};
+use dspark_runtime::json::Format;
 use dspark_runtime::tiny::{TinySpec, tiny_model_path};
 use dspark_runtime::{LoadOptions, Model, Tokenizer};
 use kernels::sampling::SamplingParams;
@@ -363,7 +364,7 @@ fn json_mode_keeps_greedy_parity_and_yields_json() {
             &GenerateParams {
                 max_tokens: 40,
                 sampling,
-                json: true,
+                json: Some(Format::Object),
                 ..Default::default()
             },
             &mut |_| {},
@@ -432,7 +433,7 @@ fn json_mode_keeps_greedy_parity_and_yields_json() {
             for (i, p) in ps.iter().enumerate() {
                 let mut r = Request::new(i as u64, p.clone(), 40);
                 r.params = params(i);
-                r.json = true;
+                r.json = Some(Format::Object);
                 e.add(r).unwrap();
             }
             let got = collect(e.run_to_completion().unwrap());
@@ -463,7 +464,7 @@ fn json_mode_keeps_greedy_parity_and_yields_json() {
         prompt.extend_from_slice(&want[i].token_ids[..5]);
         let mut r = Request::new(i as u64, prompt, 35);
         r.params = params(i);
-        r.json = true;
+        r.json = Some(Format::Object);
         r.resumed = 5;
         e.add(r).unwrap();
     }
@@ -473,7 +474,7 @@ fn json_mode_keeps_greedy_parity_and_yields_json() {
     }
     // Resumed output that cannot start an object, or more of it than the prompt holds.
     let mut r = Request::new(1, ps[0].clone(), 10);
-    r.json = true;
+    r.json = Some(Format::Object);
     r.resumed = 2;
     assert!(e.add(r).unwrap_err().to_string().contains("JSON"));
     let mut r = Request::new(1, ps[0].clone(), 10);
@@ -481,9 +482,116 @@ fn json_mode_keeps_greedy_parity_and_yields_json() {
     assert!(e.add(r).unwrap_err().to_string().contains("resumed"));
     // JSON mode with min_tokens is refused (the two could leave nothing to sample).
     let mut r = Request::new(1, ps[0].clone(), 10);
-    r.json = true;
+    r.json = Some(Format::Object);
     r.min_tokens = 2;
     assert!(e.add(r).unwrap_err().to_string().contains("JSON"));
+}
+
+/// A JSON schema shapes the answer the same way: every proposer reproduces plain decoding
+/// under the schema's mask, and finished answers are documents of the schema.
+#[test]
+fn json_schema_keeps_greedy_parity_and_yields_documents_of_the_schema() {
+    let f = fixture();
+    let ps = prompts(&f, 12);
+    let schema = dspark_runtime::json_schema::Schema::compile(&serde_json::json!({
+        "type": "object",
+        "properties": {
+            "kind": {"enum": ["x", "yz", 3]},
+            "ok": {"type": "boolean"},
+            "n": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}}
+        },
+        "required": ["kind", "ok", "n"]
+    }))
+    .unwrap();
+    let format = Format::Schema(Arc::new(schema));
+    // Whitespace pushed away (a tiny random model pads with it), and on odd prompts the
+    // closing bracket and digits made likely so that documents finish.
+    let blank: Vec<u32> = (0..f.tok.vocab_size() as u32)
+        .filter(|&t| {
+            let b = f.tok.token_bytes(t);
+            !b.is_empty() && b.iter().all(|c| c.is_ascii_whitespace())
+        })
+        .collect();
+    let ends: Vec<u32> = ["}", "]", "1", ","]
+        .iter()
+        .flat_map(|s| f.tok.encode(s).unwrap())
+        .collect();
+    let params = |i: usize| {
+        let mut sp = SamplingParams::greedy();
+        let mut bias: Vec<(u32, f32)> = blank.iter().map(|&t| (t, -100.0)).collect();
+        if i % 2 == 1 {
+            bias.extend(ends.iter().map(|&t| (t, 5.0)));
+        }
+        sp.set_logit_bias(bias);
+        sp
+    };
+    let want: Vec<_> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            generate(
+                &f.target,
+                &f.tok,
+                p,
+                &GenerateParams {
+                    max_tokens: 40,
+                    sampling: params(i),
+                    json: Some(format.clone()),
+                    ..Default::default()
+                },
+                &mut |_| {},
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut complete = 0;
+    for (i, w) in want.iter().enumerate() {
+        if w.finish_reason == "stop" {
+            let v: serde_json::Value = serde_json::from_str(&w.text)
+                .unwrap_or_else(|e| panic!("prompt {i}: {e}: {:?}", w.text));
+            assert!(
+                [
+                    serde_json::json!("x"),
+                    serde_json::json!("yz"),
+                    serde_json::json!(3)
+                ]
+                .contains(&v["kind"]),
+                "{v}"
+            );
+            assert!(v["ok"].is_boolean() && v["n"].is_i64(), "{v}");
+            complete += 1;
+        }
+    }
+    assert!(
+        complete > 0,
+        "no document finished: {:?}",
+        want.iter().map(|w| &w.text).collect::<Vec<_>>()
+    );
+    for (name, _) in proposers(&f) {
+        for gamma in [1usize, 4] {
+            let mut e = Engine::with_cost(
+                f.target.clone(),
+                Some(f.tok.clone()),
+                proposer_clone(&f, name),
+                cfg(gamma),
+                CostModel::flat(gamma + 1),
+            )
+            .unwrap();
+            for (i, p) in ps.iter().enumerate() {
+                let mut r = Request::new(i as u64, p.clone(), 40);
+                r.params = params(i);
+                r.json = Some(format.clone());
+                e.add(r).unwrap();
+            }
+            let got = collect(e.run_to_completion().unwrap());
+            for (i, w) in want.iter().enumerate() {
+                let g = &got[&(i as u64)];
+                assert_eq!(g.0, w.token_ids, "{name} γ={gamma} prompt {i}");
+            }
+            e.check_kv().unwrap();
+        }
+    }
 }
 
 #[test]
@@ -534,7 +642,7 @@ fn sampled_first_and_second_tokens_match_with_speculation_on_and_off() {
                 let mut r = Request::new(seed, prompt.clone(), 2);
                 r.params = params.clone();
                 r.min_tokens = min_tokens;
-                r.json = json;
+                r.json = json.then_some(Format::Object);
                 r.seed = seed * 7919 + 1;
                 e.add(r).unwrap();
             }

@@ -110,6 +110,17 @@ impl TargetWorker for TargetService {
                 .map_err(|e| Status::invalid_argument(e.to_string()))?,
             None => kernels::sampling::SamplingParams::greedy(),
         };
+        let json = if !r.json_schema.is_empty() {
+            let v: serde_json::Value = serde_json::from_str(&r.json_schema)
+                .map_err(|e| Status::invalid_argument(format!("json_schema: {e}")))?;
+            let schema = dspark_runtime::json_schema::Schema::compile(&v)
+                .map_err(|e| Status::invalid_argument(format!("json_schema: {e}")))?;
+            Some(dspark_runtime::json::Format::Schema(std::sync::Arc::new(
+                schema,
+            )))
+        } else {
+            r.json.then_some(dspark_runtime::json::Format::Object)
+        };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let span = tracing::info_span!("generate", request_id = r.request_id, engine_id = id);
         dspark_scheduler::set_parent(&span, &r.traceparent);
@@ -134,7 +145,7 @@ impl TargetWorker for TargetService {
             ignore_eos: r.ignore_eos,
             min_tokens: r.min_tokens as usize,
             stop_token_ids: r.stop_token_ids,
-            json: r.json,
+            json,
             resumed: r.resumed as usize,
         };
         let draft = if self.local_drafting {

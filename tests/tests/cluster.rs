@@ -5,6 +5,7 @@ use dspark_proto::draft_worker_client::DraftWorkerClient;
 use dspark_proto::target_worker_client::TargetWorkerClient;
 use dspark_proto::{DraftCall, DraftItem, GenerateRequest};
 use dspark_runtime::generate::{GenerateParams, generate};
+use dspark_runtime::json::Format;
 use dspark_runtime::{LoadOptions, Model, Tokenizer};
 use dspark_tests::*;
 use futures::StreamExt;
@@ -385,7 +386,7 @@ print(json.dumps({"text": text, "items": items}))
             &t.encode(jprompt).expect("encode"),
             &GenerateParams {
                 max_tokens: 80,
-                json: true,
+                json: Some(Format::Object),
                 ..Default::default()
             },
             &mut |_| {},
@@ -397,9 +398,52 @@ print(json.dumps({"text": text, "items": items}))
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     let obj: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
     assert!(obj.is_object(), "{obj}");
+    // A JSON schema: the same comparison, and the answer is a document of the schema.
+    let schema = json!({"type": "object", "required": ["city", "country", "population"],
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+            "population": {"type": "integer"}}});
+    let (st, v) = post(
+        &format!("{}/v1/completions", c.url),
+        &json!({"model": "smollm2-135m", "prompt": jprompt, "max_tokens": 80,
+            "temperature": 0, "return_token_ids": true,
+            "response_format": {"type": "json_schema",
+                "json_schema": {"name": "city", "schema": schema}}}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let compiled = dspark_runtime::json_schema::Schema::compile(&schema).expect("schema");
+    let want = {
+        let (m, t) = reference();
+        generate(
+            m,
+            t,
+            &t.encode(jprompt).expect("encode"),
+            &GenerateParams {
+                max_tokens: 80,
+                json: Some(Format::Schema(std::sync::Arc::new(compiled))),
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .expect("generate")
+    };
+    assert_eq!(ids_of(&v), want.token_ids, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap_or_default();
+    let obj: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    assert!(
+        obj["city"].is_string() && obj["country"].is_string() && obj["population"].is_i64(),
+        "{obj}"
+    );
     for (bad, param) in [
         (
             json!({"response_format": {"type": "json_schema"}}),
+            "response_format",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema",
+                "json_schema": {"schema": {"type": "object",
+                    "properties": {"a": {"type": "string", "pattern": "x+"}}}}}}),
             "response_format",
         ),
         (
