@@ -3,6 +3,7 @@
 use crate::config::Global;
 use clap::Args;
 use dspark_runtime::chat::{ChatTemplate, Message};
+use dspark_runtime::json::Format;
 use kernels::sampling::SamplingParams;
 use specdec::{Event, ProposerKind, Request};
 use std::io::Write;
@@ -29,6 +30,12 @@ pub struct GenerateArgs {
     /// Drop tokens less likely than this fraction of the most likely one (0 = off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
+    /// Answer with one JSON object (JSON mode).
+    #[arg(long, conflicts_with = "json_schema")]
+    pub json_object: bool,
+    /// Answer with a document of the JSON schema in this file (structured output).
+    #[arg(long, value_name = "FILE")]
+    pub json_schema: Option<std::path::PathBuf>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Print one JSON object instead of streaming text.
@@ -67,6 +74,18 @@ pub fn run(g: &Global, a: GenerateArgs) -> anyhow::Result<()> {
             a.gamma
         );
     }
+    let format = match &a.json_schema {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("--json-schema {}: {e}", path.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| anyhow::anyhow!("--json-schema {}: {e}", path.display()))?;
+            let schema = dspark_runtime::json_schema::Schema::compile(&v)
+                .map_err(|e| anyhow::anyhow!("--json-schema {}: {e}", path.display()))?;
+            Some(Format::Schema(std::sync::Arc::new(schema)))
+        }
+        None => a.json_object.then_some(Format::Object),
+    };
     let kind = ProposerKind::parse(&a.drafter, crate::spec::default_draft_for(&a.model))?;
     let target = crate::spec::load_target(g, &a.model)?;
     let tok = target.tok.clone();
@@ -82,6 +101,7 @@ pub fn run(g: &Global, a: GenerateArgs) -> anyhow::Result<()> {
     let mut req = Request::new(1, ids, a.max_tokens);
     req.params = sampling;
     req.seed = a.seed;
+    req.json = format;
     engine.add(req)?;
     let mut stdout = std::io::stdout();
     let mut token_ids = Vec::new();

@@ -139,6 +139,58 @@ fn bad_request_values_are_clear_errors() {
         assert_ne!(code, 0, "{extra:?}");
         assert!(err.contains(want), "{extra:?}: {err}");
     }
+    // Structured output: a schema file with a keyword not supported, one missing; a schema
+    // that works answers with the start of an object.
+    let bad = d.join("bad-schema.json");
+    std::fs::write(
+        &bad,
+        r#"{"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}"#,
+    )
+    .unwrap();
+    let bad = bad.to_string_lossy().to_string();
+    for (extra, want) in [
+        (vec!["--json-schema", bad.as_str()], "pattern"),
+        (
+            vec!["--json-schema", "/nonexistent/s.json"],
+            "--json-schema",
+        ),
+    ] {
+        let mut args = vec!["generate", "--model", &m, "--prompt", "hi"];
+        args.extend(extra.iter());
+        let (code, _, err) = dspark(&d, &args);
+        assert!(
+            code != 0 && err.contains(want) && !err.contains("panicked"),
+            "{extra:?}: {err}"
+        );
+    }
+    let good = d.join("schema.json");
+    std::fs::write(
+        &good,
+        r#"{"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}"#,
+    )
+    .unwrap();
+    let good = good.to_string_lossy().to_string();
+    for extra in [vec!["--json-schema", good.as_str()], vec!["--json-object"]] {
+        let mut args = vec![
+            "generate",
+            "--model",
+            &m,
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "8",
+            "--json",
+        ];
+        args.extend(extra.iter());
+        let (code, out, err) = dspark(&d, &args);
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        let text = v["text"].as_str().unwrap();
+        assert!(
+            text.trim_start().starts_with('{') || text.trim().is_empty(),
+            "{extra:?}: {text:?}"
+        );
+    }
     let (code, _, err) = dspark(&d, &["generate", "--model", &m, "--prompt", ""]);
     assert!(code != 0 && err.contains("empty"), "{err}");
     let (code, _, err) = dspark(&d, &["generate", "--model", &m, "--prompt", &long]);

@@ -382,6 +382,12 @@ impl Common {
                         Some("logit_bias"),
                     ));
                 }
+                if bias.iter().any(|&(u, _)| u == t) {
+                    return Err(ApiError::bad(
+                        format!("logit_bias names token {t} twice"),
+                        Some("logit_bias"),
+                    ));
+                }
                 bias.push((t, b as f32));
             }
         }

@@ -91,6 +91,11 @@ pub fn generate(
     on_text: &mut dyn FnMut(&str),
 ) -> Result<GenerateOutput> {
     validate(model, prompt, p)?;
+    if p.json.is_some() && !tok.is_byte_level() {
+        return Err(RuntimeError::Invalid(
+            "structured output needs a byte-level BPE tokenizer; this model's is not".into(),
+        ));
+    }
     let total = (prompt.len() + p.max_tokens).min(model.cfg.max_ctx);
     let mut cache = model.new_cache(total, 16)?;
     let seq = cache.new_seq();

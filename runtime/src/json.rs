@@ -50,13 +50,6 @@ enum St {
     Str {
         key: bool,
     },
-    Esc {
-        key: bool,
-    },
-    Hex {
-        key: bool,
-        left: u8,
-    },
     Num(Num),
     /// Inside `true` (0), `false` (1) or `null` (2), `at` bytes matched.
     Lit {
@@ -69,6 +62,109 @@ enum St {
 
 const LITS: [&[u8]; 3] = [b"true", b"false", b"null"];
 
+/// What one byte did to a string.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StrStep {
+    More,
+    Closed,
+    Bad,
+}
+
+/// The inside of a JSON string, byte by byte: escapes, `\u` surrogates in pairs only, and
+/// UTF-8 without overlong forms, surrogates or code points past U+10FFFF, so whatever it
+/// takes decodes to the same text and parses with a strict parser.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StrChars {
+    /// 0 characters, 1 after `\`, 2 `\u` digits, 3 a high surrogate wants `\`, 4 … `u`,
+    /// 5 the low surrogate's digits.
+    mode: u8,
+    /// UTF-8 continuation bytes (mode 0) or hex digits (modes 2, 5) still due.
+    due: u8,
+    /// The range the next UTF-8 continuation byte must fall in.
+    lo: u8,
+    hi: u8,
+    /// The `\u` digits so far.
+    hex: u16,
+}
+
+impl StrChars {
+    /// Between characters: printable ASCII but `"` and `\` only adds characters here.
+    pub(crate) fn between_chars(&self) -> bool {
+        self.mode == 0 && self.due == 0
+    }
+
+    pub(crate) fn push(&mut self, b: u8) -> StrStep {
+        use StrStep::*;
+        match self.mode {
+            0 if self.due > 0 => {
+                if !(self.lo..=self.hi).contains(&b) {
+                    return Bad;
+                }
+                self.due -= 1;
+                (self.lo, self.hi) = (0x80, 0xBF);
+                More
+            }
+            0 => {
+                let (due, lo, hi) = match b {
+                    b'"' => return Closed,
+                    b'\\' => {
+                        self.mode = 1;
+                        return More;
+                    }
+                    0x20..=0x7F => return More,
+                    0xC2..=0xDF => (1, 0x80, 0xBF),
+                    0xE0 => (2, 0xA0, 0xBF),
+                    0xE1..=0xEC | 0xEE..=0xEF => (2, 0x80, 0xBF),
+                    0xED => (2, 0x80, 0x9F),
+                    0xF0 => (3, 0x90, 0xBF),
+                    0xF1..=0xF3 => (3, 0x80, 0xBF),
+                    0xF4 => (3, 0x80, 0x8F),
+                    _ => return Bad,
+                };
+                (self.due, self.lo, self.hi) = (due, lo, hi);
+                More
+            }
+            1 => {
+                match b {
+                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => self.mode = 0,
+                    b'u' => (self.mode, self.due, self.hex) = (2, 4, 0),
+                    _ => return Bad,
+                }
+                More
+            }
+            2 | 5 => {
+                let Some(d) = (b as char).to_digit(16) else {
+                    return Bad;
+                };
+                self.hex = self.hex << 4 | d as u16;
+                self.due -= 1;
+                if self.due > 0 {
+                    return More;
+                }
+                let (high, low) = (
+                    (0xD800..=0xDBFF).contains(&self.hex),
+                    (0xDC00..=0xDFFF).contains(&self.hex),
+                );
+                self.mode = match (self.mode, high, low) {
+                    (2, true, _) => 3,
+                    (2, _, true) | (5, _, false) => return Bad,
+                    _ => 0,
+                };
+                More
+            }
+            3 if b == b'\\' => {
+                self.mode = 4;
+                More
+            }
+            4 if b == b'u' => {
+                (self.mode, self.due, self.hex) = (5, 4, 0);
+                More
+            }
+            _ => Bad,
+        }
+    }
+}
+
 /// Where a JSON document stands after some bytes. `Copy`: the mask tries every token on a copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct JsonState {
@@ -78,8 +174,8 @@ pub struct JsonState {
     depth: u8,
     /// Whitespace bytes in a row.
     ws: u8,
-    /// UTF-8 continuation bytes still due inside a string.
-    utf8: u8,
+    /// Inside a string: escapes and UTF-8 under way.
+    chars: StrChars,
 }
 
 impl Default for JsonState {
@@ -95,14 +191,14 @@ impl JsonState {
             kinds: 0,
             depth: 0,
             ws: 0,
-            utf8: 0,
+            chars: StrChars::default(),
         }
     }
 
     /// Inside a string, between characters: any printable ASCII byte but `"` and `\` keeps
     /// it there (the mask's fast path).
     pub fn in_string(&self) -> bool {
-        matches!(self.st, St::Str { .. }) && self.utf8 == 0
+        matches!(self.st, St::Str { .. }) && self.chars.between_chars()
     }
 
     /// Whether the document is a complete JSON object (trailing whitespace allowed).
@@ -120,28 +216,15 @@ impl JsonState {
     pub fn push(&mut self, b: u8) -> bool {
         let ws = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
         match self.st {
-            St::Str { key } => return self.string_byte(key, b),
-            St::Esc { key } => {
-                self.st = match b {
-                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => St::Str { key },
-                    b'u' => St::Hex { key, left: 4 },
-                    _ => return false,
-                };
-                return true;
-            }
-            St::Hex { key, left } => {
-                if !b.is_ascii_hexdigit() {
-                    return false;
-                }
-                self.st = if left == 1 {
-                    St::Str { key }
-                } else {
-                    St::Hex {
-                        key,
-                        left: left - 1,
+            St::Str { key } => {
+                return match self.chars.push(b) {
+                    StrStep::More => true,
+                    StrStep::Closed => {
+                        self.st = if key { St::Colon } else { St::After };
+                        true
                     }
+                    StrStep::Bad => false,
                 };
-                return true;
             }
             St::Num(n) => return self.number_byte(n, b),
             St::Lit { lit, at } => {
@@ -178,6 +261,7 @@ impl JsonState {
             (St::ObjFirst, b'}') => self.close(true),
             (St::ObjFirst | St::ObjKey, b'"') => {
                 self.st = St::Str { key: true };
+                self.chars = StrChars::default();
                 true
             }
             (St::Colon, b':') => {
@@ -230,7 +314,10 @@ impl JsonState {
         self.st = match b {
             b'{' => return self.open(true),
             b'[' => return self.open(false),
-            b'"' => St::Str { key: false },
+            b'"' => {
+                self.chars = StrChars::default();
+                St::Str { key: false }
+            }
             b'-' => St::Num(Num::Minus),
             b'0' => St::Num(Num::Zero),
             b'1'..=b'9' => St::Num(Num::Int),
@@ -240,41 +327,6 @@ impl JsonState {
             _ => return false,
         };
         true
-    }
-
-    fn string_byte(&mut self, key: bool, b: u8) -> bool {
-        if self.utf8 > 0 {
-            if !(0x80..=0xBF).contains(&b) {
-                return false;
-            }
-            self.utf8 -= 1;
-            return true;
-        }
-        match b {
-            b'"' => {
-                self.st = if key { St::Colon } else { St::After };
-                true
-            }
-            b'\\' => {
-                self.st = St::Esc { key };
-                true
-            }
-            0x00..=0x1F => false,
-            0x20..=0x7F => true,
-            0xC2..=0xDF => {
-                self.utf8 = 1;
-                true
-            }
-            0xE0..=0xEF => {
-                self.utf8 = 2;
-                true
-            }
-            0xF0..=0xF4 => {
-                self.utf8 = 3;
-                true
-            }
-            _ => false,
-        }
     }
 
     fn number_byte(&mut self, n: Num, b: u8) -> bool {
@@ -604,11 +656,33 @@ mod tests {
                 serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(doc).is_err()
             );
         }
-        // Invalid UTF-8 inside a string.
-        let mut s = JsonState::new();
-        assert!(!s.push_bytes(b"{\"a\": \"\xff\"}"));
-        let mut s = JsonState::new();
-        assert!(!s.push_bytes(b"{\"a\": \"\xc3\"}"));
+        // Invalid UTF-8 inside a string: a stray byte, a cut character, an overlong form, a
+        // surrogate, past U+10FFFF; and `\u` surrogates out of pairs.
+        let bad: [&[u8]; 9] = [
+            b"{\"a\": \"\xff\"}",
+            b"{\"a\": \"\xc3\"}",
+            b"{\"a\": \"\xe0\x80\x80\"}",
+            b"{\"a\": \"\xed\xa0\x80\"}",
+            b"{\"a\": \"\xf4\x90\x80\x80\"}",
+            b"{\"a\": \"\\ud800\"}",
+            b"{\"a\": \"\\udc00\"}",
+            b"{\"a\": \"\\ud800\\u0041\"}",
+            b"{\"a\": \"\\ud800x\"}",
+        ];
+        for doc in bad {
+            let mut s = JsonState::new();
+            assert!(!s.push_bytes(doc), "{:?}", String::from_utf8_lossy(doc));
+        }
+        // A pair is fine, as are the largest code points.
+        let good: [&[u8]; 2] = [
+            b"{\"a\": \"\\ud83d\\ude00\"}",
+            b"{\"a\": \"\xf4\x8f\xbf\xbf \xef\xbf\xbd\"}",
+        ];
+        for doc in good {
+            let mut s = JsonState::new();
+            assert!(s.push_bytes(doc) && s.complete());
+            assert!(serde_json::from_slice::<serde_json::Value>(doc).is_ok());
+        }
     }
 
     #[test]

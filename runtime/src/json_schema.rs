@@ -14,12 +14,15 @@
 //! Anything else (`$ref`, `anyOf`, `pattern`, `minimum`, `maxLength`, …) is refused with a
 //! message naming it, rather than produced unchecked. The root must be an object.
 
+use crate::json::{StrChars, StrStep};
 use std::fmt::Write as _;
 
 /// Deepest nesting of objects and arrays a schema may have.
 pub const MAX_DEPTH: usize = 12;
 /// Most properties of one object, and most values of one `enum`.
 pub const MAX_CHOICES: usize = 32;
+/// Longest property name or `enum`/`const` value, as JSON text.
+pub const MAX_TEXT: usize = 1024;
 /// Longest run of whitespace bytes between tokens of the document.
 pub const MAX_WS_RUN: u8 = 32;
 
@@ -52,8 +55,14 @@ impl Schema {
     /// Compiles a schema; an error names what is not supported.
     pub fn compile(v: &serde_json::Value) -> Result<Self, String> {
         let mut s = Self { nodes: Vec::new() };
-        if v.get("type").and_then(|t| t.as_str()) != Some("object") {
-            return Err("the schema's root must have \"type\": \"object\"".into());
+        if v.get("type").and_then(|t| t.as_str()) != Some("object")
+            || v.get("enum").is_some()
+            || v.get("const").is_some()
+        {
+            return Err(
+                "the schema's root must have \"type\": \"object\" (and no `enum` or `const`)"
+                    .into(),
+            );
         }
         s.node(v, 0)?;
         Ok(s)
@@ -87,9 +96,35 @@ impl Schema {
             if vals.is_empty() || vals.len() > MAX_CHOICES {
                 return Err(format!("`enum` takes 1 to {MAX_CHOICES} values"));
             }
-            Ok(Node::Literals(
-                vals.iter().map(|x| x.to_string().into_bytes()).collect(),
-            ))
+            // With `enum`/`const`, `type` may only restate what the values are.
+            if let Some(k) = ["properties", "required", "items"]
+                .iter()
+                .find(|k| obj.contains_key(**k))
+            {
+                return Err(format!("`{k}` cannot be combined with `enum` or `const`"));
+            }
+            if let Some(t) = obj.get("type") {
+                let fits = |x: &serde_json::Value| match t.as_str() {
+                    Some("string") => x.is_string(),
+                    Some("integer") => x.is_i64() || x.is_u64(),
+                    Some("number") => x.is_number(),
+                    Some("boolean") => x.is_boolean(),
+                    Some("null") => x.is_null(),
+                    Some("object") => x.is_object(),
+                    Some("array") => x.is_array(),
+                    _ => false,
+                };
+                if let Some(x) = vals.iter().find(|x| !fits(x)) {
+                    return Err(format!("`enum`/`const` value {x} is not of type {t}"));
+                }
+            }
+            let texts: Vec<Vec<u8>> = vals.iter().map(|x| x.to_string().into_bytes()).collect();
+            if texts.iter().any(|t| t.len() > MAX_TEXT) {
+                return Err(format!(
+                    "`enum`/`const` values are at most {MAX_TEXT} bytes"
+                ));
+            }
+            Ok(Node::Literals(texts))
         };
         let node = if let Some(c) = obj.get("const") {
             literal_texts(std::slice::from_ref(c))?
@@ -119,6 +154,9 @@ impl Schema {
                     }
                     let mut out = Vec::new();
                     for (k, sub) in props {
+                        if k.len() + 2 > MAX_TEXT {
+                            return Err(format!("property names are at most {MAX_TEXT} bytes"));
+                        }
                         let node = self.node(sub, depth + 1)?;
                         out.push(Prop {
                             key: serde_json::Value::String(k.clone())
@@ -172,12 +210,10 @@ const A_OPEN: u8 = 0;
 const A_FIRST: u8 = 1;
 const A_AFTER: u8 = 2;
 const A_ITEM: u8 = 3;
-// String: expect `"`, inside, after `\`, inside `\uXXXX` (hex digits left in `pos`).
+// String: expect `"`, inside, closed.
 const S_OPEN: u8 = 0;
 const S_IN: u8 = 1;
-const S_ESC: u8 = 2;
-const S_HEX: u8 = 3;
-const S_CLOSED: u8 = 4;
+const S_CLOSED: u8 = 2;
 // Numbers: start, after `-`, `0`, integer digits, `.`, fraction digits, `e`, exponent sign,
 // exponent digits.
 const N_START: u8 = 0;
@@ -198,9 +234,10 @@ struct Frame {
     next: u8,
     /// Keys or literals still possible (bit i).
     cand: u32,
-    /// Bytes matched of a key or literal; UTF-8 continuation bytes or hex digits due in a
-    /// string.
+    /// Bytes matched of a key or literal.
     pos: u16,
+    /// Inside a string value.
+    chars: StrChars,
 }
 
 /// Where a document stands against a schema. `Copy`; every call takes the schema it was
@@ -236,7 +273,7 @@ impl SchemaState {
             let f = &self.frames[self.depth as usize - 1];
             schema.nodes.get(f.node as usize) == Some(&Node::String)
                 && f.stage == S_IN
-                && f.pos == 0
+                && f.chars.between_chars()
         }
     }
 
@@ -310,6 +347,7 @@ impl SchemaState {
             next: 0,
             cand,
             pos: 0,
+            chars: StrChars::default(),
         };
         self.depth += 1;
         self.push(schema, b)
@@ -447,68 +485,21 @@ impl SchemaState {
 
     fn string_byte(&mut self, b: u8) -> bool {
         let t = self.top();
-        match t.stage {
-            S_OPEN => {
-                if b != b'"' {
-                    return false;
-                }
-                t.stage = S_IN;
+        if t.stage == S_OPEN {
+            if b != b'"' {
+                return false;
+            }
+            t.stage = S_IN;
+            t.chars = StrChars::default();
+            return true;
+        }
+        match t.chars.push(b) {
+            StrStep::More => true,
+            StrStep::Closed => {
+                t.stage = S_CLOSED;
                 true
             }
-            S_ESC => {
-                match b {
-                    b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => t.stage = S_IN,
-                    b'u' => {
-                        t.stage = S_HEX;
-                        t.pos = 4;
-                    }
-                    _ => return false,
-                }
-                true
-            }
-            S_HEX => {
-                if !b.is_ascii_hexdigit() {
-                    return false;
-                }
-                t.pos -= 1;
-                if t.pos == 0 {
-                    t.stage = S_IN;
-                }
-                true
-            }
-            _ if t.pos > 0 => {
-                // UTF-8 continuation bytes due.
-                if !(0x80..=0xBF).contains(&b) {
-                    return false;
-                }
-                t.pos -= 1;
-                true
-            }
-            _ => match b {
-                b'"' => {
-                    t.stage = S_CLOSED;
-                    true
-                }
-                b'\\' => {
-                    t.stage = S_ESC;
-                    true
-                }
-                0x00..=0x1F => false,
-                0x20..=0x7F => true,
-                0xC2..=0xDF => {
-                    t.pos = 1;
-                    true
-                }
-                0xE0..=0xEF => {
-                    t.pos = 2;
-                    true
-                }
-                0xF0..=0xF4 => {
-                    t.pos = 3;
-                    true
-                }
-                _ => false,
-            },
+            StrStep::Bad => false,
         }
     }
 
@@ -685,6 +676,34 @@ mod tests {
             let e = Schema::compile(&bad).unwrap_err();
             assert!(e.contains(want), "{bad}: {e}");
         }
+        for (bad, want) in [
+            (json!({"type": "object", "enum": [1]}), "root"),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "string", "enum": [1]}}}),
+                "not of type",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "object", "properties": {}, "enum": [{}]}}}),
+                "cannot be combined",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"const": "x".repeat(2000)}}}),
+                "bytes",
+            ),
+            (
+                json!({"type": "object", "properties": {"x".repeat(2000): {"type": "string"}}}),
+                "bytes",
+            ),
+        ] {
+            let e = Schema::compile(&bad).unwrap_err();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+        // `type` restating the values is fine.
+        let s = Schema::compile(&json!({"type": "object", "required": ["a"],
+            "properties": {"a": {"type": "string", "enum": ["x", "y"]}}}))
+        .unwrap();
+        assert_eq!(accepts(&s, "{\"a\": \"y\"}"), Some(true));
+        assert_ne!(accepts(&s, "{\"a\": \"z\"}"), Some(true));
         // Too deep.
         let mut v = json!({"type": "string"});
         for _ in 0..MAX_DEPTH + 1 {

@@ -137,6 +137,20 @@ impl Tokenizer {
         self.inner.decode(ids, skip_special).map_err(tok_err)
     }
 
+    /// Whether tokens decode byte by byte (GPT-2 style byte-level BPE): then a token's text is
+    /// exactly its bytes wherever it stands, which structured output relies on.
+    pub fn is_byte_level(&self) -> bool {
+        use tokenizers::DecoderWrapper;
+        match self.inner.get_decoder() {
+            Some(DecoderWrapper::ByteLevel(_)) => true,
+            Some(DecoderWrapper::Sequence(seq)) => seq
+                .get_decoders()
+                .iter()
+                .all(|d| matches!(d, DecoderWrapper::ByteLevel(_))),
+            _ => false,
+        }
+    }
+
     /// Ids of the special added tokens (chat markers, end-of-sequence and the like).
     pub fn special_ids(&self) -> std::collections::HashSet<u32> {
         self.inner

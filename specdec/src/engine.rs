@@ -606,6 +606,12 @@ impl Engine {
                 .tok
                 .as_deref()
                 .ok_or_else(|| SpecError::Invalid("JSON mode needs a tokenizer".into()))?;
+            if !tk.is_byte_level() {
+                return Err(SpecError::Invalid(
+                    "structured output needs a byte-level BPE tokenizer; this model's is not"
+                        .into(),
+                ));
+            }
             self.json_vocab = Some(Arc::new(JsonVocab::new(tk)));
         }
         if req.resumed > req.prompt.len() {

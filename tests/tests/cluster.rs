@@ -455,6 +455,7 @@ print(json.dumps({"text": text, "items": items}))
             "min_tokens",
         ),
         (json!({"logit_bias": {"abc": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"5": 1, "05": 2}}), "logit_bias"),
         (json!({"logit_bias": {"5": 101}}), "logit_bias"),
         (json!({"logit_bias": {"99999999": 1}}), "logit_bias"),
         (json!({"stop_token_ids": [-1]}), "stop_token_ids"),
