@@ -705,6 +705,15 @@ mod tests {
         assert!(s.push_bytes(format!("\"{}\"", " ".repeat(100)).as_bytes()));
     }
 
+    /// A document fed bytes through its format (the reference the mask is checked against).
+    fn feed(f: &Format, d: &mut Doc, bytes: &[u8]) -> bool {
+        match (f, d) {
+            (Format::Object, Doc::Object(s)) => s.push_bytes(bytes),
+            (Format::Schema(schema), Doc::Schema(s)) => s.push_bytes(schema, bytes),
+            _ => false,
+        }
+    }
+
     #[test]
     fn the_mask_allows_exactly_the_tokens_that_keep_the_document_valid() {
         let path = crate::tiny::tiny_model_path(&crate::tiny::TinySpec::llama(5), "json-mask")
@@ -712,66 +721,61 @@ mod tests {
         let tok = Tokenizer::load(&path).expect("tokenizer");
         let jv = JsonVocab::new(&tok);
         let n = tok.vocab_size();
-        // The last document stops inside a two-byte character.
-        let docs: [&[u8]; 7] = [
-            b"",
-            b"{",
-            b"{\"a\": \"x y",
-            b"{\"a\": 1",
-            b"{}",
-            b"{\"a\":[tr",
-            b"{\"a\": \"\xc3",
+        let special = tok.special_ids();
+        let schema = Schema::compile(&serde_json::json!({"type": "object", "required": ["a"],
+            "properties": {"a": {"type": "string"}, "b": {"type": "number"},
+                "c": {"enum": ["x", "yz", 3]}}}))
+        .expect("schema");
+        // Any object: the last document stops inside a two-byte character. The schema: inside
+        // a key, a string value, a number, an enum.
+        let cases: [(Format, Vec<&[u8]>); 2] = [
+            (
+                Format::Object,
+                vec![
+                    b"",
+                    b"{",
+                    b"{\"a\": \"x y",
+                    b"{\"a\": 1",
+                    b"{}",
+                    b"{\"a\":[tr",
+                    b"{\"a\": \"\xc3",
+                ],
+            ),
+            (
+                Format::Schema(Arc::new(schema)),
+                vec![
+                    b"",
+                    b"{\"",
+                    b"{\"a\": \"x y",
+                    b"{\"a\": \"\", \"b\": 1",
+                    b"{\"a\":\"\",\"c\":\"y",
+                    b"{\"a\":\"\"}",
+                ],
+            ),
         ];
-        for doc in docs {
-            let mut st = JsonState::new();
-            assert!(st.push_bytes(doc), "{doc:?}");
-            let mut logits = vec![0f32; n];
-            jv.mask(&st, &mut logits);
-            let mut allowed = 0;
-            for t in 0..n as u32 {
-                let ok = tok.stop_ids.contains(&t) && st.complete()
-                    || !tok.special_ids().contains(&t) && {
-                        let b = tok.token_bytes(t);
-                        let mut s = st;
-                        !b.is_empty() && s.push_bytes(&b)
-                    };
-                assert_eq!(logits[t as usize].is_finite(), ok, "{doc:?} token {t}");
-                allowed += ok as usize;
+        for (f, docs) in &cases {
+            for doc in docs {
+                let mut d = f.start();
+                assert!(feed(f, &mut d, doc), "{doc:?}");
+                let complete = match d {
+                    Doc::Object(s) => s.complete(),
+                    Doc::Schema(s) => s.complete(),
+                };
+                let mut logits = vec![0f32; n];
+                jv.mask_doc(f, &d, &mut logits);
+                let mut allowed = 0;
+                for t in 0..n as u32 {
+                    let ok = tok.stop_ids.contains(&t) && complete
+                        || !special.contains(&t) && {
+                            let b = tok.token_bytes(t);
+                            let mut c = d;
+                            !b.is_empty() && feed(f, &mut c, &b)
+                        };
+                    assert_eq!(logits[t as usize].is_finite(), ok, "{doc:?} token {t}");
+                    allowed += ok as usize;
+                }
+                assert!(allowed > 0, "{doc:?}");
             }
-            assert!(allowed > 0, "{doc:?}");
-        }
-        // The same through a schema: inside a key, a string value, a number, an enum.
-        let schema = Arc::new(
-            Schema::compile(&serde_json::json!({"type": "object", "required": ["a"],
-                "properties": {"a": {"type": "string"}, "b": {"type": "number"},
-                    "c": {"enum": ["x", "yz", 3]}}}))
-            .expect("schema"),
-        );
-        let f = Format::Schema(schema.clone());
-        for doc in [
-            "",
-            "{\"",
-            "{\"a\": \"x y",
-            "{\"a\": \"\", \"b\": 1",
-            "{\"a\":\"\",\"c\":\"y",
-            "{\"a\":\"\"}",
-        ] {
-            let mut st = SchemaState::new(&schema);
-            assert!(st.push_bytes(&schema, doc.as_bytes()), "{doc}");
-            let mut logits = vec![0f32; n];
-            jv.mask_doc(&f, &Doc::Schema(st), &mut logits);
-            let mut allowed = 0;
-            for t in 0..n as u32 {
-                let ok = tok.stop_ids.contains(&t) && st.complete()
-                    || !tok.special_ids().contains(&t) && {
-                        let b = tok.token_bytes(t);
-                        let mut s = st;
-                        !b.is_empty() && s.push_bytes(&schema, &b)
-                    };
-                assert_eq!(logits[t as usize].is_finite(), ok, "{doc:?} token {t}");
-                allowed += ok as usize;
-            }
-            assert!(allowed > 0, "{doc:?}");
         }
     }
 }

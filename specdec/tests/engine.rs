@@ -234,6 +234,58 @@ fn stop_strings_and_eos_cut_blocks_exactly_like_plain_decoding() {
     }
 }
 
+/// Tokens that are whitespace only (tests push them away: a tiny random model pads with them).
+fn whitespace_tokens(f: &Fixture) -> Vec<u32> {
+    (0..f.tok.vocab_size() as u32)
+        .filter(|&t| {
+            let b = f.tok.token_bytes(t);
+            !b.is_empty() && b.iter().all(|c| c.is_ascii_whitespace())
+        })
+        .collect()
+}
+
+/// Runs `ps` through every proposer at γ 1 and 4 (each request set up by `setup`) and checks
+/// the outputs against `want`, plain decoding's (and the finish reasons, if `reasons`).
+fn greedy_parity_for_every_proposer(
+    f: &Fixture,
+    ps: &[Vec<u32>],
+    want: &[dspark_runtime::generate::GenerateOutput],
+    reasons: bool,
+    setup: impl Fn(usize, &mut Request),
+) {
+    for (name, _) in proposers(f) {
+        for gamma in [1usize, 4] {
+            let mut e = Engine::with_cost(
+                f.target.clone(),
+                Some(f.tok.clone()),
+                proposer_clone(f, name),
+                cfg(gamma),
+                CostModel::flat(gamma + 1),
+            )
+            .unwrap();
+            for (i, p) in ps.iter().enumerate() {
+                let mut r = Request::new(i as u64, p.clone(), 1);
+                setup(i, &mut r);
+                e.add(r).unwrap();
+            }
+            let got = collect(e.run_to_completion().unwrap());
+            for (i, w) in want.iter().enumerate() {
+                let g = &got[&(i as u64)];
+                assert_eq!(g.0, w.token_ids, "{name} γ={gamma} prompt {i}");
+                let reason = match g.2 {
+                    FinishReason::Stop => "stop",
+                    FinishReason::Length => "length",
+                    _ => "other",
+                };
+                if reasons {
+                    assert_eq!(reason, w.finish_reason, "{name} γ={gamma} prompt {i}");
+                }
+            }
+            e.check_kv().unwrap();
+        }
+    }
+}
+
 /// logit_bias, min_tokens and stop_token_ids change the target's greedy choice; every proposer
 /// must still reproduce plain decoding under them token for token, and each option must have
 /// done what it says (an end-of-sequence pushed to the front held back until min_tokens, a
@@ -314,37 +366,12 @@ fn greedy_parity_holds_under_logit_bias_min_tokens_and_stop_token_ids() {
             assert!(w.token_ids.len() <= 7, "prompt {i}");
         }
     }
-    for (name, _) in proposers(&f) {
-        for gamma in [1usize, 4] {
-            let mut e = Engine::with_cost(
-                f.target.clone(),
-                Some(f.tok.clone()),
-                proposer_clone(&f, name),
-                cfg(gamma),
-                CostModel::flat(gamma + 1),
-            )
-            .unwrap();
-            for (i, p) in ps.iter().enumerate() {
-                let mut r = Request::new(i as u64, p.clone(), 30);
-                r.params = params(i);
-                r.min_tokens = min_tokens(i);
-                r.stop_token_ids = stops[i].clone();
-                e.add(r).unwrap();
-            }
-            let got = collect(e.run_to_completion().unwrap());
-            for (i, w) in want.iter().enumerate() {
-                let g = &got[&(i as u64)];
-                assert_eq!(g.0, w.token_ids, "{name} γ={gamma} prompt {i}");
-                let reason = match g.2 {
-                    FinishReason::Stop => "stop",
-                    FinishReason::Length => "length",
-                    _ => "other",
-                };
-                assert_eq!(reason, w.finish_reason, "{name} γ={gamma} prompt {i}");
-            }
-            e.check_kv().unwrap();
-        }
-    }
+    greedy_parity_for_every_proposer(&f, &ps, &want, true, |i, r| {
+        r.max_tokens = 30;
+        r.params = params(i);
+        r.min_tokens = min_tokens(i);
+        r.stop_token_ids = stops[i].clone();
+    });
 }
 
 /// JSON mode masks the target's distribution to tokens that continue one JSON object; every
@@ -373,12 +400,7 @@ fn json_mode_keeps_greedy_parity_and_yields_json() {
     };
     // Half the prompts lean toward closing the object and away from whitespace, so some
     // documents complete (a tiny random model otherwise pads with whitespace).
-    let blank: Vec<u32> = (0..f.tok.vocab_size() as u32)
-        .filter(|&t| {
-            let b = f.tok.token_bytes(t);
-            !b.is_empty() && b.iter().all(|c| c.is_ascii_whitespace())
-        })
-        .collect();
+    let blank = whitespace_tokens(&f);
     // The other half open the object at once and lean toward a key, so their documents get
     // strings to verify drafts in.
     let open = f.tok.encode("{").unwrap();
@@ -420,31 +442,11 @@ fn json_mode_keeps_greedy_parity_and_yields_json() {
         "no JSON document completed: {:?}",
         want.iter().map(|w| &w.text).collect::<Vec<_>>()
     );
-    for (name, _) in proposers(&f) {
-        for gamma in [1usize, 4] {
-            let mut e = Engine::with_cost(
-                f.target.clone(),
-                Some(f.tok.clone()),
-                proposer_clone(&f, name),
-                cfg(gamma),
-                CostModel::flat(gamma + 1),
-            )
-            .unwrap();
-            for (i, p) in ps.iter().enumerate() {
-                let mut r = Request::new(i as u64, p.clone(), 40);
-                r.params = params(i);
-                r.json = Some(Format::Object);
-                e.add(r).unwrap();
-            }
-            let got = collect(e.run_to_completion().unwrap());
-            for (i, w) in want.iter().enumerate() {
-                let g = &got[&(i as u64)];
-                assert_eq!(g.0, w.token_ids, "{name} γ={gamma} prompt {i}");
-                assert_eq!(g.1, w.text, "{name} γ={gamma} prompt {i}");
-            }
-            e.check_kv().unwrap();
-        }
-    }
+    greedy_parity_for_every_proposer(&f, &ps, &want, false, |i, r| {
+        r.max_tokens = 40;
+        r.params = params(i);
+        r.json = Some(Format::Object);
+    });
     // A request continued after a failover: the output so far rides at the end of the prompt
     // and the document picks up where it was, so the rest equals the uninterrupted run.
     let mut e = Engine::with_cost(
@@ -507,12 +509,7 @@ fn json_schema_keeps_greedy_parity_and_yields_documents_of_the_schema() {
     let format = Format::Schema(Arc::new(schema));
     // Whitespace pushed away (a tiny random model pads with it), and on odd prompts the
     // closing bracket and digits made likely so that documents finish.
-    let blank: Vec<u32> = (0..f.tok.vocab_size() as u32)
-        .filter(|&t| {
-            let b = f.tok.token_bytes(t);
-            !b.is_empty() && b.iter().all(|c| c.is_ascii_whitespace())
-        })
-        .collect();
+    let blank = whitespace_tokens(&f);
     let ends: Vec<u32> = ["}", "]", "1", ","]
         .iter()
         .flat_map(|s| f.tok.encode(s).unwrap())
@@ -568,30 +565,11 @@ fn json_schema_keeps_greedy_parity_and_yields_documents_of_the_schema() {
         "no document finished: {:?}",
         want.iter().map(|w| &w.text).collect::<Vec<_>>()
     );
-    for (name, _) in proposers(&f) {
-        for gamma in [1usize, 4] {
-            let mut e = Engine::with_cost(
-                f.target.clone(),
-                Some(f.tok.clone()),
-                proposer_clone(&f, name),
-                cfg(gamma),
-                CostModel::flat(gamma + 1),
-            )
-            .unwrap();
-            for (i, p) in ps.iter().enumerate() {
-                let mut r = Request::new(i as u64, p.clone(), 40);
-                r.params = params(i);
-                r.json = Some(format.clone());
-                e.add(r).unwrap();
-            }
-            let got = collect(e.run_to_completion().unwrap());
-            for (i, w) in want.iter().enumerate() {
-                let g = &got[&(i as u64)];
-                assert_eq!(g.0, w.token_ids, "{name} γ={gamma} prompt {i}");
-            }
-            e.check_kv().unwrap();
-        }
-    }
+    greedy_parity_for_every_proposer(&f, &ps, &want, false, |i, r| {
+        r.max_tokens = 40;
+        r.params = params(i);
+        r.json = Some(format.clone());
+    });
 }
 
 #[test]

@@ -165,6 +165,36 @@ async fn openai_client(script: &str, args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).expect("client JSON")
 }
 
+/// A greedy completion with `response_format` through the cluster, checked token for token
+/// against plain decoding under `format` in this process; the answer, parsed.
+async fn structured(url: &str, response_format: Value, format: Format) -> Value {
+    let prompt = "Paris as a JSON object with the keys \"name\", \"country\" and \"population\":\n";
+    let (st, v) = post(
+        &format!("{url}/v1/completions"),
+        &json!({"model": "smollm2-135m", "prompt": prompt, "max_tokens": 80,
+            "temperature": 0, "return_token_ids": true, "response_format": response_format}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let (m, t) = reference();
+    let want = generate(
+        m,
+        t,
+        &t.encode(prompt).expect("encode"),
+        &GenerateParams {
+            max_tokens: 80,
+            json: Some(format),
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .expect("generate");
+    assert_eq!(ids_of(&v), want.token_ids, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap_or_default();
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"))
+}
+
 fn ids_of(v: &Value) -> Vec<u32> {
     v["choices"][0]["token_ids"]
         .as_array()
@@ -366,71 +396,20 @@ print(json.dumps({"text": text, "items": items}))
     .await;
     assert_eq!(st, 200, "{v}");
     assert_eq!(ids_of(&v), a, "{v}");
-    // JSON mode: the cluster's greedy answer equals plain greedy decoding under the same mask
-    // in this process, and it is a JSON object.
-    let jprompt =
-        "Paris as a JSON object with the keys \"name\", \"country\" and \"population\":\n";
-    let (st, v) = post(
-        &format!("{}/v1/completions", c.url),
-        &json!({"model": "smollm2-135m", "prompt": jprompt, "max_tokens": 80,
-            "temperature": 0, "return_token_ids": true,
-            "response_format": {"type": "json_object"}}),
-    )
-    .await;
-    assert_eq!(st, 200, "{v}");
-    let want = {
-        let (m, t) = reference();
-        generate(
-            m,
-            t,
-            &t.encode(jprompt).expect("encode"),
-            &GenerateParams {
-                max_tokens: 80,
-                json: Some(Format::Object),
-                ..Default::default()
-            },
-            &mut |_| {},
-        )
-        .expect("generate")
-    };
-    assert_eq!(ids_of(&v), want.token_ids, "{v}");
-    let text = v["choices"][0]["text"].as_str().unwrap_or_default();
-    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
-    let obj: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    // Structured output: the cluster's greedy answer equals plain greedy decoding under the
+    // same mask in this process, and it is a JSON object / a document of the schema.
+    let obj = structured(&c.url, json!({"type": "json_object"}), Format::Object).await;
     assert!(obj.is_object(), "{obj}");
-    // A JSON schema: the same comparison, and the answer is a document of the schema.
     let schema = json!({"type": "object", "required": ["city", "country", "population"],
         "properties": {"city": {"type": "string"}, "country": {"type": "string"},
             "population": {"type": "integer"}}});
-    let (st, v) = post(
-        &format!("{}/v1/completions", c.url),
-        &json!({"model": "smollm2-135m", "prompt": jprompt, "max_tokens": 80,
-            "temperature": 0, "return_token_ids": true,
-            "response_format": {"type": "json_schema",
-                "json_schema": {"name": "city", "schema": schema}}}),
+    let compiled = dspark_runtime::json_schema::Schema::compile(&schema).expect("schema");
+    let obj = structured(
+        &c.url,
+        json!({"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}),
+        Format::Schema(std::sync::Arc::new(compiled)),
     )
     .await;
-    assert_eq!(st, 200, "{v}");
-    let compiled = dspark_runtime::json_schema::Schema::compile(&schema).expect("schema");
-    let want = {
-        let (m, t) = reference();
-        generate(
-            m,
-            t,
-            &t.encode(jprompt).expect("encode"),
-            &GenerateParams {
-                max_tokens: 80,
-                json: Some(Format::Schema(std::sync::Arc::new(compiled))),
-                ..Default::default()
-            },
-            &mut |_| {},
-        )
-        .expect("generate")
-    };
-    assert_eq!(ids_of(&v), want.token_ids, "{v}");
-    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
-    let text = v["choices"][0]["text"].as_str().unwrap_or_default();
-    let obj: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
     assert!(
         obj["city"].is_string() && obj["country"].is_string() && obj["population"].is_i64(),
         "{obj}"
