@@ -170,6 +170,14 @@ def check_wiring(docs, binary, label, external_etcd):
                         svc = services.get(m.group(1))
                         if not svc or int(m.group(2)) not in [p["port"] for p in svc["spec"]["ports"]]:
                             fail(f"{label}: {n}={url} names no Service port of the render")
+            # A drain the kubelet cuts short loses what it was for.
+            envs = {e["name"]: str(e.get("value", "")) for e in c.get("env", [])}
+            if "DSPARK_DRAIN_TIMEOUT_S" in envs:
+                need = int(envs["DSPARK_DRAIN_TIMEOUT_S"]) + int(envs.get("DSPARK_SHUTDOWN_DELAY_S", "0"))
+                grace = spec.get("terminationGracePeriodSeconds", 30)
+                if grace <= need:
+                    fail(f"{label}: {w['metadata']['name']} drains for {need} s but is killed "
+                         f"after {grace} s (terminationGracePeriodSeconds)")
             for a in c["args"][1:]:
                 if a.startswith("--"):
                     flag = a.split("=", 1)[0]

@@ -132,7 +132,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     };
     let svc = service::DraftService::start(host, info.clone())?;
     let load = svc.load_counter();
-    if let Some(disc) = disc {
+    let registrar = disc.clone().map(|disc| {
         let info2 = info.clone();
         dspark_scheduler::discovery::spawn_registrar(
             disc,
@@ -142,8 +142,25 @@ pub async fn run(args: DraftArgs) -> Result<()> {
                 i.load = load.load(std::sync::atomic::Ordering::Relaxed) as u32;
                 i
             }),
-        );
-    }
+        )
+    });
+    // Leaving placement first keeps new requests from pairing with a worker about to go; the
+    // requests paired with it draft locally once its link closes (speed, never output, changes).
+    let stop = {
+        let (id, eof) = (id.clone(), args.exit_on_stdin_eof);
+        async move {
+            dspark_scheduler::stop_requested(eof).await;
+            if let Some(r) = registrar {
+                r.abort();
+            }
+            if let Some(d) = &disc
+                && let Err(e) = dspark_scheduler::discovery::deregister(d, &id).await
+            {
+                tracing::warn!(worker = id, "{e} (its TTL will expire it)");
+            }
+            dspark_scheduler::exit_after(std::time::Duration::from_secs(2));
+        }
+    };
     println!("draft worker {id} ({}) listening on {addr}", info.drafter);
     tonic::transport::Server::builder()
         .add_service(
@@ -153,7 +170,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         )
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
-            dspark_scheduler::shutdown_signal(args.exit_on_stdin_eof),
+            stop,
         )
         .await?;
     Ok(())

@@ -85,6 +85,14 @@ pub struct RouterArgs {
     pub home: Option<PathBuf>,
     #[arg(long, env = "DSPARK_PYTHON", default_value = "python3")]
     pub python: String,
+    /// On SIGTERM or Ctrl-C: seconds to keep accepting requests while `/ready` already reads
+    /// 503, so a load balancer stops sending here before the listener closes (Kubernetes
+    /// removes a terminating pod's endpoint asynchronously).
+    #[arg(long, env = "DSPARK_SHUTDOWN_DELAY_S", default_value_t = 0)]
+    pub shutdown_delay_s: u64,
+    /// Then, seconds the requests in flight get to finish before the router exits.
+    #[arg(long, env = "DSPARK_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
 }
@@ -99,6 +107,8 @@ pub struct App {
     pub max_tokens_limit: usize,
     pub default_max_tokens: usize,
     pub max_inflight: usize,
+    /// A stop was asked for: `/ready` reads 503 while what is in flight finishes.
+    pub draining: std::sync::atomic::AtomicBool,
     seq: AtomicU64,
 }
 
@@ -170,6 +180,7 @@ impl App {
             max_tokens_limit: args.max_tokens_limit,
             default_max_tokens: args.default_max_tokens,
             max_inflight: args.max_inflight,
+            draining: std::sync::atomic::AtomicBool::new(false),
             seq: AtomicU64::new(0),
         }))
     }
@@ -205,8 +216,26 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
         .map_err(|e| RouterError::Config(e.to_string()))??;
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     println!("router listening on http://{}", listener.local_addr()?);
+    let stop = {
+        let app = Arc::clone(&state);
+        let delay = Duration::from_secs(args.shutdown_delay_s);
+        let limit = Duration::from_secs(args.drain_timeout_s);
+        let eof = args.exit_on_stdin_eof;
+        async move {
+            dspark_scheduler::stop_requested(eof).await;
+            app.draining.store(true, Ordering::SeqCst);
+            dspark_scheduler::exit_after(delay + limit);
+            if !delay.is_zero() {
+                tracing::info!("not ready; still accepting for {} s", delay.as_secs());
+                tokio::time::sleep(delay).await;
+            }
+            // From here the listener is closed and open connections finish what they serve.
+            let n = app.metrics.inflight.load(Ordering::Relaxed);
+            tracing::info!("draining: {n} requests in flight");
+        }
+    };
     axum::serve(listener, app(state))
-        .with_graceful_shutdown(dspark_scheduler::shutdown_signal(args.exit_on_stdin_eof))
+        .with_graceful_shutdown(stop)
         .await?;
     Ok(())
 }
@@ -221,9 +250,14 @@ async fn health() -> Json<Value> {
 
 async fn ready(State(app): State<Arc<App>>) -> Response {
     let t = app.cluster.targets();
-    let body = json!({"ready": !t.is_empty(), "target_workers": t.len(),
+    let draining = app.draining.load(Ordering::SeqCst);
+    let ok = !t.is_empty() && !draining;
+    let mut body = json!({"ready": ok, "target_workers": t.len(),
         "draft_workers": app.cluster.workers().len() - t.len()});
-    let code = if t.is_empty() {
+    if draining {
+        body["draining"] = json!(true);
+    }
+    let code = if !ok {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK
@@ -451,8 +485,16 @@ fn status_to_api(s: &tonic::Status) -> ApiError {
 
 type EventStream = tonic::Streaming<dspark_proto::GenerateEvent>;
 
+/// An opened request: its worker, its event stream, and the first event.
+type Opened = (WorkerInfo, EventStream, Option<dspark_proto::GenerateEvent>);
+
+/// Workers tried per opening when they answer `UNAVAILABLE` (draining, stopped, unreachable).
+const MAX_OPEN_TRIES: usize = 4;
+
 /// Places the job and opens the target's stream; the first event is awaited so that a refusal
-/// becomes an HTTP error before any response is sent.
+/// becomes an HTTP error before any response is sent. A worker that cannot take it (draining
+/// for a rolling update, or gone since the last cluster view) costs a placement elsewhere, not
+/// the request.
 async fn open(
     app: &App,
     job: &Job,
@@ -460,7 +502,43 @@ async fn open(
     max_tokens: usize,
     exclude: &[String],
     prompt_logprobs: bool,
-) -> Result<(WorkerInfo, EventStream, Option<dspark_proto::GenerateEvent>), ApiError> {
+) -> Result<Opened, ApiError> {
+    let mut skip = exclude.to_vec();
+    loop {
+        match open_once(app, job, prompt.clone(), max_tokens, &skip, prompt_logprobs).await {
+            Err(Unopened::Unavailable(target, s))
+                if skip.len() < exclude.len() + MAX_OPEN_TRIES =>
+            {
+                tracing::info!(
+                    request_id = job.request_id,
+                    target = target,
+                    "target worker unavailable, placing elsewhere: {}",
+                    s.message()
+                );
+                skip.push(target);
+            }
+            Err(Unopened::Unavailable(_, s)) => return Err(status_to_api(&s)),
+            Err(Unopened::Refused(e)) => return Err(e),
+            Ok(o) => return Ok(o),
+        }
+    }
+}
+
+enum Unopened {
+    /// The worker (id) answered `UNAVAILABLE`: another may take the request.
+    Unavailable(String, tonic::Status),
+    Refused(ApiError),
+}
+
+async fn open_once(
+    app: &App,
+    job: &Job,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    exclude: &[String],
+    prompt_logprobs: bool,
+) -> Result<Opened, Unopened> {
+    let refused = Unopened::Refused;
     let (target, draft) = app
         .cluster
         .place(&app.name, exclude, &prompt)
@@ -480,21 +558,25 @@ async fn open(
                 e.retry_after = Some(1);
                 e
             }
-        })?;
+        })
+        .map_err(refused)?;
     if target.max_context > 0 && prompt.len() + max_tokens > target.max_context as usize {
-        return Err(ApiError::bad(
+        return Err(refused(ApiError::bad(
             format!(
                 "prompt ({} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {} tokens",
                 prompt.len(),
                 target.max_context
             ),
             Some("max_tokens"),
-        ));
+        )));
     }
-    let mut client = app
-        .cluster
-        .target_client(&target.address)
-        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", e))?;
+    let mut client = app.cluster.target_client(&target.address).map_err(|e| {
+        refused(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            e,
+        ))
+    })?;
     let prompt_len = prompt.len();
     let mut req = tonic::Request::new(GenerateRequest {
         request_id: job.request_id.clone(),
@@ -524,20 +606,21 @@ async fn open(
         req.metadata_mut().insert("traceparent", v);
     }
     app.cluster.track(&target.address, 1);
-    let r = client.generate(req).await;
-    let mut stream = match r {
-        Ok(s) => s.into_inner(),
-        Err(s) => {
-            app.cluster.track(&target.address, -1);
-            return Err(status_to_api(&s));
+    let failed = |s: tonic::Status| {
+        app.cluster.track(&target.address, -1);
+        if s.code() == tonic::Code::Unavailable {
+            Unopened::Unavailable(target.id.clone(), s)
+        } else {
+            refused(status_to_api(&s))
         }
+    };
+    let mut stream = match client.generate(req).await {
+        Ok(s) => s.into_inner(),
+        Err(s) => return Err(failed(s)),
     };
     match stream.next().await {
         Some(Ok(ev)) => Ok((target, stream, Some(ev))),
-        Some(Err(s)) => {
-            app.cluster.track(&target.address, -1);
-            Err(status_to_api(&s))
-        }
+        Some(Err(s)) => Err(failed(s)),
         None => Ok((target, stream, None)),
     }
 }

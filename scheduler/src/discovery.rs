@@ -230,6 +230,46 @@ async fn register_etcd(
     }
 }
 
+/// Takes a worker out of placement at once (a drain's first step), instead of waiting for its
+/// TTL or lease to run out. Stop its registrar first, or the next heartbeat puts it back.
+pub async fn deregister(disc: &Discovery, id: &str) -> Result<()> {
+    let limit = Duration::from_secs(2);
+    let work = async {
+        match disc {
+            Discovery::Static(url) => {
+                let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+                    .map_err(|e| SchedError::Discovery(format!("scheduler {url}: {e}")))?
+                    .connect_timeout(limit)
+                    .connect()
+                    .await
+                    .map_err(|e| SchedError::Discovery(format!("scheduler {url}: {e}")))?;
+                match SchedulerClient::new(ch)
+                    .deregister(dspark_proto::WorkerId { id: id.to_string() })
+                    .await
+                {
+                    // Already gone (expired, or a scheduler that restarted): the same outcome.
+                    Ok(_) => Ok(()),
+                    Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
+                    Err(s) => Err(SchedError::Discovery(format!(
+                        "deregister: {}",
+                        s.message()
+                    ))),
+                }
+            }
+            Discovery::Etcd(eps) => {
+                let mut c = Client::connect(eps, None).await.map_err(etcd_err)?;
+                c.delete(format!("{ETCD_PREFIX}{id}"), None)
+                    .await
+                    .map_err(etcd_err)?;
+                Ok(())
+            }
+        }
+    };
+    tokio::time::timeout(limit, work)
+        .await
+        .map_err(|_| SchedError::Discovery("deregister: timed out".into()))?
+}
+
 fn etcd_err(e: etcd_client::Error) -> SchedError {
     SchedError::Discovery(format!("etcd: {e}"))
 }

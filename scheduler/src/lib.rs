@@ -98,17 +98,13 @@ pub async fn serve(
 /// fired, the process exits on its own after a short grace period even if long-lived streams
 /// (draft links) keep the server from draining.
 pub async fn shutdown_signal(stdin_eof: bool) {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => futures::future::pending::<()>().await,
-        }
-    };
+    stop_requested(stdin_eof).await;
+    exit_after(std::time::Duration::from_secs(2));
+}
+
+/// Resolves on the first Ctrl-C, SIGTERM, or (with `stdin_eof`) when the parent closes our
+/// stdin; the caller drains, then calls [`exit_after`].
+pub async fn stop_requested(stdin_eof: bool) {
     let eof = async {
         if stdin_eof {
             // A plain thread: a blocked read must not keep the runtime from shutting down.
@@ -128,15 +124,69 @@ pub async fn shutdown_signal(stdin_eof: bool) {
         }
     };
     tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
+        _ = signal() => {},
         _ = eof => {},
     }
     tracing::info!("shutting down");
-    std::thread::spawn(|| {
-        std::thread::sleep(std::time::Duration::from_secs(2));
+}
+
+/// Ctrl-C or SIGTERM.
+async fn signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => futures::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+/// Exits the process `grace` from now whatever is still open, or at once on a second Ctrl-C or
+/// SIGTERM (an operator who asks twice does not want to wait for a drain).
+pub fn exit_after(grace: std::time::Duration) {
+    std::thread::spawn(move || {
+        std::thread::sleep(grace);
         std::process::exit(0);
     });
+    tokio::spawn(async {
+        signal().await;
+        tracing::warn!("second stop signal: exiting now");
+        std::process::exit(130);
+    });
+}
+
+/// How a draining service counts down: waits until `inflight()` reads 0 or `limit` passed,
+/// logging what it waits for every few seconds; true when everything finished in time.
+pub async fn drain(what: &str, limit: std::time::Duration, inflight: impl Fn() -> usize) -> bool {
+    let start = std::time::Instant::now();
+    let mut told: Option<std::time::Instant> = None;
+    loop {
+        let n = inflight();
+        if n == 0 {
+            tracing::info!("drained in {:.1} s", start.elapsed().as_secs_f64());
+            return true;
+        }
+        if start.elapsed() >= limit {
+            tracing::warn!(
+                "drain timeout ({:.0} s): stopping with {n} {what} in flight",
+                limit.as_secs_f64()
+            );
+            return false;
+        }
+        if told.is_none_or(|t| t.elapsed().as_secs() >= 5) {
+            tracing::info!("draining: {n} {what} in flight");
+            told = Some(std::time::Instant::now());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }
 
 /// Logging for the service binaries (`DSPARK_LOG`, default info) and, when
@@ -210,4 +260,41 @@ pub fn set_parent(span: &tracing::Span, traceparent: &str) {
     carrier.insert("traceparent".to_string(), traceparent.to_string());
     let cx = opentelemetry::global::get_text_map_propagator(|p| p.extract(&carrier));
     let _ = span.set_parent(cx);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::drain;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    #[tokio::test]
+    async fn drain_waits_for_the_last_request_and_no_longer_than_its_limit() {
+        let n = Arc::new(AtomicUsize::new(2));
+        let n2 = Arc::clone(&n);
+        tokio::spawn(async move {
+            for _ in 0..2 {
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                n2.fetch_sub(1, Ordering::SeqCst);
+            }
+        });
+        let t0 = Instant::now();
+        assert!(
+            drain("requests", Duration::from_secs(10), || n
+                .load(Ordering::SeqCst))
+            .await
+        );
+        let took = t0.elapsed();
+        assert!(took >= Duration::from_millis(300), "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        // One that never finishes: the limit ends the wait.
+        let t0 = Instant::now();
+        assert!(!drain("requests", Duration::from_millis(200), || 1).await);
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_millis(200) && took < Duration::from_secs(3),
+            "{took:?}"
+        );
+    }
 }

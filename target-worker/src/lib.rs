@@ -123,6 +123,11 @@ pub struct TargetArgs {
     /// KV cache element type: f16 (half the bytes attention reads) or f32.
     #[arg(long, env = "DSPARK_KV_CACHE_DTYPE", default_value = "f16")]
     pub kv_cache_dtype: String,
+    /// On SIGTERM or Ctrl-C: leave placement, refuse new requests, and let the ones in flight
+    /// finish for up to this many seconds before stopping (the router continues any still
+    /// running on another worker). Keep it below Kubernetes' terminationGracePeriodSeconds.
+    #[arg(long, env = "DSPARK_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
 }
@@ -251,7 +256,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             spawn_budget_client(url, id.clone(), h.reports, h.budget);
         }
     }
-    if let Some(disc) = disc {
+    let registrar = disc.clone().map(|disc| {
         let (info2, l2) = (info.clone(), Arc::clone(&load));
         dspark_scheduler::discovery::spawn_registrar(
             disc,
@@ -268,8 +273,38 @@ pub async fn run(args: TargetArgs) -> Result<()> {
                     i
                 }
             }),
-        );
-    }
+        )
+    });
+    let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let streams = Arc::new(AtomicUsize::new(0));
+    let stop = {
+        let (draining, streams, id) = (Arc::clone(&draining), Arc::clone(&streams), id.clone());
+        let limit = Duration::from_secs(args.drain_timeout_s);
+        let eof = args.exit_on_stdin_eof;
+        async move {
+            dspark_scheduler::stop_requested(eof).await;
+            // Refuse new work first, then leave placement, then let what runs finish.
+            draining.store(true, Ordering::SeqCst);
+            if let Some(r) = registrar {
+                r.abort();
+            }
+            if let Some(d) = &disc {
+                match dspark_scheduler::discovery::deregister(d, &id).await {
+                    Ok(()) => tracing::info!(worker = id, "left placement"),
+                    Err(e) => tracing::warn!(worker = id, "{e} (its TTL will expire it)"),
+                }
+            }
+            let done =
+                dspark_scheduler::drain("requests", limit, || streams.load(Ordering::SeqCst)).await;
+            // Past the limit the engine would go on generating: stop now, so what is still
+            // open fails over at once instead of finishing late here.
+            dspark_scheduler::exit_after(if done {
+                Duration::from_secs(2)
+            } else {
+                Duration::ZERO
+            });
+        }
+    };
     let svc = service::TargetService {
         counters,
         cmds: std::sync::Mutex::new(tx),
@@ -280,6 +315,8 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         max_ctx,
         default_draft: args.draft_worker.clone(),
         local_drafting: local,
+        draining,
+        streams,
     };
     println!("target worker {id} ({}) listening on {addr}", args.model);
     tonic::transport::Server::builder()
@@ -290,7 +327,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         )
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
-            dspark_scheduler::shutdown_signal(args.exit_on_stdin_eof),
+            stop,
         )
         .await?;
     Ok(())

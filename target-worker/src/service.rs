@@ -4,7 +4,7 @@ use crate::engine_loop::Cmd;
 use dspark_proto::target_worker_server::TargetWorker;
 use dspark_proto::{GenerateEvent, GenerateRequest, InfoRequest, WorkerInfo};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -25,6 +25,20 @@ pub struct TargetService {
     pub default_draft: Option<String>,
     /// Requests never go to a remote drafter (the drafter runs in-process).
     pub local_drafting: bool,
+    /// Set once a stop was asked for: new requests are refused (`UNAVAILABLE`, which the router
+    /// places elsewhere) while the ones in flight finish.
+    pub draining: Arc<AtomicBool>,
+    /// Generate streams open now (what a drain waits for).
+    pub streams: Arc<AtomicUsize>,
+}
+
+/// Counts an open Generate stream until the stream is dropped (finished, or its caller gone).
+struct StreamGuard(Arc<AtomicUsize>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Longest request id accepted (they are logged and echoed).
@@ -102,6 +116,16 @@ impl TargetWorker for TargetService {
         &self,
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
+        // Counted before the drain flag is read: a drain that sets the flag and then reads no
+        // stream open cannot miss one that slipped past the flag.
+        self.streams.fetch_add(1, Ordering::SeqCst);
+        let guard = StreamGuard(Arc::clone(&self.streams));
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(Status::unavailable(format!(
+                "target worker {} is draining (shutting down); place the request elsewhere",
+                self.info.id
+            )));
+        }
         let r = req.into_inner();
         self.check(&r)?;
         let params = match &r.sampling {
@@ -165,9 +189,14 @@ impl TargetWorker for TargetService {
                 events: tx,
             })
             .map_err(|_| Status::unavailable("the engine thread stopped"))?;
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
-        )))
+        let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
+        Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
+            events,
+            move |e| {
+                let _open = &guard;
+                e
+            },
+        ))))
     }
 
     async fn info(&self, _: Request<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {

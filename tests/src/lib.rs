@@ -50,6 +50,74 @@ impl Drop for Proc {
     }
 }
 
+/// Waits for `child` to exit on its own, up to `limit`; its status (killed and a panic past it).
+pub async fn exits_within(
+    child: &mut Child,
+    what: &str,
+    limit: Duration,
+) -> std::process::ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().expect("wait") {
+            return st;
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            panic!("{what} did not stop within {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A counter or gauge from a Prometheus `/metrics` page (0 when absent).
+pub async fn metric(base: &str, name: &str) -> f64 {
+    let text = match http().get(format!("{base}/metrics")).send().await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    };
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The chunks of a server-sent-events response, as JSON.
+pub struct SseChunks {
+    stream: std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<Vec<u8>>> + Send>>,
+    buf: String,
+}
+
+impl SseChunks {
+    /// POSTs `body` (which asks for `"stream": true`) and checks the response opened with 200.
+    pub async fn open(url: &str, body: &serde_json::Value) -> Self {
+        let r = http().post(url).json(body).send().await.expect("request");
+        assert_eq!(r.status().as_u16(), 200, "streamed request refused");
+        Self {
+            stream: Box::pin(futures::StreamExt::map(r.bytes_stream(), |b| {
+                b.map(|b| b.to_vec())
+            })),
+            buf: String::new(),
+        }
+    }
+
+    /// The next chunk; None after `[DONE]` or the end of the stream.
+    pub async fn next(&mut self) -> Option<serde_json::Value> {
+        loop {
+            if let Some(p) = self.buf.find("\n\n") {
+                let ev: String = self.buf.drain(..p + 2).collect();
+                let data = ev.trim().trim_start_matches("data: ").to_string();
+                if data == "[DONE]" {
+                    return None;
+                }
+                return Some(serde_json::from_str(&data).expect("chunk JSON"));
+            }
+            let b = futures::StreamExt::next(&mut self.stream).await?;
+            self.buf
+                .push_str(&String::from_utf8_lossy(&b.expect("stream")));
+        }
+    }
+}
+
 /// Starts `dspark ARGS...` and waits for its "listening on ADDR" line.
 pub fn spawn(name: &str, args: &[&str]) -> Proc {
     spawn_env(name, args, &[])

@@ -8,7 +8,6 @@ use dspark_runtime::generate::{GenerateParams, generate};
 use dspark_runtime::json::Format;
 use dspark_runtime::{LoadOptions, Model, Tokenizer};
 use dspark_tests::*;
-use futures::StreamExt;
 use serde_json::{Value, json};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -193,6 +192,55 @@ async fn structured(url: &str, response_format: Value, format: Format) -> Value 
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     let text = v["choices"][0]["text"].as_str().unwrap_or_default();
     serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"))
+}
+
+/// A greedy completion streamed through the router, read chunk by chunk.
+struct Streamed {
+    sse: SseChunks,
+    ids: Vec<u32>,
+    chunks: usize,
+}
+
+impl Streamed {
+    async fn open(url: &str, prompt: &str, max_tokens: usize) -> Self {
+        let body = json!({"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": true, "stream_options": {"include_usage": true},
+            "return_token_ids": true});
+        Self {
+            sse: SseChunks::open(&format!("{url}/v1/completions"), &body).await,
+            ids: Vec::new(),
+            chunks: 0,
+        }
+    }
+
+    /// Reads until `n` chunks with tokens arrived in all.
+    async fn tokens(&mut self, n: usize) {
+        while self.chunks < n {
+            let v = self.sse.next().await.expect("the stream ended early");
+            self.take(&v);
+        }
+    }
+
+    fn take(&mut self, v: &Value) {
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(t) = v["choices"][0]["token_ids"].as_array() {
+            self.ids
+                .extend(t.iter().map(|x| x.as_u64().unwrap_or(u64::MAX) as u32));
+            self.chunks += 1;
+        }
+    }
+
+    /// Reads to the end; the usage chunk.
+    async fn finish(&mut self) -> Value {
+        let mut usage = Value::Null;
+        while let Some(v) = self.sse.next().await {
+            self.take(&v);
+            if !v["usage"].is_null() {
+                usage = v["usage"].clone();
+            }
+        }
+        usage
+    }
 }
 
 fn ids_of(v: &Value) -> Vec<u32> {
@@ -1096,49 +1144,16 @@ async fn draft_worker_killed_mid_stream_loses_nothing() {
     wait_for("cluster", Duration::from_secs(120), || ready(&c.url, 1, 1)).await;
     let prompt = PROMPTS[2];
     let (want, _) = greedy(prompt, 160);
-    let resp = reqwest::Client::new()
-        .post(format!("{}/v1/completions", c.url))
-        .json(
-            &json!({"model": "smollm2-135m", "prompt": prompt, "max_tokens": 160, "temperature": 0,
-            "stream": true, "stream_options": {"include_usage": true}, "return_token_ids": true}),
-        )
-        .send()
-        .await
-        .expect("request");
-    assert_eq!(resp.status().as_u16(), 200);
-    let mut stream = resp.bytes_stream();
-    let (mut buf, mut ids, mut usage, mut chunks) =
-        (String::new(), Vec::<u32>::new(), Value::Null, 0);
-    let mut killed = false;
-    while let Some(b) = stream.next().await {
-        buf.push_str(&String::from_utf8_lossy(&b.expect("stream")));
-        while let Some(p) = buf.find("\n\n") {
-            let ev: String = buf.drain(..p + 2).collect();
-            let data = ev.trim().trim_start_matches("data: ").to_string();
-            if data == "[DONE]" {
-                continue;
-            }
-            let v: Value = serde_json::from_str(&data).expect("chunk JSON");
-            assert!(v.get("error").is_none(), "{v}");
-            if let Some(t) = v["choices"][0]["token_ids"].as_array() {
-                ids.extend(t.iter().map(|x| x.as_u64().unwrap() as u32));
-                chunks += 1;
-            }
-            if !v["usage"].is_null() {
-                usage = v["usage"].clone();
-            }
-            if chunks == 3 && !killed {
-                c.drafts[0].kill();
-                killed = true;
-            }
-        }
-    }
+    let mut s = Streamed::open(&c.url, prompt, 160).await;
+    s.tokens(3).await;
+    c.drafts[0].kill();
+    let usage = s.finish().await;
     assert!(
-        killed,
+        s.chunks > 3,
         "the stream was long enough to kill the draft worker in the middle"
     );
     assert_eq!(
-        ids, want,
+        s.ids, want,
         "output after losing the draft worker equals greedy decoding"
     );
     let d = &usage["dspark"];
@@ -1148,7 +1163,7 @@ async fn draft_worker_killed_mid_stream_loses_nothing() {
     );
 
     // A new draft worker: requests draft remotely again once placement pairs them with it.
-    let new = spawn(
+    let mut new = spawn(
         "draft-new",
         &[
             "draft-worker",
@@ -1162,6 +1177,8 @@ async fn draft_worker_killed_mid_stream_loses_nothing() {
             &c.sched,
             "--threads",
             "1",
+            "--ttl-ms",
+            "60000",
         ],
     );
     let mut remote = 0;
@@ -1180,11 +1197,214 @@ async fn draft_worker_killed_mid_stream_loses_nothing() {
         remote > 0,
         "speculation resumed through the new draft worker"
     );
-    drop(new);
+    // Stopped (SIGTERM), it leaves placement at once (its 60 s TTL has not run out) and exits.
+    new.signal("TERM");
+    wait_for("deregistration", Duration::from_secs(5), || async {
+        get(&format!("{}/ready", c.url)).await.1["draft_workers"] == 0
+    })
+    .await;
+    let st = exits_within(&mut new.child, "draft-new", Duration::from_secs(10)).await;
+    assert!(st.success(), "{st}");
+    let v = complete(&c.url, prompt, 24).await;
+    assert_eq!(ids_of(&v), want[..24].to_vec());
+}
+
+/// Which of `targets` holds a request now (by the load its Info reports).
+async fn busy_target(targets: &[&Proc]) -> usize {
+    for _ in 0..50 {
+        for (i, t) in targets.iter().enumerate() {
+            if target_info(&t.addr).await.load > 0 {
+                return i;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no target worker reports the request");
+}
+
+/// Rolling updates: a target worker told to stop (SIGTERM, as Kubernetes does) leaves
+/// placement, refuses new requests, finishes the ones it holds and exits; one whose drain runs
+/// out hands what it holds to the router's failover; a router told to stop reads not ready,
+/// then finishes what it serves. Nobody loses an answer, and greedy output stays plain greedy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopped_workers_and_routers_drain_and_lose_nothing() {
+    let _s = serial();
+    let mut c = start_cluster(2, 0, &[]);
+    wait_for("cluster", Duration::from_secs(120), || ready(&c.url, 2, 0)).await;
+    let failovers = || metric(&c.url, "dspark_router_failovers_total");
+    let before = failovers().await;
+
+    // 1. A worker stopped mid-stream drains it.
+    let prompt = PROMPTS[3];
+    let (want, _) = greedy(prompt, 160);
+    let mut s = Streamed::open(&c.url, prompt, 160).await;
+    s.tokens(1).await;
+    let k = busy_target(&[&c.targets[0], &c.targets[1]]).await;
+    let (stopped, other) = (format!("target-{k}"), format!("target-{}", 1 - k));
+    c.targets[k].signal("TERM");
+    // New work is refused there, with a reason the router acts on...
+    let addr = c.targets[k].addr.clone();
+    let refused = async || {
+        let mut t = TargetWorkerClient::connect(format!("http://{addr}"))
+            .await
+            .expect("the draining worker still listens");
+        let r = t
+            .generate(GenerateRequest {
+                prompt: vec![1, 2, 3],
+                max_tokens: 1,
+                ..Default::default()
+            })
+            .await;
+        match r {
+            Err(st) => {
+                assert_eq!(st.code(), tonic::Code::Unavailable, "{st:?}");
+                assert!(st.message().contains("draining"), "{st:?}");
+                true
+            }
+            Ok(_) => false,
+        }
+    };
+    wait_for(
+        "the draining worker to refuse",
+        Duration::from_secs(5),
+        refused,
+    )
+    .await;
+    // ...it leaves placement, and the router serves new requests on the other worker.
+    wait_for("the worker to leave", Duration::from_secs(5), || {
+        ready(&c.url, 1, 0)
+    })
+    .await;
+    let v = complete(&c.url, PROMPTS[1], 8).await;
+    assert_eq!(v["usage"]["dspark"]["target_worker"], other.as_str(), "{v}");
+    assert_eq!(ids_of(&v), greedy(PROMPTS[1], 8).0);
+    // The stream it held ends there, as plain greedy decoding, without a failover.
+    let usage = s.finish().await;
+    assert_eq!(s.ids, want, "the drained stream equals greedy decoding");
+    assert_eq!(
+        usage["dspark"]["target_worker"],
+        stopped.as_str(),
+        "{usage}"
+    );
+    assert_eq!(failovers().await, before, "drained, not failed over");
+    let st = exits_within(&mut c.targets[k].child, &stopped, Duration::from_secs(10)).await;
+    assert!(st.success(), "{stopped} exited with {st}");
+
+    // 2. A drain that runs out: what the worker holds continues elsewhere.
+    let short = spawn(
+        "target-short",
+        &[
+            "target-worker",
+            "--model",
+            "smollm2-135m",
+            "--id",
+            "target-short",
+            "--scheduler",
+            &c.sched,
+            "--threads",
+            "1",
+            "--max-running",
+            "4",
+            "--drain-timeout-s",
+            "1",
+        ],
+    );
+    let mut short = short;
+    wait_for("the new worker", Duration::from_secs(120), || {
+        ready(&c.url, 2, 0)
+    })
+    .await;
+    // Streams until one runs on the new worker (placement spreads them; a load report racing
+    // a placement can send two in a row to one worker).
+    let mut streams = Vec::new();
+    for p in [PROMPTS[0], PROMPTS[5], PROMPTS[4]] {
+        let mut s = Streamed::open(&c.url, p, 400).await;
+        s.tokens(1).await;
+        streams.push((p, s));
+        if target_info(&short.addr).await.load > 0 {
+            break;
+        }
+    }
+    assert!(
+        target_info(&short.addr).await.load > 0,
+        "placement put none of {} streams on the new worker",
+        streams.len()
+    );
+    short.signal("TERM");
+    let st = exits_within(&mut short.child, "target-short", Duration::from_secs(10)).await;
+    assert!(st.success(), "target-short exited with {st}");
+    for (p, s) in &mut streams {
+        let u = s.finish().await;
+        assert_eq!(s.ids, greedy(p, 400).0, "{u}");
+        assert_eq!(u["dspark"]["target_worker"], other.as_str(), "{u}");
+    }
+    assert_eq!(
+        failovers().await,
+        before + 1.0,
+        "one stream was cut and resumed"
+    );
+
+    // A worker gone since the router's view (here a static list naming a dead address first)
+    // costs a placement elsewhere, not the request.
+    let dead = format!("127.0.0.1:{}", free_port());
+    let live = c.targets[1 - k].addr.clone();
+    let statics = spawn(
+        "router-static",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--targets",
+            &format!("{dead},{live}"),
+        ],
+    );
+    for _ in 0..2 {
+        let v = complete(&format!("http://{}", statics.addr), PROMPTS[1], 8).await;
+        assert_eq!(ids_of(&v), greedy(PROMPTS[1], 8).0, "{v}");
+    }
+    drop(statics);
+
+    // 3. A router told to stop: not ready at once, still serving through its delay, and what
+    // it serves finishes before it exits.
+    let mut router = spawn(
+        "router-drain",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--scheduler",
+            &c.sched,
+            "--shutdown-delay-s",
+            "2",
+        ],
+    );
+    let url = format!("http://{}", router.addr);
+    wait_for("the new router", Duration::from_secs(60), || {
+        ready(&url, 1, 0)
+    })
+    .await;
+    let mut s = Streamed::open(&url, PROMPTS[2], 160).await;
+    s.tokens(1).await;
+    router.signal("TERM");
+    wait_for("not ready", Duration::from_secs(5), || async {
+        let (st, v) = get(&format!("{url}/ready")).await;
+        st == 503 && v["draining"] == true
+    })
+    .await;
+    let v = complete(&url, PROMPTS[1], 8).await;
+    assert_eq!(
+        ids_of(&v),
+        greedy(PROMPTS[1], 8).0,
+        "served during the delay"
+    );
+    s.finish().await;
+    assert_eq!(s.ids, greedy(PROMPTS[2], 160).0);
+    let st = exits_within(&mut router.child, "router-drain", Duration::from_secs(10)).await;
+    assert!(st.success(), "router-drain exited with {st}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn expired_etcd_lease_removes_a_worker_from_placement() {
+async fn etcd_registration_ends_with_the_lease_or_the_worker() {
     let _s = serial();
     let etcd = start_etcd();
     let scheduler = spawn(
@@ -1239,6 +1459,34 @@ async fn expired_etcd_lease_removes_a_worker_from_placement() {
     .await;
     let v = complete(&url, PROMPTS[1], 8).await;
     assert_eq!(ids_of(&v), greedy(PROMPTS[1], 8).0);
+    // Stopped (SIGTERM): it deletes its own key, so placement forgets it well before a lease
+    // would expire (a 60 s TTL here), and it exits.
+    drop(target);
+    let mut target = spawn(
+        "target",
+        &[
+            "target-worker",
+            "--model",
+            "smollm2-135m",
+            "--etcd",
+            &etcd.url,
+            "--ttl-ms",
+            "60000",
+            "--threads",
+            "1",
+        ],
+    );
+    wait_for("the new target", Duration::from_secs(60), || {
+        ready(&url, 1, 0)
+    })
+    .await;
+    target.signal("TERM");
+    wait_for("deregistration", Duration::from_secs(5), || async {
+        get(&format!("{url}/ready")).await.0 == 503
+    })
+    .await;
+    let st = exits_within(&mut target.child, "target", Duration::from_secs(10)).await;
+    assert!(st.success(), "{st}");
 }
 
 /// `dspark up` on `port` (one compute thread a worker).
@@ -1256,17 +1504,7 @@ async fn interrupt(up: &mut std::process::Child, limit: Duration) -> std::proces
     let _ = std::process::Command::new("kill")
         .args(["-INT", &up.id().to_string()])
         .status();
-    let t0 = std::time::Instant::now();
-    loop {
-        if let Some(st) = up.try_wait().expect("wait") {
-            return st;
-        }
-        if t0.elapsed() > limit {
-            let _ = up.kill();
-            panic!("dspark up did not stop within {limit:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    exits_within(up, "dspark up", limit).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
