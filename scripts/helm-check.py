@@ -149,6 +149,12 @@ def check_wiring(docs, binary, label, external_etcd):
     for w, tpl in workloads:
         spec = tpl["spec"]
         containers = spec.get("initContainers", []) + spec["containers"]
+        ann = tpl["metadata"].get("annotations", {})
+        if "prometheus.io/port" in ann:
+            cports = {str(p["containerPort"]) for c in spec["containers"] for p in c.get("ports", [])}
+            if ann["prometheus.io/port"] not in cports:
+                fail(f"{label}: {w['metadata']['name']} is scraped on port "
+                     f"{ann['prometheus.io/port']}, which its containers do not open")
         for c in containers:
             if c.get("command") != ["dspark"]:
                 continue
@@ -235,11 +241,11 @@ def free_port():
 
 def run_render(helm, binary):
     """Starts the render's pods as loopback processes and serves one request through them."""
-    ports = {k: free_port() for k in ("router", "scheduler", "target", "draft", "etcd", "peer")}
+    ports = {k: free_port() for k in ("router", "scheduler", "target", "metrics", "draft", "etcd", "peer")}
     values = {
         "router": {"port": ports["router"], "autoscaling": {"enabled": False}, "replicas": 1},
         "scheduler": {"port": ports["scheduler"]},
-        "targetWorker": {"port": ports["target"], "replicas": 1, "threads": 1},
+        "targetWorker": {"port": ports["target"], "metricsPort": ports["metrics"], "replicas": 1, "threads": 1},
         "draftWorker": {"port": ports["draft"], "replicas": 1, "threads": 1},
         "etcd": {"clientPort": ports["etcd"], "peerPort": ports["peer"]},
         "registrationTtlMs": 1500,
@@ -334,6 +340,17 @@ def run_render(helm, binary):
         if not text.strip() or out["usage"]["completion_tokens"] < 1:
             fail(f"empty completion: {out}")
         print(f"run: chat completion through the render's pods: {text!r}")
+        # The target worker's metrics port, where the pod annotations send Prometheus.
+        tw = next(tpl for _, tpl in workloads
+                  if tpl["metadata"]["labels"]["app.kubernetes.io/component"] == "target-worker")
+        ann = tw["metadata"].get("annotations", {})
+        url = f"http://127.0.0.1:{ann.get('prometheus.io/port')}{ann.get('prometheus.io/path')}"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            page = r.read().decode()
+        m = re.search(r"^dspark_target_generation_tokens_total (\d+)$", page, re.M)
+        if not m or int(m.group(1)) < out["usage"]["completion_tokens"]:
+            fail(f"target worker metrics at {url} miss the completion's tokens:\n{page[:2000]}")
+        print(f"run: target worker metrics scraped as annotated: {m.group(1)} tokens generated")
     finally:
         for _, p, _ in procs:
             try:

@@ -9,6 +9,7 @@ pub mod admission;
 pub mod discovery;
 pub mod placement;
 pub mod planner;
+pub mod prom;
 pub mod service;
 pub mod sps;
 

@@ -563,6 +563,16 @@ impl Engine {
         self.running.len()
     }
 
+    /// Requests queued, not admitted yet.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Blocks of the paged KV cache, in all.
+    pub fn kv_total_blocks(&self) -> usize {
+        self.cache.config().num_blocks
+    }
+
     /// Validates and queues a request.
     pub fn add(&mut self, mut req: Request) -> Result<()> {
         if req.prompt.is_empty() {

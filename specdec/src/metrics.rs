@@ -4,6 +4,9 @@
 
 use serde::Serialize;
 
+/// Inter-token gaps an engine's totals keep (the most recent; between this and twice it).
+pub const TOTALS_ITL_CAP: usize = 1 << 16;
+
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct RequestMetrics {
     pub prompt_tokens: usize,
@@ -105,8 +108,19 @@ impl RequestMetrics {
         }
     }
 
-    /// Adds another request's counters (engine totals).
+    /// Adds a finished request to an engine's running totals: every counter, but not its
+    /// calibration blocks (they leave with the request's own metrics) and only the latest
+    /// [`TOTALS_ITL_CAP`] inter-token gaps. A server runs for weeks: totals must not grow with
+    /// the tokens it served.
     pub fn merge(&mut self, o: &RequestMetrics) {
+        self.merge_counts(o);
+        if self.itl_s.len() > 2 * TOTALS_ITL_CAP {
+            let cut = self.itl_s.len() - TOTALS_ITL_CAP;
+            self.itl_s.drain(..cut);
+        }
+    }
+
+    fn merge_counts(&mut self, o: &RequestMetrics) {
         self.prompt_tokens += o.prompt_tokens;
         self.cached_tokens += o.cached_tokens;
         self.completion_tokens += o.completion_tokens;
@@ -135,7 +149,6 @@ impl RequestMetrics {
         self.ttft_s += o.ttft_s;
         self.e2e_s += o.e2e_s;
         self.itl_s.extend_from_slice(&o.itl_s);
-        self.conf_blocks.extend(o.conf_blocks.iter().cloned());
     }
 
     /// A JSON summary (with derived rates) for CLIs and benchmarks.
@@ -177,5 +190,27 @@ mod tests {
         assert_eq!(m.prefix_hist, vec![0, 0, 1, 0, 1]);
         assert_eq!(m.wasted_tokens, 2);
         assert_eq!(m.accept_per_pos(), vec![1.0, 1.0, 0.5, 0.5]);
+    }
+
+    #[test]
+    fn totals_keep_every_count_and_stay_bounded() {
+        let mut one = RequestMetrics::default();
+        one.completion_tokens = 1000;
+        one.record_block(3, 1, false);
+        one.itl_s = vec![0.01; 1000];
+        one.conf_blocks = vec![ConfBlock::default(); 10];
+        let mut tot = RequestMetrics::default();
+        for _ in 0..500 {
+            tot.merge(&one);
+        }
+        assert_eq!(tot.completion_tokens, 500_000);
+        assert_eq!(tot.proposed_at, vec![500; 3]);
+        assert_eq!(tot.accepted_at, vec![500, 0, 0]);
+        assert!(tot.conf_blocks.is_empty());
+        assert!(
+            (TOTALS_ITL_CAP..=2 * TOTALS_ITL_CAP).contains(&tot.itl_s.len()),
+            "{}",
+            tot.itl_s.len()
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! The engine thread: owns the [`Engine`], takes new requests from the gRPC service, steps, and
 //! streams each request's committed tokens back. A request whose caller went away is cancelled.
 
+use crate::metrics::{Snapshot, WorkerMetrics};
 use crate::remote::RemoteShared;
 use dspark_proto::{Finished, GenerateEvent, SpecStats, TokenChunk, generate_event};
 use specdec::{Engine, Event};
@@ -24,6 +25,7 @@ pub struct EngineLoop {
     pub engine: Engine,
     pub shared: Arc<RemoteShared>,
     pub load: Arc<AtomicUsize>,
+    pub metrics: Arc<WorkerMetrics>,
 }
 
 impl EngineLoop {
@@ -31,6 +33,7 @@ impl EngineLoop {
         let mut senders: HashMap<u64, EventTx> = HashMap::new();
         loop {
             if self.engine.is_idle() {
+                self.metrics.publish(Snapshot::of(&self.engine));
                 match rx.recv() {
                     Ok(c) => self.handle(c, &mut senders),
                     Err(_) => return,
@@ -47,6 +50,7 @@ impl EngineLoop {
                 .collect();
             for id in gone {
                 let _ = self.engine.cancel(id);
+                self.metrics.finished("cancelled");
                 self.end(id, &mut senders);
             }
             if self.engine.is_idle() {
@@ -54,8 +58,16 @@ impl EngineLoop {
             }
             let span = tracing::debug_span!("cycle", step = self.engine.steps);
             let _g = span.enter();
-            match self.engine.step() {
+            let t0 = std::time::Instant::now();
+            let stepped = self.engine.step();
+            self.metrics
+                .step_seconds
+                .observe(t0.elapsed().as_secs_f64());
+            match stepped {
                 Ok(events) => {
+                    // Published before the events go out: a caller that saw its request end
+                    // and then scrapes finds it counted.
+                    self.metrics.publish(Snapshot::of(&self.engine));
                     for ev in events {
                         self.dispatch(ev, &mut senders);
                     }
@@ -65,6 +77,7 @@ impl EngineLoop {
                     let ids: Vec<u64> = senders.keys().copied().collect();
                     for id in ids {
                         let _ = self.engine.cancel(id);
+                        self.metrics.finished("error");
                         if let Some(tx) = senders.get(&id) {
                             let _ = tx.send(Err(Status::internal(format!("engine: {e}"))));
                         }
@@ -141,6 +154,7 @@ impl EngineLoop {
                     };
                     if tx.send(Ok(m)).is_err() {
                         let _ = self.engine.cancel(id);
+                        self.metrics.finished("cancelled");
                         self.end(id, senders);
                     }
                 }
@@ -157,6 +171,13 @@ impl EngineLoop {
                     .ok()
                     .and_then(|s| s.get(&id).cloned())
                     .unwrap_or_default();
+                self.metrics.finished(reason.as_str());
+                self.metrics
+                    .remote_cycles
+                    .fetch_add(w.remote_cycles as u64, Ordering::Relaxed);
+                self.metrics
+                    .fallback_cycles
+                    .fetch_add(w.fallback_cycles as u64, Ordering::Relaxed);
                 if let Some(tx) = senders.get(&id) {
                     let stats = SpecStats {
                         prompt_tokens: metrics.prompt_tokens as u32,

@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod engine_loop;
+pub mod metrics;
 pub mod remote;
 pub mod service;
 pub mod sps;
@@ -123,6 +124,10 @@ pub struct TargetArgs {
     /// KV cache element type: f16 (half the bytes attention reads) or f32.
     #[arg(long, env = "DSPARK_KV_CACHE_DTYPE", default_value = "f16")]
     pub kv_cache_dtype: String,
+    /// Serve Prometheus metrics (`GET /metrics`: batch, queue, KV cache, prefix cache,
+    /// acceptance per position, step times) on this address; off when unset.
+    #[arg(long, env = "DSPARK_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// On SIGTERM or Ctrl-C: leave placement, refuse new requests, and let the ones in flight
     /// finish for up to this many seconds before stopping (the router continues any still
     /// running on another worker). Keep it below Kubernetes' terminationGracePeriodSeconds.
@@ -209,11 +214,27 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         .map_err(|e| TargetError::Config(format!("loader: {e}")))??;
     let listener = socket.listen(1024)?;
     let load = Arc::new(AtomicUsize::new(0));
+    let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let metrics = Arc::new(metrics::WorkerMetrics::new(
+        Arc::clone(&draining),
+        handles
+            .as_ref()
+            .map(|h| (Arc::clone(&h.central), Arc::clone(&h.local))),
+    ));
+    if let Some(a) = args.metrics_listen {
+        let l = tokio::net::TcpListener::bind(a).await?;
+        println!(
+            "target worker metrics at http://{}/metrics",
+            l.local_addr()?
+        );
+        tokio::spawn(metrics::serve(l, Arc::clone(&metrics)));
+    }
     let (tx, rx) = std::sync::mpsc::channel();
     let el = engine_loop::EngineLoop {
         engine,
         shared,
         load: Arc::clone(&load),
+        metrics,
     };
     std::thread::Builder::new()
         .name("engine".into())
@@ -275,7 +296,6 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             }),
         )
     });
-    let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let streams = Arc::new(AtomicUsize::new(0));
     let stop = {
         let (draining, streams, id) = (Arc::clone(&draining), Arc::clone(&streams), id.clone());

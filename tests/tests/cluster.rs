@@ -1291,6 +1291,7 @@ async fn stopped_workers_and_routers_drain_and_lose_nothing() {
     assert!(st.success(), "{stopped} exited with {st}");
 
     // 2. A drain that runs out: what the worker holds continues elsewhere.
+    let metrics_addr = format!("127.0.0.1:{}", free_port());
     let short = spawn(
         "target-short",
         &[
@@ -1307,6 +1308,8 @@ async fn stopped_workers_and_routers_drain_and_lose_nothing() {
             "4",
             "--drain-timeout-s",
             "1",
+            "--metrics-listen",
+            &metrics_addr,
         ],
     );
     let mut short = short;
@@ -1330,6 +1333,24 @@ async fn stopped_workers_and_routers_drain_and_lose_nothing() {
         "placement put none of {} streams on the new worker",
         streams.len()
     );
+    // Its metrics page shows the request it holds.
+    let page = reqwest::get(format!("http://{metrics_addr}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    dspark_scheduler::prom::well_formed(&page).expect("exposition format");
+    let value = |name: &str| -> f64 {
+        page.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing in\n{page}"))
+    };
+    assert_eq!(value("dspark_target_requests_running"), 1.0, "{page}");
+    assert!(value("dspark_target_kv_cache_used_blocks") >= 1.0, "{page}");
+    assert!(value("dspark_target_engine_steps_total") >= 1.0, "{page}");
+    assert_eq!(value("dspark_target_draining"), 0.0, "{page}");
     short.signal("TERM");
     let st = exits_within(&mut short.child, "target-short", Duration::from_secs(10)).await;
     assert!(st.success(), "target-short exited with {st}");
