@@ -289,7 +289,7 @@ async fn tokenize(
     }
     let text = match (&r.prompt, &r.messages) {
         (Some(p), None) => p.clone(),
-        (None, Some(_)) => render_chat(&app, &r.messages)?,
+        (None, Some(_)) => render_chat(&app, &r.messages, None)?,
         _ => {
             return Err(ApiError::bad(
                 "give either `prompt` or `messages`",
@@ -834,13 +834,25 @@ async fn chat_completions(
     Metrics::add(&app.metrics.requests, 1);
     let r: ChatRequest = parse_body(&body).inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
     check_model(&app, &r.common.model)?;
-    let text = render_chat(&app, &r.messages)?;
+    let forced = r.forced_call()?;
+    let text = render_chat(&app, &r.messages, r.tools.as_ref())?;
     let prompt = encode(&app, &text)?;
-    let settings = r.common.settings(
+    let mut settings = r.common.settings(
         app.max_tokens_limit.min(512),
         app.max_tokens_limit,
         app.tok.vocab_size(),
     )?;
+    if let Some(f) = forced {
+        if settings.json || settings.json_schema.is_some() {
+            return Err(ApiError::bad(
+                "response_format cannot be combined with a forced tool call (the call's \
+                 arguments already follow the function's parameters schema)",
+                Some("response_format"),
+            ));
+        }
+        settings.json_schema = Some(f.parameters.to_string());
+        settings.tool_call = Some(f.name);
+    }
     if settings.echo {
         return Err(ApiError::bad(
             "echo is supported on /v1/completions only",
@@ -856,8 +868,14 @@ async fn chat_completions(
     serve(app, headers, vec![prompt], settings, Kind::Chat).await
 }
 
-/// The chat template rendered over `messages` (with the assistant's turn opened).
-fn render_chat(app: &App, messages: &Option<Vec<openai::ChatMessage>>) -> Result<String, ApiError> {
+/// The chat template rendered over `messages` (with the assistant's turn opened) and `tools`.
+/// An assistant turn's `tool_calls` reach the template as they are; a template that does not
+/// render them (SmolLM2's) gets them as the turn's text, so the model still sees its calls.
+fn render_chat(
+    app: &App,
+    messages: &Option<Vec<openai::ChatMessage>>,
+    tools: Option<&Value>,
+) -> Result<String, ApiError> {
     let msgs = match messages {
         Some(m) if !m.is_empty() => m,
         _ => {
@@ -880,13 +898,33 @@ fn render_chat(app: &App, messages: &Option<Vec<openai::ChatMessage>>) -> Result
         } else {
             m.role.as_str()
         };
-        conv.push(Message::new(role, &m.text()?));
+        let mut msg = Message::new(role, &m.text()?);
+        match &m.tool_calls {
+            None | Some(Value::Null) => {}
+            Some(c @ Value::Array(_)) if m.role == "assistant" => msg.tool_calls = Some(c.clone()),
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "`tool_calls` is a list, on assistant messages",
+                    Some("messages"),
+                ));
+            }
+        }
+        msg.tool_call_id = m.tool_call_id.clone();
+        conv.push(msg);
     }
     let tpl = app.template.as_ref().ok_or_else(|| {
         ApiError::bad("this model has no chat template; use /v1/completions", None)
     })?;
+    if !tpl.renders_tool_calls() {
+        for m in conv.iter_mut().filter(|m| m.content.is_empty()) {
+            if let Some(c) = m.tool_calls.take() {
+                m.content = c.to_string();
+            }
+        }
+    }
+    let tools = tools.filter(|t| t.as_array().is_some_and(|a| !a.is_empty()));
     let text = tpl
-        .render(&conv, true)
+        .render_with_tools(&conv, tools, true)
         .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
     Ok(text)
 }
@@ -1006,7 +1044,9 @@ async fn serve(
     for ((i, job), r) in first_window.into_iter().zip(results) {
         match r {
             Ok((target, stream, first)) => opened.push((i, job, target, stream, first)),
-            Err(e) if e.status == StatusCode::TOO_MANY_REQUESTS && i > 0 => {
+            // Any sequence a full cluster turned away waits, the first too: which of the
+            // window's concurrent placements found the cluster full is a race.
+            Err(e) if e.status == StatusCode::TOO_MANY_REQUESTS => {
                 jobs.push_back((i, job));
             }
             Err(e) => {
@@ -1130,6 +1170,10 @@ async fn serve(
         })
         .collect();
     let prompt_tokens: u32 = prompts.iter().map(|p| p.len() as u32).sum();
+    // A forced function call per choice, with an id as OpenAI's.
+    let call_ids: Vec<String> = (0..total)
+        .map(|_| format!("call_{:016x}{:08x}", random_u64(), random_u64() as u32))
+        .collect();
     if !settings.stream {
         let mut text = vec![String::new(); total];
         let mut ids: Vec<Vec<u32>> = vec![Vec::new(); total];
@@ -1179,7 +1223,13 @@ async fn serve(
                 } else {
                     finish(&ends[i].0)
                 };
-                let mut choice = if kind == Kind::Chat {
+                let mut choice = if let Some(f) = &settings.tool_call {
+                    let reason = if reason == "stop" { "tool_calls" } else { reason };
+                    json!({"index": i, "message": {"role": "assistant", "content": null,
+                        "tool_calls": [{"id": call_ids[i], "type": "function",
+                            "function": {"name": f, "arguments": text[i]}}]},
+                        "finish_reason": reason, "logprobs": null})
+                } else if kind == Kind::Chat {
                     json!({"index": i, "message": {"role": "assistant", "content": text[i]}, "finish_reason": reason, "logprobs": null})
                 } else {
                     json!({"index": i, "text": format!("{}{}", echoes[i / n], text[i]), "finish_reason": reason, "logprobs": null})
@@ -1215,6 +1265,7 @@ async fn serve(
     let return_ids = settings.return_token_ids;
     let want_logprobs = settings.logprobs.is_some();
     let (echo, score_only) = (settings.echo, settings.score_only);
+    let tool_call = settings.tool_call.clone();
     let app2 = Arc::clone(&app);
     let s = async_stream(move |out| async move {
         let _guards = guards;
@@ -1227,8 +1278,18 @@ async fn serve(
         };
         if kind == Kind::Chat {
             for i in 0..total {
+                // A forced call opens with its id and name; its arguments follow as deltas.
+                let delta = match &tool_call {
+                    Some(f) => json!({"role": "assistant", "content": null, "tool_calls": [
+                        {"index": 0, "id": call_ids[i], "type": "function",
+                         "function": {"name": f, "arguments": ""}}]}),
+                    None => json!({"role": "assistant", "content": ""}),
+                };
                 let _ = out
-                    .send(mk(json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]), Value::Null))
+                    .send(mk(
+                        json!([{"index": i, "delta": delta, "finish_reason": null}]),
+                        Value::Null,
+                    ))
                     .await;
             }
         }
@@ -1253,7 +1314,10 @@ async fn serve(
                     if t.is_empty() && !return_ids && !(want_logprobs && !ids.is_empty()) {
                         continue;
                     }
-                    let mut c = if kind == Kind::Chat {
+                    let mut c = if tool_call.is_some() {
+                        json!([{"index": i, "delta": {"tool_calls": [
+                            {"index": 0, "function": {"arguments": t}}]}, "finish_reason": null}])
+                    } else if kind == Kind::Chat {
                         json!([{"index": i, "delta": {"content": t}, "finish_reason": null}])
                     } else {
                         json!([{"index": i, "text": t, "finish_reason": null, "logprobs": null}])
@@ -1281,10 +1345,10 @@ async fn serve(
                     stats,
                     target,
                 } => {
-                    let reason = if score_only {
-                        "length"
-                    } else {
-                        finish(&reason)
+                    let reason = match (score_only, finish(&reason)) {
+                        (true, _) => "length",
+                        (_, "stop") if tool_call.is_some() => "tool_calls",
+                        (_, r) => r,
                     };
                     let c = if kind == Kind::Chat {
                         json!([{"index": i, "delta": {}, "finish_reason": reason}])

@@ -166,14 +166,149 @@ pub struct ContentPart {
 pub struct ChatMessage {
     pub role: String,
     pub content: Option<Content>,
+    /// An assistant turn's function calls, sent back in a later request.
+    pub tool_calls: Option<Value>,
+    /// A `tool` turn: the call it answers.
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Deserialize, Debug)]
 pub struct ChatRequest {
     pub messages: Option<Vec<ChatMessage>>,
+    /// OpenAI function definitions (`[{"type": "function", "function": {"name", ...}}]`).
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    /// Accepted; a forced call is always one call.
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: Common,
 }
+
+/// Most functions a request may define.
+pub const MAX_TOOLS: usize = 128;
+
+/// A function call the output must be: its name and its `parameters` schema (compiled and
+/// checked), which the arguments are decoded under.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ForcedCall {
+    pub name: String,
+    pub parameters: Value,
+}
+
+impl ChatRequest {
+    /// Validates `tools` and `tool_choice`; the call the output must be, if any.
+    ///
+    /// `"required"` (with one function) and a named function decode the arguments under the
+    /// function's `parameters`, as vLLM's guided tool choice does, so the call always parses.
+    /// `"auto"` would need a parser of each model's own tool-call format, which this server
+    /// does not have: like vLLM without `--enable-auto-tool-choice`, it is refused.
+    pub fn forced_call(&self) -> Result<Option<ForcedCall>, ApiError> {
+        let bad = |m: String| ApiError::bad(m, Some("tools"));
+        let mut funcs: Vec<(String, Value)> = Vec::new();
+        match &self.tools {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(list)) => {
+                if list.len() > MAX_TOOLS {
+                    return Err(bad(format!("at most {MAX_TOOLS} tools")));
+                }
+                for t in list {
+                    if t.get("type").and_then(Value::as_str) != Some("function") {
+                        return Err(bad(
+                            "each tool must be {\"type\": \"function\", \"function\": {...}}"
+                                .into(),
+                        ));
+                    }
+                    let f = t
+                        .get("function")
+                        .filter(|f| f.is_object())
+                        .ok_or_else(|| bad("a tool needs a `function` object".into()))?;
+                    let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
+                    if name.is_empty()
+                        || name.len() > 64
+                        || !name
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+                    {
+                        return Err(bad(format!(
+                            "function name `{name}`: 1 to 64 letters, digits, `_` or `-`"
+                        )));
+                    }
+                    if funcs.iter().any(|(n, _)| n == name) {
+                        return Err(bad(format!("function `{name}` is defined twice")));
+                    }
+                    let params = match f.get("parameters") {
+                        None | Some(Value::Null) => {
+                            serde_json::json!({"type": "object", "properties": {}})
+                        }
+                        Some(p) => p.clone(),
+                    };
+                    funcs.push((name.to_string(), params));
+                }
+            }
+            Some(_) => return Err(bad("`tools` must be a list".into())),
+        }
+        let choice_bad = |m: &str| ApiError::bad(m, Some("tool_choice"));
+        let name = match &self.tool_choice {
+            None | Some(Value::Null) if funcs.is_empty() => return Ok(None),
+            Some(Value::String(c)) if c == "none" => return Ok(None),
+            None | Some(Value::Null) => return Err(choice_bad(AUTO_REFUSED)),
+            Some(Value::String(c)) if c == "auto" => {
+                if funcs.is_empty() {
+                    return Ok(None);
+                }
+                return Err(choice_bad(AUTO_REFUSED));
+            }
+            Some(Value::String(c)) if c == "required" => match funcs.len() {
+                0 => return Err(choice_bad("tool_choice `required` needs `tools`")),
+                1 => funcs[0].0.clone(),
+                _ => {
+                    return Err(choice_bad(
+                        "tool_choice `required` with several tools: name the function \
+                         ({\"type\": \"function\", \"function\": {\"name\": ...}})",
+                    ));
+                }
+            },
+            Some(c @ Value::Object(_)) => {
+                let n = c
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .filter(|_| c.get("type").and_then(Value::as_str) == Some("function"))
+                    .ok_or_else(|| {
+                        choice_bad(
+                            "tool_choice must be `none`, `auto`, `required` or \
+                             {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                        )
+                    })?;
+                if !funcs.iter().any(|(f, _)| f == n) {
+                    return Err(choice_bad(&format!(
+                        "tool_choice names `{n}`, which `tools` does not define"
+                    )));
+                }
+                n.to_string()
+            }
+            Some(_) => {
+                return Err(choice_bad(
+                    "tool_choice must be `none`, `auto`, `required` or \
+                     {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ));
+            }
+        };
+        let parameters = funcs
+            .into_iter()
+            .find(|(f, _)| *f == name)
+            .map(|(_, p)| p)
+            .unwrap_or_default();
+        dspark_runtime::json_schema::Schema::compile(&parameters)
+            .map_err(|e| bad(format!("function `{name}` parameters: {e}")))?;
+        Ok(Some(ForcedCall { name, parameters }))
+    }
+}
+
+const AUTO_REFUSED: &str = "tool_choice `auto` (the default with `tools`) needs a parser of \
+    this model's own tool-call format, which dspark-serve does not have; set tool_choice to \
+    `required` or {\"type\": \"function\", \"function\": {\"name\": ...}} (the arguments are \
+    then decoded under the function's parameters schema), or `none`";
 
 /// Validated generation settings.
 #[derive(Debug, Clone)]
@@ -202,6 +337,8 @@ pub struct GenSettings {
     pub json: bool,
     /// Structured output: the output is a document of this schema (its JSON text, checked).
     pub json_schema: Option<String>,
+    /// Chat: the output is the arguments of a call of this function (`tool_calls`).
+    pub tool_call: Option<String>,
 }
 
 pub const MAX_STOPS: usize = 16;
@@ -487,6 +624,7 @@ impl Common {
             stop_token_ids,
             json,
             json_schema,
+            tool_call: None,
         })
     }
 }
@@ -512,6 +650,109 @@ impl ChatMessage {
                 }
                 Ok(out)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(tools: Value, choice: Value) -> ChatRequest {
+        let mut v = json!({"messages": [{"role": "user", "content": "hi"}]});
+        if !tools.is_null() {
+            v["tools"] = tools;
+        }
+        if !choice.is_null() {
+            v["tool_choice"] = choice;
+        }
+        serde_json::from_value(v).expect("request")
+    }
+
+    fn weather() -> Value {
+        json!({"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+    }
+
+    #[test]
+    fn a_forced_call_is_the_named_or_only_function() {
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        let noop = json!({"type": "function", "function": {"name": "noop"}});
+        let two = json!([weather(), noop]);
+        let f = req(two.clone(), named.clone())
+            .forced_call()
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.name, "get_weather");
+        assert_eq!(f.parameters["required"], json!(["city"]));
+        let f = req(json!([weather()]), json!("required"))
+            .forced_call()
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.name, "get_weather");
+        // No parameters: an empty object.
+        let f = req(json!([noop]), json!("required"))
+            .forced_call()
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.parameters, json!({"type": "object", "properties": {}}));
+        assert_eq!(req(Value::Null, Value::Null).forced_call().unwrap(), None);
+        assert_eq!(req(two.clone(), json!("none")).forced_call().unwrap(), None);
+        assert_eq!(req(json!([]), json!("auto")).forced_call().unwrap(), None);
+    }
+
+    #[test]
+    fn bad_tools_and_choices_are_refused_by_name() {
+        let two = json!([weather(), {"type": "function", "function": {"name": "noop"}}]);
+        for (tools, choice, want) in [
+            (two.clone(), Value::Null, "`auto`"),
+            (two.clone(), json!("auto"), "`auto`"),
+            (two.clone(), json!("required"), "name the function"),
+            (json!([]), json!("required"), "needs `tools`"),
+            (
+                two.clone(),
+                json!({"type": "function", "function": {"name": "nope"}}),
+                "`nope`",
+            ),
+            (
+                two.clone(),
+                json!({"function": {"name": "noop"}}),
+                "tool_choice must be",
+            ),
+            (two.clone(), json!(3), "tool_choice must be"),
+            (json!({"a": 1}), json!("none"), "must be a list"),
+            (
+                json!([{"type": "retrieval"}]),
+                json!("none"),
+                "\"function\"",
+            ),
+            (
+                json!([{"type": "function"}]),
+                json!("none"),
+                "`function` object",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "a b"}}]),
+                json!("none"),
+                "letters, digits",
+            ),
+            (
+                json!([weather(), weather()]),
+                json!("none"),
+                "defined twice",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f",
+                    "parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "a+"}}}}}]),
+                json!("required"),
+                "`pattern`",
+            ),
+        ] {
+            let e = req(tools.clone(), choice.clone())
+                .forced_call()
+                .expect_err(&format!("{tools} / {choice}"));
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert!(e.message.contains(want), "{}: {want}", e.message);
         }
     }
 }

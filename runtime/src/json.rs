@@ -201,7 +201,7 @@ impl JsonState {
         matches!(self.st, St::Str { .. }) && self.chars.between_chars()
     }
 
-    /// Whether the document is a complete JSON object (trailing whitespace allowed).
+    /// Whether the document is a complete JSON object (then only the end may follow).
     pub fn complete(&self) -> bool {
         self.st == St::Done
     }
@@ -216,6 +216,8 @@ impl JsonState {
     pub fn push(&mut self, b: u8) -> bool {
         let ws = matches!(b, b' ' | b'\t' | b'\n' | b'\r');
         match self.st {
+            // Nothing follows the document but the end.
+            St::Done => return false,
             St::Str { key } => {
                 return match self.chars.push(b) {
                     StrStep::More => true,
@@ -603,13 +605,15 @@ mod tests {
     fn valid_objects_are_accepted_and_complete() {
         for doc in [
             "{}",
-            " {\"a\": 1}\n",
+            " {\"a\": 1}",
             "{\"a\":[1,-2.5e+3,0,0.25,1E9,true,false,null,\"x\"],\"b\":{\"c\":{}}}",
             "{\"s\": \"esc \\\" \\\\ \\/ \\b\\f\\n\\r\\t \\u00e9 é ü 日本 🙂\"}",
             "{\"e\": [], \"f\": [[], [{}]], \"g\": -0.0e-0}",
         ] {
             assert_eq!(accepts(doc), Some(true), "{doc}");
             assert!(serde_json::from_str::<serde_json::Value>(doc).is_ok());
+            // Nothing follows a complete document, whitespace neither.
+            assert_eq!(accepts(&format!("{doc}\n")), None, "{doc}");
         }
     }
 

@@ -262,7 +262,7 @@ impl SchemaState {
         }
     }
 
-    /// Whether the document is complete (trailing whitespace allowed).
+    /// Whether the document is complete (then only the end may follow).
     pub fn complete(&self) -> bool {
         self.done
     }
@@ -296,7 +296,9 @@ impl SchemaState {
     /// Feeds one byte; false if it cannot continue a document the schema accepts.
     pub fn push(&mut self, schema: &Schema, b: u8) -> bool {
         if self.done {
-            return self.space(b).unwrap_or(false);
+            // Nothing follows the document but the end: trailing whitespace would only be
+            // padding the model pays tokens for (and callers strip).
+            return false;
         }
         if self.depth == 0 {
             // Before the root value.
@@ -594,12 +596,17 @@ mod tests {
         let s = schema();
         for doc in [
             "{\"age\": 3, \"name\": \"Al\"}",
-            " {\"age\":-1,\"color\":\"red\",\"name\":\"x\",\"ok\":true,\"pos\":{\"x\":1.5e3},\"tags\":[\"a\", \"b\"],\"v\":[1,\"a\"]}\n",
+            " {\"age\":-1,\"color\":\"red\",\"name\":\"x\",\"ok\":true,\"pos\":{\"x\":1.5e3},\"tags\":[\"a\", \"b\"],\"v\":[1,\"a\"]}",
             "{\"age\": 0, \"color\": 1, \"name\": \"\\u00e9 \\\" é\"}",
             "{\"age\": 10, \"color\": null, \"name\": \"\", \"tags\": []}",
             "{ \"age\" : 7 , \"name\" : \"q\" , \"pos\" : { \"x\" : -0.5 } }",
         ] {
             assert_eq!(accepts(&s, doc), Some(true), "{doc}");
+            assert_eq!(
+                accepts(&s, &format!("{doc} ")),
+                None,
+                "nothing follows: {doc}"
+            );
             let v: serde_json::Value = serde_json::from_str(doc).unwrap();
             assert!(v["age"].is_i64() && v["name"].is_string(), "{v}");
         }

@@ -243,6 +243,120 @@ impl Streamed {
     }
 }
 
+/// Function calling: a forced call's arguments are plain greedy decoding of the rendered chat
+/// (tools included) under the function's parameters schema, streamed or not, returned as
+/// OpenAI's `tool_calls`; `auto` and a conflicting `response_format` are refused.
+async fn tool_calls(url: &str) {
+    let params = json!({"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}});
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "Current weather in a city.", "parameters": params}}]);
+    let question = "What is the weather in Paris?";
+    let body = |extra: Value| {
+        let mut b = json!({"model": "smollm2-135m", "temperature": 0, "max_tokens": 60,
+            "return_token_ids": true, "tools": tools,
+            "messages": [{"role": "user", "content": question}]});
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let chat_url = format!("{url}/v1/chat/completions");
+    let (st, v) = post(&chat_url, &body(json!({"tool_choice": "required"}))).await;
+    assert_eq!(st, 200, "{v}");
+    let (m, t) = reference();
+    let tpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(t).expect("template");
+    let prompt = tpl
+        .render_with_tools(
+            &[dspark_runtime::chat::Message::new("user", question)],
+            Some(&tools),
+            true,
+        )
+        .expect("render");
+    let schema = dspark_runtime::json_schema::Schema::compile(&params).expect("schema");
+    let want = generate(
+        m,
+        t,
+        &t.encode(&prompt).expect("encode"),
+        &GenerateParams {
+            max_tokens: 60,
+            json: Some(Format::Schema(std::sync::Arc::new(schema))),
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .expect("generate");
+    assert_eq!(ids_of(&v), want.token_ids, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert!(choice["message"]["content"].is_null(), "{v}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    assert!(
+        call["id"].as_str().is_some_and(|i| i.starts_with("call_")),
+        "{v}"
+    );
+    let args = call["function"]["arguments"].as_str().unwrap_or_default();
+    assert_eq!(args, want.text);
+    let parsed: Value = serde_json::from_str(args).unwrap_or_else(|e| panic!("{e}: {args:?}"));
+    assert!(parsed["city"].is_string(), "{parsed}");
+    assert!(["celsius", "fahrenheit"].contains(&parsed["unit"].as_str().unwrap_or("")));
+    // Streamed with the function named: the id and name first, then the same arguments.
+    let mut sse = SseChunks::open(
+        &chat_url,
+        &body(json!({"stream": true,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})),
+    )
+    .await;
+    let (mut name, mut streamed, mut reason) = (Value::Null, String::new(), Value::Null);
+    while let Some(c) = sse.next().await {
+        let ch = &c["choices"][0];
+        if let Some(tc) = ch["delta"]["tool_calls"].get(0) {
+            if !tc["function"]["name"].is_null() {
+                name = tc["function"]["name"].clone();
+                assert!(tc["id"].is_string(), "{c}");
+            }
+            streamed.push_str(tc["function"]["arguments"].as_str().unwrap_or(""));
+        }
+        if !ch["finish_reason"].is_null() {
+            reason = ch["finish_reason"].clone();
+        }
+    }
+    assert_eq!(
+        (name.as_str(), reason.as_str()),
+        (Some("get_weather"), Some("tool_calls"))
+    );
+    assert_eq!(streamed, args);
+    // The call and its answer as earlier turns; `none` answers in text.
+    let (st, v) = post(
+        &chat_url,
+        &json!({"model": "smollm2-135m", "max_tokens": 8, "tools": tools, "tool_choice": "none",
+            "messages": [{"role": "user", "content": question},
+                {"role": "assistant", "content": null, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": call["id"], "content": "18 C, sunny"}]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    for (extra, param) in [
+        (json!({}), "tool_choice"),
+        (json!({"tool_choice": "auto"}), "tool_choice"),
+        (
+            json!({"tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"tool_choice": "required", "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ] {
+        let (st, e) = post(&chat_url, &body(extra.clone())).await;
+        assert_eq!(st, 400, "{extra}: {e}");
+        assert_eq!(e["error"]["param"], param, "{extra}: {e}");
+    }
+}
+
 fn ids_of(v: &Value) -> Vec<u32> {
     v["choices"][0]["token_ids"]
         .as_array()
@@ -462,6 +576,7 @@ print(json.dumps({"text": text, "items": items}))
         obj["city"].is_string() && obj["country"].is_string() && obj["population"].is_i64(),
         "{obj}"
     );
+    tool_calls(&c.url).await;
     for (bad, param) in [
         (
             json!({"response_format": {"type": "json_schema"}}),
