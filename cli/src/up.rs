@@ -77,7 +77,7 @@ impl Children {
         None
     }
 
-    /// SIGTERM (through `kill`), then SIGKILL after a grace period.
+    /// SIGTERM (through `kill`), then SIGKILL after a grace period ([`UP_DRAIN_S`] plus room).
     fn stop(&mut self) {
         for (_, c) in &mut self.0 {
             let _ = Command::new("kill")
@@ -103,6 +103,9 @@ impl Children {
         self.0.clear();
     }
 }
+
+/// How long the router and target workers `up` starts drain when it stops them.
+const UP_DRAIN_S: &str = "3";
 
 impl Drop for Children {
     fn drop(&mut self) {
@@ -214,6 +217,9 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
             a.max_running.to_string(),
             "--verify-policy".into(),
             a.verify_policy.clone(),
+            // Stopping `up` stops everything within its 5 s grace: drains stay shorter.
+            "--drain-timeout-s".into(),
+            UP_DRAIN_S.into(),
         ];
         if a.in_process_drafter {
             t.extend(["--local-drafter".into(), drafter.clone()]);
@@ -234,6 +240,8 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         a.target.clone(),
         "--scheduler".into(),
         sched_url,
+        "--drain-timeout-s".into(),
+        UP_DRAIN_S.into(),
     ];
     if let Some(k) = &a.api_key {
         r.extend(["--api-key".into(), k.clone()]);

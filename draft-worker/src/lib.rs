@@ -132,7 +132,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     };
     let svc = service::DraftService::start(host, info.clone())?;
     let load = svc.load_counter();
-    let registrar = disc.clone().map(|disc| {
+    let registrar = disc.map(|disc| {
         let info2 = info.clone();
         dspark_scheduler::discovery::spawn_registrar(
             disc,
@@ -147,22 +147,17 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     // Leaving placement first keeps new requests from pairing with a worker about to go; the
     // requests paired with it draft locally once its link closes (speed, never output, changes).
     let stop = {
-        let (id, eof) = (id.clone(), args.exit_on_stdin_eof);
+        let eof = args.exit_on_stdin_eof;
         async move {
             dspark_scheduler::stop_requested(eof).await;
             if let Some(r) = registrar {
-                r.abort();
-            }
-            if let Some(d) = &disc
-                && let Err(e) = dspark_scheduler::discovery::deregister(d, &id).await
-            {
-                tracing::warn!(worker = id, "{e} (its TTL will expire it)");
+                r.leave().await;
             }
             dspark_scheduler::exit_after(std::time::Duration::from_secs(2));
         }
     };
     println!("draft worker {id} ({}) listening on {addr}", info.drafter);
-    tonic::transport::Server::builder()
+    dspark_scheduler::grpc_server()
         .add_service(
             dspark_proto::draft_worker_server::DraftWorkerServer::new(svc)
                 .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES)

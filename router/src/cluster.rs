@@ -70,11 +70,31 @@ impl Cluster {
                                 *w = v.workers;
                             }
                         }
+                        me.forget_departed(&url);
                     }
                 }
                 tokio::time::sleep(period).await;
             }
         });
+    }
+
+    /// Drops the channels and load counts of workers no longer in the view (pods come and go
+    /// with every rollout, each at a new address; a router lives through many). Streams still
+    /// open to a departed worker keep their own handle on its channel.
+    fn forget_departed(&self, scheduler_url: &str) {
+        let live: std::collections::HashSet<String> = self
+            .workers()
+            .iter()
+            .map(|w| dspark_scheduler::discovery::normalize_url(&w.address))
+            .collect();
+        if let Ok(mut m) = self.channels.lock() {
+            m.retain(|url, _| url == scheduler_url || live.contains(url));
+        }
+        if let Ok(mut l) = self.local_load.lock() {
+            l.retain(|addr, n| {
+                *n > 0 || live.contains(&dspark_scheduler::discovery::normalize_url(addr))
+            });
+        }
     }
 
     pub fn workers(&self) -> Vec<WorkerInfo> {

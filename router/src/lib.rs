@@ -605,9 +605,10 @@ async fn open_once(
     if let Ok(v) = job.traceparent.parse() {
         req.metadata_mut().insert("traceparent", v);
     }
-    app.cluster.track(&target.address, 1);
+    // Counted until the stream is handed over; an opening dropped half way (its client gone)
+    // gives the count back too.
+    let tracked = Tracked::new(&app.cluster, &target.address);
     let failed = |s: tonic::Status| {
-        app.cluster.track(&target.address, -1);
         if s.code() == tonic::Code::Unavailable {
             Unopened::Unavailable(target.id.clone(), s)
         } else {
@@ -618,10 +619,43 @@ async fn open_once(
         Ok(s) => s.into_inner(),
         Err(s) => return Err(failed(s)),
     };
-    match stream.next().await {
-        Some(Ok(ev)) => Ok((target, stream, Some(ev))),
-        Some(Err(s)) => Err(failed(s)),
-        None => Ok((target, stream, None)),
+    let first = match stream.next().await {
+        Some(Ok(ev)) => Some(ev),
+        Some(Err(s)) => return Err(failed(s)),
+        None => None,
+    };
+    // From here `drive` (or the caller dropping what opened) gives the count back.
+    tracked.keep();
+    Ok((target, stream, first))
+}
+
+/// A request counted on a target worker (local placement's load) until dropped or kept.
+struct Tracked<'a> {
+    cluster: &'a cluster::Cluster,
+    addr: String,
+    kept: bool,
+}
+
+impl<'a> Tracked<'a> {
+    fn new(cluster: &'a cluster::Cluster, addr: &str) -> Self {
+        cluster.track(addr, 1);
+        Self {
+            cluster,
+            addr: addr.to_string(),
+            kept: false,
+        }
+    }
+
+    fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for Tracked<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.cluster.track(&self.addr, -1);
+        }
     }
 }
 

@@ -144,33 +144,83 @@ pub fn normalize_url(s: &str) -> String {
     }
 }
 
-/// Keeps a worker registered until the returned handle is dropped (or the task aborted).
+/// A worker's registration, kept fresh by a task until [`Registration::leave`].
+pub struct Registration {
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Registration {
+    /// Leaves placement at once (a drain's first step), instead of waiting for a TTL or a
+    /// lease to run out: the heartbeat in flight is answered first, then the worker is
+    /// deregistered (static) or its lease revoked (etcd), so a late heartbeat cannot put it
+    /// back. Bounded to a few seconds; a scheduler or etcd that does not answer expires it.
+    pub async fn leave(self) {
+        let _ = self.stop.send(true);
+        if tokio::time::timeout(Duration::from_secs(4), self.task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("leaving placement timed out; the registration will expire");
+        }
+    }
+}
+
+/// Keeps a worker registered until [`Registration::leave`] (or the task aborted).
 /// `info` is called before every heartbeat so load reports stay fresh.
 pub fn spawn_registrar(
     disc: Discovery,
     ttl: Duration,
     info: Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
+) -> Registration {
+    let (stop, mut rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(async move {
         let beat = (ttl / 3).max(Duration::from_millis(100));
         loop {
             let r = match &disc {
-                Discovery::Static(url) => register_static(url, ttl, beat, &info).await,
-                Discovery::Etcd(eps) => register_etcd(eps, ttl, beat, &info).await,
+                Discovery::Static(url) => register_static(url, ttl, beat, &info, &mut rx).await,
+                Discovery::Etcd(eps) => register_etcd(eps, ttl, beat, &info, &mut rx).await,
             };
-            if let Err(e) = r {
-                tracing::warn!("registration: {e}; retrying");
+            match r {
+                Ok(()) => return, // left
+                Err(e) if *rx.borrow() => {
+                    // Asked to leave while the connection was down: one direct attempt.
+                    tracing::warn!("registration: {e}");
+                    let id = info().id;
+                    match deregister(&disc, &id).await {
+                        Ok(()) => tracing::info!(worker = id, "left placement"),
+                        Err(e) => tracing::warn!(worker = id, "{e} (its TTL will expire it)"),
+                    }
+                    return;
+                }
+                Err(e) => tracing::warn!("registration: {e}; retrying"),
             }
-            tokio::time::sleep(beat).await;
+            if !pause(beat, &mut rx).await {
+                continue; // asked to leave: the next attempt leaves
+            }
         }
-    })
+    });
+    Registration { stop, task }
 }
 
+/// Sleeps `d`; false if asked to leave meanwhile.
+async fn pause(d: Duration, stop: &mut tokio::sync::watch::Receiver<bool>) -> bool {
+    if *stop.borrow() {
+        return false;
+    }
+    tokio::select! {
+        _ = tokio::time::sleep(d) => true,
+        _ = stop.changed() => false,
+    }
+}
+
+/// Heartbeats until asked to leave (then deregisters: Ok) or the scheduler fails (Err).
 async fn register_static(
     url: &str,
     ttl: Duration,
     beat: Duration,
     info: &Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
 ) -> Result<()> {
     // A scheduler that vanished without closing the connection (its node gone) must not hold a
     // heartbeat forever: each call gets a TTL, then the worker reconnects, to a replacement too.
@@ -185,19 +235,39 @@ async fn register_static(
     let mut c = SchedulerClient::new(ch);
     loop {
         let mut i = info();
+        if *stop.borrow() {
+            // On the same connection, after the last heartbeat was answered.
+            return match c
+                .deregister(dspark_proto::WorkerId { id: i.id.clone() })
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(worker = i.id, "left placement");
+                    Ok(())
+                }
+                Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
+                Err(s) => Err(SchedError::Discovery(format!(
+                    "deregister: {}",
+                    s.message()
+                ))),
+            };
+        }
         i.ttl_ms = ttl.as_millis() as u32;
         c.register(i)
             .await
             .map_err(|e| SchedError::Discovery(format!("register: {}", e.message())))?;
-        tokio::time::sleep(beat).await;
+        pause(beat, stop).await;
     }
 }
 
+/// Holds a lease and keeps the worker's key under it until asked to leave (then revokes the
+/// lease, which deletes the key and refuses any later put under it: Ok) or etcd fails (Err).
 async fn register_etcd(
     eps: &[String],
     ttl: Duration,
     beat: Duration,
     info: &Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
 ) -> Result<()> {
     let mut c = Client::connect(eps, None).await.map_err(etcd_err)?;
     let lease = c
@@ -207,6 +277,11 @@ async fn register_etcd(
     let (mut keeper, mut acks) = c.lease_keep_alive(lease.id()).await.map_err(etcd_err)?;
     loop {
         let mut i = info();
+        if *stop.borrow() {
+            c.lease_revoke(lease.id()).await.map_err(etcd_err)?;
+            tracing::info!(worker = i.id, "left placement (lease revoked)");
+            return Ok(());
+        }
         i.ttl_ms = ttl.as_millis() as u32;
         let key = format!("{ETCD_PREFIX}{}", i.id);
         // Renewal alongside the put, not after it: a put waits for etcd's disk (fsync), and one
@@ -226,7 +301,7 @@ async fn register_etcd(
         let (put, renew) = tokio::join!(put, renew);
         put.map_err(etcd_err)?;
         renew?;
-        tokio::time::sleep(beat).await;
+        pause(beat, stop).await;
     }
 }
 
@@ -300,10 +375,18 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
         .map_err(etcd_err)?;
     {
         let mut cl = cluster.lock().map_err(|_| SchedError::Poisoned)?;
+        let mut seen = std::collections::HashSet::new();
         for kv in snap.kvs() {
             if let Ok(i) = WorkerInfo::decode(kv.value()) {
+                seen.insert(i.id.clone());
                 cl.upsert(i, ETCD_LOCAL_TTL, Instant::now());
             }
+        }
+        for id in cl.forget_missing(ETCD_LOCAL_TTL, &seen) {
+            tracing::info!(
+                worker = id,
+                "worker left (etcd key gone while not watching)"
+            );
         }
     }
     let rev = snap.header().map(|h| h.revision() + 1).unwrap_or(0);

@@ -82,7 +82,7 @@ pub async fn serve(
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
     println!("scheduler listening on {addr}");
-    tonic::transport::Server::builder()
+    grpc_server()
         .add_service(
             dspark_proto::scheduler_server::SchedulerServer::new(svc)
                 .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES),
@@ -93,6 +93,16 @@ pub async fn serve(
         )
         .await?;
     Ok(())
+}
+
+/// A gRPC server builder with keepalives: a peer that vanished without closing its connection
+/// (a node lost, a partition) is noticed within about half a minute, so its streams end and
+/// what the server holds for them is freed, instead of waiting forever on a dead socket.
+pub fn grpc_server() -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
+        .tcp_keepalive(Some(std::time::Duration::from_secs(30)))
 }
 
 /// Resolves on Ctrl-C, SIGTERM, or (with `stdin_eof`) when the parent closes our stdin. Once it
@@ -129,6 +139,13 @@ pub async fn stop_requested(stdin_eof: bool) {
         _ = eof => {},
     }
     tracing::info!("shutting down");
+    // From now on a second Ctrl-C or SIGTERM exits at once, whatever is draining: an operator
+    // who asks twice does not want to wait.
+    tokio::spawn(async {
+        signal().await;
+        tracing::warn!("second stop signal: exiting now");
+        std::process::exit(130);
+    });
 }
 
 /// Ctrl-C or SIGTERM.
@@ -150,17 +167,12 @@ async fn signal() {
     }
 }
 
-/// Exits the process `grace` from now whatever is still open, or at once on a second Ctrl-C or
-/// SIGTERM (an operator who asks twice does not want to wait for a drain).
+/// Exits the process `grace` from now, whatever is still open (a second stop signal already
+/// exits at once: [`stop_requested`]).
 pub fn exit_after(grace: std::time::Duration) {
     std::thread::spawn(move || {
         std::thread::sleep(grace);
         std::process::exit(0);
-    });
-    tokio::spawn(async {
-        signal().await;
-        tracing::warn!("second stop signal: exiting now");
-        std::process::exit(130);
     });
 }
 

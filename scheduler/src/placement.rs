@@ -141,6 +141,26 @@ impl Cluster {
         );
     }
 
+    /// Drops the workers registered with `ttl` whose ids `keep` lacks, with what placement
+    /// remembers of them; returns their ids. An etcd snapshot taken on reconnecting is the
+    /// truth: a key deleted while the watch was down sent no event.
+    pub fn forget_missing(
+        &mut self,
+        ttl: Duration,
+        keep: &std::collections::HashSet<String>,
+    ) -> Vec<String> {
+        let gone: Vec<String> = self
+            .workers
+            .iter()
+            .filter(|(id, e)| e.ttl == ttl && !keep.contains(*id))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &gone {
+            self.remove(id);
+        }
+        gone
+    }
+
     pub fn remove(&mut self, id: &str) -> bool {
         self.prefixes.remove(id);
         self.workers.remove(id).is_some()
@@ -308,6 +328,22 @@ mod tests {
             load,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_snapshot_forgets_the_workers_it_lacks_of_its_own_kind_only() {
+        let now = Instant::now();
+        let (etcd, heartbeat) = (Duration::from_secs(3600), Duration::from_secs(5));
+        let mut c = Cluster::default();
+        c.upsert(w("1", ROLE_TARGET, 4, 0), etcd, now);
+        c.upsert(w("2", ROLE_TARGET, 4, 0), etcd, now);
+        c.upsert(w("3", ROLE_TARGET, 4, 0), heartbeat, now);
+        c.place("m", &[], &[7, 8]).unwrap();
+        let keep = ["1".to_string()].into_iter().collect();
+        assert_eq!(c.forget_missing(etcd, &keep), vec!["2".to_string()]);
+        let ids: Vec<String> = c.workers().into_iter().map(|w| w.id).collect();
+        assert_eq!(ids, ["1", "3"]);
+        assert!(!c.prefixes.contains_key("2"));
     }
 
     #[test]

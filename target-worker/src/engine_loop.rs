@@ -171,14 +171,16 @@ impl EngineLoop {
                     .ok()
                     .and_then(|s| s.get(&id).cloned())
                     .unwrap_or_default();
-                self.metrics.finished(reason.as_str());
-                self.metrics
-                    .remote_cycles
-                    .fetch_add(w.remote_cycles as u64, Ordering::Relaxed);
-                self.metrics
-                    .fallback_cycles
-                    .fetch_add(w.fallback_cycles as u64, Ordering::Relaxed);
                 if let Some(tx) = senders.get(&id) {
+                    // Counted here only: a caller gone in this same step was counted as
+                    // cancelled already.
+                    self.metrics.finished(reason.as_str());
+                    self.metrics
+                        .remote_cycles
+                        .fetch_add(w.remote_cycles as u64, Ordering::Relaxed);
+                    self.metrics
+                        .fallback_cycles
+                        .fetch_add(w.fallback_cycles as u64, Ordering::Relaxed);
                     let stats = SpecStats {
                         prompt_tokens: metrics.prompt_tokens as u32,
                         cached_tokens: metrics.cached_tokens as u32,

@@ -277,7 +277,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             spawn_budget_client(url, id.clone(), h.reports, h.budget);
         }
     }
-    let registrar = disc.clone().map(|disc| {
+    let registrar = disc.map(|disc| {
         let (info2, l2) = (info.clone(), Arc::clone(&load));
         dspark_scheduler::discovery::spawn_registrar(
             disc,
@@ -298,7 +298,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     });
     let streams = Arc::new(AtomicUsize::new(0));
     let stop = {
-        let (draining, streams, id) = (Arc::clone(&draining), Arc::clone(&streams), id.clone());
+        let (draining, streams) = (Arc::clone(&draining), Arc::clone(&streams));
         let limit = Duration::from_secs(args.drain_timeout_s);
         let eof = args.exit_on_stdin_eof;
         async move {
@@ -306,13 +306,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             // Refuse new work first, then leave placement, then let what runs finish.
             draining.store(true, Ordering::SeqCst);
             if let Some(r) = registrar {
-                r.abort();
-            }
-            if let Some(d) = &disc {
-                match dspark_scheduler::discovery::deregister(d, &id).await {
-                    Ok(()) => tracing::info!(worker = id, "left placement"),
-                    Err(e) => tracing::warn!(worker = id, "{e} (its TTL will expire it)"),
-                }
+                r.leave().await;
             }
             let done =
                 dspark_scheduler::drain("requests", limit, || streams.load(Ordering::SeqCst)).await;
@@ -339,7 +333,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         streams,
     };
     println!("target worker {id} ({}) listening on {addr}", args.model);
-    tonic::transport::Server::builder()
+    dspark_scheduler::grpc_server()
         .add_service(
             dspark_proto::target_worker_server::TargetWorkerServer::new(svc)
                 .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES)

@@ -115,6 +115,11 @@ async fn run_link(
         .map_err(|e| e.to_string())?
         .connect_timeout(Duration::from_millis(500))
         .tcp_nodelay(true)
+        // A draft worker that vanished without closing the connection ends the link (and
+        // requests draft locally) instead of leaving it waiting on a dead socket.
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(20))
+        .keep_alive_while_idle(true)
         .connect()
         .await
         .map_err(|e| e.to_string())?;
@@ -223,6 +228,25 @@ impl RemoteProposer {
             step: 0,
             prefetched: Vec::new(),
         }
+    }
+
+    /// Drops the links that are down and that no request or pending round uses: draft pods
+    /// come and go at new addresses, and each link would otherwise redial its dead address
+    /// every second for the life of the worker. A request paired with it again redials.
+    fn forget_idle_links(&mut self) {
+        let assigned: std::collections::HashSet<String> = self
+            .shared
+            .assign
+            .lock()
+            .map(|a| a.values().cloned().collect())
+            .unwrap_or_default();
+        let (reqs, rounds) = (&self.reqs, &self.prefetched);
+        self.links.retain(|addr, l| {
+            l.shared.up.load(Ordering::SeqCst)
+                || assigned.contains(addr)
+                || reqs.values().any(|r| &r.link == addr)
+                || rounds.iter().any(|r| &r.addr == addr)
+        });
     }
 
     fn link_for(&mut self, id: u64) -> Option<String> {
@@ -458,16 +482,22 @@ impl RemoteProposer {
         if let Ok(mut p) = link.shared.pending.lock() {
             p.insert(step, tx);
         }
-        let ok = link
-            .shared
-            .calls
-            .lock()
-            .ok()
-            .and_then(|c| c.as_ref().map(|c| c.try_send(call).is_ok()))
-            .unwrap_or(false);
-        if !ok {
+        let refused = match link.shared.calls.lock() {
+            Ok(c) => match c.as_ref() {
+                Some(tx) => tx.try_send(call).err().map(|e| e.into_inner()),
+                None => Some(call),
+            },
+            Err(_) => Some(call),
+        };
+        if let Some(call) = refused {
             if let Ok(mut p) = link.shared.pending.lock() {
                 p.remove(&step);
+            }
+            // The ids that finished did not leave: they go with the next round, or the draft
+            // worker would hold their state until the stream closes (a late draft worker
+            // fills the channel, and every refused round would leak them).
+            if let Some(l) = self.links.get_mut(addr) {
+                l.finished.extend(call.finished);
             }
             return None;
         }
@@ -604,10 +634,16 @@ impl Proposer for RemoteProposer {
         }
         self.prefetched.retain(|r| !r.sent.is_empty());
         if let Some(r) = self.reqs.remove(&id) {
-            if let Some(l) = self.links.get_mut(&r.link) {
+            // Only a request the draft worker holds on the current stream has state to free
+            // there; ids for a stream that is gone (or a worker never reached) would pile up.
+            if let Some(l) = self.links.get_mut(&r.link)
+                && r.generation == l.shared.generation.load(Ordering::SeqCst)
+                && l.shared.up.load(Ordering::SeqCst)
+            {
                 l.finished.push(id);
             }
         }
+        self.forget_idle_links();
         self.fallback.finish(id);
     }
 

@@ -1425,6 +1425,9 @@ async fn stopped_workers_and_routers_drain_and_lose_nothing() {
             "1",
             "--metrics-listen",
             &metrics_addr,
+            // Long enough that only deregistration explains it leaving within seconds.
+            "--ttl-ms",
+            "60000",
         ],
     );
     let mut short = short;
@@ -1469,6 +1472,12 @@ async fn stopped_workers_and_routers_drain_and_lose_nothing() {
     short.signal("TERM");
     let st = exits_within(&mut short.child, "target-short", Duration::from_secs(10)).await;
     assert!(st.success(), "target-short exited with {st}");
+    wait_for(
+        "target-short to leave placement",
+        Duration::from_secs(5),
+        || ready(&c.url, 1, 0),
+    )
+    .await;
     for (p, s) in &mut streams {
         let u = s.finish().await;
         assert_eq!(s.ids, greedy(p, 400).0, "{u}");
@@ -1598,6 +1607,12 @@ async fn etcd_registration_ends_with_the_lease_or_the_worker() {
     // Stopped (SIGTERM): it deletes its own key, so placement forgets it well before a lease
     // would expire (a 60 s TTL here), and it exits.
     drop(target);
+    wait_for(
+        "the killed target's lease to expire",
+        Duration::from_secs(20),
+        || async { get(&format!("{url}/ready")).await.0 == 503 },
+    )
+    .await;
     let mut target = spawn(
         "target",
         &[
@@ -1606,16 +1621,24 @@ async fn etcd_registration_ends_with_the_lease_or_the_worker() {
             "smollm2-135m",
             "--etcd",
             &etcd.url,
+            "--id",
+            "target-long-lease",
             "--ttl-ms",
             "60000",
             "--threads",
             "1",
         ],
     );
-    wait_for("the new target", Duration::from_secs(60), || {
-        ready(&url, 1, 0)
+    wait_for("the new target", Duration::from_secs(60), || async {
+        let (st, v) = get(&format!("{url}/ready")).await;
+        st == 200 && v["target_workers"] == 1
     })
     .await;
+    let v = complete(&url, PROMPTS[1], 4).await;
+    assert_eq!(
+        v["usage"]["dspark"]["target_worker"], "target-long-lease",
+        "{v}"
+    );
     target.signal("TERM");
     wait_for("deregistration", Duration::from_secs(5), || async {
         get(&format!("{url}/ready")).await.0 == 503
