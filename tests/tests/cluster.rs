@@ -1604,8 +1604,8 @@ async fn etcd_registration_ends_with_the_lease_or_the_worker() {
     .await;
     let v = complete(&url, PROMPTS[1], 8).await;
     assert_eq!(ids_of(&v), greedy(PROMPTS[1], 8).0);
-    // Stopped (SIGTERM): it deletes its own key, so placement forgets it well before a lease
-    // would expire (a 60 s TTL here), and it exits.
+    // A worker stopped with SIGTERM revokes its lease (deleting its key), so placement
+    // forgets it long before the lease would expire (a 60 s TTL here), and it exits.
     drop(target);
     wait_for(
         "the killed target's lease to expire",
