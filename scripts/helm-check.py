@@ -241,12 +241,12 @@ def free_port():
 
 def run_render(helm, binary):
     """Starts the render's pods as loopback processes and serves one request through them."""
-    ports = {k: free_port() for k in ("router", "scheduler", "target", "metrics", "draft", "etcd", "peer")}
+    ports = {k: free_port() for k in ("router", "scheduler", "target", "metrics", "draft", "dmetrics", "etcd", "peer")}
     values = {
         "router": {"port": ports["router"], "autoscaling": {"enabled": False}, "replicas": 1},
         "scheduler": {"port": ports["scheduler"]},
         "targetWorker": {"port": ports["target"], "metricsPort": ports["metrics"], "replicas": 1, "threads": 1},
-        "draftWorker": {"port": ports["draft"], "replicas": 1, "threads": 1},
+        "draftWorker": {"port": ports["draft"], "metricsPort": ports["dmetrics"], "replicas": 1, "threads": 1},
         "etcd": {"clientPort": ports["etcd"], "peerPort": ports["peer"]},
         "registrationTtlMs": 1500,
     }
@@ -340,17 +340,24 @@ def run_render(helm, binary):
         if not text.strip() or out["usage"]["completion_tokens"] < 1:
             fail(f"empty completion: {out}")
         print(f"run: chat completion through the render's pods: {text!r}")
-        # The target worker's metrics port, where the pod annotations send Prometheus.
-        tw = next(tpl for _, tpl in workloads
-                  if tpl["metadata"]["labels"]["app.kubernetes.io/component"] == "target-worker")
-        ann = tw["metadata"].get("annotations", {})
-        url = f"http://127.0.0.1:{ann.get('prometheus.io/port')}{ann.get('prometheus.io/path')}"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            page = r.read().decode()
+        # The workers' metrics ports, where the pod annotations send Prometheus.
+        def scrape(component):
+            tpl = next(t for _, t in workloads
+                       if t["metadata"]["labels"]["app.kubernetes.io/component"] == component)
+            ann = tpl["metadata"].get("annotations", {})
+            url = f"http://127.0.0.1:{ann.get('prometheus.io/port')}{ann.get('prometheus.io/path')}"
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return url, r.read().decode()
+        url, page = scrape("target-worker")
         m = re.search(r"^dspark_target_generation_tokens_total (\d+)$", page, re.M)
         if not m or int(m.group(1)) < out["usage"]["completion_tokens"]:
             fail(f"target worker metrics at {url} miss the completion's tokens:\n{page[:2000]}")
         print(f"run: target worker metrics scraped as annotated: {m.group(1)} tokens generated")
+        url, page = scrape("draft-worker")
+        m = re.search(r"^dspark_draft_streams_open (\d+)$", page, re.M)
+        if not m or int(m.group(1)) < 1:
+            fail(f"draft worker metrics at {url} show no stream from the target worker:\n{page[:2000]}")
+        print(f"run: draft worker metrics scraped as annotated: {m.group(1)} stream(s) open")
     finally:
         for _, p, _ in procs:
             try:

@@ -118,7 +118,9 @@ impl Drafting {
         mut self,
         rx: std::sync::mpsc::Receiver<Job>,
         load: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+        metrics: &crate::metrics::DraftMetrics,
     ) {
+        use crate::metrics::DraftMetrics as M;
         while let Ok(first) = rx.recv() {
             let mut jobs = vec![first];
             while let Ok(j) = rx.try_recv() {
@@ -136,11 +138,25 @@ impl Drafting {
                 }
             }
             if !rounds.is_empty() {
+                let t0 = Instant::now();
+                M::add(&metrics.calls, 1);
+                M::add(&metrics.rounds, rounds.len() as u64);
+                let items: usize = rounds.iter().map(|r| r.1.items.len()).sum();
+                M::add(&metrics.items, items as u64);
                 for (reply, r) in self.rounds(rounds) {
+                    if !r.error.is_empty() {
+                        M::add(&metrics.round_errors, 1);
+                    }
+                    let drafted: usize = r.blocks.iter().map(|b| b.tokens.len()).sum();
+                    M::add(&metrics.tokens, drafted as u64);
                     let _ = reply.send(r);
                 }
+                metrics.call_seconds.observe(t0.elapsed().as_secs_f64());
             }
             load.store(self.active(), std::sync::atomic::Ordering::Relaxed);
+            metrics
+                .requests
+                .store(self.active() as u64, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod drafting;
+pub mod metrics;
 pub mod service;
 
 use clap::Parser;
@@ -78,6 +79,10 @@ pub struct DraftArgs {
     #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
     /// Exit when stdin closes (set by `dspark up` so children never outlive it).
+    /// Serve Prometheus metrics (`GET /metrics`: requests held, streams, rounds, draft
+    /// tokens, drafting-call times) on this address; off when unset.
+    #[arg(long, env = "DSPARK_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
 }
@@ -132,6 +137,15 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     };
     let svc = service::DraftService::start(host, info.clone())?;
     let load = svc.load_counter();
+    if let Some(a) = args.metrics_listen {
+        let l = tokio::net::TcpListener::bind(a).await?;
+        println!("draft worker metrics at http://{}/metrics", l.local_addr()?);
+        let m = svc.metrics();
+        tokio::spawn(dspark_scheduler::prom::serve(
+            l,
+            std::sync::Arc::new(move || m.render()),
+        ));
+    }
     let registrar = disc.map(|disc| {
         let info2 = info.clone();
         dspark_scheduler::discovery::spawn_registrar(

@@ -1,6 +1,7 @@
 //! `dspark.v1.DraftWorker`: one bidirectional stream per target worker.
 
 use crate::drafting::{DraftHost, Drafting, Job};
+use crate::metrics::DraftMetrics;
 use dspark_proto::draft_worker_server::DraftWorker;
 use dspark_proto::{DraftCall, DraftReply, InfoRequest, WorkerInfo};
 use std::pin::Pin;
@@ -15,6 +16,7 @@ pub struct DraftService {
     info: WorkerInfo,
     streams: Arc<AtomicU64>,
     load: Arc<AtomicUsize>,
+    metrics: Arc<DraftMetrics>,
 }
 
 impl DraftService {
@@ -22,16 +24,22 @@ impl DraftService {
     pub fn start(host: DraftHost, info: WorkerInfo) -> std::io::Result<Self> {
         let (tx, rx) = std::sync::mpsc::channel();
         let load = Arc::new(AtomicUsize::new(0));
-        let l2 = Arc::clone(&load);
+        let metrics = Arc::new(DraftMetrics::default());
+        let (l2, m2) = (Arc::clone(&load), Arc::clone(&metrics));
         std::thread::Builder::new()
             .name("drafting".into())
-            .spawn(move || Drafting::new(host).run(rx, l2))?;
+            .spawn(move || Drafting::new(host).run(rx, l2, &m2))?;
         Ok(Self {
             jobs: tx,
             info,
             streams: Arc::new(AtomicU64::new(0)),
             load,
+            metrics,
         })
+    }
+
+    pub fn metrics(&self) -> Arc<DraftMetrics> {
+        Arc::clone(&self.metrics)
     }
 
     /// Requests with draft state (reported as load).
@@ -55,6 +63,8 @@ impl DraftWorker for DraftService {
         let jobs = self.jobs.clone();
         let info = self.info.clone();
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<DraftReply, Status>>(16);
+        let metrics = Arc::clone(&self.metrics);
+        DraftMetrics::add(&metrics.streams, 1);
         tokio::spawn(async move {
             let mut last_step: Option<u64> = None;
             let mut first = true;
@@ -140,6 +150,7 @@ impl DraftWorker for DraftService {
                 }
             }
             let _ = jobs.send(Job::Drop { stream: stream_no });
+            metrics.streams.fetch_sub(1, Ordering::Relaxed);
         });
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),

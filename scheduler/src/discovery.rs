@@ -203,14 +203,21 @@ pub fn spawn_registrar(
     Registration { stop, task }
 }
 
-/// Sleeps `d`; false if asked to leave meanwhile.
+/// Sleeps `d`; false if asked to leave meanwhile. A [`Registration`] dropped without leaving
+/// keeps the heartbeat going (its sender gone, `changed` fails at once: sleep anyway).
 async fn pause(d: Duration, stop: &mut tokio::sync::watch::Receiver<bool>) -> bool {
     if *stop.borrow() {
         return false;
     }
     tokio::select! {
         _ = tokio::time::sleep(d) => true,
-        _ = stop.changed() => false,
+        r = stop.changed() => {
+            if r.is_err() {
+                tokio::time::sleep(d).await;
+                return true;
+            }
+            !*stop.borrow()
+        }
     }
 }
 

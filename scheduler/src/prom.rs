@@ -1,6 +1,6 @@
 //! Prometheus text exposition shared by the services, and every metric name the cluster
-//! exports, in one place: the router's (`dspark_router_*`) and the target workers'
-//! (`dspark_target_*`).
+//! exports, in one place: the router's (`dspark_router_*`), the target workers'
+//! (`dspark_target_*`) and the draft workers' (`dspark_draft_*`).
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,6 +42,15 @@ pub mod names {
     pub const T_STEP_SECONDS: &str = "dspark_target_engine_step_seconds";
     pub const T_BUDGET_STEPS_TOTAL: &str = "dspark_target_budget_steps_total";
     pub const T_DRAINING: &str = "dspark_target_draining";
+
+    pub const D_REQUESTS: &str = "dspark_draft_requests_held";
+    pub const D_STREAMS: &str = "dspark_draft_streams_open";
+    pub const D_CALLS_TOTAL: &str = "dspark_draft_calls_total";
+    pub const D_ROUNDS_TOTAL: &str = "dspark_draft_rounds_total";
+    pub const D_ROUND_ERRORS_TOTAL: &str = "dspark_draft_round_errors_total";
+    pub const D_ITEMS_TOTAL: &str = "dspark_draft_round_items_total";
+    pub const D_TOKENS_TOTAL: &str = "dspark_draft_tokens_total";
+    pub const D_CALL_SECONDS: &str = "dspark_draft_call_seconds";
 }
 
 /// Upper bounds of latency histograms' buckets, in seconds (requests).
@@ -117,6 +126,31 @@ pub fn labelled<K: std::fmt::Display, V: std::fmt::Display>(
     let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}");
     for (k, v) in rows {
         let _ = writeln!(s, "{name}{{{label}=\"{k}\"}} {v}");
+    }
+}
+
+/// Serves `GET /metrics` (what `render` returns) on `listener` until the process stops; the
+/// workers' metrics port.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    render: std::sync::Arc<dyn Fn() -> String + Send + Sync>,
+) {
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let render = std::sync::Arc::clone(&render);
+                async move { render() }
+            }),
+        )
+        .fallback(|| async {
+            (
+                axum::http::StatusCode::NOT_FOUND,
+                "no such route: try /metrics\n",
+            )
+        });
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::warn!("metrics server: {e}");
     }
 }
 

@@ -227,7 +227,11 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             "target worker metrics at http://{}/metrics",
             l.local_addr()?
         );
-        tokio::spawn(metrics::serve(l, Arc::clone(&metrics)));
+        let m = Arc::clone(&metrics);
+        tokio::spawn(dspark_scheduler::prom::serve(
+            l,
+            Arc::new(move || m.render()),
+        ));
     }
     let (tx, rx) = std::sync::mpsc::channel();
     let el = engine_loop::EngineLoop {

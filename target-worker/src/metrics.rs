@@ -242,27 +242,6 @@ impl WorkerMetrics {
     }
 }
 
-/// Serves `GET /metrics` on `listener` until the process stops.
-pub async fn serve(listener: tokio::net::TcpListener, m: Arc<WorkerMetrics>) {
-    let app = axum::Router::new()
-        .route(
-            "/metrics",
-            axum::routing::get(move || {
-                let m = Arc::clone(&m);
-                async move { m.render() }
-            }),
-        )
-        .fallback(|| async {
-            (
-                axum::http::StatusCode::NOT_FOUND,
-                "no such route: try /metrics\n",
-            )
-        });
-    if let Err(e) = axum::serve(listener, app).await {
-        tracing::warn!("metrics server: {e}");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1278,6 +1278,7 @@ async fn draft_worker_killed_mid_stream_loses_nothing() {
     );
 
     // A new draft worker: requests draft remotely again once placement pairs them with it.
+    let draft_metrics = format!("127.0.0.1:{}", free_port());
     let mut new = spawn(
         "draft-new",
         &[
@@ -1294,6 +1295,8 @@ async fn draft_worker_killed_mid_stream_loses_nothing() {
             "1",
             "--ttl-ms",
             "60000",
+            "--metrics-listen",
+            &draft_metrics,
         ],
     );
     let mut remote = 0;
@@ -1312,6 +1315,11 @@ async fn draft_worker_killed_mid_stream_loses_nothing() {
         remote > 0,
         "speculation resumed through the new draft worker"
     );
+    // Its metrics page shows the stream and the rounds it answered.
+    let base = format!("http://{draft_metrics}");
+    assert_eq!(metric(&base, "dspark_draft_streams_open").await, 1.0);
+    assert!(metric(&base, "dspark_draft_rounds_total").await >= remote as f64);
+    assert!(metric(&base, "dspark_draft_call_seconds_count").await >= 1.0);
     // Stopped (SIGTERM), it leaves placement at once (its 60 s TTL has not run out) and exits.
     new.signal("TERM");
     wait_for("deregistration", Duration::from_secs(5), || async {

@@ -1,0 +1,108 @@
+//! A worker's registration against a real scheduler service on loopback: heartbeats keep it in
+//! the view, `leave` takes it out at once (long before its TTL), and one dropped without
+//! leaving keeps heartbeating at its pace instead of spinning.
+
+use dspark_proto::WorkerInfo;
+use dspark_proto::scheduler_client::SchedulerClient;
+use dspark_proto::scheduler_server::SchedulerServer;
+use dspark_scheduler::discovery::{Discovery, spawn_registrar};
+use dspark_scheduler::service::SchedulerService;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+async fn scheduler() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(
+        dspark_scheduler::grpc_server()
+            .add_service(SchedulerServer::new(SchedulerService::default()))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    format!("http://{addr}")
+}
+
+async fn ids(url: &str) -> Vec<String> {
+    let mut c = SchedulerClient::connect(url.to_string())
+        .await
+        .expect("connect");
+    c.cluster(dspark_proto::ClusterRequest {})
+        .await
+        .expect("cluster")
+        .into_inner()
+        .workers
+        .into_iter()
+        .map(|w| w.id)
+        .collect()
+}
+
+async fn until(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) -> Duration {
+    let t0 = Instant::now();
+    while !f().await {
+        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    t0.elapsed()
+}
+
+fn worker(id: &str, beats: Arc<AtomicUsize>) -> Arc<dyn Fn() -> WorkerInfo + Send + Sync> {
+    let id = id.to_string();
+    Arc::new(move || {
+        beats.fetch_add(1, Ordering::SeqCst);
+        WorkerInfo {
+            id: id.clone(),
+            role: "target".into(),
+            address: "127.0.0.1:1".into(),
+            capacity: 4,
+            ..Default::default()
+        }
+    })
+}
+
+#[tokio::test]
+async fn leaving_takes_a_worker_out_at_once_and_a_dropped_handle_keeps_its_pace() {
+    let url = scheduler().await;
+    let ttl = Duration::from_secs(30);
+    let beats = Arc::new(AtomicUsize::new(0));
+    let r = spawn_registrar(
+        Discovery::Static(url.clone()),
+        ttl,
+        worker("w1", beats.clone()),
+    );
+    until("registration", Duration::from_secs(5), async || {
+        ids(&url).await == ["w1"]
+    })
+    .await;
+    let t0 = Instant::now();
+    r.leave().await;
+    assert!(ids(&url).await.is_empty(), "gone as soon as leave returns");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    // Nothing puts it back: no heartbeat after leaving.
+    let after = beats.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(ids(&url).await.is_empty());
+    assert!(beats.load(Ordering::SeqCst) <= after + 1);
+
+    // A handle dropped without leaving: still registered, heartbeating every ttl/3, not spinning.
+    let beats = Arc::new(AtomicUsize::new(0));
+    let ttl = Duration::from_millis(600);
+    drop(spawn_registrar(
+        Discovery::Static(url.clone()),
+        ttl,
+        worker("w2", beats.clone()),
+    ));
+    until("registration", Duration::from_secs(5), async || {
+        ids(&url).await == ["w2"]
+    })
+    .await;
+    let b0 = beats.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let n = beats.load(Ordering::SeqCst) - b0;
+    assert!(
+        (2..=8).contains(&n),
+        "{n} heartbeats in 1 s at a 200 ms beat"
+    );
+    assert_eq!(ids(&url).await, ["w2"]);
+}
