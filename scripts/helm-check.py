@@ -241,10 +241,11 @@ def free_port():
 
 def run_render(helm, binary):
     """Starts the render's pods as loopback processes and serves one request through them."""
-    ports = {k: free_port() for k in ("router", "scheduler", "target", "metrics", "draft", "dmetrics", "etcd", "peer")}
+    ports = {k: free_port() for k in ("router", "scheduler", "smetrics", "target", "metrics", "draft", "dmetrics",
+                                      "etcd", "peer")}
     values = {
         "router": {"port": ports["router"], "autoscaling": {"enabled": False}, "replicas": 1},
-        "scheduler": {"port": ports["scheduler"]},
+        "scheduler": {"port": ports["scheduler"], "metricsPort": ports["smetrics"]},
         "targetWorker": {"port": ports["target"], "metricsPort": ports["metrics"], "replicas": 1, "threads": 1},
         "draftWorker": {"port": ports["draft"], "metricsPort": ports["dmetrics"], "replicas": 1, "threads": 1},
         "etcd": {"clientPort": ports["etcd"], "peerPort": ports["peer"]},
@@ -358,6 +359,11 @@ def run_render(helm, binary):
         if not m or int(m.group(1)) < 1:
             fail(f"draft worker metrics at {url} show no stream from the target worker:\n{page[:2000]}")
         print(f"run: draft worker metrics scraped as annotated: {m.group(1)} stream(s) open")
+        url, page = scrape("scheduler")
+        for role in ("target", "draft"):
+            if not re.search(r'^dspark_scheduler_workers\{role="%s"\} 1$' % role, page, re.M):
+                fail(f"scheduler metrics at {url} do not show the {role} worker:\n{page[:2000]}")
+        print("run: scheduler metrics scraped as annotated: 1 target and 1 draft worker")
     finally:
         for _, p, _ in procs:
             try:

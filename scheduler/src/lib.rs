@@ -54,6 +54,10 @@ pub struct SchedulerArgs {
     /// request (prefix-affinity placement); 0 places by load alone.
     #[arg(long, env = "DSPARK_PREFIX_AFFINITY_SLACK", default_value_t = placement::DEFAULT_AFFINITY_SLACK)]
     pub prefix_affinity_slack: f64,
+    /// Serve Prometheus metrics (`GET /metrics`: workers by role, target capacity and load,
+    /// placements by outcome, budgets) on this address; off when unset.
+    #[arg(long, env = "DSPARK_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// Exit when stdin closes (set by `dspark up`).
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
@@ -81,6 +85,12 @@ pub async fn serve(
     }
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
+    if let Some(a) = args.metrics_listen {
+        let l = tokio::net::TcpListener::bind(a).await?;
+        println!("scheduler metrics at http://{}/metrics", l.local_addr()?);
+        let s = svc.clone();
+        tokio::spawn(prom::serve(l, Arc::new(move || s.render_metrics())));
+    }
     println!("scheduler listening on {addr}");
     grpc_server()
         .add_service(

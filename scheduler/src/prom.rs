@@ -1,6 +1,7 @@
 //! Prometheus text exposition shared by the services, and every metric name the cluster
 //! exports, in one place: the router's (`dspark_router_*`), the target workers'
-//! (`dspark_target_*`) and the draft workers' (`dspark_draft_*`).
+//! (`dspark_target_*`), the draft workers' (`dspark_draft_*`) and the scheduler's
+//! (`dspark_scheduler_*`).
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -51,6 +52,12 @@ pub mod names {
     pub const D_ITEMS_TOTAL: &str = "dspark_draft_round_items_total";
     pub const D_TOKENS_TOTAL: &str = "dspark_draft_tokens_total";
     pub const D_CALL_SECONDS: &str = "dspark_draft_call_seconds";
+
+    pub const S_WORKERS: &str = "dspark_scheduler_workers";
+    pub const S_TARGET_CAPACITY: &str = "dspark_scheduler_target_capacity";
+    pub const S_TARGET_LOAD: &str = "dspark_scheduler_target_load";
+    pub const S_PLACEMENTS_TOTAL: &str = "dspark_scheduler_placements_total";
+    pub const S_BUDGETS_TOTAL: &str = "dspark_scheduler_budgets_total";
 }
 
 /// Upper bounds of latency histograms' buckets, in seconds (requests).

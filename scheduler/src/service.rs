@@ -6,6 +6,7 @@ use dspark_proto::{
     BudgetReply, BudgetRequest, ClusterRequest, ClusterView, PlaceRequest, Placement,
     RegisterReply, WorkerId, WorkerInfo,
 };
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tonic::{Request, Response, Status};
@@ -19,6 +20,16 @@ const MAX_TTL: Duration = Duration::from_secs(60);
 pub struct SchedulerService {
     pub cluster: Arc<Mutex<Cluster>>,
     started: Instant,
+    /// Placements by outcome (`placed`, `full`, `no_target`) and budgets computed.
+    pub counts: Arc<Counts>,
+}
+
+#[derive(Default)]
+pub struct Counts {
+    pub placed: AtomicU64,
+    pub full: AtomicU64,
+    pub no_target: AtomicU64,
+    pub budgets: AtomicU64,
 }
 
 impl Default for SchedulerService {
@@ -26,7 +37,72 @@ impl Default for SchedulerService {
         Self {
             cluster: Arc::default(),
             started: Instant::now(),
+            counts: Arc::default(),
         }
+    }
+}
+
+impl SchedulerService {
+    /// The scheduler's Prometheus page: the cluster view (workers by role, target capacity and
+    /// load) and what placement and budgeting did.
+    pub fn render_metrics(&self) -> String {
+        use crate::prom::names::*;
+        use crate::prom::{labelled, sample};
+        let workers = self.lock().map(|c| c.workers()).unwrap_or_default();
+        let role = |r: &str| workers.iter().filter(|w| w.role == r).count();
+        let targets = workers
+            .iter()
+            .filter(|w| w.role == crate::placement::ROLE_TARGET);
+        let (cap, load) = targets.fold((0u64, 0u64), |(c, l), w| {
+            (c + w.capacity as u64, l + w.load as u64)
+        });
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let mut s = String::new();
+        labelled(
+            &mut s,
+            S_WORKERS,
+            "gauge",
+            "Workers in the cluster view, by role.",
+            "role",
+            [
+                ("target", role(crate::placement::ROLE_TARGET)),
+                ("draft", role(crate::placement::ROLE_DRAFT)),
+            ],
+        );
+        sample(
+            &mut s,
+            S_TARGET_CAPACITY,
+            "gauge",
+            "Requests the target workers can hold.",
+            cap,
+        );
+        sample(
+            &mut s,
+            S_TARGET_LOAD,
+            "gauge",
+            "Requests the target workers hold (last reports plus placements since).",
+            load,
+        );
+        labelled(
+            &mut s,
+            S_PLACEMENTS_TOTAL,
+            "counter",
+            "Placement requests, by outcome.",
+            "outcome",
+            [
+                ("placed", g(&self.counts.placed)),
+                ("full", g(&self.counts.full)),
+                ("no_target", g(&self.counts.no_target)),
+            ],
+        );
+        sample(
+            &mut s,
+            S_BUDGETS_TOTAL,
+            "counter",
+            "Central verification budgets computed.",
+            g(&self.counts.budgets),
+        );
+        s
     }
 }
 
@@ -126,7 +202,14 @@ impl Scheduler for SchedulerService {
 
     async fn place(&self, req: Request<PlaceRequest>) -> Result<Response<Placement>, Status> {
         let r = req.into_inner();
-        match self.lock()?.place(&r.model, &[], &r.prefix_hashes) {
+        let placed = self.lock()?.place(&r.model, &[], &r.prefix_hashes);
+        let count = match &placed {
+            Ok(_) => &self.counts.placed,
+            Err(PlaceError::Full(_)) => &self.counts.full,
+            Err(PlaceError::NoTarget(_)) => &self.counts.no_target,
+        };
+        count.fetch_add(1, Ordering::Relaxed);
+        match placed {
             Ok((t, d)) => Ok(Response::new(Placement {
                 target: Some(t),
                 draft: d,
@@ -179,6 +262,7 @@ impl Scheduler for SchedulerService {
                 "confidences clamped into (0, 1)"
             );
         }
+        self.counts.budgets.fetch_add(1, Ordering::Relaxed);
         Ok(Response::new(BudgetReply {
             for_step: r.step + 2,
             k_total: d.k.iter().sum(),

@@ -11,17 +11,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-async fn scheduler() -> String {
+async fn scheduler() -> (String, SchedulerService) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
+    let svc = SchedulerService::default();
     tokio::spawn(
         dspark_scheduler::grpc_server()
-            .add_service(SchedulerServer::new(SchedulerService::default()))
+            .add_service(SchedulerServer::new(svc.clone()))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
-    format!("http://{addr}")
+    (format!("http://{addr}"), svc)
 }
 
 async fn ids(url: &str) -> Vec<String> {
@@ -63,7 +64,7 @@ fn worker(id: &str, beats: Arc<AtomicUsize>) -> Arc<dyn Fn() -> WorkerInfo + Sen
 
 #[tokio::test]
 async fn leaving_takes_a_worker_out_at_once_and_a_dropped_handle_keeps_its_pace() {
-    let url = scheduler().await;
+    let (url, svc) = scheduler().await;
     let ttl = Duration::from_secs(30);
     let beats = Arc::new(AtomicUsize::new(0));
     let r = spawn_registrar(
@@ -75,9 +76,30 @@ async fn leaving_takes_a_worker_out_at_once_and_a_dropped_handle_keeps_its_pace(
         ids(&url).await == ["w1"]
     })
     .await;
+    // The scheduler's metrics see it, and count a placement on it.
+    let mut c = SchedulerClient::connect(url.clone())
+        .await
+        .expect("connect");
+    c.place(dspark_proto::PlaceRequest::default())
+        .await
+        .expect("placed");
+    let page = svc.render_metrics();
+    dspark_scheduler::prom::well_formed(&page).expect("exposition");
+    for want in [
+        "dspark_scheduler_workers{role=\"target\"} 1\n",
+        "dspark_scheduler_target_capacity 4\n",
+        "dspark_scheduler_target_load 1\n",
+        "dspark_scheduler_placements_total{outcome=\"placed\"} 1\n",
+    ] {
+        assert!(page.contains(want), "missing {want:?} in\n{page}");
+    }
     let t0 = Instant::now();
     r.leave().await;
     assert!(ids(&url).await.is_empty(), "gone as soon as leave returns");
+    assert!(
+        svc.render_metrics()
+            .contains("dspark_scheduler_workers{role=\"target\"} 0\n")
+    );
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
     // Nothing puts it back: no heartbeat after leaving.
     let after = beats.load(Ordering::SeqCst);

@@ -30,6 +30,7 @@ fn helm_chart_renders_valid_objects_whose_pods_serve() {
         "chat completion through the render's pods",
         "target worker metrics scraped as annotated",
         "draft worker metrics scraped as annotated",
+        "scheduler metrics scraped as annotated",
     ] {
         assert!(so.contains(stage), "missing `{stage}` in:\n{so}");
     }
