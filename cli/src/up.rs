@@ -63,6 +63,9 @@ impl Children {
             .stdin(Stdio::piped())
             .stdout(Stdio::inherit())
             .stderr(Stdio::inherit());
+        // A process group of its own: a terminal's Ctrl-C reaches `up` alone, which stops the
+        // children with one SIGTERM each, so they drain (a second signal would cut them).
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let c = cmd.spawn()?;
         self.0.push((name.to_string(), c));
         Ok(())

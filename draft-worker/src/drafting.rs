@@ -139,10 +139,14 @@ impl Drafting {
             }
             if !rounds.is_empty() {
                 let t0 = Instant::now();
-                M::add(&metrics.calls, 1);
-                M::add(&metrics.rounds, rounds.len() as u64);
+                // A stream's hello (a round with no requests) is no drafting work.
+                let work = rounds.iter().filter(|r| !r.1.items.is_empty()).count();
                 let items: usize = rounds.iter().map(|r| r.1.items.len()).sum();
-                M::add(&metrics.items, items as u64);
+                if work > 0 {
+                    M::add(&metrics.calls, 1);
+                    M::add(&metrics.rounds, work as u64);
+                    M::add(&metrics.items, items as u64);
+                }
                 for (reply, r) in self.rounds(rounds) {
                     if !r.error.is_empty() {
                         M::add(&metrics.round_errors, 1);
@@ -151,7 +155,9 @@ impl Drafting {
                     M::add(&metrics.tokens, drafted as u64);
                     let _ = reply.send(r);
                 }
-                metrics.call_seconds.observe(t0.elapsed().as_secs_f64());
+                if work > 0 {
+                    metrics.call_seconds.observe(t0.elapsed().as_secs_f64());
+                }
             }
             load.store(self.active(), std::sync::atomic::Ordering::Relaxed);
             metrics

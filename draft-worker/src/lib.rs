@@ -78,11 +78,11 @@ pub struct DraftArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
-    /// Exit when stdin closes (set by `dspark up` so children never outlive it).
     /// Serve Prometheus metrics (`GET /metrics`: requests held, streams, rounds, draft
     /// tokens, drafting-call times) on this address; off when unset.
-    #[arg(long, env = "DSPARK_METRICS_LISTEN")]
+    #[arg(long, env = "DSPARK_DRAFT_METRICS_LISTEN")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Exit when stdin closes (set by `dspark up` so children never outlive it).
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
 }

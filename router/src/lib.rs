@@ -483,7 +483,24 @@ fn status_to_api(s: &tonic::Status) -> ApiError {
     }
 }
 
-type EventStream = tonic::Streaming<dspark_proto::GenerateEvent>;
+/// A target worker's event stream, counted on that worker (local placement's load) for as
+/// long as it lives: dropped anywhere (finished, failed over, its client gone half way
+/// through opening a batch), the count goes back.
+struct EventStream {
+    inner: tonic::Streaming<dspark_proto::GenerateEvent>,
+    _counted: Tracked,
+}
+
+impl futures::Stream for EventStream {
+    type Item = Result<dspark_proto::GenerateEvent, tonic::Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.inner).poll_next(cx)
+    }
+}
 
 /// An opened request: its worker, its event stream, and the first event.
 type Opened = (WorkerInfo, EventStream, Option<dspark_proto::GenerateEvent>);
@@ -607,7 +624,7 @@ async fn open_once(
     }
     // Counted until the stream is handed over; an opening dropped half way (its client gone)
     // gives the count back too.
-    let tracked = Tracked::new(&app.cluster, &target.address);
+    let tracked = Tracked::new(Arc::clone(&app.cluster), &target.address);
     let failed = |s: tonic::Status| {
         if s.code() == tonic::Code::Unavailable {
             Unopened::Unavailable(target.id.clone(), s)
@@ -616,7 +633,10 @@ async fn open_once(
         }
     };
     let mut stream = match client.generate(req).await {
-        Ok(s) => s.into_inner(),
+        Ok(s) => EventStream {
+            inner: s.into_inner(),
+            _counted: tracked,
+        },
         Err(s) => return Err(failed(s)),
     };
     let first = match stream.next().await {
@@ -624,38 +644,28 @@ async fn open_once(
         Some(Err(s)) => return Err(failed(s)),
         None => None,
     };
-    // From here `drive` (or the caller dropping what opened) gives the count back.
-    tracked.keep();
     Ok((target, stream, first))
 }
 
-/// A request counted on a target worker (local placement's load) until dropped or kept.
-struct Tracked<'a> {
-    cluster: &'a cluster::Cluster,
+/// A request counted on a target worker (local placement's load) until dropped.
+struct Tracked {
+    cluster: Arc<cluster::Cluster>,
     addr: String,
-    kept: bool,
 }
 
-impl<'a> Tracked<'a> {
-    fn new(cluster: &'a cluster::Cluster, addr: &str) -> Self {
+impl Tracked {
+    fn new(cluster: Arc<cluster::Cluster>, addr: &str) -> Self {
         cluster.track(addr, 1);
         Self {
             cluster,
             addr: addr.to_string(),
-            kept: false,
         }
-    }
-
-    fn keep(mut self) {
-        self.kept = true;
     }
 }
 
-impl Drop for Tracked<'_> {
+impl Drop for Tracked {
     fn drop(&mut self) {
-        if !self.kept {
-            self.cluster.track(&self.addr, -1);
-        }
+        self.cluster.track(&self.addr, -1);
     }
 }
 
@@ -728,7 +738,6 @@ async fn drive(
                     Some(Err(s)) => s.message().to_string(),
                     _ => "stream ended without finishing".into(),
                 };
-                app.cluster.track(&target.address, -1);
                 failed.push(target.id.clone());
                 tracing::warn!(
                     request_id = job.request_id,
@@ -777,7 +786,6 @@ async fn drive(
             }
         }
     }
-    app.cluster.track(&target.address, -1);
 }
 
 fn merge(a: &mut SpecStats, b: &SpecStats) {
@@ -935,7 +943,22 @@ fn render_chat(
         let mut msg = Message::new(role, &m.text()?);
         match &m.tool_calls {
             None | Some(Value::Null) => {}
-            Some(c @ Value::Array(_)) if m.role == "assistant" => msg.tool_calls = Some(c.clone()),
+            Some(Value::Array(calls)) if m.role == "assistant" => {
+                // OpenAI sends `arguments` as a JSON string; templates (Qwen2.5, Llama 3,
+                // Hermes) render them with `tojson`, as Hugging Face passes them: objects.
+                let mut calls = calls.clone();
+                for c in &mut calls {
+                    if let Some(a) = c.pointer_mut("/function/arguments")
+                        && let Some(v) = a
+                            .as_str()
+                            .and_then(|t| serde_json::from_str::<Value>(t).ok())
+                            .filter(Value::is_object)
+                    {
+                        *a = v;
+                    }
+                }
+                msg.tool_calls = Some(Value::Array(calls));
+            }
             Some(_) => {
                 return Err(ApiError::bad(
                     "`tool_calls` is a list, on assistant messages",
@@ -1099,10 +1122,8 @@ async fn serve(
             e
         })
     }) {
-        // What did open is dropped (the workers cancel it) and no longer counted.
-        for (_, _, target, _, _) in &opened {
-            app.cluster.track(&target.address, -1);
-        }
+        // What did open is dropped: the workers cancel it, and its count goes back.
+        drop(opened);
         Metrics::add(&app.metrics.errors, 1);
         return Err(e);
     }
@@ -1258,7 +1279,7 @@ async fn serve(
                     finish(&ends[i].0)
                 };
                 let mut choice = if let Some(f) = &settings.tool_call {
-                    let reason = if reason == "stop" { "tool_calls" } else { reason };
+                    let reason = call_finish(reason, &text[i]);
                     json!({"index": i, "message": {"role": "assistant", "content": null,
                         "tool_calls": [{"id": call_ids[i], "type": "function",
                             "function": {"name": f, "arguments": text[i]}}]},
@@ -1329,6 +1350,8 @@ async fn serve(
         }
         // Per choice: text offset of its next token (completions' `text_offset`).
         let mut offset = vec![0usize; total];
+        // Per choice: a forced call's arguments so far.
+        let mut args = vec![String::new(); total];
         let mut ends: Vec<Option<(SpecStats, String)>> = vec![None; total];
         let mut echoed = vec![!echo; total];
         while let Some((i, p)) = rx.recv().await {
@@ -1349,6 +1372,7 @@ async fn serve(
                         continue;
                     }
                     let mut c = if tool_call.is_some() {
+                        args[i].push_str(&t);
                         json!([{"index": i, "delta": {"tool_calls": [
                             {"index": 0, "function": {"arguments": t}}]}, "finish_reason": null}])
                     } else if kind == Kind::Chat {
@@ -1381,7 +1405,7 @@ async fn serve(
                 } => {
                     let reason = match (score_only, finish(&reason)) {
                         (true, _) => "length",
-                        (_, "stop") if tool_call.is_some() => "tool_calls",
+                        (_, r) if tool_call.is_some() => call_finish(r, &args[i]),
                         (_, r) => r,
                     };
                     let c = if kind == Kind::Chat {
@@ -1525,6 +1549,16 @@ fn logprobs_json(
     }
 }
 
+/// A forced call's finish reason: `tool_calls` once its arguments are a whole document (a
+/// stop string or the length limit can cut them; then the reason says so).
+fn call_finish(reason: &'static str, arguments: &str) -> &'static str {
+    if reason == "stop" && serde_json::from_str::<Value>(arguments).is_ok() {
+        "tool_calls"
+    } else {
+        reason
+    }
+}
+
 fn finish(reason: &str) -> &'static str {
     match reason {
         "length" => "length",
@@ -1553,4 +1587,17 @@ where
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(f(tx));
     tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::call_finish;
+
+    #[test]
+    fn a_call_finishes_as_tool_calls_only_when_its_arguments_are_whole() {
+        assert_eq!(call_finish("stop", "\n{\"city\": \"Paris\"}"), "tool_calls");
+        // Cut by a stop string: the arguments do not parse, the reason says stop.
+        assert_eq!(call_finish("stop", "{\"city\": \"Par"), "stop");
+        assert_eq!(call_finish("length", "{\"city\": \"Paris\"}"), "length");
+    }
 }

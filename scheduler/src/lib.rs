@@ -56,7 +56,7 @@ pub struct SchedulerArgs {
     pub prefix_affinity_slack: f64,
     /// Serve Prometheus metrics (`GET /metrics`: workers by role, target capacity and load,
     /// placements by outcome, budgets) on this address; off when unset.
-    #[arg(long, env = "DSPARK_METRICS_LISTEN")]
+    #[arg(long, env = "DSPARK_SCHEDULER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
     /// Exit when stdin closes (set by `dspark up`).
     #[arg(long, hide = true)]

@@ -126,7 +126,7 @@ pub struct TargetArgs {
     pub kv_cache_dtype: String,
     /// Serve Prometheus metrics (`GET /metrics`: batch, queue, KV cache, prefix cache,
     /// acceptance per position, step times) on this address; off when unset.
-    #[arg(long, env = "DSPARK_METRICS_LISTEN")]
+    #[arg(long, env = "DSPARK_TARGET_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
     /// On SIGTERM or Ctrl-C: leave placement, refuse new requests, and let the ones in flight
     /// finish for up to this many seconds before stopping (the router continues any still

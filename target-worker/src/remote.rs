@@ -233,12 +233,18 @@ impl RemoteProposer {
     /// Drops the links that are down and that no request or pending round uses: draft pods
     /// come and go at new addresses, and each link would otherwise redial its dead address
     /// every second for the life of the worker. A request paired with it again redials.
-    fn forget_idle_links(&mut self) {
+    fn forget_idle_links(&mut self, finished: u64) {
+        // The request finishing now still has its pairing (the engine loop drops it after).
         let assigned: std::collections::HashSet<String> = self
             .shared
             .assign
             .lock()
-            .map(|a| a.values().cloned().collect())
+            .map(|a| {
+                a.iter()
+                    .filter(|(id, _)| **id != finished)
+                    .map(|(_, addr)| addr.clone())
+                    .collect()
+            })
             .unwrap_or_default();
         let (reqs, rounds) = (&self.reqs, &self.prefetched);
         self.links.retain(|addr, l| {
@@ -643,7 +649,7 @@ impl Proposer for RemoteProposer {
                 l.finished.push(id);
             }
         }
-        self.forget_idle_links();
+        self.forget_idle_links(id);
         self.fallback.finish(id);
     }
 
