@@ -743,9 +743,9 @@ mod tests {
             ),
             (
                 json!([{"type": "function", "function": {"name": "f",
-                    "parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "a+"}}}}}]),
+                    "parameters": {"type": "object", "properties": {"x": {"type": "integer", "multipleOf": 2}}}}}]),
                 json!("required"),
-                "`pattern`",
+                "`multipleOf`",
             ),
         ] {
             let e = req(tools.clone(), choice.clone())

@@ -93,6 +93,11 @@ impl StrChars {
         self.mode == 0 && self.due == 0
     }
 
+    /// Right after a `\`: the next byte names the escape.
+    pub(crate) fn after_backslash(&self) -> bool {
+        self.mode == 1
+    }
+
     pub(crate) fn push(&mut self, b: u8) -> StrStep {
         use StrStep::*;
         match self.mode {

@@ -1,20 +1,34 @@
-//! Structured output (OpenAI's `response_format: {"type": "json_schema"}`): a JSON schema
-//! compiled into a byte-level validator whose state is `Copy`, so the token mask of
-//! [`crate::json`] can try every vocabulary token on a copy.
+//! Structured output (OpenAI's `response_format: {"type": "json_schema"}`, and the parameters
+//! of a forced tool call): a JSON schema compiled into a byte-level validator whose state is
+//! `Copy`, so the token mask of [`crate::json`] can try every vocabulary token on a copy.
 //!
-//! The supported subset is the one structured-output schemas use most, and everything the
-//! validator accepts conforms to the schema:
-//! - `type`: `object` (`properties`, `required`; no other keys are produced, and properties
-//!   come in the order of their names), `array` (`items`), `string`, `integer`, `number`,
-//!   `boolean`, `null`;
+//! The supported subset covers what Pydantic models and OpenAI's strict schemas produce, and
+//! everything the validator accepts conforms to the schema:
+//! - `type`: `object` (`properties` in the order given, `required`; no other keys are
+//!   produced), or with `additionalProperties: {schema}` and no `properties` a map of any
+//!   keys; `array` (`items`, `minItems`, `maxItems`); `string` (`minLength`, `maxLength`,
+//!   `pattern`, `format`); `integer` and `number` (`minimum`, `maximum`, `exclusiveMinimum`,
+//!   `exclusiveMaximum`); `boolean`; `null`; a list of types;
 //! - `enum` and `const` of any JSON values;
-//! - annotations (`title`, `description`, `default`, `examples`, `$schema`) are ignored;
-//!   `additionalProperties` may be given (none are produced).
+//! - `$ref` into the schema (`#/$defs/…`, `#/definitions/…`), not recursive;
+//! - `anyOf` / `oneOf` whose branches a value's first byte tells apart (an optional field,
+//!   `anyOf: [{…}, {"type": "null"}]`; unions of different types; any set of `enum`s and
+//!   `const`s), and `allOf` of one schema;
+//! - annotations (`title`, `description`, `default`, `examples`, …) are ignored, as are
+//!   `format`s other than `date-time`, `date`, `time`, `uuid`, `email`, `ipv4`, `hostname`
+//!   and `uri` (JSON Schema makes `format` an annotation).
 //!
-//! Anything else (`$ref`, `anyOf`, `pattern`, `minimum`, `maxLength`, …) is refused with a
-//! message naming it, rather than produced unchecked. The root must be an object.
+//! Anything else (recursive `$ref`, `multipleOf`, `uniqueItems`, unions of two objects, …) is
+//! refused with a message naming it, rather than produced unchecked. The root must be an
+//! object.
+//!
+//! Bounded numbers are written without an exponent, with at most 19 integer and 18 fraction
+//! digits, and every prefix the validator takes can still end inside the bounds. Strings under
+//! a `pattern` or `format` are checked against a DFA of the pattern over their decoded bytes;
+//! they take the short escapes (`\n`, `\"`, …) but not `\u`.
 
 use crate::json::{StrChars, StrStep};
+use std::collections::HashMap;
 use std::fmt::Write as _;
 
 /// Deepest nesting of objects and arrays a schema may have.
@@ -25,16 +39,43 @@ pub const MAX_CHOICES: usize = 32;
 pub const MAX_TEXT: usize = 1024;
 /// Longest run of whitespace bytes between tokens of the document.
 pub const MAX_WS_RUN: u8 = 32;
+/// Most DFA states of one `pattern` or `format`.
+pub const MAX_PATTERN_STATES: usize = 4096;
+/// Largest `minLength`, `maxLength`, `minItems` or `maxItems`.
+pub const MAX_COUNT: u64 = u16::MAX as u64 - 1;
+/// Integer digits of a bounded number (it fits a u64).
+const INT_DIGITS: u32 = 19;
+/// Fraction digits of a bounded number; a `number` bound counts in units of 10^-18.
+const FRAC_DIGITS: u32 = 18;
+const NUM_SCALE: i128 = 10i128.pow(FRAC_DIGITS);
 
 #[derive(Clone, Debug, PartialEq)]
 enum Node {
     Object(Vec<Prop>),
-    Array(u16),
-    String,
-    Integer,
-    Number,
+    /// An object of any keys whose values are all of one schema.
+    Map(u16),
+    Array {
+        item: u16,
+        min: u16,
+        max: u16,
+    },
+    String {
+        min: u16,
+        max: u16,
+        pattern: Option<u16>,
+    },
+    Number(Num),
     /// The JSON texts the value may be (`enum`, `const`, `boolean`, `null`).
     Literals(Vec<Vec<u8>>),
+    /// Branches with disjoint first bytes.
+    AnyOf(Vec<u16>),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Num {
+    integer: bool,
+    /// Inclusive bounds in units (1 for `integer`, 10^-18 for `number`), when bounded.
+    bounds: Option<(i128, i128)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -45,16 +86,207 @@ struct Prop {
     required: bool,
 }
 
+/// A `pattern` or `format` as a DFA over a string's decoded UTF-8 bytes, pruned to the states
+/// from which the string can still match.
+#[derive(Clone, Debug, PartialEq)]
+struct Pattern {
+    /// `next[s * 256 + b]`, `DEAD` where no match can follow.
+    next: Vec<u16>,
+    /// Whether the string may end in state s.
+    accept: Vec<bool>,
+}
+
+const DEAD: u16 = u16::MAX;
+
+/// The short escapes a pattern string takes: the byte after `\` and the byte it stands for.
+const ESCAPES: [(u8, u8); 8] = [
+    (b'b', 0x08),
+    (b'f', 0x0C),
+    (b'n', b'\n'),
+    (b'r', b'\r'),
+    (b't', b'\t'),
+    (b'"', b'"'),
+    (b'\\', b'\\'),
+    (b'/', b'/'),
+];
+
+impl Pattern {
+    /// Compiles a JSON Schema (ECMA-262) `pattern`: unanchored, so the string must contain a
+    /// match. `\d` and `\w` keep their ASCII meaning.
+    fn compile(src: &str) -> Result<Self, String> {
+        use regex_automata::{
+            Anchored, MatchKind,
+            dfa::{Automaton, StartKind, dense},
+            util::{start, syntax},
+        };
+        let ascii = ecma_classes(src);
+        let wrapped = format!("(?s:.*)(?:{ascii})(?s:.*)");
+        let dfa = dense::Builder::new()
+            .configure(
+                dense::Config::new()
+                    .match_kind(MatchKind::All)
+                    .start_kind(StartKind::Anchored)
+                    .dfa_size_limit(Some(8 << 20))
+                    .determinize_size_limit(Some(8 << 20)),
+            )
+            .syntax(syntax::Config::new().unicode(true).utf8(true))
+            .build(&wrapped)
+            .map_err(|e| format!("`pattern` {src:?} is not supported: {e}"))?;
+        let s0 = dfa
+            .start_state(&start::Config::new().anchored(Anchored::Yes))
+            .map_err(|e| format!("`pattern` {src:?}: {e}"))?;
+        let mut ids = HashMap::from([(s0, 0usize)]);
+        let mut order = vec![s0];
+        let mut next = Vec::new();
+        let mut accept = Vec::new();
+        let mut i = 0;
+        while i < order.len() {
+            let s = order[i];
+            accept.push(dfa.is_match_state(dfa.next_eoi_state(s)));
+            for b in 0..=255u8 {
+                let t = dfa.next_state(s, b);
+                if dfa.is_dead_state(t) || dfa.is_quit_state(t) {
+                    next.push(DEAD);
+                    continue;
+                }
+                let n = ids.len();
+                let id = *ids.entry(t).or_insert_with(|| {
+                    order.push(t);
+                    n
+                });
+                if id >= MAX_PATTERN_STATES {
+                    return Err(format!(
+                        "`pattern` {src:?} needs more than {MAX_PATTERN_STATES} states"
+                    ));
+                }
+                next.push(id as u16);
+            }
+            i += 1;
+        }
+        // Keep only states from which an accepting one is reachable.
+        let n = order.len();
+        let mut live = accept.clone();
+        loop {
+            let mut changed = false;
+            for s in 0..n {
+                if !live[s]
+                    && next[s * 256..(s + 1) * 256]
+                        .iter()
+                        .any(|&t| t != DEAD && live[t as usize])
+                {
+                    live[s] = true;
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        if !live[0] {
+            return Err(format!("`pattern` {src:?} matches no string"));
+        }
+        for t in &mut next {
+            if *t != DEAD && !live[*t as usize] {
+                *t = DEAD;
+            }
+        }
+        Ok(Self { next, accept })
+    }
+
+    fn step(&self, s: u32, b: u8) -> u16 {
+        self.next
+            .get(s as usize * 256 + b as usize)
+            .copied()
+            .unwrap_or(DEAD)
+    }
+}
+
+/// ECMA-262's `\d`, `\w` (and their negations) are ASCII; the regex crate's are Unicode.
+fn ecma_classes(src: &str) -> String {
+    let mut out = String::with_capacity(src.len());
+    let mut chars = src.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str("[0-9]"),
+            Some('D') => out.push_str("[^0-9]"),
+            Some('w') => out.push_str("[0-9A-Za-z_]"),
+            Some('W') => out.push_str("[^0-9A-Za-z_]"),
+            Some(o) => {
+                out.push('\\');
+                out.push(o);
+            }
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
+/// The pattern of a `format` produced; others are annotations and ignored.
+fn format_pattern(f: &str) -> Option<String> {
+    const DATE: &str = r"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))";
+    const TIME: &str = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])";
+    const LABEL: &str = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
+    const OCTET: &str = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
+    Some(match f {
+        "date" => format!("^{DATE}$"),
+        "time" => format!("^{TIME}$"),
+        "date-time" => format!("^{DATE}T{TIME}$"),
+        "uuid" => {
+            r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$".into()
+        }
+        "email" => format!(r"^[A-Za-z0-9_%+-]+(?:\.[A-Za-z0-9_%+-]+)*@{LABEL}(?:\.{LABEL})+$"),
+        "ipv4" => format!(r"^(?:{OCTET}\.){{3}}{OCTET}$"),
+        "hostname" => format!(r"^{LABEL}(?:\.{LABEL})*$"),
+        "uri" => r"^[A-Za-z][A-Za-z0-9+.-]*:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]+$".into(),
+        _ => return None,
+    })
+}
+
 /// A compiled schema.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Schema {
     nodes: Vec<Node>,
+    patterns: Vec<Pattern>,
+    root: u16,
 }
+
+/// What compiling needs beside the arena: the whole schema (for `$ref`), the references being
+/// expanded (a cycle is refused) and those done.
+struct Compiler<'a> {
+    doc: &'a serde_json::Value,
+    expanding: Vec<String>,
+    refs: HashMap<String, u16>,
+    patterns: HashMap<String, u16>,
+}
+
+/// Keywords that say nothing about which values are valid.
+const ANNOTATIONS: [&str; 12] = [
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$schema",
+    "$id",
+    "$comment",
+    "$defs",
+    "definitions",
+    "readOnly",
+    "writeOnly",
+    "deprecated",
+];
 
 impl Schema {
     /// Compiles a schema; an error names what is not supported.
     pub fn compile(v: &serde_json::Value) -> Result<Self, String> {
-        let mut s = Self { nodes: Vec::new() };
+        let mut s = Self {
+            nodes: Vec::new(),
+            patterns: Vec::new(),
+            root: 0,
+        };
         if v.get("type").and_then(|t| t.as_str()) != Some("object")
             || v.get("enum").is_some()
             || v.get("const").is_some()
@@ -64,33 +296,117 @@ impl Schema {
                     .into(),
             );
         }
-        s.node(v, 0)?;
+        let mut c = Compiler {
+            doc: v,
+            expanding: Vec::new(),
+            refs: HashMap::new(),
+            patterns: HashMap::new(),
+        };
+        s.root = s.node(&mut c, v, 0)?;
         Ok(s)
     }
 
-    fn node(&mut self, v: &serde_json::Value, depth: usize) -> Result<u16, String> {
+    fn push(&mut self, node: Node) -> Result<u16, String> {
+        let id = u16::try_from(self.nodes.len())
+            .ok()
+            .filter(|&i| i < u16::MAX)
+            .ok_or("the schema is too large")?;
+        self.nodes.push(node);
+        Ok(id)
+    }
+
+    fn node(
+        &mut self,
+        c: &mut Compiler<'_>,
+        v: &serde_json::Value,
+        depth: usize,
+    ) -> Result<u16, String> {
         let obj = v
             .as_object()
             .ok_or_else(|| format!("a schema must be an object, got {v}"))?;
         if depth >= MAX_DEPTH {
             return Err(format!("schemas nest at most {MAX_DEPTH} deep"));
         }
-        const KNOWN: [&str; 12] = [
+        const KNOWN: [&str; 20] = [
             "type",
             "properties",
             "required",
             "items",
             "enum",
             "const",
-            "title",
-            "description",
-            "default",
-            "examples",
-            "$schema",
             "additionalProperties",
+            "$ref",
+            "anyOf",
+            "oneOf",
+            "allOf",
+            "minItems",
+            "maxItems",
+            "minLength",
+            "maxLength",
+            "pattern",
+            "format",
+            "minimum",
+            "maximum",
+            "exclusiveMinimum",
         ];
-        if let Some(k) = obj.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        if let Some(k) = obj.keys().find(|k| {
+            !KNOWN.contains(&k.as_str())
+                && !ANNOTATIONS.contains(&k.as_str())
+                && k.as_str() != "exclusiveMaximum"
+        }) {
             return Err(format!("schema keyword `{k}` is not supported"));
+        }
+        // Combinators and references stand alone (beside annotations).
+        let alone = |kw: &str| -> Result<(), String> {
+            match obj
+                .keys()
+                .find(|k| k.as_str() != kw && !ANNOTATIONS.contains(&k.as_str()))
+            {
+                Some(k) => Err(format!("`{kw}` cannot be combined with `{k}`")),
+                None => Ok(()),
+            }
+        };
+        if let Some(r) = obj.get("$ref") {
+            alone("$ref")?;
+            let r = r.as_str().ok_or("`$ref` must be a string")?;
+            return self.reference(c, r, depth);
+        }
+        if let Some(all) = obj.get("allOf") {
+            alone("allOf")?;
+            return match all.as_array().map(Vec::as_slice) {
+                Some([one]) => self.node(c, one, depth),
+                _ => Err("`allOf` is supported with one schema only".into()),
+            };
+        }
+        for kw in ["anyOf", "oneOf"] {
+            if let Some(list) = obj.get(kw) {
+                alone(kw)?;
+                let list = list
+                    .as_array()
+                    .filter(|l| !l.is_empty() && l.len() <= MAX_CHOICES)
+                    .ok_or_else(|| format!("`{kw}` takes 1 to {MAX_CHOICES} schemas"))?;
+                let mut branches = Vec::new();
+                for b in list {
+                    branches.push(self.node(c, b, depth)?);
+                }
+                return self.any_of(branches, kw);
+            }
+        }
+        if let Some(types) = obj.get("type").and_then(|t| t.as_array()) {
+            // A list of types: one branch per type, each with the other keywords.
+            if obj.contains_key("enum") || obj.contains_key("const") {
+                return Err("a list of types cannot be combined with `enum` or `const`".into());
+            }
+            if types.is_empty() || types.len() > 7 {
+                return Err("`type` lists 1 to 7 types".into());
+            }
+            let mut branches = Vec::new();
+            for t in types {
+                let mut one = obj.clone();
+                one.insert("type".into(), t.clone());
+                branches.push(self.node(c, &serde_json::Value::Object(one), depth)?);
+            }
+            return self.any_of(branches, "type");
         }
         let literal_texts = |vals: &[serde_json::Value]| -> Result<Node, String> {
             if vals.is_empty() || vals.len() > MAX_CHOICES {
@@ -118,7 +434,13 @@ impl Schema {
                     return Err(format!("`enum`/`const` value {x} is not of type {t}"));
                 }
             }
-            let texts: Vec<Vec<u8>> = vals.iter().map(|x| x.to_string().into_bytes()).collect();
+            let mut texts: Vec<Vec<u8>> = Vec::new();
+            for x in vals {
+                let t = x.to_string().into_bytes();
+                if !texts.contains(&t) {
+                    texts.push(t);
+                }
+            }
             if texts.iter().any(|t| t.len() > MAX_TEXT) {
                 return Err(format!(
                     "`enum`/`const` values are at most {MAX_TEXT} bytes"
@@ -126,8 +448,18 @@ impl Schema {
             }
             Ok(Node::Literals(texts))
         };
-        let node = if let Some(c) = obj.get("const") {
-            literal_texts(std::slice::from_ref(c))?
+        let count = |kw: &str| -> Result<Option<u16>, String> {
+            match obj.get(kw) {
+                None => Ok(None),
+                Some(n) => n
+                    .as_u64()
+                    .filter(|&n| n <= MAX_COUNT)
+                    .map(|n| Some(n as u16))
+                    .ok_or_else(|| format!("`{kw}` must be an integer from 0 to {MAX_COUNT}")),
+            }
+        };
+        let node = if let Some(x) = obj.get("const") {
+            literal_texts(std::slice::from_ref(x))?
         } else if let Some(e) = obj.get("enum") {
             let vals = e.as_array().ok_or("`enum` must be a list")?;
             literal_texts(vals)?
@@ -141,11 +473,24 @@ impl Schema {
                             .and_then(|a| a.iter().map(|x| x.as_str()).collect())
                             .ok_or("`required` must be a list of names")?,
                     };
-                    let empty = serde_json::Map::new();
                     let props = match obj.get("properties") {
-                        None => &empty,
-                        Some(p) => p.as_object().ok_or("`properties` must be an object")?,
+                        None => None,
+                        Some(p) => Some(p.as_object().ok_or("`properties` must be an object")?),
                     };
+                    match obj.get("additionalProperties") {
+                        None | Some(serde_json::Value::Bool(_)) => {}
+                        Some(extra) => {
+                            if props.is_some_and(|p| !p.is_empty()) || !required.is_empty() {
+                                return Err("`additionalProperties` with a schema is \
+                                    supported only without `properties` and `required`"
+                                    .into());
+                            }
+                            let value = self.node(c, extra, depth + 1)?;
+                            return self.push(Node::Map(value));
+                        }
+                    }
+                    let empty = serde_json::Map::new();
+                    let props = props.unwrap_or(&empty);
                     if props.len() > MAX_CHOICES {
                         return Err(format!("objects take at most {MAX_CHOICES} properties"));
                     }
@@ -157,7 +502,7 @@ impl Schema {
                         if k.len() + 2 > MAX_TEXT {
                             return Err(format!("property names are at most {MAX_TEXT} bytes"));
                         }
-                        let node = self.node(sub, depth + 1)?;
+                        let node = self.node(c, sub, depth + 1)?;
                         out.push(Prop {
                             key: serde_json::Value::String(k.clone())
                                 .to_string()
@@ -170,11 +515,58 @@ impl Schema {
                 }
                 Some("array") => {
                     let items = obj.get("items").ok_or("an array schema needs `items`")?;
-                    Node::Array(self.node(items, depth + 1)?)
+                    let min = count("minItems")?.unwrap_or(0);
+                    let max = count("maxItems")?.unwrap_or(u16::MAX);
+                    if min > max {
+                        return Err("`minItems` is above `maxItems`".into());
+                    }
+                    Node::Array {
+                        item: self.node(c, items, depth + 1)?,
+                        min,
+                        max,
+                    }
                 }
-                Some("string") => Node::String,
-                Some("integer") => Node::Integer,
-                Some("number") => Node::Number,
+                Some("string") => {
+                    let min = count("minLength")?.unwrap_or(0);
+                    let max = count("maxLength")?.unwrap_or(u16::MAX);
+                    if min > max {
+                        return Err("`minLength` is above `maxLength`".into());
+                    }
+                    let src = match (obj.get("pattern"), obj.get("format")) {
+                        (Some(p), None) => {
+                            Some(p.as_str().ok_or("`pattern` must be a string")?.to_owned())
+                        }
+                        (None, Some(f)) => {
+                            format_pattern(f.as_str().ok_or("`format` must be a string")?)
+                        }
+                        (Some(_), Some(_)) => {
+                            return Err("`pattern` cannot be combined with `format`".into());
+                        }
+                        (None, None) => None,
+                    };
+                    let pattern = match src {
+                        None => None,
+                        Some(_) if min > 0 || max < u16::MAX => {
+                            return Err("`minLength`/`maxLength` cannot be combined with \
+                                `pattern` or `format` (say the length in the pattern)"
+                                .into());
+                        }
+                        Some(src) => Some(match c.patterns.get(&src) {
+                            Some(&i) => i,
+                            None => {
+                                let i = u16::try_from(self.patterns.len())
+                                    .map_err(|_| "too many patterns")?;
+                                self.patterns.push(Pattern::compile(&src)?);
+                                c.patterns.insert(src, i);
+                                i
+                            }
+                        }),
+                    };
+                    Node::String { min, max, pattern }
+                }
+                Some(t @ ("integer" | "number")) => {
+                    Node::Number(number_bounds(obj, t == "integer")?)
+                }
                 Some("boolean") => Node::Literals(vec![b"true".to_vec(), b"false".to_vec()]),
                 Some("null") => Node::Literals(vec![b"null".to_vec()]),
                 Some(t) => return Err(format!("type `{t}` is not supported")),
@@ -185,14 +577,271 @@ impl Schema {
                 }
             }
         };
-        let id = u16::try_from(self.nodes.len()).map_err(|_| "the schema is too large")?;
-        self.nodes.push(node);
+        self.push(node)
+    }
+
+    /// A `$ref` into this schema (a JSON pointer after `#`), compiled once.
+    fn reference(&mut self, c: &mut Compiler<'_>, r: &str, depth: usize) -> Result<u16, String> {
+        if let Some(&id) = c.refs.get(r) {
+            return Ok(id);
+        }
+        let pointer = r
+            .strip_prefix('#')
+            .ok_or_else(|| format!("`$ref` {r:?} must point into the schema (`#/$defs/…`)"))?;
+        if c.expanding.iter().any(|e| e == r) || pointer.is_empty() {
+            return Err(format!("recursive `$ref` {r:?} is not supported"));
+        }
+        let target = c
+            .doc
+            .pointer(pointer)
+            .ok_or_else(|| format!("`$ref` {r:?} points at nothing"))?;
+        c.expanding.push(r.to_owned());
+        let id = self.node(c, target, depth);
+        c.expanding.pop();
+        let id = id?;
+        c.refs.insert(r.to_owned(), id);
         Ok(id)
     }
 
-    /// The root node (compiled last).
-    fn root(&self) -> u16 {
-        (self.nodes.len() - 1) as u16
+    /// Branches a value's first byte tells apart. `enum`s and `const`s merge into one set of
+    /// literals, and an unbounded `integer` beside an unbounded `number` adds nothing.
+    fn any_of(&mut self, branches: Vec<u16>, kw: &str) -> Result<u16, String> {
+        let mut flat = Vec::new();
+        for b in branches {
+            match &self.nodes[b as usize] {
+                Node::AnyOf(inner) => flat.extend(inner.iter().copied()),
+                _ => flat.push(b),
+            }
+        }
+        let mut lits: Vec<Vec<u8>> = Vec::new();
+        let mut rest = Vec::new();
+        for &b in &flat {
+            match &self.nodes[b as usize] {
+                Node::Literals(l) => {
+                    for t in l {
+                        if !lits.contains(t) {
+                            lits.push(t.clone());
+                        }
+                    }
+                }
+                _ => rest.push(b),
+            }
+        }
+        let unbounded = |n: &Node, integer: bool| matches!(n, Node::Number(Num { integer: i, bounds: None }) if *i == integer);
+        if rest
+            .iter()
+            .any(|&b| unbounded(&self.nodes[b as usize], false))
+        {
+            rest.retain(|&b| !unbounded(&self.nodes[b as usize], true));
+        }
+        if lits.len() > MAX_CHOICES {
+            return Err(format!(
+                "`{kw}` allows at most {MAX_CHOICES} literal values"
+            ));
+        }
+        if !lits.is_empty() {
+            rest.push(self.push(Node::Literals(lits))?);
+        }
+        for (i, &a) in rest.iter().enumerate() {
+            for &b in &rest[i + 1..] {
+                if let Some(x) = (0..=255u8).find(|&x| self.first(a, x) && self.first(b, x)) {
+                    return Err(format!(
+                        "`{kw}` branches must start differently (an object, an array, a \
+                         string, a number, or literals); two of them can start with {:?}",
+                        x as char
+                    ));
+                }
+            }
+        }
+        match rest.as_slice() {
+            [one] => Ok(*one),
+            _ => self.push(Node::AnyOf(rest)),
+        }
+    }
+
+    /// Whether a value of `node` may start with byte `b`.
+    fn first(&self, node: u16, b: u8) -> bool {
+        match self.nodes.get(node as usize) {
+            Some(Node::Object(_) | Node::Map(_)) => b == b'{',
+            Some(Node::Array { .. }) => b == b'[',
+            Some(Node::String { .. }) => b == b'"',
+            Some(Node::Number(_)) => b == b'-' || b.is_ascii_digit(),
+            Some(Node::Literals(l)) => l.iter().any(|t| t.first() == Some(&b)),
+            Some(Node::AnyOf(bs)) => bs.iter().any(|&n| self.first(n, b)),
+            None => false,
+        }
+    }
+}
+
+/// `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` as inclusive bounds in units.
+fn number_bounds(
+    obj: &serde_json::Map<String, serde_json::Value>,
+    integer: bool,
+) -> Result<Num, String> {
+    let unit_scale = if integer { 0 } else { FRAC_DIGITS as i32 };
+    let cap = if integer {
+        10i128.pow(INT_DIGITS) - 1
+    } else {
+        10i128.pow(INT_DIGITS) * NUM_SCALE - 1
+    };
+    let mut lo = None;
+    let mut hi = None;
+    for (kw, low, exclusive) in [
+        ("minimum", true, false),
+        ("exclusiveMinimum", true, true),
+        ("maximum", false, false),
+        ("exclusiveMaximum", false, true),
+    ] {
+        let Some(x) = obj.get(kw) else { continue };
+        let n = x
+            .as_number()
+            .ok_or_else(|| format!("`{kw}` must be a number"))?;
+        // Rounded inward onto the unit grid; an exclusive bound on the grid moves one unit.
+        let (q, exact) = to_units(&n.to_string(), unit_scale, low, cap)?;
+        let b = match (low, exclusive && exact) {
+            (true, true) => q.saturating_add(1),
+            (false, true) => q.saturating_sub(1),
+            _ => q,
+        };
+        if low {
+            lo = Some(lo.map_or(b, |l: i128| l.max(b)));
+        } else {
+            hi = Some(hi.map_or(b, |h: i128| h.min(b)));
+        }
+    }
+    if lo.is_none() && hi.is_none() {
+        return Ok(Num {
+            integer,
+            bounds: None,
+        });
+    }
+    let (lo, hi) = (lo.unwrap_or(-cap).max(-cap), hi.unwrap_or(cap).min(cap));
+    if lo > hi {
+        return Err(format!(
+            "no {} with at most {INT_DIGITS} integer digits is within the bounds",
+            if integer { "integer" } else { "number" }
+        ));
+    }
+    Ok(Num {
+        integer,
+        bounds: Some((lo, hi)),
+    })
+}
+
+/// A JSON number's text times 10^scale, rounded up (`ceil`) or down, clamped just past `cap`;
+/// and whether it was exact.
+fn to_units(text: &str, scale: i32, ceil: bool, cap: i128) -> Result<(i128, bool), String> {
+    let bad = || format!("bad number {text}");
+    let (neg, t) = match text.strip_prefix('-') {
+        Some(t) => (true, t),
+        None => (false, text),
+    };
+    let (mant, exp) = match t.find(['e', 'E']) {
+        Some(i) => (&t[..i], t[i + 1..].parse::<i32>().map_err(|_| bad())?),
+        None => (t, 0),
+    };
+    let (int, frac) = mant.split_once('.').unwrap_or((mant, ""));
+    let digits: String = format!("{int}{frac}");
+    let digits = digits.trim_start_matches('0');
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let e = exp.saturating_sub(frac.len() as i32).saturating_add(scale);
+    let over = cap.saturating_add(1);
+    let (mag, exact) = if digits.is_empty() {
+        (0i128, true)
+    } else if digits.len() > 38 {
+        (over, true)
+    } else {
+        let m: i128 = digits.parse().map_err(|_| bad())?;
+        if e >= 0 {
+            let v = 10i128
+                .checked_pow(e as u32)
+                .and_then(|p| m.checked_mul(p))
+                .unwrap_or(over);
+            (v.min(over), true)
+        } else if e < -38 {
+            (0, false)
+        } else {
+            let p = 10i128.pow((-e) as u32);
+            (m / p, m % p == 0)
+        }
+    };
+    // Magnitude rounded toward zero; move outward where the rounding went the wrong way.
+    let signed = if neg { -mag } else { mag };
+    let v = match (exact, ceil, neg) {
+        (false, true, false) => signed + 1,
+        (false, false, true) => signed - 1,
+        _ => signed,
+    };
+    Ok((v, exact))
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Frame {
+    node: u16,
+    stage: u8,
+    /// Objects: the index of the next property that may come.
+    next: u8,
+    /// Keys or literals still possible (bit i); a pattern string's DFA state.
+    cand: u32,
+    /// Bytes matched of a key or literal; items of an array; characters of a string.
+    pos: u16,
+    /// Inside a string value, or a map's key.
+    chars: StrChars,
+}
+
+/// A bounded number so far: integer part, fraction digits, sign.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct NumSoFar {
+    int: u64,
+    int_digits: u8,
+    frac: u64,
+    frac_digits: u8,
+    neg: bool,
+}
+
+impl NumSoFar {
+    /// Whether some way to go on from here (ending included) lands within `[lo, hi]` (in
+    /// units: 1 for integers, 10^-18 for numbers), writing at most 19 integer and 18 fraction
+    /// digits.
+    fn feasible(&self, integer: bool, stage: u8, (lo, hi): (i128, i128)) -> bool {
+        let unit: i128 = if integer { 1 } else { NUM_SCALE };
+        let int = self.int as i128;
+        // Magnitudes reachable, as closed ranges in units.
+        let hit = |a: i128, b: i128| {
+            let (a, b) = if self.neg { (-b, -a) } else { (a, b) };
+            a <= hi && b >= lo
+        };
+        match stage {
+            N_START | N_MINUS => hit(
+                (integer && self.neg) as i128,
+                10i128.pow(INT_DIGITS) * unit - 1,
+            ),
+            N_ZERO => hit(0, unit - 1),
+            N_INT => (0..=INT_DIGITS.saturating_sub(self.int_digits as u32)).any(|k| {
+                let p = 10i128.pow(k);
+                hit(int * p * unit, (int + 1) * p * unit - 1)
+            }),
+            N_DOT => hit(int * unit, int * unit + unit - 1),
+            N_FRAC => {
+                let step = 10i128.pow(FRAC_DIGITS - self.frac_digits as u32);
+                let x = int * unit + self.frac as i128 * step;
+                hit(x, x + step - 1)
+            }
+            _ => false,
+        }
+    }
+
+    /// The value in units, if the number may end here.
+    fn value(&self, integer: bool) -> i128 {
+        let mag = if integer {
+            self.int as i128
+        } else {
+            self.int as i128 * NUM_SCALE
+                + self.frac as i128 * 10i128.pow(FRAC_DIGITS - self.frac_digits as u32)
+        };
+        if self.neg { -mag } else { mag }
     }
 }
 
@@ -226,20 +875,6 @@ const N_E: u8 = 6;
 const N_ESIGN: u8 = 7;
 const N_EXP: u8 = 8;
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Frame {
-    node: u16,
-    stage: u8,
-    /// Objects: the index of the next property that may come.
-    next: u8,
-    /// Keys or literals still possible (bit i).
-    cand: u32,
-    /// Bytes matched of a key or literal.
-    pos: u16,
-    /// Inside a string value.
-    chars: StrChars,
-}
-
 /// Where a document stands against a schema. `Copy`; every call takes the schema it was
 /// started with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -248,17 +883,20 @@ pub struct SchemaState {
     depth: u8,
     ws: u8,
     done: bool,
+    /// The bounded number being written (numbers are leaves: one at a time).
+    num: NumSoFar,
 }
 
 impl SchemaState {
     pub fn new(schema: &Schema) -> Self {
         let mut frames = [Frame::default(); MAX_DEPTH];
-        frames[0].node = schema.root();
+        frames[0].node = schema.root;
         Self {
             frames,
             depth: 0,
             ws: 0,
             done: false,
+            num: NumSoFar::default(),
         }
     }
 
@@ -267,12 +905,19 @@ impl SchemaState {
         self.done
     }
 
-    /// Inside a string value between characters (the mask's fast path for plain tokens).
+    /// Inside an unconstrained string value between characters (the mask's fast path for
+    /// plain tokens; a string with no upper length and no pattern only grows by them).
     pub fn in_string(&self, schema: &Schema) -> bool {
         self.depth > 0 && {
             let f = &self.frames[self.depth as usize - 1];
-            schema.nodes.get(f.node as usize) == Some(&Node::String)
-                && f.stage == S_IN
+            matches!(
+                schema.nodes.get(f.node as usize),
+                Some(Node::String {
+                    max: u16::MAX,
+                    pattern: None,
+                    ..
+                })
+            ) && f.stage == S_IN
                 && f.chars.between_chars()
         }
     }
@@ -314,18 +959,20 @@ impl SchemaState {
         };
         match node {
             Node::Object(props) => self.object_byte(schema, props, b),
-            Node::Array(item) => self.array_byte(schema, *item, b),
-            Node::String => {
-                let ok = self.string_byte(b);
+            Node::Map(value) => self.map_byte(schema, *value, b),
+            Node::Array { item, min, max } => self.array_byte(schema, *item, *min, *max, b),
+            Node::String { min, max, pattern } => {
+                let pattern = pattern.and_then(|p| schema.patterns.get(p as usize));
+                let ok = self.string_byte(*min, *max, pattern, b);
                 if ok && self.top().stage == S_CLOSED {
                     self.finish_value(schema);
                 }
                 ok
             }
-            Node::Integer | Node::Number => {
-                self.number_byte(schema, matches!(node, Node::Integer), b)
-            }
+            Node::Number(n) => self.number_byte(schema, *n, b),
             Node::Literals(lits) => self.literal_byte(schema, lits, b),
+            // Never on the stack: `start_value` opens the branch instead.
+            Node::AnyOf(_) => false,
         }
     }
 
@@ -340,6 +987,16 @@ impl SchemaState {
         }
         let cand = match schema.nodes.get(node as usize) {
             Some(Node::Literals(l)) => (1u64 << l.len()).wrapping_sub(1) as u32,
+            Some(Node::AnyOf(branches)) => {
+                return match branches.iter().find(|&&n| schema.first(n, b)) {
+                    Some(&n) => self.start_value(schema, n, b),
+                    None => false,
+                };
+            }
+            Some(Node::Number(_)) => {
+                self.num = NumSoFar::default();
+                0
+            }
             Some(_) => 0,
             None => return false,
         };
@@ -365,7 +1022,7 @@ impl SchemaState {
         let parent = self.top();
         let node = parent.node;
         parent.stage = match schema.nodes.get(node as usize) {
-            Some(Node::Array(_)) => A_AFTER,
+            Some(Node::Array { .. }) => A_AFTER,
             _ => O_AFTER,
         };
     }
@@ -459,7 +1116,55 @@ impl SchemaState {
         }
     }
 
-    fn array_byte(&mut self, schema: &Schema, item: u16, b: u8) -> bool {
+    /// An object of any keys (strings) whose values are of `value`.
+    fn map_byte(&mut self, schema: &Schema, value: u16, b: u8) -> bool {
+        let f = *self.top();
+        if f.stage == O_OPEN {
+            if b != b'{' {
+                return false;
+            }
+            self.top().stage = O_FIRST;
+            return true;
+        }
+        if f.stage == O_KEY {
+            let t = self.top();
+            return match t.chars.push(b) {
+                StrStep::More => true,
+                StrStep::Closed => {
+                    t.stage = O_COLON;
+                    true
+                }
+                StrStep::Bad => false,
+            };
+        }
+        if let Some(ok) = self.space(b) {
+            return ok;
+        }
+        match (f.stage, b) {
+            (O_FIRST | O_COMMA, b'"') => {
+                let t = self.top();
+                t.chars = StrChars::default();
+                t.stage = O_KEY;
+                true
+            }
+            (O_FIRST | O_AFTER, b'}') => {
+                self.finish_value(schema);
+                true
+            }
+            (O_AFTER, b',') => {
+                self.top().stage = O_COMMA;
+                true
+            }
+            (O_COLON, b':') => {
+                self.top().stage = O_VALUE;
+                true
+            }
+            (O_VALUE, _) => self.start_value(schema, value, b),
+            _ => false,
+        }
+    }
+
+    fn array_byte(&mut self, schema: &Schema, item: u16, min: u16, max: u16, b: u8) -> bool {
         let f = *self.top();
         if f.stage == A_OPEN {
             if b != b'[' {
@@ -472,20 +1177,24 @@ impl SchemaState {
             return ok;
         }
         match (f.stage, b) {
-            (A_FIRST | A_AFTER, b']') => {
+            (A_FIRST | A_AFTER, b']') if f.pos >= min => {
                 self.finish_value(schema);
                 true
             }
-            (A_AFTER, b',') => {
+            (A_AFTER, b',') if f.pos < max => {
                 self.top().stage = A_ITEM;
                 true
             }
-            (A_FIRST | A_ITEM, _) => self.start_value(schema, item, b),
+            (A_FIRST | A_ITEM, b']') => false,
+            (A_FIRST | A_ITEM, _) if f.pos < max => {
+                self.top().pos += 1;
+                self.start_value(schema, item, b)
+            }
             _ => false,
         }
     }
 
-    fn string_byte(&mut self, b: u8) -> bool {
+    fn string_byte(&mut self, min: u16, max: u16, pattern: Option<&Pattern>, b: u8) -> bool {
         let t = self.top();
         if t.stage == S_OPEN {
             if b != b'"' {
@@ -493,39 +1202,112 @@ impl SchemaState {
             }
             t.stage = S_IN;
             t.chars = StrChars::default();
+            t.pos = 0;
+            t.cand = 0;
             return true;
         }
+        let before = t.chars;
         match t.chars.push(b) {
-            StrStep::More => true,
+            StrStep::Bad => false,
             StrStep::Closed => {
+                if t.pos < min || pattern.is_some_and(|p| !p.accept[t.cand as usize]) {
+                    return false;
+                }
                 t.stage = S_CLOSED;
                 true
             }
-            StrStep::Bad => false,
+            StrStep::More => {
+                if let Some(p) = pattern {
+                    // The pattern reads the decoded string: an escape's byte once it is
+                    // named, any other byte as it is.
+                    let decoded = if before.after_backslash() {
+                        match ESCAPES.iter().find(|e| e.0 == b) {
+                            Some(&(_, x)) => Some(x),
+                            None => return false,
+                        }
+                    } else if before.between_chars() && b == b'\\' {
+                        // Only if some short escape can go on.
+                        if ESCAPES.iter().all(|&(_, x)| p.step(t.cand, x) == DEAD) {
+                            return false;
+                        }
+                        None
+                    } else {
+                        Some(b)
+                    };
+                    if let Some(x) = decoded {
+                        let n = p.step(t.cand, x);
+                        if n == DEAD {
+                            return false;
+                        }
+                        t.cand = n as u32;
+                    }
+                }
+                if t.chars.between_chars() {
+                    t.pos = t.pos.saturating_add(1);
+                    if t.pos > max {
+                        return false;
+                    }
+                }
+                true
+            }
         }
     }
 
-    fn number_byte(&mut self, schema: &Schema, integer: bool, b: u8) -> bool {
+    fn number_byte(&mut self, schema: &Schema, n: Num, b: u8) -> bool {
         let s = self.top().stage;
         let digit = b.is_ascii_digit();
+        let integer = n.integer;
+        let exponent = n.bounds.is_none() && !integer;
         let next = match (s, b) {
             (N_START, b'-') => Some(N_MINUS),
-            (N_START | N_MINUS, b'0') => Some(N_ZERO),
+            // `-0` is not written for an integer (some parsers read it as a float).
+            (N_START, b'0') => Some(N_ZERO),
+            (N_MINUS, b'0') if !integer => Some(N_ZERO),
             (N_START | N_MINUS, b'1'..=b'9') => Some(N_INT),
             (N_INT, _) if digit => Some(N_INT),
             (N_ZERO | N_INT, b'.') if !integer => Some(N_DOT),
             (N_DOT | N_FRAC, _) if digit => Some(N_FRAC),
-            (N_ZERO | N_INT | N_FRAC, b'e' | b'E') if !integer => Some(N_E),
+            (N_ZERO | N_INT | N_FRAC, b'e' | b'E') if exponent => Some(N_E),
             (N_E, b'+' | b'-') => Some(N_ESIGN),
             (N_E | N_ESIGN | N_EXP, _) if digit => Some(N_EXP),
             _ => None,
         };
-        if let Some(n) = next {
-            self.top().stage = n;
+        if let Some(next) = next {
+            if let Some(bounds) = n.bounds {
+                let mut num = self.num;
+                let d = b.wrapping_sub(b'0') as u64;
+                match next {
+                    N_MINUS => num.neg = true,
+                    N_INT | N_ZERO => {
+                        if num.int_digits as u32 >= INT_DIGITS {
+                            return false;
+                        }
+                        num.int = num.int * 10 + d;
+                        num.int_digits += 1;
+                    }
+                    N_FRAC => {
+                        if num.frac_digits as u32 >= FRAC_DIGITS {
+                            return false;
+                        }
+                        num.frac = num.frac * 10 + d;
+                        num.frac_digits += 1;
+                    }
+                    _ => {}
+                }
+                if !num.feasible(integer, next, bounds) {
+                    return false;
+                }
+                self.num = num;
+            }
+            self.top().stage = next;
             return true;
         }
         // The number ends here if it may; the byte belongs to what follows.
-        if matches!(s, N_ZERO | N_INT | N_FRAC | N_EXP) && self.depth > 1 {
+        let in_bounds = n.bounds.is_none_or(|(lo, hi)| {
+            let v = self.num.value(integer);
+            lo <= v && v <= hi
+        });
+        if matches!(s, N_ZERO | N_INT | N_FRAC | N_EXP) && in_bounds && self.depth > 1 {
             self.finish_value(schema);
             self.push(schema, b)
         } else {
@@ -565,7 +1347,7 @@ impl SchemaState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     fn schema() -> Schema {
         Schema::compile(&json!({
@@ -592,14 +1374,14 @@ mod tests {
     }
 
     #[test]
-    fn documents_of_the_schema_are_accepted_in_property_name_order() {
+    fn documents_of_the_schema_are_accepted_in_property_order() {
         let s = schema();
         for doc in [
-            "{\"age\": 3, \"name\": \"Al\"}",
-            " {\"age\":-1,\"color\":\"red\",\"name\":\"x\",\"ok\":true,\"pos\":{\"x\":1.5e3},\"tags\":[\"a\", \"b\"],\"v\":[1,\"a\"]}",
-            "{\"age\": 0, \"color\": 1, \"name\": \"\\u00e9 \\\" é\"}",
-            "{\"age\": 10, \"color\": null, \"name\": \"\", \"tags\": []}",
-            "{ \"age\" : 7 , \"name\" : \"q\" , \"pos\" : { \"x\" : -0.5 } }",
+            "{\"name\": \"Al\", \"age\": 3}",
+            " {\"name\":\"x\",\"age\":-1,\"tags\":[\"a\", \"b\"],\"color\":\"red\",\"ok\":true,\"pos\":{\"x\":1.5e3},\"v\":[1,\"a\"]}",
+            "{\"name\": \"\\u00e9 \\\" é\", \"age\": 0, \"color\": 1}",
+            "{\"name\": \"\", \"age\": 10, \"tags\": [], \"color\": null}",
+            "{ \"name\" : \"q\" , \"age\" : 7 , \"pos\" : { \"x\" : -0.5 } }",
         ] {
             assert_eq!(accepts(&s, doc), Some(true), "{doc}");
             assert_eq!(
@@ -611,7 +1393,7 @@ mod tests {
             assert!(v["age"].is_i64() && v["name"].is_string(), "{v}");
         }
         // Prefixes are open, not complete.
-        let doc = "{\"age\": 12, \"color\": \"green\", \"name\": \"x\"}";
+        let doc = "{\"name\": \"x\", \"age\": 12, \"color\": \"green\"}";
         for cut in 0..doc.len() {
             assert_eq!(accepts(&s, &doc[..cut]), Some(false), "{}", &doc[..cut]);
         }
@@ -621,26 +1403,462 @@ mod tests {
     fn documents_outside_the_schema_are_refused() {
         let s = schema();
         for doc in [
-            "{\"name\": \"Al\", \"age\": 3}",
+            "{\"age\": 3, \"name\": \"Al\"}",
             "{\"age\": 3}",
-            "{\"age\": 3.5, \"name\": \"x\"}",
-            "{\"age\": 1e3, \"name\": \"x\"}",
-            "{\"age\": 01, \"name\": \"x\"}",
-            "{\"age\": 1, \"color\": \"blue\", \"name\": \"x\"}",
-            "{\"age\": 1, \"color\": \"redd\", \"name\": \"x\"}",
-            "{\"age\": 1, \"name\": \"x\", \"zzz\": 1}",
-            "{\"age\": 1, \"name\": \"x\", \"pos\": {}}",
-            "{\"age\": 1, \"name\": 2}",
-            "{\"age\": 1, \"name\": \"x\", \"ok\": 1}",
-            "{\"age\": 1, \"name\": \"x\", \"tags\": [1]}",
-            "{\"age\": 1, \"name\": \"x\", \"v\": [1, \"b\"]}",
-            "{\"age\": 1, \"name\": \"x\",}",
-            "{\"age\": 1, \"age\": 2, \"name\": \"x\"}",
-            "{\"age\": 1, \"name\": \"x\"} x",
+            "{\"name\": \"x\", \"age\": 3.5}",
+            "{\"name\": \"x\", \"age\": 1e3}",
+            "{\"name\": \"x\", \"age\": 01}",
+            "{\"name\": \"x\", \"age\": 1, \"color\": \"blue\"}",
+            "{\"name\": \"x\", \"age\": 1, \"color\": \"redd\"}",
+            "{\"name\": \"x\", \"age\": 1, \"zzz\": 1}",
+            "{\"name\": \"x\", \"age\": 1, \"pos\": {}}",
+            "{\"name\": 2, \"age\": 1}",
+            "{\"name\": \"x\", \"age\": 1, \"ok\": 1}",
+            "{\"name\": \"x\", \"age\": 1, \"tags\": [1]}",
+            "{\"name\": \"x\", \"age\": 1, \"v\": [1, \"b\"]}",
+            "{\"name\": \"x\", \"age\": 1,}",
+            "{\"name\": \"x\", \"age\": 1, \"age\": 2}",
+            "{\"name\": \"x\", \"age\": 1} x",
             "[1]",
         ] {
             assert_ne!(accepts(&s, doc), Some(true), "{doc}");
         }
+    }
+
+    /// What OpenAI's `parse()` sends for a Pydantic model (`to_strict_json_schema`): `$defs`
+    /// and `$ref`, optional fields as `anyOf` with null, bounds, formats, a map.
+    fn pydantic() -> Value {
+        json!({
+            "$defs": {"Addr": {"properties": {
+                "city": {"title": "City", "type": "string"},
+                "zip": {"anyOf": [{"type": "string"}, {"type": "null"}], "title": "Zip"}},
+                "required": ["city", "zip"], "title": "Addr", "type": "object",
+                "additionalProperties": false}},
+            "properties": {
+                "name": {"maxLength": 20, "title": "Name", "type": "string"},
+                "age": {"maximum": 130, "minimum": 0, "title": "Age", "type": "integer"},
+                "kind": {"enum": ["cat", "dog"], "title": "Kind", "type": "string"},
+                "home": {"$ref": "#/$defs/Addr"},
+                "tags": {"items": {"type": "string"}, "maxItems": 3, "title": "Tags",
+                         "type": "array"},
+                "born": {"format": "date", "title": "Born", "type": "string"},
+                "id": {"format": "uuid", "title": "Id", "type": "string"},
+                "score": {"maximum": 1, "minimum": 0, "title": "Score", "type": "number"},
+                "extra": {"additionalProperties": {"type": "integer"}, "title": "Extra",
+                          "type": "object"}},
+            "required": ["name", "age", "kind", "home", "tags", "born", "id", "score", "extra"],
+            "title": "P", "type": "object", "additionalProperties": false
+        })
+    }
+
+    #[test]
+    fn pydantic_schemas_compile_and_hold() {
+        let s = Schema::compile(&pydantic()).unwrap();
+        let good = |name: &str, age: &str, home: &str, tags: &str, born: &str, score: &str| {
+            format!(
+                "{{\"name\": {name}, \"age\": {age}, \"kind\": \"cat\", \"home\": {home}, \
+                 \"tags\": {tags}, \"born\": {born}, \
+                 \"id\": \"123e4567-e89b-12d3-a456-426614174000\", \"score\": {score}, \
+                 \"extra\": {{\"a b\": 1, \"\": -2}}}}"
+            )
+        };
+        let base = [
+            "\"Tom\"",
+            "3",
+            "{\"city\": \"Oslo\", \"zip\": null}",
+            "[\"a\"]",
+            "\"2024-02-28\"",
+            "0.25",
+        ];
+        let doc = |i: usize, x: &str| {
+            let mut p = base;
+            p[i] = x;
+            good(p[0], p[1], p[2], p[3], p[4], p[5])
+        };
+        assert_eq!(
+            accepts(&s, &doc(0, base[0])),
+            Some(true),
+            "{}",
+            doc(0, base[0])
+        );
+        for (i, x) in [
+            (0, "\"12345678901234567890\""),
+            (0, "\"\\n\\u00e9\""),
+            (1, "0"),
+            (1, "130"),
+            (2, "{\"city\": \"Oslo\", \"zip\": \"0150\"}"),
+            (3, "[]"),
+            (3, "[\"a\", \"b\", \"c\"]"),
+            (4, "\"2000-12-31\""),
+            (5, "0"),
+            (5, "1"),
+            (5, "1.000"),
+            (5, "0.999999999999999999"),
+        ] {
+            assert_eq!(accepts(&s, &doc(i, x)), Some(true), "{}", doc(i, x));
+        }
+        for (i, x) in [
+            (0, "\"123456789012345678901\""),
+            (1, "-1"),
+            (1, "131"),
+            (1, "1300"),
+            (1, "1.0"),
+            (2, "{\"city\": \"Oslo\"}"),
+            (2, "{\"city\": \"Oslo\", \"zip\": 150}"),
+            (3, "[\"a\", \"b\", \"c\", \"d\"]"),
+            (4, "\"2024-02-30\""),
+            (4, "\"2024-2-3\""),
+            (5, "1.0000000000000000001"),
+            (5, "-0.1"),
+            (5, "2"),
+            (5, "1e-3"),
+        ] {
+            assert_ne!(accepts(&s, &doc(i, x)), Some(true), "{}", doc(i, x));
+        }
+        let bad_id = doc(0, base[0]).replace("426614174000", "42661417400g");
+        assert_ne!(accepts(&s, &bad_id), Some(true));
+        let bad_map = doc(0, base[0]).replace("\"\": -2", "\"\": \"x\"");
+        assert_ne!(accepts(&s, &bad_map), Some(true));
+        // Properties follow the schema's order, not their names'.
+        let swapped = doc(0, base[0]).replace(
+            "\"name\": \"Tom\", \"age\": 3",
+            "\"age\": 3, \"name\": \"Tom\"",
+        );
+        assert_ne!(accepts(&s, &swapped), Some(true));
+    }
+
+    #[test]
+    fn numbers_end_only_inside_their_bounds_and_never_strand() {
+        let cases = [
+            json!({"type": "integer", "minimum": -5, "maximum": 17}),
+            json!({"type": "integer", "exclusiveMinimum": 9, "exclusiveMaximum": 1000}),
+            json!({"type": "integer", "minimum": 2.5, "maximum": 2.9e1}),
+            json!({"type": "number", "minimum": -0.5, "exclusiveMaximum": 0.25}),
+            json!({"type": "number", "minimum": 120, "maximum": 125.5}),
+            json!({"type": "number", "exclusiveMinimum": 0}),
+        ];
+        for (n, c) in cases.iter().enumerate() {
+            let s = Schema::compile(&json!({"type": "object", "required": ["a"],
+                "properties": {"a": c}}))
+            .unwrap();
+            let lo = c
+                .get("minimum")
+                .or(c.get("exclusiveMinimum"))
+                .and_then(Value::as_f64);
+            let hi = c
+                .get("maximum")
+                .or(c.get("exclusiveMaximum"))
+                .and_then(Value::as_f64);
+            let (lo_ex, hi_ex) = (
+                c.get("exclusiveMinimum").is_some(),
+                c.get("exclusiveMaximum").is_some(),
+            );
+            let inside = |x: f64| {
+                lo.is_none_or(|l| if lo_ex { x > l } else { x >= l })
+                    && hi.is_none_or(|h| if hi_ex { x < h } else { x <= h })
+            };
+            let integer = c["type"] == "integer";
+            // Every number text up to 5 characters over `-0123456789.`: accepted exactly
+            // when it is a number of the type within the bounds.
+            let alphabet = b"-0123456789.";
+            let mut texts = vec![String::new()];
+            for _ in 0..5 {
+                let mut more = Vec::new();
+                for t in &texts {
+                    for &ch in alphabet {
+                        more.push(format!("{t}{}", ch as char));
+                    }
+                }
+                texts.extend(more);
+                texts.dedup();
+            }
+            texts.sort();
+            texts.dedup();
+            for t in texts.iter().filter(|t| !t.is_empty()) {
+                let doc = format!("{{\"a\": {t}}}");
+                let parsed = serde_json::from_str::<Value>(&doc).ok();
+                // (`-0` is an integer to JSON Schema, but not written for one.)
+                let want = parsed.as_ref().is_some_and(|v| {
+                    let a = v["a"].as_f64();
+                    a.is_some_and(|x| inside(x) && (!integer || x.fract() == 0.0))
+                }) && !(integer && (t.contains('.') || t.starts_with("-0")));
+                assert_eq!(accepts(&s, &doc) == Some(true), want, "case {n}: {doc}");
+                // Every prefix the validator takes can still end inside the bounds.
+                let mut st = SchemaState::new(&s);
+                assert!(st.push_bytes(&s, b"{\"a\": "));
+                let mut ok = true;
+                for &b in t.as_bytes() {
+                    ok = st.push(&s, b);
+                    if !ok {
+                        break;
+                    }
+                }
+                if ok && !st.clone().push(&s, b'}') {
+                    assert!(
+                        alphabet.iter().any(|&b| st.clone().push(&s, b)),
+                        "case {n}: {t} is a dead end"
+                    );
+                }
+            }
+        }
+        let e = Schema::compile(&json!({"type": "object", "properties":
+            {"a": {"type": "integer", "minimum": 3, "maximum": 2.5}}}))
+        .unwrap_err();
+        assert!(e.contains("bounds"), "{e}");
+    }
+
+    #[test]
+    fn patterns_and_formats_hold_on_the_decoded_string() {
+        let s = Schema::compile(&json!({"type": "object", "required": ["a", "b", "c", "d"],
+            "properties": {
+                "a": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3}$"},
+                "b": {"type": "string", "pattern": "x\"y"},
+                "c": {"type": "string", "format": "date-time"},
+                "d": {"type": "string", "minLength": 2, "maxLength": 3}}}))
+        .unwrap();
+        let doc = |a: &str, b: &str, c: &str, d: &str| {
+            format!("{{\"a\": \"{a}\", \"b\": \"{b}\", \"c\": \"{c}\", \"d\": \"{d}\"}}")
+        };
+        let (a, b, c, d) = ("AB-123", "..x\\\"y..", "2024-01-31T23:59:60Z", "é\\n");
+        assert_ne!(accepts(&s, &doc(a, b, c, d)), Some(true), "second 60");
+        let c = "2024-01-31T23:59:59.5+02:00";
+        assert_eq!(accepts(&s, &doc(a, b, c, d)), Some(true));
+        for bad in [
+            doc("AB-1234", b, c, d),
+            doc("Ab-123", b, c, d),
+            doc("AB-١٢٣", b, c, d),
+            doc(a, "xy", c, d),
+            doc(a, "x\\u0022y", c, d),
+            doc(a, b, "2024-01-31 23:59:59Z", d),
+            doc(a, b, c, "a"),
+            doc(a, b, c, "abcd"),
+        ] {
+            assert_ne!(accepts(&s, &bad), Some(true), "{bad}");
+        }
+        for (bad, want) in [
+            (json!({"type": "string", "pattern": "("}), "pattern"),
+            (
+                json!({"type": "string", "pattern": "a", "maxLength": 3}),
+                "maxLength",
+            ),
+            (
+                json!({"type": "string", "pattern": "a", "format": "date"}),
+                "format",
+            ),
+            (
+                json!({"type": "string", "pattern": "[^\\s\\S]"}),
+                "no string",
+            ),
+        ] {
+            let e =
+                Schema::compile(&json!({"type": "object", "properties": {"a": bad}})).unwrap_err();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+        // Unknown formats are annotations.
+        assert!(
+            Schema::compile(&json!({"type": "object", "properties":
+            {"a": {"type": "string", "format": "color"}}}))
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn unions_are_told_apart_by_their_first_byte() {
+        let s = Schema::compile(&json!({"type": "object", "required": ["a", "b", "c"],
+            "properties": {
+                "a": {"anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"},
+                                {"type": "array", "items": {"type": "boolean"}}]},
+                "b": {"oneOf": [{"enum": ["x", "y"]}, {"const": "z"}, {"type": "boolean"}]},
+                "c": {"type": ["number", "null"], "minimum": 0}}}))
+        .unwrap();
+        for (a, b, c, ok) in [
+            ("1", "\"z\"", "null", true),
+            ("\"s\"", "\"x\"", "0.5", true),
+            ("null", "true", "3", true),
+            ("[true, false]", "false", "0", true),
+            ("1.5", "\"z\"", "null", false),
+            ("[1]", "\"z\"", "null", false),
+            ("1", "\"w\"", "null", false),
+            ("1", "\"z\"", "-1", false),
+        ] {
+            let doc = format!("{{\"a\": {a}, \"b\": {b}, \"c\": {c}}}");
+            assert_eq!(accepts(&s, &doc) == Some(true), ok, "{doc}");
+        }
+        for (bad, want) in [
+            (
+                json!({"anyOf": [{"type": "object"}, {"type": "object", "properties": {}}]}),
+                "start differently",
+            ),
+            (
+                json!({"anyOf": [{"type": "string"}, {"const": "a"}]}),
+                "start differently",
+            ),
+            (
+                json!({"anyOf": [{"type": "integer", "minimum": 1}, {"type": "number"}]}),
+                "start differently",
+            ),
+            (
+                json!({"anyOf": [{"type": "string"}], "type": "string"}),
+                "cannot be combined",
+            ),
+            (
+                json!({"allOf": [{"type": "string"}, {"type": "null"}]}),
+                "allOf",
+            ),
+        ] {
+            let e =
+                Schema::compile(&json!({"type": "object", "properties": {"a": bad}})).unwrap_err();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn references_resolve_once_and_cycles_are_refused() {
+        let s = Schema::compile(&json!({"type": "object", "required": ["a", "b"],
+            "definitions": {"P": {"type": "object", "required": ["x"],
+                "properties": {"x": {"type": "integer"}}}},
+            "properties": {"a": {"$ref": "#/definitions/P", "description": "first"},
+                           "b": {"allOf": [{"$ref": "#/definitions/P"}]}}}))
+        .unwrap();
+        assert_eq!(
+            accepts(&s, "{\"a\": {\"x\": 1}, \"b\": {\"x\": 2}}"),
+            Some(true)
+        );
+        assert_ne!(accepts(&s, "{\"a\": {\"x\": 1}, \"b\": {}}"), Some(true));
+        for (bad, want) in [
+            (
+                json!({"type": "object", "$defs": {"N": {"type": "object", "properties":
+                {"next": {"$ref": "#/$defs/N"}}}}, "properties": {"a": {"$ref": "#/$defs/N"}}}),
+                "recursive",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"$ref": "#"}}}),
+                "recursive",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"$ref": "#/$defs/Q"}}}),
+                "nothing",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"$ref": "other.json"}}}),
+                "into",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"$ref": "#/x", "type": "string"}}}),
+                "cannot be combined",
+            ),
+        ] {
+            let e = Schema::compile(&bad).unwrap_err();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+    }
+
+    /// A random walk over the bytes the validator takes; every state it reaches can go on or
+    /// is complete, and the documents it completes are what an independent check accepts.
+    #[test]
+    fn random_documents_never_strand_and_satisfy_the_schema() {
+        let v = pydantic();
+        let s = Schema::compile(&v).unwrap();
+        let mut rng = 0x9E3779B97F4A7C15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let prefer = b"\"}],:0123456789-.aZ ";
+        let mut done = 0;
+        for _ in 0..200 {
+            let mut st = SchemaState::new(&s);
+            let mut out = Vec::new();
+            while !st.complete() && out.len() < 4000 {
+                let allowed: Vec<u8> = (0..=255u8).filter(|&b| st.clone().push(&s, b)).collect();
+                assert!(
+                    !allowed.is_empty(),
+                    "dead end after {}",
+                    String::from_utf8_lossy(&out)
+                );
+                let pick = if next() % 3 == 0 {
+                    allowed[(next() % allowed.len() as u64) as usize]
+                } else {
+                    *prefer
+                        .iter()
+                        .find(|b| allowed.contains(b))
+                        .unwrap_or(&allowed[(next() % allowed.len() as u64) as usize])
+                };
+                assert!(st.push(&s, pick));
+                out.push(pick);
+            }
+            if !st.complete() {
+                continue;
+            }
+            done += 1;
+            let text = String::from_utf8(out).unwrap();
+            let d: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+            check(&d, &v).unwrap_or_else(|e| panic!("{e}: {text}"));
+        }
+        assert!(done >= 150, "only {done} of 200 walks completed");
+    }
+
+    /// An independent check of the Pydantic schema's constraints (the `regex` crate for
+    /// formats).
+    fn check(d: &Value, v: &Value) -> Result<(), String> {
+        let p = &v["properties"];
+        let keys: Vec<&String> = d.as_object().ok_or("not an object")?.keys().collect();
+        let want: Vec<&String> = p.as_object().unwrap().keys().collect();
+        if keys != want {
+            return Err(format!("keys {keys:?}"));
+        }
+        let name = d["name"].as_str().ok_or("name")?;
+        if name.chars().count() > 20 {
+            return Err("name too long".into());
+        }
+        let age = d["age"].as_i64().ok_or("age")?;
+        if !(0..=130).contains(&age) {
+            return Err("age".into());
+        }
+        if !["cat", "dog"].contains(&d["kind"].as_str().ok_or("kind")?) {
+            return Err("kind".into());
+        }
+        let home = d["home"].as_object().ok_or("home")?;
+        if home.len() != 2
+            || !home["city"].is_string()
+            || !(home["zip"].is_string() || home["zip"].is_null())
+        {
+            return Err("home".into());
+        }
+        let tags = d["tags"].as_array().ok_or("tags")?;
+        if tags.len() > 3 || !tags.iter().all(Value::is_string) {
+            return Err("tags".into());
+        }
+        let date = regex::Regex::new(r"^\d{4}-\d{2}-\d{2}$").unwrap();
+        let born = d["born"].as_str().ok_or("born")?;
+        let (m, day): (u32, u32) = (
+            born[5..7].parse().unwrap_or(0),
+            born[8..].parse().unwrap_or(0),
+        );
+        let days = [31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31];
+        if !date.is_match(born) || !(1..=12).contains(&m) || day < 1 || day > days[m as usize - 1] {
+            return Err("born".into());
+        }
+        let uuid =
+            regex::Regex::new(r"^[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}$").unwrap();
+        if !uuid.is_match(d["id"].as_str().ok_or("id")?) {
+            return Err("id".into());
+        }
+        let score = d["score"].as_f64().ok_or("score")?;
+        if !(0.0..=1.0).contains(&score) {
+            return Err("score".into());
+        }
+        if !d["extra"]
+            .as_object()
+            .ok_or("extra")?
+            .values()
+            .all(Value::is_i64)
+        {
+            return Err("extra".into());
+        }
+        Ok(())
     }
 
     #[test]
@@ -655,16 +1873,16 @@ mod tests {
                 "$ref",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1}}}),
-                "minimum",
+                json!({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}),
+                "multipleOf",
             ),
             (
                 json!({"type": "object", "properties": {"a": {"anyOf": []}}}),
                 "anyOf",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": ["string", "null"]}}}),
-                "type",
+                json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}, "uniqueItems": true}}}),
+                "uniqueItems",
             ),
             (json!({"type": "object", "properties": {"a": {}}}), "type"),
             (
@@ -678,6 +1896,19 @@ mod tests {
             (
                 json!({"type": "object", "properties": {"a": {"enum": (0..40).collect::<Vec<_>>()}}}),
                 "enum",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "string", "maxLength": 100000}}}),
+                "maxLength",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2}}}),
+                "minItems",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"type": "object",
+                    "properties": {"x": {"type": "string"}}, "additionalProperties": {"type": "string"}}}}),
+                "additionalProperties",
             ),
         ] {
             let e = Schema::compile(&bad).unwrap_err();

@@ -357,6 +357,80 @@ async fn tool_calls(url: &str) {
     }
 }
 
+/// OpenAI's `parse()` with a Pydantic model (nested model by `$ref`, an optional field,
+/// bounds, a literal, formats): the schema the client sends compiles, the greedy answer equals
+/// in-process decoding of the rendered chat under it, and Pydantic validates it.
+async fn pydantic_parse(url: &str) {
+    let script = r#"
+import sys, json, datetime, uuid
+from typing import Annotated, List, Literal, Optional
+from pydantic import BaseModel, Field
+from openai import OpenAI
+from openai.lib._pydantic import to_strict_json_schema
+class Home(BaseModel):
+    city: str = Field(max_length=24)
+    zip: Optional[str] = Field(max_length=8)
+class Pet(BaseModel):
+    name: str = Field(max_length=16)
+    kind: Literal["cat", "dog"]
+    age: int = Field(ge=0, le=30)
+    weight_kg: float = Field(gt=0, le=90)
+    home: Home
+    toys: List[Annotated[str, Field(max_length=12)]] = Field(max_length=2)
+    born: datetime.date
+    chip: uuid.UUID
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+r = c.chat.completions.parse(model="smollm2-135m", temperature=0, max_tokens=300,
+    messages=[{"role": "user", "content": sys.argv[2]}], response_format=Pet,
+    extra_body={"return_token_ids": True})
+m = r.choices[0].message
+print(json.dumps({"schema": to_strict_json_schema(Pet), "response": r.model_dump(mode="json"),
+    "parsed": m.parsed.model_dump(mode="json") if m.parsed else None}))
+"#;
+    let question = "Describe a pet as JSON.";
+    let v = openai_client(script, &[url, question]).await;
+    let response = &v["response"];
+    let (m, t) = reference();
+    let tpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(t).expect("template");
+    let prompt = tpl
+        .render_with_tools(
+            &[dspark_runtime::chat::Message::new("user", question)],
+            None,
+            true,
+        )
+        .expect("render");
+    let schema = dspark_runtime::json_schema::Schema::compile(&v["schema"]).expect("schema");
+    let want = generate(
+        m,
+        t,
+        &t.encode(&prompt).expect("encode"),
+        &GenerateParams {
+            max_tokens: 300,
+            json: Some(Format::Schema(std::sync::Arc::new(schema))),
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .expect("generate");
+    assert_eq!(ids_of(response), want.token_ids, "{v}");
+    assert_eq!(response["choices"][0]["finish_reason"], "stop", "{v}");
+    let pet = &v["parsed"];
+    assert!(pet.is_object(), "Pydantic refused the answer: {v}");
+    // Properties come in the model's order, as the client declared them.
+    let content = response["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default();
+    let keys: Vec<usize> = ["\"name\"", "\"kind\"", "\"age\"", "\"home\"", "\"born\""]
+        .iter()
+        .map(|k| content.find(k).unwrap_or(usize::MAX))
+        .collect();
+    assert!(keys.windows(2).all(|w| w[0] < w[1]), "{content}");
+    let age = pet["age"].as_i64().unwrap_or(-1);
+    assert!((0..=30).contains(&age), "{pet}");
+    let w = pet["weight_kg"].as_f64().unwrap_or(-1.0);
+    assert!(w > 0.0 && w <= 90.0, "{pet}");
+}
+
 fn ids_of(v: &Value) -> Vec<u32> {
     v["choices"][0]["token_ids"]
         .as_array()
@@ -577,6 +651,7 @@ print(json.dumps({"text": text, "items": items}))
         "{obj}"
     );
     tool_calls(&c.url).await;
+    pydantic_parse(&c.url).await;
     for (bad, param) in [
         (
             json!({"response_format": {"type": "json_schema"}}),
@@ -585,7 +660,7 @@ print(json.dumps({"text": text, "items": items}))
         (
             json!({"response_format": {"type": "json_schema",
                 "json_schema": {"schema": {"type": "object",
-                    "properties": {"a": {"type": "string", "pattern": "x+"}}}}}}),
+                    "properties": {"a": {"type": "integer", "multipleOf": 3}}}}}}),
             "response_format",
         ),
         (
