@@ -617,6 +617,7 @@ async fn open_once(
         stop_token_ids: job.settings.stop_token_ids.clone(),
         json: job.settings.json,
         json_schema: job.settings.json_schema.clone().unwrap_or_default(),
+        regex: job.settings.regex.clone().unwrap_or_default(),
         resumed: prompt_len.saturating_sub(job.prompt.len()) as u32,
     });
     if let Ok(v) = job.traceparent.parse() {
@@ -885,7 +886,7 @@ async fn chat_completions(
         app.tok.vocab_size(),
     )?;
     if let Some(f) = forced {
-        if settings.json || settings.json_schema.is_some() {
+        if settings.json || settings.json_schema.is_some() || settings.regex.is_some() {
             return Err(ApiError::bad(
                 "response_format cannot be combined with a forced tool call (the call's \
                  arguments already follow the function's parameters schema)",

@@ -139,6 +139,29 @@ pub struct Common {
     pub stop_token_ids: Option<Vec<i64>>,
     /// `{"type": "json_object"}` (JSON mode) or `{"type": "text"}`.
     pub response_format: Option<Value>,
+    /// Extension (vLLM guided decoding): the answer is a document of this JSON schema (an
+    /// object, or its JSON text).
+    pub guided_json: Option<Value>,
+    /// Extension (vLLM): the whole answer matches this regex.
+    pub guided_regex: Option<Value>,
+    /// Extension (vLLM): the answer is one of these strings.
+    pub guided_choice: Option<Value>,
+    /// Extension (vLLM): refused (context-free grammars are not supported).
+    pub guided_grammar: Option<Value>,
+    /// Extension (vLLM ≥ 0.10): `{"json" | "regex" | "choice" | "json_object": …}`.
+    pub structured_outputs: Option<Value>,
+}
+
+/// Most `guided_choice` strings, and the longest one in bytes.
+pub const MAX_CHOICES: usize = 256;
+pub const MAX_CHOICE_BYTES: usize = 1024;
+
+/// What guided decoding asks the answer to be, however the request spelled it.
+enum Guided {
+    Json(Value),
+    JsonObject,
+    Regex(String),
+    Choice(Vec<String>),
 }
 
 #[derive(Deserialize, Debug)]
@@ -337,6 +360,8 @@ pub struct GenSettings {
     pub json: bool,
     /// Structured output: the output is a document of this schema (its JSON text, checked).
     pub json_schema: Option<String>,
+    /// Guided decoding: the whole output matches this regex (checked).
+    pub regex: Option<String>,
     /// Chat: the output is the arguments of a call of this function (`tool_calls`).
     pub tool_call: Option<String>,
 }
@@ -580,9 +605,41 @@ impl Common {
                 }
             },
         };
-        if json && min_tokens > 0 {
+        let mut json = json;
+        let mut regex = None;
+        if let Some((g, param)) = self.guided()? {
+            if self
+                .response_format
+                .as_ref()
+                .is_some_and(|f| f.get("type").and_then(Value::as_str) != Some("text"))
+            {
+                return Err(ApiError::bad(
+                    format!("{param} cannot be combined with response_format"),
+                    Some(param),
+                ));
+            }
+            let bad = |e: String| ApiError::bad(format!("{param}: {e}"), Some(param));
+            match g {
+                Guided::JsonObject => json = true,
+                Guided::Json(schema) => {
+                    dspark_runtime::json_schema::Schema::compile(&schema).map_err(bad)?;
+                    json_schema = Some(schema.to_string());
+                    json = true;
+                }
+                Guided::Regex(r) => {
+                    dspark_runtime::json_schema::Pattern::full_match(&r).map_err(bad)?;
+                    regex = Some(r);
+                }
+                Guided::Choice(c) => {
+                    let r = dspark_runtime::json_schema::choice_regex(&c);
+                    dspark_runtime::json_schema::Pattern::full_match(&r).map_err(bad)?;
+                    regex = Some(r);
+                }
+            }
+        }
+        if (json || regex.is_some()) && min_tokens > 0 {
             return Err(ApiError::bad(
-                "min_tokens cannot be combined with JSON mode",
+                "min_tokens cannot be combined with JSON mode or guided decoding",
                 Some("min_tokens"),
             ));
         }
@@ -624,9 +681,123 @@ impl Common {
             stop_token_ids,
             json,
             json_schema,
+            regex,
             tool_call: None,
         })
     }
+
+    /// vLLM's guided decoding, as `guided_json` / `guided_regex` / `guided_choice` or as
+    /// `structured_outputs`; at most one of them. With the parameter's name, for errors.
+    fn guided(&self) -> Result<Option<(Guided, &'static str)>, ApiError> {
+        if self.guided_grammar.is_some() {
+            return Err(ApiError::bad(
+                "guided_grammar is not supported (use guided_json, guided_regex or \
+                 guided_choice)",
+                Some("guided_grammar"),
+            ));
+        }
+        let mut found = Vec::new();
+        if let Some(v) = &self.guided_json {
+            found.push((Guided::Json(schema_value(v, "guided_json")?), "guided_json"));
+        }
+        if let Some(v) = &self.guided_regex {
+            found.push((
+                Guided::Regex(regex_text(v, "guided_regex")?),
+                "guided_regex",
+            ));
+        }
+        if let Some(v) = &self.guided_choice {
+            found.push((
+                Guided::Choice(choices(v, "guided_choice")?),
+                "guided_choice",
+            ));
+        }
+        if let Some(so) = &self.structured_outputs {
+            const P: &str = "structured_outputs";
+            let o = so
+                .as_object()
+                .ok_or_else(|| ApiError::bad("structured_outputs must be an object", Some(P)))?;
+            for (k, v) in o {
+                match k.as_str() {
+                    "json" => found.push((Guided::Json(schema_value(v, P)?), P)),
+                    "regex" => found.push((Guided::Regex(regex_text(v, P)?), P)),
+                    "choice" => found.push((Guided::Choice(choices(v, P)?), P)),
+                    "json_object" if v.as_bool() == Some(true) => {
+                        found.push((Guided::JsonObject, P))
+                    }
+                    "json_object" => {}
+                    "disable_fallback"
+                    | "disable_any_whitespace"
+                    | "disable_additional_properties"
+                    | "whitespace_pattern" => {}
+                    other => {
+                        return Err(ApiError::bad(
+                            format!(
+                                "structured_outputs.{other} is not supported (use json, regex, \
+                                 choice or json_object)"
+                            ),
+                            Some(P),
+                        ));
+                    }
+                }
+            }
+        }
+        if found.len() > 1 {
+            return Err(ApiError::bad(
+                "give one guided decoding constraint (guided_json, guided_regex, guided_choice \
+                 or one key of structured_outputs)",
+                Some(found[1].1),
+            ));
+        }
+        Ok(found.pop())
+    }
+}
+
+/// A JSON schema given as an object or as its JSON text.
+fn schema_value(v: &Value, param: &'static str) -> Result<Value, ApiError> {
+    match v {
+        Value::String(s) => serde_json::from_str(s).map_err(|e| {
+            ApiError::bad(format!("{param}: the schema is not JSON: {e}"), Some(param))
+        }),
+        Value::Object(_) => Ok(v.clone()),
+        _ => Err(ApiError::bad(
+            format!("{param} must be a JSON schema (an object or its JSON text)"),
+            Some(param),
+        )),
+    }
+}
+
+fn regex_text(v: &Value, param: &'static str) -> Result<String, ApiError> {
+    v.as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| ApiError::bad(format!("{param} must be a string"), Some(param)))
+}
+
+fn choices(v: &Value, param: &'static str) -> Result<Vec<String>, ApiError> {
+    let list = v
+        .as_array()
+        .and_then(|a| {
+            a.iter()
+                .map(|x| x.as_str().map(str::to_owned))
+                .collect::<Option<Vec<_>>>()
+        })
+        .ok_or_else(|| ApiError::bad(format!("{param} must be a list of strings"), Some(param)))?;
+    if list.is_empty() || list.len() > MAX_CHOICES {
+        return Err(ApiError::bad(
+            format!("{param} takes 1 to {MAX_CHOICES} strings"),
+            Some(param),
+        ));
+    }
+    if let Some(c) = list
+        .iter()
+        .find(|c| c.is_empty() || c.len() > MAX_CHOICE_BYTES)
+    {
+        return Err(ApiError::bad(
+            format!("{param}: each choice is 1 to {MAX_CHOICE_BYTES} bytes, got {c:?}"),
+            Some(param),
+        ));
+    }
+    Ok(list)
 }
 
 impl ChatMessage {
@@ -672,6 +843,109 @@ mod tests {
     fn weather() -> Value {
         json!({"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+    }
+
+    fn settings(extra: Value) -> Result<GenSettings, ApiError> {
+        let mut v = json!({"prompt": "hi"});
+        for (k, x) in extra.as_object().into_iter().flatten() {
+            v[k] = x.clone();
+        }
+        let r: CompletionRequest = serde_json::from_value(v).expect("request");
+        r.common.settings(16, 64, 1000)
+    }
+
+    #[test]
+    fn guided_decoding_takes_vllm_spellings_and_one_constraint() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        for (extra, regex, schema_text, json) in [
+            (json!({"guided_regex": "[ab]+"}), Some("[ab]+"), None, false),
+            (
+                json!({"guided_choice": ["a.b", "c"]}),
+                Some("a\\.b|c"),
+                None,
+                false,
+            ),
+            (
+                json!({"guided_json": schema}),
+                None,
+                Some(schema.to_string()),
+                true,
+            ),
+            (
+                json!({"guided_json": schema.to_string()}),
+                None,
+                Some(schema.to_string()),
+                true,
+            ),
+            (
+                json!({"structured_outputs": {"choice": ["x"]}}),
+                Some("x"),
+                None,
+                false,
+            ),
+            (
+                json!({"structured_outputs": {"regex": "x+"}}),
+                Some("x+"),
+                None,
+                false,
+            ),
+            (
+                json!({"structured_outputs": {"json": schema}}),
+                None,
+                Some(schema.to_string()),
+                true,
+            ),
+            (
+                json!({"structured_outputs": {"json_object": true}}),
+                None,
+                None,
+                true,
+            ),
+            (
+                json!({"guided_regex": "x", "response_format": {"type": "text"}}),
+                Some("x"),
+                None,
+                false,
+            ),
+        ] {
+            let s = settings(extra.clone()).unwrap_or_else(|e| panic!("{extra}: {}", e.message));
+            assert_eq!(s.regex.as_deref(), regex, "{extra}");
+            assert_eq!(s.json_schema, schema_text, "{extra}");
+            assert_eq!(s.json, json, "{extra}");
+        }
+        for (extra, want) in [
+            (json!({"guided_regex": "("}), "guided_regex"),
+            (json!({"guided_regex": 3}), "must be a string"),
+            (json!({"guided_choice": []}), "1 to"),
+            (json!({"guided_choice": ["a", 1]}), "list of strings"),
+            (json!({"guided_choice": [""]}), "1 to 1024 bytes"),
+            (json!({"guided_json": "{nope"}), "not JSON"),
+            (
+                json!({"guided_json": {"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}}),
+                "multipleOf",
+            ),
+            (json!({"guided_grammar": "root ::= x"}), "not supported"),
+            (
+                json!({"structured_outputs": {"grammar": "root ::= x"}}),
+                "grammar",
+            ),
+            (json!({"structured_outputs": 3}), "object"),
+            (
+                json!({"guided_regex": "x", "guided_choice": ["x"]}),
+                "one guided",
+            ),
+            (
+                json!({"guided_regex": "x", "response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (json!({"guided_regex": "x", "min_tokens": 2}), "min_tokens"),
+        ] {
+            let e = settings(extra.clone())
+                .err()
+                .unwrap_or_else(|| panic!("{extra}"));
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert!(e.message.contains(want), "{extra}: {}", e.message);
+        }
     }
 
     #[test]

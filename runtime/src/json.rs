@@ -10,7 +10,7 @@
 //! [`MAX_DEPTH`] deep, and at most [`MAX_WS_RUN`] whitespace bytes follow each other outside
 //! strings.
 
-use crate::json_schema::{Schema, SchemaState};
+use crate::json_schema::{Pattern, Schema, SchemaState};
 use crate::tokenizer::Tokenizer;
 use std::sync::Arc;
 
@@ -495,6 +495,7 @@ impl JsonVocab {
             (Format::Schema(schema), Doc::Schema(st)) => {
                 self.mask(&Bound { schema, st: *st }, logits)
             }
+            (Format::Regex(p), Doc::Regex(s)) => self.mask(&Matched { p, s: *s }, logits),
             // A document of another format: nothing may follow but the end.
             _ => self.mask(&Done, logits),
         }
@@ -507,6 +508,9 @@ impl JsonVocab {
             (Format::Schema(schema), Doc::Schema(st)) => self
                 .advance(&Bound { schema, st: *st }, token)
                 .map(|b| Doc::Schema(b.st)),
+            (Format::Regex(p), Doc::Regex(s)) => self
+                .advance(&Matched { p, s: *s }, token)
+                .map(|m| Doc::Regex(m.s)),
             _ => None,
         }
     }
@@ -571,6 +575,32 @@ impl Document for Bound<'_> {
     }
 }
 
+/// An answer against a whole-text regex, in DFA state `s`.
+#[derive(Clone, Copy)]
+struct Matched<'a> {
+    p: &'a Pattern,
+    s: u16,
+}
+
+impl Document for Matched<'_> {
+    fn push(&mut self, b: u8) -> bool {
+        match self.p.next(self.s, b) {
+            Some(n) => {
+                self.s = n;
+                true
+            }
+            None => false,
+        }
+    }
+    /// The text may end here (it may also go on).
+    fn complete(&self) -> bool {
+        self.p.accepts(self.s)
+    }
+    fn in_string(&self) -> bool {
+        false
+    }
+}
+
 /// What a structured-output request's answer must be.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Format {
@@ -578,6 +608,8 @@ pub enum Format {
     Object,
     /// A document of this schema (`response_format: json_schema`).
     Schema(Arc<Schema>),
+    /// Text the whole of which matches this regex (vLLM's `guided_regex`, `guided_choice`).
+    Regex(Arc<Pattern>),
 }
 
 impl Format {
@@ -586,6 +618,7 @@ impl Format {
         match self {
             Format::Object => Doc::Object(JsonState::new()),
             Format::Schema(s) => Doc::Schema(SchemaState::new(s)),
+            Format::Regex(_) => Doc::Regex(0),
         }
     }
 }
@@ -595,6 +628,8 @@ impl Format {
 pub enum Doc {
     Object(JsonState),
     Schema(SchemaState),
+    /// The regex's DFA state.
+    Regex(u16),
 }
 
 #[cfg(test)]

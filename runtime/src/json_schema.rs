@@ -86,10 +86,11 @@ struct Prop {
     required: bool,
 }
 
-/// A `pattern` or `format` as a DFA over a string's decoded UTF-8 bytes, pruned to the states
-/// from which the string can still match.
+/// A regular expression as a DFA over UTF-8 bytes, pruned to the states from which the text
+/// can still match: a `pattern` or `format` over a JSON string's decoded bytes, or a whole
+/// answer (vLLM's `guided_regex` and `guided_choice`). State 0 is the start.
 #[derive(Clone, Debug, PartialEq)]
-struct Pattern {
+pub struct Pattern {
     /// `next[s * 256 + b]`, `DEAD` where no match can follow.
     next: Vec<u16>,
     /// Whether the string may end in state s.
@@ -114,13 +115,43 @@ impl Pattern {
     /// Compiles a JSON Schema (ECMA-262) `pattern`: unanchored, so the string must contain a
     /// match. `\d` and `\w` keep their ASCII meaning.
     fn compile(src: &str) -> Result<Self, String> {
+        let ascii = ecma_classes(src);
+        Self::build(
+            &format!("(?s:.*)(?:{ascii})(?s:.*)"),
+            &format!("`pattern` {src:?}"),
+        )
+    }
+
+    /// A regex the whole text must match (Rust `regex` syntax, Unicode classes), as vLLM's
+    /// `guided_regex` has it.
+    pub fn full_match(src: &str) -> Result<Self, String> {
+        if src.len() > MAX_REGEX {
+            return Err(format!("the regex is longer than {MAX_REGEX} bytes"));
+        }
+        Self::build(&format!("(?:{src})"), &format!("regex {src:?}"))
+    }
+
+    /// A regex matching exactly one of `choices` (vLLM's `guided_choice`).
+    pub fn one_of(choices: &[String]) -> Result<Self, String> {
+        Self::full_match(&choice_regex(choices))
+    }
+
+    /// Whether the text may end in state `s`.
+    pub fn accepts(&self, s: u16) -> bool {
+        self.accept.get(s as usize).copied().unwrap_or(false)
+    }
+
+    /// The state after byte `b`; None where no match can follow.
+    pub fn next(&self, s: u16, b: u8) -> Option<u16> {
+        Some(self.step(s as u32, b)).filter(|&n| n != DEAD)
+    }
+
+    fn build(regex: &str, src: &str) -> Result<Self, String> {
         use regex_automata::{
             Anchored, MatchKind,
             dfa::{Automaton, StartKind, dense},
             util::{start, syntax},
         };
-        let ascii = ecma_classes(src);
-        let wrapped = format!("(?s:.*)(?:{ascii})(?s:.*)");
         let dfa = dense::Builder::new()
             .configure(
                 dense::Config::new()
@@ -130,11 +161,11 @@ impl Pattern {
                     .determinize_size_limit(Some(8 << 20)),
             )
             .syntax(syntax::Config::new().unicode(true).utf8(true))
-            .build(&wrapped)
-            .map_err(|e| format!("`pattern` {src:?} is not supported: {e}"))?;
+            .build(regex)
+            .map_err(|e| format!("{src} is not supported: {e}"))?;
         let s0 = dfa
             .start_state(&start::Config::new().anchored(Anchored::Yes))
-            .map_err(|e| format!("`pattern` {src:?}: {e}"))?;
+            .map_err(|e| format!("{src}: {e}"))?;
         let mut ids = HashMap::from([(s0, 0usize)]);
         let mut order = vec![s0];
         let mut next = Vec::new();
@@ -155,9 +186,7 @@ impl Pattern {
                     n
                 });
                 if id >= MAX_PATTERN_STATES {
-                    return Err(format!(
-                        "`pattern` {src:?} needs more than {MAX_PATTERN_STATES} states"
-                    ));
+                    return Err(format!("{src} needs more than {MAX_PATTERN_STATES} states"));
                 }
                 next.push(id as u16);
             }
@@ -183,7 +212,7 @@ impl Pattern {
             }
         }
         if !live[0] {
-            return Err(format!("`pattern` {src:?} matches no string"));
+            return Err(format!("{src} matches no string"));
         }
         for t in &mut next {
             if *t != DEAD && !live[*t as usize] {
@@ -199,6 +228,27 @@ impl Pattern {
             .copied()
             .unwrap_or(DEAD)
     }
+}
+
+/// Longest `guided_regex` (or `guided_choice`, joined), in bytes.
+pub const MAX_REGEX: usize = 16 << 10;
+
+/// The regex of exactly one of `choices`.
+pub fn choice_regex(choices: &[String]) -> String {
+    let alts: Vec<String> = choices.iter().map(|c| regex_escape(c)).collect();
+    alts.join("|")
+}
+
+/// `text` as a regex that matches it literally.
+fn regex_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// ECMA-262's `\d`, `\w` (and their negations) are ASCII; the regex crate's are Unicode.
@@ -1859,6 +1909,37 @@ mod tests {
             return Err("extra".into());
         }
         Ok(())
+    }
+
+    #[test]
+    fn whole_text_regexes_and_choices_match_the_whole_answer() {
+        let run = |p: &Pattern, text: &str| {
+            let mut s = 0u16;
+            for &b in text.as_bytes() {
+                match p.next(s, b) {
+                    Some(n) => s = n,
+                    None => return None,
+                }
+            }
+            Some(p.accepts(s))
+        };
+        let p = Pattern::full_match(r"(yes|no)( \d+)?").unwrap();
+        assert_eq!(run(&p, "yes"), Some(true));
+        assert_eq!(run(&p, "no 12"), Some(true));
+        assert_eq!(run(&p, "no "), Some(false), "open: a number may follow");
+        assert_eq!(run(&p, "yess"), None);
+        assert_eq!(run(&p, " yes"), None);
+        let c = Pattern::one_of(&["a+b".into(), "(x)".into(), "é".into()]).unwrap();
+        assert_eq!(run(&c, "a+b"), Some(true));
+        assert_eq!(run(&c, "(x)"), Some(true));
+        assert_eq!(run(&c, "é"), Some(true));
+        assert_eq!(run(&c, "aab"), None);
+        assert_eq!(run(&c, "x"), None);
+        for (bad, want) in [("(", "not supported"), ("[^\\s\\S]", "no string")] {
+            let e = Pattern::full_match(bad).unwrap_err();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+        assert!(Pattern::full_match(&"a".repeat(MAX_REGEX + 1)).is_err());
     }
 
     #[test]

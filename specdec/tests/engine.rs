@@ -572,6 +572,60 @@ fn json_schema_keeps_greedy_parity_and_yields_documents_of_the_schema() {
     });
 }
 
+/// A whole-answer regex (vLLM's `guided_regex`) and a choice (`guided_choice`): every
+/// proposer reproduces plain decoding under the mask, and finished answers match.
+#[test]
+fn regex_and_choice_keep_greedy_parity_and_match_the_whole_answer() {
+    use dspark_runtime::json_schema::Pattern;
+    let f = fixture();
+    let ps = prompts(&f, 12);
+    // At most 31 bytes: every answer ends within the token limit.
+    let regex = r"(the|a) [a-z]{1,8}( [a-z]{1,8}){0,2}\.";
+    let formats = [
+        Format::Regex(Arc::new(Pattern::full_match(regex).unwrap())),
+        Format::Regex(Arc::new(
+            Pattern::one_of(&["the theater".into(), "there".into(), "then they".into()]).unwrap(),
+        )),
+    ];
+    let check = regex::Regex::new(&format!("^(?:{regex})$")).unwrap();
+    for (k, format) in formats.iter().enumerate() {
+        let want: Vec<_> = ps
+            .iter()
+            .map(|p| {
+                generate(
+                    &f.target,
+                    &f.tok,
+                    p,
+                    &GenerateParams {
+                        max_tokens: 40,
+                        json: Some(format.clone()),
+                        ..Default::default()
+                    },
+                    &mut |_| {},
+                )
+                .unwrap()
+            })
+            .collect();
+        let mut finished = 0;
+        for w in &want {
+            if w.finish_reason == "stop" {
+                let ok = if k == 0 {
+                    check.is_match(&w.text)
+                } else {
+                    ["the theater", "there", "then they"].contains(&w.text.as_str())
+                };
+                assert!(ok, "format {k}: {:?}", w.text);
+                finished += 1;
+            }
+        }
+        assert_eq!(finished, ps.len(), "format {k}: every answer ends");
+        greedy_parity_for_every_proposer(&f, &ps, &want, false, |_, r| {
+            r.max_tokens = 40;
+            r.json = Some(format.clone());
+        });
+    }
+}
+
 #[test]
 fn sampled_first_and_second_tokens_match_with_speculation_on_and_off() {
     // Same prompt, many seeds: the empirical distribution of (first, second) output token with the

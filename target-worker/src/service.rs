@@ -134,7 +134,16 @@ impl TargetWorker for TargetService {
                 .map_err(|e| Status::invalid_argument(e.to_string()))?,
             None => kernels::sampling::SamplingParams::greedy(),
         };
-        let json = if !r.json_schema.is_empty() {
+        if !r.regex.is_empty() && (r.json || !r.json_schema.is_empty()) {
+            return Err(Status::invalid_argument(
+                "a request takes one of json, json_schema and regex",
+            ));
+        }
+        let json = if !r.regex.is_empty() {
+            let p = dspark_runtime::json_schema::Pattern::full_match(&r.regex)
+                .map_err(|e| Status::invalid_argument(format!("regex: {e}")))?;
+            Some(dspark_runtime::json::Format::Regex(std::sync::Arc::new(p)))
+        } else if !r.json_schema.is_empty() {
             let v: serde_json::Value = serde_json::from_str(&r.json_schema)
                 .map_err(|e| Status::invalid_argument(format!("json_schema: {e}")))?;
             let schema = dspark_runtime::json_schema::Schema::compile(&v)

@@ -168,12 +168,25 @@ async fn openai_client(script: &str, args: &[&str]) -> Value {
 /// against plain decoding under `format` in this process; the answer, parsed.
 async fn structured(url: &str, response_format: Value, format: Format) -> Value {
     let prompt = "Paris as a JSON object with the keys \"name\", \"country\" and \"population\":\n";
-    let (st, v) = post(
-        &format!("{url}/v1/completions"),
-        &json!({"model": "smollm2-135m", "prompt": prompt, "max_tokens": 80,
-            "temperature": 0, "return_token_ids": true, "response_format": response_format}),
+    let text = constrained(
+        url,
+        prompt,
+        json!({"response_format": response_format}),
+        format,
     )
     .await;
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"))
+}
+
+/// A greedy completion under a constraint (`extra` fields of the request), checked token for
+/// token against plain decoding under `format` in this process; the answer's text.
+async fn constrained(url: &str, prompt: &str, extra: Value, format: Format) -> String {
+    let mut body = json!({"model": "smollm2-135m", "prompt": prompt, "max_tokens": 80,
+        "temperature": 0, "return_token_ids": true});
+    for (k, x) in extra.as_object().into_iter().flatten() {
+        body[k] = x.clone();
+    }
+    let (st, v) = post(&format!("{url}/v1/completions"), &body).await;
     assert_eq!(st, 200, "{v}");
     let (m, t) = reference();
     let want = generate(
@@ -190,8 +203,35 @@ async fn structured(url: &str, response_format: Value, format: Format) -> Value 
     .expect("generate");
     assert_eq!(ids_of(&v), want.token_ids, "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
-    let text = v["choices"][0]["text"].as_str().unwrap_or_default();
-    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"))
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// vLLM's guided decoding: a regex and a choice, in both spellings, through the cluster.
+async fn guided(url: &str) {
+    use dspark_runtime::json_schema::Pattern;
+    let choices = ["positive", "negative", "neutral"].map(String::from);
+    let prompt = "Review: \"The food was wonderful.\" Sentiment:";
+    for extra in [
+        json!({"guided_choice": choices}),
+        json!({"structured_outputs": {"choice": choices}}),
+    ] {
+        let format = Format::Regex(std::sync::Arc::new(
+            Pattern::one_of(&choices).expect("choice"),
+        ));
+        let text = constrained(url, prompt, extra, format).await;
+        assert!(choices.contains(&text), "{text:?}");
+    }
+    let regex = r" ?[0-9]{1,4}(\.[0-9]{1,2})?";
+    let prompt = "Q: What is 17 times 23?\nA:";
+    let format = Format::Regex(std::sync::Arc::new(
+        Pattern::full_match(regex).expect("regex"),
+    ));
+    let text = constrained(url, prompt, json!({"guided_regex": regex}), format).await;
+    let check = regex::Regex::new(&format!("^(?:{regex})$")).expect("regex");
+    assert!(check.is_match(&text), "{text:?}");
 }
 
 /// A greedy completion streamed through the router, read chunk by chunk.
@@ -652,6 +692,7 @@ print(json.dumps({"text": text, "items": items}))
     );
     tool_calls(&c.url).await;
     pydantic_parse(&c.url).await;
+    guided(&c.url).await;
     for (bad, param) in [
         (
             json!({"response_format": {"type": "json_schema"}}),
