@@ -106,6 +106,7 @@ def check_schema(helm, values_sets):
             ({"listenHost": "localhost:80"}, "a listen host with a port"),
             ({"scheduler": {"prefixAffinitySlack": -1}}, "a negative affinity slack"),
             ({"targetWorker": {"prefixCaching": "yes"}}, "a string for prefix caching"),
+            ({"router": {"toolCallParser": "mistral"}}, "a tool-call parser the router lacks"),
         ]
         for v, what in bad:
             try:

@@ -31,11 +31,17 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Answer with one JSON object (JSON mode).
-    #[arg(long, conflicts_with = "json_schema")]
+    #[arg(long, conflicts_with_all = ["json_schema", "regex", "choice"])]
     pub json_object: bool,
     /// Answer with a document of the JSON schema in this file (structured output).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["regex", "choice"])]
     pub json_schema: Option<std::path::PathBuf>,
+    /// Answer with text the whole of which matches this regex (guided decoding).
+    #[arg(long, conflicts_with = "choice")]
+    pub regex: Option<String>,
+    /// Answer with one of these strings (repeat the flag for each).
+    #[arg(long)]
+    pub choice: Vec<String>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Print one JSON object instead of streaming text.
@@ -83,6 +89,15 @@ pub fn run(g: &Global, a: GenerateArgs) -> anyhow::Result<()> {
             let schema = dspark_runtime::json_schema::Schema::compile(&v)
                 .map_err(|e| anyhow::anyhow!("--json-schema {}: {e}", path.display()))?;
             Some(Format::Schema(std::sync::Arc::new(schema)))
+        }
+        None if a.regex.is_some() || !a.choice.is_empty() => {
+            use dspark_runtime::json_schema::Pattern;
+            let p = match &a.regex {
+                Some(r) => Pattern::full_match(r),
+                None => Pattern::one_of(&a.choice),
+            }
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            Some(Format::Regex(std::sync::Arc::new(p)))
         }
         None => a.json_object.then_some(Format::Object),
     };

@@ -144,12 +144,14 @@ fn bad_request_values_are_clear_errors() {
     let bad = d.join("bad-schema.json");
     std::fs::write(
         &bad,
-        r#"{"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}"#,
+        r#"{"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}}"#,
     )
     .unwrap();
     let bad = bad.to_string_lossy().to_string();
     for (extra, want) in [
-        (vec!["--json-schema", bad.as_str()], "pattern"),
+        (vec!["--json-schema", bad.as_str()], "multipleOf"),
+        (vec!["--regex", "("], "regex"),
+        (vec!["--regex", "a", "--choice", "b"], "--choice"),
         (
             vec!["--json-schema", "/nonexistent/s.json"],
             "--json-schema",
@@ -188,6 +190,31 @@ fn bad_request_values_are_clear_errors() {
         let text = v["text"].as_str().unwrap();
         assert!(
             text.trim_start().starts_with('{') || text.trim().is_empty(),
+            "{extra:?}: {text:?}"
+        );
+    }
+    // Guided decoding: the answer is one of the choices, or matches the whole regex.
+    for (extra, ok) in [
+        (vec!["--choice", "yes", "--choice", "no"], "^(yes|no)$"),
+        (vec!["--regex", "[0-9]{2}-[a-c]"], "^[0-9]{2}-[a-c]$"),
+    ] {
+        let mut args = vec![
+            "generate",
+            "--model",
+            &m,
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "12",
+            "--json",
+        ];
+        args.extend(extra.iter());
+        let (code, out, err) = dspark(&d, &args);
+        assert_eq!(code, 0, "{extra:?}: {err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        let text = v["text"].as_str().unwrap();
+        assert!(
+            regex::Regex::new(ok).unwrap().is_match(text),
             "{extra:?}: {text:?}"
         );
     }

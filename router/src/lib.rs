@@ -11,6 +11,7 @@
 pub mod cluster;
 pub mod metrics;
 pub mod openai;
+pub mod tool_parser;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -93,6 +94,11 @@ pub struct RouterArgs {
     /// Then, seconds the requests in flight get to finish before the router exits.
     #[arg(long, env = "DSPARK_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// Parse tool calls from the model's own output (`hermes`: `<tool_call>{…}</tool_call>`
+    /// blocks, as Qwen2.5's and Hermes' templates ask for), which enables `tool_choice:
+    /// "auto"` (as vLLM's `--enable-auto-tool-choice --tool-call-parser hermes`).
+    #[arg(long, env = "DSPARK_TOOL_CALL_PARSER", value_parser = ["hermes"])]
+    pub tool_call_parser: Option<String>,
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
 }
@@ -109,6 +115,8 @@ pub struct App {
     pub max_inflight: usize,
     /// A stop was asked for: `/ready` reads 503 while what is in flight finishes.
     pub draining: std::sync::atomic::AtomicBool,
+    /// `tool_choice: "auto"` is served (a tool-call parser is configured).
+    pub auto_tools: bool,
     seq: AtomicU64,
 }
 
@@ -125,6 +133,11 @@ pub fn random_u64() -> u64 {
         .unwrap_or(0);
     let mut r = kernels::rng::Rng::new(t ^ CTR.fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed));
     r.next_u64()
+}
+
+/// A tool call's id, as OpenAI's.
+fn new_call_id() -> String {
+    format!("call_{:016x}{:08x}", random_u64(), random_u64() as u32)
 }
 
 fn now_s() -> u64 {
@@ -181,6 +194,7 @@ impl App {
             default_max_tokens: args.default_max_tokens,
             max_inflight: args.max_inflight,
             draining: std::sync::atomic::AtomicBool::new(false),
+            auto_tools: args.tool_call_parser.is_some(),
             seq: AtomicU64::new(0),
         }))
     }
@@ -877,7 +891,7 @@ async fn chat_completions(
     Metrics::add(&app.metrics.requests, 1);
     let r: ChatRequest = parse_body(&body).inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
     check_model(&app, &r.common.model)?;
-    let forced = r.forced_call()?;
+    let mode = r.tool_mode(app.auto_tools)?;
     let text = render_chat(&app, &r.messages, r.tools.as_ref())?;
     let prompt = encode(&app, &text)?;
     let mut settings = r.common.settings(
@@ -885,7 +899,10 @@ async fn chat_completions(
         app.max_tokens_limit,
         app.tok.vocab_size(),
     )?;
-    if let Some(f) = forced {
+    if let openai::ToolMode::Auto(names) = &mode {
+        settings.auto_tools = Some(names.clone());
+    }
+    if let openai::ToolMode::Forced(f) = mode {
         if settings.json || settings.json_schema.is_some() || settings.regex.is_some() {
             return Err(ApiError::bad(
                 "response_format cannot be combined with a forced tool call (the call's \
@@ -1227,9 +1244,7 @@ async fn serve(
         .collect();
     let prompt_tokens: u32 = prompts.iter().map(|p| p.len() as u32).sum();
     // A forced function call per choice, with an id as OpenAI's.
-    let call_ids: Vec<String> = (0..total)
-        .map(|_| format!("call_{:016x}{:08x}", random_u64(), random_u64() as u32))
-        .collect();
+    let call_ids: Vec<String> = (0..total).map(|_| new_call_id()).collect();
     if !settings.stream {
         let mut text = vec![String::new(); total];
         let mut ids: Vec<Vec<u32>> = vec![Vec::new(); total];
@@ -1285,6 +1300,20 @@ async fn serve(
                         "tool_calls": [{"id": call_ids[i], "type": "function",
                             "function": {"name": f, "arguments": text[i]}}]},
                         "finish_reason": reason, "logprobs": null})
+                } else if let (Kind::Chat, Some(tools)) = (kind, &settings.auto_tools) {
+                    let (content, calls) = tool_parser::parse(&text[i], tools);
+                    let mut message = json!({"role": "assistant", "content": content});
+                    let reason = if calls.is_empty() {
+                        reason
+                    } else {
+                        message["tool_calls"] = calls
+                            .iter()
+                            .map(|c| json!({"id": new_call_id(), "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}}))
+                            .collect();
+                        if reason == "stop" { "tool_calls" } else { reason }
+                    };
+                    json!({"index": i, "message": message, "finish_reason": reason, "logprobs": null})
                 } else if kind == Kind::Chat {
                     json!({"index": i, "message": {"role": "assistant", "content": text[i]}, "finish_reason": reason, "logprobs": null})
                 } else {
@@ -1322,6 +1351,17 @@ async fn serve(
     let want_logprobs = settings.logprobs.is_some();
     let (echo, score_only) = (settings.echo, settings.score_only);
     let tool_call = settings.tool_call.clone();
+    // `tool_choice: "auto"`: each choice's text goes through a parser that holds back what
+    // may be a call.
+    let mut parsers: Vec<Option<tool_parser::Stream>> = (0..total)
+        .map(|_| {
+            settings
+                .auto_tools
+                .clone()
+                .filter(|_| kind == Kind::Chat)
+                .map(tool_parser::Stream::new)
+        })
+        .collect();
     let app2 = Arc::clone(&app);
     let s = async_stream(move |out| async move {
         let _guards = guards;
@@ -1369,6 +1409,30 @@ async fn serve(
                     if lead.is_some() {
                         t.insert_str(0, &echoes[i / n]);
                     }
+                    // Calls parsed out of the text go out as their own chunks.
+                    let mut calls = Vec::new();
+                    let mut first_call = 0;
+                    if let Some(p) = parsers[i].as_mut() {
+                        first_call = p.calls;
+                        let mut content = String::new();
+                        for o in p.push(&t) {
+                            match o {
+                                tool_parser::Out::Content(c) => content.push_str(&c),
+                                tool_parser::Out::Call(c) => calls.push(c),
+                            }
+                        }
+                        t = content;
+                    }
+                    for (j, c) in calls.into_iter().enumerate() {
+                        let n = first_call + j;
+                        let chunk = json!([{"index": i, "delta": {"tool_calls": [
+                            {"index": n, "id": new_call_id(), "type": "function",
+                             "function": {"name": c.name, "arguments": c.arguments}}]},
+                            "finish_reason": null}]);
+                        if out.send(mk(chunk, Value::Null)).await.is_err() {
+                            return;
+                        }
+                    }
                     if t.is_empty() && !return_ids && !(want_logprobs && !ids.is_empty()) {
                         continue;
                     }
@@ -1404,9 +1468,28 @@ async fn serve(
                     stats,
                     target,
                 } => {
+                    // What a parser held back is text after all.
+                    let held: String = parsers[i]
+                        .as_mut()
+                        .map(|p| {
+                            p.finish()
+                                .into_iter()
+                                .filter_map(|o| match o {
+                                    tool_parser::Out::Content(c) => Some(c),
+                                    tool_parser::Out::Call(_) => None,
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    if !held.is_empty() {
+                        let c = json!([{"index": i, "delta": {"content": held}, "finish_reason": null}]);
+                        let _ = out.send(mk(c, Value::Null)).await;
+                    }
+                    let called = parsers[i].as_ref().is_some_and(|p| p.calls > 0);
                     let reason = match (score_only, finish(&reason)) {
                         (true, _) => "length",
                         (_, r) if tool_call.is_some() => call_finish(r, &args[i]),
+                        (_, "stop") if called => "tool_calls",
                         (_, r) => r,
                     };
                     let c = if kind == Kind::Chat {

@@ -226,6 +226,16 @@ impl ChatRequest {
     /// `"auto"` would need a parser of each model's own tool-call format, which this server
     /// does not have: like vLLM without `--enable-auto-tool-choice`, it is refused.
     pub fn forced_call(&self) -> Result<Option<ForcedCall>, ApiError> {
+        match self.tool_mode(false)? {
+            ToolMode::Forced(f) => Ok(Some(f)),
+            _ => Ok(None),
+        }
+    }
+
+    /// As [`ChatRequest::forced_call`]; with `auto` (a tool-call parser is configured),
+    /// `"auto"` with tools gives [`ToolMode::Auto`]: the model answers freely and its calls
+    /// are parsed out of the text.
+    pub fn tool_mode(&self, auto: bool) -> Result<ToolMode, ApiError> {
         let bad = |m: String| ApiError::bad(m, Some("tools"));
         let mut funcs: Vec<(String, Value)> = Vec::new();
         match &self.tools {
@@ -271,13 +281,18 @@ impl ChatRequest {
             Some(_) => return Err(bad("`tools` must be a list".into())),
         }
         let choice_bad = |m: &str| ApiError::bad(m, Some("tool_choice"));
+        let names = || funcs.iter().map(|(n, _)| n.clone()).collect();
         let name = match &self.tool_choice {
-            None | Some(Value::Null) if funcs.is_empty() => return Ok(None),
-            Some(Value::String(c)) if c == "none" => return Ok(None),
+            None | Some(Value::Null) if funcs.is_empty() => return Ok(ToolMode::None),
+            Some(Value::String(c)) if c == "none" => return Ok(ToolMode::None),
+            None | Some(Value::Null) if auto => return Ok(ToolMode::Auto(names())),
             None | Some(Value::Null) => return Err(choice_bad(AUTO_REFUSED)),
             Some(Value::String(c)) if c == "auto" => {
                 if funcs.is_empty() {
-                    return Ok(None);
+                    return Ok(ToolMode::None);
+                }
+                if auto {
+                    return Ok(ToolMode::Auto(names()));
                 }
                 return Err(choice_bad(AUTO_REFUSED));
             }
@@ -324,13 +339,24 @@ impl ChatRequest {
             .unwrap_or_default();
         dspark_runtime::json_schema::Schema::compile(&parameters)
             .map_err(|e| bad(format!("function `{name}` parameters: {e}")))?;
-        Ok(Some(ForcedCall { name, parameters }))
+        Ok(ToolMode::Forced(ForcedCall { name, parameters }))
     }
 }
 
+/// How a chat request's `tools` shape its answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolMode {
+    /// Text.
+    None,
+    /// One call of this function, its arguments decoded under its schema.
+    Forced(ForcedCall),
+    /// The model's own words, with calls of these functions parsed out.
+    Auto(Vec<String>),
+}
+
 const AUTO_REFUSED: &str = "tool_choice `auto` (the default with `tools`) needs a parser of \
-    this model's own tool-call format, which dspark-serve does not have; set tool_choice to \
-    `required` or {\"type\": \"function\", \"function\": {\"name\": ...}} (the arguments are \
+    this model's own tool-call format: start the router with --tool-call-parser hermes if the \
+    model writes <tool_call> blocks (Qwen2.5, Hermes), or set tool_choice to `required` or {\"type\": \"function\", \"function\": {\"name\": ...}} (the arguments are \
     then decoded under the function's parameters schema), or `none`";
 
 /// Validated generation settings.
@@ -364,6 +390,8 @@ pub struct GenSettings {
     pub regex: Option<String>,
     /// Chat: the output is the arguments of a call of this function (`tool_calls`).
     pub tool_call: Option<String>,
+    /// Chat, `tool_choice: "auto"`: calls of these functions are parsed out of the output.
+    pub auto_tools: Option<Vec<String>>,
 }
 
 pub const MAX_STOPS: usize = 16;
@@ -683,6 +711,7 @@ impl Common {
             json_schema,
             regex,
             tool_call: None,
+            auto_tools: None,
         })
     }
 
@@ -946,6 +975,33 @@ mod tests {
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert!(e.message.contains(want), "{extra}: {}", e.message);
         }
+    }
+
+    #[test]
+    fn auto_is_served_with_a_parser_and_refused_without() {
+        let two = json!([weather(), {"type": "function", "function": {"name": "noop"}}]);
+        for choice in [Value::Null, json!("auto")] {
+            assert_eq!(
+                req(two.clone(), choice.clone()).tool_mode(true).unwrap(),
+                ToolMode::Auto(vec!["get_weather".into(), "noop".into()])
+            );
+            let e = req(two.clone(), choice).tool_mode(false).unwrap_err();
+            assert!(e.message.contains("--tool-call-parser"), "{}", e.message);
+        }
+        assert_eq!(
+            req(two.clone(), json!("none")).tool_mode(true).unwrap(),
+            ToolMode::None
+        );
+        assert_eq!(
+            req(json!([]), json!("auto")).tool_mode(true).unwrap(),
+            ToolMode::None
+        );
+        assert!(matches!(
+            req(json!([weather()]), json!("required"))
+                .tool_mode(true)
+                .unwrap(),
+            ToolMode::Forced(_)
+        ));
     }
 
     #[test]

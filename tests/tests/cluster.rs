@@ -397,6 +397,91 @@ async fn tool_calls(url: &str) {
     }
 }
 
+/// `tool_choice: "auto"` on a router started with `--tool-call-parser hermes`: calls the model
+/// writes as `<tool_call>` blocks come back as OpenAI's `tool_calls`, streamed or not, and read
+/// by the official client; an answer without one is text. (A choice of one text makes the
+/// small model write the block.)
+async fn auto_tool_calls(sched: &str) {
+    let router = spawn(
+        "router-hermes",
+        &[
+            "router",
+            "--listen",
+            "127.0.0.1:0",
+            "--scheduler",
+            sched,
+            "--tool-call-parser",
+            "hermes",
+        ],
+    );
+    let url = format!("http://{}", router.addr);
+    wait_for("hermes router", Duration::from_secs(60), || {
+        ready(&url, 2, 1)
+    })
+    .await;
+    let block = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"celsius\"}}\n</tool_call>";
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+            "unit": {"enum": ["celsius", "fahrenheit"]}}}}}]);
+    let body = json!({"model": "smollm2-135m", "temperature": 0, "max_tokens": 200,
+        "tools": tools, "tool_choice": "auto", "guided_choice": [block],
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}]});
+    let (st, v) = post(&format!("{url}/v1/chat/completions"), &body).await;
+    assert_eq!(st, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(choice["message"]["content"], "Let me check.", "{v}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather", "{v}");
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap_or(""))
+        .expect("arguments");
+    assert_eq!(args, json!({"city": "Paris", "unit": "celsius"}));
+    // Without the block the answer is text.
+    let mut plain = body.clone();
+    plain.as_object_mut().map(|o| o.remove("guided_choice"));
+    plain["max_tokens"] = json!(8);
+    let (st, v) = post(&format!("{url}/v1/chat/completions"), &plain).await;
+    assert_eq!(st, 200, "{v}");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    assert!(
+        v["choices"][0]["message"].get("tool_calls").is_none(),
+        "{v}"
+    );
+    // The official client, streaming: its accumulator reads the same call.
+    let script = r#"
+import sys, json
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+tools = json.loads(sys.argv[2])
+with c.chat.completions.stream(model="smollm2-135m", temperature=0, max_tokens=200,
+        tools=tools, tool_choice="auto", extra_body={"guided_choice": [sys.argv[3]]},
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}]) as s:
+    for _ in s:
+        pass
+    done = s.get_final_completion()
+ch = done.choices[0]
+print(json.dumps({"finish": ch.finish_reason, "content": ch.message.content,
+    "calls": [[t.function.name, t.function.arguments, t.id] for t in ch.message.tool_calls or []]}))
+"#;
+    let v = openai_client(script, &[&url, &tools.to_string(), block]).await;
+    assert_eq!(v["finish"], "tool_calls", "{v}");
+    assert_eq!(
+        v["content"].as_str().map(str::trim),
+        Some("Let me check."),
+        "{v}"
+    );
+    assert_eq!(v["calls"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v["calls"][0][0], "get_weather", "{v}");
+    let args: Value = serde_json::from_str(v["calls"][0][1].as_str().unwrap_or("")).expect("args");
+    assert_eq!(args["city"], "Paris", "{v}");
+    assert!(
+        v["calls"][0][2]
+            .as_str()
+            .is_some_and(|i| i.starts_with("call_")),
+        "{v}"
+    );
+}
+
 /// OpenAI's `parse()` with a Pydantic model (nested model by `$ref`, an optional field,
 /// bounds, a literal, formats): the schema the client sends compiles, the greedy answer equals
 /// in-process decoding of the rendered chat under it, and Pydantic validates it.
@@ -691,6 +776,7 @@ print(json.dumps({"text": text, "items": items}))
         "{obj}"
     );
     tool_calls(&c.url).await;
+    auto_tool_calls(&c.sched).await;
     pydantic_parse(&c.url).await;
     guided(&c.url).await;
     for (bad, param) in [
