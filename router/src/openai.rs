@@ -798,8 +798,9 @@ fn schema_value(v: &Value, param: &'static str) -> Result<Value, ApiError> {
 
 fn regex_text(v: &Value, param: &'static str) -> Result<String, ApiError> {
     v.as_str()
+        .filter(|s| !s.is_empty())
         .map(str::to_owned)
-        .ok_or_else(|| ApiError::bad(format!("{param} must be a string"), Some(param)))
+        .ok_or_else(|| ApiError::bad(format!("{param} must be a non-empty string"), Some(param)))
 }
 
 fn choices(v: &Value, param: &'static str) -> Result<Vec<String>, ApiError> {
@@ -944,7 +945,8 @@ mod tests {
         }
         for (extra, want) in [
             (json!({"guided_regex": "("}), "guided_regex"),
-            (json!({"guided_regex": 3}), "must be a string"),
+            (json!({"guided_regex": 3}), "must be a non-empty string"),
+            (json!({"guided_regex": ""}), "must be a non-empty string"),
             (json!({"guided_choice": []}), "1 to"),
             (json!({"guided_choice": ["a", 1]}), "list of strings"),
             (json!({"guided_choice": [""]}), "1 to 1024 bytes"),

@@ -754,6 +754,13 @@ mod tests {
         match (f, d) {
             (Format::Object, Doc::Object(s)) => s.push_bytes(bytes),
             (Format::Schema(schema), Doc::Schema(s)) => s.push_bytes(schema, bytes),
+            (Format::Regex(p), Doc::Regex(s)) => bytes.iter().all(|&b| match p.next(*s, b) {
+                Some(n) => {
+                    *s = n;
+                    true
+                }
+                None => false,
+            }),
             _ => false,
         }
     }
@@ -770,9 +777,18 @@ mod tests {
             "properties": {"a": {"type": "string"}, "b": {"type": "number"},
                 "c": {"enum": ["x", "yz", 3]}}}))
         .expect("schema");
+        let bounded = Schema::compile(&serde_json::json!({"type": "object",
+            "required": ["s", "p", "n", "m"],
+            "properties": {"s": {"type": "string", "maxLength": 2},
+                "p": {"type": "string", "pattern": "^[a-c]+-\\d$"},
+                "n": {"type": "number", "minimum": -1.5, "maximum": 20},
+                "m": {"additionalProperties": {"type": "boolean"}, "type": "object"}}}))
+        .expect("schema");
+        let regex = crate::json_schema::Pattern::full_match("(yes|no)[.!]?").expect("regex");
         // Any object: the last document stops inside a two-byte character. The schema: inside
-        // a key, a string value, a number, an enum.
-        let cases: [(Format, Vec<&[u8]>); 2] = [
+        // a key, a string value, a number, an enum. Bounds: a string at its length, in a
+        // pattern, a bounded number, a map's key. A whole-answer regex.
+        let cases: [(Format, Vec<&[u8]>); 4] = [
             (
                 Format::Object,
                 vec![
@@ -796,14 +812,32 @@ mod tests {
                     b"{\"a\":\"\"}",
                 ],
             ),
+            (
+                Format::Schema(Arc::new(bounded)),
+                vec![
+                    b"{\"s\": \"a",
+                    b"{\"s\": \"ab",
+                    b"{\"s\": \"\", \"p\": \"ab",
+                    b"{\"s\": \"\", \"p\": \"ab-",
+                    b"{\"s\": \"\", \"p\": \"a-1\", \"n\": -1",
+                    b"{\"s\": \"\", \"p\": \"a-1\", \"n\": 2",
+                    b"{\"s\": \"\", \"p\": \"a-1\", \"n\": 0, \"m\": {\"k",
+                ],
+            ),
+            (
+                Format::Regex(Arc::new(regex)),
+                vec![b"", b"y", b"yes", b"no!"],
+            ),
         ];
         for (f, docs) in &cases {
             for doc in docs {
                 let mut d = f.start();
                 assert!(feed(f, &mut d, doc), "{doc:?}");
-                let complete = match d {
-                    Doc::Object(s) => s.complete(),
-                    Doc::Schema(s) => s.complete(),
+                let complete = match (f, d) {
+                    (_, Doc::Object(s)) => s.complete(),
+                    (_, Doc::Schema(s)) => s.complete(),
+                    (Format::Regex(p), Doc::Regex(s)) => p.accepts(s),
+                    _ => false,
                 };
                 let mut logits = vec![0f32; n];
                 jv.mask_doc(f, &d, &mut logits);

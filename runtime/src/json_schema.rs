@@ -22,8 +22,9 @@
 //! refused with a message naming it, rather than produced unchecked. The root must be an
 //! object.
 //!
-//! Bounded numbers are written without an exponent, with at most 19 integer and 18 fraction
-//! digits, and every prefix the validator takes can still end inside the bounds. Strings under
+//! Bounded numbers are written without an exponent (integers with at most 18 digits, numbers
+//! with at most 9 integer and 6 fraction digits), and every prefix the validator takes can
+//! still end inside the bounds. Strings under
 //! a `pattern` or `format` are checked against a DFA of the pattern over their decoded bytes;
 //! they take the short escapes (`\n`, `\"`, …) but not `\u`.
 
@@ -41,13 +42,24 @@ pub const MAX_TEXT: usize = 1024;
 pub const MAX_WS_RUN: u8 = 32;
 /// Most DFA states of one `pattern` or `format`.
 pub const MAX_PATTERN_STATES: usize = 4096;
+/// Most distinct `pattern`s and `format`s of one schema (each is a DFA built per request).
+pub const MAX_PATTERNS: usize = 16;
 /// Largest `minLength`, `maxLength`, `minItems` or `maxItems`.
 pub const MAX_COUNT: u64 = u16::MAX as u64 - 1;
-/// Integer digits of a bounded number (it fits a u64).
-const INT_DIGITS: u32 = 19;
-/// Fraction digits of a bounded number; a `number` bound counts in units of 10^-18.
-const FRAC_DIGITS: u32 = 18;
+/// Digits of a bounded `integer` (it fits an i64).
+const INT_DIGITS: u32 = 18;
+/// Integer and fraction digits of a bounded `number`: 15 digits in all, so parsers that read
+/// it as a double keep its order against every bound (no two such decimals, nor one of them
+/// and a double's shortest form of more digits, round to the same double). Its bounds count in
+/// units of 10^-6.
+const NUM_INT_DIGITS: u32 = 9;
+const FRAC_DIGITS: u32 = 6;
 const NUM_SCALE: i128 = 10i128.pow(FRAC_DIGITS);
+
+/// The integer digits a bounded number may have.
+fn int_digits(integer: bool) -> u32 {
+    if integer { INT_DIGITS } else { NUM_INT_DIGITS }
+}
 
 #[derive(Clone, Debug, PartialEq)]
 enum Node {
@@ -74,7 +86,7 @@ enum Node {
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Num {
     integer: bool,
-    /// Inclusive bounds in units (1 for `integer`, 10^-18 for `number`), when bounded.
+    /// Inclusive bounds in units (1 for `integer`, 10^-6 for `number`), when bounded.
     bounds: Option<(i128, i128)>,
 }
 
@@ -113,13 +125,20 @@ const ESCAPES: [(u8, u8); 8] = [
 
 impl Pattern {
     /// Compiles a JSON Schema (ECMA-262) `pattern`: unanchored, so the string must contain a
-    /// match. `\d` and `\w` keep their ASCII meaning.
+    /// match. Where ECMA-262 and the Unicode readings of Python and Rust differ (`\d`, `\w`,
+    /// `.`), the narrower one is kept, so every reader accepts the string. Only characters a
+    /// pattern string can write are read (no control characters but `\b\f\n\r\t`).
     fn compile(src: &str) -> Result<Self, String> {
-        let ascii = ecma_classes(src);
-        Self::build(
-            &format!("(?s:.*)(?:{ascii})(?s:.*)"),
-            &format!("`pattern` {src:?}"),
-        )
+        let label = format!("`pattern` {src:?}");
+        if src.len() > MAX_REGEX {
+            return Err(format!("{label} is longer than {MAX_REGEX} bytes"));
+        }
+        let rust = ecma_to_rust(src);
+        // Alone first, so that an unbalanced pattern cannot close the wrapping's groups.
+        regex_automata::util::syntax::parse(&rust)
+            .map_err(|e| format!("{label} is not supported: {e}"))?;
+        let writable = |b: u8| b >= 0x20 || ESCAPES.iter().any(|e| e.1 == b);
+        Self::build(&format!("(?s:.*)(?:{rust})(?s:.*)"), &label, writable)
     }
 
     /// A regex the whole text must match (Rust `regex` syntax, Unicode classes), as vLLM's
@@ -128,7 +147,9 @@ impl Pattern {
         if src.len() > MAX_REGEX {
             return Err(format!("the regex is longer than {MAX_REGEX} bytes"));
         }
-        Self::build(&format!("(?:{src})"), &format!("regex {src:?}"))
+        regex_automata::util::syntax::parse(src)
+            .map_err(|e| format!("regex {src:?} is not supported: {e}"))?;
+        Self::build(&format!("(?:{src})"), &format!("regex {src:?}"), |_| true)
     }
 
     /// A regex matching exactly one of `choices` (vLLM's `guided_choice`).
@@ -146,7 +167,8 @@ impl Pattern {
         Some(self.step(s as u32, b)).filter(|&n| n != DEAD)
     }
 
-    fn build(regex: &str, src: &str) -> Result<Self, String> {
+    /// The DFA of `regex` over the bytes `writable` allows.
+    fn build(regex: &str, src: &str, writable: impl Fn(u8) -> bool) -> Result<Self, String> {
         use regex_automata::{
             Anchored, MatchKind,
             dfa::{Automaton, StartKind, dense},
@@ -176,7 +198,7 @@ impl Pattern {
             accept.push(dfa.is_match_state(dfa.next_eoi_state(s)));
             for b in 0..=255u8 {
                 let t = dfa.next_state(s, b);
-                if dfa.is_dead_state(t) || dfa.is_quit_state(t) {
+                if dfa.is_dead_state(t) || dfa.is_quit_state(t) || !writable(b) {
                     next.push(DEAD);
                     continue;
                 }
@@ -222,6 +244,18 @@ impl Pattern {
         Ok(Self { next, accept })
     }
 
+    /// Whether the whole of `bytes` is accepted.
+    fn matches_all(&self, bytes: &[u8]) -> bool {
+        let mut s = 0u16;
+        for &b in bytes {
+            match self.next(s, b) {
+                Some(n) => s = n,
+                None => return false,
+            }
+        }
+        self.accepts(s)
+    }
+
     fn step(&self, s: u32, b: u8) -> u16 {
         self.next
             .get(s as usize * 256 + b as usize)
@@ -251,25 +285,71 @@ fn regex_escape(text: &str) -> String {
     out
 }
 
-/// ECMA-262's `\d`, `\w` (and their negations) are ASCII; the regex crate's are Unicode.
-fn ecma_classes(src: &str) -> String {
-    let mut out = String::with_capacity(src.len());
-    let mut chars = src.chars();
-    while let Some(c) = chars.next() {
-        if c != '\\' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('d') => out.push_str("[0-9]"),
-            Some('D') => out.push_str("[^0-9]"),
-            Some('w') => out.push_str("[0-9A-Za-z_]"),
-            Some('W') => out.push_str("[^0-9A-Za-z_]"),
-            Some(o) => {
-                out.push('\\');
-                out.push(o);
+/// An ECMA-262 pattern in the regex crate's syntax. Where the readings differ, the narrower
+/// set is kept: `\d`, `\w` are ASCII (ECMA-262) where they add characters and Unicode (Python,
+/// Rust) where a negated class takes them away; `.` leaves out the line terminators ECMA-262
+/// does; inside a class, `[`, `&&`, `~~` and `--` are the literal characters ECMA-262 reads.
+fn ecma_to_rust(src: &str) -> String {
+    let c: Vec<char> = src.chars().collect();
+    let mut out = String::with_capacity(src.len() + 16);
+    // Inside a class, and whether it is negated.
+    let mut class: Option<bool> = None;
+    let mut i = 0;
+    while i < c.len() {
+        let ch = c[i];
+        i += 1;
+        match (ch, class) {
+            ('\\', _) => {
+                let Some(&e) = c.get(i) else {
+                    out.push('\\');
+                    continue;
+                };
+                i += 1;
+                let set = match e {
+                    'd' | 'D' => "0-9",
+                    'w' | 'W' => "0-9A-Za-z_",
+                    _ => {
+                        out.push('\\');
+                        out.push(e);
+                        continue;
+                    }
+                };
+                // The ASCII set where the class shorthand adds (positive context), Unicode's
+                // where it takes away (`\D`, `\W`, or inside a negated class).
+                let negated = class == Some(true);
+                if e.is_ascii_uppercase() == negated {
+                    let caret = if e.is_ascii_uppercase() { "^" } else { "" };
+                    out.push_str(&format!("[{caret}{set}]"));
+                } else {
+                    out.push('\\');
+                    out.push(e);
+                }
             }
-            None => out.push('\\'),
+            ('[', None) => {
+                let negated = c.get(i) == Some(&'^');
+                if negated {
+                    i += 1;
+                }
+                if c.get(i) == Some(&']') {
+                    // ECMA-262's empty class matches nothing; negated, anything.
+                    i += 1;
+                    out.push_str(if negated { r"[\s\S]" } else { r"[^\s\S]" });
+                    continue;
+                }
+                out.push_str(if negated { "[^" } else { "[" });
+                class = Some(negated);
+            }
+            (']', Some(_)) => {
+                out.push(']');
+                class = None;
+            }
+            ('[' | '&' | '~', Some(_)) => {
+                out.push('\\');
+                out.push(ch);
+            }
+            ('-', Some(_)) if c.get(i) == Some(&'-') || out.ends_with("\\-") => out.push_str("\\-"),
+            ('.', None) => out.push_str(r"[^\n\r\x{2028}\x{2029}]"),
+            _ => out.push(ch),
         }
     }
     out
@@ -277,7 +357,7 @@ fn ecma_classes(src: &str) -> String {
 
 /// The pattern of a `format` produced; others are annotations and ignored.
 fn format_pattern(f: &str) -> Option<String> {
-    const DATE: &str = r"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))";
+    const DATE: &str = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))";
     const TIME: &str = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])";
     const LABEL: &str = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
     const OCTET: &str = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
@@ -309,7 +389,8 @@ pub struct Schema {
 struct Compiler<'a> {
     doc: &'a serde_json::Value,
     expanding: Vec<String>,
-    refs: HashMap<String, u16>,
+    /// By reference and depth: the depth bounds what lies below.
+    refs: HashMap<(String, usize), u16>,
     patterns: HashMap<String, u16>,
 }
 
@@ -484,12 +565,16 @@ impl Schema {
                     return Err(format!("`enum`/`const` value {x} is not of type {t}"));
                 }
             }
+            let keep = enum_filter(obj)?;
             let mut texts: Vec<Vec<u8>> = Vec::new();
-            for x in vals {
+            for x in vals.iter().filter(|x| keep(x)) {
                 let t = x.to_string().into_bytes();
                 if !texts.contains(&t) {
                     texts.push(t);
                 }
+            }
+            if texts.is_empty() {
+                return Err("no `enum`/`const` value meets the schema's other keywords".into());
             }
             if texts.iter().any(|t| t.len() > MAX_TEXT) {
                 return Err(format!(
@@ -604,6 +689,12 @@ impl Schema {
                         Some(src) => Some(match c.patterns.get(&src) {
                             Some(&i) => i,
                             None => {
+                                if self.patterns.len() >= MAX_PATTERNS {
+                                    return Err(format!(
+                                        "a schema takes at most {MAX_PATTERNS} distinct \
+                                         `pattern`s and `format`s"
+                                    ));
+                                }
                                 let i = u16::try_from(self.patterns.len())
                                     .map_err(|_| "too many patterns")?;
                                 self.patterns.push(Pattern::compile(&src)?);
@@ -632,7 +723,7 @@ impl Schema {
 
     /// A `$ref` into this schema (a JSON pointer after `#`), compiled once.
     fn reference(&mut self, c: &mut Compiler<'_>, r: &str, depth: usize) -> Result<u16, String> {
-        if let Some(&id) = c.refs.get(r) {
+        if let Some(&id) = c.refs.get(&(r.to_owned(), depth)) {
             return Ok(id);
         }
         let pointer = r
@@ -649,7 +740,7 @@ impl Schema {
         let id = self.node(c, target, depth);
         c.expanding.pop();
         let id = id?;
-        c.refs.insert(r.to_owned(), id);
+        c.refs.insert((r.to_owned(), depth), id);
         Ok(id)
     }
 
@@ -663,14 +754,22 @@ impl Schema {
                 _ => flat.push(b),
             }
         }
+        // `oneOf` wants exactly one branch to match: branches that share a value are refused
+        // rather than merged.
+        let one = kw == "oneOf";
+        let overlap = || "`oneOf` branches that share a value are not supported".to_string();
         let mut lits: Vec<Vec<u8>> = Vec::new();
         let mut rest = Vec::new();
         for &b in &flat {
             match &self.nodes[b as usize] {
                 Node::Literals(l) => {
+                    let mut mine: Vec<&Vec<u8>> = Vec::new();
                     for t in l {
                         if !lits.contains(t) {
                             lits.push(t.clone());
+                            mine.push(t);
+                        } else if one && !mine.contains(&t) {
+                            return Err(overlap());
                         }
                     }
                 }
@@ -682,6 +781,13 @@ impl Schema {
             .iter()
             .any(|&b| unbounded(&self.nodes[b as usize], false))
         {
+            if one
+                && rest
+                    .iter()
+                    .any(|&b| unbounded(&self.nodes[b as usize], true))
+            {
+                return Err(overlap());
+            }
             rest.retain(|&b| !unbounded(&self.nodes[b as usize], true));
         }
         if lits.len() > MAX_CHOICES {
@@ -723,6 +829,44 @@ impl Schema {
     }
 }
 
+/// Which `enum`/`const` values the keywords beside them allow (lengths, pattern, format,
+/// bounds, item counts), as a validator reads them.
+fn enum_filter(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> Result<impl Fn(&serde_json::Value) -> bool, String> {
+    let num = |k: &str| obj.get(k).and_then(serde_json::Value::as_f64);
+    let count = |k: &str| obj.get(k).and_then(serde_json::Value::as_u64);
+    let src = match (obj.get("pattern"), obj.get("format")) {
+        (Some(p), _) => p.as_str().map(str::to_owned),
+        (None, Some(f)) => f.as_str().and_then(format_pattern),
+        (None, None) => None,
+    };
+    let pattern = src.map(|s| Pattern::compile(&s)).transpose()?;
+    let (min_len, max_len) = (count("minLength"), count("maxLength"));
+    let (min_items, max_items) = (count("minItems"), count("maxItems"));
+    let (lo, hi) = (num("minimum"), num("maximum"));
+    let (lo_ex, hi_ex) = (num("exclusiveMinimum"), num("exclusiveMaximum"));
+    Ok(move |x: &serde_json::Value| match x {
+        serde_json::Value::String(s) => {
+            let n = s.chars().count() as u64;
+            min_len.is_none_or(|m| n >= m)
+                && max_len.is_none_or(|m| n <= m)
+                && pattern.as_ref().is_none_or(|p| p.matches_all(s.as_bytes()))
+        }
+        serde_json::Value::Number(v) => v.as_f64().is_some_and(|v| {
+            lo.is_none_or(|l| v >= l)
+                && hi.is_none_or(|h| v <= h)
+                && lo_ex.is_none_or(|l| v > l)
+                && hi_ex.is_none_or(|h| v < h)
+        }),
+        serde_json::Value::Array(a) => {
+            let n = a.len() as u64;
+            min_items.is_none_or(|m| n >= m) && max_items.is_none_or(|m| n <= m)
+        }
+        _ => true,
+    })
+}
+
 /// `minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum` as inclusive bounds in units.
 fn number_bounds(
     obj: &serde_json::Map<String, serde_json::Value>,
@@ -732,7 +876,7 @@ fn number_bounds(
     let cap = if integer {
         10i128.pow(INT_DIGITS) - 1
     } else {
-        10i128.pow(INT_DIGITS) * NUM_SCALE - 1
+        10i128.pow(NUM_INT_DIGITS) * NUM_SCALE - 1
     };
     let mut lo = None;
     let mut hi = None;
@@ -768,7 +912,8 @@ fn number_bounds(
     let (lo, hi) = (lo.unwrap_or(-cap).max(-cap), hi.unwrap_or(cap).min(cap));
     if lo > hi {
         return Err(format!(
-            "no {} with at most {INT_DIGITS} integer digits is within the bounds",
+            "no {} is within the bounds (bounded integers have at most {INT_DIGITS} digits; \
+             bounded numbers at most {NUM_INT_DIGITS} integer and {FRAC_DIGITS} fraction digits)",
             if integer { "integer" } else { "number" }
         ));
     }
@@ -853,8 +998,7 @@ struct NumSoFar {
 
 impl NumSoFar {
     /// Whether some way to go on from here (ending included) lands within `[lo, hi]` (in
-    /// units: 1 for integers, 10^-18 for numbers), writing at most 19 integer and 18 fraction
-    /// digits.
+    /// units: 1 for integers, 10^-6 for numbers), within the digits a bounded number has.
     fn feasible(&self, integer: bool, stage: u8, (lo, hi): (i128, i128)) -> bool {
         let unit: i128 = if integer { 1 } else { NUM_SCALE };
         let int = self.int as i128;
@@ -866,10 +1010,10 @@ impl NumSoFar {
         match stage {
             N_START | N_MINUS => hit(
                 (integer && self.neg) as i128,
-                10i128.pow(INT_DIGITS) * unit - 1,
+                10i128.pow(int_digits(integer)) * unit - 1,
             ),
             N_ZERO => hit(0, unit - 1),
-            N_INT => (0..=INT_DIGITS.saturating_sub(self.int_digits as u32)).any(|k| {
+            N_INT => (0..=int_digits(integer).saturating_sub(self.int_digits as u32)).any(|k| {
                 let p = 10i128.pow(k);
                 hit(int * p * unit, (int + 1) * p * unit - 1)
             }),
@@ -1257,6 +1401,10 @@ impl SchemaState {
             return true;
         }
         let before = t.chars;
+        // A new character only where one more fits.
+        if before.between_chars() && b != b'"' && t.pos >= max {
+            return false;
+        }
         match t.chars.push(b) {
             StrStep::Bad => false,
             StrStep::Closed => {
@@ -1329,7 +1477,7 @@ impl SchemaState {
                 match next {
                     N_MINUS => num.neg = true,
                     N_INT | N_ZERO => {
-                        if num.int_digits as u32 >= INT_DIGITS {
+                        if num.int_digits as u32 >= int_digits(integer) {
                             return false;
                         }
                         num.int = num.int * 10 + d;
@@ -1543,7 +1691,7 @@ mod tests {
             (5, "0"),
             (5, "1"),
             (5, "1.000"),
-            (5, "0.999999999999999999"),
+            (5, "0.999999"),
         ] {
             assert_eq!(accepts(&s, &doc(i, x)), Some(true), "{}", doc(i, x));
         }
@@ -1559,6 +1707,8 @@ mod tests {
             (4, "\"2024-02-30\""),
             (4, "\"2024-2-3\""),
             (5, "1.0000000000000000001"),
+            (5, "0.999999999999999999"),
+            (5, "0.1234567"),
             (5, "-0.1"),
             (5, "2"),
             (5, "1e-3"),
@@ -1909,6 +2059,125 @@ mod tests {
             return Err("extra".into());
         }
         Ok(())
+    }
+
+    /// Every byte string up to `len` over `alphabet` after `prefix` that the validator takes
+    /// either completes or can go on: no dead ends.
+    fn no_dead_ends(s: &Schema, prefix: &str, alphabet: &[u8], len: usize) {
+        let mut frontier = vec![SchemaState::new(s)];
+        assert!(frontier[0].push_bytes(s, prefix.as_bytes()), "{prefix}");
+        for _ in 0..len {
+            let mut next = Vec::new();
+            for st in &frontier {
+                if !st.complete() {
+                    assert!(
+                        (0..=255u8).any(|b| st.clone().push(s, b)),
+                        "dead end under {prefix}"
+                    );
+                }
+                for &b in alphabet {
+                    let mut n = *st;
+                    if n.push(s, b) && !next.contains(&n) {
+                        next.push(n);
+                    }
+                }
+            }
+            frontier = next;
+        }
+    }
+
+    #[test]
+    fn review_cases_hold() {
+        // A string at its maxLength takes no new character, not even the start of one.
+        let s = Schema::compile(&json!({"type": "object", "required": ["s"],
+            "properties": {"s": {"type": "string", "maxLength": 1}}}))
+        .unwrap();
+        no_dead_ends(&s, "{\"s\":\"", b"a\\\"u0\xC3\xA9}n", 5);
+        assert_eq!(accepts(&s, "{\"s\":\"\\n\"}"), Some(true));
+        assert_eq!(accepts(&s, "{\"s\":\"\u{e9}\"}"), Some(true));
+        assert_ne!(accepts(&s, "{\"s\":\"a\\n\"}"), Some(true));
+        // Bounded numbers keep their order as doubles: 15 digits at most.
+        let s = Schema::compile(&json!({"type": "object", "required": ["x"],
+            "properties": {"x": {"type": "number", "exclusiveMaximum": 1}}}))
+        .unwrap();
+        assert_eq!(accepts(&s, "{\"x\": 0.999999}"), Some(true));
+        assert_ne!(accepts(&s, "{\"x\": 0.9999999}"), Some(true));
+        assert_ne!(accepts(&s, "{\"x\": 1}"), Some(true));
+        // A reference reused deeper is compiled again at that depth (and refused if too deep).
+        let mut leaf = json!({"type": "string"});
+        for _ in 0..10 {
+            leaf = json!({"type": "object", "required": ["a"], "properties": {"a": leaf}});
+        }
+        let e = Schema::compile(&json!({"type": "object", "$defs": {"D": leaf},
+            "properties": {"x": {"$ref": "#/$defs/D"},
+                "y": {"type": "array", "items": {"$ref": "#/$defs/D"}}}}))
+        .unwrap_err();
+        assert!(e.contains("deep"), "{e}");
+        // oneOf branches that share a value.
+        for bad in [
+            json!({"oneOf": [{"type": "integer"}, {"type": "number"}]}),
+            json!({"oneOf": [{"enum": ["a", "b"]}, {"enum": ["b", "c"]}]}),
+            json!({"oneOf": [{"type": "boolean"}, {"const": true}]}),
+        ] {
+            let e =
+                Schema::compile(&json!({"type": "object", "properties": {"a": bad}})).unwrap_err();
+            assert!(e.contains("share"), "{e}");
+        }
+        // Keywords beside an enum filter its values.
+        let s = Schema::compile(&json!({"type": "object", "required": ["a", "b"],
+            "properties": {"a": {"enum": ["a", "bbbb"], "minLength": 3},
+                           "b": {"enum": [1, 5], "minimum": 3}}}))
+        .unwrap();
+        assert_eq!(accepts(&s, "{\"a\": \"bbbb\", \"b\": 5}"), Some(true));
+        assert_ne!(accepts(&s, "{\"a\": \"a\", \"b\": 5}"), Some(true));
+        assert_ne!(accepts(&s, "{\"a\": \"bbbb\", \"b\": 1}"), Some(true));
+        assert!(
+            Schema::compile(&json!({"type": "object", "properties":
+            {"a": {"enum": ["a"], "minLength": 3}}}))
+            .unwrap_err()
+            .contains("no `enum`")
+        );
+        // Narrow readings of \D, \W, [^\d] and `.`; control characters no string can write.
+        let s = Schema::compile(&json!({"type": "object", "required": ["a", "b", "c", "d"],
+            "properties": {"a": {"type": "string", "pattern": "^\\W$"},
+                           "b": {"type": "string", "pattern": "^[^\\d]$"},
+                           "c": {"type": "string", "pattern": "^.$"},
+                           "d": {"type": "string", "pattern": "^[a&&b]$"}}}))
+        .unwrap();
+        let doc = |a: &str, b: &str, c: &str, d: &str| {
+            format!("{{\"a\": \"{a}\", \"b\": \"{b}\", \"c\": \"{c}\", \"d\": \"{d}\"}}")
+        };
+        assert_eq!(accepts(&s, &doc("!", "x", "x", "&")), Some(true));
+        for bad in [
+            doc("\u{e9}", "x", "x", "&"),
+            doc("!", "\u{663}", "x", "&"),
+            doc("!", "x", "\\r", "&"),
+            doc("!", "x", "\u{2028}", "&"),
+        ] {
+            assert_ne!(accepts(&s, &bad), Some(true), "{bad}");
+        }
+        for (bad, want) in [("^\\x01$", "no string"), ("a)|(b", "not supported")] {
+            let e = Schema::compile(&json!({"type": "object", "properties":
+                {"a": {"type": "string", "pattern": bad}}}))
+            .unwrap_err();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+        // Year 0000 is no date; too many distinct patterns are refused.
+        let s = Schema::compile(&json!({"type": "object", "required": ["d"],
+            "properties": {"d": {"type": "string", "format": "date"}}}))
+        .unwrap();
+        assert_ne!(accepts(&s, "{\"d\": \"0000-01-01\"}"), Some(true));
+        assert_eq!(accepts(&s, "{\"d\": \"0001-01-01\"}"), Some(true));
+        let many: serde_json::Map<String, Value> = (0..MAX_PATTERNS + 1)
+            .map(|i| {
+                (
+                    format!("p{i}"),
+                    json!({"type": "string", "pattern": format!("^{i}$")}),
+                )
+            })
+            .collect();
+        let e = Schema::compile(&json!({"type": "object", "properties": many})).unwrap_err();
+        assert!(e.contains("distinct"), "{e}");
     }
 
     #[test]
