@@ -435,7 +435,7 @@ impl JsonVocab {
     /// (a vocabulary without the byte needed), end-of-sequence stays open so the request ends.
     pub fn mask<D: Document>(&self, st: &D, logits: &mut [f32]) {
         let mut keep = vec![false; logits.len()];
-        let in_string = st.in_string();
+        let room = st.plain_room();
         // Only tokens whose first byte the document takes can be allowed: outside strings that
         // is a handful of bytes, so most of the vocabulary is never run through the validator.
         for (b, group) in self.by_first.iter().enumerate() {
@@ -445,7 +445,11 @@ impl JsonVocab {
             }
             for &t in group {
                 let t = t as usize;
-                let ok = in_string && self.plain[t] || {
+                let ok = if self.plain[t]
+                    && let Some(r) = room
+                {
+                    self.bytes[t].len() <= r
+                } else {
                     let mut s = *st;
                     s.push_bytes(&self.bytes[t])
                 };
@@ -521,8 +525,8 @@ pub trait Document: Copy {
     fn push(&mut self, b: u8) -> bool;
     fn complete(&self) -> bool;
     /// Between characters of a string, where printable ASCII without `"` or `\` only adds
-    /// characters.
-    fn in_string(&self) -> bool;
+    /// characters: how many more it takes (the mask's fast path); None elsewhere.
+    fn plain_room(&self) -> Option<usize>;
     fn push_bytes(&mut self, bytes: &[u8]) -> bool {
         bytes.iter().all(|&b| self.push(b))
     }
@@ -535,8 +539,8 @@ impl Document for JsonState {
     fn complete(&self) -> bool {
         JsonState::complete(self)
     }
-    fn in_string(&self) -> bool {
-        JsonState::in_string(self)
+    fn plain_room(&self) -> Option<usize> {
+        JsonState::in_string(self).then_some(usize::MAX)
     }
 }
 
@@ -558,8 +562,8 @@ impl Document for Done {
     fn complete(&self) -> bool {
         true
     }
-    fn in_string(&self) -> bool {
-        false
+    fn plain_room(&self) -> Option<usize> {
+        None
     }
 }
 
@@ -570,8 +574,8 @@ impl Document for Bound<'_> {
     fn complete(&self) -> bool {
         self.st.complete()
     }
-    fn in_string(&self) -> bool {
-        self.st.in_string(self.schema)
+    fn plain_room(&self) -> Option<usize> {
+        self.st.plain_room(self.schema)
     }
 }
 
@@ -596,8 +600,8 @@ impl Document for Matched<'_> {
     fn complete(&self) -> bool {
         self.p.accepts(self.s)
     }
-    fn in_string(&self) -> bool {
-        false
+    fn plain_room(&self) -> Option<usize> {
+        None
     }
 }
 

@@ -1099,20 +1099,20 @@ impl SchemaState {
         self.done
     }
 
-    /// Inside an unconstrained string value between characters (the mask's fast path for
-    /// plain tokens; a string with no upper length and no pattern only grows by them).
-    pub fn in_string(&self, schema: &Schema) -> bool {
-        self.depth > 0 && {
-            let f = &self.frames[self.depth as usize - 1];
-            matches!(
-                schema.nodes.get(f.node as usize),
-                Some(Node::String {
-                    max: u16::MAX,
-                    pattern: None,
-                    ..
-                })
-            ) && f.stage == S_IN
-                && f.chars.between_chars()
+    /// Inside a string value without a pattern, between characters: how many more
+    /// characters it takes (the mask lets plain tokens that fit through without running the
+    /// validator; each of their bytes is one character).
+    pub fn plain_room(&self, schema: &Schema) -> Option<usize> {
+        let f = self.frames.get((self.depth as usize).checked_sub(1)?)?;
+        match schema.nodes.get(f.node as usize)? {
+            Node::String {
+                max, pattern: None, ..
+            } if f.stage == S_IN && f.chars.between_chars() => Some(if *max == u16::MAX {
+                usize::MAX
+            } else {
+                max.saturating_sub(f.pos) as usize
+            }),
+            _ => None,
         }
     }
 
