@@ -29,6 +29,9 @@ pub enum BenchCmd {
     Draft(crate::draft_bench::DraftArgs),
     /// Automatic prefix caching on a chat workload sharing a system prompt: cache off and on.
     Prefix(crate::prefix_bench::PrefixArgs),
+    /// Structured output's token mask per position, by format and document state: the plain
+    /// token fast path against the validator on every candidate, in one run.
+    Mask(MaskArgs),
 }
 
 #[derive(Args, Debug)]
@@ -136,6 +139,7 @@ pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Frontier(a) => crate::frontier::run(g, a),
         BenchCmd::Draft(a) => crate::draft_bench::run(g, a),
         BenchCmd::Prefix(a) => crate::prefix_bench::run(g, a),
+        BenchCmd::Mask(a) => mask_bench(g, a),
     }
 }
 
@@ -834,6 +838,123 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         anyhow::bail!("greedy outputs differ between arms: speculation was not lossless");
     }
     Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct MaskArgs {
+    #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
+    pub model: String,
+    /// Masks timed per case and path (after one warm-up).
+    #[arg(long, default_value_t = 50)]
+    pub iters: usize,
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Microseconds per mask over the model's vocabulary at document states that structured
+/// output meets: before a key, inside strings (free, with a `maxLength`, under a `format`), in
+/// a bounded number, and a whole-answer choice. Each state is timed with the plain-token fast
+/// path and with the validator run on every candidate token, alternating, and both must allow
+/// the same tokens.
+pub fn mask_bench(g: &Global, a: MaskArgs) -> anyhow::Result<()> {
+    use dspark_runtime::json::{Format, JsonVocab};
+    use dspark_runtime::json_schema::{Pattern, Schema};
+    use std::sync::Arc;
+    anyhow::ensure!(a.iters >= 1, "--iters must be at least 1");
+    let path = g.resolve_model(&a.model)?;
+    let tok = dspark_runtime::Tokenizer::load(&path)?;
+    let jv = JsonVocab::new(&tok);
+    let schema = Schema::compile(&serde_json::json!({"type": "object",
+        "required": ["name", "note", "id", "age"],
+        "properties": {"name": {"type": "string", "maxLength": 16},
+            "note": {"type": "string"},
+            "id": {"type": "string", "format": "uuid"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 30}}}))
+    .map_err(|e| anyhow::anyhow!(e))?;
+    let schema = Format::Schema(Arc::new(schema));
+    let choice = Format::Regex(Arc::new(
+        Pattern::one_of(&["positive".into(), "negative".into(), "neutral".into()])
+            .map_err(|e| anyhow::anyhow!(e))?,
+    ));
+    let cases: Vec<(&str, &Format, &str)> = vec![
+        ("json_object: before a key", &Format::Object, "{"),
+        (
+            "json_object: inside a string",
+            &Format::Object,
+            "{\"a\": \"Lu",
+        ),
+        (
+            "json_object: inside a number",
+            &Format::Object,
+            "{\"a\": 12",
+        ),
+        ("json_schema: before a key", &schema, "{"),
+        (
+            "json_schema: string with maxLength",
+            &schema,
+            "{\"name\": \"Lu",
+        ),
+        (
+            "json_schema: string",
+            &schema,
+            "{\"name\": \"L\", \"note\": \"Lu",
+        ),
+        (
+            "json_schema: format uuid",
+            &schema,
+            "{\"name\": \"L\", \"note\": \"\", \"id\": \"12",
+        ),
+        (
+            "json_schema: bounded integer",
+            &schema,
+            "{\"name\": \"L\", \"note\": \"\", \"id\": \"123e4567-e89b-12d3-a456-426614174000\", \"age\": 1",
+        ),
+        ("guided_choice: start", &choice, ""),
+        ("guided_choice: inside", &choice, "pos"),
+    ];
+    let vocab = tok.vocab_size();
+    let mut out_cases = Vec::new();
+    for (name, f, prefix) in cases {
+        let mut d = f.start();
+        anyhow::ensure!(f.feed(&mut d, prefix.as_bytes()), "{name}: bad prefix");
+        let mut times = [Vec::new(), Vec::new()];
+        let mut allowed = [0usize; 2];
+        for i in 0..=a.iters {
+            // The two paths in alternating order.
+            let order = if i % 2 == 0 {
+                [true, false]
+            } else {
+                [false, true]
+            };
+            for fast in order {
+                let mut logits = vec![0f32; vocab];
+                let t0 = std::time::Instant::now();
+                jv.mask_doc_with(f, &d, &mut logits, fast);
+                let us = t0.elapsed().as_secs_f64() * 1e6;
+                let slot = if fast { 0 } else { 1 };
+                if i > 0 {
+                    times[slot].push(us);
+                }
+                allowed[slot] = logits.iter().filter(|l| l.is_finite()).count();
+            }
+        }
+        anyhow::ensure!(
+            allowed[0] == allowed[1],
+            "{name}: the paths allow different tokens"
+        );
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(|x, y| x.total_cmp(y));
+            v[v.len() / 2]
+        };
+        out_cases.push(serde_json::json!({"case": name, "allowed": allowed[0],
+            "fast_us": median(&mut times[0]), "validator_us": median(&mut times[1])}));
+    }
+    let out = serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "model": a.model, "vocab": vocab, "iters": a.iters, "cases": out_cases,
+    });
+    out!("{}", serde_json::to_string_pretty(&out)?)?;
+    write_json(&a.json, &out)
 }
 
 #[derive(Args, Debug)]

@@ -40,6 +40,37 @@ fn tiny(dir: &Path) -> String {
 }
 
 #[test]
+fn bench_mask_times_both_paths_and_they_agree() {
+    let d = tmpdir("mask");
+    let m = tiny(&d);
+    let json = d.join("mask.json");
+    let (code, _, err) = dspark(
+        &d,
+        &[
+            "bench",
+            "mask",
+            "--model",
+            &m,
+            "--iters",
+            "3",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let cases = v["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 10, "{v}");
+    for c in cases {
+        assert!(c["fast_us"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["validator_us"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["allowed"].as_u64().unwrap() > 0, "{c}");
+    }
+    assert!(v["command"].as_str().unwrap().contains("bench mask"), "{v}");
+}
+
+#[test]
 fn generate_on_a_tiny_model_prints_json() {
     let d = tmpdir("ok");
     let m = tiny(&d);

@@ -434,8 +434,14 @@ impl JsonVocab {
     /// Sets the logit of every token that may not follow `st` to −∞. Should nothing be allowed
     /// (a vocabulary without the byte needed), end-of-sequence stays open so the request ends.
     pub fn mask<D: Document>(&self, st: &D, logits: &mut [f32]) {
+        self.mask_with(st, logits, true)
+    }
+
+    /// [`JsonVocab::mask`]; `fast: false` runs the validator on every candidate token (the
+    /// reference the fast path is measured against).
+    fn mask_with<D: Document>(&self, st: &D, logits: &mut [f32], fast: bool) {
         let mut keep = vec![false; logits.len()];
-        let room = st.plain_room();
+        let room = if fast { st.plain_room() } else { None };
         // Only tokens whose first byte the document takes can be allowed: outside strings that
         // is a handful of bytes, so most of the vocabulary is never run through the validator.
         for (b, group) in self.by_first.iter().enumerate() {
@@ -494,14 +500,21 @@ impl JsonVocab {
 
     /// [`JsonVocab::mask`] for a request's format and document.
     pub fn mask_doc(&self, f: &Format, d: &Doc, logits: &mut [f32]) {
+        self.mask_doc_with(f, d, logits, true)
+    }
+
+    /// [`JsonVocab::mask_doc`]; `fast: false` without the plain-token fast path (benchmarks).
+    pub fn mask_doc_with(&self, f: &Format, d: &Doc, logits: &mut [f32], fast: bool) {
         match (f, d) {
-            (Format::Object, Doc::Object(st)) => self.mask(st, logits),
+            (Format::Object, Doc::Object(st)) => self.mask_with(st, logits, fast),
             (Format::Schema(schema), Doc::Schema(st)) => {
-                self.mask(&Bound { schema, st: *st }, logits)
+                self.mask_with(&Bound { schema, st: *st }, logits, fast)
             }
-            (Format::Regex(p), Doc::Regex(s)) => self.mask(&Matched { p, s: *s }, logits),
+            (Format::Regex(p), Doc::Regex(s)) => {
+                self.mask_with(&Matched { p, s: *s }, logits, fast)
+            }
             // A document of another format: nothing may follow but the end.
-            _ => self.mask(&Done, logits),
+            _ => self.mask_with(&Done, logits, fast),
         }
     }
 
@@ -623,6 +636,21 @@ impl Format {
             Format::Object => Doc::Object(JsonState::new()),
             Format::Schema(s) => Doc::Schema(SchemaState::new(s)),
             Format::Regex(_) => Doc::Regex(0),
+        }
+    }
+
+    /// Feeds `bytes` to a document of this format; false if they cannot continue it.
+    pub fn feed(&self, d: &mut Doc, bytes: &[u8]) -> bool {
+        match (self, d) {
+            (Format::Object, Doc::Object(s)) => s.push_bytes(bytes),
+            (Format::Schema(schema), Doc::Schema(s)) => s.push_bytes(schema, bytes),
+            (Format::Regex(p), Doc::Regex(s)) => {
+                let mut m = Matched { p, s: *s };
+                let ok = m.push_bytes(bytes);
+                *s = m.s;
+                ok
+            }
+            _ => false,
         }
     }
 }
@@ -755,18 +783,7 @@ mod tests {
 
     /// A document fed bytes through its format (the reference the mask is checked against).
     fn feed(f: &Format, d: &mut Doc, bytes: &[u8]) -> bool {
-        match (f, d) {
-            (Format::Object, Doc::Object(s)) => s.push_bytes(bytes),
-            (Format::Schema(schema), Doc::Schema(s)) => s.push_bytes(schema, bytes),
-            (Format::Regex(p), Doc::Regex(s)) => bytes.iter().all(|&b| match p.next(*s, b) {
-                Some(n) => {
-                    *s = n;
-                    true
-                }
-                None => false,
-            }),
-            _ => false,
-        }
+        f.feed(d, bytes)
     }
 
     #[test]
