@@ -918,7 +918,7 @@ pub fn mask_bench(g: &Global, a: MaskArgs) -> anyhow::Result<()> {
         let mut d = f.start();
         anyhow::ensure!(f.feed(&mut d, prefix.as_bytes()), "{name}: bad prefix");
         let mut times = [Vec::new(), Vec::new()];
-        let mut allowed = [0usize; 2];
+        let mut allowed: [Vec<bool>; 2] = [Vec::new(), Vec::new()];
         for i in 0..=a.iters {
             // The two paths in alternating order.
             let order = if i % 2 == 0 {
@@ -935,7 +935,7 @@ pub fn mask_bench(g: &Global, a: MaskArgs) -> anyhow::Result<()> {
                 if i > 0 {
                     times[slot].push(us);
                 }
-                allowed[slot] = logits.iter().filter(|l| l.is_finite()).count();
+                allowed[slot] = logits.iter().map(|l| l.is_finite()).collect();
             }
         }
         anyhow::ensure!(
@@ -946,7 +946,8 @@ pub fn mask_bench(g: &Global, a: MaskArgs) -> anyhow::Result<()> {
             v.sort_by(|x, y| x.total_cmp(y));
             v[v.len() / 2]
         };
-        out_cases.push(serde_json::json!({"case": name, "allowed": allowed[0],
+        let n_allowed = allowed[0].iter().filter(|&&x| x).count();
+        out_cases.push(serde_json::json!({"case": name, "allowed": n_allowed,
             "fast_us": median(&mut times[0]), "validator_us": median(&mut times[1])}));
     }
     let out = serde_json::json!({

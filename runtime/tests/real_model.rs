@@ -217,3 +217,48 @@ fn device_forward_on_the_host_backend_matches_the_reference_on_smollm2() {
     assert!(diff.top1_agreement >= 0.99, "{diff:?}");
     assert!(diff.max_rel < 1e-3, "{diff:?}");
 }
+
+/// The mask's fast paths (plain tokens inside strings, the second-byte filter of large groups
+/// outside them) allow exactly the tokens the validator allows, over SmolLM2's vocabulary, at
+/// every prefix of a schema document and a JSON object.
+#[test]
+fn mask_fast_paths_equal_the_validator_on_the_real_vocabulary() {
+    use dspark_runtime::json::{Format, JsonVocab};
+    use dspark_runtime::json_schema::Schema;
+    use std::sync::Arc;
+    let tok = tokenizer();
+    let jv = JsonVocab::new(tok);
+    let schema = Schema::compile(&serde_json::json!({"type": "object",
+        "required": ["name", "id", "age", "tags"],
+        "properties": {"name": {"type": "string", "maxLength": 6},
+            "id": {"type": "string", "format": "uuid"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 30},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2}}}))
+    .unwrap();
+    let cases = [
+        (
+            Format::Schema(Arc::new(schema)),
+            "{ \"name\": \"Lu \\\"é\", \"id\": \"123e4567-e89b-12d3-a456-426614174000\", \"age\": 12 , \"tags\": [\"a b\", \"\"]}",
+        ),
+        (
+            Format::Object,
+            "{\"a\": [1.5e3, true, null, {\"b\": \"x y\"}] , \"c\": -0}",
+        ),
+    ];
+    let n = tok.vocab_size();
+    for (f, doc) in &cases {
+        let d = f.start();
+        for cut in 0..=doc.len() {
+            if !doc.is_char_boundary(cut) {
+                continue;
+            }
+            let mut d2 = d;
+            assert!(f.feed(&mut d2, doc[..cut].as_bytes()), "{}", &doc[..cut]);
+            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+            jv.mask_doc_with(f, &d2, &mut a, true);
+            jv.mask_doc_with(f, &d2, &mut b, false);
+            let diff = (0..n).find(|&t| a[t].is_finite() != b[t].is_finite());
+            assert!(diff.is_none(), "at {:?}: token {diff:?}", &doc[..cut]);
+        }
+    }
+}
