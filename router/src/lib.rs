@@ -1423,17 +1423,23 @@ async fn serve(
                         }
                         t = content;
                     }
-                    for (j, c) in calls.into_iter().enumerate() {
-                        let n = first_call + j;
-                        let chunk = json!([{"index": i, "delta": {"tool_calls": [
-                            {"index": n, "id": new_call_id(), "type": "function",
-                             "function": {"name": c.name, "arguments": c.arguments}}]},
-                            "finish_reason": null}]);
-                        if out.send(mk(chunk, Value::Null)).await.is_err() {
-                            return;
-                        }
-                    }
+                    // They follow the piece's content (which precedes them in the text).
+                    let call_chunks: Vec<Value> = calls
+                        .into_iter()
+                        .enumerate()
+                        .map(|(j, c)| {
+                            json!([{"index": i, "delta": {"tool_calls": [
+                                {"index": first_call + j, "id": new_call_id(), "type": "function",
+                                 "function": {"name": c.name, "arguments": c.arguments}}]},
+                                "finish_reason": null}])
+                        })
+                        .collect();
                     if t.is_empty() && !return_ids && !(want_logprobs && !ids.is_empty()) {
+                        for chunk in call_chunks {
+                            if out.send(mk(chunk, Value::Null)).await.is_err() {
+                                return;
+                            }
+                        }
                         continue;
                     }
                     let mut c = if tool_call.is_some() {
@@ -1461,6 +1467,11 @@ async fn serve(
                     }
                     if out.send(mk(c, Value::Null)).await.is_err() {
                         return;
+                    }
+                    for chunk in call_chunks {
+                        if out.send(mk(chunk, Value::Null)).await.is_err() {
+                            return;
+                        }
                     }
                 }
                 Piece::Done {

@@ -746,7 +746,8 @@ impl Common {
             let o = so
                 .as_object()
                 .ok_or_else(|| ApiError::bad("structured_outputs must be an object", Some(P)))?;
-            for (k, v) in o {
+            // Keys sent as null (a dumped model's unused fields) say nothing.
+            for (k, v) in o.iter().filter(|(_, v)| !v.is_null()) {
                 match k.as_str() {
                     "json" => found.push((Guided::Json(schema_value(v, P)?), P)),
                     "regex" => found.push((Guided::Regex(regex_text(v, P)?), P)),
@@ -930,6 +931,12 @@ mod tests {
                 None,
                 None,
                 true,
+            ),
+            (
+                json!({"structured_outputs": {"regex": "x", "grammar": null, "choice": null}}),
+                Some("x"),
+                None,
+                false,
             ),
             (
                 json!({"guided_regex": "x", "response_format": {"type": "text"}}),

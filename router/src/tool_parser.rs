@@ -8,7 +8,7 @@
 //! ```
 //!
 //! As vLLM's `--tool-call-parser hermes`: the text before the first call is the message's
-//! content, each block is one call, and anything after the calls is dropped. A whole answer
+//! content, each block is one call, and text between and after the blocks is dropped. A whole answer
 //! whose blocks do not all parse stays text; streamed, what went out before a bad block
 //! stands, and the bad block is text unless a call went out already.
 
@@ -63,7 +63,12 @@ pub fn parse(text: &str, tools: &[String]) -> (Option<String>, Vec<Call>) {
             Some(c) => calls.push(c),
             None => return (Some(text.to_owned()), Vec::new()),
         }
-        rest = r[end + CLOSE.len()..].trim_start();
+        // Text between and after the blocks is dropped (as vLLM's parser finds every block).
+        rest = &r[end + CLOSE.len()..];
+        match rest.find(OPEN) {
+            Some(next) => rest = &rest[next..],
+            None => break,
+        }
     }
     let content = text[..first].trim_end();
     let content = (!content.is_empty()).then(|| content.to_owned());
@@ -182,6 +187,12 @@ mod tests {
                 }
             ]
         );
+        // Text between blocks does not hide the later ones.
+        let (content, calls) = parse(
+            "<tool_call>{\"name\": \"noop\"}</tool_call> Now: <tool_call>{\"name\": \"get_weather\"}</tool_call> done",
+            &tools(),
+        );
+        assert_eq!((content, calls.len()), (None, 2));
         let (content, calls) = parse(
             "<tool_call>{\"name\": \"noop\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>",
             &tools(),

@@ -1402,7 +1402,7 @@ impl SchemaState {
         }
         let before = t.chars;
         // A new character only where one more fits.
-        if before.between_chars() && b != b'"' && t.pos >= max {
+        if before.between_chars() && b != b'"' && max != u16::MAX && t.pos >= max {
             return false;
         }
         match t.chars.push(b) {
@@ -2096,6 +2096,12 @@ mod tests {
         assert_eq!(accepts(&s, "{\"s\":\"\\n\"}"), Some(true));
         assert_eq!(accepts(&s, "{\"s\":\"\u{e9}\"}"), Some(true));
         assert_ne!(accepts(&s, "{\"s\":\"a\\n\"}"), Some(true));
+        // A string without maxLength has no length cap (the mask lets plain tokens through).
+        let s = Schema::compile(&json!({"type": "object", "required": ["s"],
+            "properties": {"s": {"type": "string"}}}))
+        .unwrap();
+        let long = format!("{{\"s\":\"{}\"}}", "a".repeat(70_000));
+        assert_eq!(accepts(&s, &long), Some(true));
         // Bounded numbers keep their order as doubles: 15 digits at most.
         let s = Schema::compile(&json!({"type": "object", "required": ["x"],
             "properties": {"x": {"type": "number", "exclusiveMaximum": 1}}}))
