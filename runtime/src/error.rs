@@ -39,6 +39,8 @@ pub enum RuntimeError {
     },
     #[error("invalid input: {0}")]
     Invalid(String),
+    #[error("tensor parallelism: {0}")]
+    Tp(String),
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
     #[error("device: {0}")]

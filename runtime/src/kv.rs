@@ -189,6 +189,12 @@ pub struct KvCache {
     seqs: HashMap<SeqId, Table>,
     next_id: u64,
     prefix: PrefixIndex,
+    /// Tensor parallelism ([`crate::tp`]): the peer generation and id under which the shard
+    /// ranks hold their part of this cache, once a leader has synced it.
+    tp: Option<(u64, u64)>,
+    /// Block copies (copy-on-write) since the last forward, for the shard ranks to repeat;
+    /// recorded only while `tp` is set.
+    copies: Vec<(u32, u32)>,
 }
 
 impl KvConfig {
@@ -214,6 +220,8 @@ impl KvCache {
             free: (0..cfg.num_blocks as u32).rev().collect(),
             seqs: HashMap::new(),
             next_id: 0,
+            tp: None,
+            copies: Vec::new(),
             prefix: PrefixIndex {
                 key: vec![None; cfg.num_blocks],
                 children: vec![Vec::new(); cfg.num_blocks],
@@ -419,6 +427,9 @@ impl KvCache {
     }
 
     fn copy_block(&mut self, from: u32, to: u32) {
+        if self.tp.is_some() {
+            self.copies.push((from, to));
+        }
         let n = self.cfg.block_size * self.cfg.kv_dim();
         let (f, t) = (from as usize * n, to as usize * n);
         match &mut self.pools {
@@ -610,6 +621,43 @@ impl KvCache {
             Pools::F16(p) => LayerKv::F16(&p.k[layer], &p.v[layer]),
             Pools::F32(p) => LayerKv::F32(&p.k[layer], &p.v[layer]),
         }
+    }
+
+    /// Repeats block copies a tensor-parallel leader made in its cache (copy-on-write), in
+    /// order; indices are checked, since they arrive over the wire.
+    pub fn copy_blocks(&mut self, pairs: &[(u32, u32)]) -> Result<(), RuntimeError> {
+        let nb = self.cfg.num_blocks as u32;
+        if let Some(&(f, t)) = pairs.iter().find(|&&(f, t)| f >= nb || t >= nb) {
+            return Err(RuntimeError::Invalid(format!(
+                "block copy {f} -> {t} outside a cache of {nb} blocks"
+            )));
+        }
+        for &(f, t) in pairs {
+            self.copy_block(f, t);
+        }
+        Ok(())
+    }
+
+    /// The tensor-parallel sync tag (see the field).
+    pub(crate) fn tp_tag(&self) -> Option<(u64, u64)> {
+        self.tp
+    }
+
+    /// Tags the cache as held by the shard ranks of generation `epoch` under `id`; the copy
+    /// log starts empty.
+    pub(crate) fn set_tp_tag(&mut self, tag: Option<(u64, u64)>) {
+        self.tp = tag;
+        self.copies.clear();
+    }
+
+    /// The block copies since the last call (for the shard ranks).
+    pub(crate) fn take_copies(&mut self) -> Vec<(u32, u32)> {
+        std::mem::take(&mut self.copies)
+    }
+
+    /// Whether any sequence holds computed positions.
+    pub fn has_content(&self) -> bool {
+        self.seqs.values().any(|t| t.len > 0)
     }
 
     /// Checks the allocator invariants; an error names the first violation.

@@ -22,6 +22,7 @@ pub mod kv;
 pub mod model;
 pub mod tiny;
 pub mod tokenizer;
+pub mod tp;
 pub mod weights;
 
 pub use config::{Arch, ModelConfig};

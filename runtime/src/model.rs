@@ -9,6 +9,7 @@
 use crate::config::{Arch, ModelConfig};
 use crate::gguf::GgufFile;
 use crate::kv::{KvCache, KvConfig, KvDtype, LayerKv, SeqId};
+use crate::tp::{BatchMeta, Group, Local, Part, Shard, TpOptions};
 use crate::weights::{Fused, Linear};
 use crate::{Result, RuntimeError};
 use candle_core::{DType, Device, Tensor};
@@ -99,6 +100,9 @@ pub struct LoadOptions {
     /// Element type of the KV caches this model makes; `None`: f16, or f32 for the `dense`
     /// reference forward.
     pub kv_dtype: Option<KvDtype>,
+    /// Tensor parallelism: load this rank's slice of the heads and the FFN, and on rank 0 drive
+    /// the other ranks ([`crate::tp`]).
+    pub tp: Option<TpOptions>,
 }
 
 struct Layer {
@@ -142,11 +146,32 @@ pub struct Model {
     /// logits are rows × vocabulary (6 MB for 32 rows of SmolLM2), and a fresh buffer each
     /// step was zeroed or page-faulted in every time.
     spare_logits: std::sync::Mutex<Vec<f32>>,
+    /// This rank and the size of its tensor-parallel group (0 of 1 without TP).
+    shard: Shard,
+    /// This rank's heads and FFN columns (all of them without TP).
+    pub(crate) local: Local,
+    /// On rank 0 of a group: the links to the other ranks, which every forward drives.
+    group: Option<std::sync::Mutex<Group>>,
+}
+
+/// Scratch rows of one forward, shared by its layers (and by a shard rank's part of them).
+pub(crate) struct Bufs {
+    pub(crate) xn: Vec<f32>,
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    pub(crate) proj: Vec<f32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+    tmp: Vec<f32>,
 }
 
 /// Source of named tensors during loading.
 trait TensorSource {
-    fn linear(&mut self, name: &str, dense: bool) -> Result<Linear>;
+    fn linear(&mut self, name: &str, dense: bool) -> Result<Linear> {
+        self.linear_part(name, dense, Part::Whole)
+    }
+    /// A slice of a matrix (a tensor-parallel rank's rows or columns).
+    fn linear_part(&mut self, name: &str, dense: bool, part: Part) -> Result<Linear>;
     fn vector(&mut self, name: &str) -> Result<Vec<f32>>;
     fn has(&self, name: &str) -> bool;
 }
@@ -159,8 +184,8 @@ struct GgufSource<'a> {
 }
 
 impl TensorSource for GgufSource<'_> {
-    fn linear(&mut self, name: &str, dense: bool) -> Result<Linear> {
-        let raw = self.g.read(name)?;
+    fn linear_part(&mut self, name: &str, dense: bool, part: Part) -> Result<Linear> {
+        let raw = crate::tp::slice_raw(self.g.read(name)?, part, name)?;
         *self.types.entry(raw.ty.name()).or_default() += 1;
         Linear::from_raw(&raw, dense, self.grouped)
     }
@@ -194,11 +219,22 @@ impl SafetensorsSource {
 }
 
 impl TensorSource for SafetensorsSource {
-    fn linear(&mut self, name: &str, _dense: bool) -> Result<Linear> {
+    fn linear_part(&mut self, name: &str, _dense: bool, part: Part) -> Result<Linear> {
         let t = self.get(name)?;
         if t.rank() != 2 {
             return Err(RuntimeError::Config(format!("`{name}` is not a matrix")));
         }
+        let t = match part {
+            Part::Whole => t,
+            Part::Rows(a, b) if b <= t.dims()[0] => t.narrow(0, a, b - a)?,
+            Part::Cols(a, b) if b <= t.dims()[1] => t.narrow(1, a, b - a)?,
+            _ => {
+                return Err(RuntimeError::Config(format!(
+                    "`{name}` is {:?}, too small for {part:?}",
+                    t.dims()
+                )));
+            }
+        };
         Ok(Linear::Dense(t.contiguous()?))
     }
     fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
@@ -289,6 +325,7 @@ impl Model {
             types.join(" "),
             if opts.dense { " (dequantized f32)" } else { "" }
         );
+        m.connect_group(opts)?;
         Ok(m)
     }
 
@@ -321,6 +358,7 @@ impl Model {
         let mut src = SafetensorsSource { tensors };
         let mut m = Self::build(cfg, &mut src, &HF_NAMES, opts)?;
         m.weights_desc = "safetensors (f32)".into();
+        m.connect_group(opts)?;
         Ok(m)
     }
 
@@ -362,35 +400,60 @@ impl Model {
         } else {
             None
         };
+        let shard = opts
+            .tp
+            .as_ref()
+            .map(|t| Shard {
+                rank: t.rank,
+                world: t.world,
+            })
+            .unwrap_or_default();
+        let local = shard.local(&cfg)?;
+        let hd = cfg.head_dim;
+        let (qr, kvr, fr) = (
+            local.head0 * hd..(local.head0 + local.heads) * hd,
+            local.kv_head0 * hd..(local.kv_head0 + local.kv_heads) * hd,
+            local.ffn0..local.ffn0 + local.ffn,
+        );
+        let rows = |r: &std::ops::Range<usize>| Part::rows(shard, r.clone());
+        let cols = |r: &std::ops::Range<usize>| Part::cols(shard, r.clone());
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let n = |s: &str| (names.layer)(i, s);
-            let q = src.linear(&n("q"), dense)?;
-            let k = src.linear(&n("k"), dense)?;
-            let v = src.linear(&n("v"), dense)?;
-            if q.rows() != cfg.q_dim() || k.rows() != cfg.kv_dim() || v.rows() != cfg.kv_dim() {
+            let q = src.linear_part(&n("q"), dense, rows(&qr))?;
+            let k = src.linear_part(&n("k"), dense, rows(&kvr))?;
+            let v = src.linear_part(&n("v"), dense, rows(&kvr))?;
+            if q.rows() != local.q_dim(hd)
+                || k.rows() != local.kv_dim(hd)
+                || v.rows() != local.kv_dim(hd)
+            {
                 return Err(RuntimeError::Config(format!(
                     "layer {i}: q/k/v shapes disagree with the config"
                 )));
             }
             let qkv_bias = if cfg.qkv_bias {
-                let mut b = src.vector(&n("q_bias"))?;
-                b.extend(src.vector(&n("k_bias"))?);
-                b.extend(src.vector(&n("v_bias"))?);
+                let slice = |v: Vec<f32>, r: &std::ops::Range<usize>| -> Result<Vec<f32>> {
+                    v.get(r.clone()).map(|s| s.to_vec()).ok_or_else(|| {
+                        RuntimeError::Config(format!("layer {i}: a q/k/v bias is too short"))
+                    })
+                };
+                let mut b = slice(src.vector(&n("q_bias"))?, &qr)?;
+                b.extend(slice(src.vector(&n("k_bias"))?, &kvr)?);
+                b.extend(slice(src.vector(&n("v_bias"))?, &kvr)?);
                 Some(b)
             } else {
                 None
             };
-            let gate = src.linear(&n("gate"), dense)?;
-            let up = src.linear(&n("up"), dense)?;
+            let gate = src.linear_part(&n("gate"), dense, rows(&fr))?;
+            let up = src.linear_part(&n("up"), dense, rows(&fr))?;
             layers.push(Layer {
                 attn_norm: src.vector(&n("attn_norm"))?,
                 qkv: Fused::new(vec![q, k, v])?,
                 qkv_bias,
-                wo: src.linear(&n("o"), dense)?,
+                wo: src.linear_part(&n("o"), dense, cols(&qr))?,
                 ffn_norm: src.vector(&n("ffn_norm"))?,
                 gate_up: Fused::new(vec![gate, up])?,
-                down: src.linear(&n("down"), dense)?,
+                down: src.linear_part(&n("down"), dense, cols(&fr))?,
             });
         }
         let out_norm = src.vector(names.out_norm)?;
@@ -414,7 +477,53 @@ impl Model {
             pool: Arc::new(pool),
             weights_desc: String::new(),
             spare_logits: Default::default(),
+            shard,
+            local,
+            group: None,
         })
+    }
+
+    /// On rank 0 of a tensor-parallel group: connects the other ranks (waiting up to the
+    /// options' connect timeout for them to come up) and checks they hold this checkpoint.
+    fn connect_group(&mut self, opts: &LoadOptions) -> Result<()> {
+        let Some(t) = opts.tp.as_ref().filter(|t| t.world > 1 && t.rank == 0) else {
+            return Ok(());
+        };
+        let g = Group::connect(t, self.cfg.clone(), self.fingerprint())?;
+        self.group = Some(std::sync::Mutex::new(g));
+        Ok(())
+    }
+
+    /// A hash of the configuration and the norm weights every rank loads whole: ranks of one
+    /// group must hold the same checkpoint.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        let mut eat = |b: &[u8]| {
+            for &x in b {
+                h = (h ^ x as u64).wrapping_mul(0x100_0000_01b3);
+            }
+        };
+        eat(serde_json::to_string(&self.cfg)
+            .unwrap_or_default()
+            .as_bytes());
+        for v in self
+            .out_norm
+            .iter()
+            .chain(self.layers.iter().flat_map(|l| l.attn_norm.iter()))
+        {
+            eat(&v.to_le_bytes());
+        }
+        h
+    }
+
+    /// This rank and its group's size ({0, 1} without tensor parallelism).
+    pub fn shard(&self) -> Shard {
+        self.shard
+    }
+
+    /// Ranks in this model's tensor-parallel group (1 without TP).
+    pub fn tp_degree(&self) -> usize {
+        self.shard.world
     }
 
     /// The final RMSNorm weights (the LM head's input scale).
@@ -475,6 +584,11 @@ impl Model {
     /// `[q | k | v]` and `[gate | up]` rows. For a second implementation of the forward (the
     /// device one in [`crate::device`]) that must compute exactly what this model computes.
     pub fn dense_layer(&self, i: usize) -> Result<DenseLayer> {
+        if self.shard.world > 1 {
+            return Err(RuntimeError::Tp(
+                "a tensor-parallel rank holds a slice of each layer, not the layer".into(),
+            ));
+        }
         let l = self.layers.get(i).ok_or_else(|| {
             RuntimeError::Invalid(format!(
                 "layer {i} out of range (model has {})",
@@ -519,7 +633,7 @@ impl Model {
     pub fn new_cache(&self, tokens: usize, block_size: usize) -> Result<KvCache> {
         KvCache::new(KvConfig {
             n_layers: self.cfg.n_layers,
-            n_kv_heads: self.cfg.n_kv_heads,
+            n_kv_heads: self.local.kv_heads,
             head_dim: self.cfg.head_dim,
             block_size,
             num_blocks: tokens.div_ceil(block_size).max(1),
@@ -534,6 +648,26 @@ impl Model {
         batch: &[SeqInput<'_>],
         opts: &ForwardOptions,
     ) -> Result<ForwardOutput> {
+        if self.shard.rank != 0 {
+            return Err(RuntimeError::Tp(format!(
+                "rank {} of {} holds a slice of the model; forwards run on rank 0",
+                self.shard.rank, self.shard.world
+            )));
+        }
+        let kc = cache.config();
+        if (kc.n_layers, kc.n_kv_heads, kc.head_dim)
+            != (self.cfg.n_layers, self.local.kv_heads, self.cfg.head_dim)
+        {
+            return Err(RuntimeError::Invalid(format!(
+                "a KV cache of {} layers × {} KV heads × {} for a model (rank) of {} × {} × {}",
+                kc.n_layers,
+                kc.n_kv_heads,
+                kc.head_dim,
+                self.cfg.n_layers,
+                self.local.kv_heads,
+                self.cfg.head_dim
+            )));
+        }
         for l in &opts.layers {
             if *l >= self.cfg.n_layers {
                 return Err(RuntimeError::Invalid(format!(
@@ -603,25 +737,16 @@ impl Model {
         let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
         let isa = self.isa;
         // Flattened token metadata.
-        let mut tok_seq = Vec::with_capacity(n);
-        let mut tok_pos = Vec::with_capacity(n);
         let mut token_offsets = Vec::with_capacity(batch.len());
         let mut x = vec![0f32; n * d];
         let mut ti = 0;
-        for (i, s) in batch.iter().enumerate() {
+        for s in batch {
             token_offsets.push(ti);
-            for (j, &t) in s.tokens.iter().enumerate() {
+            for &t in s.tokens {
                 self.embed_row(t as usize, &mut x[ti * d..(ti + 1) * d])?;
-                tok_seq.push(i);
-                tok_pos.push(starts[i] + j);
                 ti += 1;
             }
         }
-        let batch_tokens: Vec<(usize, usize)> = batch
-            .iter()
-            .zip(&token_offsets)
-            .map(|(s, &o)| (o, s.tokens.len()))
-            .collect();
         let mut out = ForwardOutput {
             token_offsets,
             vocab: c.vocab_size,
@@ -631,28 +756,30 @@ impl Model {
             out.logit_rows = vec![(0, 0); batch.len()];
             return Ok(out);
         }
-        // Slots of every token's own position and of each sequence's full attended range.
-        let mut slots_of_seq: Vec<Vec<u32>> = Vec::with_capacity(batch.len());
-        for (i, s) in batch.iter().enumerate() {
-            let mut v = Vec::new();
-            cache.slots(s.seq, starts[i] + s.tokens.len(), &mut v)?;
-            slots_of_seq.push(v);
-        }
-        let blocks_owned: Vec<Vec<u32>> = batch
+        let blocks: Vec<Vec<u32>> = batch
             .iter()
             .map(|s| cache.blocks(s.seq).map(|b| b.to_vec()))
             .collect::<Result<_>>()?;
-        let blocks_of_seq: Vec<&[u32]> = blocks_owned.iter().map(|b| b.as_slice()).collect();
-        let qd = c.q_dim();
-        let kvd = c.kv_dim();
-        let qkv_dim = qd + 2 * kvd;
-        let mut xn = vec![0f32; n * d];
-        let mut qkv = vec![0f32; n * qkv_dim];
-        let mut att = vec![0f32; n * qd];
-        let mut proj = vec![0f32; n * d];
-        let mut gu = vec![0f32; n * 2 * c.ffn_dim];
-        let mut act = vec![0f32; n * c.ffn_dim];
-        let mut tmp = Vec::new();
+        let meta = BatchMeta::new(
+            batch
+                .iter()
+                .zip(starts)
+                .map(|(s, &st)| (st, s.tokens.len()))
+                .collect(),
+            blocks,
+            cache.config().block_size,
+        );
+        let mut group = match &self.group {
+            Some(g) => Some(
+                g.lock()
+                    .map_err(|_| RuntimeError::Tp("the shard links' lock is poisoned".into()))?,
+            ),
+            None => None,
+        };
+        if let Some(g) = group.as_deref_mut() {
+            g.begin(cache, &meta)?;
+        }
+        let mut bufs = self.bufs(n);
         let mut layer_hidden: Vec<Vec<f32>> = vec![Vec::new(); opts.layers.len()];
         let mut prof = ForwardProfile::default();
         let mut clock = Clock::new(opts.profile);
@@ -663,39 +790,18 @@ impl Model {
                     &x[t * d..(t + 1) * d],
                     &layer.attn_norm,
                     c.rms_eps,
-                    &mut xn[t * d..(t + 1) * d],
+                    &mut bufs.xn[t * d..(t + 1) * d],
                 );
             }
             clock.lap(&mut prof.other_s);
-            layer.qkv.forward(&xn, n, &mut qkv, isa, &mut tmp)?;
-            clock.lap(&mut prof.matmul_s);
-            for t in 0..n {
-                let row = &mut qkv[t * qkv_dim..(t + 1) * qkv_dim];
-                if let Some(b) = &layer.qkv_bias {
-                    for (r, bv) in row.iter_mut().zip(b) {
-                        *r += bv;
-                    }
-                }
-                let (q, kv) = row.split_at_mut(qd);
-                self.rope.apply(q, tok_pos[t]);
-                self.rope.apply(&mut kv[..kvd], tok_pos[t]);
-                let slot = slots_of_seq[tok_seq[t]][tok_pos[t]] as usize;
-                cache.write(li, slot, &kv[..kvd], &kv[kvd..]);
+            if let Some(g) = group.as_deref_mut() {
+                g.broadcast(&bufs.xn)?;
             }
-            clock.lap(&mut prof.other_s);
-            self.attention(
-                cache,
-                li,
-                &qkv,
-                &batch_tokens,
-                &tok_pos,
-                &blocks_of_seq,
-                &mut att,
-            );
-            clock.lap(&mut prof.attention_s);
-            layer.wo.forward(&att, n, &mut proj, isa)?;
-            clock.lap(&mut prof.matmul_s);
-            for (xv, pv) in x.iter_mut().zip(&proj) {
+            self.attn_part(li, cache, &meta, &mut bufs, &mut clock, &mut prof)?;
+            if let Some(g) = group.as_deref_mut() {
+                g.reduce_add(&mut bufs.proj)?;
+            }
+            for (xv, pv) in x.iter_mut().zip(&bufs.proj) {
                 *xv += pv;
             }
             for t in 0..n {
@@ -704,24 +810,18 @@ impl Model {
                     &x[t * d..(t + 1) * d],
                     &layer.ffn_norm,
                     c.rms_eps,
-                    &mut xn[t * d..(t + 1) * d],
+                    &mut bufs.xn[t * d..(t + 1) * d],
                 );
             }
             clock.lap(&mut prof.other_s);
-            layer.gate_up.forward(&xn, n, &mut gu, isa, &mut tmp)?;
-            clock.lap(&mut prof.matmul_s);
-            let f = c.ffn_dim;
-            for t in 0..n {
-                ops::silu_mul(
-                    isa,
-                    &gu[t * 2 * f..(t + 1) * 2 * f],
-                    &mut act[t * f..(t + 1) * f],
-                );
+            if let Some(g) = group.as_deref_mut() {
+                g.broadcast(&bufs.xn)?;
             }
-            clock.lap(&mut prof.other_s);
-            layer.down.forward(&act, n, &mut proj, isa)?;
-            clock.lap(&mut prof.matmul_s);
-            for (xv, pv) in x.iter_mut().zip(&proj) {
+            self.ffn_part(li, n, &mut bufs, &mut clock, &mut prof)?;
+            if let Some(g) = group.as_deref_mut() {
+                g.reduce_add(&mut bufs.proj)?;
+            }
+            for (xv, pv) in x.iter_mut().zip(&bufs.proj) {
                 *xv += pv;
             }
             // In the caller's requested order (a layer asked for twice gets the copy twice).
@@ -729,6 +829,8 @@ impl Model {
                 layer_hidden[slot] = x.clone();
             }
         }
+        drop(group);
+        let mut xn = std::mem::take(&mut bufs.xn);
         out.layer_hidden = layer_hidden;
         for t in 0..n {
             ops::rms_norm(
@@ -790,6 +892,88 @@ impl Model {
         Ok(out)
     }
 
+    /// Scratch for a forward of `n` tokens, sized to this rank's slice.
+    pub(crate) fn bufs(&self, n: usize) -> Bufs {
+        let (d, hd, l) = (self.cfg.d_model, self.cfg.head_dim, &self.local);
+        Bufs {
+            xn: vec![0f32; n * d],
+            qkv: vec![0f32; n * (l.q_dim(hd) + 2 * l.kv_dim(hd))],
+            att: vec![0f32; n * l.q_dim(hd)],
+            proj: vec![0f32; n * d],
+            gu: vec![0f32; n * 2 * l.ffn],
+            act: vec![0f32; n * l.ffn],
+            tmp: Vec::new(),
+        }
+    }
+
+    /// Attention of layer `li` from the normalized rows in `b.xn`: this rank's heads project,
+    /// rotate and cache their K/V, attend, and leave their share of the output projection in
+    /// `b.proj` (the whole of it without tensor parallelism; ranks' shares add up to it).
+    pub(crate) fn attn_part(
+        &self,
+        li: usize,
+        cache: &mut KvCache,
+        meta: &BatchMeta,
+        b: &mut Bufs,
+        clock: &mut Clock,
+        prof: &mut ForwardProfile,
+    ) -> Result<()> {
+        let layer = &self.layers[li];
+        let (n, hd, isa) = (meta.tok_pos.len(), self.cfg.head_dim, self.isa);
+        let qd = self.local.q_dim(hd);
+        let kvd = self.local.kv_dim(hd);
+        let qkv_dim = qd + 2 * kvd;
+        layer.qkv.forward(&b.xn, n, &mut b.qkv, isa, &mut b.tmp)?;
+        clock.lap(&mut prof.matmul_s);
+        for t in 0..n {
+            let row = &mut b.qkv[t * qkv_dim..(t + 1) * qkv_dim];
+            if let Some(bias) = &layer.qkv_bias {
+                for (r, bv) in row.iter_mut().zip(bias) {
+                    *r += bv;
+                }
+            }
+            let (q, kv) = row.split_at_mut(qd);
+            self.rope.apply(q, meta.tok_pos[t]);
+            self.rope.apply(&mut kv[..kvd], meta.tok_pos[t]);
+            cache.write(li, meta.tok_slot[t], &kv[..kvd], &kv[kvd..]);
+        }
+        clock.lap(&mut prof.other_s);
+        self.attention(cache, li, meta, &b.qkv, &mut b.att);
+        clock.lap(&mut prof.attention_s);
+        layer.wo.forward(&b.att, n, &mut b.proj, isa)?;
+        clock.lap(&mut prof.matmul_s);
+        Ok(())
+    }
+
+    /// The FFN of layer `li` over this rank's columns, from `b.xn` into `b.proj`.
+    pub(crate) fn ffn_part(
+        &self,
+        li: usize,
+        n: usize,
+        b: &mut Bufs,
+        clock: &mut Clock,
+        prof: &mut ForwardProfile,
+    ) -> Result<()> {
+        let layer = &self.layers[li];
+        let isa = self.isa;
+        layer
+            .gate_up
+            .forward(&b.xn, n, &mut b.gu, isa, &mut b.tmp)?;
+        clock.lap(&mut prof.matmul_s);
+        let f = self.local.ffn;
+        for t in 0..n {
+            ops::silu_mul(
+                isa,
+                &b.gu[t * 2 * f..(t + 1) * 2 * f],
+                &mut b.act[t * f..(t + 1) * f],
+            );
+        }
+        clock.lap(&mut prof.other_s);
+        layer.down.forward(&b.act, n, &mut b.proj, isa)?;
+        clock.lap(&mut prof.matmul_s);
+        Ok(())
+    }
+
     /// Hands a finished forward's logits buffer back for the next forward to fill.
     pub fn recycle(&self, out: ForwardOutput) {
         if let Ok(mut v) = self.spare_logits.lock()
@@ -816,22 +1000,21 @@ impl Model {
     /// Causal GQA attention of every new token over its own sequence's cached positions `0..=pos`.
     /// One task per (sequence, KV head, chunk of queries): all query heads of the group and all
     /// new tokens of the sequence share each K/V row read.
-    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         cache: &KvCache,
         layer: usize,
+        meta: &BatchMeta,
         qkv: &[f32],
-        batch_tokens: &[(usize, usize)],
-        tok_pos: &[usize],
-        blocks_of_seq: &[&[u32]],
         att: &mut [f32],
     ) {
         let c = &self.cfg;
         let hd = c.head_dim;
-        let qd = c.q_dim();
-        let qkv_dim = qd + 2 * c.kv_dim();
-        let group = c.n_heads / c.n_kv_heads;
+        let (n_heads, n_kv) = (self.local.heads, self.local.kv_heads);
+        let qd = self.local.q_dim(hd);
+        let qkv_dim = qd + 2 * self.local.kv_dim(hd);
+        let group = n_heads / n_kv;
+        let (batch_tokens, tok_pos) = (&meta.seqs, &meta.tok_pos);
         let scale = 1.0 / (hd as f32).sqrt();
         let pools = cache.layer(layer);
         let isa = self.isa;
@@ -840,7 +1023,7 @@ impl Model {
         let mut tasks = Vec::new();
         for (si, &(t0, nt)) in batch_tokens.iter().enumerate() {
             let per = (QROWS / group).max(1);
-            for g in 0..c.n_kv_heads {
+            for g in 0..n_kv {
                 let mut a = 0;
                 while a < nt {
                     let b = (a + per).min(nt);
@@ -861,7 +1044,7 @@ impl Model {
             let mut out = vec![0f32; nt * group * hd];
             let mut scores = Vec::new();
             let bs = cache.config().block_size;
-            let blocks = blocks_of_seq[si];
+            let blocks = &meta.blocks[si][..];
             // The same call for either element type of the pools.
             macro_rules! attend_over {
                 ($kpool:expr, $vpool:expr) => {
@@ -874,7 +1057,7 @@ impl Model {
                             vpool: $vpool,
                             blocks,
                             bs,
-                            n_kv: c.n_kv_heads,
+                            n_kv,
                             g,
                             hd,
                             scale,
@@ -890,7 +1073,7 @@ impl Model {
             }
             out
         };
-        let total_work: usize = tok_pos.iter().map(|p| p + 1).sum::<usize>() * c.n_heads * hd;
+        let total_work: usize = tok_pos.iter().map(|p| p + 1).sum::<usize>() * n_heads * hd;
         let results: Vec<Vec<f32>> = if total_work < 100_000 || tasks.len() == 1 {
             tasks.iter().map(run).collect()
         } else {
@@ -908,12 +1091,12 @@ impl Model {
 }
 
 /// Lap timer that costs nothing when disabled.
-struct Clock {
+pub(crate) struct Clock {
     last: Option<Instant>,
 }
 
 impl Clock {
-    fn new(on: bool) -> Self {
+    pub(crate) fn new(on: bool) -> Self {
         Self {
             last: on.then(Instant::now),
         }

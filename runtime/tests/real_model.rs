@@ -262,3 +262,58 @@ fn mask_fast_paths_equal_the_validator_on_the_real_vocabulary() {
         }
     }
 }
+
+/// SmolLM2 split over three ranks (3 KV heads; Q4_1 blocks of 32 cut the 192-wide head
+/// groups and the 512-wide FFN slices cleanly), linked over loopback TCP: the chat answer is
+/// the one-piece model's token for token.
+#[test]
+fn smollm2_split_three_ways_answers_like_the_whole_model() {
+    use dspark_runtime::tp::{self, TpOptions};
+    let peers = (1..3)
+        .map(|r| {
+            let m = Model::load(
+                &model_path(),
+                &LoadOptions {
+                    threads: 1,
+                    tp: Some(TpOptions::shard(r, 3)),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let a = l.local_addr().unwrap().to_string();
+            let m = std::sync::Arc::new(m);
+            std::thread::spawn(move || tp::serve(m, l));
+            a
+        })
+        .collect();
+    let split = Model::load(
+        &model_path(),
+        &LoadOptions {
+            threads: 1,
+            tp: Some(TpOptions::leader(peers)),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let t = tokenizer();
+    let prompt = ChatTemplate::from_tokenizer(t)
+        .unwrap()
+        .render(
+            &[Message::new("user", "Write a haiku about the sea.")],
+            true,
+        )
+        .unwrap();
+    let ids = t.encode(&prompt).unwrap();
+    let p = GenerateParams {
+        max_tokens: 32,
+        ..Default::default()
+    };
+    let want = generate(model(), t, &ids, &p, &mut |_| {}).unwrap();
+    let got = generate(&split, t, &ids, &p, &mut |_| {}).unwrap();
+    assert_eq!(
+        got.token_ids, want.token_ids,
+        "{:?} vs {:?}",
+        got.text, want.text
+    );
+}

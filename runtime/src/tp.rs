@@ -1,0 +1,895 @@
+//! Tensor parallelism across processes (Megatron-style), so one target worker can serve a model
+//! larger than one machine's (or one device's) memory.
+//!
+//! A group of `world` ranks splits every layer: rank r holds KV heads `r·H_kv/world ..` (and
+//! their query heads), the matching rows of `q`, `k`, `v` and columns of the output projection,
+//! and FFN columns `r·F/world ..` (rows of `gate`/`up`, columns of `down`). Each rank's share of
+//! an output projection is a partial sum; the shares add up to the whole. Rank 0 is the engine:
+//! embedding, norms, LM head, sampling and the paged KV cache's bookkeeping stay there. Per
+//! layer it sends the normalized rows to the other ranks, computes its own share while they
+//! compute theirs, and adds their shares in rank order (so a forward is deterministic), twice
+//! per layer: 4·n·d floats per rank and layer each way.
+//!
+//! The other ranks ([`serve`]) hold only K/V blocks for their heads. Block tables, positions
+//! and copy-on-write copies come from rank 0 with each forward, so rollback, forks and prefix
+//! sharing need no message of their own. A rank that restarts has lost its blocks: rank 0
+//! reconnects at the next forward, and a cache that still holds sequences computed before is
+//! refused once (its requests fail and are continued elsewhere) and then starts over.
+//!
+//! The link is TCP (Nagle off) with a small framed protocol, as gloo's CPU collectives are;
+//! on GPUs the same split would run over NCCL.
+
+use crate::config::ModelConfig;
+use crate::gguf::RawTensor;
+use crate::kv::{KvCache, KvConfig, KvDtype};
+use crate::model::{Clock, ForwardProfile, Model};
+use crate::{Result, RuntimeError};
+use serde::{Deserialize, Serialize};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Bumped whenever the frames below change; ranks of different versions refuse each other.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+const HELLO: u8 = 1;
+const OK: u8 = 2;
+const ERR: u8 = 3;
+const BEGIN: u8 = 4;
+const DATA: u8 = 5;
+/// Largest frame either side accepts (a prefill chunk of 64k tokens × d 4096 fits).
+const MAX_FRAME: usize = 1 << 30;
+/// KV caches one shard rank keeps for its leader (the engine's, plus profiling and benches).
+const MAX_CACHES: usize = 4;
+
+/// This rank and the size of its group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Self { rank: 0, world: 1 }
+    }
+}
+
+/// One rank's slice of the heads and the FFN.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Local {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub ffn: usize,
+    pub head0: usize,
+    pub kv_head0: usize,
+    pub ffn0: usize,
+}
+
+impl Local {
+    pub fn q_dim(&self, head_dim: usize) -> usize {
+        self.heads * head_dim
+    }
+    pub fn kv_dim(&self, head_dim: usize) -> usize {
+        self.kv_heads * head_dim
+    }
+}
+
+impl Shard {
+    /// This rank's slice of `cfg`; the degree must divide the KV heads and the FFN width
+    /// (query heads then divide too: they come in groups per KV head).
+    pub fn local(&self, cfg: &ModelConfig) -> Result<Local> {
+        let w = self.world;
+        if w == 0 || self.rank >= w {
+            return Err(RuntimeError::Config(format!(
+                "tensor-parallel rank {} of {w}",
+                self.rank
+            )));
+        }
+        if !cfg.n_kv_heads.is_multiple_of(w) || !cfg.ffn_dim.is_multiple_of(w) {
+            return Err(RuntimeError::Config(format!(
+                "tensor-parallel degree {w} must divide the KV heads ({}) and the FFN width ({}); \
+                 degrees that do: {:?}",
+                cfg.n_kv_heads,
+                cfg.ffn_dim,
+                Self::degrees(cfg)
+            )));
+        }
+        let kv = cfg.n_kv_heads / w;
+        let group = cfg.n_heads / cfg.n_kv_heads;
+        let f = cfg.ffn_dim / w;
+        Ok(Local {
+            heads: kv * group,
+            kv_heads: kv,
+            ffn: f,
+            head0: self.rank * kv * group,
+            kv_head0: self.rank * kv,
+            ffn0: self.rank * f,
+        })
+    }
+
+    /// The degrees `cfg` splits into (block alignment of quantized weights aside).
+    pub fn degrees(cfg: &ModelConfig) -> Vec<usize> {
+        (1..=cfg.n_kv_heads)
+            .filter(|w| cfg.n_kv_heads.is_multiple_of(*w) && cfg.ffn_dim.is_multiple_of(*w))
+            .collect()
+    }
+}
+
+/// How a tensor-parallel rank loads and links.
+#[derive(Clone, Debug)]
+pub struct TpOptions {
+    pub rank: usize,
+    pub world: usize,
+    /// On rank 0: the other ranks' addresses (`host:port`), rank 1 first.
+    pub peers: Vec<String>,
+    /// How long rank 0 waits at load for the other ranks to come up (they load the same
+    /// checkpoint at the same time).
+    pub connect_timeout: Duration,
+    /// How long one exchange may take before the link counts as lost.
+    pub io_timeout: Duration,
+}
+
+impl TpOptions {
+    /// Rank 0 of a group whose other ranks listen at `peers`.
+    pub fn leader(peers: Vec<String>) -> Self {
+        Self {
+            rank: 0,
+            world: peers.len() + 1,
+            peers,
+            connect_timeout: Duration::from_secs(600),
+            io_timeout: Duration::from_secs(120),
+        }
+    }
+
+    /// Rank `rank` of `world`, served with [`serve`].
+    pub fn shard(rank: usize, world: usize) -> Self {
+        Self {
+            rank,
+            world,
+            peers: Vec::new(),
+            connect_timeout: Duration::ZERO,
+            io_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Which part of a matrix (`rows × cols`, outputs × inputs) a rank loads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    Whole,
+    Rows(usize, usize),
+    Cols(usize, usize),
+}
+
+impl Part {
+    pub(crate) fn rows(s: Shard, r: Range<usize>) -> Self {
+        if s.world == 1 {
+            Part::Whole
+        } else {
+            Part::Rows(r.start, r.end)
+        }
+    }
+    pub(crate) fn cols(s: Shard, r: Range<usize>) -> Self {
+        if s.world == 1 {
+            Part::Whole
+        } else {
+            Part::Cols(r.start, r.end)
+        }
+    }
+}
+
+/// Cuts a rank's rows or columns out of a GGUF matrix before it is repacked. Quantized blocks
+/// run along a row, so a column cut must fall on block boundaries.
+pub(crate) fn slice_raw(raw: RawTensor, part: Part, name: &str) -> Result<RawTensor> {
+    if part == Part::Whole {
+        return Ok(raw);
+    }
+    let (rows, cols) = match raw.dims.as_slice() {
+        [r, c] => (*r, *c),
+        d => {
+            return Err(RuntimeError::Config(format!(
+                "`{name}`: expected a matrix, got dims {d:?}"
+            )));
+        }
+    };
+    let (be, bb) = (raw.ty.block_elems(), raw.ty.block_bytes());
+    if !cols.is_multiple_of(be) {
+        return Err(RuntimeError::Config(format!(
+            "`{name}`: {cols} columns are not whole {} blocks",
+            raw.ty.name()
+        )));
+    }
+    let row_bytes = cols / be * bb;
+    match part {
+        Part::Whole => Ok(raw),
+        Part::Rows(a, b) => {
+            if a > b || b > rows {
+                return Err(RuntimeError::Config(format!(
+                    "`{name}`: rows {a}..{b} of {rows}"
+                )));
+            }
+            Ok(RawTensor {
+                ty: raw.ty,
+                dims: vec![b - a, cols],
+                data: raw.data[a * row_bytes..b * row_bytes].to_vec(),
+            })
+        }
+        Part::Cols(a, b) => {
+            if a > b || b > cols {
+                return Err(RuntimeError::Config(format!(
+                    "`{name}`: columns {a}..{b} of {cols}"
+                )));
+            }
+            if !a.is_multiple_of(be) || !b.is_multiple_of(be) {
+                return Err(RuntimeError::Config(format!(
+                    "`{name}` is {} (blocks of {be} values along a row), so this rank's columns \
+                     {a}..{b} cannot be cut from it; pick a tensor-parallel degree that splits \
+                     it on block boundaries",
+                    raw.ty.name()
+                )));
+            }
+            let (ba, bz) = (a / be * bb, b / be * bb);
+            let mut data = Vec::with_capacity(rows * (bz - ba));
+            for r in 0..rows {
+                data.extend_from_slice(&raw.data[r * row_bytes + ba..r * row_bytes + bz]);
+            }
+            Ok(RawTensor {
+                ty: raw.ty,
+                dims: vec![rows, b - a],
+                data,
+            })
+        }
+    }
+}
+
+/// Where a forward's tokens sit: per sequence its first token in the flattened batch and its
+/// count, its first position and its block table; per token its position and cache slot.
+pub(crate) struct BatchMeta {
+    pub(crate) seqs: Vec<(usize, usize)>,
+    pub(crate) starts: Vec<usize>,
+    pub(crate) blocks: Vec<Vec<u32>>,
+    pub(crate) tok_pos: Vec<usize>,
+    pub(crate) tok_slot: Vec<usize>,
+}
+
+impl BatchMeta {
+    /// From each sequence's (first position, new tokens) and block table; the blocks must
+    /// cover every new position (the caller reserved them).
+    pub(crate) fn new(pos_len: Vec<(usize, usize)>, blocks: Vec<Vec<u32>>, bs: usize) -> Self {
+        let mut m = BatchMeta {
+            seqs: Vec::with_capacity(pos_len.len()),
+            starts: Vec::with_capacity(pos_len.len()),
+            blocks,
+            tok_pos: Vec::new(),
+            tok_slot: Vec::new(),
+        };
+        let mut t0 = 0;
+        for (i, &(start, nt)) in pos_len.iter().enumerate() {
+            m.seqs.push((t0, nt));
+            m.starts.push(start);
+            for p in start..start + nt {
+                m.tok_pos.push(p);
+                m.tok_slot.push(m.blocks[i][p / bs] as usize * bs + p % bs);
+            }
+            t0 += nt;
+        }
+        m
+    }
+
+    fn encode(&self, out: &mut Vec<u32>) {
+        out.push(self.seqs.len() as u32);
+        for (i, &(_, nt)) in self.seqs.iter().enumerate() {
+            out.push(self.starts[i] as u32);
+            out.push(nt as u32);
+            out.push(self.blocks[i].len() as u32);
+            out.extend_from_slice(&self.blocks[i]);
+        }
+    }
+
+    /// Reads what [`BatchMeta::encode`] wrote, checking every index against the cache shape
+    /// and the context, since it arrives over the wire.
+    fn decode(w: &mut Words<'_>, bs: usize, num_blocks: usize, max_ctx: usize) -> Result<Self> {
+        let n_seqs = w.next()? as usize;
+        if n_seqs > 1 << 20 {
+            return Err(bad(format!("{n_seqs} sequences")));
+        }
+        let mut pos_len = Vec::with_capacity(n_seqs);
+        let mut blocks = Vec::with_capacity(n_seqs);
+        let mut total = 0usize;
+        for _ in 0..n_seqs {
+            let (start, nt, nb) = (w.next()? as usize, w.next()? as usize, w.next()? as usize);
+            total += nt;
+            if start + nt > max_ctx || total > 1 << 20 {
+                return Err(bad(format!(
+                    "positions {start}..{} past the context of {max_ctx}",
+                    start + nt
+                )));
+            }
+            if nb > num_blocks || nb * bs < start + nt {
+                return Err(bad(format!(
+                    "{nb} blocks for positions up to {}",
+                    start + nt
+                )));
+            }
+            let b = w.take(nb)?;
+            if let Some(x) = b.iter().find(|&&x| x as usize >= num_blocks) {
+                return Err(bad(format!("block {x} of a cache of {num_blocks}")));
+            }
+            pos_len.push((start, nt));
+            blocks.push(b.to_vec());
+        }
+        Ok(Self::new(pos_len, blocks, bs))
+    }
+}
+
+fn bad(what: String) -> RuntimeError {
+    RuntimeError::Tp(format!("malformed forward from rank 0: {what}"))
+}
+
+/// A cursor over the words of a frame.
+struct Words<'a>(&'a [u32]);
+
+impl<'a> Words<'a> {
+    fn next(&mut self) -> Result<u32> {
+        let (&x, rest) = self
+            .0
+            .split_first()
+            .ok_or_else(|| bad("frame ends early".into()))?;
+        self.0 = rest;
+        Ok(x)
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u32]> {
+        if n > self.0.len() {
+            return Err(bad("frame ends early".into()));
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Hello {
+    version: u32,
+    rank: usize,
+    world: usize,
+    config: ModelConfig,
+    fingerprint: u64,
+}
+
+fn write_frame(
+    s: &mut TcpStream,
+    kind: u8,
+    payload: &[u8],
+    buf: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    buf.clear();
+    buf.push(kind);
+    buf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    buf.extend_from_slice(payload);
+    s.write_all(buf)
+}
+
+fn write_f32s(s: &mut TcpStream, x: &[f32], buf: &mut Vec<u8>) -> std::io::Result<()> {
+    buf.clear();
+    buf.push(DATA);
+    buf.extend_from_slice(&((x.len() * 4) as u32).to_le_bytes());
+    for v in x {
+        buf.extend_from_slice(&v.to_le_bytes());
+    }
+    s.write_all(buf)
+}
+
+fn words_bytes(w: &[u32], out: &mut Vec<u8>) {
+    out.clear();
+    for x in w {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+fn bytes_words(b: &[u8]) -> Vec<u32> {
+    b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Reads one frame into `buf`; returns its kind.
+fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<u8> {
+    let mut h = [0u8; 5];
+    s.read_exact(&mut h)?;
+    let len = u32::from_le_bytes([h[1], h[2], h[3], h[4]]) as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a frame of {len} bytes"),
+        ));
+    }
+    buf.resize(len, 0);
+    s.read_exact(buf)?;
+    Ok(h[0])
+}
+
+/// Reads a DATA frame of exactly `out.len()` floats; an ERR frame's text becomes the error.
+fn read_f32s(s: &mut TcpStream, buf: &mut Vec<u8>, out: &mut [f32], add: bool) -> Result<()> {
+    let kind = read_frame(s, buf)?;
+    if kind == ERR {
+        return Err(RuntimeError::Tp(String::from_utf8_lossy(buf).into_owned()));
+    }
+    if kind != DATA || buf.len() != out.len() * 4 {
+        return Err(RuntimeError::Tp(format!(
+            "expected {} values, got frame {kind} of {} bytes",
+            out.len(),
+            buf.len()
+        )));
+    }
+    for (o, c) in out.iter_mut().zip(buf.chunks_exact(4)) {
+        let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        if add {
+            *o += v;
+        } else {
+            *o = v;
+        }
+    }
+    Ok(())
+}
+
+/// Rank 0's links to the other ranks.
+pub(crate) struct Group {
+    opts: TpOptions,
+    hello: Vec<Vec<u8>>,
+    links: Vec<TcpStream>,
+    /// Bumped at every (re)connection: caches synced under an older one are stale.
+    epoch: u64,
+    next_cache: u64,
+    buf: Vec<u8>,
+    words: Vec<u32>,
+}
+
+impl Group {
+    pub(crate) fn connect(t: &TpOptions, cfg: ModelConfig, fingerprint: u64) -> Result<Self> {
+        if t.peers.len() + 1 != t.world {
+            return Err(RuntimeError::Config(format!(
+                "tensor-parallel degree {} needs {} peer addresses, got {}",
+                t.world,
+                t.world - 1,
+                t.peers.len()
+            )));
+        }
+        let hello = (1..t.world)
+            .map(|rank| {
+                serde_json::to_vec(&Hello {
+                    version: PROTOCOL_VERSION,
+                    rank,
+                    world: t.world,
+                    config: cfg.clone(),
+                    fingerprint,
+                })
+                .map_err(|e| RuntimeError::Tp(e.to_string()))
+            })
+            .collect::<Result<_>>()?;
+        let mut g = Group {
+            opts: t.clone(),
+            hello,
+            links: Vec::new(),
+            epoch: 0,
+            next_cache: 0,
+            buf: Vec::new(),
+            words: Vec::new(),
+        };
+        let deadline = Instant::now() + t.connect_timeout;
+        let mut said = Instant::now() - Duration::from_secs(60);
+        loop {
+            match g.dial() {
+                Ok(()) => return Ok(g),
+                // A refusal (another checkpoint, version or rank) will not go away.
+                Err(e @ RuntimeError::Config(_)) => return Err(e),
+                Err(e) if Instant::now() < deadline => {
+                    if said.elapsed() > Duration::from_secs(10) {
+                        tracing::info!("waiting for the tensor-parallel ranks: {e}");
+                        said = Instant::now();
+                    }
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Connects every other rank and checks it holds the same checkpoint in the same place.
+    fn dial(&mut self) -> Result<()> {
+        self.links.clear();
+        let mut links = Vec::with_capacity(self.opts.peers.len());
+        for (i, addr) in self.opts.peers.iter().enumerate() {
+            let rank = i + 1;
+            let unreachable = |e: String| RuntimeError::Tp(format!("rank {rank} at {addr}: {e}"));
+            let sa = addr
+                .to_socket_addrs()
+                .map_err(|e| unreachable(e.to_string()))?
+                .next()
+                .ok_or_else(|| unreachable("no address".into()))?;
+            let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5))
+                .map_err(|e| unreachable(e.to_string()))?;
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(self.opts.io_timeout))?;
+            s.set_write_timeout(Some(self.opts.io_timeout))?;
+            write_frame(&mut s, HELLO, &self.hello[i], &mut self.buf)
+                .map_err(|e| unreachable(e.to_string()))?;
+            match read_frame(&mut s, &mut self.buf).map_err(|e| unreachable(e.to_string()))? {
+                OK => links.push(s),
+                ERR => {
+                    return Err(RuntimeError::Config(format!(
+                        "tensor-parallel rank {rank} at {addr} refused: {}",
+                        String::from_utf8_lossy(&self.buf)
+                    )));
+                }
+                k => return Err(unreachable(format!("answered frame {k} to hello"))),
+            }
+        }
+        self.links = links;
+        self.epoch += 1;
+        Ok(())
+    }
+
+    /// Drops the links after a failed exchange (they are mid-frame); the next forward dials.
+    fn broken(&mut self, e: RuntimeError) -> RuntimeError {
+        self.links.clear();
+        match e {
+            RuntimeError::Io(io) => RuntimeError::Tp(format!("link to a shard rank lost: {io}")),
+            e => e,
+        }
+    }
+
+    /// Starts a forward on every rank: cache identity and shape, pending block copies, and the
+    /// batch layout.
+    pub(crate) fn begin(&mut self, cache: &mut KvCache, meta: &BatchMeta) -> Result<()> {
+        if self.links.is_empty() {
+            self.dial()?;
+        }
+        let fresh = cache.tp_tag().map(|(e, _)| e) != Some(self.epoch);
+        if fresh {
+            if cache.has_content() {
+                return Err(RuntimeError::Tp(
+                    "the shard ranks reconnected and lost the KV this cache's sequences hold; \
+                     those sequences must start over"
+                        .into(),
+                ));
+            }
+            cache.clear_prefix_cache();
+            self.next_cache += 1;
+            cache.set_tp_tag(Some((self.epoch, self.next_cache)));
+        }
+        let id = cache.tp_tag().map(|(_, id)| id).unwrap_or_default();
+        let copies = cache.take_copies();
+        let kc = cache.config();
+        self.words.clear();
+        self.words.extend([
+            id as u32,
+            (id >> 32) as u32,
+            fresh as u32,
+            kc.block_size as u32,
+            kc.num_blocks as u32,
+            match kc.dtype {
+                KvDtype::F16 => 0,
+                KvDtype::F32 => 1,
+            },
+            copies.len() as u32,
+        ]);
+        for (f, t) in copies {
+            self.words.extend([f, t]);
+        }
+        meta.encode(&mut self.words);
+        let mut payload = Vec::new();
+        words_bytes(&self.words, &mut payload);
+        for i in 0..self.links.len() {
+            if let Err(e) = write_frame(&mut self.links[i], BEGIN, &payload, &mut self.buf) {
+                // The ranks that got it would wait for rows that never come.
+                cache.set_tp_tag(None);
+                return Err(self.broken(e.into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends rank 0's normalized rows to every other rank.
+    pub(crate) fn broadcast(&mut self, x: &[f32]) -> Result<()> {
+        for i in 0..self.links.len() {
+            if let Err(e) = write_f32s(&mut self.links[i], x, &mut self.buf) {
+                return Err(self.broken(e.into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds the other ranks' shares into `acc` (rank 0's own), in rank order.
+    pub(crate) fn reduce_add(&mut self, acc: &mut [f32]) -> Result<()> {
+        for i in 0..self.links.len() {
+            if let Err(e) = read_f32s(&mut self.links[i], &mut self.buf, acc, true) {
+                return Err(self.broken(e));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serves one shard rank (`model` loaded with [`TpOptions::shard`]) on `listener` until the
+/// listener fails. One leader at a time: a new connection (a restarted target worker) replaces
+/// the one being served.
+pub fn serve(model: Arc<Model>, listener: TcpListener) -> Result<()> {
+    let shard = model.shard();
+    if shard.rank == 0 {
+        return Err(RuntimeError::Config(
+            "rank 0 is the target worker itself; shard ranks are 1 and up".into(),
+        ));
+    }
+    let (tx, rx) = std::sync::mpsc::channel::<TcpStream>();
+    let current: Arc<Mutex<Option<TcpStream>>> = Arc::default();
+    let m = Arc::clone(&model);
+    std::thread::Builder::new()
+        .name(format!("tp-rank-{}", shard.rank))
+        .spawn(move || {
+            for s in rx {
+                let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                match serve_leader(&m, s) {
+                    Ok(()) => tracing::info!(%peer, "tensor-parallel leader left"),
+                    Err(e) => tracing::warn!(%peer, "tensor-parallel link ended: {e}"),
+                }
+            }
+        })?;
+    for conn in listener.incoming() {
+        let s = conn?;
+        let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        if let Ok(mut cur) = current.lock() {
+            if let Some(old) = cur.take() {
+                tracing::info!(%peer, "a new tensor-parallel leader connected; dropping the previous one");
+                let _ = old.shutdown(Shutdown::Both);
+            }
+            *cur = s.try_clone().ok();
+        }
+        if tx.send(s).is_err() {
+            return Err(RuntimeError::Tp(
+                "the shard's compute thread stopped".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// One leader's session: hello, then forwards until it leaves.
+fn serve_leader(model: &Model, mut s: TcpStream) -> Result<()> {
+    s.set_nodelay(true)?;
+    let mut buf = Vec::new();
+    let mut out = Vec::new();
+    if read_frame(&mut s, &mut buf)? != HELLO {
+        return Err(RuntimeError::Tp("the first frame was not a hello".into()));
+    }
+    let refuse = |s: &mut TcpStream, why: String, out: &mut Vec<u8>| -> Result<()> {
+        write_frame(s, ERR, why.as_bytes(), out)?;
+        Err(RuntimeError::Tp(why))
+    };
+    let h: Hello = match serde_json::from_slice(&buf) {
+        Ok(h) => h,
+        Err(e) => return refuse(&mut s, format!("unreadable hello: {e}"), &mut out),
+    };
+    let me = model.shard();
+    if h.version != PROTOCOL_VERSION {
+        return refuse(
+            &mut s,
+            format!(
+                "protocol version {} here, {} there",
+                PROTOCOL_VERSION, h.version
+            ),
+            &mut out,
+        );
+    }
+    if h.rank != me.rank || h.world != me.world {
+        return refuse(
+            &mut s,
+            format!(
+                "this is rank {} of {}, the leader expected rank {} of {}",
+                me.rank, me.world, h.rank, h.world
+            ),
+            &mut out,
+        );
+    }
+    if h.config != model.cfg || h.fingerprint != model.fingerprint() {
+        return refuse(
+            &mut s,
+            "this rank holds another checkpoint (config or weights differ)".into(),
+            &mut out,
+        );
+    }
+    write_frame(&mut s, OK, &[], &mut out)?;
+    let mut caches: Vec<(u64, KvCache, Instant)> = Vec::new();
+    loop {
+        let kind = match read_frame(&mut s, &mut buf) {
+            Ok(k) => k,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        if kind != BEGIN {
+            return refuse(
+                &mut s,
+                format!("expected a forward, got frame {kind}"),
+                &mut out,
+            );
+        }
+        let words = bytes_words(&buf);
+        if let Err(e) = forward(model, &mut s, &words, &mut caches, &mut buf, &mut out) {
+            // The leader is waiting for this rank's share: tell it why there is none.
+            let _ = write_frame(
+                &mut s,
+                ERR,
+                format!("rank {}: {e}", me.rank).as_bytes(),
+                &mut out,
+            );
+            return Err(e);
+        }
+    }
+}
+
+/// This rank's part of one forward.
+fn forward(
+    model: &Model,
+    s: &mut TcpStream,
+    words: &[u32],
+    caches: &mut Vec<(u64, KvCache, Instant)>,
+    buf: &mut Vec<u8>,
+    out: &mut Vec<u8>,
+) -> Result<()> {
+    let cfg = &model.cfg;
+    let mut w = Words(words);
+    let id = w.next()? as u64 | (w.next()? as u64) << 32;
+    let fresh = w.next()? != 0;
+    let (bs, nb) = (w.next()? as usize, w.next()? as usize);
+    let dtype = match w.next()? {
+        0 => KvDtype::F16,
+        1 => KvDtype::F32,
+        x => return Err(bad(format!("KV element type {x}"))),
+    };
+    let n_copies = w.next()? as usize;
+    let copies: Vec<(u32, u32)> = w
+        .take(2 * n_copies)?
+        .chunks_exact(2)
+        .map(|c| (c[0], c[1]))
+        .collect();
+    let meta = BatchMeta::decode(&mut w, bs, nb, cfg.max_ctx)?;
+    if fresh {
+        caches.retain(|(i, _, _)| *i != id);
+        if caches.len() >= MAX_CACHES
+            && let Some(j) = (0..caches.len()).min_by_key(|&j| caches[j].2)
+        {
+            caches.swap_remove(j);
+        }
+        if nb == 0 || bs == 0 || nb.saturating_mul(bs) > 1 << 28 {
+            return Err(bad(format!("a cache of {nb} blocks of {bs}")));
+        }
+        let c = KvCache::new(KvConfig {
+            n_layers: cfg.n_layers,
+            n_kv_heads: model.local.kv_heads,
+            head_dim: cfg.head_dim,
+            block_size: bs,
+            num_blocks: nb,
+            dtype,
+        })?;
+        caches.push((id, c, Instant::now()));
+    }
+    let Some((_, cache, used)) = caches.iter_mut().find(|(i, _, _)| *i == id) else {
+        return Err(RuntimeError::Tp(format!(
+            "no KV cache {id} here (this rank restarted or dropped it)"
+        )));
+    };
+    *used = Instant::now();
+    if cache.config().block_size != bs || cache.config().num_blocks != nb {
+        return Err(bad("the cache's shape changed".into()));
+    }
+    cache.copy_blocks(&copies)?;
+    let n = meta.tok_pos.len();
+    let d = cfg.d_model;
+    model.install(|| {
+        let mut b = model.bufs(n);
+        let mut clock = Clock::new(false);
+        let mut prof = ForwardProfile::default();
+        for li in 0..cfg.n_layers {
+            read_f32s(s, buf, &mut b.xn[..n * d], false)?;
+            model.attn_part(li, cache, &meta, &mut b, &mut clock, &mut prof)?;
+            write_f32s(s, &b.proj, out)?;
+            read_f32s(s, buf, &mut b.xn[..n * d], false)?;
+            model.ffn_part(li, n, &mut b, &mut clock, &mut prof)?;
+            write_f32s(s, &b.proj, out)?;
+        }
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(kv: usize, heads: usize, ffn: usize) -> ModelConfig {
+        ModelConfig {
+            arch: crate::Arch::Llama,
+            n_layers: 1,
+            d_model: 64,
+            n_heads: heads,
+            n_kv_heads: kv,
+            head_dim: 16,
+            ffn_dim: ffn,
+            vocab_size: 10,
+            rope_theta: 1e4,
+            rms_eps: 1e-5,
+            max_ctx: 64,
+            qkv_bias: false,
+            rope_interleaved: false,
+        }
+    }
+
+    #[test]
+    fn slices_cover_the_model_once() {
+        let c = cfg(4, 8, 96);
+        for w in Shard::degrees(&c) {
+            let mut heads = 0;
+            let mut ffn = 0;
+            for r in 0..w {
+                let l = Shard { rank: r, world: w }.local(&c).unwrap();
+                assert_eq!(l.head0, heads);
+                assert_eq!(l.ffn0, ffn);
+                assert_eq!(l.heads, 2 * l.kv_heads);
+                heads += l.heads;
+                ffn += l.ffn;
+            }
+            assert_eq!((heads, ffn), (8, 96));
+        }
+        assert_eq!(Shard::degrees(&c), vec![1, 2, 4]);
+        let e = Shard { rank: 0, world: 3 }
+            .local(&c)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("must divide") && e.contains("[1, 2, 4]"), "{e}");
+        assert!(Shard { rank: 2, world: 2 }.local(&c).is_err());
+    }
+
+    #[test]
+    fn raw_columns_cut_on_block_boundaries_only() {
+        use kernels::GgmlType;
+        // 2 rows × 64 columns of Q8_0 (blocks of 32 values, 34 bytes).
+        let data: Vec<u8> = (0..2 * 2 * 34).map(|i| i as u8).collect();
+        let raw = || RawTensor {
+            ty: GgmlType::Q8_0,
+            dims: vec![2, 64],
+            data: data.clone(),
+        };
+        let c = slice_raw(raw(), Part::Cols(32, 64), "w").unwrap();
+        assert_eq!(c.dims, vec![2, 32]);
+        assert_eq!(c.data[..34], data[34..68]);
+        assert_eq!(c.data[34..], data[102..136]);
+        let r = slice_raw(raw(), Part::Rows(1, 2), "w").unwrap();
+        assert_eq!((r.dims.clone(), &r.data[..]), (vec![1, 64], &data[68..]));
+        let e = slice_raw(raw(), Part::Cols(16, 48), "w")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("block boundaries"), "{e}");
+        assert!(slice_raw(raw(), Part::Rows(1, 3), "w").is_err());
+    }
+
+    #[test]
+    fn batch_layout_round_trips_and_bad_indices_are_refused() {
+        let m = BatchMeta::new(vec![(3, 2), (0, 1)], vec![vec![5, 1], vec![7]], 4);
+        assert_eq!(m.tok_pos, vec![3, 4, 0]);
+        assert_eq!(m.tok_slot, vec![5 * 4 + 3, 4, 7 * 4]);
+        let mut w = Vec::new();
+        m.encode(&mut w);
+        let d = BatchMeta::decode(&mut Words(&w), 4, 8, 64).unwrap();
+        assert_eq!((d.seqs, d.tok_slot), (m.seqs, m.tok_slot));
+        // A block outside the cache, a table too short for the positions, past the context,
+        // a truncated frame.
+        assert!(BatchMeta::decode(&mut Words(&w), 4, 6, 64).is_err());
+        let short = [1, 3, 2, 1, 5];
+        assert!(BatchMeta::decode(&mut Words(&short), 4, 8, 64).is_err());
+        assert!(BatchMeta::decode(&mut Words(&w), 4, 8, 4).is_err());
+        assert!(BatchMeta::decode(&mut Words(&w[..w.len() - 1]), 4, 8, 64).is_err());
+    }
+}

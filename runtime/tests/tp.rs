@@ -1,0 +1,286 @@
+//! Tensor parallelism over real TCP links: shard ranks served on loopback, rank 0's forwards
+//! against the same model in one piece.
+
+use candle_core::quantized::GgmlDType;
+use dspark_runtime::model::{ForwardOptions, ForwardOutput, LogitsMode, SeqInput};
+use dspark_runtime::tiny::{TinySpec, tiny_model_path};
+use dspark_runtime::tp::{self, TpOptions};
+use dspark_runtime::{KvCache, LoadOptions, Model, RuntimeError, SeqId};
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn opts(tp: Option<TpOptions>) -> LoadOptions {
+    LoadOptions {
+        threads: 1,
+        tp,
+        ..Default::default()
+    }
+}
+
+/// Starts ranks 1.. of `world` on loopback; their addresses.
+fn start_ranks(path: &Path, world: usize) -> Vec<String> {
+    (1..world)
+        .map(|r| {
+            let m = Arc::new(Model::load(path, &opts(Some(TpOptions::shard(r, world)))).unwrap());
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let a = l.local_addr().unwrap().to_string();
+            std::thread::spawn(move || tp::serve(m, l));
+            a
+        })
+        .collect()
+}
+
+fn leader(path: &Path, peers: Vec<String>) -> Result<Model, RuntimeError> {
+    leader_with(path, peers, false)
+}
+
+fn leader_with(path: &Path, peers: Vec<String>, dense: bool) -> Result<Model, RuntimeError> {
+    let mut t = TpOptions::leader(peers);
+    t.connect_timeout = Duration::from_secs(10);
+    t.io_timeout = Duration::from_secs(20);
+    Model::load(
+        path,
+        &LoadOptions {
+            dense,
+            ..opts(Some(t))
+        },
+    )
+}
+
+fn fwd(m: &Model, c: &mut KvCache, batch: &[(SeqId, &[u32])]) -> ForwardOutput {
+    let inputs: Vec<SeqInput<'_>> = batch
+        .iter()
+        .map(|&(seq, tokens)| SeqInput {
+            seq,
+            tokens,
+            logits: LogitsMode::All,
+        })
+        .collect();
+    m.forward(c, &inputs, &ForwardOptions::default()).unwrap()
+}
+
+/// A serving-like run: two prompts prefilled together, verification windows, rollbacks, a fork
+/// in the middle of a block (copy-on-write) and prefix-cache reuse. Returns every logits row.
+fn scenario(m: &Model) -> Vec<Vec<f32>> {
+    let mut c = m.new_cache(256, 8).unwrap();
+    c.set_prefix_caching(true);
+    let mut rows = Vec::new();
+    let a = c.new_seq();
+    let b = c.new_seq();
+    let pa: Vec<u32> = (0..13).map(|i| (i * 7 + 3) % 200).collect();
+    let pb: Vec<u32> = (0..5).map(|i| (i * 11 + 1) % 200).collect();
+    rows.push(fwd(m, &mut c, &[(a, &pa), (b, &pb)]).logits);
+    for step in 0..4u32 {
+        let wa: Vec<u32> = (0..4).map(|j| (step * 13 + j * 5) % 200).collect();
+        rows.push(fwd(m, &mut c, &[(a, &wa), (b, &[step + 9])]).logits);
+        // Keep 2 of the 4 verified tokens.
+        let len = c.len(a).unwrap();
+        c.truncate(a, len - 2).unwrap();
+    }
+    // Fork `a` mid-block and extend both: the shared tail block is copied.
+    let len = c.len(a).unwrap();
+    assert!(!len.is_multiple_of(8));
+    let f = c.fork(a, len).unwrap();
+    rows.push(fwd(m, &mut c, &[(f, &[42, 43]), (a, &[44])]).logits);
+    // A finished prompt's blocks are found again by a new sequence.
+    c.register(b, &[pb.clone(), (9..13).collect::<Vec<u32>>()].concat())
+        .unwrap();
+    c.remove(b).unwrap();
+    let mut again = pb.clone();
+    again.extend(9..13u32);
+    again.extend([50, 51, 52]);
+    let (s, hit) = c.new_seq_with_prefix(&again, 64);
+    assert!(hit > 0, "the prefix cache found nothing");
+    rows.push(fwd(m, &mut c, &[(s, &again[hit..])]).logits);
+    c.check().unwrap();
+    rows
+}
+
+fn max_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0f32;
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.len(), y.len());
+        let scale = y.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p - q).abs() / scale);
+        }
+    }
+    worst
+}
+
+fn argmaxes(rows: &[Vec<f32>], vocab: usize) -> Vec<u32> {
+    rows.iter()
+        .flat_map(|r| r.chunks(vocab))
+        .map(kernels::sampling::argmax)
+        .collect()
+}
+
+#[test]
+fn split_forwards_match_the_whole_model() {
+    let q80_qwen = TinySpec {
+        dtype: GgmlDType::Q8_0,
+        ..TinySpec::qwen2(5)
+    };
+    for (spec, name) in [(TinySpec::llama(3), "tp-llama"), (q80_qwen, "tp-qwen2-q80")] {
+        let path = tiny_model_path(&spec, name).unwrap();
+        let mut runs = Vec::new();
+        for dense in [true, false] {
+            let o = |tp| LoadOptions { dense, ..opts(tp) };
+            let whole = Model::load(&path, &o(None)).unwrap();
+            let want = scenario(&whole);
+            let peers = (1..2)
+                .map(|r| {
+                    let m = Model::load(&path, &o(Some(TpOptions::shard(r, 2)))).unwrap();
+                    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+                    let a = l.local_addr().unwrap().to_string();
+                    let m = Arc::new(m);
+                    std::thread::spawn(move || tp::serve(m, l));
+                    a
+                })
+                .collect();
+            let m = leader_with(&path, peers, dense).unwrap();
+            assert_eq!(m.tp_degree(), 2);
+            let got = scenario(&m);
+            // Shares are added in rank order: the same forward twice is the same bits.
+            assert_eq!(scenario(&m), got, "{name}: not deterministic");
+            assert_eq!(
+                argmaxes(&got, whole.cfg.vocab_size),
+                argmaxes(&want, whole.cfg.vocab_size),
+                "{name}"
+            );
+            runs.push((max_rel_diff(&got, &want), want));
+        }
+        let (dense_diff, dense_want) = &runs[0];
+        let (quant_diff, quant_want) = &runs[1];
+        let noise = max_rel_diff(quant_want, dense_want);
+        eprintln!(
+            "{name}: split vs whole {dense_diff:.2e} in f32, {quant_diff:.2e} quantized \
+             (quantized vs f32: {noise:.2e})"
+        );
+        // In f32 the split only adds partial sums in another order.
+        assert!(
+            *dense_diff < 1e-5,
+            "{name}: f32 logits differ by {dense_diff}"
+        );
+        // The integer kernels set activation scales and outliers per 256-wide neighbourhood of
+        // a row, which a split of the inputs moves: a change within what quantization costs.
+        assert!(
+            quant_diff < &noise,
+            "{name}: quantized logits differ by {quant_diff}, quantization itself by {noise}"
+        );
+    }
+}
+
+#[test]
+fn ranks_refuse_what_they_cannot_serve() {
+    let spec = TinySpec::llama(3);
+    let path = tiny_model_path(&spec, "tp-llama").unwrap();
+    // A degree that does not divide the KV heads.
+    let e = Model::load(&path, &opts(Some(TpOptions::shard(1, 3)))).unwrap_err();
+    assert!(e.to_string().contains("must divide"), "{e}");
+    // Another checkpoint at rank 1.
+    let other = tiny_model_path(&TinySpec::llama(4), "tp-llama-other").unwrap();
+    let e = leader(&path, start_ranks(&other, 2)).unwrap_err();
+    assert!(e.to_string().contains("another checkpoint"), "{e}");
+    // Rank 1 of 2 dialled as rank 1 of 4 (a wrong peer list).
+    let four = TinySpec {
+        d_model: 128,
+        n_kv_heads: 4,
+        ..TinySpec::llama(3)
+    };
+    let path4 = tiny_model_path(&four, "tp-llama-kv4").unwrap();
+    let peers = start_ranks(&path4, 2);
+    let e = leader(&path4, vec![peers[0].clone(); 3]).unwrap_err();
+    assert!(e.to_string().contains("this is rank 1 of 2"), "{e}");
+    // K-quant columns (blocks of 256) do not split into two heads of 64.
+    let k = tiny_model_path(&TinySpec::qwen2(5), "tp-qwen2-k").unwrap();
+    let e = Model::load(&k, &opts(Some(TpOptions::shard(1, 2)))).unwrap_err();
+    assert!(e.to_string().contains("block boundaries"), "{e}");
+    // Forwards run on rank 0 only, and a cache of the wrong shape is refused, not indexed.
+    let r1 = Model::load(&path, &opts(Some(TpOptions::shard(1, 2)))).unwrap();
+    let mut c = r1.new_cache(64, 8).unwrap();
+    let s = c.new_seq();
+    let e = r1
+        .forward(
+            &mut c,
+            &[SeqInput {
+                seq: s,
+                tokens: &[1],
+                logits: LogitsMode::Last,
+            }],
+            &ForwardOptions::default(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("forwards run on rank 0"), "{e}");
+    let whole = Model::load(&path, &opts(None)).unwrap();
+    let mut c = whole.new_cache(64, 8).unwrap();
+    let s = c.new_seq();
+    let m = leader(&path, start_ranks(&path, 2)).unwrap();
+    let e = m
+        .forward(
+            &mut c,
+            &[SeqInput {
+                seq: s,
+                tokens: &[1],
+                logits: LogitsMode::Last,
+            }],
+            &ForwardOptions::default(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("KV cache of"), "{e}");
+}
+
+#[test]
+fn a_lost_link_fails_forwards_then_reconnects_and_starts_over() {
+    let spec = TinySpec::llama(3);
+    let path = tiny_model_path(&spec, "tp-llama").unwrap();
+    let whole = Model::load(&path, &opts(None)).unwrap();
+    let peers = start_ranks(&path, 2);
+    let m = leader(&path, peers.clone()).unwrap();
+    let mut c = m.new_cache(128, 8).unwrap();
+    let a = c.new_seq();
+    fwd(&m, &mut c, &[(a, &[1, 2, 3, 4, 5])]);
+    // A second leader takes rank 1 over (as a restarted target worker would): the first
+    // one's link is cut.
+    let other = leader(&path, peers).unwrap();
+    let mut c2 = other.new_cache(64, 8).unwrap();
+    let s2 = c2.new_seq();
+    fwd(&other, &mut c2, &[(s2, &[9])]);
+    let step = |c: &mut KvCache, seq: SeqId, t: &[u32]| {
+        m.forward(
+            c,
+            &[SeqInput {
+                seq,
+                tokens: t,
+                logits: LogitsMode::Last,
+            }],
+            &ForwardOptions::default(),
+        )
+    };
+    let e = step(&mut c, a, &[6]).unwrap_err();
+    assert!(matches!(e, RuntimeError::Tp(_)), "{e}");
+    // Reconnected, but rank 1 no longer holds `a`'s KV: refused rather than computed wrong.
+    let e = step(&mut c, a, &[6]).unwrap_err();
+    assert!(e.to_string().contains("must start over"), "{e}");
+    // Once the sequence is gone the cache serves again, and correctly.
+    c.remove(a).unwrap();
+    let b = c.new_seq();
+    let got = step(&mut c, b, &[1, 2, 3, 4, 5, 6]).unwrap();
+    let mut wc = whole.new_cache(64, 8).unwrap();
+    let wb = wc.new_seq();
+    let want = whole
+        .forward(
+            &mut wc,
+            &[SeqInput {
+                seq: wb,
+                tokens: &[1, 2, 3, 4, 5, 6],
+                logits: LogitsMode::Last,
+            }],
+            &ForwardOptions::default(),
+        )
+        .unwrap();
+    assert!(max_rel_diff(&[got.logits], &[want.logits]) < 1e-4);
+}
