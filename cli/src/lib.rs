@@ -76,7 +76,7 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Start the whole cluster on loopback: scheduler, draft and target workers, router.
     Up(up::UpArgs),
-    /// One cluster piece: `dspark scheduler|target-worker|draft-worker|router --help`.
+    /// One cluster piece: `dspark scheduler|target-worker|tp-shard|draft-worker|router --help`.
     #[command(external_subcommand)]
     Service(Vec<String>),
 }
@@ -151,6 +151,11 @@ fn service(argv: Vec<String>) -> anyhow::Result<()> {
             let a = target_worker::TargetArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
             rt.block_on(target_worker::run(a))?;
         }
+        "tp-shard" => {
+            let a =
+                target_worker::shard::ShardArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+            rt.block_on(target_worker::shard::run(a))?;
+        }
         "draft-worker" => {
             let a = draft_worker::DraftArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
             rt.block_on(draft_worker::run(a))?;
@@ -160,7 +165,7 @@ fn service(argv: Vec<String>) -> anyhow::Result<()> {
             rt.block_on(router::run(a))?;
         }
         other => anyhow::bail!(
-            "unknown command `{other}` (see `dspark --help`; services: scheduler, target-worker, draft-worker, router)"
+            "unknown command `{other}` (see `dspark --help`; services: scheduler, target-worker, tp-shard, draft-worker, router)"
         ),
     }
     Ok(())

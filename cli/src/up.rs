@@ -20,6 +20,11 @@ pub struct UpArgs {
     pub draft_workers: usize,
     #[arg(long, default_value_t = 1)]
     pub target_workers: usize,
+    /// Tensor-parallel degree of each target worker: it runs as rank 0 with this many minus
+    /// one `dspark tp-shard` processes, each holding its share of the heads and FFN columns
+    /// (the degree must divide the model's KV heads: 3 for SmolLM2).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
     /// Run the drafter inside each target worker instead of in draft workers (for comparison).
     #[arg(long)]
     pub in_process_drafter: bool,
@@ -150,6 +155,7 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         eprintln!("no draft workers: target workers decode with their local fallback drafter");
     }
     anyhow::ensure!(a.target_workers >= 1, "--target-workers must be at least 1");
+    anyhow::ensure!(a.tp >= 1, "--tp must be at least 1");
     // Fetch once here so the children do not race for the download.
     g.resolve_model(&a.target)?;
     let drafter = a
@@ -230,6 +236,29 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         if a.pingpong {
             t.push("--pingpong".into());
         }
+        let mut peers = Vec::new();
+        for rank in 1..a.tp {
+            let listen = format!("127.0.0.1:{}", free_port()?);
+            let mut s = vec![
+                "tp-shard".to_string(),
+                "--model".into(),
+                a.target.clone(),
+                "--tp-rank".into(),
+                rank.to_string(),
+                "--tp-size".into(),
+                a.tp.to_string(),
+                "--listen".into(),
+                listen.clone(),
+                "--drain-timeout-s".into(),
+                UP_DRAIN_S.into(),
+            ];
+            s.extend(common.clone());
+            kids.spawn(&format!("target-worker {i} rank {rank}"), &s)?;
+            peers.push(listen);
+        }
+        if !peers.is_empty() {
+            t.extend(["--tp-peers".into(), peers.join(",")]);
+        }
         t.extend(reg.clone());
         t.extend(common.clone());
         kids.spawn(&format!("target-worker {i}"), &t)?;
@@ -297,9 +326,14 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         }
     }
     out!(
-        "\ndspark cluster up in {:.1} s: router {url} · {} target worker(s) · {} draft worker(s) ({drafter}{})",
+        "\ndspark cluster up in {:.1} s: router {url} · {} target worker(s){} · {} draft worker(s) ({drafter}{})",
         t0.elapsed().as_secs_f64(),
         a.target_workers,
+        if a.tp > 1 {
+            format!(" of {} tensor-parallel ranks", a.tp)
+        } else {
+            String::new()
+        },
         drafts,
         if a.in_process_drafter {
             ", in-process"

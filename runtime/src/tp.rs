@@ -614,10 +614,33 @@ impl Group {
     }
 }
 
+/// What a serving shard rank is doing, for its process to watch (drain, logs).
+#[derive(Debug, Default)]
+pub struct ShardState {
+    leader: std::sync::atomic::AtomicBool,
+    forwards: std::sync::atomic::AtomicU64,
+}
+
+impl ShardState {
+    /// Whether a rank 0 is connected.
+    pub fn connected(&self) -> bool {
+        self.leader.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    /// Forwards served so far.
+    pub fn forwards(&self) -> u64 {
+        self.forwards.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// Serves one shard rank (`model` loaded with [`TpOptions::shard`]) on `listener` until the
 /// listener fails. One leader at a time: a new connection (a restarted target worker) replaces
 /// the one being served.
 pub fn serve(model: Arc<Model>, listener: TcpListener) -> Result<()> {
+    serve_with(model, listener, Arc::default())
+}
+
+/// [`serve`], reporting into `state`.
+pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardState>) -> Result<()> {
     let shard = model.shard();
     if shard.rank == 0 {
         return Err(RuntimeError::Config(
@@ -630,9 +653,13 @@ pub fn serve(model: Arc<Model>, listener: TcpListener) -> Result<()> {
     std::thread::Builder::new()
         .name(format!("tp-rank-{}", shard.rank))
         .spawn(move || {
+            use std::sync::atomic::Ordering;
             for s in rx {
                 let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                match serve_leader(&m, s) {
+                state.leader.store(true, Ordering::SeqCst);
+                let r = serve_leader(&m, s, &state.forwards);
+                state.leader.store(false, Ordering::SeqCst);
+                match r {
                     Ok(()) => tracing::info!(%peer, "tensor-parallel leader left"),
                     Err(e) => tracing::warn!(%peer, "tensor-parallel link ended: {e}"),
                 }
@@ -658,7 +685,11 @@ pub fn serve(model: Arc<Model>, listener: TcpListener) -> Result<()> {
 }
 
 /// One leader's session: hello, then forwards until it leaves.
-fn serve_leader(model: &Model, mut s: TcpStream) -> Result<()> {
+fn serve_leader(
+    model: &Model,
+    mut s: TcpStream,
+    forwards: &std::sync::atomic::AtomicU64,
+) -> Result<()> {
     s.set_nodelay(true)?;
     let mut buf = Vec::new();
     let mut out = Vec::new();
@@ -727,6 +758,7 @@ fn serve_leader(model: &Model, mut s: TcpStream) -> Result<()> {
             );
             return Err(e);
         }
+        forwards.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

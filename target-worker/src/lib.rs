@@ -12,6 +12,7 @@ pub mod engine_loop;
 pub mod metrics;
 pub mod remote;
 pub mod service;
+pub mod shard;
 pub mod sps;
 
 use clap::Parser;
@@ -121,6 +122,14 @@ pub struct TargetArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Tensor parallelism: the addresses of this worker's other ranks (`dspark tp-shard`),
+    /// rank 1 first, comma-separated. This worker is rank 0 of a group of one more than
+    /// listed; each rank holds its share of the heads and FFN columns.
+    #[arg(long, env = "DSPARK_TP_PEERS", value_delimiter = ',')]
+    pub tp_peers: Vec<String>,
+    /// How long to wait at start for the other ranks to come up.
+    #[arg(long, env = "DSPARK_TP_CONNECT_TIMEOUT_S", default_value_t = 600)]
+    pub tp_connect_timeout_s: u64,
     /// KV cache element type: f16 (half the bytes attention reads) or f32.
     #[arg(long, env = "DSPARK_KV_CACHE_DTYPE", default_value = "f16")]
     pub kv_cache_dtype: String,
@@ -380,7 +389,21 @@ fn build_engine(
     feature_dtype: dspark_proto::Dtype,
     fallback_kind: specdec::ProposerKind,
 ) -> Result<Built> {
-    let target = hub.load(&a.model)?;
+    let target = if a.tp_peers.is_empty() {
+        hub.load(&a.model)?
+    } else {
+        let mut tp = dspark_runtime::tp::TpOptions::leader(a.tp_peers.clone());
+        tp.connect_timeout = Duration::from_secs(a.tp_connect_timeout_s);
+        let mut h = hub.clone();
+        h.opts.tp = Some(tp);
+        let t = h.load(&a.model)?;
+        tracing::info!(
+            degree = t.model.tp_degree(),
+            peers = ?a.tp_peers,
+            "tensor-parallel ranks connected"
+        );
+        t
+    };
     let vocab_hash = target.tok.vocab_hash();
     let vocab = target.model.cfg.vocab_size;
     let max_ctx = target.model.cfg.max_ctx;

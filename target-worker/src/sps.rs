@@ -57,7 +57,7 @@ pub fn key_for(name: &str, path: &Path, model: &Model, grid: &[usize], ctxs: &[u
             kernels::cpu_model()
         ),
         threads: model.threads(),
-        tp: 1,
+        tp: model.tp_degree(),
         // The kernels' revision too: a profile measured before a kernel change is stale.
         runtime: format!("{}+{}", env!("CARGO_PKG_VERSION"), kernels::REVISION),
         grid: set(grid),

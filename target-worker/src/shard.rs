@@ -1,0 +1,92 @@
+//! `dspark tp-shard`: one of ranks 1.. of a tensor-parallel target worker. It loads its slice
+//! of the target (its heads and FFN columns, [`dspark_runtime::tp`]), opens its port once
+//! loaded, and computes its share of every forward the target worker (rank 0, started with
+//! `--tp-peers`) sends it. It holds no requests: on SIGTERM it keeps serving while its rank 0
+//! is still connected (draining), up to `--drain-timeout-s`.
+
+use crate::{Result, TargetError};
+use clap::Parser;
+use dspark_runtime::tp::{self, ShardState, TpOptions};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Parser, Debug, Clone)]
+#[command(name = "tp-shard", about = "dspark tensor-parallel shard rank")]
+pub struct ShardArgs {
+    /// Target model (name or path): the same checkpoint as its target worker.
+    #[arg(long, env = "DSPARK_MODEL", default_value = "smollm2-135m")]
+    pub model: String,
+    /// This rank (1 .. size-1; rank 0 is the target worker).
+    #[arg(long, env = "DSPARK_TP_RANK")]
+    pub tp_rank: usize,
+    /// Ranks in the group, the target worker included.
+    #[arg(long, env = "DSPARK_TP_SIZE")]
+    pub tp_size: usize,
+    /// Where rank 0 dials this rank (port 0 picks a free one; the bound address is printed).
+    #[arg(long, env = "DSPARK_TP_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+    /// Compute threads (0 = all cores).
+    #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
+    pub threads: usize,
+    /// On SIGTERM or Ctrl-C: keep serving while rank 0 is connected (it drains its requests)
+    /// for up to this many seconds.
+    #[arg(long, env = "DSPARK_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
+    #[arg(long, env = "DSPARK_HOME")]
+    pub home: Option<PathBuf>,
+    #[arg(long, env = "DSPARK_PYTHON", default_value = "python3")]
+    pub python: String,
+    #[arg(long, hide = true)]
+    pub exit_on_stdin_eof: bool,
+}
+
+pub async fn run(a: ShardArgs) -> Result<()> {
+    if a.tp_size < 2 || a.tp_rank == 0 || a.tp_rank >= a.tp_size {
+        return Err(TargetError::Config(format!(
+            "--tp-rank {} of --tp-size {}: shard ranks are 1 .. size-1 (rank 0 is the target worker)",
+            a.tp_rank, a.tp_size
+        )));
+    }
+    let home = dspark_runtime::fetch::dspark_home(a.home.as_deref());
+    let path =
+        dspark_runtime::fetch::resolve(&a.model, &home, &a.python, &mut |m| eprintln!("{m}"))
+            .map_err(|e| TargetError::Config(format!("model: {e}")))?;
+    let opts = dspark_runtime::LoadOptions {
+        threads: a.threads,
+        tp: Some(TpOptions::shard(a.tp_rank, a.tp_size)),
+        ..Default::default()
+    };
+    let model = tokio::task::spawn_blocking(move || dspark_runtime::Model::load(&path, &opts))
+        .await
+        .map_err(|e| TargetError::Config(format!("loader: {e}")))?
+        .map_err(|e| TargetError::Config(format!("model: {e}")))?;
+    // Listening only once loaded: a probe on the port reads "not ready" until then.
+    let listener = std::net::TcpListener::bind(a.listen)?;
+    println!(
+        "tensor-parallel rank {} of {} ({}, {}) listening on {}",
+        a.tp_rank,
+        a.tp_size,
+        a.model,
+        model.weights_desc,
+        listener.local_addr()?
+    );
+    let state = Arc::new(ShardState::default());
+    let st = Arc::clone(&state);
+    let model = Arc::new(model);
+    std::thread::Builder::new()
+        .name("tp-accept".into())
+        .spawn(move || {
+            if let Err(e) = tp::serve_with(model, listener, st) {
+                tracing::error!("tensor-parallel rank stopped: {e}");
+                std::process::exit(1);
+            }
+        })?;
+    dspark_scheduler::stop_requested(a.exit_on_stdin_eof).await;
+    let limit = Duration::from_secs(a.drain_timeout_s);
+    dspark_scheduler::drain("rank 0's link", limit, || state.connected() as usize).await;
+    tracing::info!(forwards = state.forwards(), "tensor-parallel rank stopping");
+    dspark_scheduler::exit_after(Duration::ZERO);
+    Ok(())
+}
