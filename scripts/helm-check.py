@@ -107,6 +107,7 @@ def check_schema(helm, values_sets):
             ({"scheduler": {"prefixAffinitySlack": -1}}, "a negative affinity slack"),
             ({"targetWorker": {"prefixCaching": "yes"}}, "a string for prefix caching"),
             ({"router": {"toolCallParser": "mistral"}}, "a tool-call parser the router lacks"),
+            ({"targetWorker": {"tensorParallel": {"size": 0}}}, "a tensor-parallel degree of 0"),
         ]
         for v, what in bad:
             try:
@@ -240,14 +241,38 @@ def free_port():
         return s.getsockname()[1]
 
 
+def free_ports(n):
+    """The first of `n` consecutive free ports."""
+    while True:
+        first = free_port()
+        if first + n > 65536:
+            continue
+        socks = []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
 def run_render(helm, binary):
     """Starts the render's pods as loopback processes and serves one request through them."""
     ports = {k: free_port() for k in ("router", "scheduler", "smetrics", "target", "metrics", "draft", "dmetrics",
                                       "etcd", "peer")}
+    # The target worker runs split three ways (SmolLM2 has 3 KV heads): ranks 1 and 2 on two
+    # consecutive ports from tensorParallel.port.
+    ports["tp"] = free_ports(2)
     values = {
         "router": {"port": ports["router"], "autoscaling": {"enabled": False}, "replicas": 1},
         "scheduler": {"port": ports["scheduler"], "metricsPort": ports["smetrics"]},
-        "targetWorker": {"port": ports["target"], "metricsPort": ports["metrics"], "replicas": 1, "threads": 1},
+        "targetWorker": {"port": ports["target"], "metricsPort": ports["metrics"], "replicas": 1, "threads": 1,
+                         "tensorParallel": {"size": 3, "port": ports["tp"]}},
         "draftWorker": {"port": ports["draft"], "metricsPort": ports["dmetrics"], "replicas": 1, "threads": 1},
         "etcd": {"clientPort": ports["etcd"], "peerPort": ports["peer"]},
         "registrationTtlMs": 1500,
