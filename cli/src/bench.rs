@@ -32,6 +32,9 @@ pub enum BenchCmd {
     /// Structured output's token mask per position, by format and document state: the plain
     /// token fast path against the validator on every candidate, in one run.
     Mask(MaskArgs),
+    /// Forward time with the target split over tensor-parallel ranks (links included), each
+    /// degree side by side, and greedy agreement with the whole model.
+    Tp(crate::tp_bench::TpArgs),
 }
 
 #[derive(Args, Debug)]
@@ -140,6 +143,7 @@ pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Draft(a) => crate::draft_bench::run(g, a),
         BenchCmd::Prefix(a) => crate::prefix_bench::run(g, a),
         BenchCmd::Mask(a) => mask_bench(g, a),
+        BenchCmd::Tp(a) => crate::tp_bench::run(g, a),
     }
 }
 
@@ -166,7 +170,7 @@ fn stats(mut v: Vec<f64>) -> (f64, f64) {
 
 /// Deterministic pseudo-text token ids (avoids special tokens at the low end of a real
 /// vocabulary; a tiny test vocabulary is used whole).
-fn filler(n: usize, vocab: usize, salt: usize) -> Vec<u32> {
+pub(crate) fn filler(n: usize, vocab: usize, salt: usize) -> Vec<u32> {
     let lo = if vocab > 2000 { 1000 } else { 0 };
     let span = vocab.saturating_sub(lo).max(1);
     (0..n)
@@ -176,7 +180,7 @@ fn filler(n: usize, vocab: usize, salt: usize) -> Vec<u32> {
 
 /// One sequence prefilled to `ctx`, forked `batch` times (shared blocks: the KV content is the
 /// same for every row, which is all a timing needs).
-fn prefilled(
+pub(crate) fn prefilled(
     model: &Model,
     ctx: usize,
     batch: usize,

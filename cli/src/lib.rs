@@ -24,6 +24,7 @@ pub mod prefix_bench;
 pub mod profile;
 pub mod serve_bench;
 pub mod spec;
+pub mod tp_bench;
 pub mod train;
 pub mod up;
 
