@@ -876,3 +876,53 @@ fn plan_sizes_both_pools_for_an_slo_and_refuses_bad_inputs() {
     let (code, _, err) = dspark(&d, &args);
     assert!(code != 0 && err.contains("concurrency"), "{err}");
 }
+
+#[test]
+fn bench_tp_times_each_degree_and_refuses_one_that_does_not_split() {
+    let d = tmpdir("tp");
+    let m = tiny(&d);
+    let json = d.join("tp.json");
+    let args = |degrees: &'static str| {
+        vec![
+            "bench".to_string(),
+            "tp".into(),
+            "--model".into(),
+            m.clone(),
+            "--degrees".into(),
+            degrees.into(),
+            "--batch".into(),
+            "1,4".into(),
+            "--ctx".into(),
+            "16".into(),
+            "--reps".into(),
+            "2".into(),
+            "--rounds".into(),
+            "1".into(),
+            "--tokens".into(),
+            "6".into(),
+            "--json".into(),
+            json.display().to_string(),
+        ]
+    };
+    let a = args("1,2");
+    let (code, out, err) = dspark(&d, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 0, "{err}");
+    let v = read_json(&json);
+    let points = v["points"].as_array().unwrap();
+    assert_eq!(points.len(), 4, "{v}");
+    for p in points {
+        assert!(p["median_ms"].as_f64().unwrap() > 0.0, "{p}");
+        let link = p["link_bytes_per_forward"].as_u64().unwrap();
+        assert_eq!(link > 0, p["degree"] == 2, "{p}");
+    }
+    // The split tiny model decodes what the whole one does.
+    assert_eq!(v["greedy"][1]["equal_to_whole_model"], true, "{v}\n{out}");
+    // The tiny model has 2 KV heads: a degree of 3 is refused with the degrees that work.
+    let a = args("1,3");
+    let (code, _, err) = dspark(&d, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("must divide") && err.contains("[1, 2]"),
+        "{err}"
+    );
+}
