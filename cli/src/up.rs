@@ -213,6 +213,12 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         d.extend(common.clone());
         kids.spawn(&format!("draft-worker {i}"), &d)?;
     }
+    // A split target's ranks compute at the same time: they share the cores.
+    let mut tcommon = common.clone();
+    if a.tp > 1 {
+        let n = tcommon.len();
+        tcommon[n - 1] = (g.effective_threads() / a.tp).max(1).to_string();
+    }
     for i in 0..a.target_workers {
         let mut t = vec![
             "target-worker".to_string(),
@@ -249,10 +255,11 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
                 a.tp.to_string(),
                 "--listen".into(),
                 listen.clone(),
+                // Outlasts its target worker's drain (it stops as soon as that one has left).
                 "--drain-timeout-s".into(),
-                UP_DRAIN_S.into(),
+                "4".into(),
             ];
-            s.extend(common.clone());
+            s.extend(tcommon.clone());
             kids.spawn(&format!("target-worker {i} rank {rank}"), &s)?;
             peers.push(listen);
         }
@@ -260,7 +267,7 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
             t.extend(["--tp-peers".into(), peers.join(",")]);
         }
         t.extend(reg.clone());
-        t.extend(common.clone());
+        t.extend(tcommon.clone());
         kids.spawn(&format!("target-worker {i}"), &t)?;
     }
     let listen = format!("{}:{}", a.host, a.port);

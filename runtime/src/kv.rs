@@ -195,6 +195,12 @@ pub struct KvCache {
     /// Block copies (copy-on-write) since the last forward, for the shard ranks to repeat;
     /// recorded only while `tp` is set.
     copies: Vec<(u32, u32)>,
+    /// The shard ranks lost what this cache held: nothing is registered in or served from the
+    /// prefix cache until the sequences computed before are gone and the cache is synced anew.
+    tp_lost: bool,
+    /// Held while a leader has this cache synced; the leader keeps a weak reference, and tells
+    /// the shard ranks to free their part once it is dropped.
+    tp_alive: Option<std::sync::Arc<()>>,
 }
 
 impl KvConfig {
@@ -222,6 +228,8 @@ impl KvCache {
             next_id: 0,
             tp: None,
             copies: Vec::new(),
+            tp_lost: false,
+            tp_alive: None,
             prefix: PrefixIndex {
                 key: vec![None; cfg.num_blocks],
                 children: vec![Vec::new(); cfg.num_blocks],
@@ -268,7 +276,7 @@ impl KvCache {
     /// caching is off or nothing matches).
     pub fn new_seq_with_prefix(&mut self, tokens: &[u32], max_tokens: usize) -> (SeqId, usize) {
         let id = self.new_seq();
-        if !self.prefix.enabled {
+        if !self.prefix.enabled || self.tp_lost {
             return (id, 0);
         }
         let bs = self.cfg.block_size;
@@ -302,7 +310,7 @@ impl KvCache {
     /// Registers `seq`'s full blocks whose tokens are `tokens[..]` (positions written so far,
     /// at most `tokens.len()`), so later sequences can share them. No-op when caching is off.
     pub fn register(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(), RuntimeError> {
-        if !self.prefix.enabled {
+        if !self.prefix.enabled || self.tp_lost {
             return Ok(());
         }
         let bs = self.cfg.block_size;
@@ -643,11 +651,24 @@ impl KvCache {
         self.tp
     }
 
-    /// Tags the cache as held by the shard ranks of generation `epoch` under `id`; the copy
-    /// log starts empty.
-    pub(crate) fn set_tp_tag(&mut self, tag: Option<(u64, u64)>) {
-        self.tp = tag;
+    /// Tags the cache as held by the shard ranks of generation `epoch` under `id` (alive
+    /// while `alive` is); the copy log starts empty.
+    pub(crate) fn set_tp_tag(&mut self, tag: (u64, u64), alive: std::sync::Arc<()>) {
+        self.tp = Some(tag);
+        self.tp_alive = Some(alive);
+        self.tp_lost = false;
         self.copies.clear();
+    }
+
+    /// The shard ranks no longer hold this cache's part (a link failed mid-forward, a rank
+    /// restarted): its prefix cache is emptied and stays off until the cache is synced again,
+    /// so no new sequence adopts blocks the ranks lost.
+    pub(crate) fn mark_tp_lost(&mut self) {
+        self.tp = None;
+        self.tp_alive = None;
+        self.tp_lost = true;
+        self.copies.clear();
+        self.clear_prefix_cache();
     }
 
     /// The block copies since the last call (for the shard ranks).

@@ -783,51 +783,64 @@ impl Model {
         let mut layer_hidden: Vec<Vec<f32>> = vec![Vec::new(); opts.layers.len()];
         let mut prof = ForwardProfile::default();
         let mut clock = Clock::new(opts.profile);
-        for (li, layer) in self.layers.iter().enumerate() {
-            for t in 0..n {
-                ops::rms_norm(
-                    isa,
-                    &x[t * d..(t + 1) * d],
-                    &layer.attn_norm,
-                    c.rms_eps,
-                    &mut bufs.xn[t * d..(t + 1) * d],
-                );
+        // Once the ranks have the forward, a failure anywhere (theirs, a link, this rank's own
+        // compute) leaves their frames out of step with ours: the links are dropped and the
+        // cache's part on the ranks counts as lost.
+        let looped = (|| -> Result<()> {
+            for (li, layer) in self.layers.iter().enumerate() {
+                for t in 0..n {
+                    ops::rms_norm(
+                        isa,
+                        &x[t * d..(t + 1) * d],
+                        &layer.attn_norm,
+                        c.rms_eps,
+                        &mut bufs.xn[t * d..(t + 1) * d],
+                    );
+                }
+                clock.lap(&mut prof.other_s);
+                if let Some(g) = group.as_deref_mut() {
+                    g.broadcast(&bufs.xn)?;
+                }
+                self.attn_part(li, cache, &meta, &mut bufs, &mut clock, &mut prof)?;
+                if let Some(g) = group.as_deref_mut() {
+                    g.reduce_add(&mut bufs.proj)?;
+                }
+                for (xv, pv) in x.iter_mut().zip(&bufs.proj) {
+                    *xv += pv;
+                }
+                for t in 0..n {
+                    ops::rms_norm(
+                        isa,
+                        &x[t * d..(t + 1) * d],
+                        &layer.ffn_norm,
+                        c.rms_eps,
+                        &mut bufs.xn[t * d..(t + 1) * d],
+                    );
+                }
+                clock.lap(&mut prof.other_s);
+                if let Some(g) = group.as_deref_mut() {
+                    g.broadcast(&bufs.xn)?;
+                }
+                self.ffn_part(li, n, &mut bufs, &mut clock, &mut prof)?;
+                if let Some(g) = group.as_deref_mut() {
+                    g.reduce_add(&mut bufs.proj)?;
+                }
+                for (xv, pv) in x.iter_mut().zip(&bufs.proj) {
+                    *xv += pv;
+                }
+                // In the caller's requested order (a layer asked for twice gets the copy twice).
+                for (slot, _) in opts.layers.iter().enumerate().filter(|(_, l)| **l == li) {
+                    layer_hidden[slot] = x.clone();
+                }
             }
-            clock.lap(&mut prof.other_s);
+            Ok(())
+        })();
+        if let Err(e) = looped {
             if let Some(g) = group.as_deref_mut() {
-                g.broadcast(&bufs.xn)?;
+                g.reset();
+                cache.mark_tp_lost();
             }
-            self.attn_part(li, cache, &meta, &mut bufs, &mut clock, &mut prof)?;
-            if let Some(g) = group.as_deref_mut() {
-                g.reduce_add(&mut bufs.proj)?;
-            }
-            for (xv, pv) in x.iter_mut().zip(&bufs.proj) {
-                *xv += pv;
-            }
-            for t in 0..n {
-                ops::rms_norm(
-                    isa,
-                    &x[t * d..(t + 1) * d],
-                    &layer.ffn_norm,
-                    c.rms_eps,
-                    &mut bufs.xn[t * d..(t + 1) * d],
-                );
-            }
-            clock.lap(&mut prof.other_s);
-            if let Some(g) = group.as_deref_mut() {
-                g.broadcast(&bufs.xn)?;
-            }
-            self.ffn_part(li, n, &mut bufs, &mut clock, &mut prof)?;
-            if let Some(g) = group.as_deref_mut() {
-                g.reduce_add(&mut bufs.proj)?;
-            }
-            for (xv, pv) in x.iter_mut().zip(&bufs.proj) {
-                *xv += pv;
-            }
-            // In the caller's requested order (a layer asked for twice gets the copy twice).
-            for (slot, _) in opts.layers.iter().enumerate().filter(|(_, l)| **l == li) {
-                layer_hidden[slot] = x.clone();
-            }
+            return Err(e);
         }
         drop(group);
         let mut xn = std::mem::take(&mut bufs.xn);

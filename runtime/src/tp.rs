@@ -41,6 +41,10 @@ const BEGIN: u8 = 4;
 const DATA: u8 = 5;
 /// Largest frame either side accepts (a prefill chunk of 64k tokens × d 4096 fits).
 const MAX_FRAME: usize = 1 << 30;
+/// Largest hello (read before the peer is known).
+const MAX_HELLO: usize = 1 << 16;
+/// Most tokens one forward may carry.
+const MAX_TOKENS: usize = 1 << 18;
 /// KV caches one shard rank keeps for its leader (the engine's, plus profiling and benches).
 const MAX_CACHES: usize = 4;
 
@@ -302,7 +306,7 @@ impl BatchMeta {
         for _ in 0..n_seqs {
             let (start, nt, nb) = (w.next()? as usize, w.next()? as usize, w.next()? as usize);
             total += nt;
-            if start + nt > max_ctx || total > 1 << 20 {
+            if start + nt > max_ctx || total > MAX_TOKENS {
                 return Err(bad(format!(
                     "positions {start}..{} past the context of {max_ctx}",
                     start + nt
@@ -398,10 +402,14 @@ fn bytes_words(b: &[u8]) -> Vec<u32> {
 
 /// Reads one frame into `buf`; returns its kind.
 fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<u8> {
+    read_frame_max(s, buf, MAX_FRAME)
+}
+
+fn read_frame_max(s: &mut TcpStream, buf: &mut Vec<u8>, max: usize) -> std::io::Result<u8> {
     let mut h = [0u8; 5];
     s.read_exact(&mut h)?;
     let len = u32::from_le_bytes([h[1], h[2], h[3], h[4]]) as usize;
-    if len > MAX_FRAME {
+    if len > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("a frame of {len} bytes"),
@@ -444,6 +452,8 @@ pub(crate) struct Group {
     /// Bumped at every (re)connection: caches synced under an older one are stale.
     epoch: u64,
     next_cache: u64,
+    /// Caches synced in this epoch; a dead one is released on the ranks at the next forward.
+    live: Vec<(u64, std::sync::Weak<()>)>,
     buf: Vec<u8>,
     words: Vec<u32>,
 }
@@ -476,20 +486,21 @@ impl Group {
             links: Vec::new(),
             epoch: 0,
             next_cache: 0,
+            live: Vec::new(),
             buf: Vec::new(),
             words: Vec::new(),
         };
         let deadline = Instant::now() + t.connect_timeout;
-        let mut said = Instant::now() - Duration::from_secs(60);
+        let mut said: Option<Instant> = None;
         loop {
             match g.dial() {
                 Ok(()) => return Ok(g),
                 // A refusal (another checkpoint, version or rank) will not go away.
                 Err(e @ RuntimeError::Config(_)) => return Err(e),
                 Err(e) if Instant::now() < deadline => {
-                    if said.elapsed() > Duration::from_secs(10) {
+                    if said.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
                         tracing::info!("waiting for the tensor-parallel ranks: {e}");
-                        said = Instant::now();
+                        said = Some(Instant::now());
                     }
                     std::thread::sleep(Duration::from_millis(250));
                 }
@@ -530,7 +541,13 @@ impl Group {
         }
         self.links = links;
         self.epoch += 1;
+        self.live.clear();
         Ok(())
+    }
+
+    /// Drops the links (a forward stopped half way: the ranks' frames are out of step).
+    pub(crate) fn reset(&mut self) {
+        self.links.clear();
     }
 
     /// Drops the links after a failed exchange (they are mid-frame); the next forward dials.
@@ -545,12 +562,17 @@ impl Group {
     /// Starts a forward on every rank: cache identity and shape, pending block copies, and the
     /// batch layout.
     pub(crate) fn begin(&mut self, cache: &mut KvCache, meta: &BatchMeta) -> Result<()> {
-        if self.links.is_empty() {
-            self.dial()?;
+        if self.links.is_empty()
+            && let Err(e) = self.dial()
+        {
+            // Whatever the ranks held went with them: a reconnect starts a new epoch.
+            cache.mark_tp_lost();
+            return Err(e);
         }
         let fresh = cache.tp_tag().map(|(e, _)| e) != Some(self.epoch);
         if fresh {
             if cache.has_content() {
+                cache.mark_tp_lost();
                 return Err(RuntimeError::Tp(
                     "the shard ranks reconnected and lost the KV this cache's sequences hold; \
                      those sequences must start over"
@@ -559,10 +581,20 @@ impl Group {
             }
             cache.clear_prefix_cache();
             self.next_cache += 1;
-            cache.set_tp_tag(Some((self.epoch, self.next_cache)));
+            let alive = Arc::new(());
+            self.live.push((self.next_cache, Arc::downgrade(&alive)));
+            cache.set_tp_tag((self.epoch, self.next_cache), alive);
         }
         let id = cache.tp_tag().map(|(_, id)| id).unwrap_or_default();
         let copies = cache.take_copies();
+        let mut released = Vec::new();
+        self.live.retain(|(id, w)| {
+            let alive = w.strong_count() > 0;
+            if !alive {
+                released.push(*id);
+            }
+            alive
+        });
         let kc = cache.config();
         self.words.clear();
         self.words.extend([
@@ -580,13 +612,17 @@ impl Group {
         for (f, t) in copies {
             self.words.extend([f, t]);
         }
+        self.words.push(released.len() as u32);
+        for r in released {
+            self.words.extend([r as u32, (r >> 32) as u32]);
+        }
         meta.encode(&mut self.words);
         let mut payload = Vec::new();
         words_bytes(&self.words, &mut payload);
         for i in 0..self.links.len() {
             if let Err(e) = write_frame(&mut self.links[i], BEGIN, &payload, &mut self.buf) {
                 // The ranks that got it would wait for rows that never come.
-                cache.set_tp_tag(None);
+                cache.mark_tp_lost();
                 return Err(self.broken(e.into()));
             }
         }
@@ -595,6 +631,13 @@ impl Group {
 
     /// Sends rank 0's normalized rows to every other rank.
     pub(crate) fn broadcast(&mut self, x: &[f32]) -> Result<()> {
+        if x.len() * 4 > MAX_FRAME {
+            return Err(RuntimeError::Tp(format!(
+                "{} rows of activations exceed a frame of {MAX_FRAME} bytes; use smaller \
+                 prefill chunks",
+                x.len()
+            )));
+        }
         for i in 0..self.links.len() {
             if let Err(e) = write_f32s(&mut self.links[i], x, &mut self.buf) {
                 return Err(self.broken(e.into()));
@@ -633,8 +676,9 @@ impl ShardState {
 }
 
 /// Serves one shard rank (`model` loaded with [`TpOptions::shard`]) on `listener` until the
-/// listener fails. One leader at a time: a new connection (a restarted target worker) replaces
-/// the one being served.
+/// listener fails. One leader at a time: a new connection that passes the handshake (a
+/// restarted target worker) replaces the one being served; one that does not (a port probe,
+/// another checkpoint) is refused and changes nothing.
 pub fn serve(model: Arc<Model>, listener: TcpListener) -> Result<()> {
     serve_with(model, listener, Arc::default())
 }
@@ -656,18 +700,36 @@ pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardStat
             use std::sync::atomic::Ordering;
             for s in rx {
                 let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                let keep = s.try_clone();
                 state.leader.store(true, Ordering::SeqCst);
                 let r = serve_leader(&m, s, &state.forwards);
                 state.leader.store(false, Ordering::SeqCst);
+                // Closed for good, so a leader blocked on this link fails at once.
+                if let Ok(k) = keep {
+                    let _ = k.shutdown(Shutdown::Both);
+                }
                 match r {
                     Ok(()) => tracing::info!(%peer, "tensor-parallel leader left"),
                     Err(e) => tracing::warn!(%peer, "tensor-parallel link ended: {e}"),
                 }
             }
         })?;
-    for conn in listener.incoming() {
-        let s = conn?;
+    let mut buf = Vec::new();
+    loop {
+        let mut s = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Aborted handshakes, a full descriptor table: wait and go on listening.
+                tracing::warn!("accept: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
         let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        if let Err(e) = handshake(&model, &mut s, &mut buf) {
+            tracing::warn!(%peer, "tensor-parallel connection refused: {e}");
+            continue;
+        }
         if let Ok(mut cur) = current.lock() {
             if let Some(old) = cur.take() {
                 tracing::info!(%peer, "a new tensor-parallel leader connected; dropping the previous one");
@@ -681,33 +743,28 @@ pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardStat
             ));
         }
     }
-    Ok(())
 }
 
-/// One leader's session: hello, then forwards until it leaves.
-fn serve_leader(
-    model: &Model,
-    mut s: TcpStream,
-    forwards: &std::sync::atomic::AtomicU64,
-) -> Result<()> {
+/// Reads and checks a leader's hello (within 10 s), answering OK or why not.
+fn handshake(model: &Model, s: &mut TcpStream, buf: &mut Vec<u8>) -> Result<()> {
     s.set_nodelay(true)?;
-    let mut buf = Vec::new();
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut out = Vec::new();
-    if read_frame(&mut s, &mut buf)? != HELLO {
+    if read_frame_max(s, buf, MAX_HELLO)? != HELLO {
         return Err(RuntimeError::Tp("the first frame was not a hello".into()));
     }
     let refuse = |s: &mut TcpStream, why: String, out: &mut Vec<u8>| -> Result<()> {
         write_frame(s, ERR, why.as_bytes(), out)?;
         Err(RuntimeError::Tp(why))
     };
-    let h: Hello = match serde_json::from_slice(&buf) {
+    let h: Hello = match serde_json::from_slice(buf) {
         Ok(h) => h,
-        Err(e) => return refuse(&mut s, format!("unreadable hello: {e}"), &mut out),
+        Err(e) => return refuse(s, format!("unreadable hello: {e}"), &mut out),
     };
     let me = model.shard();
     if h.version != PROTOCOL_VERSION {
         return refuse(
-            &mut s,
+            s,
             format!(
                 "protocol version {} here, {} there",
                 PROTOCOL_VERSION, h.version
@@ -717,7 +774,7 @@ fn serve_leader(
     }
     if h.rank != me.rank || h.world != me.world {
         return refuse(
-            &mut s,
+            s,
             format!(
                 "this is rank {} of {}, the leader expected rank {} of {}",
                 me.rank, me.world, h.rank, h.world
@@ -727,12 +784,26 @@ fn serve_leader(
     }
     if h.config != model.cfg || h.fingerprint != model.fingerprint() {
         return refuse(
-            &mut s,
+            s,
             "this rank holds another checkpoint (config or weights differ)".into(),
             &mut out,
         );
     }
-    write_frame(&mut s, OK, &[], &mut out)?;
+    // A forward may come after any idle time.
+    s.set_read_timeout(None)?;
+    write_frame(s, OK, &[], &mut out)?;
+    Ok(())
+}
+
+/// One leader's session after its handshake: forwards until it leaves.
+fn serve_leader(
+    model: &Model,
+    mut s: TcpStream,
+    forwards: &std::sync::atomic::AtomicU64,
+) -> Result<()> {
+    let mut buf = Vec::new();
+    let mut out = Vec::new();
+    let me = model.shard();
     let mut caches: Vec<(u64, KvCache, Instant)> = Vec::new();
     loop {
         let kind = match read_frame(&mut s, &mut buf) {
@@ -741,11 +812,9 @@ fn serve_leader(
             Err(e) => return Err(e.into()),
         };
         if kind != BEGIN {
-            return refuse(
-                &mut s,
-                format!("expected a forward, got frame {kind}"),
-                &mut out,
-            );
+            let why = format!("expected a forward, got frame {kind}");
+            let _ = write_frame(&mut s, ERR, why.as_bytes(), &mut out);
+            return Err(RuntimeError::Tp(why));
         }
         let words = bytes_words(&buf);
         if let Err(e) = forward(model, &mut s, &words, &mut caches, &mut buf, &mut out) {
@@ -783,10 +852,20 @@ fn forward(
     };
     let n_copies = w.next()? as usize;
     let copies: Vec<(u32, u32)> = w
-        .take(2 * n_copies)?
+        .take(n_copies.saturating_mul(2))?
         .chunks_exact(2)
         .map(|c| (c[0], c[1]))
         .collect();
+    let n_released = w.next()? as usize;
+    let released = w.take(n_released.saturating_mul(2))?;
+    // Caches the leader dropped: their memory goes back now.
+    for r in released.chunks_exact(2) {
+        let r = r[0] as u64 | (r[1] as u64) << 32;
+        caches.retain(|(i, _, _)| *i != r);
+    }
+    if nb == 0 || bs == 0 || nb.saturating_mul(bs) > 1 << 28 {
+        return Err(bad(format!("a cache of {nb} blocks of {bs}")));
+    }
     let meta = BatchMeta::decode(&mut w, bs, nb, cfg.max_ctx)?;
     if fresh {
         caches.retain(|(i, _, _)| *i != id);
@@ -794,9 +873,6 @@ fn forward(
             && let Some(j) = (0..caches.len()).min_by_key(|&j| caches[j].2)
         {
             caches.swap_remove(j);
-        }
-        if nb == 0 || bs == 0 || nb.saturating_mul(bs) > 1 << 28 {
-            return Err(bad(format!("a cache of {nb} blocks of {bs}")));
         }
         let c = KvCache::new(KvConfig {
             n_layers: cfg.n_layers,

@@ -241,8 +241,21 @@ fn a_lost_link_fails_forwards_then_reconnects_and_starts_over() {
     let peers = start_ranks(&path, 2);
     let m = leader(&path, peers.clone()).unwrap();
     let mut c = m.new_cache(128, 8).unwrap();
+    c.set_prefix_caching(true);
     let a = c.new_seq();
-    fwd(&m, &mut c, &[(a, &[1, 2, 3, 4, 5])]);
+    let first: Vec<u32> = (1..=17).collect();
+    fwd(&m, &mut c, &[(a, &first)]);
+    c.register(a, &first).unwrap();
+    // A port probe (or anything that does not say hello) changes nothing for the leader.
+    {
+        use std::io::Write;
+        let mut probe = std::net::TcpStream::connect(&peers[0]).unwrap();
+        let _ = probe.write_all(b"GET / HTTP/1.0\r\n\r\n");
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let b0 = c.new_seq();
+    fwd(&m, &mut c, &[(b0, &[7, 8, 9])]);
+    c.remove(b0).unwrap();
     // A second leader takes rank 1 over (as a restarted target worker would): the first
     // one's link is cut.
     let other = leader(&path, peers).unwrap();
@@ -262,11 +275,19 @@ fn a_lost_link_fails_forwards_then_reconnects_and_starts_over() {
     };
     let e = step(&mut c, a, &[6]).unwrap_err();
     assert!(matches!(e, RuntimeError::Tp(_)), "{e}");
+    // The prefix cache no longer offers blocks the ranks lost, nor takes new ones.
+    let (p, hit) = c.new_seq_with_prefix(&first, 64);
+    assert_eq!(hit, 0);
+    c.remove(p).unwrap();
     // Reconnected, but rank 1 no longer holds `a`'s KV: refused rather than computed wrong.
     let e = step(&mut c, a, &[6]).unwrap_err();
     assert!(e.to_string().contains("must start over"), "{e}");
+    c.register(a, &first).unwrap();
     // Once the sequence is gone the cache serves again, and correctly.
     c.remove(a).unwrap();
+    let (b, hit) = c.new_seq_with_prefix(&first, 64);
+    assert_eq!(hit, 0, "a block registered while the ranks had lost it");
+    c.remove(b).unwrap();
     let b = c.new_seq();
     let got = step(&mut c, b, &[1, 2, 3, 4, 5, 6]).unwrap();
     let mut wc = whole.new_cache(64, 8).unwrap();
