@@ -23,13 +23,25 @@ pub struct ProfileArgs {
     /// Also write the artifact here (it always goes to the cache the workers read).
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Profile the model split over tensor-parallel ranks (`dspark tp-shard`) at these
+    /// addresses, rank 1 first, as a target worker with the same `--tp-peers` runs it: the
+    /// table the scheduler and the capacity planner need for that group.
+    #[arg(long, value_delimiter = ',')]
+    pub tp_peers: Vec<String>,
 }
 
 pub fn run(g: &Global, a: ProfileArgs) -> anyhow::Result<()> {
     target_worker::sps::check_grid(&a.batch, &a.ctx).map_err(anyhow::Error::msg)?;
     anyhow::ensure!(a.reps >= 1, "--reps takes a value ≥ 1");
     let path = g.resolve_model(&a.model)?;
-    let model = dspark_runtime::Model::load(&path, &g.load_opts())?;
+    let model = dspark_runtime::Model::load(
+        &path,
+        &dspark_runtime::LoadOptions {
+            tp: (!a.tp_peers.is_empty())
+                .then(|| dspark_runtime::tp::TpOptions::leader(a.tp_peers.clone())),
+            ..g.load_opts()
+        },
+    )?;
     let key = target_worker::sps::key_for(&a.model, &path, &model, &a.batch, &a.ctx);
     let cmd = std::env::args().collect::<Vec<_>>().join(" ");
     let art = target_worker::sps::profile(&model, key.clone(), a.reps, &cmd)?;

@@ -61,6 +61,24 @@ fn fwd(m: &Model, c: &mut KvCache, batch: &[(SeqId, &[u32])]) -> ForwardOutput {
     m.forward(c, &inputs, &ForwardOptions::default()).unwrap()
 }
 
+/// One sequence's step, last position's logits.
+fn last(
+    m: &Model,
+    c: &mut KvCache,
+    seq: SeqId,
+    tokens: &[u32],
+) -> Result<ForwardOutput, RuntimeError> {
+    m.forward(
+        c,
+        &[SeqInput {
+            seq,
+            tokens,
+            logits: LogitsMode::Last,
+        }],
+        &ForwardOptions::default(),
+    )
+}
+
 /// A serving-like run: two prompts prefilled together, verification windows, rollbacks, a fork
 /// in the middle of a block (copy-on-write) and prefix-cache reuse. Returns every logits row.
 fn scenario(m: &Model) -> Vec<Vec<f32>> {
@@ -203,33 +221,13 @@ fn ranks_refuse_what_they_cannot_serve() {
     let r1 = Model::load(&path, &opts(Some(TpOptions::shard(1, 2)))).unwrap();
     let mut c = r1.new_cache(64, 8).unwrap();
     let s = c.new_seq();
-    let e = r1
-        .forward(
-            &mut c,
-            &[SeqInput {
-                seq: s,
-                tokens: &[1],
-                logits: LogitsMode::Last,
-            }],
-            &ForwardOptions::default(),
-        )
-        .unwrap_err();
+    let e = last(&r1, &mut c, s, &[1]).unwrap_err();
     assert!(e.to_string().contains("forwards run on rank 0"), "{e}");
     let whole = Model::load(&path, &opts(None)).unwrap();
     let mut c = whole.new_cache(64, 8).unwrap();
     let s = c.new_seq();
     let m = leader(&path, start_ranks(&path, 2)).unwrap();
-    let e = m
-        .forward(
-            &mut c,
-            &[SeqInput {
-                seq: s,
-                tokens: &[1],
-                logits: LogitsMode::Last,
-            }],
-            &ForwardOptions::default(),
-        )
-        .unwrap_err();
+    let e = last(&m, &mut c, s, &[1]).unwrap_err();
     assert!(e.to_string().contains("KV cache of"), "{e}");
 }
 
@@ -262,17 +260,7 @@ fn a_lost_link_fails_forwards_then_reconnects_and_starts_over() {
     let mut c2 = other.new_cache(64, 8).unwrap();
     let s2 = c2.new_seq();
     fwd(&other, &mut c2, &[(s2, &[9])]);
-    let step = |c: &mut KvCache, seq: SeqId, t: &[u32]| {
-        m.forward(
-            c,
-            &[SeqInput {
-                seq,
-                tokens: t,
-                logits: LogitsMode::Last,
-            }],
-            &ForwardOptions::default(),
-        )
-    };
+    let step = |c: &mut KvCache, seq: SeqId, t: &[u32]| last(&m, c, seq, t);
     let e = step(&mut c, a, &[6]).unwrap_err();
     assert!(matches!(e, RuntimeError::Tp(_)), "{e}");
     // The prefix cache no longer offers blocks the ranks lost, nor takes new ones.
@@ -292,16 +280,6 @@ fn a_lost_link_fails_forwards_then_reconnects_and_starts_over() {
     let got = step(&mut c, b, &[1, 2, 3, 4, 5, 6]).unwrap();
     let mut wc = whole.new_cache(64, 8).unwrap();
     let wb = wc.new_seq();
-    let want = whole
-        .forward(
-            &mut wc,
-            &[SeqInput {
-                seq: wb,
-                tokens: &[1, 2, 3, 4, 5, 6],
-                logits: LogitsMode::Last,
-            }],
-            &ForwardOptions::default(),
-        )
-        .unwrap();
+    let want = last(&whole, &mut wc, wb, &[1, 2, 3, 4, 5, 6]).unwrap();
     assert!(max_rel_diff(&[got.logits], &[want.logits]) < 1e-4);
 }
