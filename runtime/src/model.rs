@@ -152,6 +152,8 @@ pub struct Model {
     pub(crate) local: Local,
     /// On rank 0 of a group: the links to the other ranks, which every forward drives.
     group: Option<std::sync::Mutex<Group>>,
+    /// Their state, readable while a forward holds the links.
+    links: Option<Arc<crate::tp::LinkState>>,
 }
 
 /// Scratch rows of one forward, shared by its layers (and by a shard rank's part of them).
@@ -480,6 +482,7 @@ impl Model {
             shard,
             local,
             group: None,
+            links: None,
         })
     }
 
@@ -490,8 +493,26 @@ impl Model {
             return Ok(());
         };
         let g = Group::connect(t, self.cfg.clone(), self.fingerprint())?;
+        self.links = Some(Arc::clone(&g.state));
         self.group = Some(std::sync::Mutex::new(g));
         Ok(())
+    }
+
+    /// On rank 0 of a tensor-parallel group: the links' state (`None` without TP).
+    pub fn tp_links(&self) -> Option<Arc<crate::tp::LinkState>> {
+        self.links.clone()
+    }
+
+    /// On rank 0: dials the other ranks again if the links are down, so a worker whose rank
+    /// came back serves again before a request has to find out. `Ok(true)` when it relinked.
+    pub fn tp_redial(&self) -> Result<bool> {
+        match &self.group {
+            None => Ok(false),
+            Some(g) => g
+                .lock()
+                .map_err(|_| RuntimeError::Tp("the shard links' lock is poisoned".into()))?
+                .redial(),
+        }
     }
 
     /// A hash of the configuration and the norm weights every rank loads whole: ranks of one

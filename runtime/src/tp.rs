@@ -444,8 +444,27 @@ fn read_f32s(s: &mut TcpStream, buf: &mut Vec<u8>, out: &mut [f32], add: bool) -
     Ok(())
 }
 
+/// Rank 0's link state, readable without waiting for a forward (metrics, the redial loop).
+#[derive(Debug, Default)]
+pub struct LinkState {
+    up: std::sync::atomic::AtomicBool,
+    connects: std::sync::atomic::AtomicU64,
+}
+
+impl LinkState {
+    /// Whether every other rank is linked.
+    pub fn up(&self) -> bool {
+        self.up.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    /// Successful (re)connections of the group, the first included.
+    pub fn connects(&self) -> u64 {
+        self.connects.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// Rank 0's links to the other ranks.
 pub(crate) struct Group {
+    pub(crate) state: Arc<LinkState>,
     opts: TpOptions,
     hello: Vec<Vec<u8>>,
     links: Vec<TcpStream>,
@@ -481,6 +500,7 @@ impl Group {
             })
             .collect::<Result<_>>()?;
         let mut g = Group {
+            state: Arc::default(),
             opts: t.clone(),
             hello,
             links: Vec::new(),
@@ -511,7 +531,7 @@ impl Group {
 
     /// Connects every other rank and checks it holds the same checkpoint in the same place.
     fn dial(&mut self) -> Result<()> {
-        self.links.clear();
+        self.reset();
         let mut links = Vec::with_capacity(self.opts.peers.len());
         for (i, addr) in self.opts.peers.iter().enumerate() {
             let rank = i + 1;
@@ -542,17 +562,34 @@ impl Group {
         self.links = links;
         self.epoch += 1;
         self.live.clear();
+        self.state
+            .up
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.state
+            .connects
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Dials the ranks if the links are down (no cache is touched: the next forward syncs).
+    pub(crate) fn redial(&mut self) -> Result<bool> {
+        if !self.links.is_empty() {
+            return Ok(false);
+        }
+        self.dial().map(|()| true)
     }
 
     /// Drops the links (a forward stopped half way: the ranks' frames are out of step).
     pub(crate) fn reset(&mut self) {
         self.links.clear();
+        self.state
+            .up
+            .store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Drops the links after a failed exchange (they are mid-frame); the next forward dials.
     fn broken(&mut self, e: RuntimeError) -> RuntimeError {
-        self.links.clear();
+        self.reset();
         match e {
             RuntimeError::Io(io) => RuntimeError::Tp(format!("link to a shard rank lost: {io}")),
             e => e,

@@ -43,6 +43,9 @@ pub mod names {
     pub const T_STEP_SECONDS: &str = "dspark_target_engine_step_seconds";
     pub const T_BUDGET_STEPS_TOTAL: &str = "dspark_target_budget_steps_total";
     pub const T_DRAINING: &str = "dspark_target_draining";
+    pub const T_TP_RANKS: &str = "dspark_target_tp_ranks";
+    pub const T_TP_LINKS_UP: &str = "dspark_target_tp_links_up";
+    pub const T_TP_CONNECTS_TOTAL: &str = "dspark_target_tp_connects_total";
 
     pub const D_REQUESTS: &str = "dspark_draft_requests_held";
     pub const D_STREAMS: &str = "dspark_draft_streams_open";

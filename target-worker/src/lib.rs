@@ -224,12 +224,17 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     let listener = socket.listen(1024)?;
     let load = Arc::new(AtomicUsize::new(0));
     let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let metrics = Arc::new(metrics::WorkerMetrics::new(
+    let mut wm = metrics::WorkerMetrics::new(
         Arc::clone(&draining),
         handles
             .as_ref()
             .map(|h| (Arc::clone(&h.central), Arc::clone(&h.local))),
-    ));
+    );
+    wm.tp = engine
+        .model()
+        .tp_links()
+        .map(|l| (engine.model().tp_degree(), l));
+    let metrics = Arc::new(wm);
     if let Some(a) = args.metrics_listen {
         let l = tokio::net::TcpListener::bind(a).await?;
         println!(
@@ -241,6 +246,24 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             l,
             Arc::new(move || m.render()),
         ));
+    }
+    if let Some(links) = engine.model().tp_links() {
+        let model = Arc::clone(engine.model());
+        // A rank that restarts is linked again within a second, not at the next request.
+        std::thread::Builder::new()
+            .name("tp-redial".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(Duration::from_secs(1));
+                    if !links.up() {
+                        match model.tp_redial() {
+                            Ok(true) => tracing::info!("tensor-parallel ranks linked again"),
+                            Ok(false) => {}
+                            Err(e) => tracing::debug!("tensor-parallel ranks still down: {e}"),
+                        }
+                    }
+                }
+            })?;
     }
     let (tx, rx) = std::sync::mpsc::channel();
     let el = engine_loop::EngineLoop {

@@ -62,6 +62,8 @@ pub struct WorkerMetrics {
     /// Steps whose verification budget came from the central scheduler / was computed locally
     /// (scheduler policy only).
     pub budget: Option<(Arc<AtomicU64>, Arc<AtomicU64>)>,
+    /// Tensor parallelism: the degree and rank 0's link state.
+    pub tp: Option<(usize, Arc<dspark_runtime::tp::LinkState>)>,
 }
 
 impl WorkerMetrics {
@@ -77,6 +79,7 @@ impl WorkerMetrics {
             fallback_cycles: AtomicU64::new(0),
             draining,
             budget,
+            tp: None,
         }
     }
 
@@ -96,6 +99,29 @@ impl WorkerMetrics {
         let snap = self.snap.lock().map(|g| g.clone()).unwrap_or_default();
         let mut s = String::new();
         let out = &mut s;
+        if let Some((degree, links)) = &self.tp {
+            sample(
+                out,
+                T_TP_RANKS,
+                "gauge",
+                "Tensor-parallel ranks of this worker (itself included).",
+                *degree,
+            );
+            sample(
+                out,
+                T_TP_LINKS_UP,
+                "gauge",
+                "1 while every other rank is linked; 0 while one is down (forwards fail).",
+                links.up() as u8,
+            );
+            sample(
+                out,
+                T_TP_CONNECTS_TOTAL,
+                "counter",
+                "Connections of the rank group, the first included (more: ranks came back).",
+                links.connects(),
+            );
+        }
         sample(
             out,
             T_RUNNING,

@@ -2339,8 +2339,12 @@ async fn tensor_parallel_target_worker_is_greedy_identical_and_survives_a_rank_r
     let _s = serial();
     let mut ranks = vec![spawn_rank(1, "127.0.0.1:0"), spawn_rank(2, "127.0.0.1:0")];
     let peers = format!("{},{}", ranks[0].addr, ranks[1].addr);
-    let c = start_cluster(1, 1, &["--tp-peers", &peers]);
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let c = start_cluster(1, 1, &["--tp-peers", &peers, "--metrics-listen", &metrics]);
     wait_for("cluster", Duration::from_secs(120), || ready(&c.url, 1, 1)).await;
+    let base = format!("http://{metrics}");
+    assert_eq!(metric(&base, "dspark_target_tp_ranks").await, 3.0);
+    assert_eq!(metric(&base, "dspark_target_tp_links_up").await, 1.0);
     for prompt in &PROMPTS[..3] {
         let v = complete(&c.url, prompt, 24).await;
         assert_eq!(ids_of(&v), greedy_tp3(prompt, 24), "{prompt:?}");
@@ -2361,9 +2365,15 @@ async fn tensor_parallel_target_worker_is_greedy_identical_and_survives_a_rank_r
     .await;
     assert!(st >= 500 && v["error"]["message"].is_string(), "{st} {v}");
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
-    // ...and once it is back on its address, the worker reconnects and serves again, the
-    // same tokens as before.
+    assert_eq!(metric(&base, "dspark_target_tp_links_up").await, 0.0);
+    // ...and once it is back on its address, the worker links it again by itself (no request
+    // needed) and serves the same tokens as before.
     ranks[1] = spawn_rank(2, &addr2);
+    wait_for("relinked ranks", Duration::from_secs(30), || async {
+        metric(&base, "dspark_target_tp_links_up").await == 1.0
+    })
+    .await;
+    assert_eq!(metric(&base, "dspark_target_tp_connects_total").await, 2.0);
     let want = greedy_tp3(PROMPTS[1], 16);
     let mut got = Vec::new();
     for _ in 0..40 {
