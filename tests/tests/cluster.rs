@@ -2337,7 +2337,7 @@ fn spawn_rank(rank: usize, listen: &str) -> Proc {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tensor_parallel_target_worker_is_greedy_identical_and_survives_a_rank_restart() {
     let _s = serial();
-    let mut ranks = vec![spawn_rank(1, "127.0.0.1:0"), spawn_rank(2, "127.0.0.1:0")];
+    let mut ranks = [spawn_rank(1, "127.0.0.1:0"), spawn_rank(2, "127.0.0.1:0")];
     let peers = format!("{},{}", ranks[0].addr, ranks[1].addr);
     let metrics = format!("127.0.0.1:{}", free_port());
     let c = start_cluster(1, 1, &["--tp-peers", &peers, "--metrics-listen", &metrics]);
