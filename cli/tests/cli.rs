@@ -917,12 +917,13 @@ fn bench_tp_times_each_degree_and_refuses_one_that_does_not_split() {
     }
     // The split tiny model decodes what the whole one does.
     assert_eq!(v["greedy"][1]["equal_to_whole_model"], true, "{v}\n{out}");
-    // The tiny model has 2 KV heads: a degree of 3 is refused with the degrees that work.
+    // The tiny model has 2 KV heads and 4 query heads: 3 is refused, naming the degrees that
+    // work (4 replicates each KV head on two ranks).
     let a = args("1,3");
     let (code, _, err) = dspark(&d, &a.iter().map(String::as_str).collect::<Vec<_>>());
     assert_ne!(code, 0);
     assert!(
-        err.contains("must divide") && err.contains("[1, 2]"),
+        err.contains("must divide") && err.contains("[1, 2, 4]"),
         "{err}"
     );
 }

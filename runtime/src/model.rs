@@ -110,9 +110,13 @@ struct Layer {
     qkv: Fused,
     qkv_bias: Option<Vec<f32>>,
     wo: Linear,
+    /// A tensor-parallel rank whose columns of `wo` cut quantization blocks holds the whole
+    /// blocks: its input goes in at this offset, zeros around it.
+    wo_pad: usize,
     ffn_norm: Vec<f32>,
     gate_up: Fused,
     down: Linear,
+    down_pad: usize,
 }
 
 /// One layer's weights in f32 ([`Model::dense_layer`]); matrices row-major, outputs × inputs.
@@ -165,6 +169,28 @@ pub(crate) struct Bufs {
     gu: Vec<f32>,
     act: Vec<f32>,
     tmp: Vec<f32>,
+    pad: Vec<f32>,
+}
+
+/// `x` (n rows) as the input of a matrix `width` columns wide whose first `left` columns (and
+/// any past `x`'s) belong to other ranks: zeros there. `x` itself when it already fits.
+fn padded<'a>(
+    x: &'a [f32],
+    n: usize,
+    left: usize,
+    width: usize,
+    pad: &'a mut Vec<f32>,
+) -> &'a [f32] {
+    let w = x.len() / n.max(1);
+    if left == 0 && w == width {
+        return x;
+    }
+    pad.clear();
+    pad.resize(n * width, 0.0);
+    for (row, src) in pad.chunks_exact_mut(width).zip(x.chunks_exact(w)) {
+        row[left..left + w].copy_from_slice(src);
+    }
+    pad
 }
 
 /// Source of named tensors during loading.
@@ -174,6 +200,11 @@ trait TensorSource {
     }
     /// A slice of a matrix (a tensor-parallel rank's rows or columns).
     fn linear_part(&mut self, name: &str, dense: bool, part: Part) -> Result<Linear>;
+    /// Columns `a..b` widened to whole quantization blocks, and where `a` falls in them: the
+    /// weights stay exactly as stored, and the caller pads its input with zeros.
+    fn linear_cols(&mut self, name: &str, dense: bool, part: Part) -> Result<(Linear, usize)> {
+        Ok((self.linear_part(name, dense, part)?, 0))
+    }
     fn vector(&mut self, name: &str) -> Result<Vec<f32>>;
     fn has(&self, name: &str) -> bool;
 }
@@ -190,6 +221,13 @@ impl TensorSource for GgufSource<'_> {
         let raw = crate::tp::slice_raw(self.g.read(name)?, part, name)?;
         *self.types.entry(raw.ty.name()).or_default() += 1;
         Linear::from_raw(&raw, dense, self.grouped)
+    }
+    fn linear_cols(&mut self, name: &str, dense: bool, part: Part) -> Result<(Linear, usize)> {
+        let raw = self.g.read(name)?;
+        let (part, left) = crate::tp::block_aligned(part, raw.ty.block_elems());
+        let raw = crate::tp::slice_raw(raw, part, name)?;
+        *self.types.entry(raw.ty.name()).or_default() += 1;
+        Ok((Linear::from_raw(&raw, dense, self.grouped)?, left))
     }
     fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
         let raw = self.g.read(name)?;
@@ -448,14 +486,18 @@ impl Model {
             };
             let gate = src.linear_part(&n("gate"), dense, rows(&fr))?;
             let up = src.linear_part(&n("up"), dense, rows(&fr))?;
+            let (wo, wo_pad) = src.linear_cols(&n("o"), dense, cols(&qr))?;
+            let (down, down_pad) = src.linear_cols(&n("down"), dense, cols(&fr))?;
             layers.push(Layer {
                 attn_norm: src.vector(&n("attn_norm"))?,
                 qkv: Fused::new(vec![q, k, v])?,
                 qkv_bias,
-                wo: src.linear_part(&n("o"), dense, cols(&qr))?,
+                wo,
+                wo_pad,
                 ffn_norm: src.vector(&n("ffn_norm"))?,
                 gate_up: Fused::new(vec![gate, up])?,
-                down: src.linear_part(&n("down"), dense, cols(&fr))?,
+                down,
+                down_pad,
             });
         }
         let out_norm = src.vector(names.out_norm)?;
@@ -937,6 +979,7 @@ impl Model {
             gu: vec![0f32; n * 2 * l.ffn],
             act: vec![0f32; n * l.ffn],
             tmp: Vec::new(),
+            pad: Vec::new(),
         }
     }
 
@@ -974,7 +1017,8 @@ impl Model {
         clock.lap(&mut prof.other_s);
         self.attention(cache, li, meta, &b.qkv, &mut b.att);
         clock.lap(&mut prof.attention_s);
-        layer.wo.forward(&b.att, n, &mut b.proj, isa)?;
+        let att = padded(&b.att, n, layer.wo_pad, layer.wo.cols(), &mut b.pad);
+        layer.wo.forward(att, n, &mut b.proj, isa)?;
         clock.lap(&mut prof.matmul_s);
         Ok(())
     }
@@ -1003,7 +1047,8 @@ impl Model {
             );
         }
         clock.lap(&mut prof.other_s);
-        layer.down.forward(&b.act, n, &mut b.proj, isa)?;
+        let act = padded(&b.act, n, layer.down_pad, layer.down.cols(), &mut b.pad);
+        layer.down.forward(act, n, &mut b.proj, isa)?;
         clock.lap(&mut prof.matmul_s);
         Ok(())
     }

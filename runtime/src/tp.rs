@@ -82,8 +82,10 @@ impl Local {
 }
 
 impl Shard {
-    /// This rank's slice of `cfg`; the degree must divide the KV heads and the FFN width
-    /// (query heads then divide too: they come in groups per KV head).
+    /// This rank's slice of `cfg`. The degree divides the KV heads (each rank holds whole KV
+    /// groups), or is a multiple of them that divides the query heads (each KV head is
+    /// replicated on `degree / kv_heads` ranks, each with its share of that head's query
+    /// heads, as vLLM does); either way it divides the FFN width.
     pub fn local(&self, cfg: &ModelConfig) -> Result<Local> {
         let w = self.world;
         if w == 0 || self.rank >= w {
@@ -92,33 +94,44 @@ impl Shard {
                 self.rank
             )));
         }
-        if !cfg.n_kv_heads.is_multiple_of(w) || !cfg.ffn_dim.is_multiple_of(w) {
+        if !Self::fits(cfg, w) {
             return Err(RuntimeError::Config(format!(
-                "tensor-parallel degree {w} must divide the KV heads ({}) and the FFN width ({}); \
-                 degrees that do: {:?}",
+                "tensor-parallel degree {w} must divide the KV heads ({}) or be a multiple of \
+                 them dividing the query heads ({}), and divide the FFN width ({}); degrees \
+                 that do: {:?}",
                 cfg.n_kv_heads,
+                cfg.n_heads,
                 cfg.ffn_dim,
                 Self::degrees(cfg)
             )));
         }
-        let kv = cfg.n_kv_heads / w;
-        let group = cfg.n_heads / cfg.n_kv_heads;
+        let heads = cfg.n_heads / w;
         let f = cfg.ffn_dim / w;
+        let (kv, kv_head0) = if cfg.n_kv_heads.is_multiple_of(w) {
+            (cfg.n_kv_heads / w, self.rank * cfg.n_kv_heads / w)
+        } else {
+            // Ranks r·kv/w share a KV head: its query heads are split among them.
+            (1, self.rank * cfg.n_kv_heads / w)
+        };
         Ok(Local {
-            heads: kv * group,
+            heads,
             kv_heads: kv,
             ffn: f,
-            head0: self.rank * kv * group,
-            kv_head0: self.rank * kv,
+            head0: self.rank * heads,
+            kv_head0,
             ffn0: self.rank * f,
         })
     }
 
+    fn fits(cfg: &ModelConfig, w: usize) -> bool {
+        let heads_split = cfg.n_kv_heads.is_multiple_of(w)
+            || (w.is_multiple_of(cfg.n_kv_heads) && cfg.n_heads.is_multiple_of(w));
+        w >= 1 && heads_split && cfg.ffn_dim.is_multiple_of(w)
+    }
+
     /// The degrees `cfg` splits into (block alignment of quantized weights aside).
     pub fn degrees(cfg: &ModelConfig) -> Vec<usize> {
-        (1..=cfg.n_kv_heads)
-            .filter(|w| cfg.n_kv_heads.is_multiple_of(*w) && cfg.ffn_dim.is_multiple_of(*w))
-            .collect()
+        (1..=cfg.n_heads).filter(|&w| Self::fits(cfg, w)).collect()
     }
 }
 
@@ -185,8 +198,20 @@ impl Part {
     }
 }
 
+/// A column part widened to whole blocks of `be` values, and its start's offset in them.
+pub(crate) fn block_aligned(part: Part, be: usize) -> (Part, usize) {
+    match part {
+        Part::Cols(a, b) if be > 1 => {
+            let (a0, b0) = (a / be * be, b.div_ceil(be) * be);
+            (Part::Cols(a0, b0), a - a0)
+        }
+        p => (p, 0),
+    }
+}
+
 /// Cuts a rank's rows or columns out of a GGUF matrix before it is repacked. Quantized blocks
-/// run along a row, so a column cut must fall on block boundaries.
+/// run along a row, so a column cut must fall on block boundaries ([`block_aligned`] widens
+/// one that does not; the rank pads its input with zeros, and the weights stay as stored).
 pub(crate) fn slice_raw(raw: RawTensor, part: Part, name: &str) -> Result<RawTensor> {
     if part == Part::Whole {
         return Ok(raw);
@@ -229,9 +254,7 @@ pub(crate) fn slice_raw(raw: RawTensor, part: Part, name: &str) -> Result<RawTen
             }
             if !a.is_multiple_of(be) || !b.is_multiple_of(be) {
                 return Err(RuntimeError::Config(format!(
-                    "`{name}` is {} (blocks of {be} values along a row), so this rank's columns \
-                     {a}..{b} cannot be cut from it; pick a tensor-parallel degree that splits \
-                     it on block boundaries",
+                    "`{name}`: columns {a}..{b} cut {} blocks of {be}",
                     raw.ty.name()
                 )));
             }
@@ -977,22 +1000,39 @@ mod tests {
         for w in Shard::degrees(&c) {
             let mut heads = 0;
             let mut ffn = 0;
+            let mut kv_seen = Vec::new();
             for r in 0..w {
                 let l = Shard { rank: r, world: w }.local(&c).unwrap();
                 assert_eq!(l.head0, heads);
                 assert_eq!(l.ffn0, ffn);
-                assert_eq!(l.heads, 2 * l.kv_heads);
+                // Every query head a rank holds belongs to a KV head it holds.
+                for h in l.head0..l.head0 + l.heads {
+                    let g = h / 2;
+                    assert!(
+                        (l.kv_head0..l.kv_head0 + l.kv_heads).contains(&g),
+                        "{w} {r} {h}"
+                    );
+                }
+                kv_seen.extend(l.kv_head0..l.kv_head0 + l.kv_heads);
                 heads += l.heads;
                 ffn += l.ffn;
             }
             assert_eq!((heads, ffn), (8, 96));
+            kv_seen.dedup();
+            assert_eq!(kv_seen, vec![0, 1, 2, 3], "degree {w}");
         }
-        assert_eq!(Shard::degrees(&c), vec![1, 2, 4]);
+        // 8: each KV head on two ranks, one query head each.
+        assert_eq!(Shard::degrees(&c), vec![1, 2, 4, 8]);
+        let l = Shard { rank: 5, world: 8 }.local(&c).unwrap();
+        assert_eq!((l.heads, l.head0, l.kv_heads, l.kv_head0), (1, 5, 1, 2));
         let e = Shard { rank: 0, world: 3 }
             .local(&c)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("must divide") && e.contains("[1, 2, 4]"), "{e}");
+        assert!(
+            e.contains("must divide") && e.contains("[1, 2, 4, 8]"),
+            "{e}"
+        );
         assert!(Shard { rank: 2, world: 2 }.local(&c).is_err());
     }
 
@@ -1000,7 +1040,13 @@ mod tests {
     fn raw_columns_cut_on_block_boundaries_only() {
         use kernels::GgmlType;
         // 2 rows × 64 columns of Q8_0 (blocks of 32 values, 34 bytes).
-        let data: Vec<u8> = (0..2 * 2 * 34).map(|i| i as u8).collect();
+        let data: Vec<u8> = (0..4)
+            .flat_map(|k| {
+                let d = half::f16::from_f32(0.01 * (k + 1) as f32).to_le_bytes();
+                d.into_iter()
+                    .chain((0..32).map(move |j| (j as i8 - 16 + k as i8) as u8))
+            })
+            .collect();
         let raw = || RawTensor {
             ty: GgmlType::Q8_0,
             dims: vec![2, 64],
@@ -1016,7 +1062,17 @@ mod tests {
             .map(|_| ())
             .unwrap_err()
             .to_string();
-        assert!(e.contains("block boundaries"), "{e}");
+        assert!(e.contains("cut Q8_0 blocks"), "{e}");
+        // Widened to whole blocks, with the offset of the rank's first column in them.
+        assert_eq!(
+            block_aligned(Part::Cols(16, 48), 32),
+            (Part::Cols(0, 64), 16)
+        );
+        assert_eq!(
+            block_aligned(Part::Cols(64, 96), 32),
+            (Part::Cols(64, 96), 0)
+        );
+        assert_eq!(block_aligned(Part::Rows(1, 3), 32), (Part::Rows(1, 3), 0));
         assert!(slice_raw(raw(), Part::Rows(1, 3), "w").is_err());
     }
 
