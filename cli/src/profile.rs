@@ -25,7 +25,8 @@ pub struct ProfileArgs {
     pub json: Option<PathBuf>,
     /// Profile the model split over tensor-parallel ranks (`dspark tp-shard`) at these
     /// addresses, rank 1 first, as a target worker with the same `--tp-peers` runs it: the
-    /// table the scheduler and the capacity planner need for that group.
+    /// table the scheduler and the capacity planner need for that group. The ranks must not
+    /// be serving a worker meanwhile: a rank serves one rank 0 at a time.
     #[arg(long, value_delimiter = ',')]
     pub tp_peers: Vec<String>,
 }

@@ -19,7 +19,8 @@ use std::time::Instant;
 pub struct TpArgs {
     #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
     pub model: String,
-    /// Tensor-parallel degrees compared (each must divide the model's KV heads).
+    /// Tensor-parallel degrees compared (each divides the model's KV heads, or is a multiple
+    /// of them dividing its query heads).
     #[arg(long, value_delimiter = ',', default_value = "1,3")]
     pub degrees: Vec<usize>,
     /// Sequences per forward, one new token each (decode steps), at `--ctx` tokens of context.

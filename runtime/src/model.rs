@@ -181,7 +181,10 @@ fn padded<'a>(
     width: usize,
     pad: &'a mut Vec<f32>,
 ) -> &'a [f32] {
-    let w = x.len() / n.max(1);
+    if n == 0 {
+        return x;
+    }
+    let w = x.len() / n;
     if left == 0 && w == width {
         return x;
     }
@@ -488,6 +491,15 @@ impl Model {
             let up = src.linear_part(&n("up"), dense, rows(&fr))?;
             let (wo, wo_pad) = src.linear_cols(&n("o"), dense, cols(&qr))?;
             let (down, down_pad) = src.linear_cols(&n("down"), dense, cols(&fr))?;
+            if wo.rows() != cfg.d_model
+                || down.rows() != cfg.d_model
+                || wo_pad + qr.len() > wo.cols()
+                || down_pad + fr.len() > down.cols()
+            {
+                return Err(RuntimeError::Config(format!(
+                    "layer {i}: output projection or FFN down shapes disagree with the config"
+                )));
+            }
             layers.push(Layer {
                 attn_norm: src.vector(&n("attn_norm"))?,
                 qkv: Fused::new(vec![q, k, v])?,
@@ -543,6 +555,16 @@ impl Model {
     /// On rank 0 of a tensor-parallel group: the links' state (`None` without TP).
     pub fn tp_links(&self) -> Option<Arc<crate::tp::LinkState>> {
         self.links.clone()
+    }
+
+    /// On rank 0, between forwards (it does not wait for one): checks the idle links, so a
+    /// rank lost meanwhile shows as down ([`crate::tp::LinkState::up`]).
+    pub fn tp_check(&self) {
+        if let Some(g) = &self.group
+            && let Ok(mut g) = g.try_lock()
+        {
+            g.probe();
+        }
     }
 
     /// On rank 0: dials the other ranks again if the links are down, so a worker whose rank

@@ -586,12 +586,31 @@ impl Group {
         self.epoch += 1;
         self.live.clear();
         self.state
+            .connects
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.state
             .up
             .store(true, std::sync::atomic::Ordering::SeqCst);
-        self.state
-            .connects
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Between forwards nothing may arrive on a link: a link that reads as closed, failed or
+    /// holding data is dropped, so a rank lost while the worker is idle shows at once (and is
+    /// redialled) instead of failing the next request.
+    pub(crate) fn probe(&mut self) {
+        let mut b = [0u8; 1];
+        let dead = self.links.iter().any(|s| {
+            if s.set_nonblocking(true).is_err() {
+                return true;
+            }
+            let r = s.peek(&mut b);
+            let back = s.set_nonblocking(false);
+            !matches!(r, Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock) || back.is_err()
+        });
+        if dead {
+            tracing::warn!("a tensor-parallel rank's link closed while idle");
+            self.reset();
+        }
     }
 
     /// Dials the ranks if the links are down (no cache is touched: the next forward syncs).

@@ -533,13 +533,13 @@ impl Engine {
         })
     }
 
-    /// Puts a verification policy (the scheduler) in the loop: every request drafts its full
-    /// γ and the policy trims the blocks; the per-request gate steps aside.
     /// The target model the engine verifies with.
     pub fn model(&self) -> &Arc<Model> {
         &self.model
     }
 
+    /// Puts a verification policy (the scheduler) in the loop: every request drafts its full
+    /// γ and the policy trims the blocks; the per-request gate steps aside.
     pub fn set_policy(&mut self, policy: Option<Box<dyn VerifyPolicy>>) {
         self.policy = policy;
     }

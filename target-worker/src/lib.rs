@@ -253,13 +253,23 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         std::thread::Builder::new()
             .name("tp-redial".into())
             .spawn(move || {
+                let mut last = String::new();
                 loop {
                     std::thread::sleep(Duration::from_secs(1));
+                    model.tp_check();
                     if !links.up() {
                         match model.tp_redial() {
-                            Ok(true) => tracing::info!("tensor-parallel ranks linked again"),
+                            Ok(true) => {
+                                tracing::info!("tensor-parallel ranks linked again");
+                                last.clear();
+                            }
                             Ok(false) => {}
-                            Err(e) => tracing::debug!("tensor-parallel ranks still down: {e}"),
+                            // Said once per cause, not every second.
+                            Err(e) if e.to_string() != last => {
+                                last = e.to_string();
+                                tracing::warn!("tensor-parallel ranks still down: {last}");
+                            }
+                            Err(_) => {}
                         }
                     }
                 }

@@ -2365,6 +2365,8 @@ async fn tensor_parallel_target_worker_is_greedy_identical_and_survives_a_rank_r
     .await;
     assert!(st >= 500 && v["error"]["message"].is_string(), "{st} {v}");
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    // (The ranks gauge answering shows the page is up: a missing metric would also read 0.)
+    assert_eq!(metric(&base, "dspark_target_tp_ranks").await, 3.0);
     assert_eq!(metric(&base, "dspark_target_tp_links_up").await, 0.0);
     // ...and once it is back on its address, the worker links it again by itself (no request
     // needed) and serves the same tokens as before.
@@ -2390,4 +2392,11 @@ async fn tensor_parallel_target_worker_is_greedy_identical_and_survives_a_rank_r
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     assert_eq!(got, want);
+    // A rank lost while the worker is idle shows at once (the worker probes its idle links).
+    ranks[1].kill();
+    wait_for("idle link loss", Duration::from_secs(10), || async {
+        metric(&base, "dspark_target_tp_links_up").await == 0.0
+    })
+    .await;
+    assert_eq!(metric(&base, "dspark_target_tp_ranks").await, 3.0);
 }
