@@ -428,8 +428,15 @@ impl Model {
             .build()
             .map_err(|e| RuntimeError::Config(format!("thread pool: {e}")))?;
         let dense = opts.dense;
-        let embed = src.linear(names.embed, dense)?;
-        if embed.rows() != cfg.vocab_size || embed.cols() != cfg.d_model {
+        // Shard ranks (1..) never embed a token nor compute logits: they skip the two largest
+        // matrices of a small model (a vocabulary of 150k × d).
+        let shard_rank = opts.tp.as_ref().is_some_and(|t| t.rank > 0);
+        let embed = if shard_rank {
+            Linear::Dense(Tensor::zeros((0, cfg.d_model), DType::F32, &Device::Cpu)?)
+        } else {
+            src.linear(names.embed, dense)?
+        };
+        if !shard_rank && (embed.rows() != cfg.vocab_size || embed.cols() != cfg.d_model) {
             return Err(RuntimeError::Config(format!(
                 "embedding is {}x{}, config says vocab {} × width {}",
                 embed.rows(),
@@ -438,7 +445,7 @@ impl Model {
                 cfg.d_model
             )));
         }
-        let head = if src.has(names.head) {
+        let head = if !shard_rank && src.has(names.head) {
             Some(src.linear(names.head, dense)?)
         } else {
             None
@@ -620,6 +627,7 @@ impl Model {
     /// runtime's kernels and threads: a drafter sharing the frozen head reads its quantized
     /// weights once per call instead of an f32 copy four times their size.
     pub fn head_logits(&self, h: &[f32], m: usize) -> Result<Vec<f32>> {
+        self.whole_ends()?;
         let (d, v) = (self.cfg.d_model, self.cfg.vocab_size);
         if h.len() != m * d {
             return Err(crate::RuntimeError::Config(format!(
@@ -642,16 +650,29 @@ impl Model {
 
     /// The token embedding, dequantized to f32 (vocab × d_model), e.g. for a drafter that shares it.
     pub fn embedding_f32(&self) -> Result<Vec<f32>> {
+        self.whole_ends()?;
         Self::dense_rows(&self.embed, self.cfg.vocab_size, self.cfg.d_model)
     }
 
     /// The LM head, dequantized to f32 (vocab × d_model); the embedding when tied.
     pub fn head_f32(&self) -> Result<Vec<f32>> {
+        self.whole_ends()?;
         Self::dense_rows(
             self.head.as_ref().unwrap_or(&self.embed),
             self.cfg.vocab_size,
             self.cfg.d_model,
         )
+    }
+
+    /// Refuses on a shard rank, which holds neither the embedding nor the LM head.
+    fn whole_ends(&self) -> Result<()> {
+        if self.shard.rank > 0 {
+            return Err(RuntimeError::Tp(format!(
+                "rank {} holds no embedding or LM head (rank 0 does)",
+                self.shard.rank
+            )));
+        }
+        Ok(())
     }
 
     fn dense_rows(l: &Linear, rows: usize, cols: usize) -> Result<Vec<f32>> {

@@ -228,7 +228,11 @@ fn ranks_refuse_what_they_cannot_serve() {
     let s = c.new_seq();
     let e = last(&r1, &mut c, s, &[1]).unwrap_err();
     assert!(e.to_string().contains("forwards run on rank 0"), "{e}");
+    // A shard holds neither the embedding nor the head: half the layers' bytes and no more.
+    let e = r1.head_logits(&[0.0; 64], 1).unwrap_err();
+    assert!(e.to_string().contains("no embedding or LM head"), "{e}");
     let whole = Model::load(&path, &opts(None)).unwrap();
+    assert!(r1.weight_bytes() < whole.weight_bytes() / 2);
     let mut c = whole.new_cache(64, 8).unwrap();
     let s = c.new_seq();
     let m = leader(&path, start_ranks(&path, 2)).unwrap();
