@@ -10,8 +10,11 @@
 # What `run` checks: the CUDA kernels (`kernels::cuda`, compiled there at run time by NVRTC)
 # against their CPU references on random shapes; the model forward written over those kernels
 # (`dspark_runtime::device`) against the CPU forward's logits on tiny seeded models and on real
-# SmolLM2 weights; and that opening the device is no error. It prints the driver and NVRTC
-# libraries it finds first, so a failure to load them is visible.
+# SmolLM2 weights, in one prefill and in decode steps and verification windows over the device's
+# KV cache; and that opening the device is no error. It prints the driver and NVRTC libraries it
+# finds first, so a failure to load them is visible. Then it measures what a window of k tokens
+# costs there (runtime/examples/gpu-verify-curve.rs) for SmolLM2-135M's and
+# Qwen2.5-Coder-1.5B's shapes, into $OUT/gpu-verify-curve-*.json.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -37,7 +40,9 @@ for line in sys.stdin:
           dspark_runtime) cp "$exe" .gpu/runtime-tests ;;
         esac
       done
-    for b in kernels-tests runtime-tests; do
+    cargo build -q --release -p dspark-runtime --example gpu-verify-curve
+    cp target/release/examples/gpu-verify-curve .gpu/gpu-verify-curve
+    for b in kernels-tests runtime-tests gpu-verify-curve; do
       [ -f ".gpu/$b" ] || { echo "no $b binary built" >&2; exit 1; }
       strip ".gpu/$b" 2>/dev/null || true
     done
@@ -47,6 +52,11 @@ for line in sys.stdin:
     src=$(cargo run -q --release -p dspark -- fetch-model smollm2-135m | tail -1)
     [ -f "$src" ] || src="${DSPARK_HOME:-$HOME/.cache/dspark}/models/smollm2-135m.gguf"
     cargo run -q --release -p dspark-runtime --example slice-gguf -- "$src" .gpu/smollm2-135m-cut.gguf "$layers"
+    # The benchmark's shapes: each model's config, read from its GGUF header.
+    .gpu/gpu-verify-curve --dump-config "$src" > .gpu/smollm2-135m.json
+    big=$(cargo run -q --release -p dspark -- fetch-model qwen2.5-coder-1.5b | tail -1)
+    [ -f "$big" ] || big="${DSPARK_HOME:-$HOME/.cache/dspark}/models/qwen2.5-coder-1.5b.gguf"
+    .gpu/gpu-verify-curve --dump-config "$big" > .gpu/qwen2.5-coder-1.5b.json
     # What travels is compressed (Q8_0 weights and binaries shrink by a tenth to two thirds);
     # `run` unpacks it with Python's lzma, which every image with python3 has.
     for f in .gpu/*; do xz -T0 -6 "$f"; done
@@ -63,6 +73,7 @@ for line in sys.stdin:
     "$0" run-body 2>&1 | tee "$out/gpu-check.log"
     ;;
   run-body)
+    out="${OUT:-/tmp/gpu-check}"
     nvidia-smi -L || true
     # NVRTC and the driver, wherever this image keeps them (the toolkit, or pip's nvidia wheels).
     extra=$(python3 - <<'EOF' 2>/dev/null || true
@@ -91,7 +102,7 @@ EOF
 with lzma.open(sys.argv[1]) as a, open(sys.argv[2], "wb") as b: shutil.copyfileobj(a, b)' \
         "$f" "$work/$(basename "$f" .xz)"
     done
-    chmod +x "$work/kernels-tests" "$work/runtime-tests"
+    chmod +x "$work/kernels-tests" "$work/runtime-tests" "$work/gpu-verify-curve"
     # Both halves run whatever the first one gives, so one device call reports both.
     status=0
     if "$work/kernels-tests" cuda --include-ignored --nocapture --test-threads 1; then
@@ -105,6 +116,15 @@ with lzma.open(sys.argv[1]) as a, open(sys.argv[2], "wb") as b: shutil.copyfileo
     else
       echo "gpu-check: FAILED: the CUDA forward against the CPU forward"; status=1
     fi
+    # What a window of k tokens costs on this GPU, both matmul kernels side by side.
+    for m in smollm2-135m qwen2.5-coder-1.5b; do
+      if "$work/gpu-verify-curve" --config "$work/$m.json" --name "$m" \
+        --json "$out/gpu-verify-curve-$m.json" --via "scripts/gpu-check.sh run"; then
+        echo "gpu-check: measured $m"
+      else
+        echo "gpu-check: FAILED: the verification-cost measurement of $m"; status=1
+      fi
+    done
     exit $status
     ;;
   *)

@@ -52,6 +52,105 @@ extern "C" __global__ void matmul_f32(const float* w, const float* x, float* y,
     if (lane == 0) y[(long)t * rows + r] = acc;
 }
 
+// The same product with a block of MM_THREADS threads per (output row, tile of TILE tokens):
+// the block's threads split the row's columns, so each weight is read once for the tile's
+// tokens, and a small matrix still spreads over every multiprocessor (a warp per output row
+// leaves most of a large GPU idle at one or a few tokens, and a decode is then latency-bound,
+// not bandwidth-bound). Each thread sums its columns in order, each warp reduces its lanes
+// with the shuffle tree, and thread j adds the warps' partials in warp order. One kernel per
+// tile size; the host picks the smallest that holds the window, up to 8.
+#define MM_THREADS 128
+#define MATMUL_TILED(NAME, TILE)                                                           \
+extern "C" __global__ void NAME(const float* w, const float* x, float* y,                 \
+                                int rows, int cols, int m) {                              \
+    __shared__ float part[MM_THREADS / 32][TILE];                                         \
+    int r = blockIdx.x, t0 = blockIdx.y * TILE;                                           \
+    if (r >= rows || t0 >= m) return;                                                     \
+    int tn = min(TILE, m - t0);                                                           \
+    int lane = threadIdx.x % 32, wid = threadIdx.x / 32;                                  \
+    const float* wr = w + (long)r * cols;                                                 \
+    const float* xt = x + (long)t0 * cols;                                                \
+    float acc[TILE];                                                                      \
+    _Pragma("unroll")                                                                     \
+    for (int j = 0; j < TILE; j++) acc[j] = 0.0f;                                         \
+    if (tn == TILE) {                                                                     \
+        for (int c = threadIdx.x; c < cols; c += MM_THREADS) {                            \
+            float wv = wr[c];                                                             \
+            _Pragma("unroll")                                                             \
+            for (int j = 0; j < TILE; j++) acc[j] += wv * xt[(long)j * cols + c];         \
+        }                                                                                 \
+    } else {                                                                              \
+        for (int c = threadIdx.x; c < cols; c += MM_THREADS) {                            \
+            float wv = wr[c];                                                             \
+            _Pragma("unroll")                                                             \
+            for (int j = 0; j < TILE; j++)                                                \
+                if (j < tn) acc[j] += wv * xt[(long)j * cols + c];                        \
+        }                                                                                 \
+    }                                                                                     \
+    _Pragma("unroll")                                                                     \
+    for (int j = 0; j < TILE; j++) {                                                      \
+        float a = acc[j];                                                                 \
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);        \
+        if (lane == 0) part[wid][j] = a;                                                  \
+    }                                                                                     \
+    __syncthreads();                                                                      \
+    if (threadIdx.x < tn) {                                                               \
+        float a = 0.0f;                                                                   \
+        for (int k = 0; k < MM_THREADS / 32; k++) a += part[k][threadIdx.x];              \
+        y[(long)(t0 + threadIdx.x) * rows + r] = a;                                       \
+    }                                                                                     \
+}
+MATMUL_TILED(matmul_f32_t1, 1)
+MATMUL_TILED(matmul_f32_t2, 2)
+MATMUL_TILED(matmul_f32_t4, 4)
+MATMUL_TILED(matmul_f32_t8, 8)
+
+// The same with 16-byte loads, for rows of a multiple of 4 values (so every row starts
+// 16-byte aligned in a buffer cuMemAlloc aligned): a quarter of the load instructions, which
+// bound the scalar kernel once a tile holds several tokens. Each thread sums its four-column
+// groups in order, the four products of a group first.
+#define MATMUL_TILED4(NAME, TILE)                                                          \
+extern "C" __global__ void NAME(const float* w, const float* x, float* y,                 \
+                                int rows, int cols, int m) {                              \
+    __shared__ float part[MM_THREADS / 32][TILE];                                         \
+    int r = blockIdx.x, t0 = blockIdx.y * TILE;                                           \
+    if (r >= rows || t0 >= m) return;                                                     \
+    int tn = min(TILE, m - t0);                                                           \
+    int lane = threadIdx.x % 32, wid = threadIdx.x / 32;                                  \
+    int c4 = cols / 4;                                                                    \
+    const float4* wr = (const float4*)(w + (long)r * cols);                               \
+    const float4* xt = (const float4*)(x + (long)t0 * cols);                              \
+    float acc[TILE];                                                                      \
+    _Pragma("unroll")                                                                     \
+    for (int j = 0; j < TILE; j++) acc[j] = 0.0f;                                         \
+    for (int c = threadIdx.x; c < c4; c += MM_THREADS) {                                  \
+        float4 wv = wr[c];                                                                \
+        _Pragma("unroll")                                                                 \
+        for (int j = 0; j < TILE; j++) {                                                  \
+            if (j < tn) {                                                                 \
+                float4 xv = xt[(long)j * c4 + c];                                         \
+                acc[j] += wv.x * xv.x + wv.y * xv.y + wv.z * xv.z + wv.w * xv.w;          \
+            }                                                                             \
+        }                                                                                 \
+    }                                                                                     \
+    _Pragma("unroll")                                                                     \
+    for (int j = 0; j < TILE; j++) {                                                      \
+        float a = acc[j];                                                                 \
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);        \
+        if (lane == 0) part[wid][j] = a;                                                  \
+    }                                                                                     \
+    __syncthreads();                                                                      \
+    if (threadIdx.x < tn) {                                                               \
+        float a = 0.0f;                                                                   \
+        for (int k = 0; k < MM_THREADS / 32; k++) a += part[k][threadIdx.x];              \
+        y[(long)(t0 + threadIdx.x) * rows + r] = a;                                       \
+    }                                                                                     \
+}
+MATMUL_TILED4(matmul_f32x4_t1, 1)
+MATMUL_TILED4(matmul_f32x4_t2, 2)
+MATMUL_TILED4(matmul_f32x4_t4, 4)
+MATMUL_TILED4(matmul_f32x4_t8, 8)
+
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y,
                                     int n, int d, float eps) {
     __shared__ float part[256];
@@ -110,23 +209,31 @@ extern "C" __global__ void rope(float* x, int n, int width, int offset, int head
     p[ib] = x0 * s + x1 * c;
 }
 
-// Causal attention of one sequence from position 0: rows of `width` values [q | k | v] with
-// n_heads query heads and n_kv KV heads of hd values. One block per (query row, head); the
-// scores live in dynamic shared memory (n floats), followed by the block's reduction array.
-extern "C" __global__ void attention_causal(const float* qkv, float* out, int n, int width,
-                                            int n_heads, int n_kv, int hd, float scale) {
+// Causal attention of n query rows at positions pos0 .. pos0 + n − 1 over the keys and values
+// of positions 0 .. pos0 + n − 1. Query row t, head h starts at q[q_off + t·q_stride + h·hd];
+// key row s, KV head g at k[k_off + s·kv_stride + g·hd] (values likewise from v): fused
+// [q | k | v] rows of a prefill and a KV cache are the same kernel. One block per (query row,
+// head); the scores live in dynamic shared memory (pos0 + n floats), followed by the block's
+// reduction array.
+extern "C" __global__ void attention(const float* q, long q_off, int q_stride,
+                                     const float* k, long k_off, const float* v, long v_off,
+                                     int kv_stride, float* out, int n, int pos0,
+                                     int n_heads, int n_kv, int hd, float scale) {
     extern __shared__ float sh[];
+    int keys = pos0 + n;
     float* sc = sh;
-    float* red = sh + n;
+    float* red = sh + keys;
     int t = blockIdx.x, h = blockIdx.y;
     int g = h / (n_heads / n_kv);
-    int qd = n_heads * hd, kvd = n_kv * hd;
-    const float* q = qkv + (long)t * width + h * hd;
+    int last = pos0 + t;
+    const float* qr = q + q_off + (long)t * q_stride + h * hd;
+    const float* kb = k + k_off + g * hd;
+    const float* vb = v + v_off + g * hd;
     float mx = __int_as_float(0xff800000);  // −∞ (NVRTC has no math.h macros)
-    for (int s = threadIdx.x; s <= t; s += blockDim.x) {
-        const float* k = qkv + (long)s * width + qd + g * hd;
+    for (int s = threadIdx.x; s <= last; s += blockDim.x) {
+        const float* kr = kb + (long)s * kv_stride;
         float a = 0.0f;
-        for (int d = 0; d < hd; d++) a += q[d] * k[d];
+        for (int d = 0; d < hd; d++) a += qr[d] * kr[d];
         a *= scale;
         sc[s] = a;
         mx = fmaxf(mx, a);
@@ -140,7 +247,7 @@ extern "C" __global__ void attention_causal(const float* qkv, float* out, int n,
     mx = red[0];
     __syncthreads();
     float sum = 0.0f;
-    for (int s = threadIdx.x; s <= t; s += blockDim.x) {
+    for (int s = threadIdx.x; s <= last; s += blockDim.x) {
         float e = expf(sc[s] - mx);
         sc[s] = e;
         sum += e;
@@ -152,11 +259,24 @@ extern "C" __global__ void attention_causal(const float* qkv, float* out, int n,
         __syncthreads();
     }
     float inv = 1.0f / red[0];
+    int qd = n_heads * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.0f;
-        for (int s = 0; s <= t; s++) acc += sc[s] * qkv[(long)s * width + qd + kvd + g * hd + d];
+        for (int s = 0; s <= last; s++) acc += sc[s] * vb[(long)s * kv_stride + d];
         out[(long)t * qd + h * hd + d] = acc * inv;
     }
+}
+
+// Copies the k and v parts of n fused [q | k | v] rows into rows pos0 .. pos0 + n − 1 of a
+// layer's key and value caches (rows of kvd values).
+extern "C" __global__ void kv_append(const float* qkv, float* kc, float* vc, int n, int width,
+                                     int qd, int kvd, int pos0) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)n * kvd) return;
+    long t = i / kvd, j = i % kvd;
+    long dst = (long)(pos0 + t) * kvd + j;
+    kc[dst] = qkv[t * width + qd + j];
+    vc[dst] = qkv[t * width + qd + kvd + j];
 }
 "#;
 
@@ -193,6 +313,11 @@ pub fn available() -> bool {
 pub struct Gpu {
     stream: Arc<CudaStream>,
     matmul: CudaFunction,
+    /// The tiled matmul for tiles of 1, 2, 4 and 8 tokens.
+    matmul_tiled: [CudaFunction; 4],
+    /// The same with 16-byte loads, for rows of a multiple of 4 values.
+    matmul_tiled4: [CudaFunction; 4],
+    kv_append: CudaFunction,
     norm: CudaFunction,
     silu: CudaFunction,
     add: CudaFunction,
@@ -241,6 +366,25 @@ pub struct AttentionArgs {
     pub head_dim: usize,
 }
 
+/// Which matmul kernel [`Gpu::matmul_with`] launches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// A warp per output element: every token of a window reads its weight row again.
+    PerToken,
+    /// A block per (output row, tile of up to [`MATMUL_TILE`] tokens), its threads splitting
+    /// the columns: a row is read once a tile, so a verification window of up to that many
+    /// tokens reads the weights once, as a decode does.
+    #[default]
+    TokenTiled,
+}
+
+/// Most tokens a block of the tiled matmul multiplies against one read of a weight row.
+pub const MATMUL_TILE: usize = 8;
+
+/// Threads per block of the tiled matmul (`MM_THREADS`: a multiple of 32, at least
+/// [`MATMUL_TILE`]).
+const MATMUL_THREADS: u32 = 128;
+
 fn launch_1d(n: usize) -> Result<LaunchConfig> {
     Ok(LaunchConfig::for_num_elems(u32::try_from(n).map_err(
         |_| GpuError::Shape(format!("{n} elements exceed one launch")),
@@ -272,12 +416,25 @@ impl Gpu {
         let f = |n: &str| module.load_function(n).map_err(drv);
         Ok(Self {
             matmul: f("matmul_f32")?,
+            matmul_tiled: [
+                f("matmul_f32_t1")?,
+                f("matmul_f32_t2")?,
+                f("matmul_f32_t4")?,
+                f("matmul_f32_t8")?,
+            ],
+            matmul_tiled4: [
+                f("matmul_f32x4_t1")?,
+                f("matmul_f32x4_t2")?,
+                f("matmul_f32x4_t4")?,
+                f("matmul_f32x4_t8")?,
+            ],
+            kv_append: f("kv_append")?,
             norm: f("rms_norm")?,
             silu: f("silu_mul")?,
             add: f("add_assign")?,
             add_rows: f("add_rows")?,
             rope: f("rope")?,
-            attention: f("attention_causal")?,
+            attention: f("attention")?,
             stream: ctx.default_stream(),
             name,
         })
@@ -314,7 +471,20 @@ impl Gpu {
         })
     }
 
-    fn zeros(&self, n: usize) -> Result<DeviceBuf> {
+    /// An output buffer of `n` values for a kernel that writes every one of them before
+    /// anything reads it: no memset launch, as `zeros` needs.
+    fn output(&self, n: usize) -> Result<DeviceBuf> {
+        if n == 0 {
+            return Err(GpuError::Shape("an empty buffer".into()));
+        }
+        // SAFETY: the buffer is only handed to a kernel that writes all `n` values (each
+        // caller's launch covers every output index) before it is read or copied back.
+        let d = unsafe { self.stream.alloc::<f32>(n) }.map_err(drv)?;
+        Ok(DeviceBuf { d, len: n })
+    }
+
+    /// A buffer of `n` zeros on the device.
+    pub fn zeros(&self, n: usize) -> Result<DeviceBuf> {
         if n == 0 {
             return Err(GpuError::Shape("an empty buffer".into()));
         }
@@ -329,29 +499,66 @@ impl Gpu {
         self.stream.clone_dtoh(&b.d).map_err(drv)
     }
 
-    /// `y[t][r] = Σ_c W[r][c] x[t][c]` for the `m` rows of `x`, on the device.
+    /// `y[t][r] = Σ_c W[r][c] x[t][c]` for the `m` rows of `x`, on the device (the tiled
+    /// kernel).
     pub fn matmul_dev(&self, w: &DeviceMatrix, x: &DeviceBuf, m: usize) -> Result<DeviceBuf> {
+        self.matmul_with(w, x, m, MatmulKernel::TokenTiled)
+    }
+
+    /// [`Gpu::matmul_dev`] with the kernel chosen (they sum in different orders, so their
+    /// values differ by rounding).
+    pub fn matmul_with(
+        &self,
+        w: &DeviceMatrix,
+        x: &DeviceBuf,
+        m: usize,
+        kernel: MatmulKernel,
+    ) -> Result<DeviceBuf> {
         if m == 0 || w.rows == 0 || x.len != m * w.cols {
             return Err(GpuError::Shape(format!(
                 "{} inputs for {m} rows of {} (a {} × {} matrix)",
                 x.len, w.cols, w.rows, w.cols
             )));
         }
-        let mut y = self.zeros(m * w.rows)?;
+        let mut y = self.output(m * w.rows)?;
         let (rows, cols, mm) = (dim(w.rows, "rows")?, dim(w.cols, "cols")?, dim(m, "m")?);
-        let threads = (m * w.rows)
-            .checked_mul(32)
-            .ok_or_else(|| GpuError::Shape("matmul too large".into()))?;
-        let cfg = launch_1d(threads)?;
-        let mut b = self.stream.launch_builder(&self.matmul);
+        let (f, cfg) = match kernel {
+            MatmulKernel::PerToken => {
+                let threads = (m * w.rows)
+                    .checked_mul(32)
+                    .ok_or_else(|| GpuError::Shape("matmul too large".into()))?;
+                (&self.matmul, launch_1d(threads)?)
+            }
+            MatmulKernel::TokenTiled => {
+                let tile = m.next_power_of_two().min(MATMUL_TILE);
+                let kernels = if w.cols.is_multiple_of(4) {
+                    &self.matmul_tiled4
+                } else {
+                    &self.matmul_tiled
+                };
+                let f = &kernels[tile.trailing_zeros() as usize];
+                let grid = |n: usize| {
+                    u32::try_from(n).map_err(|_| GpuError::Shape("matmul too large".into()))
+                };
+                let cfg = LaunchConfig {
+                    grid_dim: (grid(w.rows)?, grid(m.div_ceil(tile))?, 1),
+                    block_dim: (MATMUL_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                (f, cfg)
+            }
+        };
+        let mut b = self.stream.launch_builder(f);
         b.arg(&w.w)
             .arg(&x.d)
             .arg(&mut y.d)
             .arg(&rows)
             .arg(&cols)
             .arg(&mm);
-        // SAFETY: the arguments match the kernel's signature; every index the kernel reads or
-        // writes is below rows × cols (w), m × cols (x) or m × rows (y), the sizes allocated.
+        // SAFETY: the arguments match both kernels' signatures; every index either kernel reads
+        // or writes is below rows × cols (w), m × cols (x) or m × rows (y), the sizes
+        // allocated (the tiled kernel skips tokens at or past m); together their threads or
+        // blocks write every one of the m × rows outputs.
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(y)
     }
@@ -363,7 +570,7 @@ impl Gpu {
             return Err(GpuError::Shape(format!("{} values in rows of {d}", x.len)));
         }
         let n = x.len / d;
-        let mut y = self.zeros(x.len)?;
+        let mut y = self.output(x.len)?;
         let (nn, dd) = (dim(n, "rows")?, dim(d, "width")?);
         let cfg = LaunchConfig {
             grid_dim: (
@@ -396,7 +603,7 @@ impl Gpu {
             )));
         }
         let n = gate_up.len / (2 * f);
-        let mut out = self.zeros(n * f)?;
+        let mut out = self.output(n * f)?;
         let (nn, ff) = (dim(n, "rows")?, dim(f, "width")?);
         let cfg = launch_1d(n * f)?;
         let mut b = self.stream.launch_builder(&self.silu);
@@ -488,6 +695,79 @@ impl Gpu {
     /// Causal self-attention of one sequence from position 0 over fused `[q | k | v]` rows:
     /// n × (n_heads · head_dim) outputs, GQA mapping head h to KV head h / (n_heads / n_kv).
     pub fn attention_dev(&self, qkv: &DeviceBuf, a: &AttentionArgs) -> Result<DeviceBuf> {
+        let (width, n) = Self::fused_rows(qkv, a)?;
+        let (qd, kvd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
+        self.attention_launch((qkv, 0, width), (qkv, qd, qkv, qd + kvd, width), n, 0, a)
+    }
+
+    /// Causal attention of the n fused `[q | k | v]` rows of `qkv`, at positions pos0 ..
+    /// pos0 + n − 1, over rows 0 .. pos0 + n − 1 of a layer's key and value caches (rows of
+    /// n_kv_heads · head_dim values, this window's rows already appended by
+    /// [`Gpu::kv_append_dev`]).
+    pub fn attention_cached_dev(
+        &self,
+        qkv: &DeviceBuf,
+        k_cache: &DeviceBuf,
+        v_cache: &DeviceBuf,
+        a: &AttentionArgs,
+        pos0: usize,
+    ) -> Result<DeviceBuf> {
+        let (width, n) = Self::fused_rows(qkv, a)?;
+        let kvd = a.n_kv_heads * a.head_dim;
+        let keys = pos0 + n;
+        if k_cache.len != v_cache.len || k_cache.len < keys * kvd {
+            return Err(GpuError::Shape(format!(
+                "{keys} positions in caches of {} and {} values (rows of {kvd})",
+                k_cache.len, v_cache.len
+            )));
+        }
+        self.attention_launch((qkv, 0, width), (k_cache, 0, v_cache, 0, kvd), n, pos0, a)
+    }
+
+    /// Writes the k and v parts of the n fused rows of `qkv` into rows pos0 .. pos0 + n − 1 of
+    /// a layer's key and value caches.
+    pub fn kv_append_dev(
+        &self,
+        qkv: &DeviceBuf,
+        k_cache: &mut DeviceBuf,
+        v_cache: &mut DeviceBuf,
+        a: &AttentionArgs,
+        pos0: usize,
+    ) -> Result<()> {
+        let (width, n) = Self::fused_rows(qkv, a)?;
+        let (qd, kvd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
+        if k_cache.len != v_cache.len || k_cache.len < (pos0 + n) * kvd {
+            return Err(GpuError::Shape(format!(
+                "rows {pos0} .. {} in caches of {} and {} values (rows of {kvd})",
+                pos0 + n,
+                k_cache.len,
+                v_cache.len
+            )));
+        }
+        let (nn, w, q, kvi, p) = (
+            dim(n, "rows")?,
+            dim(width, "width")?,
+            dim(qd, "q width")?,
+            dim(kvd, "kv width")?,
+            dim(pos0, "position")?,
+        );
+        let mut b = self.stream.launch_builder(&self.kv_append);
+        b.arg(&qkv.d)
+            .arg(&mut k_cache.d)
+            .arg(&mut v_cache.d)
+            .arg(&nn)
+            .arg(&w)
+            .arg(&q)
+            .arg(&kvi)
+            .arg(&p);
+        // SAFETY: thread i < n·kvd reads qkv[t·width + qd + kvd + j] < n·width and writes
+        // index (pos0 + t)·kvd + j < (pos0 + n)·kvd ≤ both caches' length (checked).
+        unsafe { b.launch(launch_1d(n * kvd)?) }.map_err(drv)?;
+        Ok(())
+    }
+
+    /// The row width and count of fused `[q | k | v]` rows, checked against `a`.
+    fn fused_rows(qkv: &DeviceBuf, a: &AttentionArgs) -> Result<(usize, usize)> {
         let (h, kv, hd) = (a.n_heads, a.n_kv_heads, a.head_dim);
         if h == 0 || kv == 0 || hd == 0 || h % kv != 0 {
             return Err(GpuError::Shape(format!(
@@ -501,38 +781,65 @@ impl Gpu {
                 qkv.len
             )));
         }
-        let n = qkv.len / width;
-        if n > MAX_ATTENTION_TOKENS {
+        Ok((width, qkv.len / width))
+    }
+
+    /// Launches the attention kernel: queries (buffer, offset, stride), keys and values
+    /// (buffer, offset, buffer, offset, shared stride). The callers have checked that every
+    /// row they name lies inside its buffer.
+    fn attention_launch(
+        &self,
+        (q, q_off, q_stride): (&DeviceBuf, usize, usize),
+        (k, k_off, v, v_off, kv_stride): (&DeviceBuf, usize, &DeviceBuf, usize, usize),
+        n: usize,
+        pos0: usize,
+        a: &AttentionArgs,
+    ) -> Result<DeviceBuf> {
+        let (h, kv, hd) = (a.n_heads, a.n_kv_heads, a.head_dim);
+        let keys = pos0 + n;
+        if keys > MAX_ATTENTION_TOKENS {
             return Err(GpuError::Shape(format!(
-                "{n} tokens (the attention kernel takes at most {MAX_ATTENTION_TOKENS})"
+                "{keys} positions (the attention kernel takes at most {MAX_ATTENTION_TOKENS})"
             )));
         }
-        let mut out = self.zeros(n * h * hd)?;
+        let mut out = self.output(n * h * hd)?;
         let cfg = LaunchConfig {
             grid_dim: (n as u32, h as u32, 1),
             block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: ((n + ATTN_THREADS as usize) * 4) as u32,
+            shared_mem_bytes: ((keys + ATTN_THREADS as usize) * 4) as u32,
         };
         let scale = 1.0 / (hd as f32).sqrt();
-        let (nn, w, hh, kk, hdi) = (
+        let (qo, ko, vo) = (q_off as i64, k_off as i64, v_off as i64);
+        let (qs, kvs, nn, p, hh, kk, hdi) = (
+            dim(q_stride, "query stride")?,
+            dim(kv_stride, "kv stride")?,
             dim(n, "rows")?,
-            dim(width, "width")?,
+            dim(pos0, "position")?,
             dim(h, "heads")?,
             dim(kv, "kv heads")?,
             dim(hd, "head_dim")?,
         );
         let mut b = self.stream.launch_builder(&self.attention);
-        b.arg(&qkv.d)
+        b.arg(&q.d)
+            .arg(&qo)
+            .arg(&qs)
+            .arg(&k.d)
+            .arg(&ko)
+            .arg(&v.d)
+            .arg(&vo)
+            .arg(&kvs)
             .arg(&mut out.d)
             .arg(&nn)
-            .arg(&w)
+            .arg(&p)
             .arg(&hh)
             .arg(&kk)
             .arg(&hdi)
             .arg(&scale);
-        // SAFETY: block (t, h) reads rows s ≤ t < n of the n × width input and writes row t,
-        // head h of the n × h·hd output; its shared memory holds n scores and ATTN_THREADS
-        // partials, the size given (n ≤ MAX_ATTENTION_TOKENS keeps it under 48 KiB).
+        // SAFETY: block (t, h) reads query row t < n and key/value rows s < pos0 + n at the
+        // offsets and strides given, which the callers checked lie inside their buffers, and
+        // writes row t, head h of the n × h·hd output; its shared memory holds pos0 + n scores
+        // and ATTN_THREADS partials, the size given (≤ MAX_ATTENTION_TOKENS keeps it under
+        // 48 KiB).
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(out)
     }
@@ -682,11 +989,29 @@ mod tests {
     fn gpu_kernels_match_their_cpu_references() {
         let gpu = Gpu::new(0).expect("a CUDA device");
         let mut rng = Rng::new(7);
-        for &(rows, cols, m) in &[(1, 1, 1), (37, 65, 3), (576, 576, 8), (1536, 576, 17)] {
+        for &(rows, cols, m) in &[
+            (1, 1, 1),
+            (37, 65, 3),
+            (576, 576, 8),
+            (1536, 576, 17),
+            (5, 100, 9),
+            (64, 33, 32),
+            (100, 64, 2),
+            (33, 70, 5),
+            (3, 4, 3),
+            (7, 1032, 4),
+        ] {
             let w = randn(&mut rng, rows * cols);
             let x = randn(&mut rng, m * cols);
             let dw = gpu.upload(&w, rows, cols).expect("upload");
             let y = gpu.matmul(&dw, &x, m).expect("matmul");
+            let xd = gpu.buf(&x).expect("buf");
+            let per_token = gpu
+                .read(
+                    &gpu.matmul_with(&dw, &xd, m, MatmulKernel::PerToken)
+                        .expect("matmul"),
+                )
+                .expect("read");
             let mut r = vec![0f32; m * rows];
             for t in 0..m {
                 for i in 0..rows {
@@ -697,6 +1022,8 @@ mod tests {
             }
             let e = max_rel(&y, &r);
             assert!(e < 1e-4, "matmul {rows}×{cols}, m {m}: {e}");
+            let e = max_rel(&per_token, &r);
+            assert!(e < 1e-4, "per-token matmul {rows}×{cols}, m {m}: {e}");
         }
         for &(n, d) in &[(1, 1), (3, 576), (9, 1000)] {
             let x = randn(&mut rng, n * d);
@@ -761,6 +1088,40 @@ mod tests {
                 .expect("read");
             let e = max_rel(&y, &attention_ref(&qkv, n, h, kv, hd));
             assert!(e < 1e-4, "attention n {n}, {h}/{kv} heads of {hd}: {e}");
+        }
+        // The same attention over a KV cache filled in windows: 5 rows, then 1, then 8
+        // (positions 0..5, 5, 6..14), each window's rows appended first.
+        for &(h, kv, hd) in &[(4, 2, 8), (9, 3, 64)] {
+            let width = (h + 2 * kv) * hd;
+            let n = 14;
+            let qkv = randn(&mut rng, n * width);
+            let want = attention_ref(&qkv, n, h, kv, hd);
+            let a = AttentionArgs {
+                n_heads: h,
+                n_kv_heads: kv,
+                head_dim: hd,
+            };
+            let cap = 16 * kv * hd;
+            let (mut kc, mut vc) = (
+                gpu.zeros(cap).expect("zeros"),
+                gpu.zeros(cap).expect("zeros"),
+            );
+            let mut got = Vec::new();
+            for (p0, p1) in [(0, 5), (5, 6), (6, 14)] {
+                let rows = gpu.buf(&qkv[p0 * width..p1 * width]).expect("buf");
+                gpu.kv_append_dev(&rows, &mut kc, &mut vc, &a, p0)
+                    .expect("kv_append");
+                let out = gpu
+                    .attention_cached_dev(&rows, &kc, &vc, &a, p0)
+                    .expect("attention");
+                got.extend(gpu.read(&out).expect("read"));
+            }
+            let e = max_rel(&got, &want);
+            assert!(e < 1e-4, "cached attention {h}/{kv} heads of {hd}: {e}");
+            // Past the cache's rows is an error, not a launch.
+            let rows = gpu.buf(&qkv[..3 * width]).expect("buf");
+            assert!(gpu.kv_append_dev(&rows, &mut kc, &mut vc, &a, 14).is_err());
+            assert!(gpu.attention_cached_dev(&rows, &kc, &vc, &a, 14).is_err());
         }
         // Residual and bias adds.
         let (x, z, bias) = (randn(&mut rng, 12), randn(&mut rng, 12), randn(&mut rng, 4));

@@ -8,13 +8,16 @@
 //! each CUDA kernel is checked against its CPU reference in `kernels`; on a device
 //! (`scripts/gpu-check.sh`) the CUDA forward is checked against [`Model::forward`] directly.
 //!
-//! The device forward is a prefill of one sequence from position 0 with logits at every
-//! position, in f32 over dequantized weights: what a numerical check needs, not a serving path.
+//! The device forward runs one sequence over its own KV cache ([`DeviceCache`]): a prefill,
+//! then decode steps and verification windows, with logits at every new position and rollback
+//! by truncation. It is f32 over dequantized weights: what a numerical check and a measurement
+//! of a window's cost need, not yet a serving path (no paging, no batch of sequences).
 
 use crate::config::ModelConfig;
 use crate::model::Model;
 use crate::{Result, RuntimeError};
-use kernels::cuda::{AttentionArgs, DeviceBuf, DeviceMatrix, Gpu, RopeArgs};
+use kernels::cuda::{AttentionArgs, DeviceBuf, DeviceMatrix, Gpu, MatmulKernel, RopeArgs};
+use kernels::rng::Rng;
 use kernels::sampling::argmax;
 use kernels::{Isa, ops};
 
@@ -38,8 +41,28 @@ pub trait DeviceOps {
     fn add_rows(&self, y: &mut Self::Buf, b: &Self::Buf) -> Result<()>;
     /// RoPE in place on some heads of every row.
     fn rope(&self, x: &mut Self::Buf, a: &RopeArgs) -> Result<()>;
-    /// Causal attention of one sequence from position 0 over fused `[q | k | v]` rows.
-    fn attention(&self, qkv: &Self::Buf, a: &AttentionArgs) -> Result<Self::Buf>;
+    /// `n` zeros.
+    fn zeros(&self, n: usize) -> Result<Self::Buf>;
+    /// Writes the k and v parts of fused `[q | k | v]` rows into rows pos0.. of a layer's key
+    /// and value caches (rows of n_kv_heads · head_dim values).
+    fn kv_append(
+        &self,
+        qkv: &Self::Buf,
+        k: &mut Self::Buf,
+        v: &mut Self::Buf,
+        a: &AttentionArgs,
+        pos0: usize,
+    ) -> Result<()>;
+    /// Causal attention of fused `[q | k | v]` rows at positions pos0.. over cache rows
+    /// 0 ..= each row's position (this window's rows already appended).
+    fn attention(
+        &self,
+        qkv: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        a: &AttentionArgs,
+        pos0: usize,
+    ) -> Result<Self::Buf>;
     /// SwiGLU of fused `[gate | up]` rows of 2·f values.
     fn silu_mul(&self, gate_up: &Self::Buf, f: usize) -> Result<Self::Buf>;
 }
@@ -71,6 +94,19 @@ impl Default for CpuOps {
 
 fn shape(msg: String) -> RuntimeError {
     RuntimeError::Invalid(msg)
+}
+
+/// The row width and count of `len` values of fused `[q | k | v]` rows.
+fn fused_rows(len: usize, a: &AttentionArgs) -> Result<(usize, usize)> {
+    let (h, kv, hd) = (a.n_heads, a.n_kv_heads, a.head_dim);
+    if h == 0 || kv == 0 || hd == 0 || h % kv != 0 {
+        return Err(shape(format!("{h} heads over {kv} KV heads")));
+    }
+    let width = (h + 2 * kv) * hd;
+    if !len.is_multiple_of(width) {
+        return Err(shape(format!("{len} values in rows of {width}")));
+    }
+    Ok((width, len / width))
 }
 
 impl DeviceOps for CpuOps {
@@ -169,37 +205,77 @@ impl DeviceOps for CpuOps {
         Ok(())
     }
 
-    fn attention(&self, qkv: &Vec<f32>, a: &AttentionArgs) -> Result<Vec<f32>> {
+    fn zeros(&self, n: usize) -> Result<Vec<f32>> {
+        Ok(vec![0f32; n])
+    }
+
+    fn kv_append(
+        &self,
+        qkv: &Vec<f32>,
+        k: &mut Vec<f32>,
+        v: &mut Vec<f32>,
+        a: &AttentionArgs,
+        pos0: usize,
+    ) -> Result<()> {
+        let (width, n) = fused_rows(qkv.len(), a)?;
+        let (qd, kvd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
+        if k.len() != v.len() || k.len() < (pos0 + n) * kvd {
+            return Err(shape(format!(
+                "rows {pos0} .. {} in caches of {} values",
+                pos0 + n,
+                k.len()
+            )));
+        }
+        for t in 0..n {
+            let row = &qkv[t * width..(t + 1) * width];
+            k[(pos0 + t) * kvd..][..kvd].copy_from_slice(&row[qd..qd + kvd]);
+            v[(pos0 + t) * kvd..][..kvd].copy_from_slice(&row[qd + kvd..]);
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        qkv: &Vec<f32>,
+        kc: &Vec<f32>,
+        vc: &Vec<f32>,
+        a: &AttentionArgs,
+        pos0: usize,
+    ) -> Result<Vec<f32>> {
+        let (width, n) = fused_rows(qkv.len(), a)?;
         let (h, kv, hd) = (a.n_heads, a.n_kv_heads, a.head_dim);
-        if h == 0 || kv == 0 || hd == 0 || h % kv != 0 {
-            return Err(shape(format!("{h} heads over {kv} KV heads")));
-        }
-        let width = (h + 2 * kv) * hd;
-        if !qkv.len().is_multiple_of(width) {
-            return Err(shape(format!("{} values in rows of {width}", qkv.len())));
-        }
-        let n = qkv.len() / width;
         let (qd, kvd) = (h * hd, kv * hd);
+        if kc.len() != vc.len() || kc.len() < (pos0 + n) * kvd {
+            return Err(shape(format!(
+                "{} positions in caches of {} values",
+                pos0 + n,
+                kc.len()
+            )));
+        }
         let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0f32; n * qd];
-        let mut sc = vec![0f32; n];
+        let mut sc = vec![0f32; pos0 + n];
         for t in 0..n {
+            let last = pos0 + t;
             for head in 0..h {
                 let g = head / (h / kv);
                 let q = &qkv[t * width + head * hd..][..hd];
-                for (s, v) in sc.iter_mut().enumerate().take(t + 1) {
-                    let k = &qkv[s * width + qd + g * hd..][..hd];
+                for (s, v) in sc.iter_mut().enumerate().take(last + 1) {
+                    let k = &kc[s * kvd + g * hd..][..hd];
                     *v = ops::dot(Isa::Scalar, q, k) * scale;
                 }
-                let mx = sc[..=t].iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let mx = sc[..=last]
+                    .iter()
+                    .cloned()
+                    .fold(f32::NEG_INFINITY, f32::max);
                 let mut z = 0f32;
-                for v in &mut sc[..=t] {
+                for v in &mut sc[..=last] {
                     *v = (*v - mx).exp();
                     z += *v;
                 }
                 let o = &mut out[t * qd + head * hd..][..hd];
-                for (s, &p) in sc[..=t].iter().enumerate() {
-                    let vrow = &qkv[s * width + qd + kvd + g * hd..][..hd];
+                for (s, &p) in sc[..=last].iter().enumerate() {
+                    let vrow = &vc[s * kvd + g * hd..][..hd];
                     for (ov, vv) in o.iter_mut().zip(vrow) {
                         *ov += p * vv;
                     }
@@ -230,6 +306,7 @@ impl DeviceOps for CpuOps {
 /// The CUDA backend: every operation one NVRTC-compiled kernel on the device.
 pub struct CudaOps {
     gpu: Gpu,
+    matmul: MatmulKernel,
 }
 
 impl CudaOps {
@@ -237,7 +314,14 @@ impl CudaOps {
     pub fn new(ordinal: usize) -> Result<Self> {
         Ok(Self {
             gpu: Gpu::new(ordinal)?,
+            matmul: MatmulKernel::default(),
         })
+    }
+
+    /// Chooses the matmul kernel (both give the same values; they differ in how often a
+    /// window's tokens read the weights).
+    pub fn set_matmul(&mut self, kernel: MatmulKernel) {
+        self.matmul = kernel;
     }
 }
 
@@ -258,7 +342,7 @@ impl DeviceOps for CudaOps {
         Ok(self.gpu.read(b)?)
     }
     fn matmul(&self, w: &DeviceMatrix, x: &DeviceBuf, m: usize) -> Result<DeviceBuf> {
-        Ok(self.gpu.matmul_dev(w, x, m)?)
+        Ok(self.gpu.matmul_with(w, x, m, self.matmul)?)
     }
     fn rms_norm(&self, x: &DeviceBuf, w: &DeviceBuf, eps: f32) -> Result<DeviceBuf> {
         Ok(self.gpu.rms_norm_dev(x, w, eps)?)
@@ -272,8 +356,28 @@ impl DeviceOps for CudaOps {
     fn rope(&self, x: &mut DeviceBuf, a: &RopeArgs) -> Result<()> {
         Ok(self.gpu.rope_dev(x, a)?)
     }
-    fn attention(&self, qkv: &DeviceBuf, a: &AttentionArgs) -> Result<DeviceBuf> {
-        Ok(self.gpu.attention_dev(qkv, a)?)
+    fn zeros(&self, n: usize) -> Result<DeviceBuf> {
+        Ok(self.gpu.zeros(n)?)
+    }
+    fn kv_append(
+        &self,
+        qkv: &DeviceBuf,
+        k: &mut DeviceBuf,
+        v: &mut DeviceBuf,
+        a: &AttentionArgs,
+        pos0: usize,
+    ) -> Result<()> {
+        Ok(self.gpu.kv_append_dev(qkv, k, v, a, pos0)?)
+    }
+    fn attention(
+        &self,
+        qkv: &DeviceBuf,
+        k: &DeviceBuf,
+        v: &DeviceBuf,
+        a: &AttentionArgs,
+        pos0: usize,
+    ) -> Result<DeviceBuf> {
+        Ok(self.gpu.attention_cached_dev(qkv, k, v, a, pos0)?)
     }
     fn silu_mul(&self, gate_up: &DeviceBuf, f: usize) -> Result<DeviceBuf> {
         Ok(self.gpu.silu_mul_dev(gate_up, f)?)
@@ -288,6 +392,39 @@ struct Layer<O: DeviceOps> {
     ffn_norm: O::Buf,
     gate_up: O::Mat,
     down: O::Mat,
+}
+
+/// One sequence's keys and values on a backend: a buffer per layer of `capacity` rows.
+pub struct DeviceCache<O: DeviceOps> {
+    k: Vec<O::Buf>,
+    v: Vec<O::Buf>,
+    len: usize,
+    capacity: usize,
+}
+
+impl<O: DeviceOps> DeviceCache<O> {
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+    /// Drops every position from `len` on (a rejected draft's tail): the rows stay allocated
+    /// and the next forward overwrites them.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len > self.len {
+            return Err(RuntimeError::Invalid(format!(
+                "truncating {} positions to {len}",
+                self.len
+            )));
+        }
+        self.len = len;
+        Ok(())
+    }
 }
 
 /// A model's weights on a backend, and its forward there.
@@ -332,22 +469,118 @@ impl<O: DeviceOps> DeviceForward<O> {
         })
     }
 
+    /// Random weights of `cfg`'s shapes (seeded; unit RMSNorm weights, rows scaled by
+    /// 1/√cols): for measuring what a forward of that model costs on a backend where its
+    /// checkpoint cannot be carried. Its logits mean nothing.
+    pub fn random(ops: O, cfg: &ModelConfig, seed: u64) -> Result<Self> {
+        cfg.validate()?;
+        let c = cfg.clone();
+        let (d, qkv_dim) = (c.d_model, c.q_dim() + 2 * c.kv_dim());
+        let mut rng = Rng::new(seed);
+        let mut mat = |rows: usize, cols: usize| -> Vec<f32> {
+            let scale = 2.0 / (cols as f32).sqrt();
+            (0..rows * cols)
+                .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale)
+                .collect()
+        };
+        let ones = vec![1f32; d];
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for _ in 0..c.n_layers {
+            layers.push(Layer {
+                attn_norm: ops.upload(&ones)?,
+                qkv: ops.matrix(&mat(qkv_dim, d), qkv_dim, d)?,
+                qkv_bias: if c.qkv_bias {
+                    Some(ops.upload(&mat(1, qkv_dim))?)
+                } else {
+                    None
+                },
+                wo: ops.matrix(&mat(d, c.q_dim()), d, c.q_dim())?,
+                ffn_norm: ops.upload(&ones)?,
+                gate_up: ops.matrix(&mat(2 * c.ffn_dim, d), 2 * c.ffn_dim, d)?,
+                down: ops.matrix(&mat(d, c.ffn_dim), d, c.ffn_dim)?,
+            });
+        }
+        Ok(Self {
+            embed: mat(c.vocab_size, d),
+            out_norm: ops.upload(&ones)?,
+            head: ops.matrix(&mat(c.vocab_size, d), c.vocab_size, d)?,
+            layers,
+            cfg: c,
+            ops,
+        })
+    }
+
     /// The backend's name.
     pub fn backend(&self) -> String {
         self.ops.name()
     }
 
+    /// The backend, e.g. to choose its kernels between measurements.
+    pub fn ops_mut(&mut self) -> &mut O {
+        &mut self.ops
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// An empty cache for up to `capacity` positions (at most the model's context, and the
+    /// attention kernel's [`kernels::cuda::MAX_ATTENTION_TOKENS`]).
+    pub fn new_cache(&self, capacity: usize) -> Result<DeviceCache<O>> {
+        let c = &self.cfg;
+        let most = c.max_ctx.min(kernels::cuda::MAX_ATTENTION_TOKENS);
+        if capacity == 0 || capacity > most {
+            return Err(RuntimeError::ContextOverflow {
+                tokens: capacity,
+                ctx: most,
+            });
+        }
+        let rows = capacity * c.kv_dim();
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for _ in 0..c.n_layers {
+            k.push(self.ops.zeros(rows)?);
+            v.push(self.ops.zeros(rows)?);
+        }
+        Ok(DeviceCache {
+            k,
+            v,
+            len: 0,
+            capacity,
+        })
+    }
+
     /// Logits at every position of `tokens` (a prefill from position 0): n × vocab.
     pub fn logits(&self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if tokens.len() > self.cfg.max_ctx {
+            return Err(RuntimeError::ContextOverflow {
+                tokens: tokens.len(),
+                ctx: self.cfg.max_ctx,
+            });
+        }
+        let mut cache = self.new_cache(tokens.len().max(1))?;
+        self.forward(&mut cache, tokens)
+    }
+
+    /// Appends `tokens` to the sequence in `cache` (a prefill chunk, a decode step or a
+    /// verification window) and returns the logits at each of their positions: n × vocab.
+    pub fn forward(&self, cache: &mut DeviceCache<O>, tokens: &[u32]) -> Result<Vec<f32>> {
         let c = &self.cfg;
         let (d, n) = (c.d_model, tokens.len());
         if n == 0 {
             return Err(RuntimeError::Invalid("no tokens".into()));
         }
-        if n > c.max_ctx {
+        if cache.k.len() != c.n_layers {
+            return Err(RuntimeError::Invalid(format!(
+                "a cache of {} layers for a model of {}",
+                cache.k.len(),
+                c.n_layers
+            )));
+        }
+        let pos0 = cache.len;
+        if pos0 + n > cache.capacity {
             return Err(RuntimeError::ContextOverflow {
-                tokens: n,
-                ctx: c.max_ctx,
+                tokens: pos0 + n,
+                ctx: cache.capacity,
             });
         }
         let mut x0 = Vec::with_capacity(n * d);
@@ -371,7 +604,7 @@ impl<O: DeviceOps> DeviceForward<O> {
             offset,
             heads,
             head_dim: c.head_dim,
-            pos0: 0,
+            pos0,
             theta: c.rope_theta,
             interleaved: c.rope_interleaved,
         };
@@ -380,7 +613,7 @@ impl<O: DeviceOps> DeviceForward<O> {
             n_kv_heads: c.n_kv_heads,
             head_dim: c.head_dim,
         };
-        for l in &self.layers {
+        for (i, l) in self.layers.iter().enumerate() {
             let xn = o.rms_norm(&x, &l.attn_norm, c.rms_eps)?;
             let mut qkv = o.matmul(&l.qkv, &xn, n)?;
             if let Some(b) = &l.qkv_bias {
@@ -388,14 +621,17 @@ impl<O: DeviceOps> DeviceForward<O> {
             }
             o.rope(&mut qkv, &rope(c.n_heads, 0))?;
             o.rope(&mut qkv, &rope(c.n_kv_heads, qd))?;
-            let att = o.attention(&qkv, &attn)?;
+            o.kv_append(&qkv, &mut cache.k[i], &mut cache.v[i], &attn, pos0)?;
+            let att = o.attention(&qkv, &cache.k[i], &cache.v[i], &attn, pos0)?;
             o.add(&mut x, &o.matmul(&l.wo, &att, n)?)?;
             let xn = o.rms_norm(&x, &l.ffn_norm, c.rms_eps)?;
             let act = o.silu_mul(&o.matmul(&l.gate_up, &xn, n)?, c.ffn_dim)?;
             o.add(&mut x, &o.matmul(&l.down, &act, n)?)?;
         }
         let xn = o.rms_norm(&x, &self.out_norm, c.rms_eps)?;
-        o.download(&o.matmul(&self.head, &xn, n)?)
+        let logits = o.download(&o.matmul(&self.head, &xn, n)?)?;
+        cache.len = pos0 + n;
+        Ok(logits)
     }
 }
 
@@ -476,6 +712,75 @@ mod tests {
 
     fn tokens(n: usize, vocab: usize) -> Vec<u32> {
         (0..n).map(|i| ((i * 7919 + 13) % vocab) as u32).collect()
+    }
+
+    /// Logits at every position of `toks` (at least 31 of them) the way a speculative decoder
+    /// asks for them: a prefill of 17, a decode step, a verification window of 8, a rejected
+    /// window of 5 rolled back, then the rest in one window.
+    fn windowed_logits<O: DeviceOps>(fwd: &DeviceForward<O>, toks: &[u32]) -> Vec<f32> {
+        let mut cache = fwd.new_cache(toks.len()).expect("cache");
+        let mut out = Vec::new();
+        for (a, b) in [(0, 17), (17, 18), (18, 26)] {
+            out.extend(fwd.forward(&mut cache, &toks[a..b]).expect("forward"));
+        }
+        let junk: Vec<u32> = toks[26..31].iter().rev().copied().collect();
+        fwd.forward(&mut cache, &junk).expect("rejected window");
+        assert_eq!(cache.len(), 31);
+        cache.truncate(26).expect("rollback");
+        out.extend(fwd.forward(&mut cache, &toks[26..]).expect("forward"));
+        assert_eq!(cache.len(), toks.len());
+        out
+    }
+
+    /// Decode steps and verification windows over the device cache, with a rollback between,
+    /// give the logits one prefill of the whole sequence gives ([`Model::forward`]).
+    #[test]
+    fn host_backend_cached_windows_match_the_model_forward() {
+        for (spec, name) in [
+            (TinySpec::llama(11), "device-llama"),
+            (TinySpec::qwen2(12), "device-qwen2"),
+        ] {
+            let model = tiny(spec, name, true);
+            let toks = tokens(40, model.cfg.vocab_size);
+            let want = model_logits(&model, &toks).expect("model forward");
+            let fwd = DeviceForward::new(CpuOps::new(), &model).expect("weights");
+            let got = windowed_logits(&fwd, &toks);
+            let diff = compare_logits(&got, &want, model.cfg.vocab_size);
+            assert_eq!(diff.positions, 40, "{name}");
+            assert_eq!(diff.top1_agreement, 1.0, "{name}: {diff:?}");
+            assert!(diff.max_rel < 1e-4, "{name}: {diff:?}");
+            // Without the rollback the window after it sees the rejected tokens.
+            let mut cache = fwd.new_cache(45).expect("cache");
+            fwd.forward(&mut cache, &toks[..26]).expect("forward");
+            fwd.forward(&mut cache, &toks[..5]).expect("forward");
+            let stale = fwd.forward(&mut cache, &toks[26..]).expect("forward");
+            let v = model.cfg.vocab_size;
+            assert!(compare_logits(&stale, &want[26 * v..], v).max_rel > 1e-2);
+            // Bad use is an error.
+            assert!(cache.truncate(46).is_err());
+            assert!(fwd.forward(&mut cache, &[0; 10]).is_err(), "past capacity");
+            assert!(fwd.forward(&mut cache, &[]).is_err());
+            assert!(fwd.new_cache(0).is_err());
+            assert!(fwd.new_cache(model.cfg.max_ctx + 1).is_err());
+        }
+    }
+
+    /// Random weights of a config's shapes run, and are seeded.
+    #[test]
+    fn random_weights_follow_the_config() {
+        let cfg = tiny(TinySpec::qwen2(12), "device-qwen2", true).cfg.clone();
+        let a = DeviceForward::random(CpuOps::new(), &cfg, 3).expect("random");
+        let b = DeviceForward::random(CpuOps::new(), &cfg, 3).expect("random");
+        let toks = tokens(9, cfg.vocab_size);
+        let (la, lb) = (a.logits(&toks).expect("a"), b.logits(&toks).expect("b"));
+        assert_eq!(la.len(), 9 * cfg.vocab_size);
+        assert!(la.iter().all(|v| v.is_finite()));
+        assert_eq!(la, lb);
+        let c = DeviceForward::random(CpuOps::new(), &cfg, 4).expect("random");
+        assert_ne!(la, c.logits(&toks).expect("c"));
+        let mut bad = cfg.clone();
+        bad.n_kv_heads = 5;
+        assert!(DeviceForward::random(CpuOps::new(), &bad, 1).is_err());
     }
 
     /// The device forward's sequence of operations, run on the host backend, computes what the
@@ -591,13 +896,23 @@ mod tests {
         for (name, model) in &models {
             let toks = tokens(128.min(model.cfg.max_ctx), model.cfg.vocab_size);
             let want = model_logits(model, &toks).expect("cpu forward");
-            let fwd = DeviceForward::new(CudaOps::new(0).expect("a CUDA device"), model)
+            let mut fwd = DeviceForward::new(CudaOps::new(0).expect("a CUDA device"), model)
                 .expect("weights on the device");
             let got = fwd.logits(&toks).expect("cuda forward");
             let diff = compare_logits(&got, &want, model.cfg.vocab_size);
-            println!("{name} on {}: {diff:?}", fwd.backend());
+            println!("{name} on {}, one prefill: {diff:?}", fwd.backend());
             assert!(diff.top1_agreement >= 0.99, "{name}: {diff:?}");
             assert!(diff.max_rel < 1e-3, "{name}: {diff:?}");
+            // Decode steps and verification windows over the device's KV cache, a rollback
+            // between them, with each matmul kernel.
+            for kernel in [MatmulKernel::TokenTiled, MatmulKernel::PerToken] {
+                fwd.ops_mut().set_matmul(kernel);
+                let got = windowed_logits(&fwd, &toks);
+                let diff = compare_logits(&got, &want, model.cfg.vocab_size);
+                println!("{name}, windows, {kernel:?}: {diff:?}");
+                assert!(diff.top1_agreement >= 0.99, "{name} {kernel:?}: {diff:?}");
+                assert!(diff.max_rel < 1e-3, "{name} {kernel:?}: {diff:?}");
+            }
         }
     }
 }
