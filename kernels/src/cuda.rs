@@ -210,32 +210,44 @@ extern "C" __global__ void rope(float* x, int n, int width, int offset, int head
 }
 
 // Causal attention of n query rows at positions pos0 .. pos0 + n − 1 over the keys and values
-// of positions 0 .. pos0 + n − 1. Query row t, head h starts at q[q_off + t·q_stride + h·hd];
-// key row s, KV head g at k[k_off + s·kv_stride + g·hd] (values likewise from v): fused
-// [q | k | v] rows of a prefill and a KV cache are the same kernel. One block per (query row,
-// head); the scores live in dynamic shared memory (pos0 + n floats), followed by the block's
-// reduction array.
-extern "C" __global__ void attention(const float* q, long q_off, int q_stride,
-                                     const float* k, long k_off, const float* v, long v_off,
-                                     int kv_stride, float* out, int n, int pos0,
-                                     int n_heads, int n_kv, int hd, float scale) {
-    extern __shared__ float sh[];
-    int keys = pos0 + n;
-    float* sc = sh;
-    float* red = sh + keys;
-    int t = blockIdx.x, h = blockIdx.y;
-    int g = h / (n_heads / n_kv);
+// of positions 0 .. pos0 + n − 1, split over the keys (as flash-decoding does): a decode step
+// or a short window has few (query, head) pairs, and one block each would leave most of the
+// GPU idle while each walks thousands of keys. Query row t, head h starts at
+// q[q_off + t·q_stride + h·hd]; key row s, KV head g at k[k_off + s·kv_stride + g·hd] (values
+// likewise from v): fused [q | k | v] rows of a prefill and a KV cache are the same kernel.
+//
+// attention_part: one block per (query row, head, chunk of cl keys) writes the chunk's score
+// maximum m, its sum l of exp(score − m), and its unnormalized output Σ exp(score − m)·v; its
+// scores live in dynamic shared memory (cl floats). Chunks past the query's position write
+// nothing (attention_merge never reads them). The host picks cl: short chunks when there are
+// few (query, head) pairs, one chunk of every key for a long prefill.
+#define ATTN_THREADS 128
+extern "C" __global__ void attention_part(const float* q, long q_off, int q_stride,
+                                          const float* k, long k_off, const float* v,
+                                          long v_off, int kv_stride, float* part_o,
+                                          float* part_ml, int n, int pos0, int n_heads,
+                                          int n_kv, int hd, float scale, int chunks, int cl) {
+    extern __shared__ float sc[];
+    __shared__ float red[ATTN_THREADS];
+    int t = blockIdx.x, h = blockIdx.y, c = blockIdx.z;
     int last = pos0 + t;
+    int s0 = c * cl;
+    if (s0 > last) return;
+    int s1 = min(s0 + cl, last + 1);
+    int g = h / (n_heads / n_kv);
     const float* qr = q + q_off + (long)t * q_stride + h * hd;
     const float* kb = k + k_off + g * hd;
     const float* vb = v + v_off + g * hd;
+    // Scores: a warp per key, its lanes over the head's values (a key row is read coalesced).
+    int lane = threadIdx.x % 32, wid = threadIdx.x / 32, warps = blockDim.x / 32;
     float mx = __int_as_float(0xff800000);  // −∞ (NVRTC has no math.h macros)
-    for (int s = threadIdx.x; s <= last; s += blockDim.x) {
+    for (int s = s0 + wid; s < s1; s += warps) {
         const float* kr = kb + (long)s * kv_stride;
         float a = 0.0f;
-        for (int d = 0; d < hd; d++) a += qr[d] * kr[d];
+        for (int d = lane; d < hd; d += 32) a += qr[d] * kr[d];
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffff, a, o);
         a *= scale;
-        sc[s] = a;
+        if (lane == 0) sc[s - s0] = a;
         mx = fmaxf(mx, a);
     }
     red[threadIdx.x] = mx;
@@ -247,9 +259,9 @@ extern "C" __global__ void attention(const float* q, long q_off, int q_stride,
     mx = red[0];
     __syncthreads();
     float sum = 0.0f;
-    for (int s = threadIdx.x; s <= last; s += blockDim.x) {
-        float e = expf(sc[s] - mx);
-        sc[s] = e;
+    for (int s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
+        float e = expf(sc[s - s0] - mx);
+        sc[s - s0] = e;
         sum += e;
     }
     red[threadIdx.x] = sum;
@@ -258,12 +270,38 @@ extern "C" __global__ void attention(const float* q, long q_off, int q_stride,
         if (threadIdx.x < o) red[threadIdx.x] += red[threadIdx.x + o];
         __syncthreads();
     }
-    float inv = 1.0f / red[0];
-    int qd = n_heads * hd;
+    long pi = ((long)t * n_heads + h) * chunks + c;
+    float* po = part_o + pi * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float acc = 0.0f;
-        for (int s = 0; s <= last; s++) acc += sc[s] * vb[(long)s * kv_stride + d];
-        out[(long)t * qd + h * hd + d] = acc * inv;
+        for (int s = s0; s < s1; s++) acc += sc[s - s0] * vb[(long)s * kv_stride + d];
+        po[d] = acc;
+    }
+    if (threadIdx.x == 0) {
+        part_ml[2 * pi] = mx;
+        part_ml[2 * pi + 1] = red[0];
+    }
+}
+
+// attention_merge: one block per (query row, head) rescales its chunks to their common maximum
+// and normalizes: out = Σ_c exp(m_c − M)·o_c / Σ_c exp(m_c − M)·l_c.
+extern "C" __global__ void attention_merge(const float* part_o, const float* part_ml,
+                                           float* out, int pos0, int n_heads, int hd,
+                                           int chunks, int cl) {
+    int t = blockIdx.x, h = blockIdx.y;
+    long base = ((long)t * n_heads + h) * chunks;
+    int used = (pos0 + t) / cl + 1;
+    float mx = __int_as_float(0xff800000);
+    for (int c = 0; c < used; c++) mx = fmaxf(mx, part_ml[2 * (base + c)]);
+    float l = 0.0f;
+    for (int c = 0; c < used; c++)
+        l += part_ml[2 * (base + c) + 1] * expf(part_ml[2 * (base + c)] - mx);
+    float inv = 1.0f / l;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int c = 0; c < used; c++)
+            a += part_o[(base + c) * hd + d] * expf(part_ml[2 * (base + c)] - mx);
+        out[((long)t * n_heads + h) * hd + d] = a * inv;
     }
 }
 
@@ -283,11 +321,19 @@ extern "C" __global__ void kv_append(const float* qkv, float* kc, float* vc, int
 /// Threads per block of the RMSNorm kernel (its shared reduction array has this size).
 const NORM_THREADS: u32 = 256;
 
-/// Threads per block of the attention kernel (a power of two: its reductions halve).
+/// Threads per block of the attention kernels (`ATTN_THREADS`: a power of two, since their
+/// reductions halve).
 const ATTN_THREADS: u32 = 128;
 
-/// Longest sequence the attention kernel takes: its scores and reduction array must fit the
-/// 48 KiB of dynamic shared memory a launch gets without opting in to more.
+/// Fewest keys a block of `attention_part` takes.
+const ATTN_MIN_CHUNK: usize = 64;
+
+/// Blocks `attention_part` aims for: a few waves over an H100/H200's 132 multiprocessors.
+const ATTN_TARGET_BLOCKS: usize = 2048;
+
+/// Longest sequence the attention kernels take: one chunk's scores (up to every key, for a
+/// long prefill) must fit the 48 KiB of dynamic shared memory a launch gets without opting in
+/// to more.
 pub const MAX_ATTENTION_TOKENS: usize = 8192;
 
 /// Compiles the kernels' source with NVRTC alone (no driver, no device) and returns the PTX's
@@ -324,6 +370,7 @@ pub struct Gpu {
     add_rows: CudaFunction,
     rope: CudaFunction,
     attention: CudaFunction,
+    attention_merge: CudaFunction,
     name: String,
 }
 
@@ -434,7 +481,8 @@ impl Gpu {
             add: f("add_assign")?,
             add_rows: f("add_rows")?,
             rope: f("rope")?,
-            attention: f("attention")?,
+            attention: f("attention_part")?,
+            attention_merge: f("attention_merge")?,
             stream: ctx.default_stream(),
             name,
         })
@@ -471,14 +519,15 @@ impl Gpu {
         })
     }
 
-    /// An output buffer of `n` values for a kernel that writes every one of them before
-    /// anything reads it: no memset launch, as `zeros` needs.
+    /// An output buffer of `n` values whose readers read only values a kernel wrote first
+    /// (every output of a matmul, say, or the partials of the chunks attention uses): no
+    /// memset launch, as `zeros` needs.
     fn output(&self, n: usize) -> Result<DeviceBuf> {
         if n == 0 {
             return Err(GpuError::Shape("an empty buffer".into()));
         }
-        // SAFETY: the buffer is only handed to a kernel that writes all `n` values (each
-        // caller's launch covers every output index) before it is read or copied back.
+        // SAFETY: uninitialized device memory; each caller hands it to a kernel that writes
+        // every value later read or copied back (each launch covers those indices).
         let d = unsafe { self.stream.alloc::<f32>(n) }.map_err(drv)?;
         Ok(DeviceBuf { d, len: n })
     }
@@ -802,15 +851,22 @@ impl Gpu {
                 "{keys} positions (the attention kernel takes at most {MAX_ATTENTION_TOKENS})"
             )));
         }
+        // Chunks enough for ATTN_TARGET_BLOCKS blocks, none shorter than ATTN_MIN_CHUNK keys:
+        // 32 chunks of 64 for a decode step at 2048 positions, one for a long prefill.
+        let pairs = n * h;
+        let want = ATTN_TARGET_BLOCKS
+            .div_ceil(pairs)
+            .clamp(1, keys.div_ceil(ATTN_MIN_CHUNK));
+        let cl = keys.div_ceil(want);
+        let chunks = keys.div_ceil(cl);
+        let mut part_o = self.output(pairs * chunks * hd)?;
+        let mut part_ml = self.output(pairs * chunks * 2)?;
         let mut out = self.output(n * h * hd)?;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, h as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: ((keys + ATTN_THREADS as usize) * 4) as u32,
-        };
+        let grid = |x: usize| u32::try_from(x).map_err(|_| GpuError::Shape("too many rows".into()));
         let scale = 1.0 / (hd as f32).sqrt();
         let (qo, ko, vo) = (q_off as i64, k_off as i64, v_off as i64);
-        let (qs, kvs, nn, p, hh, kk, hdi) = (
+        let cli = dim(cl, "chunk")?;
+        let (qs, kvs, nn, p, hh, kk, hdi, ch) = (
             dim(q_stride, "query stride")?,
             dim(kv_stride, "kv stride")?,
             dim(n, "rows")?,
@@ -818,7 +874,13 @@ impl Gpu {
             dim(h, "heads")?,
             dim(kv, "kv heads")?,
             dim(hd, "head_dim")?,
+            dim(chunks, "chunks")?,
         );
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n)?, grid(h)?, grid(chunks)?),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: (cl * 4) as u32,
+        };
         let mut b = self.stream.launch_builder(&self.attention);
         b.arg(&q.d)
             .arg(&qo)
@@ -828,18 +890,39 @@ impl Gpu {
             .arg(&v.d)
             .arg(&vo)
             .arg(&kvs)
-            .arg(&mut out.d)
+            .arg(&mut part_o.d)
+            .arg(&mut part_ml.d)
             .arg(&nn)
             .arg(&p)
             .arg(&hh)
             .arg(&kk)
             .arg(&hdi)
-            .arg(&scale);
-        // SAFETY: block (t, h) reads query row t < n and key/value rows s < pos0 + n at the
-        // offsets and strides given, which the callers checked lie inside their buffers, and
-        // writes row t, head h of the n × h·hd output; its shared memory holds pos0 + n scores
-        // and ATTN_THREADS partials, the size given (≤ MAX_ATTENTION_TOKENS keeps it under
-        // 48 KiB).
+            .arg(&scale)
+            .arg(&ch)
+            .arg(&cli);
+        // SAFETY: block (t, h, c) reads query row t < n and key/value rows s < pos0 + n at the
+        // offsets and strides given, which the callers checked lie inside their buffers; it
+        // writes partials (t·h_count + h)·chunks + c < n·h·chunks, the sizes allocated, and
+        // its dynamic shared memory holds its cl scores (cl ≤ keys ≤ MAX_ATTENTION_TOKENS
+        // keeps it under 48 KiB) and its static array ATTN_THREADS (its block size) partials.
+        unsafe { b.launch(cfg) }.map_err(drv)?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid(n)?, grid(h)?, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.attention_merge);
+        b.arg(&part_o.d)
+            .arg(&part_ml.d)
+            .arg(&mut out.d)
+            .arg(&p)
+            .arg(&hh)
+            .arg(&hdi)
+            .arg(&ch)
+            .arg(&cli);
+        // SAFETY: block (t, h) reads the partials of chunks c ≤ (pos0 + t) / cl <
+        // chunks, exactly those attention_part wrote for it, and writes row t, head h of the
+        // n × h·hd output.
         unsafe { b.launch(cfg) }.map_err(drv)?;
         Ok(out)
     }
@@ -1089,11 +1172,14 @@ mod tests {
             let e = max_rel(&y, &attention_ref(&qkv, n, h, kv, hd));
             assert!(e < 1e-4, "attention n {n}, {h}/{kv} heads of {hd}: {e}");
         }
-        // The same attention over a KV cache filled in windows: 5 rows, then 1, then 8
-        // (positions 0..5, 5, 6..14), each window's rows appended first.
-        for &(h, kv, hd) in &[(4, 2, 8), (9, 3, 64)] {
+        // The same attention over a KV cache filled in windows, each window's rows appended
+        // first: a prefill, a decode step, windows. Past 64 positions a decode step or a short
+        // window splits the keys into chunks (5 of about 61 keys at position 300).
+        let short: &[(usize, usize)] = &[(0, 5), (5, 6), (6, 14)];
+        let long: &[(usize, usize)] = &[(0, 300), (300, 301), (301, 309), (309, 320)];
+        for &(h, kv, hd, windows) in &[(4, 2, 8, short), (9, 3, 64, short), (9, 3, 64, long)] {
             let width = (h + 2 * kv) * hd;
-            let n = 14;
+            let n = windows.last().map_or(0, |w| w.1);
             let qkv = randn(&mut rng, n * width);
             let want = attention_ref(&qkv, n, h, kv, hd);
             let a = AttentionArgs {
@@ -1101,13 +1187,13 @@ mod tests {
                 n_kv_heads: kv,
                 head_dim: hd,
             };
-            let cap = 16 * kv * hd;
+            let cap = n * kv * hd;
             let (mut kc, mut vc) = (
                 gpu.zeros(cap).expect("zeros"),
                 gpu.zeros(cap).expect("zeros"),
             );
             let mut got = Vec::new();
-            for (p0, p1) in [(0, 5), (5, 6), (6, 14)] {
+            for &(p0, p1) in windows {
                 let rows = gpu.buf(&qkv[p0 * width..p1 * width]).expect("buf");
                 gpu.kv_append_dev(&rows, &mut kc, &mut vc, &a, p0)
                     .expect("kv_append");
@@ -1117,11 +1203,14 @@ mod tests {
                 got.extend(gpu.read(&out).expect("read"));
             }
             let e = max_rel(&got, &want);
-            assert!(e < 1e-4, "cached attention {h}/{kv} heads of {hd}: {e}");
+            assert!(
+                e < 1e-4,
+                "cached attention {h}/{kv} heads of {hd}, {n} rows: {e}"
+            );
             // Past the cache's rows is an error, not a launch.
             let rows = gpu.buf(&qkv[..3 * width]).expect("buf");
-            assert!(gpu.kv_append_dev(&rows, &mut kc, &mut vc, &a, 14).is_err());
-            assert!(gpu.attention_cached_dev(&rows, &kc, &vc, &a, 14).is_err());
+            assert!(gpu.kv_append_dev(&rows, &mut kc, &mut vc, &a, n).is_err());
+            assert!(gpu.attention_cached_dev(&rows, &kc, &vc, &a, n).is_err());
         }
         // Residual and bias adds.
         let (x, z, bias) = (randn(&mut rng, 12), randn(&mut rng, 12), randn(&mut rng, 4));

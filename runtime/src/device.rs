@@ -599,10 +599,11 @@ impl<O: DeviceOps> DeviceForward<O> {
         let o = &self.ops;
         let mut x = o.upload(&x0)?;
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
-        let rope = |heads, offset| RopeArgs {
+        // The query heads and the key heads are adjacent in a fused row: one launch.
+        let rope = RopeArgs {
             width: qd + 2 * kvd,
-            offset,
-            heads,
+            offset: 0,
+            heads: c.n_heads + c.n_kv_heads,
             head_dim: c.head_dim,
             pos0,
             theta: c.rope_theta,
@@ -619,8 +620,7 @@ impl<O: DeviceOps> DeviceForward<O> {
             if let Some(b) = &l.qkv_bias {
                 o.add_rows(&mut qkv, b)?;
             }
-            o.rope(&mut qkv, &rope(c.n_heads, 0))?;
-            o.rope(&mut qkv, &rope(c.n_kv_heads, qd))?;
+            o.rope(&mut qkv, &rope)?;
             o.kv_append(&qkv, &mut cache.k[i], &mut cache.v[i], &attn, pos0)?;
             let att = o.attention(&qkv, &cache.k[i], &cache.v[i], &attn, pos0)?;
             o.add(&mut x, &o.matmul(&l.wo, &att, n)?)?;
@@ -715,19 +715,20 @@ mod tests {
     }
 
     /// Logits at every position of `toks` (at least 31 of them) the way a speculative decoder
-    /// asks for them: a prefill of 17, a decode step, a verification window of 8, a rejected
-    /// window of 5 rolled back, then the rest in one window.
+    /// asks for them: a prefill of all but 23, a decode step, a verification window of 8, a
+    /// rejected window of 5 rolled back, then the last 14 in one window.
     fn windowed_logits<O: DeviceOps>(fwd: &DeviceForward<O>, toks: &[u32]) -> Vec<f32> {
         let mut cache = fwd.new_cache(toks.len()).expect("cache");
         let mut out = Vec::new();
-        for (a, b) in [(0, 17), (17, 18), (18, 26)] {
+        let p = toks.len() - 23;
+        for (a, b) in [(0, p), (p, p + 1), (p + 1, p + 9)] {
             out.extend(fwd.forward(&mut cache, &toks[a..b]).expect("forward"));
         }
-        let junk: Vec<u32> = toks[26..31].iter().rev().copied().collect();
+        let junk: Vec<u32> = toks[p + 9..p + 14].iter().rev().copied().collect();
         fwd.forward(&mut cache, &junk).expect("rejected window");
-        assert_eq!(cache.len(), 31);
-        cache.truncate(26).expect("rollback");
-        out.extend(fwd.forward(&mut cache, &toks[26..]).expect("forward"));
+        assert_eq!(cache.len(), p + 14);
+        cache.truncate(p + 9).expect("rollback");
+        out.extend(fwd.forward(&mut cache, &toks[p + 9..]).expect("forward"));
         assert_eq!(cache.len(), toks.len());
         out
     }
@@ -866,7 +867,8 @@ mod tests {
         }
     }
 
-    /// On a GPU: the CUDA forward against [`Model::forward`] on the CPU, on the tiny models and,
+    /// On a GPU: the CUDA forward against [`Model::forward`] on the CPU, over 320 positions (a
+    /// prefill of 297, then windows), on the tiny models and,
     /// when `DSPARK_GPU_MODEL` names a GGUF file, on that real checkpoint.
     #[test]
     #[ignore = "needs a CUDA device (scripts/gpu-check.sh)"]
@@ -894,7 +896,8 @@ mod tests {
             models.push((path.display().to_string(), m));
         }
         for (name, model) in &models {
-            let toks = tokens(128.min(model.cfg.max_ctx), model.cfg.vocab_size);
+            // Past 64 positions the CUDA attention splits a decode step's keys into chunks.
+            let toks = tokens(320.min(model.cfg.max_ctx), model.cfg.vocab_size);
             let want = model_logits(model, &toks).expect("cpu forward");
             let mut fwd = DeviceForward::new(CudaOps::new(0).expect("a CUDA device"), model)
                 .expect("weights on the device");
