@@ -49,12 +49,12 @@ for line in sys.stdin:
     # Real weights for the forward check: the default model cut to its first layers (the GPU
     # machine has no network, and what travels there is at most 64 MiB with the working tree).
     layers="${GPU_CHECK_LAYERS:-1}"
-    src=$(cargo run -q --release -p dspark -- fetch-model smollm2-135m | tail -1)
+    src=$(cargo run -q --release -p dspark -- fetch-model smollm2-135m | tail -1) || true
     [ -f "$src" ] || src="${DSPARK_HOME:-$HOME/.cache/dspark}/models/smollm2-135m.gguf"
     cargo run -q --release -p dspark-runtime --example slice-gguf -- "$src" .gpu/smollm2-135m-cut.gguf "$layers"
     # The benchmark's shapes: each model's config, read from its GGUF header.
     .gpu/gpu-verify-curve --dump-config "$src" > .gpu/smollm2-135m.json
-    big=$(cargo run -q --release -p dspark -- fetch-model qwen2.5-coder-1.5b | tail -1)
+    big=$(cargo run -q --release -p dspark -- fetch-model qwen2.5-coder-1.5b | tail -1) || true
     [ -f "$big" ] || big="${DSPARK_HOME:-$HOME/.cache/dspark}/models/qwen2.5-coder-1.5b.gguf"
     .gpu/gpu-verify-curve --dump-config "$big" > .gpu/qwen2.5-coder-1.5b.json
     # What travels is compressed (Q8_0 weights and binaries shrink by a tenth to two thirds);
@@ -70,7 +70,7 @@ for line in sys.stdin:
     out="${OUT:-/tmp/gpu-check}"
     mkdir -p "$out"
     # The whole check through one pipe to its log (pipefail keeps its status).
-    "$0" run-body 2>&1 | tee "$out/gpu-check.log"
+    "$root/scripts/gpu-check.sh" run-body 2>&1 | tee "$out/gpu-check.log"
     ;;
   run-body)
     out="${OUT:-/tmp/gpu-check}"
@@ -95,8 +95,10 @@ EOF
     export LD_LIBRARY_PATH="${extra}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
     ldconfig -p | grep -E 'libcuda\.so|libnvrtc' || true
-    for d in ${extra//:/ }; do ls "$d" | grep -E 'libcuda\.so|libnvrtc' | sed "s|^|$d/|"; done
+    for d in ${extra//:/ }; do ls "$d" | grep -E 'libcuda\.so|libnvrtc' | sed "s|^|$d/|" || true; done
+    ls .gpu/*.xz >/dev/null 2>&1 || { echo "gpu-check: FAILED: no .gpu/*.xz (run prepare here first)"; exit 1; }
     work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
     for f in .gpu/*.xz; do
       python3 -c 'import lzma, shutil, sys
 with lzma.open(sys.argv[1]) as a, open(sys.argv[2], "wb") as b: shutil.copyfileobj(a, b)' \

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 
 /// Why the GPU path is not available or failed.
@@ -34,8 +34,10 @@ fn drv(e: impl std::fmt::Debug) -> GpuError {
     GpuError::Driver(format!("{e:?}"))
 }
 
-/// The kernels' CUDA C source. One warp per output element for the matmul (rows of a
-/// weight matrix are contiguous, so a warp reads one row coalesced); one block per row for
+/// The kernels' CUDA C source, compiled after the block sizes below are prepended as
+/// `#define`s ([`source`]), so a kernel's shared arrays and strides and its launches use the
+/// same numbers. Two matmuls: per-token (a warp per output element; rows of a weight matrix are
+/// contiguous, so a warp reads one row coalesced) and token-tiled; one block per row for
 /// RMSNorm; one thread per element for SwiGLU.
 const SOURCE: &str = r#"
 extern "C" __global__ void matmul_f32(const float* w, const float* x, float* y,
@@ -59,7 +61,6 @@ extern "C" __global__ void matmul_f32(const float* w, const float* x, float* y,
 // not bandwidth-bound). Each thread sums its columns in order, each warp reduces its lanes
 // with the shuffle tree, and thread j adds the warps' partials in warp order. One kernel per
 // tile size; the host picks the smallest that holds the window, up to 8.
-#define MM_THREADS 128
 #define MATMUL_TILED(NAME, TILE)                                                           \
 extern "C" __global__ void NAME(const float* w, const float* x, float* y,                 \
                                 int rows, int cols, int m) {                              \
@@ -105,8 +106,8 @@ MATMUL_TILED(matmul_f32_t2, 2)
 MATMUL_TILED(matmul_f32_t4, 4)
 MATMUL_TILED(matmul_f32_t8, 8)
 
-// The same with 16-byte loads, for rows of a multiple of 4 values (so every row starts
-// 16-byte aligned in a buffer cuMemAlloc aligned): a quarter of the load instructions, which
+// The same with 16-byte loads, for rows of a multiple of 4 values in buffers whose start the
+// host checked is 16-byte aligned (so every row is): a quarter of the load instructions, which
 // bound the scalar kernel once a tile holds several tokens. Each thread sums its four-column
 // groups in order, the four products of a group first.
 #define MATMUL_TILED4(NAME, TILE)                                                          \
@@ -153,7 +154,7 @@ MATMUL_TILED4(matmul_f32x4_t8, 8)
 
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y,
                                     int n, int d, float eps) {
-    __shared__ float part[256];
+    __shared__ float part[NORM_THREADS];
     int row = blockIdx.x;
     if (row >= n) return;
     const float* xr = x + (long)row * d;
@@ -178,12 +179,12 @@ extern "C" __global__ void silu_mul(const float* gu, float* out, int n, int f) {
     out[i] = g / (1.0f + expf(-g)) * u;
 }
 
-extern "C" __global__ void add_assign(float* y, const float* x, long n) {
+extern "C" __global__ void add_assign(float* y, const float* x, long long n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] += x[i];
 }
 
-extern "C" __global__ void add_rows(float* y, const float* b, long n, int d) {
+extern "C" __global__ void add_rows(float* y, const float* b, long long n, int d) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] += b[i % d];
 }
@@ -221,10 +222,9 @@ extern "C" __global__ void rope(float* x, int n, int width, int offset, int head
 // scores live in dynamic shared memory (cl floats). Chunks past the query's position write
 // nothing (attention_merge never reads them). The host picks cl: short chunks when there are
 // few (query, head) pairs, one chunk of every key for a long prefill.
-#define ATTN_THREADS 128
-extern "C" __global__ void attention_part(const float* q, long q_off, int q_stride,
-                                          const float* k, long k_off, const float* v,
-                                          long v_off, int kv_stride, float* part_o,
+extern "C" __global__ void attention_part(const float* q, long long q_off, int q_stride,
+                                          const float* k, long long k_off, const float* v,
+                                          long long v_off, int kv_stride, float* part_o,
                                           float* part_ml, int n, int pos0, int n_heads,
                                           int n_kv, int hd, float scale, int chunks, int cl) {
     extern __shared__ float sc[];
@@ -318,6 +318,14 @@ extern "C" __global__ void kv_append(const float* qkv, float* kc, float* vc, int
 }
 "#;
 
+/// [`SOURCE`] with the block sizes the launches use defined for the kernels.
+fn source() -> String {
+    format!(
+        "#define NORM_THREADS {NORM_THREADS}\n#define MM_THREADS {MATMUL_THREADS}\n\
+         #define ATTN_THREADS {ATTN_THREADS}\n{SOURCE}"
+    )
+}
+
 /// Threads per block of the RMSNorm kernel (its shared reduction array has this size).
 const NORM_THREADS: u32 = 256;
 
@@ -325,7 +333,8 @@ const NORM_THREADS: u32 = 256;
 /// reductions halve).
 const ATTN_THREADS: u32 = 128;
 
-/// Fewest keys a block of `attention_part` takes.
+/// Keys per chunk below which `attention_part` splits no further (a split of k keys into
+/// ⌈k / 64⌉ chunks can still make them shorter: 65 keys are 2 chunks of 33).
 const ATTN_MIN_CHUNK: usize = 64;
 
 /// Blocks `attention_part` aims for: a few waves over an H100/H200's 132 multiprocessors.
@@ -344,7 +353,7 @@ pub fn compile_check() -> Result<usize> {
         return Err(GpuError::NoNvrtc);
     }
     let ptx =
-        cudarc::nvrtc::compile_ptx(SOURCE).map_err(|e| GpuError::Compile(format!("{e:?}")))?;
+        cudarc::nvrtc::compile_ptx(source()).map_err(|e| GpuError::Compile(format!("{e:?}")))?;
     Ok(ptx.to_src().len())
 }
 
@@ -405,7 +414,8 @@ pub struct RopeArgs {
     pub interleaved: bool,
 }
 
-/// Shapes of fused `[q | k | v]` rows for [`Gpu::attention`].
+/// Shapes of fused `[q | k | v]` rows for [`Gpu::attention_dev`] and
+/// [`Gpu::attention_cached_dev`].
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionArgs {
     pub n_heads: usize,
@@ -416,7 +426,9 @@ pub struct AttentionArgs {
 /// Which matmul kernel [`Gpu::matmul_with`] launches.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MatmulKernel {
-    /// A warp per output element: every token of a window reads its weight row again.
+    /// A warp per output element: every token of a window reads its weight row again. One
+    /// launch takes at most 2³² threads, so m · rows < 2²⁷ (a prefill of 883 tokens through
+    /// Qwen2.5's 151,936-row head is the most); past that it is an error.
     PerToken,
     /// A block per (output row, tile of up to [`MATMUL_TILE`] tokens), its threads splitting
     /// the columns: a row is read once a tile, so a verification window of up to that many
@@ -457,8 +469,8 @@ impl Gpu {
         }
         let ctx = CudaContext::new(ordinal).map_err(drv)?;
         let name = ctx.name().map_err(drv)?;
-        let ptx =
-            cudarc::nvrtc::compile_ptx(SOURCE).map_err(|e| GpuError::Compile(format!("{e:?}")))?;
+        let ptx = cudarc::nvrtc::compile_ptx(source())
+            .map_err(|e| GpuError::Compile(format!("{e:?}")))?;
         let module = ctx.load_module(ptx).map_err(drv)?;
         let f = |n: &str| module.load_function(n).map_err(drv);
         Ok(Self {
@@ -580,7 +592,11 @@ impl Gpu {
             }
             MatmulKernel::TokenTiled => {
                 let tile = m.next_power_of_two().min(MATMUL_TILE);
-                let kernels = if w.cols.is_multiple_of(4) {
+                // 16-byte loads need every row start aligned: the buffers' starts (stream-
+                // ordered allocations are, but that is checked, not assumed) and rows of a
+                // multiple of 4 values.
+                let aligned = |b: &CudaSlice<f32>| b.device_ptr(&self.stream).0 % 16 == 0;
+                let kernels = if w.cols.is_multiple_of(4) && aligned(&w.w) && aligned(&x.d) {
                     &self.matmul_tiled4
                 } else {
                     &self.matmul_tiled
@@ -589,8 +605,15 @@ impl Gpu {
                 let grid = |n: usize| {
                     u32::try_from(n).map_err(|_| GpuError::Shape("matmul too large".into()))
                 };
+                let tiles = m.div_ceil(tile);
+                if tiles > 65_535 {
+                    return Err(GpuError::Shape(format!(
+                        "{m} tokens in one matmul (at most {} in tiles of {tile})",
+                        65_535 * tile
+                    )));
+                }
                 let cfg = LaunchConfig {
-                    grid_dim: (grid(w.rows)?, grid(m.div_ceil(tile))?, 1),
+                    grid_dim: (grid(w.rows)?, grid(tiles)?, 1),
                     block_dim: (MATMUL_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
@@ -851,8 +874,8 @@ impl Gpu {
                 "{keys} positions (the attention kernel takes at most {MAX_ATTENTION_TOKENS})"
             )));
         }
-        // Chunks enough for ATTN_TARGET_BLOCKS blocks, none shorter than ATTN_MIN_CHUNK keys:
-        // 32 chunks of 64 for a decode step at 2048 positions, one for a long prefill.
+        // Chunks enough for ATTN_TARGET_BLOCKS blocks, at most ⌈keys / ATTN_MIN_CHUNK⌉ of
+        // them: 32 chunks of 64 for a decode step at 2048 positions, one for a long prefill.
         let pairs = n * h;
         let want = ATTN_TARGET_BLOCKS
             .div_ceil(pairs)
@@ -1177,7 +1200,13 @@ mod tests {
         // window splits the keys into chunks (5 of about 61 keys at position 300).
         let short: &[(usize, usize)] = &[(0, 5), (5, 6), (6, 14)];
         let long: &[(usize, usize)] = &[(0, 300), (300, 301), (301, 309), (309, 320)];
-        for &(h, kv, hd, windows) in &[(4, 2, 8, short), (9, 3, 64, short), (9, 3, 64, long)] {
+        for &(h, kv, hd, windows) in &[
+            (4, 2, 8, short),
+            (9, 3, 64, short),
+            (9, 3, 64, long),
+            (4, 2, 40, long),
+            (2, 1, 256, long),
+        ] {
             let width = (h + 2 * kv) * hd;
             let n = windows.last().map_or(0, |w| w.1);
             let qkv = randn(&mut rng, n * width);

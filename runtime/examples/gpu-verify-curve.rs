@@ -1,8 +1,9 @@
 //! What one forward over k new tokens costs on a GPU, after a context of ctx tokens: the CUDA
 //! device path (`dspark_runtime::device`, f32 weights, one sequence over its KV cache), with
 //! each matmul kernel measured side by side in one run (per-token: a warp per output, so
-//! every token of a window reads the weights again; token-tiled: a warp per output row and 8
-//! tokens, so a window of up to 8 reads them once).
+//! every token of a window reads the weights again; token-tiled: a block per output row and
+//! up to 8 tokens, so a window of up to 8 reads them once). Each timed forward includes what a
+//! verifier pays around it: the embedding rows' upload and the download of k × vocab logits.
 //!
 //! The GPU machines this project is lent cannot receive a whole checkpoint (64 MiB carry
 //! limit), and a forward's cost does not depend on the weights' values: the weights are random

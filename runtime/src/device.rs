@@ -318,8 +318,8 @@ impl CudaOps {
         })
     }
 
-    /// Chooses the matmul kernel (both give the same values; they differ in how often a
-    /// window's tokens read the weights).
+    /// Chooses the matmul kernel (they differ in how often a window's tokens read the weights,
+    /// and by rounding, since they sum in different orders).
     pub fn set_matmul(&mut self, kernel: MatmulKernel) {
         self.matmul = kernel;
     }
