@@ -61,96 +61,79 @@ extern "C" __global__ void matmul_f32(const float* w, const float* x, float* y,
 // not bandwidth-bound). Each thread sums its columns in order, each warp reduces its lanes
 // with the shuffle tree, and thread j adds the warps' partials in warp order. One kernel per
 // tile size; the host picks the smallest that holds the window, up to 8.
-#define MATMUL_TILED(NAME, TILE)                                                           \
-extern "C" __global__ void NAME(const float* w, const float* x, float* y,                 \
-                                int rows, int cols, int m) {                              \
-    __shared__ float part[MM_THREADS / 32][TILE];                                         \
-    int r = blockIdx.x, t0 = blockIdx.y * TILE;                                           \
-    if (r >= rows || t0 >= m) return;                                                     \
-    int tn = min(TILE, m - t0);                                                           \
-    int lane = threadIdx.x % 32, wid = threadIdx.x / 32;                                  \
-    const float* wr = w + (long)r * cols;                                                 \
-    const float* xt = x + (long)t0 * cols;                                                \
-    float acc[TILE];                                                                      \
-    _Pragma("unroll")                                                                     \
-    for (int j = 0; j < TILE; j++) acc[j] = 0.0f;                                         \
-    if (tn == TILE) {                                                                     \
-        for (int c = threadIdx.x; c < cols; c += MM_THREADS) {                            \
-            float wv = wr[c];                                                             \
-            _Pragma("unroll")                                                             \
-            for (int j = 0; j < TILE; j++) acc[j] += wv * xt[(long)j * cols + c];         \
-        }                                                                                 \
-    } else {                                                                              \
-        for (int c = threadIdx.x; c < cols; c += MM_THREADS) {                            \
-            float wv = wr[c];                                                             \
-            _Pragma("unroll")                                                             \
-            for (int j = 0; j < TILE; j++)                                                \
-                if (j < tn) acc[j] += wv * xt[(long)j * cols + c];                        \
-        }                                                                                 \
-    }                                                                                     \
-    _Pragma("unroll")                                                                     \
-    for (int j = 0; j < TILE; j++) {                                                      \
-        float a = acc[j];                                                                 \
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);        \
-        if (lane == 0) part[wid][j] = a;                                                  \
-    }                                                                                     \
-    __syncthreads();                                                                      \
-    if (threadIdx.x < tn) {                                                               \
-        float a = 0.0f;                                                                   \
-        for (int k = 0; k < MM_THREADS / 32; k++) a += part[k][threadIdx.x];              \
-        y[(long)(t0 + threadIdx.x) * rows + r] = a;                                       \
-    }                                                                                     \
-}
-MATMUL_TILED(matmul_f32_t1, 1)
-MATMUL_TILED(matmul_f32_t2, 2)
-MATMUL_TILED(matmul_f32_t4, 4)
-MATMUL_TILED(matmul_f32_t8, 8)
-
-// The same with 16-byte loads, for rows of a multiple of 4 values in buffers whose start the
-// host checked is 16-byte aligned (so every row is): a quarter of the load instructions, which
-// bound the scalar kernel once a tile holds several tokens. Each thread sums its four-column
+//
+// The float4 variant (VEC = 4) is for rows of a multiple of 4 values in buffers whose start
+// the host checked is 16-byte aligned (so every row is): a quarter of the load instructions,
+// which bound the scalar kernel once a tile holds several tokens. Its threads sum four-column
 // groups in order, the four products of a group first.
-#define MATMUL_TILED4(NAME, TILE)                                                          \
+template <int TILE, int VEC>
+__device__ void matmul_tile(const float* w, const float* x, float* y, int rows, int cols,
+                            int m) {
+    __shared__ float part[MM_THREADS / 32][TILE];
+    int r = blockIdx.x, t0 = blockIdx.y * TILE;
+    if (r >= rows || t0 >= m) return;
+    int tn = min(TILE, m - t0);
+    int lane = threadIdx.x % 32, wid = threadIdx.x / 32;
+    const float* wr = w + (long)r * cols;
+    const float* xt = x + (long)t0 * cols;
+    float acc[TILE];
+#pragma unroll
+    for (int j = 0; j < TILE; j++) acc[j] = 0.0f;
+    if (VEC == 4) {
+        int c4 = cols / 4;
+        const float4* wr4 = (const float4*)wr;
+        const float4* xt4 = (const float4*)xt;
+        for (int c = threadIdx.x; c < c4; c += MM_THREADS) {
+            float4 wv = wr4[c];
+#pragma unroll
+            for (int j = 0; j < TILE; j++) {
+                if (j < tn) {
+                    float4 xv = xt4[(long)j * c4 + c];
+                    acc[j] += wv.x * xv.x + wv.y * xv.y + wv.z * xv.z + wv.w * xv.w;
+                }
+            }
+        }
+    } else if (tn == TILE) {
+        for (int c = threadIdx.x; c < cols; c += MM_THREADS) {
+            float wv = wr[c];
+#pragma unroll
+            for (int j = 0; j < TILE; j++) acc[j] += wv * xt[(long)j * cols + c];
+        }
+    } else {
+        for (int c = threadIdx.x; c < cols; c += MM_THREADS) {
+            float wv = wr[c];
+#pragma unroll
+            for (int j = 0; j < TILE; j++)
+                if (j < tn) acc[j] += wv * xt[(long)j * cols + c];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < TILE; j++) {
+        float a = acc[j];
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);
+        if (lane == 0) part[wid][j] = a;
+    }
+    __syncthreads();
+    if (threadIdx.x < tn) {
+        float a = 0.0f;
+        for (int k = 0; k < MM_THREADS / 32; k++) a += part[k][threadIdx.x];
+        y[(long)(t0 + threadIdx.x) * rows + r] = a;
+    }
+}
+
+#define MATMUL_TILED(NAME, TILE, VEC)                                                      \
 extern "C" __global__ void NAME(const float* w, const float* x, float* y,                 \
                                 int rows, int cols, int m) {                              \
-    __shared__ float part[MM_THREADS / 32][TILE];                                         \
-    int r = blockIdx.x, t0 = blockIdx.y * TILE;                                           \
-    if (r >= rows || t0 >= m) return;                                                     \
-    int tn = min(TILE, m - t0);                                                           \
-    int lane = threadIdx.x % 32, wid = threadIdx.x / 32;                                  \
-    int c4 = cols / 4;                                                                    \
-    const float4* wr = (const float4*)(w + (long)r * cols);                               \
-    const float4* xt = (const float4*)(x + (long)t0 * cols);                              \
-    float acc[TILE];                                                                      \
-    _Pragma("unroll")                                                                     \
-    for (int j = 0; j < TILE; j++) acc[j] = 0.0f;                                         \
-    for (int c = threadIdx.x; c < c4; c += MM_THREADS) {                                  \
-        float4 wv = wr[c];                                                                \
-        _Pragma("unroll")                                                                 \
-        for (int j = 0; j < TILE; j++) {                                                  \
-            if (j < tn) {                                                                 \
-                float4 xv = xt[(long)j * c4 + c];                                         \
-                acc[j] += wv.x * xv.x + wv.y * xv.y + wv.z * xv.z + wv.w * xv.w;          \
-            }                                                                             \
-        }                                                                                 \
-    }                                                                                     \
-    _Pragma("unroll")                                                                     \
-    for (int j = 0; j < TILE; j++) {                                                      \
-        float a = acc[j];                                                                 \
-        for (int o = 16; o > 0; o >>= 1) a += __shfl_down_sync(0xffffffff, a, o);        \
-        if (lane == 0) part[wid][j] = a;                                                  \
-    }                                                                                     \
-    __syncthreads();                                                                      \
-    if (threadIdx.x < tn) {                                                               \
-        float a = 0.0f;                                                                   \
-        for (int k = 0; k < MM_THREADS / 32; k++) a += part[k][threadIdx.x];              \
-        y[(long)(t0 + threadIdx.x) * rows + r] = a;                                       \
-    }                                                                                     \
+    matmul_tile<TILE, VEC>(w, x, y, rows, cols, m);                                       \
 }
-MATMUL_TILED4(matmul_f32x4_t1, 1)
-MATMUL_TILED4(matmul_f32x4_t2, 2)
-MATMUL_TILED4(matmul_f32x4_t4, 4)
-MATMUL_TILED4(matmul_f32x4_t8, 8)
+MATMUL_TILED(matmul_f32_t1, 1, 1)
+MATMUL_TILED(matmul_f32_t2, 2, 1)
+MATMUL_TILED(matmul_f32_t4, 4, 1)
+MATMUL_TILED(matmul_f32_t8, 8, 1)
+MATMUL_TILED(matmul_f32x4_t1, 1, 4)
+MATMUL_TILED(matmul_f32x4_t2, 2, 4)
+MATMUL_TILED(matmul_f32x4_t4, 4, 4)
+MATMUL_TILED(matmul_f32x4_t8, 8, 4)
 
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y,
                                     int n, int d, float eps) {

@@ -733,39 +733,6 @@ mod tests {
         out
     }
 
-    /// Decode steps and verification windows over the device cache, with a rollback between,
-    /// give the logits one prefill of the whole sequence gives ([`Model::forward`]).
-    #[test]
-    fn host_backend_cached_windows_match_the_model_forward() {
-        for (spec, name) in [
-            (TinySpec::llama(11), "device-llama"),
-            (TinySpec::qwen2(12), "device-qwen2"),
-        ] {
-            let model = tiny(spec, name, true);
-            let toks = tokens(40, model.cfg.vocab_size);
-            let want = model_logits(&model, &toks).expect("model forward");
-            let fwd = DeviceForward::new(CpuOps::new(), &model).expect("weights");
-            let got = windowed_logits(&fwd, &toks);
-            let diff = compare_logits(&got, &want, model.cfg.vocab_size);
-            assert_eq!(diff.positions, 40, "{name}");
-            assert_eq!(diff.top1_agreement, 1.0, "{name}: {diff:?}");
-            assert!(diff.max_rel < 1e-4, "{name}: {diff:?}");
-            // Without the rollback the window after it sees the rejected tokens.
-            let mut cache = fwd.new_cache(45).expect("cache");
-            fwd.forward(&mut cache, &toks[..26]).expect("forward");
-            fwd.forward(&mut cache, &toks[..5]).expect("forward");
-            let stale = fwd.forward(&mut cache, &toks[26..]).expect("forward");
-            let v = model.cfg.vocab_size;
-            assert!(compare_logits(&stale, &want[26 * v..], v).max_rel > 1e-2);
-            // Bad use is an error.
-            assert!(cache.truncate(46).is_err());
-            assert!(fwd.forward(&mut cache, &[0; 10]).is_err(), "past capacity");
-            assert!(fwd.forward(&mut cache, &[]).is_err());
-            assert!(fwd.new_cache(0).is_err());
-            assert!(fwd.new_cache(model.cfg.max_ctx + 1).is_err());
-        }
-    }
-
     /// Random weights of a config's shapes run, and are seeded.
     #[test]
     fn random_weights_follow_the_config() {
@@ -786,7 +753,8 @@ mod tests {
 
     /// The device forward's sequence of operations, run on the host backend, computes what the
     /// paged batched forward computes: RoPE layout, GQA head mapping, QKV biases, tied or
-    /// separate head. A mistake there would fail here, before any GPU runs it.
+    /// separate head, in one prefill and in windows over its KV cache. A mistake there would
+    /// fail here, before any GPU runs it.
     #[test]
     fn host_backend_forward_matches_the_model_forward() {
         for (spec, name) in [
@@ -807,6 +775,26 @@ mod tests {
             let short = fwd.logits(&toks[1..]).expect("device forward");
             let off = compare_logits(&short, &want[model.cfg.vocab_size..], model.cfg.vocab_size);
             assert!(off.max_rel > 1e-2, "{name}: {off:?}");
+            // Decode steps and verification windows over the device cache, with a rollback
+            // between, give the logits one prefill of the whole sequence gives.
+            let got = windowed_logits(&fwd, &toks);
+            let diff = compare_logits(&got, &want, model.cfg.vocab_size);
+            assert_eq!(diff.positions, 40, "{name}");
+            assert_eq!(diff.top1_agreement, 1.0, "{name}: {diff:?}");
+            assert!(diff.max_rel < 1e-4, "{name}: {diff:?}");
+            // Without the rollback the window after it sees the rejected tokens.
+            let mut cache = fwd.new_cache(45).expect("cache");
+            fwd.forward(&mut cache, &toks[..26]).expect("forward");
+            fwd.forward(&mut cache, &toks[..5]).expect("forward");
+            let stale = fwd.forward(&mut cache, &toks[26..]).expect("forward");
+            let v = model.cfg.vocab_size;
+            assert!(compare_logits(&stale, &want[26 * v..], v).max_rel > 1e-2);
+            // Bad use is an error.
+            assert!(cache.truncate(46).is_err());
+            assert!(fwd.forward(&mut cache, &[0; 10]).is_err(), "past capacity");
+            assert!(fwd.forward(&mut cache, &[]).is_err());
+            assert!(fwd.new_cache(0).is_err());
+            assert!(fwd.new_cache(model.cfg.max_ctx + 1).is_err());
         }
     }
 
