@@ -52,11 +52,10 @@ for line in sys.stdin:
     src=$(cargo run -q --release -p dspark -- fetch-model smollm2-135m | tail -1) || true
     [ -f "$src" ] || src="${DSPARK_HOME:-$HOME/.cache/dspark}/models/smollm2-135m.gguf"
     cargo run -q --release -p dspark-runtime --example slice-gguf -- "$src" .gpu/smollm2-135m-cut.gguf "$layers"
-    # The benchmark's shapes: each model's config, read from its GGUF header.
+    # The benchmark's shapes: each model's config, read from its GGUF header (Qwen2.5-Coder-1.5B's
+    # is kept in scripts/gpu-configs/, dumped the same way, so prepare needs no 1 GB download).
     .gpu/gpu-verify-curve --dump-config "$src" > .gpu/smollm2-135m.json
-    big=$(cargo run -q --release -p dspark -- fetch-model qwen2.5-coder-1.5b | tail -1) || true
-    [ -f "$big" ] || big="${DSPARK_HOME:-$HOME/.cache/dspark}/models/qwen2.5-coder-1.5b.gguf"
-    .gpu/gpu-verify-curve --dump-config "$big" > .gpu/qwen2.5-coder-1.5b.json
+    cp scripts/gpu-configs/qwen2.5-coder-1.5b.json .gpu/
     # What travels is compressed (Q8_0 weights and binaries shrink by a tenth to two thirds);
     # `run` unpacks it with Python's lzma, which every image with python3 has.
     for f in .gpu/*; do xz -T0 -6 "$f"; done
