@@ -427,6 +427,26 @@ pub const MATMUL_TILE: usize = 8;
 /// [`MATMUL_TILE`]).
 const MATMUL_THREADS: u32 = 128;
 
+impl AttentionArgs {
+    /// The width and count of the rows in `len` values of fused `[q | k | v]` rows; an error
+    /// for head counts that do not group or a length that is not whole rows.
+    pub fn fused_rows(&self, len: usize) -> Result<(usize, usize)> {
+        let (h, kv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        if h == 0 || kv == 0 || hd == 0 || h % kv != 0 {
+            return Err(GpuError::Shape(format!(
+                "{h} query heads over {kv} KV heads of {hd}"
+            )));
+        }
+        let width = (h + 2 * kv) * hd;
+        if !len.is_multiple_of(width) {
+            return Err(GpuError::Shape(format!(
+                "{len} values in fused rows of {width}"
+            )));
+        }
+        Ok((width, len / width))
+    }
+}
+
 fn launch_1d(n: usize) -> Result<LaunchConfig> {
     Ok(LaunchConfig::for_num_elems(u32::try_from(n).map_err(
         |_| GpuError::Shape(format!("{n} elements exceed one launch")),
@@ -750,7 +770,7 @@ impl Gpu {
     /// Causal self-attention of one sequence from position 0 over fused `[q | k | v]` rows:
     /// n × (n_heads · head_dim) outputs, GQA mapping head h to KV head h / (n_heads / n_kv).
     pub fn attention_dev(&self, qkv: &DeviceBuf, a: &AttentionArgs) -> Result<DeviceBuf> {
-        let (width, n) = Self::fused_rows(qkv, a)?;
+        let (width, n) = a.fused_rows(qkv.len)?;
         let (qd, kvd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
         self.attention_launch((qkv, 0, width), (qkv, qd, qkv, qd + kvd, width), n, 0, a)
     }
@@ -767,7 +787,7 @@ impl Gpu {
         a: &AttentionArgs,
         pos0: usize,
     ) -> Result<DeviceBuf> {
-        let (width, n) = Self::fused_rows(qkv, a)?;
+        let (width, n) = a.fused_rows(qkv.len)?;
         let kvd = a.n_kv_heads * a.head_dim;
         let keys = pos0 + n;
         if k_cache.len != v_cache.len || k_cache.len < keys * kvd {
@@ -789,7 +809,7 @@ impl Gpu {
         a: &AttentionArgs,
         pos0: usize,
     ) -> Result<()> {
-        let (width, n) = Self::fused_rows(qkv, a)?;
+        let (width, n) = a.fused_rows(qkv.len)?;
         let (qd, kvd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
         if k_cache.len != v_cache.len || k_cache.len < (pos0 + n) * kvd {
             return Err(GpuError::Shape(format!(
@@ -819,24 +839,6 @@ impl Gpu {
         // index (pos0 + t)·kvd + j < (pos0 + n)·kvd ≤ both caches' length (checked).
         unsafe { b.launch(launch_1d(n * kvd)?) }.map_err(drv)?;
         Ok(())
-    }
-
-    /// The row width and count of fused `[q | k | v]` rows, checked against `a`.
-    fn fused_rows(qkv: &DeviceBuf, a: &AttentionArgs) -> Result<(usize, usize)> {
-        let (h, kv, hd) = (a.n_heads, a.n_kv_heads, a.head_dim);
-        if h == 0 || kv == 0 || hd == 0 || h % kv != 0 {
-            return Err(GpuError::Shape(format!(
-                "{h} query heads over {kv} KV heads of {hd}"
-            )));
-        }
-        let width = (h + 2 * kv) * hd;
-        if !qkv.len.is_multiple_of(width) {
-            return Err(GpuError::Shape(format!(
-                "{} values in fused rows of {width}",
-                qkv.len
-            )));
-        }
-        Ok((width, qkv.len / width))
     }
 
     /// Launches the attention kernel: queries (buffer, offset, stride), keys and values

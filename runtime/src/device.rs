@@ -96,19 +96,6 @@ fn shape(msg: String) -> RuntimeError {
     RuntimeError::Invalid(msg)
 }
 
-/// The row width and count of `len` values of fused `[q | k | v]` rows.
-fn fused_rows(len: usize, a: &AttentionArgs) -> Result<(usize, usize)> {
-    let (h, kv, hd) = (a.n_heads, a.n_kv_heads, a.head_dim);
-    if h == 0 || kv == 0 || hd == 0 || h % kv != 0 {
-        return Err(shape(format!("{h} heads over {kv} KV heads")));
-    }
-    let width = (h + 2 * kv) * hd;
-    if !len.is_multiple_of(width) {
-        return Err(shape(format!("{len} values in rows of {width}")));
-    }
-    Ok((width, len / width))
-}
-
 impl DeviceOps for CpuOps {
     type Buf = Vec<f32>;
     type Mat = HostMatrix;
@@ -217,7 +204,7 @@ impl DeviceOps for CpuOps {
         a: &AttentionArgs,
         pos0: usize,
     ) -> Result<()> {
-        let (width, n) = fused_rows(qkv.len(), a)?;
+        let (width, n) = a.fused_rows(qkv.len())?;
         let (qd, kvd) = (a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim);
         if k.len() != v.len() || k.len() < (pos0 + n) * kvd {
             return Err(shape(format!(
@@ -242,7 +229,7 @@ impl DeviceOps for CpuOps {
         a: &AttentionArgs,
         pos0: usize,
     ) -> Result<Vec<f32>> {
-        let (width, n) = fused_rows(qkv.len(), a)?;
+        let (width, n) = a.fused_rows(qkv.len())?;
         let (h, kv, hd) = (a.n_heads, a.n_kv_heads, a.head_dim);
         let (qd, kvd) = (h * hd, kv * hd);
         if kc.len() != vc.len() || kc.len() < (pos0 + n) * kvd {
