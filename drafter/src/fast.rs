@@ -22,9 +22,9 @@ use kernels::matmul::QMatrix;
 
 /// Quantizes a row-major `rows × cols` matrix (cols a multiple of 32) to 8 bits.
 ///
-/// Where the integer kernels run (AVX-512 VNNI, rows a multiple of 16) it takes GGUF's Q8_0
-/// layout (one f16 scale per 32 values) interleaved by 16 rows, as the target's own 8-bit
-/// weights do: `vpdpbusd` multiplies the codes directly. A drafting call multiplies one to a
+/// Where the integer kernels run (AVX-512 VNNI or AVX2, rows a multiple of 16) it takes
+/// GGUF's Q8_0 layout (one f16 scale per 32 values) interleaved by 16 rows, as the target's
+/// own 8-bit weights do: the integer kernels multiply the codes directly. A drafting call multiplies one to a
 /// few rows per request, where decoding each weight block to bf16 first (the other path) cost
 /// more than reading it. Elsewhere: 8-bit blocks with one scale per 16 values.
 pub(crate) fn quantize_q8(w: &[f32], rows: usize, cols: usize) -> Option<QMatrix> {

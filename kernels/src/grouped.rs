@@ -1,6 +1,8 @@
 //! Integer matmul over 16-row interleaved weight groups: Q4_K, Q6_K, Q4_1, Q5_0 and Q8_0 weights kept
 //! at their own bit widths, activations as 15-bit integers split into two 8-bit halves.
 //!
+//! AVX2 CPUs run twins of these kernels (`grouped_avx2.rs`) that give the same bits.
+//!
 //! Why: with rows in the i32 lanes of a zmm register, one AVX-512 VNNI `vpdpbusd` (u8 weight ×
 //! i8 activation, four products summed per lane) multiplies 4 elements of 16 rows with no
 //! horizontal sums, and a sub-block's per-row scales apply with one multiply-add for 16 rows.
@@ -113,6 +115,8 @@ pub struct BlockA32 {
     pub d: f32,
     pub neg32: f32,
     pub neg16x32: [f32; 2],
+    /// `Σ x16` over the block (AVX2's Q8_0 kernel adds back the codes' offset with it).
+    pub sum: i32,
 }
 
 /// Round half to even for |v| < 2²², without a libm call: adding 1.5·2²³ leaves no fraction
@@ -130,13 +134,19 @@ impl BlockA32 {
         128 * self.q1[e] as i32 + self.q2[e] as i32
     }
 
-    /// [`BlockA32::quantize`] with SIMD where the CPU has it; the same bits either way.
-    pub fn quantize_fast(x: &[f32]) -> Self {
+    /// [`BlockA32::quantize`] with the SIMD of `isa` where it has some; the same bits either way.
+    pub fn quantize_fast(x: &[f32], isa: Isa) -> Self {
         #[cfg(target_arch = "x86_64")]
-        if x.len() >= QK && is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F and `x` holds 32 values.
-            return unsafe { x86::quantize(x) };
+        if x.len() >= QK {
+            match isa {
+                // SAFETY: `Isa::available` checked AVX-512F (and AVX2 with FMA); `x` holds 32
+                // values.
+                Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { x86::quantize(x) },
+                Isa::Avx2 => return unsafe { avx2::quantize(x) },
+                Isa::Scalar => {}
+            }
         }
+        let _ = isa;
         Self::quantize(x)
     }
 
@@ -153,6 +163,7 @@ impl BlockA32 {
         self.d = d2;
         self.neg16x32 = [-32.0 * d2 * s0 as f32, -32.0 * d2 * s1 as f32];
         self.neg32 = -d2 * (s0 + s1) as f32;
+        self.sum = s0 + s1;
     }
 
     /// Two-level quantization of 32 values: `q1 = round(x / d1)` with `d1 = max|x| / 127`, then
@@ -184,6 +195,7 @@ impl BlockA32 {
             d: 0.0,
             neg32: 0.0,
             neg16x32: [0.0; 2],
+            sum: 0,
         }
     }
 }
@@ -195,8 +207,9 @@ pub struct QuantRows {
     pub outliers: Vec<Vec<(usize, f32)>>,
 }
 
-/// Quantizes `m` rows of `cols` activations (cols a multiple of 32).
-pub fn quantize_rows(x: &[f32], m: usize, cols: usize) -> QuantRows {
+/// Quantizes `m` rows of `cols` activations (cols a multiple of 32), with the SIMD of `isa`
+/// (the same bits on every path).
+pub fn quantize_rows(x: &[f32], m: usize, cols: usize, isa: Isa) -> QuantRows {
     let mut blocks = Vec::with_capacity(m * cols / QK);
     let mut outliers = Vec::with_capacity(m);
     // A row is copied only to split outliers off (none of the default models has any).
@@ -216,7 +229,10 @@ pub fn quantize_rows(x: &[f32], m: usize, cols: usize) -> QuantRows {
         } else {
             row
         };
-        blocks.extend(src.chunks_exact(QK).map(BlockA32::quantize_fast));
+        blocks.extend(
+            src.chunks_exact(QK)
+                .map(|b| BlockA32::quantize_fast(b, isa)),
+        );
         outliers.push(o);
     }
     QuantRows { blocks, outliers }
@@ -377,18 +393,47 @@ pub fn fits(ty: GgmlType, rows: usize, cols: usize) -> bool {
     group_block(ty).is_some_and(|be| rows.is_multiple_of(GROUP_ROWS) && cols.is_multiple_of(be))
 }
 
-/// Whether the grouped kernels run on this ISA (AVX-512 with VNNI). Elsewhere the weights take
-/// the 32-element formats of [`crate::quant`] and the f32 / bf16 kernels.
+/// Which grouped kernels run on an ISA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupedKernels {
+    /// AVX-512 with VNNI: `vpdpbusd` over 16 rows.
+    Vnni,
+    /// AVX2 (with FMA and F16C): `vpmaddubsw` over 8 rows at a time (`grouped_avx2.rs`).
+    Avx2,
+}
+
+impl GroupedKernels {
+    /// The kernels for `isa` on this CPU, if any: VNNI where AVX-512 has it, else AVX2.
+    pub fn for_isa(isa: Isa) -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if matches!(isa, Isa::Avx512 | Isa::Avx512Bf16)
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                return Some(Self::Vnni);
+            }
+            // `Isa::Avx2` and up imply AVX2, FMA and F16C (`Isa::available`).
+            (isa != Isa::Scalar).then_some(Self::Avx2)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = isa;
+            None
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Vnni => "avx512-vnni",
+            Self::Avx2 => "avx2",
+        }
+    }
+}
+
+/// Whether grouped kernels run on this ISA ([`GroupedKernels::for_isa`]). Elsewhere the weights
+/// take the 32-element formats of [`crate::quant`] and the f32 kernels.
 pub fn native(isa: Isa) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        matches!(isa, Isa::Avx512 | Isa::Avx512Bf16) && is_x86_feature_detected!("avx512vnni")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = isa;
-        false
-    }
+    GroupedKernels::for_isa(isa).is_some()
 }
 
 /// Checks a raw tensor of `rows × cols` and returns its blocks per row.
@@ -659,8 +704,12 @@ pub(crate) trait Group: Sized {
     fn element_of(groups: &[Self], r: usize, e: usize) -> f32;
     #[cfg(target_arch = "x86_64")]
     /// # Safety
-    /// The CPU must have AVX-512 F/BW/VL and VNNI ([`native`]).
+    /// The CPU must have AVX-512 F/BW/VL and VNNI ([`GroupedKernels::Vnni`]).
     unsafe fn simd(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile);
+    #[cfg(target_arch = "x86_64")]
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C ([`GroupedKernels::Avx2`]).
+    unsafe fn avx2(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile);
 }
 
 /// Results of one row group for a tile of tokens: `out[t][r]`.
@@ -681,6 +730,11 @@ macro_rules! group_impl {
                 // SAFETY: the caller checked the CPU features.
                 unsafe { x86::$simd(groups, x, tn, out) }
             }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn avx2(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile) {
+                // SAFETY: the caller checked the CPU features.
+                unsafe { avx2::$simd(groups, x, tn, out) }
+            }
         }
     };
 }
@@ -694,10 +748,11 @@ group_impl!(Q80Group, ref_q80, dispatch_q80, QK);
 /// one after another, `cols / 32` blocks each.
 pub(crate) fn dot<G: Group>(isa: Isa, groups: &[G], x: &[BlockA32], tn: usize, out: &mut Tile) {
     #[cfg(target_arch = "x86_64")]
-    if native(isa) {
-        // SAFETY: `native` checked the CPU features the kernels are compiled for.
-        unsafe { G::simd(groups, x, tn, out) };
-        return;
+    match GroupedKernels::for_isa(isa) {
+        // SAFETY: `for_isa` checked the CPU features each set of kernels is compiled for.
+        Some(GroupedKernels::Vnni) => return unsafe { G::simd(groups, x, tn, out) },
+        Some(GroupedKernels::Avx2) => return unsafe { G::avx2(groups, x, tn, out) },
+        None => {}
     }
     let _ = isa;
     let per = x.len() / tn.max(1);
@@ -707,6 +762,10 @@ pub(crate) fn dot<G: Group>(isa: Isa, groups: &[G], x: &[BlockA32], tn: usize, o
         }
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+#[path = "grouped_avx2.rs"]
+mod avx2;
 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
@@ -1060,20 +1119,29 @@ mod tests {
             let mut x: Vec<f32> = (0..QK).map(|_| scale * rng.normal() as f32).collect();
             x[5] = 0.0;
             x[6] = -x.iter().fold(0f32, |a, v| a.max(v.abs())); // the extreme, negative
-            let (a, b) = (BlockA32::quantize(&x), BlockA32::quantize_fast(&x));
-            assert_eq!((a.q1, a.q2), (b.q1, b.q2), "scale {scale}");
-            assert_eq!(
-                (
-                    a.d.to_bits(),
-                    a.neg32.to_bits(),
-                    a.neg16x32.map(f32::to_bits)
-                ),
-                (
-                    b.d.to_bits(),
-                    b.neg32.to_bits(),
-                    b.neg16x32.map(f32::to_bits)
-                )
-            );
+            let a = BlockA32::quantize(&x);
+            for isa in Isa::available() {
+                let b = BlockA32::quantize_fast(&x, isa);
+                assert_eq!(
+                    (a.q1, a.q2, a.sum),
+                    (b.q1, b.q2, b.sum),
+                    "scale {scale} {isa:?}"
+                );
+                assert_eq!(
+                    (
+                        a.d.to_bits(),
+                        a.neg32.to_bits(),
+                        a.neg16x32.map(f32::to_bits)
+                    ),
+                    (
+                        b.d.to_bits(),
+                        b.neg32.to_bits(),
+                        b.neg16x32.map(f32::to_bits)
+                    ),
+                    "{isa:?}"
+                );
+            }
+            assert_eq!(a.sum, (0..QK).map(|e| a.x16(e)).sum::<i32>());
         }
     }
 
@@ -1081,11 +1149,11 @@ mod tests {
     fn massive_channels_are_split_off_and_multiplied_in_f32() {
         let mut x = vec![0.5f32; 512];
         x[263] = 90_000.0;
-        let q = quantize_rows(&x, 1, 512);
+        let q = quantize_rows(&x, 1, 512, Isa::detect());
         assert_eq!(q.outliers, vec![vec![(263, 90_000.0)]]);
         assert_eq!(q.blocks[8].x16(7), 0);
         assert!((q.blocks[8].d * q.blocks[8].x16(0) as f32 - 0.5).abs() < 1e-5);
-        let plain = quantize_rows(&[0.5f32; 512], 1, 512);
+        let plain = quantize_rows(&[0.5f32; 512], 1, 512, Isa::detect());
         assert!(plain.outliers[0].is_empty());
     }
 
@@ -1147,9 +1215,14 @@ mod tests {
                                 .sum();
                         }
                     }
+                    // Each set of grouped kernels' results, to hold them to the same bits.
+                    let mut by_kernels: Vec<(GroupedKernels, Vec<f32>)> = Vec::new();
                     for isa in Isa::available() {
                         let mut got = vec![f32::NAN; m * rows];
                         mat.matmul(&x, m, &mut got, isa);
+                        if let Some(k) = GroupedKernels::for_isa(isa) {
+                            by_kernels.push((k, got.clone()));
+                        }
                         for (i, (a, b)) in want.iter().zip(&got).enumerate() {
                             let tol = 2e-6 * scale[i] + 1e-6;
                             assert!(
@@ -1162,6 +1235,72 @@ mod tests {
                             let mut one = vec![f32::NAN; rows];
                             mat.matmul(&x[t * cols..(t + 1) * cols], 1, &mut one, isa);
                             assert_eq!(one, got[t * rows..(t + 1) * rows], "{ty:?} {isa:?} t={t}");
+                        }
+                    }
+                    for (k, got) in &by_kernels {
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(got), bits(&by_kernels[0].1), "{ty:?} m={m} {k:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Raw bytes with every code byte `fill` (the largest codes for 0xff; Q8_0's −128 for
+    /// 0x80) and small finite scales.
+    fn filled_raw(ty: GgmlType, n_blocks: usize, fill: u8) -> Vec<u8> {
+        let mut raw = Vec::with_capacity(n_blocks * ty.block_bytes());
+        for _ in 0..n_blocks {
+            let mut b = vec![fill; ty.block_bytes()];
+            let d = f16::from_f32(0.004).to_le_bytes();
+            match ty {
+                GgmlType::Q6K => b[208..210].copy_from_slice(&d),
+                GgmlType::Q8_0 | GgmlType::Q5_0 => b[0..2].copy_from_slice(&d),
+                _ => {
+                    b[0..2].copy_from_slice(&d);
+                    b[2..4].copy_from_slice(&f16::from_f32(-0.003).to_le_bytes());
+                }
+            }
+            raw.extend_from_slice(&b);
+        }
+        raw
+    }
+
+    #[test]
+    fn extreme_codes_and_activations_do_not_saturate_any_path() {
+        // Every activation at ±127 codes and every weight at its largest code: the AVX2 pair
+        // sums in i16 are at their bounds (grouped_avx2.rs), so a saturating or wrapping sum
+        // would be far off the exact reference.
+        let (rows, cols) = (32, 512);
+        for ty in TYPES {
+            let fills: &[u8] = if ty == GgmlType::Q8_0 {
+                &[0x80, 0x7f, 0xff]
+            } else {
+                &[0xff]
+            };
+            for &fill in fills {
+                let raw = filled_raw(ty, rows * cols / ty.block_elems(), fill);
+                let mat = matrix(&raw, ty, rows, cols);
+                for sign in [1.0f32, -1.0] {
+                    let x: Vec<f32> = (0..2 * cols)
+                        .map(|i| {
+                            if i < cols {
+                                sign
+                            } else {
+                                -sign * (1 + i % 3) as f32
+                            }
+                        })
+                        .collect();
+                    let mut want = vec![0f32; 2 * rows];
+                    mat.matmul_ref(&x, 2, &mut want);
+                    for isa in Isa::available() {
+                        let mut got = vec![f32::NAN; 2 * rows];
+                        mat.matmul(&x, 2, &mut got, isa);
+                        for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                            assert!(
+                                (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+                                "{ty:?} fill {fill:#x} sign {sign} {isa:?} elem {i}: ref {a} got {b}"
+                            );
                         }
                     }
                 }

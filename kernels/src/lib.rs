@@ -1,8 +1,8 @@
 //! CPU kernels for dspark-serve, each with an exact scalar reference that tests compare against.
 //!
 //! * [`quant`]: the internal 4-bit / 8-bit block formats and exact decoders from GGML types.
-//! * [`grouped`]: Q4_K / Q6_K / Q4_1 / Q8_0 weights interleaved by 16 rows, multiplied with
-//!   15-bit integer activations on AVX-512 VNNI.
+//! * [`grouped`]: Q4_K / Q6_K / Q4_1 / Q5_0 / Q8_0 weights interleaved by 16 rows, multiplied
+//!   with 15-bit integer activations on AVX-512 VNNI, or on AVX2 with the same bits.
 //! * [`matmul`]: quantized matmul that reads each weight block once for all tokens of a batch,
 //!   with AVX-512 / AVX2 paths chosen at run time and a portable fallback.
 //! * [`ops`]: f32 vector ops (dot, axpy, RMSNorm, SiLU, softmax, RoPE) used by the runtime.
@@ -26,7 +26,7 @@ pub use matmul::{QMatrix, QWeights};
 
 /// Revision of the kernels' numerics and speed, for caches keyed on them (the SPS(B) profile):
 /// bump it when a kernel change makes old measurements stale.
-pub const REVISION: &str = "grouped-vnni-2";
+pub const REVISION: &str = "grouped-vnni-avx2-3";
 pub use quant::{BlockQ4, BlockQ8, GgmlType, InternalFormat};
 
 #[derive(Debug, thiserror::Error)]
@@ -110,7 +110,11 @@ impl Isa {
         let mut v = vec![Isa::Scalar];
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // Every AVX2 CPU has F16C too (Haswell, Piledriver on); the kernels use it.
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 v.push(Isa::Avx2);
                 if is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512vl")

@@ -392,7 +392,7 @@ impl QMatrix {
         let n = self.rows;
         let kb = self.kb();
         let nblk = self.cols / QK;
-        let xq = grouped::quantize_rows(x, m, self.cols);
+        let xq = grouped::quantize_rows(x, m, self.cols, isa);
         let n_groups = n / GROUP_ROWS;
         let threads = rayon::current_num_threads().max(1);
         let chunk = (n_groups / (threads * 4)).clamp(1, 32);
@@ -442,7 +442,7 @@ impl QMatrix {
     fn matmul_ref_grouped<G: Group>(&self, groups: &[G], x: &[f32], m: usize, out: &mut [f32]) {
         let kb = self.kb();
         let nblk = self.cols / QK;
-        let xq = grouped::quantize_rows(x, m, self.cols);
+        let xq = grouped::quantize_rows(x, m, self.cols, Isa::Scalar);
         for row in 0..self.rows {
             let (rg, r) = (row / GROUP_ROWS, row % GROUP_ROWS);
             let gs = &groups[rg * kb..(rg + 1) * kb];

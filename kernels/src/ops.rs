@@ -259,23 +259,29 @@ fn weighted_values<const HD: usize, E: KvElem>(
 unsafe fn attend_avx512<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     // SAFETY (for the calls below): AVX-512F is enabled on this function; the shapes are
     // checked by `attend_x86::run` before any pointer is formed.
-    if !unsafe { attend_x86::run(a, scores, out) } {
+    if !unsafe { attend_x86::run::<attend_x86::Zmm, E>(a, scores, out) } {
         attend_body(a, scores, out)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    attend_body(a, scores, out)
+    // SAFETY: AVX2, FMA and F16C are enabled on this function (`Isa::Avx2` checked them);
+    // shapes as above.
+    if !unsafe { attend_x86::run::<attend_x86::Ymm2, E>(a, scores, out) } {
+        attend_body(a, scores, out)
+    }
 }
 
-/// AVX-512 attention for the common shape (blocks of 16 keys, head_dim 64 or 128). Rows go in
-/// groups (four for scores, four or two for values) so each K and V row loaded from the cache
-/// feeds several query rows; the portable body reloads them per row and, written generically,
-/// the compiler does not vectorize across rows. Per row the arithmetic is the same whatever
-/// the grouping — the same multiply-adds in the same order, and weights exactly zero past a
-/// row's own limit — so a verification's rows equal the same tokens decoded one by one.
+/// x86 attention for the common shape (blocks of 16 keys, head_dim 64 or 128), on 16 f32
+/// lanes: one zmm on AVX-512, two ymm on AVX2. Rows go in groups (four for scores, four or two
+/// for values; half that on AVX2, which has half the registers' width) so each K and V row
+/// loaded from the cache feeds several query rows; the portable body reloads them per row and,
+/// written generically, the compiler does not vectorize across rows. Per row the arithmetic is
+/// the same whatever the grouping and the register width — the same multiply-adds in the same
+/// order per lane, and weights exactly zero past a row's own limit — so a verification's rows
+/// equal the same tokens decoded one by one, and both ISAs give the same bits.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
 mod attend_x86 {
@@ -284,20 +290,110 @@ mod attend_x86 {
 
     const BS: usize = 16;
 
-    /// 16 consecutive cache elements as f32 lanes.
-    #[inline(always)]
-    unsafe fn load16<E: KvElem>(p: *const E) -> __m512 {
-        if E::HALF {
-            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
-        } else {
-            _mm512_loadu_ps(p as *const f32)
+    /// 16 f32 lanes. Callers enable the target features of the implementation they use
+    /// (AVX-512F for [`Zmm`]; AVX2, FMA and F16C for [`Ymm2`]).
+    pub(super) trait Lanes: Copy {
+        /// Most query rows one pass keeps in registers.
+        const ROWS: usize;
+        unsafe fn zero() -> Self;
+        unsafe fn splat(x: f32) -> Self;
+        /// 16 consecutive cache elements as f32 lanes.
+        unsafe fn load<E: KvElem>(p: *const E) -> Self;
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+        unsafe fn add(a: Self, b: Self) -> Self;
+        unsafe fn mul(a: Self, b: Self) -> Self;
+        unsafe fn store(self, p: *mut f32);
+    }
+
+    #[derive(Clone, Copy)]
+    pub(super) struct Zmm(__m512);
+
+    impl Lanes for Zmm {
+        const ROWS: usize = 4;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Zmm(_mm512_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Zmm(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load<E: KvElem>(p: *const E) -> Self {
+            Zmm(if E::HALF {
+                _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+            } else {
+                _mm512_loadu_ps(p as *const f32)
+            })
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            Zmm(_mm512_fmadd_ps(a.0, b.0, c.0))
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            Zmm(_mm512_add_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            Zmm(_mm512_mul_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self.0)
+        }
+    }
+
+    #[derive(Clone, Copy)]
+    pub(super) struct Ymm2([__m256; 2]);
+
+    impl Lanes for Ymm2 {
+        const ROWS: usize = 2;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Ymm2([_mm256_setzero_ps(); 2])
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Ymm2([_mm256_set1_ps(x); 2])
+        }
+        #[inline(always)]
+        unsafe fn load<E: KvElem>(p: *const E) -> Self {
+            Ymm2(std::array::from_fn(|h| {
+                if E::HALF {
+                    _mm256_cvtph_ps(_mm_loadu_si128(
+                        (p as *const u16).add(8 * h) as *const __m128i
+                    ))
+                } else {
+                    _mm256_loadu_ps((p as *const f32).add(8 * h))
+                }
+            }))
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            Ymm2(std::array::from_fn(|h| {
+                _mm256_fmadd_ps(a.0[h], b.0[h], c.0[h])
+            }))
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            Ymm2(std::array::from_fn(|h| _mm256_add_ps(a.0[h], b.0[h])))
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            Ymm2(std::array::from_fn(|h| _mm256_mul_ps(a.0[h], b.0[h])))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm256_storeu_ps(p, self.0[0]);
+            _mm256_storeu_ps(p.add(8), self.0[1]);
         }
     }
 
     /// Runs the grouped kernel; `false` (nothing written) when the shape is not one it takes or
     /// an index would leave the pools, so the caller falls back to the portable body.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn run<E: KvElem>(
+    #[inline(always)]
+    pub(super) unsafe fn run<V: Lanes, E: KvElem>(
         a: &AttendArgs<'_, E>,
         scores: &mut Vec<f32>,
         out: &mut [f32],
@@ -326,11 +422,11 @@ mod attend_x86 {
         scores.resize(r_n * lp, 0.0);
         let mut r = 0;
         while r < r_n {
-            r += match r_n - r {
-                1 => scores_rows::<1, E>(a, r, lp, scores),
-                2 => scores_rows::<2, E>(a, r, lp, scores),
-                3 => scores_rows::<3, E>(a, r, lp, scores),
-                _ => scores_rows::<4, E>(a, r, lp, scores),
+            r += match (r_n - r).min(V::ROWS) {
+                1 => scores_rows::<V, 1, E>(a, r, lp, scores),
+                2 => scores_rows::<V, 2, E>(a, r, lp, scores),
+                3 => scores_rows::<V, 3, E>(a, r, lp, scores),
+                _ => scores_rows::<V, 4, E>(a, r, lp, scores),
             };
         }
         for r in 0..r_n {
@@ -342,13 +438,13 @@ mod attend_x86 {
         }
         let mut r = 0;
         while r < r_n {
-            r += match (hd, r_n - r) {
-                (64, 1) => values_rows::<4, 1, E>(a, scores, lp, r, out),
-                (64, 2) => values_rows::<4, 2, E>(a, scores, lp, r, out),
-                (64, 3) => values_rows::<4, 3, E>(a, scores, lp, r, out),
-                (64, _) => values_rows::<4, 4, E>(a, scores, lp, r, out),
-                (_, 1) => values_rows::<8, 1, E>(a, scores, lp, r, out),
-                _ => values_rows::<8, 2, E>(a, scores, lp, r, out),
+            r += match (hd, (r_n - r).min(V::ROWS)) {
+                (64, 1) => values_rows::<V, 4, 1, E>(a, scores, lp, r, out),
+                (64, 2) => values_rows::<V, 4, 2, E>(a, scores, lp, r, out),
+                (64, 3) => values_rows::<V, 4, 3, E>(a, scores, lp, r, out),
+                (64, _) => values_rows::<V, 4, 4, E>(a, scores, lp, r, out),
+                (_, 1) => values_rows::<V, 8, 1, E>(a, scores, lp, r, out),
+                _ => values_rows::<V, 8, 2, E>(a, scores, lp, r, out),
             };
         }
         true
@@ -357,7 +453,7 @@ mod attend_x86 {
     /// Scores of rows `r0..r0 + R` for every key block up to the largest of their limits; two
     /// partial sums per row (even and odd dimensions) break the FMA latency chain. Returns `R`.
     #[inline(always)]
-    unsafe fn scores_rows<const R: usize, E: KvElem>(
+    unsafe fn scores_rows<V: Lanes, const R: usize, E: KvElem>(
         a: &AttendArgs<'_, E>,
         r0: usize,
         lp: usize,
@@ -366,25 +462,25 @@ mod attend_x86 {
         let hd = a.hd;
         let lim = a.lims[r0..r0 + R].iter().copied().max().unwrap_or(0);
         let qp: [*const f32; R] = std::array::from_fn(|u| a.q.as_ptr().add((r0 + u) * hd));
-        let scale = _mm512_set1_ps(a.scale);
+        let scale = V::splat(a.scale);
         for (bi, &blk) in a.blocks[..lim.div_ceil(BS)].iter().enumerate() {
             let kt = a
                 .kpool
                 .as_ptr()
                 .add((blk as usize * a.n_kv + a.g) * hd * BS);
-            let mut a0 = [_mm512_setzero_ps(); R];
-            let mut a1 = [_mm512_setzero_ps(); R];
+            let mut a0 = [V::zero(); R];
+            let mut a1 = [V::zero(); R];
             for d in (0..hd).step_by(2) {
-                let k0 = load16(kt.add(d * BS));
-                let k1 = load16(kt.add((d + 1) * BS));
+                let k0 = V::load(kt.add(d * BS));
+                let k1 = V::load(kt.add((d + 1) * BS));
                 for u in 0..R {
-                    a0[u] = _mm512_fmadd_ps(_mm512_set1_ps(*qp[u].add(d)), k0, a0[u]);
-                    a1[u] = _mm512_fmadd_ps(_mm512_set1_ps(*qp[u].add(d + 1)), k1, a1[u]);
+                    a0[u] = V::fmadd(V::splat(*qp[u].add(d)), k0, a0[u]);
+                    a1[u] = V::fmadd(V::splat(*qp[u].add(d + 1)), k1, a1[u]);
                 }
             }
             for u in 0..R {
                 let dst = scores.as_mut_ptr().add((r0 + u) * lp + bi * BS);
-                _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_add_ps(a0[u], a1[u]), scale));
+                V::mul(V::add(a0[u], a1[u]), scale).store(dst);
             }
         }
         R
@@ -393,7 +489,7 @@ mod attend_x86 {
     /// `out[r] = Σ_p w[r][p] · V[p]` for rows `r0..r0 + R` (head_dim `16·NV`), walking the
     /// block table block by block. Returns `R`.
     #[inline(always)]
-    unsafe fn values_rows<const NV: usize, const R: usize, E: KvElem>(
+    unsafe fn values_rows<V: Lanes, const NV: usize, const R: usize, E: KvElem>(
         a: &AttendArgs<'_, E>,
         scores: &[f32],
         lp: usize,
@@ -404,7 +500,7 @@ mod attend_x86 {
         let kvd = a.n_kv * hd;
         let lim = a.lims[r0..r0 + R].iter().copied().max().unwrap_or(0);
         let wp: [*const f32; R] = std::array::from_fn(|u| scores.as_ptr().add((r0 + u) * lp));
-        let mut acc = [[_mm512_setzero_ps(); NV]; R];
+        let mut acc = [[V::zero(); NV]; R];
         for (bi, &blk) in a.blocks.iter().enumerate() {
             let p0 = bi * BS;
             if p0 >= lim {
@@ -413,18 +509,18 @@ mod attend_x86 {
             let base = a.vpool.as_ptr().add(blk as usize * BS * kvd + a.g * hd);
             for j in 0..BS.min(lim - p0) {
                 let vr = base.add(j * kvd);
-                let v: [__m512; NV] = std::array::from_fn(|i| load16(vr.add(16 * i)));
+                let v: [V; NV] = std::array::from_fn(|i| V::load(vr.add(16 * i)));
                 for u in 0..R {
-                    let w = _mm512_set1_ps(*wp[u].add(p0 + j));
+                    let w = V::splat(*wp[u].add(p0 + j));
                     for i in 0..NV {
-                        acc[u][i] = _mm512_fmadd_ps(w, v[i], acc[u][i]);
+                        acc[u][i] = V::fmadd(w, v[i], acc[u][i]);
                     }
                 }
             }
         }
         for u in 0..R {
             for i in 0..NV {
-                _mm512_storeu_ps(out.as_mut_ptr().add((r0 + u) * hd + 16 * i), acc[u][i]);
+                acc[u][i].store(out.as_mut_ptr().add((r0 + u) * hd + 16 * i));
             }
         }
         R
@@ -727,6 +823,7 @@ mod tests {
             }
         }
         let q: Vec<f32> = (0..lims.len() * hd).map(|_| rng.normal() as f32).collect();
+        let mut outs: Vec<(Isa, Vec<f32>)> = Vec::new();
         for isa in Isa::available() {
             let mut out = vec![0f32; lims.len() * hd];
             let mut sc = Vec::new();
@@ -766,6 +863,22 @@ mod tests {
                         E::HALF
                     );
                 }
+            }
+            outs.push((isa, out));
+        }
+        // The x86 kernels (AVX2 on two ymm, AVX-512 on one zmm) do the same operations per
+        // lane, so they give the same bits.
+        if bs == 16 && (hd == 64 || hd == 128) {
+            let x86: Vec<&(Isa, Vec<f32>)> =
+                outs.iter().filter(|(i, _)| *i != Isa::Scalar).collect();
+            for (isa, out) in &x86 {
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(out),
+                    bits(&x86[0].1),
+                    "{isa:?} half {} hd{hd}",
+                    E::HALF
+                );
             }
         }
     }

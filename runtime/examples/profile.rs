@@ -1,9 +1,21 @@
 //! Where a forward's time goes at k = 1, 2, 4 and 8 (ctx 256, batch 1).
+//! `cargo run --release -p dspark-runtime --example profile -- MODEL.gguf [ISA]`
 use dspark_runtime::model::*;
 use dspark_runtime::{LoadOptions, Model};
 fn main() {
     let p = std::path::PathBuf::from(std::env::args().nth(1).unwrap());
-    let m = Model::load(&p, &LoadOptions::default()).unwrap();
+    // Optional second argument: the ISA (`avx2`, `avx512`, ...), as `--isa` sets it.
+    let isa = std::env::args()
+        .nth(2)
+        .map(|s| kernels::Isa::parse(&s).unwrap());
+    let m = Model::load(
+        &p,
+        &LoadOptions {
+            isa,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let mut c = m.new_cache(400, 16).unwrap();
     let s = c.new_seq();
     let prompt: Vec<u32> = (0..256).map(|i| 1000 + i * 7).collect();

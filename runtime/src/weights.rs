@@ -21,8 +21,8 @@ pub enum Linear {
 impl Linear {
     /// Builds from raw GGUF bytes. Quantized types are repacked unless `dense` asks for the
     /// f32-dequantized reference: into the 16-row grouped layout of the integer kernels when
-    /// `grouped` (the CPU has AVX-512 VNNI) and the shape fits, else into the 32-element formats
-    /// of the f32 / bf16 kernels.
+    /// `grouped` (the CPU has AVX-512 VNNI or AVX2) and the shape fits, else into the
+    /// 32-element formats of the f32 / bf16 kernels.
     pub fn from_raw(raw: &RawTensor, dense: bool, grouped: bool) -> Result<Self> {
         let (rows, cols) = match raw.dims.as_slice() {
             [r, c] => (*r, *c),

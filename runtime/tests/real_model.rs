@@ -4,6 +4,7 @@ use dspark_runtime::chat::{ChatTemplate, Message};
 use dspark_runtime::generate::{GenerateParams, generate};
 use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
 use dspark_runtime::{LoadOptions, Model, Tokenizer};
+use kernels::Isa;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -196,6 +197,55 @@ fn varlen_batch_equals_separate_forwards_on_the_real_model() {
             );
         }
     }
+}
+
+/// AVX2 CPUs (AMD Zen 2/3, older Intel) run twins of the AVX-512 VNNI kernels that give the
+/// same bits: SmolLM2's logits, head included, over a prefill and a verification window.
+#[test]
+fn avx2_kernels_give_smollm2_the_same_logits_bits_as_avx512() {
+    let default = model();
+    if !matches!(default.isa(), Isa::Avx512 | Isa::Avx512Bf16) {
+        eprintln!("skipped: this CPU has no AVX-512 to compare AVX2 against");
+        return;
+    }
+    let avx2 = Model::load(
+        &model_path(),
+        &LoadOptions {
+            threads: 2,
+            isa: Some(Isa::Avx2),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let prompt = tokenizer()
+        .encode("fn main() {\n    let x = vec![1, 2, 3];")
+        .unwrap();
+    let mut outs = Vec::new();
+    for m in [default, &avx2] {
+        let mut c = m.new_cache(64, 16).unwrap();
+        let s = c.new_seq();
+        let mut bits = Vec::new();
+        for toks in [&prompt[..], &[28, 253, 5, 9, 1000, 77, 3, 12]] {
+            let o = m
+                .forward(
+                    &mut c,
+                    &[SeqInput {
+                        seq: s,
+                        tokens: toks,
+                        logits: LogitsMode::All,
+                    }],
+                    &ForwardOptions::default(),
+                )
+                .unwrap();
+            bits.extend(o.logits.iter().map(|v| v.to_bits()));
+        }
+        outs.push(bits);
+    }
+    assert!(
+        outs[0] == outs[1],
+        "AVX2 logits differ from {:?}",
+        default.isa()
+    );
 }
 
 /// The device forward's operations (`dspark_runtime::device`), on the host backend, against the
