@@ -134,10 +134,11 @@ impl BlockA32 {
         128 * self.q1[e] as i32 + self.q2[e] as i32
     }
 
-    /// [`BlockA32::quantize`] with the SIMD of `isa` where it has some; the same bits either way.
+    /// [`BlockA32::quantize`] with the SIMD of `isa` where it has some (and this CPU too); the
+    /// same bits either way for finite inputs.
     pub fn quantize_fast(x: &[f32], isa: Isa) -> Self {
         #[cfg(target_arch = "x86_64")]
-        if x.len() >= QK {
+        if x.len() >= QK && isa.is_supported() {
             match isa {
                 // SAFETY: `Isa::available` checked AVX-512F (and AVX2 with FMA); `x` holds 32
                 // values.
@@ -172,7 +173,7 @@ impl BlockA32 {
         let mut b = Self::zero();
         let x = &x[..QK];
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-        if amax == 0.0 || !amax.is_finite() {
+        if !Self::quantizable(amax) {
             return b;
         }
         let d1 = amax / 127.0;
@@ -186,6 +187,15 @@ impl BlockA32 {
         }
         b.finish(d2);
         b
+    }
+
+    /// Whether a block of this max |x| gets codes: below ~5e-35 the inverse step overflows
+    /// (0·∞ is NaN, which the SIMD clamps and the scalar cast would treat differently), so
+    /// every path gives such blocks, as all-zero and non-finite ones, no codes.
+    #[inline]
+    fn quantizable(amax: f32) -> bool {
+        let d1 = amax / 127.0;
+        amax != 0.0 && amax.is_finite() && (1.0 / (d1 / 128.0)).is_finite()
     }
 
     fn zero() -> Self {
@@ -783,7 +793,7 @@ mod x86 {
         ];
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
         let mut b = BlockA32::zero();
-        if amax == 0.0 || !amax.is_finite() {
+        if !BlockA32::quantizable(amax) {
             return b;
         }
         let d1 = amax / 127.0;
@@ -1115,7 +1125,7 @@ mod tests {
     #[test]
     fn the_simd_quantizer_gives_the_scalar_bits() {
         let mut rng = Rng::new(9);
-        for scale in [1e-30f32, 1e-3, 1.0, 7.5, 3e4] {
+        for scale in [1e-37f32, 1e-35, 1e-34, 1e-30, 1e-3, 1.0, 7.5, 3e4] {
             let mut x: Vec<f32> = (0..QK).map(|_| scale * rng.normal() as f32).collect();
             x[5] = 0.0;
             x[6] = -x.iter().fold(0f32, |a, v| a.max(v.abs())); // the extreme, negative

@@ -328,7 +328,7 @@ dispatch!(dispatch_q50, q50, Q50Group);
 dispatch!(dispatch_q80, q80, Q80Group);
 
 /// SIMD twin of [`BlockA32::quantize`] on AVX2: the same operations in the same order per
-/// element, so the same bits.
+/// element, so the same bits (for finite inputs).
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn quantize(x: &[f32]) -> BlockA32 {
     let v = [
@@ -346,7 +346,7 @@ pub(super) unsafe fn quantize(x: &[f32]) -> BlockA32 {
     _mm256_storeu_ps(lanes.as_mut_ptr(), m);
     let amax = lanes.iter().fold(0f32, |a, &b| a.max(b));
     let mut b = BlockA32::zero();
-    if amax == 0.0 || !amax.is_finite() {
+    if !BlockA32::quantizable(amax) {
         return b;
     }
     let d1 = amax / 127.0;

@@ -130,6 +130,33 @@ impl Isa {
         v
     }
 
+    /// Whether this CPU runs this path (what [`Isa::available`] lists), without allocating.
+    pub fn is_supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = || {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            };
+            let avx512 = || {
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512bw")
+            };
+            match self {
+                Isa::Scalar => true,
+                Isa::Avx2 => avx2(),
+                Isa::Avx512 => avx2() && avx512(),
+                Isa::Avx512Bf16 => avx2() && avx512() && is_x86_feature_detected!("avx512bf16"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Scalar
+        }
+    }
+
     /// Parses a name (`scalar`, `avx2`, `avx512`, `avx512bf16`); refuses paths this CPU lacks.
     pub fn parse(name: &str) -> Result<Self, KernelError> {
         let isa = match name {

@@ -276,7 +276,7 @@ unsafe fn attend_avx2<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, o
 
 /// x86 attention for the common shape (blocks of 16 keys, head_dim 64 or 128), on 16 f32
 /// lanes: one zmm on AVX-512, two ymm on AVX2. Rows go in groups (four for scores, four or two
-/// for values; half that on AVX2, which has half the registers' width) so each K and V row
+/// for values; two and one on AVX2, whose registers hold half as much) so each K and V row
 /// loaded from the cache feeds several query rows; the portable body reloads them per row and,
 /// written generically, the compiler does not vectorize across rows. Per row the arithmetic is
 /// the same whatever the grouping and the register width — the same multiply-adds in the same
@@ -293,8 +293,11 @@ mod attend_x86 {
     /// 16 f32 lanes. Callers enable the target features of the implementation they use
     /// (AVX-512F for [`Zmm`]; AVX2, FMA and F16C for [`Ymm2`]).
     pub(super) trait Lanes: Copy {
-        /// Most query rows one pass keeps in registers.
+        /// Most query rows one pass of scores keeps in registers.
         const ROWS: usize;
+        /// Most query rows one pass of values keeps in registers at head_dim 64 (half that,
+        /// at least one, at 128).
+        const VALUE_ROWS: usize;
         unsafe fn zero() -> Self;
         unsafe fn splat(x: f32) -> Self;
         /// 16 consecutive cache elements as f32 lanes.
@@ -310,6 +313,7 @@ mod attend_x86 {
 
     impl Lanes for Zmm {
         const ROWS: usize = 4;
+        const VALUE_ROWS: usize = 4;
         #[inline(always)]
         unsafe fn zero() -> Self {
             Zmm(_mm512_setzero_ps())
@@ -349,6 +353,8 @@ mod attend_x86 {
 
     impl Lanes for Ymm2 {
         const ROWS: usize = 2;
+        // Head dim 64 is eight ymm per row already.
+        const VALUE_ROWS: usize = 1;
         #[inline(always)]
         unsafe fn zero() -> Self {
             Ymm2([_mm256_setzero_ps(); 2])
@@ -436,9 +442,14 @@ mod attend_x86 {
             // Grouped rows were scored past their own limit: those weights must be exactly 0.
             tail.fill(0.0);
         }
+        let value_rows = if hd == 64 {
+            V::VALUE_ROWS
+        } else {
+            (V::VALUE_ROWS / 2).max(1)
+        };
         let mut r = 0;
         while r < r_n {
-            r += match (hd, (r_n - r).min(V::ROWS)) {
+            r += match (hd, (r_n - r).min(value_rows)) {
                 (64, 1) => values_rows::<V, 4, 1, E>(a, scores, lp, r, out),
                 (64, 2) => values_rows::<V, 4, 2, E>(a, scores, lp, r, out),
                 (64, 3) => values_rows::<V, 4, 3, E>(a, scores, lp, r, out),

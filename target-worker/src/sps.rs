@@ -48,10 +48,10 @@ pub fn key_for(name: &str, path: &Path, model: &Model, grid: &[usize], ctxs: &[u
         device: format!(
             "cpu-{}{}-kv{}@{}",
             model.isa().name(),
-            if kernels::grouped::native(model.isa()) {
-                "-vnni"
-            } else {
-                ""
+            match kernels::grouped::GroupedKernels::for_isa(model.isa()) {
+                Some(kernels::grouped::GroupedKernels::Vnni) => "-vnni",
+                Some(kernels::grouped::GroupedKernels::Avx2) => "-grouped-avx2",
+                None => "",
             },
             model.kv_dtype().name(),
             kernels::cpu_model()
