@@ -5,7 +5,10 @@ use kernels::{Isa, QMatrix, QWeights};
 use std::time::Instant;
 fn main() {
     let mut rng = Rng::new(1);
-    let isa = Isa::detect();
+    // `KQ_ISA=avx2` (or any `Isa` name) runs that path instead of the fastest.
+    let isa = std::env::var("KQ_ISA")
+        .map(|n| Isa::parse(&n).expect("KQ_ISA"))
+        .unwrap_or_else(|_| Isa::detect());
     if std::env::var("KQ_STREAM").is_ok() {
         let mut rng = Rng::new(2);
         let (rows, cols) = (17920usize, 1536usize);

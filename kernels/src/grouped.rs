@@ -143,7 +143,7 @@ impl BlockA32 {
                 // SAFETY: `Isa::available` checked AVX-512F (and AVX2 with FMA); `x` holds 32
                 // values.
                 Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { x86::quantize(x) },
-                Isa::Avx2 => return unsafe { avx2::quantize(x) },
+                Isa::Avx2 | Isa::Avx2Vnni => return unsafe { avx2::quantize(x) },
                 Isa::Scalar => {}
             }
         }
@@ -410,6 +410,8 @@ pub enum GroupedKernels {
     Vnni,
     /// AVX2 (with FMA and F16C): `vpmaddubsw` over 8 rows at a time (`grouped_avx2.rs`).
     Avx2,
+    /// The AVX2 kernels with AVX-VNNI's `vpdpbusd` on ymm in place of `vpmaddubsw`.
+    AvxVnni,
 }
 
 impl GroupedKernels {
@@ -421,6 +423,9 @@ impl GroupedKernels {
                 && is_x86_feature_detected!("avx512vnni")
             {
                 return Some(Self::Vnni);
+            }
+            if isa == Isa::Avx2Vnni && is_x86_feature_detected!("avxvnni") {
+                return Some(Self::AvxVnni);
             }
             // `Isa::Avx2` and up imply AVX2, FMA and F16C (`Isa::available`).
             (isa != Isa::Scalar).then_some(Self::Avx2)
@@ -436,6 +441,7 @@ impl GroupedKernels {
         match self {
             Self::Vnni => "avx512-vnni",
             Self::Avx2 => "avx2",
+            Self::AvxVnni => "avx-vnni",
         }
     }
 }
@@ -720,13 +726,17 @@ pub(crate) trait Group: Sized {
     /// # Safety
     /// The CPU must have AVX2, FMA and F16C ([`GroupedKernels::Avx2`]).
     unsafe fn avx2(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile);
+    #[cfg(target_arch = "x86_64")]
+    /// # Safety
+    /// The CPU must have AVX2, FMA, F16C and AVX-VNNI ([`GroupedKernels::AvxVnni`]).
+    unsafe fn avx_vnni(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile);
 }
 
 /// Results of one row group for a tile of tokens: `out[t][r]`.
 pub(crate) type Tile = [[f32; GROUP_ROWS]; MAX_TILE];
 
 macro_rules! group_impl {
-    ($g:ty, $refn:ident, $simd:ident, $elems:expr) => {
+    ($g:ty, $refn:ident, $simd:ident, $vnni:ident, $elems:expr) => {
         impl Group for $g {
             fn reference(groups: &[Self], r: usize, x: &[BlockA32]) -> f32 {
                 $refn(groups, r, x)
@@ -745,14 +755,19 @@ macro_rules! group_impl {
                 // SAFETY: the caller checked the CPU features.
                 unsafe { avx2::$simd(groups, x, tn, out) }
             }
+            #[cfg(target_arch = "x86_64")]
+            unsafe fn avx_vnni(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile) {
+                // SAFETY: the caller checked the CPU features.
+                unsafe { avx2::$vnni(groups, x, tn, out) }
+            }
         }
     };
 }
-group_impl!(Q4KGroup, ref_q4k, dispatch_q4k, QKK);
-group_impl!(Q6KGroup, ref_q6k, dispatch_q6k, QKK);
-group_impl!(Q41Group, ref_q41, dispatch_q41, QK);
-group_impl!(Q50Group, ref_q50, dispatch_q50, QK);
-group_impl!(Q80Group, ref_q80, dispatch_q80, QK);
+group_impl!(Q4KGroup, ref_q4k, dispatch_q4k, dispatch_q4k_vnni, QKK);
+group_impl!(Q6KGroup, ref_q6k, dispatch_q6k, dispatch_q6k_vnni, QKK);
+group_impl!(Q41Group, ref_q41, dispatch_q41, dispatch_q41_vnni, QK);
+group_impl!(Q50Group, ref_q50, dispatch_q50, dispatch_q50_vnni, QK);
+group_impl!(Q80Group, ref_q80, dispatch_q80, dispatch_q80_vnni, QK);
 
 /// One row group's dot products with `tn` tokens into `out[..tn]`. `x` holds the tile's tokens
 /// one after another, `cols / 32` blocks each.
@@ -762,6 +777,7 @@ pub(crate) fn dot<G: Group>(isa: Isa, groups: &[G], x: &[BlockA32], tn: usize, o
         // SAFETY: `for_isa` checked the CPU features each set of kernels is compiled for.
         Some(GroupedKernels::Vnni) => return unsafe { G::simd(groups, x, tn, out) },
         Some(GroupedKernels::Avx2) => return unsafe { G::avx2(groups, x, tn, out) },
+        Some(GroupedKernels::AvxVnni) => return unsafe { G::avx_vnni(groups, x, tn, out) },
         None => {}
     }
     let _ = isa;

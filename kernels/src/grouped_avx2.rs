@@ -14,8 +14,11 @@
 //! `q + 128` for VNNI, would reach 2·255·127: its kernel multiplies |q| by x·sign(q) (at most
 //! 2·128·127 = 32512) and adds back the 128·Σx that VNNI's unsigned codes carry.
 //!
+//! CPUs with AVX-VNNI but no AVX-512 (Intel Alder Lake and later clients, Sierra Forest) run the
+//! same kernels with `vpdpbusd` on ymm in place of the `vpmaddubsw` pairs (`Isa::Avx2Vnni`).
+//!
 //! Every integer sum is exact, and the float steps per row are the VNNI kernels' in the same
-//! order, so both paths give the same bits (tested).
+//! order, so all these paths give the same bits (tested).
 
 #![allow(unsafe_op_in_unsafe_fn)]
 
@@ -37,12 +40,21 @@ unsafe fn bcast(p: *const i8, k: usize) -> __m256i {
     _mm256_set1_epi32((p as *const i32).add(k).read_unaligned())
 }
 
-/// `Σ_k w[k]·x[k]` per i32 lane, with runs of `R` vectors summed in i16 first (see the module
-/// docs for why that cannot overflow).
+/// `Σ_k w[k]·x[k]` per i32 lane: AVX-VNNI's `vpdpbusd` when `VNNI`, else runs of `R` vectors
+/// summed in i16 first (see the module docs for why that cannot overflow).
 #[inline(always)]
-unsafe fn isum<const NV: usize, const R: usize>(w: &[__m256i; NV], p: *const i8) -> __m256i {
-    let ones = _mm256_set1_epi16(1);
+unsafe fn isum<const NV: usize, const R: usize, const VNNI: bool>(
+    w: &[__m256i; NV],
+    p: *const i8,
+) -> __m256i {
     let mut s = _mm256_setzero_si256();
+    if VNNI {
+        for (k, wk) in w.iter().enumerate() {
+            s = _mm256_dpbusd_avx_epi32(s, *wk, bcast(p, k));
+        }
+        return s;
+    }
+    let ones = _mm256_set1_epi16(1);
     let mut k = 0;
     while k < NV {
         let mut p16 = _mm256_maddubs_epi16(w[k], bcast(p, k));
@@ -67,7 +79,7 @@ enum Codes<'a, const NV: usize> {
 
 /// One token's integer sum `S = 128·Σ w·q1 + Σ w·q2` for 8 rows.
 #[inline(always)]
-unsafe fn token_sum<const NV: usize, const R: usize>(
+unsafe fn token_sum<const NV: usize, const R: usize, const VNNI: bool>(
     codes: &Codes<'_, NV>,
     xb: &BlockA32,
     off: usize,
@@ -76,8 +88,8 @@ unsafe fn token_sum<const NV: usize, const R: usize>(
     let p2 = xb.q2.as_ptr().add(off);
     match codes {
         Codes::Unsigned(w) => {
-            let s1 = isum::<NV, R>(w, p1);
-            let s2 = isum::<NV, R>(w, p2);
+            let s1 = isum::<NV, R, VNNI>(w, p1);
+            let s2 = isum::<NV, R, VNNI>(w, p2);
             _mm256_add_epi32(_mm256_slli_epi32(s1, 7), s2)
         }
         Codes::Signed { mag, sgn } => {
@@ -107,7 +119,7 @@ unsafe fn token_sum<const NV: usize, const R: usize>(
 /// [`super::x86`]'s `sub_tile` does for 16 rows.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn sub_tile<const TN: usize, const NV: usize, const R: usize>(
+unsafe fn sub_tile<const TN: usize, const NV: usize, const R: usize, const VNNI: bool>(
     codes: &Codes<'_, NV>,
     scf: __m256,
     mnf: __m256,
@@ -120,7 +132,7 @@ unsafe fn sub_tile<const TN: usize, const NV: usize, const R: usize>(
 ) {
     for (t, a) in acc.iter_mut().enumerate() {
         let xb = &x[t * stride + idx];
-        let s = token_sum::<NV, R>(codes, xb, off);
+        let s = token_sum::<NV, R, VNNI>(codes, xb, off);
         *a = _mm256_fmadd_ps(
             _mm256_cvtepi32_ps(s),
             _mm256_mul_ps(scf, _mm256_set1_ps(xb.d)),
@@ -160,8 +172,12 @@ unsafe fn nibbles(qs: *const u8, h: usize) -> [__m256i; 8] {
     w
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k<const TN: usize>(groups: &[Q4KGroup], x: &[BlockA32], out: &mut [[f32; 16]]) {
+#[inline(always)]
+unsafe fn q4k<const TN: usize, const VNNI: bool>(
+    groups: &[Q4KGroup],
+    x: &[BlockA32],
+    out: &mut [[f32; 16]],
+) {
     let stride = 8 * groups.len();
     for h in 0..2 {
         let mut acc = [_mm256_setzero_ps(); TN];
@@ -173,15 +189,29 @@ unsafe fn q4k<const TN: usize>(groups: &[Q4KGroup], x: &[BlockA32], out: &mut [[
                 let mnf = _mm256_mul_ps(dmin, u8_f32(g.mn[j].as_ptr().add(HALF * h)));
                 let w = nibbles(g.qs[j].as_ptr(), h);
                 let c = Codes::Unsigned(&w);
-                sub_tile::<TN, 8, 8>(&c, scf, mnf, x, stride, 8 * b + j, 0, |a| a.neg32, &mut acc);
+                sub_tile::<TN, 8, 8, VNNI>(
+                    &c,
+                    scf,
+                    mnf,
+                    x,
+                    stride,
+                    8 * b + j,
+                    0,
+                    |a| a.neg32,
+                    &mut acc,
+                );
             }
         }
         store(&acc, h, out);
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k<const TN: usize>(groups: &[Q6KGroup], x: &[BlockA32], out: &mut [[f32; 16]]) {
+#[inline(always)]
+unsafe fn q6k<const TN: usize, const VNNI: bool>(
+    groups: &[Q6KGroup],
+    x: &[BlockA32],
+    out: &mut [[f32; 16]],
+) {
     let stride = 8 * groups.len();
     let m4 = _mm256_set1_epi8(0x0f);
     let m30 = _mm256_set1_epi8(0x30);
@@ -217,15 +247,19 @@ unsafe fn q6k<const TN: usize>(groups: &[Q6KGroup], x: &[BlockA32], out: &mut [[
                 let neg = move |a: &BlockA32| a.neg16x32[half];
                 let c = Codes::Unsigned(&w);
                 let idx = 8 * b + gg / 2;
-                sub_tile::<TN, 4, 2>(&c, scf, scf, x, stride, idx, 16 * half, neg, &mut acc);
+                sub_tile::<TN, 4, 2, VNNI>(&c, scf, scf, x, stride, idx, 16 * half, neg, &mut acc);
             }
         }
         store(&acc, h, out);
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q41<const TN: usize>(groups: &[Q41Group], x: &[BlockA32], out: &mut [[f32; 16]]) {
+#[inline(always)]
+unsafe fn q41<const TN: usize, const VNNI: bool>(
+    groups: &[Q41Group],
+    x: &[BlockA32],
+    out: &mut [[f32; 16]],
+) {
     let stride = groups.len();
     for h in 0..2 {
         let mut acc = [_mm256_setzero_ps(); TN];
@@ -234,14 +268,18 @@ unsafe fn q41<const TN: usize>(groups: &[Q41Group], x: &[BlockA32], out: &mut [[
             let mnf = _mm256_sub_ps(_mm256_setzero_ps(), f16_f32(g.m.as_ptr().add(HALF * h)));
             let w = nibbles(g.qs.as_ptr(), h);
             let c = Codes::Unsigned(&w);
-            sub_tile::<TN, 8, 8>(&c, scf, mnf, x, stride, j, 0, |a| a.neg32, &mut acc);
+            sub_tile::<TN, 8, 8, VNNI>(&c, scf, mnf, x, stride, j, 0, |a| a.neg32, &mut acc);
         }
         store(&acc, h, out);
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q50<const TN: usize>(groups: &[Q50Group], x: &[BlockA32], out: &mut [[f32; 16]]) {
+#[inline(always)]
+unsafe fn q50<const TN: usize, const VNNI: bool>(
+    groups: &[Q50Group],
+    x: &[BlockA32],
+    out: &mut [[f32; 16]],
+) {
     let stride = groups.len();
     let m10 = _mm256_set1_epi8(0x10);
     for h in 0..2 {
@@ -266,14 +304,18 @@ unsafe fn q50<const TN: usize>(groups: &[Q50Group], x: &[BlockA32], out: &mut [[
                 *wk = _mm256_or_si256(*wk, _mm256_and_si256(hk, m10));
             }
             let c = Codes::Unsigned(&w);
-            sub_tile::<TN, 8, 4>(&c, scf, mnf, x, stride, j, 0, |a| a.neg32, &mut acc);
+            sub_tile::<TN, 8, 4, VNNI>(&c, scf, mnf, x, stride, j, 0, |a| a.neg32, &mut acc);
         }
         store(&acc, h, out);
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q80<const TN: usize>(groups: &[Q80Group], x: &[BlockA32], out: &mut [[f32; 16]]) {
+#[inline(always)]
+unsafe fn q80<const TN: usize, const VNNI: bool>(
+    groups: &[Q80Group],
+    x: &[BlockA32],
+    out: &mut [[f32; 16]],
+) {
     let stride = groups.len();
     let flip = _mm256_set1_epi8(-128);
     for h in 0..2 {
@@ -281,28 +323,39 @@ unsafe fn q80<const TN: usize>(groups: &[Q80Group], x: &[BlockA32], out: &mut [[
         for (j, g) in groups.iter().enumerate() {
             let scf = f16_f32(g.d.as_ptr().add(HALF * h));
             let mnf = _mm256_mul_ps(scf, _mm256_set1_ps(128.0));
+            let mut u = [_mm256_setzero_si256(); 8];
             let mut mag = [_mm256_setzero_si256(); 8];
             let mut sgn = [_mm256_setzero_si256(); 8];
             for k in 0..8 {
-                let u = _mm256_loadu_si256(g.qs.as_ptr().add(64 * k + 32 * h) as *const __m256i);
-                // q = u − 128 as i8; |q| as u8 keeps −128 as 128.
-                sgn[k] = _mm256_xor_si256(u, flip);
-                mag[k] = _mm256_abs_epi8(sgn[k]);
+                u[k] = _mm256_loadu_si256(g.qs.as_ptr().add(64 * k + 32 * h) as *const __m256i);
+                if !VNNI {
+                    // q = u − 128 as i8; |q| as u8 keeps −128 as 128.
+                    sgn[k] = _mm256_xor_si256(u[k], flip);
+                    mag[k] = _mm256_abs_epi8(sgn[k]);
+                }
             }
-            let c = Codes::Signed {
-                mag: &mag,
-                sgn: &sgn,
+            // `vpdpbusd` takes the offset codes as they are, as the AVX-512 kernel does.
+            let c = if VNNI {
+                Codes::Unsigned(&u)
+            } else {
+                Codes::Signed {
+                    mag: &mag,
+                    sgn: &sgn,
+                }
             };
-            sub_tile::<TN, 8, 1>(&c, scf, mnf, x, stride, j, 0, |a| a.neg32, &mut acc);
+            sub_tile::<TN, 8, 1, VNNI>(&c, scf, mnf, x, stride, j, 0, |a| a.neg32, &mut acc);
         }
         store(&acc, h, out);
     }
 }
 
 macro_rules! dispatch {
-    ($name:ident, $f:ident, $w:ty) => {
+    ($name:ident, $features:literal, $vnni:literal, $f:ident, $w:ty) => {
+        /// Runs a tile of `tn` tokens as passes of at most [`TILE`] tokens.
+        ///
         /// # Safety
-        /// The CPU must have AVX2, FMA and F16C.
+        /// The CPU must have the features enabled here.
+        #[target_feature(enable = $features)]
         pub(super) unsafe fn $name(w: &[$w], x: &[BlockA32], tn: usize, out: &mut Tile) {
             let per = x.len() / tn.max(1);
             let mut t0 = 0;
@@ -311,21 +364,56 @@ macro_rules! dispatch {
                 let xs = &x[t0 * per..];
                 let o = &mut out[t0..];
                 match n {
-                    1 => $f::<1>(w, xs, o),
-                    2 => $f::<2>(w, xs, o),
-                    3 => $f::<3>(w, xs, o),
-                    _ => $f::<TILE>(w, xs, o),
+                    1 => $f::<1, $vnni>(w, xs, o),
+                    2 => $f::<2, $vnni>(w, xs, o),
+                    3 => $f::<3, $vnni>(w, xs, o),
+                    _ => $f::<TILE, $vnni>(w, xs, o),
                 }
                 t0 += n;
             }
         }
     };
 }
-dispatch!(dispatch_q4k, q4k, Q4KGroup);
-dispatch!(dispatch_q6k, q6k, Q6KGroup);
-dispatch!(dispatch_q41, q41, Q41Group);
-dispatch!(dispatch_q50, q50, Q50Group);
-dispatch!(dispatch_q80, q80, Q80Group);
+dispatch!(dispatch_q4k, "avx2,fma,f16c", false, q4k, Q4KGroup);
+dispatch!(dispatch_q6k, "avx2,fma,f16c", false, q6k, Q6KGroup);
+dispatch!(dispatch_q41, "avx2,fma,f16c", false, q41, Q41Group);
+dispatch!(dispatch_q50, "avx2,fma,f16c", false, q50, Q50Group);
+dispatch!(dispatch_q80, "avx2,fma,f16c", false, q80, Q80Group);
+dispatch!(
+    dispatch_q4k_vnni,
+    "avx2,fma,f16c,avxvnni",
+    true,
+    q4k,
+    Q4KGroup
+);
+dispatch!(
+    dispatch_q6k_vnni,
+    "avx2,fma,f16c,avxvnni",
+    true,
+    q6k,
+    Q6KGroup
+);
+dispatch!(
+    dispatch_q41_vnni,
+    "avx2,fma,f16c,avxvnni",
+    true,
+    q41,
+    Q41Group
+);
+dispatch!(
+    dispatch_q50_vnni,
+    "avx2,fma,f16c,avxvnni",
+    true,
+    q50,
+    Q50Group
+);
+dispatch!(
+    dispatch_q80_vnni,
+    "avx2,fma,f16c,avxvnni",
+    true,
+    q80,
+    Q80Group
+);
 
 /// SIMD twin of [`BlockA32::quantize`] on AVX2: the same operations in the same order per
 /// element, so the same bits (for finite inputs).

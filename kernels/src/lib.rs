@@ -91,6 +91,9 @@ pub fn cpu_model() -> String {
 pub enum Isa {
     Scalar,
     Avx2,
+    /// AVX2 with AVX-VNNI (`vpdpbusd` on ymm, no AVX-512): Intel Alder Lake and later clients,
+    /// Sierra Forest's E-core Xeons. Only the grouped integer kernels differ from [`Isa::Avx2`].
+    Avx2Vnni,
     Avx512,
     /// AVX-512 with BF16 dot products: activations and decoded weights are rounded to bf16
     /// (8-bit mantissa, relative error 2⁻⁹ per element — no shared block scale, so massive
@@ -116,6 +119,9 @@ impl Isa {
                 && is_x86_feature_detected!("f16c")
             {
                 v.push(Isa::Avx2);
+                if is_x86_feature_detected!("avxvnni") {
+                    v.push(Isa::Avx2Vnni);
+                }
                 if is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512bw")
@@ -147,6 +153,7 @@ impl Isa {
             match self {
                 Isa::Scalar => true,
                 Isa::Avx2 => avx2(),
+                Isa::Avx2Vnni => avx2() && is_x86_feature_detected!("avxvnni"),
                 Isa::Avx512 => avx2() && avx512(),
                 Isa::Avx512Bf16 => avx2() && avx512() && is_x86_feature_detected!("avx512bf16"),
             }
@@ -157,11 +164,13 @@ impl Isa {
         }
     }
 
-    /// Parses a name (`scalar`, `avx2`, `avx512`, `avx512bf16`); refuses paths this CPU lacks.
+    /// Parses a name (`scalar`, `avx2`, `avx2vnni`, `avx512`, `avx512bf16`); refuses paths this
+    /// CPU lacks.
     pub fn parse(name: &str) -> Result<Self, KernelError> {
         let isa = match name {
             "scalar" => Isa::Scalar,
             "avx2" => Isa::Avx2,
+            "avx2vnni" => Isa::Avx2Vnni,
             "avx512" => Isa::Avx512,
             "avx512bf16" => Isa::Avx512Bf16,
             other => return Err(KernelError::Unsupported(format!("unknown ISA `{other}`"))),
@@ -178,6 +187,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Avx2Vnni => "avx2vnni",
             Isa::Avx512 => "avx512",
             Isa::Avx512Bf16 => "avx512bf16",
         }

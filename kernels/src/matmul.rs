@@ -526,7 +526,7 @@ fn dot_q4(isa: Isa, w: &[BlockQ4], x: &[f32], cols: usize, tn: usize, res: &mut 
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dispatch_q4_avx512(w, x, cols, tn, res) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::dispatch_q4_avx2(w, x, cols, tn, res) },
+        Isa::Avx2 | Isa::Avx2Vnni => unsafe { x86::dispatch_q4_avx2(w, x, cols, tn, res) },
         _ => dot_scalar(w, x, cols, tn, res, |b: &BlockQ4, o: &mut [f32; QK]| {
             b.dequantize(o)
         }),
@@ -538,7 +538,7 @@ fn dot_q8(isa: Isa, w: &[BlockQ8], x: &[f32], cols: usize, tn: usize, res: &mut 
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::dispatch_q8_avx512(w, x, cols, tn, res) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::dispatch_q8_avx2(w, x, cols, tn, res) },
+        Isa::Avx2 | Isa::Avx2Vnni => unsafe { x86::dispatch_q8_avx2(w, x, cols, tn, res) },
         _ => dot_scalar(w, x, cols, tn, res, |b: &BlockQ8, o: &mut [f32; QK]| {
             b.dequantize(o)
         }),

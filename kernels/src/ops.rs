@@ -48,7 +48,7 @@ unsafe fn axpy_avx2(alpha: f32, x: &[f32], y: &mut [f32]) {
 pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { dot_avx2(a, b) },
+        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { dot_avx2(a, b) },
         _ => dot_body(a, b),
     }
 }
@@ -58,7 +58,9 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 pub fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { axpy_avx2(alpha, x, y) },
+        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
+            axpy_avx2(alpha, x, y)
+        },
         _ => axpy_body(alpha, x, y),
     }
 }
@@ -77,7 +79,7 @@ pub fn attend<E: KvElem>(isa: Isa, a: &AttendArgs<'_, E>, scores: &mut Vec<f32>,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { attend_avx512(a, scores, out) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { attend_avx2(a, scores, out) },
+        Isa::Avx2 | Isa::Avx2Vnni => unsafe { attend_avx2(a, scores, out) },
         _ => attend_body(a, scores, out),
     }
 }
@@ -267,7 +269,7 @@ unsafe fn attend_avx512<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>,
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    // SAFETY: AVX2, FMA and F16C are enabled on this function (`Isa::Avx2` checked them);
+    // SAFETY: AVX2, FMA and F16C are enabled on this function (`Isa::Avx2` and `Isa::Avx2Vnni` checked them);
     // shapes as above.
     if !unsafe { attend_x86::run::<attend_x86::Ymm2, E>(a, scores, out) } {
         attend_body(a, scores, out)
@@ -573,7 +575,9 @@ unsafe fn silu_mul_avx2(gate_up: &[f32], out: &mut [f32]) {
 pub fn rms_norm(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { rms_norm_avx2(x, w, eps, out) },
+        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
+            rms_norm_avx2(x, w, eps, out)
+        },
         _ => rms_norm_body(x, w, eps, out),
     }
 }
@@ -582,7 +586,9 @@ pub fn rms_norm(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 pub fn silu_mul(isa: Isa, gate_up: &[f32], out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { silu_mul_avx2(gate_up, out) },
+        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
+            silu_mul_avx2(gate_up, out)
+        },
         _ => silu_mul_body(gate_up, out),
     }
 }

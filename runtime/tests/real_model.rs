@@ -199,8 +199,9 @@ fn varlen_batch_equals_separate_forwards_on_the_real_model() {
     }
 }
 
-/// AVX2 CPUs (AMD Zen 2/3, older Intel) run twins of the AVX-512 VNNI kernels that give the
-/// same bits: SmolLM2's logits, head included, over a prefill and a verification window.
+/// AVX2 CPUs (AMD Zen 2/3, older Intel; with AVX-VNNI, newer Intel clients and E-core Xeons)
+/// run twins of the AVX-512 VNNI kernels that give the same bits: SmolLM2's logits, head
+/// included, over a prefill and a verification window.
 #[test]
 fn avx2_kernels_give_smollm2_the_same_logits_bits_as_avx512() {
     let default = model();
@@ -208,20 +209,27 @@ fn avx2_kernels_give_smollm2_the_same_logits_bits_as_avx512() {
         eprintln!("skipped: this CPU has no AVX-512 to compare AVX2 against");
         return;
     }
-    let avx2 = Model::load(
-        &model_path(),
-        &LoadOptions {
-            threads: 2,
-            isa: Some(Isa::Avx2),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    // AVX2, and AVX2 with AVX-VNNI where this CPU has it.
+    let avx2: Vec<Model> = Isa::available()
+        .into_iter()
+        .filter(|i| matches!(i, Isa::Avx2 | Isa::Avx2Vnni))
+        .map(|isa| {
+            Model::load(
+                &model_path(),
+                &LoadOptions {
+                    threads: 2,
+                    isa: Some(isa),
+                    ..Default::default()
+                },
+            )
+            .unwrap()
+        })
+        .collect();
     let prompt = tokenizer()
         .encode("fn main() {\n    let x = vec![1, 2, 3];")
         .unwrap();
     let mut outs = Vec::new();
-    for m in [default, &avx2] {
+    for m in std::iter::once(default).chain(&avx2) {
         let mut c = m.new_cache(64, 16).unwrap();
         let s = c.new_seq();
         let mut bits = Vec::new();
@@ -241,11 +249,14 @@ fn avx2_kernels_give_smollm2_the_same_logits_bits_as_avx512() {
         }
         outs.push(bits);
     }
-    assert!(
-        outs[0] == outs[1],
-        "AVX2 logits differ from {:?}",
-        default.isa()
-    );
+    for (m, bits) in avx2.iter().zip(&outs[1..]) {
+        assert!(
+            &outs[0] == bits,
+            "{:?} logits differ from {:?}",
+            m.isa(),
+            default.isa()
+        );
+    }
 }
 
 /// The device forward's operations (`dspark_runtime::device`), on the host backend, against the

@@ -51,6 +51,7 @@ pub fn key_for(name: &str, path: &Path, model: &Model, grid: &[usize], ctxs: &[u
             match kernels::grouped::GroupedKernels::for_isa(model.isa()) {
                 Some(kernels::grouped::GroupedKernels::Vnni) => "-vnni",
                 Some(kernels::grouped::GroupedKernels::Avx2) => "-grouped-avx2",
+                Some(kernels::grouped::GroupedKernels::AvxVnni) => "-grouped-avx-vnni",
                 None => "",
             },
             model.kv_dtype().name(),
