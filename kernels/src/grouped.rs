@@ -415,7 +415,8 @@ pub enum GroupedKernels {
 }
 
 impl GroupedKernels {
-    /// The kernels for `isa` on this CPU, if any: VNNI where AVX-512 has it, else AVX2.
+    /// The kernels for `isa` on this CPU, if any: VNNI where AVX-512 has it, the AVX2 twins with
+    /// AVX-VNNI for [`Isa::Avx2Vnni`], else the plain AVX2 twins.
     pub fn for_isa(isa: Isa) -> Option<Self> {
         #[cfg(target_arch = "x86_64")]
         {

@@ -269,8 +269,8 @@ unsafe fn attend_avx512<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>,
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    // SAFETY: AVX2, FMA and F16C are enabled on this function (`Isa::Avx2` and `Isa::Avx2Vnni` checked them);
-    // shapes as above.
+    // SAFETY: AVX2, FMA and F16C are enabled on this function (`Isa::Avx2` and
+    // `Isa::Avx2Vnni` checked them); shapes as above.
     if !unsafe { attend_x86::run::<attend_x86::Ymm2, E>(a, scores, out) } {
         attend_body(a, scores, out)
     }
