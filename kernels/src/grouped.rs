@@ -140,7 +140,7 @@ impl BlockA32 {
         #[cfg(target_arch = "x86_64")]
         if x.len() >= QK && isa.is_supported() {
             match isa {
-                // SAFETY: `Isa::available` checked AVX-512F (and AVX2 with FMA); `x` holds 32
+                // SAFETY: `is_supported` checked this CPU has the ISA's features; `x` holds 32
                 // values.
                 Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { x86::quantize(x) },
                 Isa::Avx2 | Isa::Avx2Vnni => return unsafe { avx2::quantize(x) },
@@ -420,6 +420,11 @@ impl GroupedKernels {
     pub fn for_isa(isa: Isa) -> Option<Self> {
         #[cfg(target_arch = "x86_64")]
         {
+            // An `Isa` built by hand for features this CPU lacks gets the references, never an
+            // instruction it cannot run (the kernels below are chosen from this).
+            if !isa.is_supported() {
+                return None;
+            }
             if matches!(isa, Isa::Avx512 | Isa::Avx512Bf16)
                 && is_x86_feature_detected!("avx512vnni")
             {
@@ -428,7 +433,7 @@ impl GroupedKernels {
             if isa == Isa::Avx2Vnni && is_x86_feature_detected!("avxvnni") {
                 return Some(Self::AvxVnni);
             }
-            // `Isa::Avx2` and up imply AVX2, FMA and F16C (`Isa::available`).
+            // `Isa::Avx2` and up imply AVX2, FMA and F16C (`Isa::is_supported`).
             (isa != Isa::Scalar).then_some(Self::Avx2)
         }
         #[cfg(not(target_arch = "x86_64"))]

@@ -107,39 +107,25 @@ impl Isa {
         *Self::available().last().unwrap_or(&Isa::Scalar)
     }
 
+    /// Every path, slowest first.
+    pub const ALL: [Isa; 5] = [
+        Isa::Scalar,
+        Isa::Avx2,
+        Isa::Avx2Vnni,
+        Isa::Avx512,
+        Isa::Avx512Bf16,
+    ];
+
     /// Every path this CPU supports, slowest first.
     pub fn available() -> Vec<Isa> {
-        #[allow(unused_mut)]
-        let mut v = vec![Isa::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        {
-            // Every AVX2 CPU has F16C too (Haswell, Piledriver on); the kernels use it.
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
-                v.push(Isa::Avx2);
-                if is_x86_feature_detected!("avxvnni") {
-                    v.push(Isa::Avx2Vnni);
-                }
-                if is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512vl")
-                    && is_x86_feature_detected!("avx512bw")
-                {
-                    v.push(Isa::Avx512);
-                    if is_x86_feature_detected!("avx512bf16") {
-                        v.push(Isa::Avx512Bf16);
-                    }
-                }
-            }
-        }
-        v
+        Self::ALL.into_iter().filter(|i| i.is_supported()).collect()
     }
 
     /// Whether this CPU runs this path (what [`Isa::available`] lists), without allocating.
     pub fn is_supported(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         {
+            // Every AVX2 CPU has F16C too (Haswell, Piledriver on); the kernels use it.
             let avx2 = || {
                 is_x86_feature_detected!("avx2")
                     && is_x86_feature_detected!("fma")
