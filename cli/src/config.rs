@@ -14,10 +14,11 @@ pub struct GlobalArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, global = true, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
-    /// Force a kernel path: scalar | avx2 | avx2vnni | avx512 | avx512bf16 (default: the fastest
-    /// available; with any but scalar, quantized GGUF weights whose shapes fit take the grouped
-    /// integer kernels: AVX-512 VNNI where the CPU has it, else their AVX2 twins (with AVX-VNNI's
-    /// `vpdpbusd` on `avx2vnni`), all with the same bits).
+    /// Force a kernel path: scalar | avx2 | avx2vnni | avx512 | avx512bf16 on x86-64, scalar |
+    /// neon | neondot on 64-bit Arm (default: the fastest available; with any but scalar,
+    /// quantized GGUF weights whose shapes fit take the grouped integer kernels: AVX-512 VNNI
+    /// where the CPU has it, else their AVX2 twins (with AVX-VNNI's `vpdpbusd` on `avx2vnni`),
+    /// or their NEON twins (with `sdot` on `neondot`), all with the same bits).
     #[arg(long, global = true, env = "DSPARK_ISA")]
     pub isa: Option<String>,
     /// KV cache element type: f16 (half the bytes attention reads) or f32 (default: f16, and

@@ -1,7 +1,9 @@
 //! Integer matmul over 16-row interleaved weight groups: Q4_K, Q6_K, Q4_1, Q5_0 and Q8_0 weights kept
 //! at their own bit widths, activations as 15-bit integers split into two 8-bit halves.
 //!
-//! AVX2 CPUs run twins of these kernels (`grouped_avx2.rs`) that give the same bits.
+//! AVX2 CPUs run twins of these kernels (`grouped_avx2.rs`), and 64-bit Arm CPUs NEON twins
+//! (`grouped_neon.rs`), that give the same bits: [`mirror`] states their float order in
+//! portable code, and CPUs with none of them run it.
 //!
 //! Why: with rows in the i32 lanes of a zmm register, one AVX-512 VNNI `vpdpbusd` (u8 weight ×
 //! i8 activation, four products summed per lane) multiplies 4 elements of 16 rows with no
@@ -144,7 +146,7 @@ impl BlockA32 {
                 // values.
                 Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { x86::quantize(x) },
                 Isa::Avx2 | Isa::Avx2Vnni => return unsafe { avx2::quantize(x) },
-                Isa::Scalar => {}
+                Isa::Scalar | Isa::Neon | Isa::NeonDot => {}
             }
         }
         let _ = isa;
@@ -412,6 +414,10 @@ pub enum GroupedKernels {
     Avx2,
     /// The AVX2 kernels with AVX-VNNI's `vpdpbusd` on ymm in place of `vpmaddubsw`.
     AvxVnni,
+    /// NEON: `smull`/`smlal` over 4 rows at a time (`grouped_neon.rs`).
+    Neon,
+    /// The NEON kernels with the dot-product extension's `sdot` in place of the widening pairs.
+    NeonDot,
 }
 
 impl GroupedKernels {
@@ -436,7 +442,15 @@ impl GroupedKernels {
             // `Isa::Avx2` and up imply AVX2, FMA and F16C (`Isa::is_supported`).
             (isa != Isa::Scalar).then_some(Self::Avx2)
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        {
+            match isa {
+                Isa::NeonDot if isa.is_supported() => Some(Self::NeonDot),
+                Isa::Neon if isa.is_supported() => Some(Self::Neon),
+                _ => None,
+            }
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
             let _ = isa;
             None
@@ -448,6 +462,8 @@ impl GroupedKernels {
             Self::Vnni => "avx512-vnni",
             Self::Avx2 => "avx2",
             Self::AvxVnni => "avx-vnni",
+            Self::Neon => "neon",
+            Self::NeonDot => "neon-dotprod",
         }
     }
 }
@@ -719,9 +735,90 @@ pub(crate) fn ref_q80(groups: &[Q80Group], r: usize, x: &[BlockA32]) -> f32 {
     acc as f32
 }
 
+/// One sub-block's float steps as every kernel takes them: `acc + (scf·d)·S`, then `+ mnf·neg`,
+/// each a fused multiply-add (one rounding), `S` converted to f32 with round-to-nearest-even.
+#[inline]
+fn step(acc: f32, scf: f32, mnf: f32, a: &BlockA32, s: i32, neg: f32) -> f32 {
+    let acc = (s as f32).mul_add(scf * a.d, acc);
+    mnf.mul_add(neg, acc)
+}
+
+/// The kernels' arithmetic in portable code, row `r` of a row group against one token's blocks
+/// `x`: the exact integer sums of the references, then [`step`] per sub-block in order. Every
+/// SIMD path (AVX-512 VNNI, AVX2, AVX-VNNI, NEON, NEON dot product) gives these bits, so a model
+/// computes the same numbers on x86 and Arm; CPUs without grouped kernels run this.
+pub(crate) mod mirror {
+    use super::*;
+
+    /// `Σ code(e)·x16(e)` over `n` elements from `e0` (activations from `a0`): below 2³¹ for
+    /// every type (Q8_0's offset codes: 32·255·16383).
+    #[inline]
+    fn isum(code: impl Fn(usize) -> u8, e0: usize, a: &BlockA32, a0: usize, n: usize) -> i32 {
+        (0..n).map(|l| code(e0 + l) as i32 * a.x16(a0 + l)).sum()
+    }
+
+    pub(crate) fn q4k(groups: &[Q4KGroup], r: usize, x: &[BlockA32]) -> f32 {
+        let mut acc = 0f32;
+        for (b, g) in groups.iter().enumerate() {
+            for j in 0..8 {
+                let a = &x[8 * b + j];
+                let s = isum(|e| g.code(r, e), 32 * j, a, 0, 32);
+                let (scf, mnf) = g.sub(r, j);
+                acc = step(acc, scf, mnf, a, s, a.neg32);
+            }
+        }
+        acc
+    }
+
+    pub(crate) fn q6k(groups: &[Q6KGroup], r: usize, x: &[BlockA32]) -> f32 {
+        let mut acc = 0f32;
+        for (b, g) in groups.iter().enumerate() {
+            for gg in 0..16 {
+                let (a, h) = (&x[8 * b + gg / 2], gg % 2);
+                let s = isum(|e| g.code(r, e), 16 * gg, a, 16 * h, 16);
+                let scf = g.d[r] * g.sc[gg][r] as f32;
+                acc = step(acc, scf, scf, a, s, a.neg16x32[h]);
+            }
+        }
+        acc
+    }
+
+    pub(crate) fn q41(groups: &[Q41Group], r: usize, x: &[BlockA32]) -> f32 {
+        let mut acc = 0f32;
+        for (g, a) in groups.iter().zip(x) {
+            let s = isum(|e| g.code(r, e), 0, a, 0, 32);
+            let mnf = 0.0 - g.m[r].to_f32();
+            acc = step(acc, g.d[r].to_f32(), mnf, a, s, a.neg32);
+        }
+        acc
+    }
+
+    pub(crate) fn q50(groups: &[Q50Group], r: usize, x: &[BlockA32]) -> f32 {
+        let mut acc = 0f32;
+        for (g, a) in groups.iter().zip(x) {
+            let s = isum(|e| g.code(r, e), 0, a, 0, 32);
+            let d = g.d[r].to_f32();
+            acc = step(acc, d, d * 16.0, a, s, a.neg32);
+        }
+        acc
+    }
+
+    pub(crate) fn q80(groups: &[Q80Group], r: usize, x: &[BlockA32]) -> f32 {
+        let mut acc = 0f32;
+        for (g, a) in groups.iter().zip(x) {
+            let s = isum(|e| g.code(r, e), 0, a, 0, 32);
+            let d = g.d[r].to_f32();
+            acc = step(acc, d, d * 128.0, a, s, a.neg32);
+        }
+        acc
+    }
+}
+
 /// The grouped weight formats, for the generic dispatch below.
 pub(crate) trait Group: Sized {
     fn reference(groups: &[Self], r: usize, x: &[BlockA32]) -> f32;
+    /// [`mirror`]: the kernels' bits in portable code.
+    fn mirror(groups: &[Self], r: usize, x: &[BlockA32]) -> f32;
     /// Element `e` (column within the row) of row `r` of a row group's blocks.
     fn element_of(groups: &[Self], r: usize, e: usize) -> f32;
     #[cfg(target_arch = "x86_64")]
@@ -736,16 +833,27 @@ pub(crate) trait Group: Sized {
     /// # Safety
     /// The CPU must have AVX2, FMA, F16C and AVX-VNNI ([`GroupedKernels::AvxVnni`]).
     unsafe fn avx_vnni(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile);
+    #[cfg(target_arch = "aarch64")]
+    /// # Safety
+    /// The CPU must have NEON ([`GroupedKernels::Neon`]; every 64-bit Arm CPU).
+    unsafe fn neon(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile);
+    #[cfg(target_arch = "aarch64")]
+    /// # Safety
+    /// The CPU must have NEON and the dot-product extension ([`GroupedKernels::NeonDot`]).
+    unsafe fn neon_dot(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile);
 }
 
 /// Results of one row group for a tile of tokens: `out[t][r]`.
 pub(crate) type Tile = [[f32; GROUP_ROWS]; MAX_TILE];
 
 macro_rules! group_impl {
-    ($g:ty, $refn:ident, $simd:ident, $vnni:ident, $elems:expr) => {
+    ($g:ty, $refn:ident, $mirror:ident, $simd:ident, $vnni:ident, $dot:ident, $elems:expr) => {
         impl Group for $g {
             fn reference(groups: &[Self], r: usize, x: &[BlockA32]) -> f32 {
                 $refn(groups, r, x)
+            }
+            fn mirror(groups: &[Self], r: usize, x: &[BlockA32]) -> f32 {
+                mirror::$mirror(groups, r, x)
             }
             #[inline]
             fn element_of(groups: &[Self], r: usize, e: usize) -> f32 {
@@ -766,14 +874,64 @@ macro_rules! group_impl {
                 // SAFETY: the caller checked the CPU features.
                 unsafe { avx2::$vnni(groups, x, tn, out) }
             }
+            #[cfg(target_arch = "aarch64")]
+            unsafe fn neon(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile) {
+                // SAFETY: the caller checked the CPU features.
+                unsafe { neon::$simd(groups, x, tn, out) }
+            }
+            #[cfg(target_arch = "aarch64")]
+            unsafe fn neon_dot(groups: &[Self], x: &[BlockA32], tn: usize, out: &mut Tile) {
+                // SAFETY: the caller checked the CPU features.
+                unsafe { neon::$dot(groups, x, tn, out) }
+            }
         }
     };
 }
-group_impl!(Q4KGroup, ref_q4k, dispatch_q4k, dispatch_q4k_vnni, QKK);
-group_impl!(Q6KGroup, ref_q6k, dispatch_q6k, dispatch_q6k_vnni, QKK);
-group_impl!(Q41Group, ref_q41, dispatch_q41, dispatch_q41_vnni, QK);
-group_impl!(Q50Group, ref_q50, dispatch_q50, dispatch_q50_vnni, QK);
-group_impl!(Q80Group, ref_q80, dispatch_q80, dispatch_q80_vnni, QK);
+group_impl!(
+    Q4KGroup,
+    ref_q4k,
+    q4k,
+    dispatch_q4k,
+    dispatch_q4k_vnni,
+    dispatch_q4k_dot,
+    QKK
+);
+group_impl!(
+    Q6KGroup,
+    ref_q6k,
+    q6k,
+    dispatch_q6k,
+    dispatch_q6k_vnni,
+    dispatch_q6k_dot,
+    QKK
+);
+group_impl!(
+    Q41Group,
+    ref_q41,
+    q41,
+    dispatch_q41,
+    dispatch_q41_vnni,
+    dispatch_q41_dot,
+    QK
+);
+group_impl!(
+    Q50Group,
+    ref_q50,
+    q50,
+    dispatch_q50,
+    dispatch_q50_vnni,
+    dispatch_q50_dot,
+    QK
+);
+group_impl!(
+    Q80Group,
+    ref_q80,
+    q80,
+    dispatch_q80,
+    dispatch_q80_vnni,
+    dispatch_q80_dot,
+    QK
+);
 
 /// One row group's dot products with `tn` tokens into `out[..tn]`. `x` holds the tile's tokens
 /// one after another, `cols / 32` blocks each.
@@ -784,13 +942,20 @@ pub(crate) fn dot<G: Group>(isa: Isa, groups: &[G], x: &[BlockA32], tn: usize, o
         Some(GroupedKernels::Vnni) => return unsafe { G::simd(groups, x, tn, out) },
         Some(GroupedKernels::Avx2) => return unsafe { G::avx2(groups, x, tn, out) },
         Some(GroupedKernels::AvxVnni) => return unsafe { G::avx_vnni(groups, x, tn, out) },
-        None => {}
+        _ => {}
+    }
+    #[cfg(target_arch = "aarch64")]
+    match GroupedKernels::for_isa(isa) {
+        // SAFETY: `for_isa` checked the CPU features each set of kernels is compiled for.
+        Some(GroupedKernels::Neon) => return unsafe { G::neon(groups, x, tn, out) },
+        Some(GroupedKernels::NeonDot) => return unsafe { G::neon_dot(groups, x, tn, out) },
+        _ => {}
     }
     let _ = isa;
     let per = x.len() / tn.max(1);
     for (t, o) in out.iter_mut().enumerate().take(tn) {
         for (r, v) in o.iter_mut().enumerate() {
-            *v = G::reference(groups, r, &x[t * per..(t + 1) * per]);
+            *v = G::mirror(groups, r, &x[t * per..(t + 1) * per]);
         }
     }
 }
@@ -798,6 +963,10 @@ pub(crate) fn dot<G: Group>(isa: Isa, groups: &[G], x: &[BlockA32], tn: usize, o
 #[cfg(target_arch = "x86_64")]
 #[path = "grouped_avx2.rs"]
 mod avx2;
+
+#[cfg(target_arch = "aarch64")]
+#[path = "grouped_neon.rs"]
+mod neon;
 
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
@@ -1247,14 +1416,13 @@ mod tests {
                                 .sum();
                         }
                     }
-                    // Each set of grouped kernels' results, to hold them to the same bits.
-                    let mut by_kernels: Vec<(GroupedKernels, Vec<f32>)> = Vec::new();
+                    // Every path's results, to hold them to the same bits: the scalar path runs
+                    // the portable mirror of the kernels' float order.
+                    let mut by_kernels: Vec<(Isa, Vec<f32>)> = Vec::new();
                     for isa in Isa::available() {
                         let mut got = vec![f32::NAN; m * rows];
                         mat.matmul(&x, m, &mut got, isa);
-                        if let Some(k) = GroupedKernels::for_isa(isa) {
-                            by_kernels.push((k, got.clone()));
-                        }
+                        by_kernels.push((isa, got.clone()));
                         for (i, (a, b)) in want.iter().zip(&got).enumerate() {
                             let tol = 2e-6 * scale[i] + 1e-6;
                             assert!(
@@ -1269,9 +1437,15 @@ mod tests {
                             assert_eq!(one, got[t * rows..(t + 1) * rows], "{ty:?} {isa:?} t={t}");
                         }
                     }
-                    for (k, got) in &by_kernels {
+                    assert_eq!(by_kernels[0].0, Isa::Scalar);
+                    for (isa, got) in &by_kernels {
                         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(bits(got), bits(&by_kernels[0].1), "{ty:?} m={m} {k:?}");
+                        assert_eq!(
+                            bits(got),
+                            bits(&by_kernels[0].1),
+                            "{ty:?} m={m} {isa:?} ({:?}) against the mirror",
+                            GroupedKernels::for_isa(*isa)
+                        );
                     }
                 }
             }
@@ -1325,9 +1499,13 @@ mod tests {
                         .collect();
                     let mut want = vec![0f32; 2 * rows];
                     mat.matmul_ref(&x, 2, &mut want);
+                    let mut mirror = vec![f32::NAN; 2 * rows];
+                    mat.matmul(&x, 2, &mut mirror, Isa::Scalar);
                     for isa in Isa::available() {
                         let mut got = vec![f32::NAN; 2 * rows];
                         mat.matmul(&x, 2, &mut got, isa);
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&mirror), "{ty:?} fill {fill:#x} {isa:?}");
                         for (i, (a, b)) in want.iter().zip(&got).enumerate() {
                             assert!(
                                 (a - b).abs() <= 1e-5 * a.abs().max(1.0),

@@ -2,7 +2,8 @@
 //!
 //! * [`quant`]: the internal 4-bit / 8-bit block formats and exact decoders from GGML types.
 //! * [`grouped`]: Q4_K / Q6_K / Q4_1 / Q5_0 / Q8_0 weights interleaved by 16 rows, multiplied
-//!   with 15-bit integer activations on AVX-512 VNNI, or on AVX2 with the same bits.
+//!   with 15-bit integer activations on AVX-512 VNNI, or on AVX2, AVX-VNNI, NEON and NEON's
+//!   dot product with the same bits.
 //! * [`matmul`]: quantized matmul that reads each weight block once for all tokens of a batch,
 //!   with AVX-512 / AVX2 paths chosen at run time and a portable fallback.
 //! * [`ops`]: f32 vector ops (dot, axpy, RMSNorm, SiLU, softmax, RoPE) used by the runtime.
@@ -99,6 +100,12 @@ pub enum Isa {
     /// (8-bit mantissa, relative error 2⁻⁹ per element — no shared block scale, so massive
     /// activation channels do not hurt their neighbours) and accumulated in f32.
     Avx512Bf16,
+    /// 64-bit Arm's NEON (every aarch64 CPU).
+    Neon,
+    /// NEON with the dot-product extension (Armv8.2-A FEAT_DotProd: `sdot`; AWS Graviton 2 and
+    /// later, Ampere Altra, Apple M1 and later). Only the grouped integer kernels differ from
+    /// [`Isa::Neon`].
+    NeonDot,
 }
 
 impl Isa {
@@ -107,13 +114,15 @@ impl Isa {
         *Self::available().last().unwrap_or(&Isa::Scalar)
     }
 
-    /// Every path, slowest first.
-    pub const ALL: [Isa; 5] = [
+    /// Every path, slowest first within an architecture.
+    pub const ALL: [Isa; 7] = [
         Isa::Scalar,
         Isa::Avx2,
         Isa::Avx2Vnni,
         Isa::Avx512,
         Isa::Avx512Bf16,
+        Isa::Neon,
+        Isa::NeonDot,
     ];
 
     /// Every path this CPU supports, slowest first.
@@ -142,16 +151,29 @@ impl Isa {
                 Isa::Avx2Vnni => avx2() && is_x86_feature_detected!("avxvnni"),
                 Isa::Avx512 => avx2() && avx512(),
                 Isa::Avx512Bf16 => avx2() && avx512() && is_x86_feature_detected!("avx512bf16"),
+                Isa::Neon | Isa::NeonDot => false,
             }
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
+        {
+            use std::arch::is_aarch64_feature_detected;
+            match self {
+                Isa::Scalar => true,
+                Isa::Neon => is_aarch64_feature_detected!("neon"),
+                Isa::NeonDot => {
+                    is_aarch64_feature_detected!("neon") && is_aarch64_feature_detected!("dotprod")
+                }
+                _ => false,
+            }
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
             self == Isa::Scalar
         }
     }
 
-    /// Parses a name (`scalar`, `avx2`, `avx2vnni`, `avx512`, `avx512bf16`); refuses paths this
-    /// CPU lacks.
+    /// Parses a name (`scalar`, `avx2`, `avx2vnni`, `avx512`, `avx512bf16`, `neon`, `neondot`);
+    /// refuses paths this CPU lacks.
     pub fn parse(name: &str) -> Result<Self, KernelError> {
         let isa = match name {
             "scalar" => Isa::Scalar,
@@ -159,6 +181,8 @@ impl Isa {
             "avx2vnni" => Isa::Avx2Vnni,
             "avx512" => Isa::Avx512,
             "avx512bf16" => Isa::Avx512Bf16,
+            "neon" => Isa::Neon,
+            "neondot" => Isa::NeonDot,
             other => return Err(KernelError::Unsupported(format!("unknown ISA `{other}`"))),
         };
         if !Self::available().contains(&isa) {
@@ -176,6 +200,8 @@ impl Isa {
             Isa::Avx2Vnni => "avx2vnni",
             Isa::Avx512 => "avx512",
             Isa::Avx512Bf16 => "avx512bf16",
+            Isa::Neon => "neon",
+            Isa::NeonDot => "neondot",
         }
     }
 }
@@ -188,5 +214,27 @@ mod tests {
         assert!(!m.is_empty());
         assert!(!m.chars().any(|c| c.is_control()), "{m:?}");
         assert_eq!(m, m.split_whitespace().collect::<Vec<_>>().join(" "));
+    }
+
+    #[test]
+    fn every_available_path_parses_from_its_name_and_the_baseline_is_there() {
+        use super::Isa;
+        let avail = Isa::available();
+        assert_eq!(avail[0], Isa::Scalar);
+        for isa in &avail {
+            assert_eq!(Isa::parse(isa.name()).expect("available"), *isa);
+        }
+        assert!(Isa::parse("sse9").is_err());
+        // Every 64-bit Arm CPU has NEON, and it runs the grouped kernels.
+        #[cfg(target_arch = "aarch64")]
+        {
+            assert!(avail.contains(&Isa::Neon), "{avail:?}");
+            assert!(crate::grouped::native(Isa::detect()));
+        }
+        // What the test harness says this CPU is (scripts/test-aarch64.sh runs qemu as two
+        // CPUs), so that a detection mistake cannot silently test one path twice.
+        if let Ok(want) = std::env::var("DSPARK_EXPECT_ISA") {
+            assert_eq!(Isa::detect().name(), want, "{avail:?}");
+        }
     }
 }

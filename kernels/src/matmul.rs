@@ -89,6 +89,7 @@ pub struct QMatrix {
 }
 
 /// From this many tokens on, the bf16 path decodes a chunk of rows once and reuses it.
+#[cfg(target_arch = "x86_64")]
 const PREDECODE_MIN_TOKENS: usize = 16;
 
 /// Largest token tile (AVX-512 holds 8 tokens × 2 accumulators + 2 decoded halves in 32 zmm).
@@ -491,6 +492,7 @@ pub fn bf16_to_f32(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }
 
+#[cfg(target_arch = "x86_64")]
 fn to_bf16(x: &[f32]) -> Vec<u16> {
     x.iter().map(|&v| bf16_bits(v)).collect()
 }

@@ -80,8 +80,23 @@ pub fn attend<E: KvElem>(isa: Isa, a: &AttendArgs<'_, E>, scores: &mut Vec<f32>,
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { attend_avx512(a, scores, out) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx2Vnni => unsafe { attend_avx2(a, scores, out) },
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon | Isa::NeonDot => unsafe { attend_neon(a, scores, out) },
         _ => attend_body(a, scores, out),
     }
+}
+
+/// The SIMD attention kernels' arithmetic in portable code (one multiply-add rounding per
+/// lane step, as theirs): every SIMD path gives these bits for the shapes they take (tested),
+/// so x86 and Arm compute the same attention. `false` when the shape is not one they take.
+pub fn attend_mirror<E: KvElem>(
+    a: &AttendArgs<'_, E>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) -> bool {
+    // SAFETY: the portable lanes use no instructions beyond the baseline; `run` checks every
+    // index against the pools before forming a pointer.
+    unsafe { attend_simd::run::<attend_simd::Mirror, E>(a, scores, out) }
 }
 
 /// An element of the KV cache. f16 halves the bytes a decode streams through attention, which
@@ -260,8 +275,8 @@ fn weighted_values<const HD: usize, E: KvElem>(
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn attend_avx512<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     // SAFETY (for the calls below): AVX-512F is enabled on this function; the shapes are
-    // checked by `attend_x86::run` before any pointer is formed.
-    if !unsafe { attend_x86::run::<attend_x86::Zmm, E>(a, scores, out) } {
+    // checked by `attend_simd::run` before any pointer is formed.
+    if !unsafe { attend_simd::run::<attend_simd::Zmm, E>(a, scores, out) } {
         attend_body(a, scores, out)
     }
 }
@@ -271,29 +286,41 @@ unsafe fn attend_avx512<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>,
 unsafe fn attend_avx2<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     // SAFETY: AVX2, FMA and F16C are enabled on this function (`Isa::Avx2` and
     // `Isa::Avx2Vnni` checked them); shapes as above.
-    if !unsafe { attend_x86::run::<attend_x86::Ymm2, E>(a, scores, out) } {
+    if !unsafe { attend_simd::run::<attend_simd::Ymm2, E>(a, scores, out) } {
         attend_body(a, scores, out)
     }
 }
 
-/// x86 attention for the common shape (blocks of 16 keys, head_dim 64 or 128), on 16 f32
-/// lanes: one zmm on AVX-512, two ymm on AVX2. Rows go in groups (four for scores, four or two
-/// for values; two and one on AVX2, whose registers hold half as much) so each K and V row
-/// loaded from the cache feeds several query rows; the portable body reloads them per row and,
-/// written generically, the compiler does not vectorize across rows. Per row the arithmetic is
-/// the same whatever the grouping and the register width — the same multiply-adds in the same
-/// order per lane, and weights exactly zero past a row's own limit — so a verification's rows
-/// equal the same tokens decoded one by one, and both ISAs give the same bits.
-#[cfg(target_arch = "x86_64")]
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn attend_neon<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    // SAFETY: NEON is enabled on this function (every aarch64 CPU has it); shapes as above.
+    if !unsafe { attend_simd::run::<attend_simd::Neon4, E>(a, scores, out) } {
+        attend_body(a, scores, out)
+    }
+}
+
+/// SIMD attention for the common shape (blocks of 16 keys, head_dim 64 or 128), on 16 f32
+/// lanes: one zmm on AVX-512, two ymm on AVX2, four NEON registers on Arm, plain arrays in the
+/// portable mirror. Rows go in groups (four for scores, four or two for values; two and one on
+/// AVX2 and NEON, whose registers hold less) so each K and V row loaded from the cache feeds
+/// several query rows; the portable body reloads them per row and, written generically, the
+/// compiler does not vectorize across rows. Per row the arithmetic is the same whatever the
+/// grouping and the register width — the same fused multiply-adds in the same order per lane,
+/// and weights exactly zero past a row's own limit — so a verification's rows equal the same
+/// tokens decoded one by one, and every ISA gives the same bits.
 #[allow(unsafe_op_in_unsafe_fn)]
-mod attend_x86 {
+mod attend_simd {
     use super::{AttendArgs, KvElem, softmax_body};
+    #[cfg(target_arch = "aarch64")]
+    use std::arch::aarch64::*;
+    #[cfg(target_arch = "x86_64")]
     use std::arch::x86_64::*;
 
     const BS: usize = 16;
 
     /// 16 f32 lanes. Callers enable the target features of the implementation they use
-    /// (AVX-512F for [`Zmm`]; AVX2, FMA and F16C for [`Ymm2`]).
+    /// (AVX-512F for [`Zmm`]; AVX2, FMA and F16C for [`Ymm2`]; NEON for [`Neon4`]).
     pub(super) trait Lanes: Copy {
         /// Most query rows one pass of scores keeps in registers.
         const ROWS: usize;
@@ -310,9 +337,116 @@ mod attend_x86 {
         unsafe fn store(self, p: *mut f32);
     }
 
+    /// The portable statement of the kernels' arithmetic: `f32::mul_add` is one rounding, as
+    /// every SIMD fused multiply-add.
+    #[derive(Clone, Copy)]
+    pub(super) struct Mirror([f32; 16]);
+
+    impl Lanes for Mirror {
+        const ROWS: usize = 4;
+        const VALUE_ROWS: usize = 4;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Mirror([0.0; 16])
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Mirror([x; 16])
+        }
+        #[inline(always)]
+        unsafe fn load<E: KvElem>(p: *const E) -> Self {
+            Mirror(std::array::from_fn(|i| (*p.add(i)).to_f32()))
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            Mirror(std::array::from_fn(|i| a.0[i].mul_add(b.0[i], c.0[i])))
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            Mirror(std::array::from_fn(|i| a.0[i] + b.0[i]))
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            Mirror(std::array::from_fn(|i| a.0[i] * b.0[i]))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            std::ptr::copy_nonoverlapping(self.0.as_ptr(), p, 16)
+        }
+    }
+
+    /// Four NEON registers.
+    #[cfg(target_arch = "aarch64")]
+    #[derive(Clone, Copy)]
+    pub(super) struct Neon4([float32x4_t; 4]);
+
+    /// Eight f16 (raw bits) as two sets of four f32: `fcvtl` / `fcvtl2`, in every Armv8 CPU
+    /// (Rust's intrinsic for them needs its unstable `f16`).
+    #[cfg(target_arch = "aarch64")]
+    #[inline(always)]
+    unsafe fn f16x8_f32(h: uint16x8_t) -> [float32x4_t; 2] {
+        let (lo, hi): (float32x4_t, float32x4_t);
+        std::arch::asm!(
+            "fcvtl {lo:v}.4s, {h:v}.4h",
+            "fcvtl2 {hi:v}.4s, {h:v}.8h",
+            lo = out(vreg) lo,
+            hi = out(vreg) hi,
+            h = in(vreg) h,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        [lo, hi]
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    impl Lanes for Neon4 {
+        // 32 registers of 4 lanes hold as many 16-lane values as AVX2's 16 of 8.
+        const ROWS: usize = 2;
+        const VALUE_ROWS: usize = 1;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Neon4([vdupq_n_f32(0.0); 4])
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Neon4([vdupq_n_f32(x); 4])
+        }
+        #[inline(always)]
+        unsafe fn load<E: KvElem>(p: *const E) -> Self {
+            if E::HALF {
+                let h = p as *const u16;
+                let [a, b] = f16x8_f32(vld1q_u16(h));
+                let [c, d] = f16x8_f32(vld1q_u16(h.add(8)));
+                Neon4([a, b, c, d])
+            } else {
+                let f = p as *const f32;
+                Neon4(std::array::from_fn(|i| vld1q_f32(f.add(4 * i))))
+            }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            Neon4(std::array::from_fn(|i| vfmaq_f32(c.0[i], a.0[i], b.0[i])))
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            Neon4(std::array::from_fn(|i| vaddq_f32(a.0[i], b.0[i])))
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            Neon4(std::array::from_fn(|i| vmulq_f32(a.0[i], b.0[i])))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            for i in 0..4 {
+                vst1q_f32(p.add(4 * i), self.0[i]);
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
     #[derive(Clone, Copy)]
     pub(super) struct Zmm(__m512);
 
+    #[cfg(target_arch = "x86_64")]
     impl Lanes for Zmm {
         const ROWS: usize = 4;
         const VALUE_ROWS: usize = 4;
@@ -350,9 +484,11 @@ mod attend_x86 {
         }
     }
 
+    #[cfg(target_arch = "x86_64")]
     #[derive(Clone, Copy)]
     pub(super) struct Ymm2([__m256; 2]);
 
+    #[cfg(target_arch = "x86_64")]
     impl Lanes for Ymm2 {
         const ROWS: usize = 2;
         // Head dim 64 is eight ymm per row already.
@@ -883,17 +1019,35 @@ mod tests {
             }
             outs.push((isa, out));
         }
-        // The x86 kernels (AVX2 on two ymm, AVX-512 on one zmm) do the same operations per
-        // lane, so they give the same bits.
-        if bs == 16 && (hd == 64 || hd == 128) {
-            let x86: Vec<&(Isa, Vec<f32>)> =
+        // The SIMD kernels (AVX2 on two ymm, AVX-512 on one zmm, NEON on four registers) do
+        // the portable mirror's operations per lane, so they give its bits.
+        let args = AttendArgs {
+            q: &q,
+            lims,
+            kpool: &kpool,
+            vpool: &vpool,
+            blocks: &blocks,
+            bs,
+            n_kv,
+            g,
+            hd,
+            scale: 0.25,
+        };
+        let mut mirror = vec![0f32; lims.len() * hd];
+        let took = attend_mirror(&args, &mut Vec::new(), &mut mirror);
+        assert_eq!(took, bs == 16 && (hd == 64 || hd == 128), "hd{hd} bs{bs}");
+        if took {
+            let simd: Vec<&(Isa, Vec<f32>)> =
                 outs.iter().filter(|(i, _)| *i != Isa::Scalar).collect();
-            for (isa, out) in &x86 {
+            assert!(
+                cfg!(not(any(target_arch = "x86_64", target_arch = "aarch64"))) || !simd.is_empty()
+            );
+            for (isa, out) in &simd {
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(out),
-                    bits(&x86[0].1),
-                    "{isa:?} half {} hd{hd}",
+                    bits(&mirror),
+                    "{isa:?} half {} hd{hd} against the mirror",
                     E::HALF
                 );
             }

@@ -52,6 +52,8 @@ pub fn key_for(name: &str, path: &Path, model: &Model, grid: &[usize], ctxs: &[u
                 Some(kernels::grouped::GroupedKernels::Vnni) => "-vnni",
                 Some(kernels::grouped::GroupedKernels::Avx2) => "-grouped-avx2",
                 Some(kernels::grouped::GroupedKernels::AvxVnni) => "-grouped-avx-vnni",
+                Some(kernels::grouped::GroupedKernels::Neon) => "-grouped-neon",
+                Some(kernels::grouped::GroupedKernels::NeonDot) => "-grouped-neon-dot",
                 None => "",
             },
             model.kv_dtype().name(),
