@@ -362,3 +362,51 @@ impl MinFor for GgmlDType {
         }
     }
 }
+
+/// The bits a fixed scenario computes: a 37-token prefill, then an 8-token verification window
+/// over its cache; the final hidden state (the LM head's input) of every new token, and with
+/// `logits` the logits too. Kernel paths that claim the same arithmetic (every ISA with grouped
+/// kernels, on x86 and on Arm) are compared on it (`runtime/tests/runtime.rs`,
+/// `runtime/tests/aarch64.rs`, `examples/forward_bits.rs`).
+pub fn scenario_bits(model: &crate::Model, logits: bool) -> Result<Vec<u32>> {
+    use crate::model::ForwardOptions;
+    use crate::{LogitsMode, SeqInput};
+    let mut c = model.new_cache(128, 16)?;
+    let s = c.new_seq();
+    let mut bits = Vec::new();
+    let vocab = model.cfg.vocab_size as u32;
+    let prompt: Vec<u32> = (0..37u32).map(|i| i * 53 % vocab.min(250)).collect();
+    let window: Vec<u32> = [7u32, 9, 11, 13, 17, 19, 23, 29]
+        .iter()
+        .map(|t| t % vocab)
+        .collect();
+    for toks in [&prompt[..], &window[..]] {
+        let o = model.forward(
+            &mut c,
+            &[SeqInput {
+                seq: s,
+                tokens: toks,
+                logits: LogitsMode::All,
+            }],
+            &ForwardOptions {
+                hidden: true,
+                ..Default::default()
+            },
+        )?;
+        bits.extend(o.hidden.unwrap_or_default().iter().map(|v| v.to_bits()));
+        if logits {
+            bits.extend(o.logits.iter().map(|v| v.to_bits()));
+        }
+    }
+    Ok(bits)
+}
+
+/// FNV-1a over a slice of words: a short fingerprint of [`scenario_bits`] to compare across
+/// processes.
+pub fn fingerprint(bits: &[u32]) -> u64 {
+    bits.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, w| {
+        w.to_le_bytes()
+            .iter()
+            .fold(h, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
+    })
+}
