@@ -112,6 +112,8 @@ pub struct Q50Group {
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(16))]
 pub struct BlockA32 {
+    /// Codes in [−127, 127], never −128 ([`BlockA32::quantize`] clamps): the AVX2 and plain
+    /// NEON kernels' 16-bit sums are bounded on that.
     pub q1: [i8; QK],
     pub q2: [i8; QK],
     pub d: f32,
