@@ -409,3 +409,48 @@ dispatch!(dispatch_q6k_dot, "neon,dotprod", Dot, q6k, Q6KGroup);
 dispatch!(dispatch_q41_dot, "neon,dotprod", Dot, q41, Q41Group);
 dispatch!(dispatch_q50_dot, "neon,dotprod", Dot, q50, Q50Group);
 dispatch!(dispatch_q80_dot, "neon,dotprod", Dot, q80, Q80Group);
+
+/// NEON twin of [`BlockA32::quantize`]: the same operations in the same order per element
+/// (multiply, magic-number rounding, clamp, multiply, subtract; never fused), so the same bits.
+/// `fmaxnm` for the maximum ignores a NaN as `f32::max` does, and the clamp's `fmin`/`fmax`
+/// keep it so the conversion gives 0 as the scalar cast does.
+#[target_feature(enable = "neon")]
+pub(super) unsafe fn quantize(x: &[f32]) -> BlockA32 {
+    let v: [float32x4_t; 8] = std::array::from_fn(|i| vld1q_f32(x.as_ptr().add(4 * i)));
+    let mut m = vdupq_n_f32(0.0);
+    for vi in v {
+        m = vmaxnmq_f32(m, vabsq_f32(vi));
+    }
+    let amax = vmaxnmvq_f32(m);
+    let mut b = BlockA32::zero();
+    if !BlockA32::quantizable(amax) {
+        return b;
+    }
+    let d1 = amax / 127.0;
+    let d2 = d1 / 128.0;
+    let (i1, i2) = (vdupq_n_f32(1.0 / d1), vdupq_n_f32(1.0 / d2));
+    let magic = vdupq_n_f32(12_582_912.0);
+    let (lo, hi) = (vdupq_n_f32(-127.0), vdupq_n_f32(127.0));
+    let d1v = vdupq_n_f32(d1);
+    let mut sums = [0i32; 2];
+    let mut c1 = [vdupq_n_s32(0); 8];
+    let mut c2 = [vdupq_n_s32(0); 8];
+    for (i, vi) in v.iter().enumerate() {
+        let q1 = vsubq_f32(vaddq_f32(vmulq_f32(*vi, i1), magic), magic);
+        let q1 = vmaxq_f32(vminq_f32(q1, hi), lo);
+        let r = vsubq_f32(*vi, vmulq_f32(q1, d1v));
+        let q2 = vsubq_f32(vaddq_f32(vmulq_f32(r, i2), magic), magic);
+        let q2 = vmaxq_f32(vminq_f32(q2, hi), lo);
+        c1[i] = vcvtq_s32_f32(q1);
+        c2[i] = vcvtq_s32_f32(q2);
+        sums[i / 4] += vaddvq_s32(vaddq_s32(vshlq_n_s32::<7>(c1[i]), c2[i]));
+    }
+    for j in 0..4 {
+        let n1 = vcombine_s16(vmovn_s32(c1[2 * j]), vmovn_s32(c1[2 * j + 1]));
+        let n2 = vcombine_s16(vmovn_s32(c2[2 * j]), vmovn_s32(c2[2 * j + 1]));
+        vst1_s8(b.q1.as_mut_ptr().add(8 * j), vmovn_s16(n1));
+        vst1_s8(b.q2.as_mut_ptr().add(8 * j), vmovn_s16(n2));
+    }
+    b.finish_sums(d2, sums[0], sums[1]);
+    b
+}
