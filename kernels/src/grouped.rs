@@ -967,6 +967,35 @@ pub(crate) fn dot<G: Group>(isa: Isa, groups: &[G], x: &[BlockA32], tn: usize, o
     }
 }
 
+/// The entry point of a set of twin kernels that keep at most `$tile` tokens in registers
+/// (`$f::<TN, $x>`, `$x` choosing the instruction variant): a tile of `tn` tokens runs as
+/// passes of at most `$tile`, each token with the same instructions.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! tile_passes {
+    ($name:ident, $features:literal, $f:ident, $x:tt, $w:ty, $tile:ident) => {
+        /// # Safety
+        /// The CPU must have the features enabled here.
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $name(w: &[$w], x: &[BlockA32], tn: usize, out: &mut Tile) {
+            const _: () = assert!($tile == 4);
+            let per = x.len() / tn.max(1);
+            let mut t0 = 0;
+            while t0 < tn {
+                let n = (tn - t0).min($tile);
+                let xs = &x[t0 * per..];
+                let o = &mut out[t0..];
+                match n {
+                    1 => $f::<1, $x>(w, xs, o),
+                    2 => $f::<2, $x>(w, xs, o),
+                    3 => $f::<3, $x>(w, xs, o),
+                    _ => $f::<$tile, $x>(w, xs, o),
+                }
+                t0 += n;
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 #[path = "grouped_avx2.rs"]
 mod avx2;

@@ -32,7 +32,6 @@ const HALF: usize = 8;
 /// longer tiles run as several passes, each token with the same instructions. Two and eight
 /// were slower on SmolLM2's 8-token window. The dispatch below matches 1..=4.
 const TILE: usize = 4;
-const _: () = assert!(TILE == 4);
 
 /// The 32-bit word `k` of an activation half (`p` → codes of elements `4k..4k+4`), broadcast.
 #[inline(always)]
@@ -349,70 +348,50 @@ unsafe fn q80<const TN: usize, const VNNI: bool>(
     }
 }
 
-macro_rules! dispatch {
-    ($name:ident, $features:literal, $vnni:literal, $f:ident, $w:ty) => {
-        /// Runs a tile of `tn` tokens as passes of at most [`TILE`] tokens.
-        ///
-        /// # Safety
-        /// The CPU must have the features enabled here.
-        #[target_feature(enable = $features)]
-        pub(super) unsafe fn $name(w: &[$w], x: &[BlockA32], tn: usize, out: &mut Tile) {
-            let per = x.len() / tn.max(1);
-            let mut t0 = 0;
-            while t0 < tn {
-                let n = (tn - t0).min(TILE);
-                let xs = &x[t0 * per..];
-                let o = &mut out[t0..];
-                match n {
-                    1 => $f::<1, $vnni>(w, xs, o),
-                    2 => $f::<2, $vnni>(w, xs, o),
-                    3 => $f::<3, $vnni>(w, xs, o),
-                    _ => $f::<TILE, $vnni>(w, xs, o),
-                }
-                t0 += n;
-            }
-        }
-    };
-}
-dispatch!(dispatch_q4k, "avx2,fma,f16c", false, q4k, Q4KGroup);
-dispatch!(dispatch_q6k, "avx2,fma,f16c", false, q6k, Q6KGroup);
-dispatch!(dispatch_q41, "avx2,fma,f16c", false, q41, Q41Group);
-dispatch!(dispatch_q50, "avx2,fma,f16c", false, q50, Q50Group);
-dispatch!(dispatch_q80, "avx2,fma,f16c", false, q80, Q80Group);
-dispatch!(
+tile_passes!(dispatch_q4k, "avx2,fma,f16c", q4k, false, Q4KGroup, TILE);
+tile_passes!(dispatch_q6k, "avx2,fma,f16c", q6k, false, Q6KGroup, TILE);
+tile_passes!(dispatch_q41, "avx2,fma,f16c", q41, false, Q41Group, TILE);
+tile_passes!(dispatch_q50, "avx2,fma,f16c", q50, false, Q50Group, TILE);
+tile_passes!(dispatch_q80, "avx2,fma,f16c", q80, false, Q80Group, TILE);
+tile_passes!(
     dispatch_q4k_vnni,
     "avx2,fma,f16c,avxvnni",
-    true,
     q4k,
-    Q4KGroup
+    true,
+    Q4KGroup,
+    TILE
 );
-dispatch!(
+tile_passes!(
     dispatch_q6k_vnni,
     "avx2,fma,f16c,avxvnni",
-    true,
     q6k,
-    Q6KGroup
+    true,
+    Q6KGroup,
+    TILE
 );
-dispatch!(
+tile_passes!(
     dispatch_q41_vnni,
     "avx2,fma,f16c,avxvnni",
-    true,
     q41,
-    Q41Group
+    true,
+    Q41Group,
+    TILE
 );
-dispatch!(
+tile_passes!(
     dispatch_q50_vnni,
     "avx2,fma,f16c,avxvnni",
-    true,
     q50,
-    Q50Group
+    true,
+    Q50Group,
+    TILE
 );
-dispatch!(
+tile_passes!(
     dispatch_q80_vnni,
     "avx2,fma,f16c,avxvnni",
-    true,
     q80,
-    Q80Group
+    true,
+    Q80Group,
+    TILE
 );
 
 /// SIMD twin of [`BlockA32::quantize`] on AVX2: the same operations in the same order per

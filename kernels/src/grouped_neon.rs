@@ -231,7 +231,7 @@ unsafe fn nibbles(qs: *const u8, q: usize) -> [int8x16_t; 8] {
 }
 
 #[inline(always)]
-unsafe fn q4k<M: Mac, const TN: usize>(groups: &[Q4KGroup], x: &[BlockA32], out: &mut [[f32; 16]]) {
+unsafe fn q4k<const TN: usize, M: Mac>(groups: &[Q4KGroup], x: &[BlockA32], out: &mut [[f32; 16]]) {
     let stride = 8 * groups.len();
     for q in 0..4 {
         let mut acc = [vdupq_n_f32(0.0); TN];
@@ -262,7 +262,7 @@ unsafe fn q4k<M: Mac, const TN: usize>(groups: &[Q4KGroup], x: &[BlockA32], out:
 }
 
 #[inline(always)]
-unsafe fn q6k<M: Mac, const TN: usize>(groups: &[Q6KGroup], x: &[BlockA32], out: &mut [[f32; 16]]) {
+unsafe fn q6k<const TN: usize, M: Mac>(groups: &[Q6KGroup], x: &[BlockA32], out: &mut [[f32; 16]]) {
     let stride = 8 * groups.len();
     let m4 = vdupq_n_u8(0x0f);
     let m30 = vdupq_n_u8(0x30);
@@ -305,7 +305,7 @@ unsafe fn q6k<M: Mac, const TN: usize>(groups: &[Q6KGroup], x: &[BlockA32], out:
 }
 
 #[inline(always)]
-unsafe fn q41<M: Mac, const TN: usize>(groups: &[Q41Group], x: &[BlockA32], out: &mut [[f32; 16]]) {
+unsafe fn q41<const TN: usize, M: Mac>(groups: &[Q41Group], x: &[BlockA32], out: &mut [[f32; 16]]) {
     let stride = groups.len();
     for q in 0..4 {
         let mut acc = [vdupq_n_f32(0.0); TN];
@@ -321,7 +321,7 @@ unsafe fn q41<M: Mac, const TN: usize>(groups: &[Q41Group], x: &[BlockA32], out:
 }
 
 #[inline(always)]
-unsafe fn q50<M: Mac, const TN: usize>(groups: &[Q50Group], x: &[BlockA32], out: &mut [[f32; 16]]) {
+unsafe fn q50<const TN: usize, M: Mac>(groups: &[Q50Group], x: &[BlockA32], out: &mut [[f32; 16]]) {
     let stride = groups.len();
     let m10 = vdupq_n_u8(0x10);
     for q in 0..4 {
@@ -353,7 +353,7 @@ unsafe fn q50<M: Mac, const TN: usize>(groups: &[Q50Group], x: &[BlockA32], out:
 }
 
 #[inline(always)]
-unsafe fn q80<M: Mac, const TN: usize>(groups: &[Q80Group], x: &[BlockA32], out: &mut [[f32; 16]]) {
+unsafe fn q80<const TN: usize, M: Mac>(groups: &[Q80Group], x: &[BlockA32], out: &mut [[f32; 16]]) {
     let stride = groups.len();
     let flip = vdupq_n_u8(0x80);
     for q in 0..4 {
@@ -374,41 +374,16 @@ unsafe fn q80<M: Mac, const TN: usize>(groups: &[Q80Group], x: &[BlockA32], out:
     }
 }
 
-macro_rules! dispatch {
-    ($name:ident, $features:literal, $mac:ty, $f:ident, $w:ty) => {
-        /// Runs a tile of `tn` tokens as passes of at most [`TILE`] tokens.
-        ///
-        /// # Safety
-        /// The CPU must have the features enabled here.
-        #[target_feature(enable = $features)]
-        pub(super) unsafe fn $name(w: &[$w], x: &[BlockA32], tn: usize, out: &mut Tile) {
-            let per = x.len() / tn.max(1);
-            let mut t0 = 0;
-            while t0 < tn {
-                let n = (tn - t0).min(TILE);
-                let xs = &x[t0 * per..];
-                let o = &mut out[t0..];
-                match n {
-                    1 => $f::<$mac, 1>(w, xs, o),
-                    2 => $f::<$mac, 2>(w, xs, o),
-                    3 => $f::<$mac, 3>(w, xs, o),
-                    _ => $f::<$mac, TILE>(w, xs, o),
-                }
-                t0 += n;
-            }
-        }
-    };
-}
-dispatch!(dispatch_q4k, "neon", Widen, q4k, Q4KGroup);
-dispatch!(dispatch_q6k, "neon", Widen, q6k, Q6KGroup);
-dispatch!(dispatch_q41, "neon", Widen, q41, Q41Group);
-dispatch!(dispatch_q50, "neon", Widen, q50, Q50Group);
-dispatch!(dispatch_q80, "neon", Widen, q80, Q80Group);
-dispatch!(dispatch_q4k_dot, "neon,dotprod", Dot, q4k, Q4KGroup);
-dispatch!(dispatch_q6k_dot, "neon,dotprod", Dot, q6k, Q6KGroup);
-dispatch!(dispatch_q41_dot, "neon,dotprod", Dot, q41, Q41Group);
-dispatch!(dispatch_q50_dot, "neon,dotprod", Dot, q50, Q50Group);
-dispatch!(dispatch_q80_dot, "neon,dotprod", Dot, q80, Q80Group);
+tile_passes!(dispatch_q4k, "neon", q4k, Widen, Q4KGroup, TILE);
+tile_passes!(dispatch_q6k, "neon", q6k, Widen, Q6KGroup, TILE);
+tile_passes!(dispatch_q41, "neon", q41, Widen, Q41Group, TILE);
+tile_passes!(dispatch_q50, "neon", q50, Widen, Q50Group, TILE);
+tile_passes!(dispatch_q80, "neon", q80, Widen, Q80Group, TILE);
+tile_passes!(dispatch_q4k_dot, "neon,dotprod", q4k, Dot, Q4KGroup, TILE);
+tile_passes!(dispatch_q6k_dot, "neon,dotprod", q6k, Dot, Q6KGroup, TILE);
+tile_passes!(dispatch_q41_dot, "neon,dotprod", q41, Dot, Q41Group, TILE);
+tile_passes!(dispatch_q50_dot, "neon,dotprod", q50, Dot, Q50Group, TILE);
+tile_passes!(dispatch_q80_dot, "neon,dotprod", q80, Dot, Q80Group, TILE);
 
 /// NEON twin of [`BlockA32::quantize`]: the same operations in the same order per element
 /// (multiply, magic-number rounding, clamp, multiply, subtract; never fused), so the same bits.

@@ -976,22 +976,22 @@ mod tests {
             }
         }
         let q: Vec<f32> = (0..lims.len() * hd).map(|_| rng.normal() as f32).collect();
+        let args = AttendArgs {
+            q: &q,
+            lims,
+            kpool: &kpool,
+            vpool: &vpool,
+            blocks: &blocks,
+            bs,
+            n_kv,
+            g,
+            hd,
+            scale: 0.25,
+        };
         let mut outs: Vec<(Isa, Vec<f32>)> = Vec::new();
         for isa in Isa::available() {
             let mut out = vec![0f32; lims.len() * hd];
             let mut sc = Vec::new();
-            let args = AttendArgs {
-                q: &q,
-                lims,
-                kpool: &kpool,
-                vpool: &vpool,
-                blocks: &blocks,
-                bs,
-                n_kv,
-                g,
-                hd,
-                scale: 0.25,
-            };
             attend(isa, &args, &mut sc, &mut out);
             for (r, &lim) in lims.iter().enumerate() {
                 let mut s: Vec<f64> = (0..lim)
@@ -1021,18 +1021,6 @@ mod tests {
         }
         // The SIMD kernels (AVX2 on two ymm, AVX-512 on one zmm, NEON on four registers) do
         // the portable mirror's operations per lane, so they give its bits.
-        let args = AttendArgs {
-            q: &q,
-            lims,
-            kpool: &kpool,
-            vpool: &vpool,
-            blocks: &blocks,
-            bs,
-            n_kv,
-            g,
-            hd,
-            scale: 0.25,
-        };
         let mut mirror = vec![0f32; lims.len() * hd];
         let took = attend_mirror(&args, &mut Vec::new(), &mut mirror);
         assert_eq!(took, bs == 16 && (hd == 64 || hd == 128), "hd{hd} bs{bs}");

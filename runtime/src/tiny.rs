@@ -363,6 +363,20 @@ impl MinFor for GgmlDType {
     }
 }
 
+/// The tiny models [`scenario_bits`] is run on across kernel paths, with a file name each: a
+/// llama of width 128 (head dim 64, which the vectorized attention takes) and a qwen2 (biases,
+/// Q8_0).
+pub fn scenario_specs() -> [(TinySpec, &'static str); 2] {
+    let llama = TinySpec {
+        d_model: 128,
+        n_heads: 2,
+        n_kv_heads: 1,
+        ffn_dim: 256,
+        ..TinySpec::llama(5)
+    };
+    [(llama, "isa-llama"), (TinySpec::qwen2(6), "isa-qwen2")]
+}
+
 /// The bits a fixed scenario computes: a 37-token prefill, then an 8-token verification window
 /// over its cache; the final hidden state (the LM head's input) of every new token, and with
 /// `logits` the logits too. Kernel paths that claim the same arithmetic (every ISA with grouped

@@ -10,7 +10,7 @@
 //! the cross toolchain or qemu is missing, unless `DSPARK_REQUIRE_AARCH64=1` (CI installs them
 //! and sets it), so that CI cannot skip it silently.
 
-use dspark_runtime::tiny::{TinySpec, fingerprint, scenario_bits, tiny_model_path};
+use dspark_runtime::tiny::{fingerprint, scenario_bits, scenario_specs, tiny_model_path};
 use dspark_runtime::{LoadOptions, Model};
 use kernels::Isa;
 use std::path::{Path, PathBuf};
@@ -92,18 +92,10 @@ fn arm_kernels_pass_their_unit_tests_and_a_forward_gives_the_x86_bits() {
     assert!(runs.iter().all(|l| !l.contains("ok. 0 passed")), "{text}");
     eprintln!("{}", runs.join("\n"));
 
-    let llama = TinySpec {
-        d_model: 128,
-        n_heads: 2,
-        n_kv_heads: 1,
-        ffn_dim: 256,
-        ..TinySpec::llama(5)
-    };
-    let mut models: Vec<(PathBuf, &str, bool)> =
-        [(llama, "arm-llama"), (TinySpec::qwen2(6), "arm-qwen2")]
-            .into_iter()
-            .map(|(spec, name)| (tiny_model_path(&spec, name).unwrap(), name, false))
-            .collect();
+    let mut models: Vec<(PathBuf, &str, bool)> = scenario_specs()
+        .into_iter()
+        .map(|(spec, name)| (tiny_model_path(&spec, name).unwrap(), name, false))
+        .collect();
     // The real model with its logits: its head is Q8_0 with a multiple of 16 rows, so it
     // takes the grouped kernels too (the tiny heads take the f32 kernels, whose order differs).
     let home = dspark_runtime::fetch::dspark_home(

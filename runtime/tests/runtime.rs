@@ -626,14 +626,7 @@ fn every_isa_with_grouped_kernels_gives_the_same_hidden_state_bits() {
     // `runtime/tests/aarch64.rs`). Head dim 64 takes the vectorized attention. AVX-512 BF16
     // rounds the f32 kernels' inputs to bf16, so it is left out. The tiny vocabularies are not a multiple of 16 rows, so their heads take the
     // f32 kernels; the real-model test compares SmolLM2's logits, head included.
-    let llama = TinySpec {
-        d_model: 128,
-        n_heads: 2,
-        n_kv_heads: 1,
-        ffn_dim: 256,
-        ..TinySpec::llama(5)
-    };
-    for (spec, name) in [(llama, "isa-llama"), (TinySpec::qwen2(6), "isa-qwen2")] {
+    for (spec, name) in dspark_runtime::tiny::scenario_specs() {
         let p = tiny_model_path(&spec, name).unwrap();
         let isas: Vec<Isa> = Isa::available()
             .into_iter()
