@@ -17,6 +17,9 @@
 //! CPUs with AVX-VNNI but no AVX-512 (Intel Alder Lake and later clients, Sierra Forest) run the
 //! same kernels with `vpdpbusd` on ymm in place of the `vpmaddubsw` pairs (`Isa::Avx2Vnni`).
 //!
+//! The first of the two passes prefetches the weights ahead, as the VNNI kernels do (the
+//! second reads the row group from cache).
+//!
 //! Every integer sum is exact, and the float steps per row are the VNNI kernels' in the same
 //! order, so all these paths give the same bits (tested).
 
@@ -181,6 +184,9 @@ unsafe fn q4k<const TN: usize, const VNNI: bool>(
     for h in 0..2 {
         let mut acc = [_mm256_setzero_ps(); TN];
         for (b, g) in groups.iter().enumerate() {
+            if h == 0 {
+                super::x86::prefetch(g);
+            }
             let d = _mm256_loadu_ps(g.d.as_ptr().add(HALF * h));
             let dmin = _mm256_loadu_ps(g.dmin.as_ptr().add(HALF * h));
             for j in 0..8 {
@@ -217,6 +223,9 @@ unsafe fn q6k<const TN: usize, const VNNI: bool>(
     for h in 0..2 {
         let mut acc = [_mm256_setzero_ps(); TN];
         for (b, g) in groups.iter().enumerate() {
+            if h == 0 {
+                super::x86::prefetch(g);
+            }
             let d = _mm256_loadu_ps(g.d.as_ptr().add(HALF * h));
             for gg in 0..16 {
                 let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
@@ -263,6 +272,9 @@ unsafe fn q41<const TN: usize, const VNNI: bool>(
     for h in 0..2 {
         let mut acc = [_mm256_setzero_ps(); TN];
         for (j, g) in groups.iter().enumerate() {
+            if h == 0 {
+                super::x86::prefetch(g);
+            }
             let scf = f16_f32(g.d.as_ptr().add(HALF * h));
             let mnf = _mm256_sub_ps(_mm256_setzero_ps(), f16_f32(g.m.as_ptr().add(HALF * h)));
             let w = nibbles(g.qs.as_ptr(), h);
@@ -284,6 +296,9 @@ unsafe fn q50<const TN: usize, const VNNI: bool>(
     for h in 0..2 {
         let mut acc = [_mm256_setzero_ps(); TN];
         for (j, g) in groups.iter().enumerate() {
+            if h == 0 {
+                super::x86::prefetch(g);
+            }
             let scf = f16_f32(g.d.as_ptr().add(HALF * h));
             let mnf = _mm256_mul_ps(scf, _mm256_set1_ps(16.0));
             let mut w = nibbles(g.qs.as_ptr(), h);
@@ -320,6 +335,9 @@ unsafe fn q80<const TN: usize, const VNNI: bool>(
     for h in 0..2 {
         let mut acc = [_mm256_setzero_ps(); TN];
         for (j, g) in groups.iter().enumerate() {
+            if h == 0 {
+                super::x86::prefetch(g);
+            }
             let scf = f16_f32(g.d.as_ptr().add(HALF * h));
             let mnf = _mm256_mul_ps(scf, _mm256_set1_ps(128.0));
             let mut u = [_mm256_setzero_si256(); 8];

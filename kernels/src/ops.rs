@@ -335,6 +335,24 @@ mod attend_simd {
         unsafe fn add(a: Self, b: Self) -> Self;
         unsafe fn mul(a: Self, b: Self) -> Self;
         unsafe fn store(self, p: *mut f32);
+        /// Asks for the cache lines of `bytes` bytes from `p` ahead of use (a hint: `p` is
+        /// never read, and may point anywhere). The next cache block's keys and values: the
+        /// block table scatters them, so the hardware prefetcher does not see them coming.
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8, bytes: usize) {
+            let _ = (p, bytes);
+        }
+    }
+
+    /// x86's prefetch of every line of `bytes` bytes from `p`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn prefetch_x86(p: *const u8, bytes: usize) {
+        let mut off = 0;
+        while off < bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+            off += 64;
+        }
     }
 
     /// The portable statement of the kernels' arithmetic: `f32::mul_add` is one rounding, as
@@ -482,6 +500,10 @@ mod attend_simd {
         unsafe fn store(self, p: *mut f32) {
             _mm512_storeu_ps(p, self.0)
         }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8, bytes: usize) {
+            prefetch_x86(p, bytes)
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -531,6 +553,10 @@ mod attend_simd {
         unsafe fn store(self, p: *mut f32) {
             _mm256_storeu_ps(p, self.0[0]);
             _mm256_storeu_ps(p.add(8), self.0[1]);
+        }
+        #[inline(always)]
+        unsafe fn prefetch(p: *const u8, bytes: usize) {
+            prefetch_x86(p, bytes)
         }
     }
 
@@ -612,11 +638,20 @@ mod attend_simd {
         let lim = a.lims[r0..r0 + R].iter().copied().max().unwrap_or(0);
         let qp: [*const f32; R] = std::array::from_fn(|u| a.q.as_ptr().add((r0 + u) * hd));
         let scale = V::splat(a.scale);
-        for (bi, &blk) in a.blocks[..lim.div_ceil(BS)].iter().enumerate() {
+        let nb = lim.div_ceil(BS);
+        let tile = hd * BS * std::mem::size_of::<E>();
+        for (bi, &blk) in a.blocks[..nb].iter().enumerate() {
             let kt = a
                 .kpool
                 .as_ptr()
                 .add((blk as usize * a.n_kv + a.g) * hd * BS);
+            if let Some(&next) = a.blocks[..nb].get(bi + 1) {
+                let nk = a
+                    .kpool
+                    .as_ptr()
+                    .wrapping_add((next as usize * a.n_kv + a.g) * hd * BS);
+                V::prefetch(nk as *const u8, tile);
+            }
             let mut a0 = [V::zero(); R];
             let mut a1 = [V::zero(); R];
             for d in (0..hd).step_by(2) {
@@ -656,6 +691,18 @@ mod attend_simd {
                 break;
             }
             let base = a.vpool.as_ptr().add(blk as usize * BS * kvd + a.g * hd);
+            if let Some(&next) = a.blocks.get(bi + 1).filter(|_| p0 + BS < lim) {
+                let nv = a
+                    .vpool
+                    .as_ptr()
+                    .wrapping_add(next as usize * BS * kvd + a.g * hd);
+                for j in 0..BS {
+                    V::prefetch(
+                        nv.wrapping_add(j * kvd) as *const u8,
+                        hd * std::mem::size_of::<E>(),
+                    );
+                }
+            }
             for j in 0..BS.min(lim - p0) {
                 let vr = base.add(j * kvd);
                 let v: [V; NV] = std::array::from_fn(|i| V::load(vr.add(16 * i)));
