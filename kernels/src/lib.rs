@@ -27,7 +27,7 @@ pub use matmul::{QMatrix, QWeights};
 
 /// Revision of the kernels' numerics and speed, for caches keyed on them (the SPS(B) profile):
 /// bump it when a kernel change makes old measurements stale.
-pub const REVISION: &str = "grouped-vnni-avx2-4";
+pub const REVISION: &str = "grouped-prefetch-5";
 pub use quant::{BlockQ4, BlockQ8, GgmlType, InternalFormat};
 
 #[derive(Debug, thiserror::Error)]
