@@ -344,13 +344,16 @@ mod attend_simd {
         }
     }
 
-    /// x86's prefetch of every line of `bytes` bytes from `p`.
+    /// x86's prefetch of every line `bytes` bytes from `p` touch (the cache pools need not
+    /// start on a line, so the first line is `p`'s, rounded down).
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn prefetch_x86(p: *const u8, bytes: usize) {
+        let lead = p as usize & 63;
+        let first = p.wrapping_sub(lead);
         let mut off = 0;
-        while off < bytes {
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8);
+        while off < bytes + lead {
+            _mm_prefetch::<_MM_HINT_T0>(first.wrapping_add(off) as *const i8);
             off += 64;
         }
     }
