@@ -6,6 +6,7 @@
 //!   dot product with the same bits.
 //! * [`matmul`]: quantized matmul that reads each weight block once for all tokens of a batch,
 //!   with AVX-512 / AVX2 paths chosen at run time and a portable fallback.
+//! * [`par`]: the thread team a forward's parallel loops run on.
 //! * [`ops`]: f32 vector ops (dot, axpy, RMSNorm, SiLU, softmax, RoPE) used by the runtime.
 //! * [`accept`]: lossless speculative acceptance (min(1, p/q), residual, bonus) and greedy.
 //! * [`sampling`]: sampling transforms (temperature, top-k, top-p, penalties) and seeded sampling.
@@ -19,6 +20,7 @@ pub mod cuda;
 pub mod grouped;
 pub mod matmul;
 pub mod ops;
+pub mod par;
 pub mod quant;
 pub mod rng;
 pub mod sampling;

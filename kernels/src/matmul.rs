@@ -18,7 +18,6 @@ use crate::grouped::{
 };
 use crate::quant::{BlockQ4, BlockQ8, QK};
 use crate::{Isa, KernelError};
-use rayon::prelude::*;
 
 /// Packed weights of one matrix, rows × cols, row-major in blocks of 32 along cols.
 #[derive(Clone, Debug)]
@@ -258,7 +257,7 @@ impl QMatrix {
         if self.w.is_grouped() {
             return grouped!(&self.w, g => self.matmul_grouped(g, x, m, out, isa), _ => {});
         }
-        let threads = rayon::current_num_threads().max(1);
+        let threads = crate::par::threads().max(1);
         // Enough chunks to balance threads, big enough that a task amortizes its scheduling cost.
         let chunk = (n / (threads * 4)).clamp(16, 512);
         let tile = tile_of(isa);
@@ -375,7 +374,7 @@ impl QMatrix {
         if n_chunks == 1 || m * n * kb < 2048 {
             (0..n_chunks).for_each(work);
         } else {
-            (0..n_chunks).into_par_iter().for_each(work);
+            crate::par::for_each(n_chunks, work);
         }
     }
 
@@ -395,7 +394,7 @@ impl QMatrix {
         let nblk = self.cols / QK;
         let xq = grouped::quantize_rows(x, m, self.cols, isa);
         let n_groups = n / GROUP_ROWS;
-        let threads = rayon::current_num_threads().max(1);
+        let threads = crate::par::threads().max(1);
         let chunk = (n_groups / (threads * 4)).clamp(1, 32);
         let optr = OutPtr(out.as_mut_ptr());
         let n_chunks = n_groups.div_ceil(chunk);
@@ -435,7 +434,7 @@ impl QMatrix {
         if n_chunks == 1 || m * n * kb < 256 {
             (0..n_chunks).for_each(work);
         } else {
-            (0..n_chunks).into_par_iter().for_each(work);
+            crate::par::for_each(n_chunks, work);
         }
     }
 

@@ -15,7 +15,6 @@ use crate::{Result, RuntimeError};
 use candle_core::{DType, Device, Tensor};
 use kernels::Isa;
 use kernels::ops::{self, Rope};
-use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -144,6 +143,9 @@ pub struct Model {
     isa: Isa,
     kv_dtype: KvDtype,
     pool: Arc<rayon::ThreadPool>,
+    /// The threads the forward's matmuls and attention run on (`kernels::par`): rayon's
+    /// workers sleep between loops after ~10 µs, and a forward's serial steps are longer.
+    team: Arc<kernels::par::Team>,
     /// Human-readable description of the weights (e.g. "gguf Q4_1+Q8_0").
     pub weights_desc: String,
     /// A logits buffer handed back with [`Model::recycle`], for the next forward: a step's
@@ -427,6 +429,8 @@ impl Model {
             .thread_name(|i| format!("dspark-model-{i}"))
             .build()
             .map_err(|e| RuntimeError::Config(format!("thread pool: {e}")))?;
+        let team = kernels::par::Team::new(threads, "dspark-team")
+            .map_err(|e| RuntimeError::Config(format!("thread team: {e}")))?;
         let dense = opts.dense;
         // Shard ranks (1..) never embed a token nor compute logits: they skip the two largest
         // matrices of a small model (a vocabulary of 150k × d).
@@ -538,6 +542,7 @@ impl Model {
                 .kv_dtype
                 .unwrap_or(if dense { KvDtype::F32 } else { KvDtype::F16 }),
             pool: Arc::new(pool),
+            team: Arc::new(team),
             weights_desc: String::new(),
             spare_logits: Default::default(),
             shard,
@@ -637,15 +642,15 @@ impl Model {
         }
         let head = self.head.as_ref().unwrap_or(&self.embed);
         let mut out = vec![0f32; m * v];
-        self.pool
-            .install(|| head.forward(h, m, &mut out, self.isa))?;
+        self.install(|| head.forward(h, m, &mut out, self.isa))?;
         Ok(out)
     }
 
     /// Runs `f` on this model's thread pool (e.g. a drafter's matmuls, so they share the
     /// model's threads instead of waking a second pool on the same cores).
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(f)
+        let team = &self.team;
+        self.pool.install(|| team.install(f))
     }
 
     /// The token embedding, dequantized to f32 (vocab × d_model), e.g. for a drafter that shares it.
@@ -813,8 +818,7 @@ impl Model {
                 return Err(e);
             }
         }
-        let pool = self.pool.clone();
-        let out = pool.install(|| self.forward_inner(cache, batch, &starts, opts));
+        let out = self.install(|| self.forward_inner(cache, batch, &starts, opts));
         match out {
             Ok(o) => {
                 for (i, s) in batch.iter().enumerate() {
@@ -1199,7 +1203,7 @@ impl Model {
         let results: Vec<Vec<f32>> = if total_work < 100_000 || tasks.len() == 1 {
             tasks.iter().map(run).collect()
         } else {
-            tasks.par_iter().map(run).collect()
+            kernels::par::map(tasks.len(), |i| run(&tasks[i]))
         };
         for (&(_, g, t0, nt), out) in tasks.iter().zip(results) {
             for (j, t) in (t0..t0 + nt).enumerate() {

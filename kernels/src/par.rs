@@ -1,0 +1,396 @@
+//! A team of threads for a forward's parallel loops, whose idle members keep polling for the
+//! next loop for a while before they sleep.
+//!
+//! Why not rayon's pool alone: a forward alternates parallel loops (matmuls, attention) with
+//! short serial steps (norms, RoPE, the KV append). A rayon worker with nothing to do goes to
+//! sleep after 32 rounds of `yield`, about 10–15 µs here, and waking it again costs 20–50 µs
+//! under a hypervisor. So every parallel loop that followed a serial step of more than ~10 µs
+//! ran mostly on one thread: on SmolLM2 at k = 2 the attention took 1.6 ms per forward in
+//! parallel against 1.1 ms serially (`kernels/examples/attpar.rs` shows it in isolation: a
+//! 10 µs serial gap before each loop doubles the loop's mean time). Team members poll for
+//! [`SPIN`] (yielding the core, so other processes still get it) before they sleep, which
+//! covers every gap inside a forward, and a loop never waits for a sleeping member: the caller
+//! claims work too, so whoever is awake finishes it.
+//!
+//! [`Team::install`] makes a team the one [`for_each`] and [`map`] use on the calling thread;
+//! elsewhere they run on rayon's current pool, as before.
+
+use std::cell::{Cell, UnsafeCell};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+
+use crate::KernelError;
+
+/// How long an idle member polls for the next loop before it sleeps: longer than any serial
+/// step inside a forward (about 40 µs per layer at k = 8 on SmolLM2), short enough that a
+/// team between requests costs nothing.
+pub const SPIN: Duration = Duration::from_micros(300);
+
+/// The first part of [`SPIN`], polled without yielding the core: a `yield` costs about a
+/// microsecond here, and back-to-back loops (gaps of 1–2 µs) lost a third of the member's
+/// share to it.
+const SPIN_HOT: Duration = Duration::from_micros(50);
+
+type Job = dyn Fn(usize) + Sync;
+
+/// The state a team's members share. One loop at a time is published: its epoch numbers it,
+/// and `ticket` hands out its indices.
+struct Shared {
+    /// `(epoch << 32) | next index to claim`: one `fetch_add` both claims an index and says
+    /// which loop it belongs to.
+    ticket: AtomicU64,
+    /// `(epoch << 32) | n` for the loop published at that epoch.
+    job_n: AtomicU64,
+    /// That loop's body. Read only by a member holding a claim below `n` of the current epoch,
+    /// and the caller does not return (nor publish the next loop) before every such claim is
+    /// completed, so the body outlives every read.
+    job: UnsafeCell<*const Job>,
+    completed: AtomicUsize,
+    panicked: AtomicBool,
+    sleepers: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+    shutdown: AtomicBool,
+}
+
+// SAFETY: `job` is written only by the one caller that holds `Team::caller`, before the epoch
+// is published with release ordering, and read only by members that acquired that epoch's
+// ticket and hold a live claim (see the field's comment); everything else is atomic or locked.
+unsafe impl Sync for Shared {}
+// SAFETY: as above; the raw pointer is only dereferenced under those rules.
+unsafe impl Send for Shared {}
+
+const LOW: u64 = 0xffff_ffff;
+
+impl Shared {
+    /// Claims and runs indices of the current loop until none are left.
+    fn work(&self) {
+        loop {
+            let s = self.ticket.fetch_add(1, Ordering::AcqRel);
+            let (epoch, i) = (s >> 32, (s & LOW) as usize);
+            let jn = self.job_n.load(Ordering::Acquire);
+            if jn >> 32 != epoch {
+                // A later loop was published: this claim belonged to a finished one.
+                return;
+            }
+            if i >= (jn & LOW) as usize {
+                return;
+            }
+            // SAFETY: this claim (below n, of the published epoch) is not completed yet, so
+            // the caller is still inside `run` with the body alive (see `job`).
+            let f = unsafe { &**self.job.get() };
+            if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
+                self.panicked.store(true, Ordering::Relaxed);
+            }
+            self.completed.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+thread_local! {
+    /// The team [`for_each`] uses on this thread (set by [`Team::install`]).
+    static CURRENT: Cell<*const Team> = const { Cell::new(std::ptr::null()) };
+    /// True on team members and inside a loop body: a nested loop runs serially there.
+    static IN_LOOP: Cell<bool> = const { Cell::new(false) };
+}
+
+/// A fixed set of threads (the caller counts as one) that run parallel loops.
+pub struct Team {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Held by the one thread running a loop; another caller meanwhile runs its loop alone.
+    caller: Mutex<()>,
+}
+
+impl Team {
+    /// A team of `threads` (at least 1; the caller is one of them, so `threads − 1` are
+    /// spawned, named `{name}-{i}`).
+    pub fn new(threads: usize, name: &str) -> Result<Team, KernelError> {
+        let shared = Arc::new(Shared {
+            ticket: AtomicU64::new(0),
+            job_n: AtomicU64::new(0),
+            job: UnsafeCell::new(std::ptr::null::<fn(usize)>() as *const Job),
+            completed: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+            shutdown: AtomicBool::new(false),
+        });
+        let mut team = Team {
+            shared,
+            workers: Vec::new(),
+            caller: Mutex::new(()),
+        };
+        for i in 1..threads.max(1) {
+            let sh = team.shared.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("{name}-{i}"))
+                .spawn(move || member(&sh))
+                .map_err(|e| KernelError::Unsupported(format!("spawning a thread: {e}")))?;
+            team.workers.push(h);
+        }
+        Ok(team)
+    }
+
+    /// Threads in the team, the caller included.
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Runs `f` with this team as the one [`for_each`] and [`map`] use on this thread.
+    pub fn install<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Restore(*const Team);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                CURRENT.with(|c| c.set(self.0));
+            }
+        }
+        let _restore = Restore(CURRENT.with(|c| c.replace(self as *const Team)));
+        f()
+    }
+
+    /// `f(i)` for every `i < n`, spread over the team; returns when all are done. A panic in
+    /// `f` is re-raised here after every index finished.
+    pub fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        if n == 0 {
+            return;
+        }
+        let nested = IN_LOOP.with(|c| c.get());
+        let guard = if self.workers.is_empty() || n == 1 || nested {
+            None
+        } else {
+            self.caller.try_lock().ok()
+        };
+        if guard.is_none() {
+            (0..n).for_each(f);
+            return;
+        }
+        let sh = &*self.shared;
+        let epoch = ((sh.job_n.load(Ordering::Relaxed) >> 32) + 1) & LOW;
+        // SAFETY: only the holder of `caller` writes `job`, and no member holds a live claim
+        // (the previous loop's claims all completed before its `run` returned). The lifetime
+        // is erased because this call does not return before every claim completed.
+        unsafe {
+            *sh.job.get() = std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const Job>(
+                f as *const _,
+            );
+        }
+        sh.completed.store(0, Ordering::Relaxed);
+        sh.panicked.store(false, Ordering::Relaxed);
+        sh.job_n.store((epoch << 32) | n as u64, Ordering::Release);
+        sh.ticket.store(epoch << 32, Ordering::SeqCst);
+        if sh.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
+            sh.wake.notify_all();
+        }
+        IN_LOOP.with(|c| c.set(true));
+        sh.work();
+        IN_LOOP.with(|c| c.set(false));
+        let mut spins = 0u32;
+        while sh.completed.load(Ordering::Acquire) < n {
+            spins += 1;
+            if spins < 1 << 12 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        drop(guard);
+        if sh.panicked.load(Ordering::Relaxed) {
+            panic!("a task of a parallel loop panicked");
+        }
+    }
+}
+
+/// A member's life: wait for a new loop (polling for [`SPIN`], then asleep), work on it.
+fn member(sh: &Shared) {
+    IN_LOOP.with(|c| c.set(true));
+    let mut seen = 0u64;
+    loop {
+        let t0 = Instant::now();
+        loop {
+            if sh.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            let e = sh.ticket.load(Ordering::Acquire) >> 32;
+            if e != seen {
+                seen = e;
+                break;
+            }
+            let idle = t0.elapsed();
+            if idle < SPIN_HOT {
+                std::hint::spin_loop();
+            } else if idle < SPIN {
+                std::thread::yield_now();
+            } else {
+                let mut g = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
+                sh.sleepers.fetch_add(1, Ordering::SeqCst);
+                while sh.ticket.load(Ordering::SeqCst) >> 32 == seen
+                    && !sh.shutdown.load(Ordering::SeqCst)
+                {
+                    g = sh.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+                }
+                sh.sleepers.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        sh.work();
+    }
+}
+
+impl Drop for Team {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        {
+            let _g = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for h in self.workers.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+fn current() -> Option<&'static Team> {
+    let p = CURRENT.with(|c| c.get());
+    // SAFETY: `install` sets the pointer only for the duration of its closure, during which the
+    // team is borrowed, and restores the previous one (also on unwinding); the reference is used
+    // only within the calling function, inside that closure.
+    unsafe { p.as_ref() }
+}
+
+/// `f(i)` for every `i < n`, in parallel: on the installed [`Team`], else on rayon's current
+/// pool; serially inside a team's loop body.
+pub fn for_each(n: usize, f: impl Fn(usize) + Sync + Send) {
+    if IN_LOOP.with(|c| c.get()) {
+        // Inside a team's loop body: the team's threads are busy with the outer loop.
+        return (0..n).for_each(f);
+    }
+    match current() {
+        Some(t) => t.run(n, &f),
+        None => (0..n).into_par_iter().for_each(f),
+    }
+}
+
+/// `[f(0), …, f(n − 1)]`, computed as [`for_each`] does.
+pub fn map<T: Send + Sync>(n: usize, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
+    let slots: Vec<OnceLock<T>> = (0..n).map(|_| OnceLock::new()).collect();
+    for_each(n, |i| {
+        let _ = slots[i].set(f(i));
+    });
+    slots
+        .into_iter()
+        .map(|s| s.into_inner().expect("every index of a parallel loop runs"))
+        .collect()
+}
+
+/// Threads the parallel loops here would use: the installed team's, else rayon's.
+pub fn threads() -> usize {
+    current().map_or_else(rayon::current_num_threads, Team::threads)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn every_index_runs_once() {
+        let team = Team::new(3, "t").unwrap();
+        for n in [0usize, 1, 2, 3, 7, 100, 1000] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            team.install(|| {
+                for_each(n, |i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                })
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "n = {n}"
+            );
+        }
+        let v = team.install(|| map(50, |i| i * i));
+        assert_eq!(v, (0..50).map(|i| i * i).collect::<Vec<_>>());
+        assert_eq!(team.install(threads), 3);
+    }
+
+    #[test]
+    fn members_share_the_work_and_wake_from_sleep() {
+        let team = Team::new(2, "t").unwrap();
+        // Long enough for the member to poll past SPIN and sleep between loops: each loop
+        // must wake it (a lost wake-up leaves all the work to the caller).
+        for round in 0..3 {
+            if round > 0 {
+                std::thread::sleep(SPIN * 3);
+            }
+            let on_member = AtomicUsize::new(0);
+            team.install(|| {
+                for_each(64, |_| {
+                    if std::thread::current().name() == Some("t-1") {
+                        on_member.fetch_add(1, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                })
+            });
+            assert!(
+                on_member.load(Ordering::Relaxed) > 0,
+                "round {round}: the member took no work"
+            );
+        }
+    }
+
+    #[test]
+    fn nested_loops_and_concurrent_callers_complete() {
+        let team = Arc::new(Team::new(2, "t").unwrap());
+        let total = AtomicUsize::new(0);
+        team.install(|| {
+            for_each(8, |_| {
+                for_each(8, |_| {
+                    total.fetch_add(1, Ordering::Relaxed);
+                })
+            })
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 64);
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let t = team.clone();
+                std::thread::spawn(move || {
+                    let sum = AtomicUsize::new(0);
+                    for _ in 0..200 {
+                        t.install(|| {
+                            for_each(16, |i| {
+                                sum.fetch_add(i, Ordering::Relaxed);
+                            })
+                        });
+                    }
+                    sum.load(Ordering::Relaxed)
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), 200 * 120);
+        }
+    }
+
+    #[test]
+    fn a_panicking_task_is_reraised_and_the_team_still_works() {
+        let team = Team::new(2, "t").unwrap();
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            team.install(|| for_each(32, |i| assert!(i != 17, "task 17")))
+        }));
+        assert!(r.is_err());
+        let v = team.install(|| map(32, |i| i + 1));
+        assert_eq!(v.iter().sum::<usize>(), 32 * 33 / 2);
+    }
+
+    #[test]
+    fn without_a_team_loops_run_on_rayon() {
+        assert_eq!(threads(), rayon::current_num_threads());
+        assert_eq!(map(5, |i| i * 2), vec![0, 2, 4, 6, 8]);
+    }
+}
