@@ -29,7 +29,7 @@ pub use matmul::{QMatrix, QWeights};
 
 /// Revision of the kernels' numerics and speed, for caches keyed on them (the SPS(B) profile):
 /// bump it when a kernel change makes old measurements stale.
-pub const REVISION: &str = "grouped-prefetch-5";
+pub const REVISION: &str = "team-6";
 pub use quant::{BlockQ4, BlockQ8, GgmlType, InternalFormat};
 
 #[derive(Debug, thiserror::Error)]
