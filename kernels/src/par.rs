@@ -15,8 +15,9 @@
 //! [`Team::install`] makes a team the one [`for_each`] and [`map`] use on the calling thread;
 //! elsewhere they run on rayon's current pool, as before.
 
+use std::any::Any;
 use std::cell::{Cell, UnsafeCell};
-use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -38,20 +39,34 @@ const SPIN_HOT: Duration = Duration::from_micros(50);
 
 type Job = dyn Fn(usize) + Sync;
 
+/// Keeps a hot atomic on its own cache lines (two, for the adjacent-line prefetcher): the
+/// caller polls `completed` while members claim through `ticket`.
+#[repr(align(128))]
+struct Line<T>(T);
+
+/// Most indices one loop may have: claims past the end must never carry into the epoch bits.
+const MAX_N: usize = 1 << 31;
+
 /// The state a team's members share. One loop at a time is published: its epoch numbers it,
 /// and `ticket` hands out its indices.
 struct Shared {
     /// `(epoch << 32) | next index to claim`: one `fetch_add` both claims an index and says
     /// which loop it belongs to.
-    ticket: AtomicU64,
+    ticket: Line<AtomicU64>,
     /// `(epoch << 32) | n` for the loop published at that epoch.
     job_n: AtomicU64,
     /// That loop's body. Read only by a member holding a claim below `n` of the current epoch,
     /// and the caller does not return (nor publish the next loop) before every such claim is
     /// completed, so the body outlives every read.
     job: UnsafeCell<*const Job>,
-    completed: AtomicUsize,
-    panicked: AtomicBool,
+    completed: Line<AtomicUsize>,
+    /// Members between their first claim and their last of a [`Shared::work`] call. `run`
+    /// returns only once it is 0, so no member's claim window spans two publications (an
+    /// epoch that wrapped around could otherwise validate a stale claim).
+    inflight: Line<AtomicUsize>,
+    /// The first panic of the loop, re-raised by the caller. Kept, not dropped, by the member
+    /// that caught it: a payload whose `Drop` panics would otherwise unwind out of `work`.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
     sleepers: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
@@ -70,8 +85,14 @@ const LOW: u64 = 0xffff_ffff;
 impl Shared {
     /// Claims and runs indices of the current loop until none are left.
     fn work(&self) {
+        self.inflight.0.fetch_add(1, Ordering::SeqCst);
+        self.claim_all();
+        self.inflight.0.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn claim_all(&self) {
         loop {
-            let s = self.ticket.fetch_add(1, Ordering::AcqRel);
+            let s = self.ticket.0.fetch_add(1, Ordering::AcqRel);
             let (epoch, i) = (s >> 32, (s & LOW) as usize);
             let jn = self.job_n.load(Ordering::Acquire);
             if jn >> 32 != epoch {
@@ -84,10 +105,15 @@ impl Shared {
             // SAFETY: this claim (below n, of the published epoch) is not completed yet, so
             // the caller is still inside `run` with the body alive (see `job`).
             let f = unsafe { &**self.job.get() };
-            if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
-                self.panicked.store(true, Ordering::Relaxed);
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(i))) {
+                let mut first = self.panic.lock().unwrap_or_else(|e| e.into_inner());
+                if first.is_none() {
+                    *first = Some(p);
+                } else {
+                    std::mem::forget(p);
+                }
             }
-            self.completed.fetch_add(1, Ordering::Release);
+            self.completed.0.fetch_add(1, Ordering::Release);
         }
     }
 }
@@ -112,11 +138,12 @@ impl Team {
     /// spawned, named `{name}-{i}`).
     pub fn new(threads: usize, name: &str) -> Result<Team, KernelError> {
         let shared = Arc::new(Shared {
-            ticket: AtomicU64::new(0),
+            ticket: Line(AtomicU64::new(0)),
             job_n: AtomicU64::new(0),
             job: UnsafeCell::new(std::ptr::null::<fn(usize)>() as *const Job),
-            completed: AtomicUsize::new(0),
-            panicked: AtomicBool::new(false),
+            completed: Line(AtomicUsize::new(0)),
+            inflight: Line(AtomicUsize::new(0)),
+            panic: Mutex::new(None),
             sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -162,7 +189,7 @@ impl Team {
             return;
         }
         let nested = IN_LOOP.with(|c| c.get());
-        let guard = if self.workers.is_empty() || n == 1 || nested {
+        let guard = if self.workers.is_empty() || n == 1 || n > MAX_N || nested {
             None
         } else {
             self.caller.try_lock().ok()
@@ -181,10 +208,9 @@ impl Team {
                 f as *const _,
             );
         }
-        sh.completed.store(0, Ordering::Relaxed);
-        sh.panicked.store(false, Ordering::Relaxed);
+        sh.completed.0.store(0, Ordering::Relaxed);
         sh.job_n.store((epoch << 32) | n as u64, Ordering::Release);
-        sh.ticket.store(epoch << 32, Ordering::SeqCst);
+        sh.ticket.0.store(epoch << 32, Ordering::SeqCst);
         if sh.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
             sh.wake.notify_all();
@@ -193,7 +219,8 @@ impl Team {
         sh.work();
         IN_LOOP.with(|c| c.set(false));
         let mut spins = 0u32;
-        while sh.completed.load(Ordering::Acquire) < n {
+        while sh.completed.0.load(Ordering::Acquire) < n || sh.inflight.0.load(Ordering::SeqCst) > 0
+        {
             spins += 1;
             if spins < 1 << 12 {
                 std::hint::spin_loop();
@@ -201,9 +228,10 @@ impl Team {
                 std::thread::yield_now();
             }
         }
+        let panic = sh.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
         drop(guard);
-        if sh.panicked.load(Ordering::Relaxed) {
-            panic!("a task of a parallel loop panicked");
+        if let Some(p) = panic {
+            resume_unwind(p);
         }
     }
 }
@@ -218,7 +246,7 @@ fn member(sh: &Shared) {
             if sh.shutdown.load(Ordering::Acquire) {
                 return;
             }
-            let e = sh.ticket.load(Ordering::Acquire) >> 32;
+            let e = sh.ticket.0.load(Ordering::Acquire) >> 32;
             if e != seen {
                 seen = e;
                 break;
@@ -231,7 +259,7 @@ fn member(sh: &Shared) {
             } else {
                 let mut g = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
                 sh.sleepers.fetch_add(1, Ordering::SeqCst);
-                while sh.ticket.load(Ordering::SeqCst) >> 32 == seen
+                while sh.ticket.0.load(Ordering::SeqCst) >> 32 == seen
                     && !sh.shutdown.load(Ordering::SeqCst)
                 {
                     g = sh.wake.wait(g).unwrap_or_else(|e| e.into_inner());
@@ -383,9 +411,32 @@ mod tests {
         let r = catch_unwind(AssertUnwindSafe(|| {
             team.install(|| for_each(32, |i| assert!(i != 17, "task 17")))
         }));
-        assert!(r.is_err());
+        let msg = r.expect_err("the panic comes back");
+        assert_eq!(msg.downcast_ref::<&str>(), Some(&"task 17"));
         let v = team.install(|| map(32, |i| i + 1));
         assert_eq!(v.iter().sum::<usize>(), 32 * 33 / 2);
+        // A payload whose drop panics is handed back whole, not dropped inside the team.
+        struct Bomb;
+        impl Drop for Bomb {
+            fn drop(&mut self) {
+                panic!("dropped");
+            }
+        }
+        for who in [0usize, 31] {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                team.install(|| {
+                    for_each(32, |i| {
+                        if i == who {
+                            std::panic::panic_any(Bomb)
+                        }
+                    })
+                })
+            }));
+            let p = r.expect_err("the panic comes back");
+            assert!(p.is::<Bomb>());
+            std::mem::forget(p);
+            assert_eq!(team.install(|| map(8, |i| i)).len(), 8);
+        }
     }
 
     #[test]
