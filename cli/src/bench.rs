@@ -386,12 +386,14 @@ fn llama_cpp_decode(
         .output()
         .map_err(|e| format!("cannot run {python}: {e}"))?;
     if !out.status.success() {
+        // A peer killed by a signal (a native build using instructions this CPU lacks dies
+        // with SIGILL or SIGSEGV) leaves no stderr: the exit status is then all there is.
         let err = String::from_utf8_lossy(&out.stderr);
-        return Err(err
-            .lines()
-            .last()
-            .unwrap_or("llama.cpp peer failed")
-            .to_string());
+        let last = err.lines().rev().find(|l| !l.trim().is_empty());
+        return Err(match last {
+            Some(l) => format!("llama.cpp peer failed ({}): {l}", out.status),
+            None => format!("llama.cpp peer failed ({}), no message", out.status),
+        });
     }
     let s = String::from_utf8_lossy(&out.stdout);
     let v: serde_json::Value =
