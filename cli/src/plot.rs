@@ -13,7 +13,7 @@ const COLORS: [&str; 8] = [
 
 /// Renders `series` as an SVG line chart with axes, ticks and a legend.
 pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
-    let (w, h, ml, mr, mt, mb) = (720.0, 440.0, 70.0, 190.0, 40.0, 50.0);
+    let (w, h, ml, mr, mt, mb) = (720.0, 440.0, 78.0, 190.0, 40.0, 50.0);
     let pts = series.iter().flat_map(|s| s.points.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, 0.0f64, f64::MIN);
     for &(x, y) in pts {
@@ -28,7 +28,17 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) 
     if y1 <= y0 {
         y1 = y0 + 1.0;
     }
-    y1 *= 1.05;
+    // Round ticks (1, 2, 2.5 or 5 × 10^n apart), the axes stretched to the outermost ones.
+    let xt = nice_ticks(x0, x1);
+    let yt = nice_ticks(y0, y1);
+    let (x0, x1) = (
+        xt.first().map_or(x0, |t| t.0),
+        xt.last().map_or(x1, |t| t.0),
+    );
+    let (y0, y1) = (
+        yt.first().map_or(y0, |t| t.0),
+        yt.last().map_or(y1, |t| t.0),
+    );
     let px = |x: f64| ml + (x - x0) / (x1 - x0) * (w - ml - mr);
     let py = |y: f64| h - mb - (y - y0) / (y1 - y0) * (h - mt - mb);
     let mut s = String::new();
@@ -45,26 +55,28 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) 
         h - mb,
         h - mb
     );
-    for i in 0..=5 {
-        let xv = x0 + (x1 - x0) * i as f64 / 5.0;
-        let yv = y0 + (y1 - y0) * i as f64 / 5.0;
+    for (xv, label) in &xt {
         let _ = write!(
             s,
-            r##"<text x="{:.1}" y="{}" text-anchor="middle">{:.3}</text><text x="{}" y="{:.1}" text-anchor="end">{:.3}</text><line x1="{ml}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="#ddd"/>"##,
-            px(xv),
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{label}</text>"#,
+            px(*xv),
             h - mb + 18.0,
-            trim(xv),
+        );
+    }
+    for (yv, label) in &yt {
+        let _ = write!(
+            s,
+            r##"<text x="{}" y="{:.1}" text-anchor="end">{label}</text><line x1="{ml}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="#ddd"/>"##,
             ml - 6.0,
-            py(yv) + 4.0,
-            trim(yv),
-            py(yv),
+            py(*yv) + 4.0,
+            py(*yv),
             w - mr,
-            py(yv)
+            py(*yv)
         );
     }
     let _ = write!(
         s,
-        r#"<text x="{}" y="{}" text-anchor="middle">{x_label}</text><text x="16" y="{}" text-anchor="middle" transform="rotate(-90 16 {})">{y_label}</text>"#,
+        r#"<text x="{}" y="{}" text-anchor="middle">{x_label}</text><text x="14" y="{}" text-anchor="middle" transform="rotate(-90 14 {})">{y_label}</text>"#,
         (ml + w - mr) / 2.0,
         h - 12.0,
         (mt + h - mb) / 2.0,
@@ -105,8 +117,41 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) 
     s
 }
 
-fn trim(v: f64) -> f64 {
-    (v * 1000.0).round() / 1000.0
+/// Tick values and labels covering `[lo, hi]`: four to ten ticks at a round step (1, 2, 2.5 or
+/// 5 × 10^n), the first at or below `lo` and the last at or above `hi`, labelled with just the
+/// decimals the step needs.
+fn nice_ticks(lo: f64, hi: f64) -> Vec<(f64, String)> {
+    if !(lo.is_finite() && hi.is_finite()) || hi <= lo {
+        return Vec::new();
+    }
+    let raw = (hi - lo) / 5.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|&st| st >= raw)
+        .unwrap_or(10.0 * mag);
+    let decimals = if step >= 1.0 {
+        0
+    } else {
+        // 2.5 × 10^-n needs one digit more than 10^-n.
+        let d = (-step.log10()).ceil() as usize;
+        if ((step / 10f64.powi(-(d as i32))) - 2.5).abs() < 1e-9 {
+            d + 1
+        } else {
+            d
+        }
+    };
+    let first = (lo / step).floor() as i64;
+    let last = (hi / step).ceil() as i64;
+    (first..=last)
+        .map(|i| {
+            let v = i as f64 * step;
+            // -0 prints as "-0": a zero tick is "0".
+            let v = if v == 0.0 { 0.0 } else { v };
+            (v, format!("{v:.decimals$}"))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -131,5 +176,44 @@ mod tests {
         );
         assert!(s.starts_with("<svg") && s.contains(">a</text>") && s.contains(">b</text>"));
         assert_eq!(s.matches("<polyline").count(), 2);
+    }
+
+    #[test]
+    fn ticks_are_round_cover_the_range_and_print_short() {
+        for &(lo, hi) in &[
+            (0.0, 457.469),
+            (5.838, 334.597),
+            (0.0, 1.0),
+            (0.013, 0.087),
+            (-3.0, 17.0),
+            (1000.0, 1001.0),
+            (0.0, 0.25),
+        ] {
+            let t = nice_ticks(lo, hi);
+            assert!((4..=11).contains(&t.len()), "{lo}..{hi}: {} ticks", t.len());
+            assert!(
+                t[0].0 <= lo + 1e-9 && t[t.len() - 1].0 >= hi - 1e-9,
+                "{lo}..{hi}"
+            );
+            let step = t[1].0 - t[0].0;
+            let mant = step / 10f64.powf(step.log10().floor());
+            assert!(
+                [1.0, 2.0, 2.5, 5.0].iter().any(|m| (mant - m).abs() < 1e-6),
+                "{lo}..{hi}: step {step}"
+            );
+            for (v, label) in &t {
+                let back: f64 = label.parse().unwrap();
+                assert!((back - v).abs() < 1e-9, "{lo}..{hi}: {v} printed {label}");
+                assert!(label.len() <= 7, "{label}");
+            }
+        }
+        assert_eq!(
+            nice_ticks(0.0, 457.469)
+                .iter()
+                .map(|t| t.1.as_str())
+                .collect::<Vec<_>>(),
+            ["0", "100", "200", "300", "400", "500"]
+        );
+        assert!(nice_ticks(1.0, 1.0).is_empty() && nice_ticks(f64::NAN, 1.0).is_empty());
     }
 }
