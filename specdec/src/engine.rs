@@ -237,8 +237,11 @@ pub trait VerifyPolicy: Send {
     /// The verification budget K_total of the coming step when it is already known (decided
     /// from confidences of earlier steps). `Some(0)` lets the engine skip drafting altogether;
     /// `Some(k)` caps every block at k, drafted for [`VerifyPolicy::draft_width`] requests.
-    /// `None`: not known (or a probe): the engine drafts full blocks.
-    fn planned(&mut self) -> Option<usize> {
+    /// `None`: not known (or a probe): the engine drafts full blocks. `prefill`: whether the
+    /// coming step carries prompt chunks (known before it is planned): a budget is worth what
+    /// the step it is applied to makes of it, and an extra token costs little beside a chunk
+    /// where it may cross a stair of a decoding-only step.
+    fn planned(&mut self, _prefill: bool) -> Option<usize> {
         None
     }
     /// For a planned budget `k > 0`: how many decoding requests draft (a window rotating over
@@ -843,7 +846,8 @@ impl Engine {
                 .iter()
                 .any(|s| s.phase == Phase::Decode && s.req.gamma.unwrap_or(cfg_gamma) > 0)
             {
-                match policy.planned() {
+                let prefill = self.running.iter().any(|s| s.phase == Phase::Prefill);
+                match policy.planned(prefill) {
                     Some(0) if self.proposer.has_free_drafts() => free = true,
                     // A positive budget: blocks capped at it, drafted for as many requests as
                     // the policy says (a window rotating over the batch).
@@ -1119,10 +1123,29 @@ impl Engine {
             let rows = out.rows_of(j);
             let s = &mut self.running[i];
             if let Some((from, n)) = chunks[i] {
-                if !fopts.layers.is_empty() {
+                // Of a prompt, a drafter reads only the last `context_rows` positions' features
+                // (all of them when it states none): a 360-token prompt's rows are 2.5 MB on
+                // SmolLM2, copied twice for the 32 it keeps.
+                let keep = self.proposer.context_rows();
+                let lo = if keep > 0 {
+                    s.req
+                        .prompt
+                        .len()
+                        .saturating_sub(keep)
+                        .clamp(from, from + n)
+                } else {
+                    from
+                };
+                if !fopts.layers.is_empty() && lo < from + n {
                     let t0 = Instant::now();
-                    feature_rows(&out, out.token_offsets[j], n, d_model, &mut rows_buf);
-                    self.proposer.observe(s.req.id, from, &rows_buf)?;
+                    feature_rows(
+                        &out,
+                        out.token_offsets[j] + (lo - from),
+                        from + n - lo,
+                        d_model,
+                        &mut rows_buf,
+                    );
+                    self.proposer.observe(s.req.id, lo, &rows_buf)?;
                     features_s += t0.elapsed().as_secs_f64();
                 }
                 if let Some(top) = s.req.prompt_logprobs {
