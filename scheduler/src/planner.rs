@@ -370,8 +370,7 @@ pub fn simulate_engine(
             let (mut cap, mut width) = (spec.max_gamma as u32, usize::MAX);
             if n_dec > 0 {
                 if let Some(p) = policy.as_mut() {
-                    let prefill = running.iter().any(|r| r.prompt_left > 0);
-                    match p.planned(prefill) {
+                    match p.planned() {
                         Some(0) if free_capable => free = true,
                         Some(kt) => (cap, width) = (kt as u32, p.draft_width(kt)),
                         None => {

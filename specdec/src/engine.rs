@@ -237,11 +237,8 @@ pub trait VerifyPolicy: Send {
     /// The verification budget K_total of the coming step when it is already known (decided
     /// from confidences of earlier steps). `Some(0)` lets the engine skip drafting altogether;
     /// `Some(k)` caps every block at k, drafted for [`VerifyPolicy::draft_width`] requests.
-    /// `None`: not known (or a probe): the engine drafts full blocks. `prefill`: whether the
-    /// coming step carries prompt chunks (known before it is planned): a budget is worth what
-    /// the step it is applied to makes of it, and an extra token costs little beside a chunk
-    /// where it may cross a stair of a decoding-only step.
-    fn planned(&mut self, _prefill: bool) -> Option<usize> {
+    /// `None`: not known (or a probe): the engine drafts full blocks.
+    fn planned(&mut self) -> Option<usize> {
         None
     }
     /// For a planned budget `k > 0`: how many decoding requests draft (a window rotating over
@@ -846,8 +843,7 @@ impl Engine {
                 .iter()
                 .any(|s| s.phase == Phase::Decode && s.req.gamma.unwrap_or(cfg_gamma) > 0)
             {
-                let prefill = self.running.iter().any(|s| s.phase == Phase::Prefill);
-                match policy.planned(prefill) {
+                match policy.planned() {
                     Some(0) if self.proposer.has_free_drafts() => free = true,
                     // A positive budget: blocks capped at it, drafted for as many requests as
                     // the policy says (a window rotating over the batch).

@@ -1035,7 +1035,7 @@ impl specdec::VerifyPolicy for PlansZero {
             .fetch_add(conf.len(), std::sync::atomic::Ordering::Relaxed);
         conf.iter().map(|c| c.len()).collect()
     }
-    fn planned(&mut self, _prefill: bool) -> Option<usize> {
+    fn planned(&mut self) -> Option<usize> {
         self.steps += 1;
         (self.steps % 3 != 0).then_some(0)
     }
@@ -1090,7 +1090,7 @@ impl specdec::VerifyPolicy for PlansSmall {
         }
         conf.iter().map(|c| c.len()).collect()
     }
-    fn planned(&mut self, _prefill: bool) -> Option<usize> {
+    fn planned(&mut self) -> Option<usize> {
         Some(self.budget)
     }
     fn draft_width(&self, k: usize) -> usize {
@@ -1235,7 +1235,7 @@ impl specdec::VerifyPolicy for ProbesOne {
         }
         conf.iter().map(|c| c.len()).collect()
     }
-    fn planned(&mut self, _prefill: bool) -> Option<usize> {
+    fn planned(&mut self) -> Option<usize> {
         self.steps += 1;
         self.probing = self.every > 0 && self.steps % self.every == 0;
         (!self.probing).then_some(0)
@@ -1378,7 +1378,7 @@ impl specdec::VerifyPolicy for ProbesEvery {
         }
         conf.iter().map(|c| c.len()).collect()
     }
-    fn planned(&mut self, _prefill: bool) -> Option<usize> {
+    fn planned(&mut self) -> Option<usize> {
         self.steps += 1;
         self.probing = self.steps % self.every == 0;
         (!self.probing).then_some(0)
