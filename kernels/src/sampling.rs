@@ -155,8 +155,44 @@ impl SamplingParams {
     }
 }
 
-/// Index of the largest logit; ties go to the lowest index. NaN never wins.
+/// Index of the largest logit; ties go to the lowest index. NaN never wins; with nothing
+/// above −∞, index 0.
+///
+/// Two passes the compiler vectorizes: the maximum over 16 lanes, then the first block of 16
+/// holding it. The one-pass scan (a compare and branch per logit, [`argmax_scan`]) took 2.8 %
+/// of the cycles of a c = 8 serving run on SmolLM2, one 49 152-logit row per verified
+/// position.
 pub fn argmax(x: &[f32]) -> u32 {
+    const L: usize = 16;
+    let chunks = x.chunks_exact(L);
+    let tail = chunks.remainder();
+    let mut m = [f32::NEG_INFINITY; L];
+    for c in chunks {
+        for (mj, &cj) in m.iter_mut().zip(c) {
+            // `maxps` as written: NaN never replaces the lane's value.
+            *mj = if cj > *mj { cj } else { *mj };
+        }
+    }
+    let mut best = f32::NEG_INFINITY;
+    for &v in m.iter().chain(tail) {
+        if v > best {
+            best = v;
+        }
+    }
+    if best == f32::NEG_INFINITY {
+        return 0;
+    }
+    // The first block holding the maximum, then its first position there.
+    let block = x
+        .chunks(L)
+        .position(|c| c.iter().fold(false, |a, &v| a | (v == best)))
+        .unwrap_or(0);
+    let at = x[block * L..].iter().position(|&v| v == best).unwrap_or(0);
+    (block * L + at) as u32
+}
+
+/// The one-pass reference for [`argmax`]: the first index whose logit exceeds every earlier one.
+pub fn argmax_scan(x: &[f32]) -> u32 {
     let mut best = 0usize;
     let mut bv = f32::NEG_INFINITY;
     for (i, &v) in x.iter().enumerate() {
@@ -350,6 +386,44 @@ mod tests {
     fn greedy_ties_go_to_lowest_id() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
         assert_eq!(argmax(&[f32::NAN, 1.0]), 1);
+        assert_eq!(argmax(&[]), 0);
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY]), 0);
+    }
+
+    #[test]
+    fn argmax_matches_the_one_pass_scan() {
+        let mut rng = crate::rng::Rng::new(7);
+        // Few distinct values (ties everywhere), NaN, ±∞ and ±0, lengths around the block.
+        let pool = [
+            -1.0f32,
+            0.5,
+            2.0,
+            0.0,
+            -0.0,
+            f32::NAN,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+        ];
+        let lens = (0..70).chain([255, 256, 257, 49_152, 151_936]);
+        for n in lens {
+            for trial in 0..20 {
+                // Some trials draw from a smaller pool: all NaN / −∞, or no +∞.
+                let k = [8, 7, 2, 5, 3][trial % 5];
+                let x: Vec<f32> = (0..n)
+                    .map(|_| match k {
+                        2 => pool[5 + rng.below(2)],
+                        _ => pool[rng.below(k)],
+                    })
+                    .collect();
+                assert_eq!(argmax(&x), argmax_scan(&x), "{x:?}");
+                // A unique maximum anywhere.
+                let mut y: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+                if n > 0 {
+                    y[rng.below(n)] = 100.0;
+                }
+                assert_eq!(argmax(&y), argmax_scan(&y));
+            }
+        }
     }
 
     #[test]
