@@ -1,4 +1,5 @@
-//! Times SiLU·mul, RoPE and RMSNorm at SmolLM2's shapes for 8 tokens.
+//! Times SiLU·mul, RoPE and RMSNorm at SmolLM2's shapes for 8 tokens, and the greedy argmax of
+//! one SmolLM2 logits row (the two-pass one and the one-pass scan it replaced).
 //! `cargo run --release -p kernels --example opsbench`
 use kernels::Isa;
 use kernels::ops::*;
@@ -49,4 +50,24 @@ fn main() {
         "rms_norm 8 × 576: {:.2} us",
         t0.elapsed().as_secs_f64() * 1e3
     );
+    // The maximum three quarters of the way in: the second pass reads that far.
+    let mut logits: Vec<f32> = (0..49_152)
+        .map(|i| ((i * 7919 % 10007) as f32) * 1e-3)
+        .collect();
+    logits[36_000] = 100.0;
+    let argmaxes: [(&str, fn(&[f32]) -> u32); 2] = [
+        ("argmax", kernels::sampling::argmax),
+        ("argmax_scan", kernels::sampling::argmax_scan),
+    ];
+    for (name, f) in argmaxes {
+        let t0 = std::time::Instant::now();
+        let mut at = 0;
+        for _ in 0..1000 {
+            at = f(std::hint::black_box(&logits));
+        }
+        println!(
+            "{name} 49 152 logits: {:.2} us (index {at})",
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+    }
 }
