@@ -67,6 +67,10 @@ pub struct SpecArgs {
     /// confidence-based verification lengths up to the largest γ) instead of the gate.
     #[arg(long)]
     pub scheduler: bool,
+    /// SPS(B) profiling grid of the scheduler arms' table (total batch tokens), as the target
+    /// worker's `--sps-grid`; profiled once and cached per grid.
+    #[arg(long, value_delimiter = ',', default_values_t = target_worker::sps::DEFAULT_GRID.to_vec())]
+    pub sps_grid: Vec<usize>,
     /// Passes over the prompts. Prompts run in groups of `--concurrency`, each group on every
     /// arm back to back (shuffled order); the speedup over `none` is the geometric mean of the
     /// per-group ratios, with a 95 % interval.
@@ -653,7 +657,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         }
     }
     let sps = if a.scheduler {
-        Some(crate::spec::sps_profile(g, &a.model, &target)?)
+        Some(crate::spec::sps_profile(g, &a.model, &target, &a.sps_grid)?)
     } else {
         None
     };

@@ -63,6 +63,10 @@ pub struct FrontierArgs {
     /// slower lasting from a few hundred milliseconds to seconds.
     #[arg(long, default_value_t = 50)]
     pub slice_ms: u64,
+    /// SPS(B) profiling grid of the scheduler arm's table (total batch tokens), as the target
+    /// worker's `--sps-grid`; profiled once and cached per grid.
+    #[arg(long, value_delimiter = ',', default_values_t = target_worker::sps::DEFAULT_GRID.to_vec())]
+    pub sps_grid: Vec<usize>,
     #[arg(long)]
     pub json: Option<PathBuf>,
     #[arg(long)]
@@ -100,7 +104,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                 .encode(&tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?)?)
         })
         .collect::<anyhow::Result<_>>()?;
-    let sps = crate::spec::sps_profile(g, &a.target, &target)?;
+    let sps = crate::spec::sps_profile(g, &a.target, &target, &a.sps_grid)?;
     // (arm name, proposer kind, gamma, scheduler on)
     let mut arms: Vec<(String, ProposerKind, usize, bool)> =
         vec![("none".into(), ProposerKind::None, 0, false)];

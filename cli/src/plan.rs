@@ -142,7 +142,12 @@ pub fn load_sps(path: &Path, ctx: Option<u32>) -> anyhow::Result<SpsTable> {
             .or_else(|| pairs(&v["sps_table"]))
             .ok_or_else(|| anyhow::anyhow!("{}: no `table` or `sps_table`", path.display()))?,
     };
-    SpsTable::new(pts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    let t = SpsTable::new(pts).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    // A profile's decoding steps at its shortest context price verified drafts, as in the
+    // engine (absent from a frontier JSON).
+    let points: Vec<specdec::profile::SpsPoint> =
+        serde_json::from_value(v["points"].clone()).unwrap_or_default();
+    Ok(t.with_marginal(specdec::profile::marginal_staircase(&points)))
 }
 
 /// Blocks from an `eval-drafter --blocks` file: the served confidences and accepted length.

@@ -64,13 +64,16 @@ pub fn sps_profile(
     g: &Global,
     name: &str,
     target: &Loaded,
+    grid: &[usize],
 ) -> anyhow::Result<dspark_scheduler::admission::SpsTable> {
+    target_worker::sps::check_grid(grid, target_worker::sps::DEFAULT_CTXS)
+        .map_err(anyhow::Error::msg)?;
     let path = g.resolve_model(name)?;
     let key = target_worker::sps::key_for(
         name,
         &path,
         &target.model,
-        target_worker::sps::DEFAULT_GRID,
+        grid,
         target_worker::sps::DEFAULT_CTXS,
     );
     let (sps, cached) = target_worker::sps::load_or_profile(&g.home, key, &target.model)?;

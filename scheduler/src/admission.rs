@@ -20,6 +20,13 @@ pub struct SpsTable {
     /// (B, steps/s), B strictly increasing, steps/s non-increasing; SPS(B) for B between two
     /// points is the value of the next point up (the stair B falls on).
     pub points: Vec<(u32, f64)>,
+    /// The same for decoding steps at the shortest profiled context (empty: not known). Its
+    /// relative steps are the steepest: attention over long contexts adds a cost per request
+    /// that does not grow with the verified tokens, so the staircase above (the slowest
+    /// shape per B) dilutes what one more token costs. On SmolLM2 (2 threads) the 33rd token
+    /// of a step costs a ninth pass over the weights: +6.4 % at context 256, +1.7 % in the
+    /// slowest shape (context 1024).
+    pub marginal: Vec<(u32, f64)>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -61,7 +68,38 @@ impl SpsTable {
                 }
             }
         }
-        Ok(Self { points })
+        Ok(Self {
+            points,
+            marginal: Vec::new(),
+        })
+    }
+
+    /// With the decoding staircase at the shortest context ([`SpsTable::marginal`]), when it
+    /// is a valid staircase (else without one, with the reason logged: it refines prices, the
+    /// table stands without it).
+    pub fn with_marginal(mut self, points: Vec<(u32, f64)>) -> Self {
+        if points.is_empty() {
+            self.marginal = Vec::new();
+            return self;
+        }
+        match Self::new(points) {
+            Ok(t) => self.marginal = t.points,
+            Err(e) => {
+                tracing::warn!("SPS table: decoding staircase at short context dropped: {e}");
+                self.marginal = Vec::new();
+            }
+        }
+        self
+    }
+
+    /// Seconds of a step of `b1` tokens over one of `b0` in the short-context decoding
+    /// staircase (between points linearly), when it covers both.
+    pub fn marginal_ratio(&self, b0: u32, b1: u32) -> Option<f64> {
+        if self.marginal.is_empty() || b0 == 0 {
+            return None;
+        }
+        let r = seconds_in(&self.marginal, b1) / seconds_in(&self.marginal, b0);
+        r.is_finite().then_some(r)
     }
 
     /// Largest batch the table covers.
@@ -74,16 +112,7 @@ impl SpsTable {
     /// that fall between two points for comparing nearby ones, where the staircase would call
     /// every B up to the next point equally dear (a CPU pays for every token).
     pub fn seconds(&self, b: u32) -> f64 {
-        let t = |i: usize| 1.0 / self.points[i].1;
-        match self.points.binary_search_by(|p| p.0.cmp(&b)) {
-            Ok(i) => t(i),
-            Err(0) if !self.points.is_empty() => t(0),
-            Err(i) if i < self.points.len() => {
-                let (b0, b1) = (self.points[i - 1].0 as f64, self.points[i].0 as f64);
-                t(i - 1) + (b as f64 - b0) / (b1 - b0) * (t(i) - t(i - 1))
-            }
-            Err(_) => f64::INFINITY,
-        }
+        seconds_in(&self.points, b)
     }
 
     /// SPS(B); 0 beyond the table (such batches are never chosen).
@@ -93,6 +122,21 @@ impl SpsTable {
             Err(i) if i < self.points.len() => self.points[i].1,
             Err(_) => 0.0,
         }
+    }
+}
+
+/// Seconds of a step of B tokens on a staircase of (B, steps/s): 1/SPS at the points, linear
+/// between them, infinite beyond the last.
+fn seconds_in(points: &[(u32, f64)], b: u32) -> f64 {
+    let t = |i: usize| 1.0 / points[i].1;
+    match points.binary_search_by(|p| p.0.cmp(&b)) {
+        Ok(i) => t(i),
+        Err(0) if !points.is_empty() => t(0),
+        Err(i) if i < points.len() => {
+            let (b0, b1) = (points[i - 1].0 as f64, points[i].0 as f64);
+            t(i - 1) + (b as f64 - b0) / (b1 - b0) * (t(i) - t(i - 1))
+        }
+        Err(_) => f64::INFINITY,
     }
 }
 
@@ -785,7 +829,9 @@ impl ConfidencePolicy {
     /// difference: rescaling the table per size priced a 2-token step at 1.23–1.30 plain
     /// ones at c = 1 where the engine's steps measured 1.14 (each size's ratio follows its
     /// own steps' noise, and the difference of two noisy prices is noisier than a measured
-    /// difference). Else the table's price at B, on the measured scale.
+    /// difference), no less than the short-context staircase says
+    /// ([`ConfidencePolicy::marginal_floor`]). Else the table's price at B, on the measured
+    /// scale.
     fn verify_seconds(&self, reqs: u32, other: u32, added: u32) -> f64 {
         let b0 = reqs.saturating_add(other);
         if added == 0 {
@@ -797,7 +843,8 @@ impl ConfidencePolicy {
                 self.decode_at(reqs.saturating_add(added)),
             )
         {
-            return self.step_seconds(b0) + (b - a).max(0.0);
+            let added = reqs.saturating_add(added);
+            return self.step_seconds(b0) + (b - a).max(self.marginal_floor(a, reqs, added));
         }
         self.step_seconds(b0.saturating_add(added))
     }
@@ -843,16 +890,48 @@ impl ConfidencePolicy {
     /// second pass for its first draft: four drafts on such a step cost 3.1 ms where a slope
     /// fitted on the sizes below said 1.8 (c = 8, SmolLM2), and verified at 63 % of their
     /// confidence they did not pay. The profiled table has that stair.
+    ///
+    /// Never below the short-context decoding staircase's step from `reqs` to `reqs + n` on
+    /// the measured plain step ([`ConfidencePolicy::marginal_floor`]): two sizes' running
+    /// means differ by their noise, and the choice then goes to the sizes that read cheapest
+    /// (at c = 32 two free drafts were priced at 0–0.5 ms on steps that measured 1.9 ms above
+    /// plain ones, and verifying free drafts there lost about 1 % of throughput against not
+    /// verifying them).
     fn decode_added(&self, reqs: u32, n: u32, slope: f64) -> f64 {
         let above = reqs.saturating_add(n);
         match (self.decode_at(reqs), self.decode_at(above)) {
-            (Some(a), Some(b)) => (b - a).max(0.0),
+            (Some(a), Some(b)) => (b - a).max(self.marginal_floor(a, reqs, above)),
             (Some(a), None) => {
                 let stair = a * (self.sps.seconds(above) / self.sps.seconds(reqs.max(1)) - 1.0);
-                (slope * n as f64).max(if stair.is_finite() { stair } else { 0.0 })
+                (slope * n as f64)
+                    .max(if stair.is_finite() { stair } else { 0.0 })
+                    .max(self.marginal_floor(a, reqs, above))
             }
             _ => slope * n as f64,
         }
+    }
+
+    /// What the short-context decoding staircase says a step of `above` tokens adds to one of
+    /// `reqs` measured at `a` seconds: its own step there, or the drafts' share of its mean
+    /// step per token from `reqs` to `2·reqs`, whichever is larger (0 without that
+    /// staircase). The mean over a span: the profile's fastest of three passes still moves
+    /// by a millisecond from run to run, enough to hide a one-token stair (33 read 48.7 ms
+    /// against 32's 49.2 in one profile, +2.8 ms in another). No wider: small batches read
+    /// the weights at about the same cost whatever their size, and a mean from 1 to 9 tokens
+    /// (13 % of a step a token) priced drafting at c = 1 out (1.06 tokens a call against
+    /// 1.28, 1.01× plain decoding against 1.06×).
+    fn marginal_floor(&self, a: f64, reqs: u32, above: u32) -> f64 {
+        let n = above.saturating_sub(reqs) as f64;
+        let hi = reqs.saturating_mul(2).max(reqs.saturating_add(1));
+        let direct = self
+            .sps
+            .marginal_ratio(reqs, above)
+            .map_or(0.0, |r| r - 1.0);
+        let mean = self
+            .sps
+            .marginal_ratio(reqs, hi)
+            .map_or(0.0, |r| (r - 1.0) * n / (hi - reqs) as f64);
+        (a * direct.max(mean)).max(0.0)
     }
 
     /// Accepted over expected free drafts, recently (1 before any; at most 1.5).
@@ -1136,14 +1215,14 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         let per_token = self.decode_token_seconds(decoding);
         // The best count n of top entries: the decoding seconds their expected tokens save,
         // less the seconds they add to this step.
-        let (mut best, mut best_n, mut gain) = (0.0f64, 0usize, 0.0f64);
+        let (mut best, mut best_n, mut gain, mut best_added) = (0.0f64, 0usize, 0.0f64, 0.0f64);
         for (i, e) in entries.iter().take(room).enumerate() {
             gain += e.0;
             let n = i as u32 + 1;
             let added = (priced(b0 + n) - t0).max(self.decode_added(decoding, n, slope));
             let v = gain * per_token - added;
             if v.is_finite() && v > best {
-                (best, best_n) = (v, i + 1);
+                (best, best_n, best_added) = (v, i + 1, added);
             }
         }
         let mut k = vec![0usize; conf.len()];
@@ -1155,6 +1234,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             drafted = entries.len(),
             batch_tokens = b0,
             value_s = best,
+            added_s = best_added,
             slope,
             per_token,
             realized,
@@ -1881,6 +1961,46 @@ mod tests {
         );
         assert_eq!(p.select_free(&[&row], 0, 9, 1 << 20), vec![0]);
         assert_eq!(p.select_free(&[&[0.95f32][..]], 0, 9, 1 << 20), vec![1]);
+    }
+
+    #[test]
+    fn drafts_on_a_full_batch_cost_no_less_than_the_short_context_staircase_says() {
+        use specdec::VerifyPolicy;
+        // The engine's 32- and 33-token decoding steps measured alike, 40 ms (each size's
+        // running mean has its own noise).
+        let run = |table: SpsTable| {
+            let mut p = ConfidencePolicy::new(table, Rule::Argmax, 2, 4096, 4);
+            for _ in 0..30 {
+                for b in [32usize, 33] {
+                    p.select(&[], 0, b, 1 << 20);
+                    p.observe_step(0.040, b);
+                }
+            }
+            p
+        };
+        let table = linear_table(0.010, 0.001);
+        // Read as measured, a draft on a full batch of 32 is free: verified at any survival.
+        let mut p = run(table.clone());
+        assert_eq!(p.select_free(&[&[0.3f32][..]], 0, 31, 1 << 20), vec![1]);
+        // Short-context decoding steps of 4 ms + 1 ms a token: over 32 to 64 a token adds 2.8 %
+        // of a 32-token step, 1.11 ms of the measured 40. A decoding token costs 1.25 ms, so a
+        // draft pays above a survival of 0.89.
+        let flat: Vec<(u32, f64)> = [1u32, 32, 33, 64]
+            .iter()
+            .map(|&b| (b, 1.0 / (0.004 + 0.001 * b as f64)))
+            .collect();
+        let mut p = run(table.clone().with_marginal(flat.clone()));
+        assert_eq!(p.select_free(&[&[0.8f32][..]], 0, 31, 1 << 20), vec![0]);
+        assert_eq!(p.select_free(&[&[0.95f32][..]], 0, 31, 1 << 20), vec![1]);
+        // With a stair at the 33rd token (a pass over the weights: 40 ms where 32 take 36) the
+        // first draft costs 11 % of the step, 4.4 ms: not even a sure one pays.
+        let mut stair = flat;
+        stair[2].1 = 1.0 / 0.040;
+        let mut p = run(table.with_marginal(stair));
+        assert_eq!(p.select_free(&[&[0.99f32][..]], 0, 31, 1 << 20), vec![0]);
+        // An invalid staircase is dropped, not trusted.
+        let t = linear_table(0.010, 0.001).with_marginal(vec![(1, 10.0), (2, 20.0)]);
+        assert!(t.marginal.is_empty());
     }
 
     #[test]

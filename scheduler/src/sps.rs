@@ -113,8 +113,15 @@ impl SpsArtifact {
                 });
             }
         }
-        let t = SpsTable::new(a.table.clone())?;
+        let t = a.sps_table()?;
         Ok((a, t))
+    }
+
+    /// The scheduler's table: the staircase, with the decoding staircase at the shortest
+    /// context that prices verified drafts ([`SpsTable::marginal`]).
+    pub fn sps_table(&self) -> Result<SpsTable, SpsError> {
+        Ok(SpsTable::new(self.table.clone())?
+            .with_marginal(specdec::profile::marginal_staircase(&self.points)))
     }
 }
 
@@ -155,6 +162,30 @@ mod tests {
         a.save(&p).unwrap();
         let (_, t) = SpsArtifact::load(&p, Some(&key())).unwrap();
         assert_eq!(t.sps(5), 90.0);
+        // No measurements behind it: no short-context decoding staircase.
+        assert!(t.marginal.is_empty());
+        let pt = |kind: &str, ctx, b, ms: f64| SpsPoint {
+            batch_tokens: b,
+            ctx,
+            kind: kind.into(),
+            ms_median: ms,
+            ms_min: ms,
+            steps_per_s: 1e3 / ms,
+        };
+        let mut m = a.clone();
+        m.points = vec![
+            pt("decode", 256, 1, 10.0),
+            pt("decode", 256, 8, 11.0),
+            pt("decode", 256, 64, 50.0),
+            pt("decode", 1024, 1, 12.0),
+        ];
+        m.save(&p).unwrap();
+        let (_, t) = SpsArtifact::load(&p, Some(&key())).unwrap();
+        assert_eq!(
+            t.marginal.iter().map(|x| x.0).collect::<Vec<_>>(),
+            [1, 8, 64]
+        );
+        assert!((t.marginal_ratio(8, 64).unwrap() - 50.0 / 11.0).abs() < 1e-9);
         let mut other = key();
         other.threads = 16;
         assert!(matches!(

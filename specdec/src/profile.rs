@@ -151,6 +151,26 @@ pub fn staircase(points: &[SpsPoint]) -> Vec<(u32, f64)> {
     out
 }
 
+/// The decoding steps at the shortest profiled context as a staircase (per B the slowest
+/// pass kept, made non-increasing): the steepest relative steps, which price what verified
+/// drafts add to a decoding step ([`SpsPoint`]s of other kinds and contexts are left out).
+pub fn marginal_staircase(points: &[SpsPoint]) -> Vec<(u32, f64)> {
+    let Some(ctx) = points
+        .iter()
+        .filter(|p| p.kind == "decode")
+        .map(|p| p.ctx)
+        .min()
+    else {
+        return Vec::new();
+    };
+    let short: Vec<SpsPoint> = points
+        .iter()
+        .filter(|p| p.kind == "decode" && p.ctx == ctx)
+        .cloned()
+        .collect();
+    staircase(&short)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,6 +195,36 @@ mod tests {
         let t = staircase(&pts);
         assert_eq!(t.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 3, 8]);
         assert!(t.windows(2).all(|w| w[1].1 <= w[0].1), "{t:?}");
+    }
+
+    #[test]
+    fn the_marginal_staircase_is_the_decoding_steps_at_the_shortest_context() {
+        let pt = |kind: &str, ctx, b, ms: f64| SpsPoint {
+            batch_tokens: b,
+            ctx,
+            kind: kind.into(),
+            ms_median: ms,
+            ms_min: ms,
+            steps_per_s: 1e3 / ms,
+        };
+        let pts = vec![
+            pt("decode", 1024, 32, 72.0),
+            pt("decode", 1024, 33, 73.0),
+            pt("mixed", 256, 32, 40.0),
+            pt("mixed", 256, 33, 41.0),
+            pt("decode", 256, 32, 43.0),
+            pt("decode", 256, 33, 46.0),
+            // A noisy pass reading faster at a larger size is levelled.
+            pt("decode", 256, 34, 45.0),
+        ];
+        let m = marginal_staircase(&pts);
+        assert_eq!(m.iter().map(|x| x.0).collect::<Vec<_>>(), [32, 33, 34]);
+        assert!((1e3 / m[0].1 - 43.0).abs() < 1e-9 && (1e3 / m[1].1 - 46.0).abs() < 1e-9);
+        assert_eq!(m[2].1, m[1].1);
+        // The staircase the scheduler plans on is the slowest shape: its step is 1.4 %.
+        let t = staircase(&pts);
+        assert!((t[1].1 / t[0].1 - 72.0 / 73.0).abs() < 1e-9);
+        assert!(marginal_staircase(&pts[2..4]).is_empty());
     }
 
     #[test]
