@@ -843,8 +843,8 @@ impl ConfidencePolicy {
                 self.decode_at(reqs.saturating_add(added)),
             )
         {
-            let added = reqs.saturating_add(added);
-            return self.step_seconds(b0) + (b - a).max(self.marginal_floor(a, reqs, added));
+            let above = reqs.saturating_add(added);
+            return self.step_seconds(b0) + (b - a).max(self.marginal_floor(a, reqs, above));
         }
         self.step_seconds(b0.saturating_add(added))
     }
@@ -895,8 +895,7 @@ impl ConfidencePolicy {
     /// the measured plain step ([`ConfidencePolicy::marginal_floor`]): two sizes' running
     /// means differ by their noise, and the choice then goes to the sizes that read cheapest
     /// (at c = 32 two free drafts were priced at 0–0.5 ms on steps that measured 1.9 ms above
-    /// plain ones, and verifying free drafts there lost about 1 % of throughput against not
-    /// verifying them).
+    /// plain ones, for 1.1 accepted tokens worth 1.3 ms each).
     fn decode_added(&self, reqs: u32, n: u32, slope: f64) -> f64 {
         let above = reqs.saturating_add(n);
         match (self.decode_at(reqs), self.decode_at(above)) {
