@@ -1002,6 +1002,29 @@ impl ConfidencePolicy {
         self.steps
     }
 
+    /// Whether any request may draft within the next `steps` steps (see
+    /// [`specdec::VerifyPolicy::drafting_within`]): `Some(true)` when only the back-off's next
+    /// probe may, `Some(false)` when a budget, a probe under way, the exploration or a paying
+    /// drafting gain may have any request draft sooner, `None` when nothing drafts.
+    fn drafting_soon(&self, steps: usize) -> Option<bool> {
+        if self.lag == 0 || self.probing || self.budgets.len() < self.lag {
+            return Some(false);
+        }
+        if self.last_real > 0
+            || self.budgets.iter().any(|&b| b > 0)
+            || self.central_budget().is_some_and(|b| b > 0)
+        {
+            return Some(false);
+        }
+        let exploring = self.gain_seen < EXPLORE_STEPS && self.gain_ema > EXPLORE_FLOOR;
+        if self.gain_seen > 0 && (self.gain_ema + self.gain_se() > 0.0 || exploring) {
+            return Some(false);
+        }
+        // `planned` probes once `zero_run` reaches `next_probe`; a step that drafted nothing
+        // counts one more on each call.
+        (self.zero_run.saturating_add(steps).saturating_add(1) >= self.next_probe).then_some(true)
+    }
+
     /// Fewest zero-budget steps between probes so that probing takes at most `probe_share` of
     /// the time (from the last probe's drafting seconds and the mean step), at most 1024.
     fn probe_spacing(&self) -> usize {
@@ -1266,22 +1289,15 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
     /// steps away (the back-off of [`Self::planned`]); yes whenever a budget, a probe, the
     /// exploration or a paying drafting gain may have a request draft sooner.
     fn drafting_within(&self, steps: usize) -> bool {
-        if self.lag == 0 || self.probing || self.budgets.len() < self.lag {
-            return true;
-        }
-        if self.last_real > 0
-            || self.budgets.iter().any(|&b| b > 0)
-            || self.central_budget().is_some_and(|b| b > 0)
-        {
-            return true;
-        }
-        let exploring = self.gain_seen < EXPLORE_STEPS && self.gain_ema > EXPLORE_FLOOR;
-        if self.gain_seen > 0 && (self.gain_ema + self.gain_se() > 0.0 || exploring) {
-            return true;
-        }
-        // `planned` probes once `zero_run` reaches `next_probe`; a step that drafted nothing
-        // counts one more on each call.
-        self.zero_run.saturating_add(steps).saturating_add(1) >= self.next_probe
+        self.drafting_soon(steps).is_some()
+    }
+
+    /// A probe of `probe_width` requests, when the back-off's next probe is all that may
+    /// draft within `steps` steps.
+    fn probe_only_within(&self, steps: usize) -> Option<usize> {
+        self.drafting_soon(steps)
+            .is_some_and(|probe_only| probe_only)
+            .then_some(self.probe_width.max(1))
     }
 
     fn planned(&mut self) -> Option<usize> {
@@ -1488,11 +1504,13 @@ mod tests {
         // test above). Per step: whether it drafted, and whether features were wanted after it.
         p.observe_draft(40.0, 4, 1);
         const W: usize = 4;
+        let mut probe_only = Vec::new();
         let steps: Vec<(bool, bool)> = (0..200)
             .map(|_| {
                 let drafted = p.planned() != Some(0);
                 let rows: &[&[f32]] = if drafted { &conf } else { &[] };
                 p.select(rows, 0, 0, 1 << 20);
+                probe_only.push(p.probe_only_within(W));
                 (drafted, p.drafting_within(W))
             })
             .collect();
@@ -1504,6 +1522,16 @@ mod tests {
             for i in j.saturating_sub(W)..j {
                 assert!(steps[i].1, "step {i}, {} before drafting step {j}", j - i);
             }
+        }
+        // Before the last (a spaced probe of the back-off) they wanted them for the probe's
+        // request alone; a step that wanted none wanted none for a probe either.
+        let last = drafts[drafts.len() - 1];
+        assert!(last > 100, "{drafts:?}");
+        for i in last - W..last {
+            assert_eq!(probe_only[i], Some(1), "step {i}");
+        }
+        for (i, s) in steps.iter().enumerate() {
+            assert!(s.1 || probe_only[i].is_none(), "step {i}");
         }
         // And most steps of the back-off did not.
         let wanted = steps.iter().filter(|s| s.1).count();
@@ -1524,6 +1552,7 @@ mod tests {
         }
         assert!(p.planned().is_some_and(|b| b > 0));
         assert!(p.drafting_within(0));
+        assert_eq!(p.probe_only_within(0), None, "every request may draft");
     }
 
     #[test]

@@ -17,6 +17,7 @@ use dspark_runtime::{KvCache, Model, SeqId, Tokenizer};
 use kernels::accept::{verify, verify_greedy};
 use kernels::rng::Rng;
 use kernels::sampling::{SamplingParams, argmax, probs, sample};
+use std::cmp::Reverse;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
@@ -254,6 +255,14 @@ pub trait VerifyPolicy: Send {
     fn drafting_within(&self, _steps: usize) -> bool {
         true
     }
+    /// When [`VerifyPolicy::drafting_within`] says yes only because a probe may come within
+    /// those steps: how many requests that probe drafts for. The engine then hands target
+    /// features to that many requests (its sentinels, which the probe drafts for) instead of
+    /// the whole batch: a full batch's feature hand-over costs 0.2–0.3 % of a step, paid
+    /// for a window of steps before every probe. `None`: any request may draft.
+    fn probe_only_within(&self, _steps: usize) -> Option<usize> {
+        None
+    }
     /// When `planned` answered `None` for a probe: draft for at most this many requests, at
     /// most this many positions each (fresh confidences need not cost a whole batch of blocks).
     fn probe(&self) -> Option<(usize, usize)> {
@@ -470,6 +479,9 @@ pub struct Engine {
     /// Requests admitted so far (alternates the micro-batch groups).
     admitted: u64,
     pub steps: usize,
+    /// Requests handed target features while only a probe may draft soon
+    /// ([`VerifyPolicy::probe_only_within`]); the probe drafts for them.
+    sentinels: Vec<u64>,
     recal: Option<crate::recal::OnlineCalibration>,
     /// Every token's bytes for JSON mode, built on the first request that asks for it.
     json_vocab: Option<Arc<JsonVocab>>,
@@ -528,6 +540,7 @@ impl Engine {
             policy: None,
             admitted: 0,
             steps: 0,
+            sentinels: Vec::new(),
             recal,
             json_vocab: None,
         })
@@ -730,6 +743,39 @@ impl Engine {
         Err(SpecError::UnknownRequest(id))
     }
 
+    /// Keeps up to `w` sentinels ([`VerifyPolicy::probe_only_within`]): those still decoding
+    /// stay (their features are held), the rest are replaced by the decoding requests with the
+    /// most tokens left to write.
+    fn pick_sentinels(&mut self, w: usize) {
+        let running = &self.running;
+        let decoding = |id: &u64| {
+            running
+                .iter()
+                .any(|s| s.req.id == *id && s.phase == Phase::Decode && s.finished.is_none())
+        };
+        self.sentinels.retain(decoding);
+        self.sentinels.truncate(w);
+        while self.sentinels.len() < w {
+            let next = running
+                .iter()
+                .filter(|s| {
+                    s.phase == Phase::Decode
+                        && s.finished.is_none()
+                        && !self.sentinels.contains(&s.req.id)
+                })
+                .max_by_key(|s| {
+                    (
+                        s.req.max_tokens.saturating_sub(s.output_len()),
+                        Reverse(s.req.id),
+                    )
+                });
+            match next {
+                Some(s) => self.sentinels.push(s.req.id),
+                None => break,
+            }
+        }
+    }
+
     fn release(&mut self, s: Seq) -> Result<()> {
         // Whatever is in its KV may start a later request (the next turn of a chat): the
         // committed tokens but the pending last one, exactly what the KV holds after a cycle
@@ -861,23 +907,46 @@ impl Engine {
             .iter()
             .filter(|s| s.phase == Phase::Decode)
             .count();
-        // Which decoding requests a probe drafts for: a window rotating with the step count.
+        // Which decoding requests a probe (or a budget drafted for a few) drafts for: the
+        // sentinels first, which hold the target's features, then a window rotating with the
+        // step count.
         let probe_from = if probe < n_decode {
             self.steps % n_decode.max(1)
         } else {
             0
         };
-        let mut decode_idx = 0usize;
+        let mut chosen: Vec<u64> = Vec::new();
+        if probe < n_decode {
+            let decoding: Vec<u64> = self
+                .running
+                .iter()
+                .filter(|s| s.phase == Phase::Decode)
+                .map(|s| s.req.id)
+                .collect();
+            chosen.extend(
+                decoding
+                    .iter()
+                    .filter(|id| self.sentinels.contains(id))
+                    .take(probe),
+            );
+            for di in 0..n_decode {
+                if chosen.len() >= probe {
+                    break;
+                }
+                let id = decoding[(probe_from + di) % n_decode];
+                if !chosen.contains(&id) {
+                    chosen.push(id);
+                }
+            }
+        }
         for (i, s) in self.running.iter_mut().enumerate() {
             if s.phase != Phase::Decode || budget == 0 {
                 continue;
             }
-            let di = decode_idx;
-            decode_idx += 1;
             if active.is_some_and(|g| s.group != g) {
                 continue;
             }
-            let probed = probe >= n_decode || (di + n_decode - probe_from) % n_decode < probe;
+            let probed = probe >= n_decode || chosen.contains(&s.req.id);
             let gamma = if probed {
                 s.req.gamma.unwrap_or(self.cfg.gamma).min(cap)
             } else {
@@ -1075,10 +1144,22 @@ impl Engine {
         let t_fwd = Instant::now();
         // Target features only when some request may draft before they leave the proposer's
         // window (a request that missed some starts its window over, padded).
+        let window = self.proposer.feature_window();
         let capture = self
             .policy
             .as_ref()
-            .is_none_or(|p| p.drafting_within(self.proposer.feature_window()));
+            .is_none_or(|p| p.drafting_within(window));
+        // While only a probe may draft soon, features go to its sentinels alone: the decoding
+        // requests with the most tokens left to write (they are likeliest to live until it).
+        let sentinels_only = capture
+            && self
+                .policy
+                .as_ref()
+                .and_then(|p| p.probe_only_within(window))
+                .is_some_and(|w| {
+                    self.pick_sentinels(w);
+                    true
+                });
         let fopts = ForwardOptions {
             layers: if capture {
                 self.proposer.feature_layers()
@@ -1132,7 +1213,8 @@ impl Engine {
                 } else {
                     from
                 };
-                if !fopts.layers.is_empty() && lo < from + n {
+                let hand = !sentinels_only || self.sentinels.contains(&s.req.id);
+                if hand && !fopts.layers.is_empty() && lo < from + n {
                     let t0 = Instant::now();
                     feature_rows(
                         &out,
@@ -1299,7 +1381,8 @@ impl Engine {
                 // A stop condition cut the block: the accepted drafts after it are waste too.
                 s.metrics.wasted_tokens += verdict.accepted.saturating_sub(committed);
             }
-            if !fopts.layers.is_empty() && s.finished.is_none() {
+            let hand = !sentinels_only || self.sentinels.contains(&s.req.id);
+            if hand && !fopts.layers.is_empty() && s.finished.is_none() {
                 // Positions now committed in the KV: the old pending token and the accepted drafts.
                 let t0 = Instant::now();
                 let n = 1 + verdict.accepted;

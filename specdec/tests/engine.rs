@@ -1323,12 +1323,20 @@ fn a_zero_plan_leaves_the_token_budget_to_prefill_and_a_probe_drafts_a_short_blo
 }
 
 /// Draft-model drafting that also asks for the target's layer-0 features (window `window`),
-/// logging every hand-over: (request, first position, rows).
+/// logging every hand-over: (request, first position, rows), and every drafting call's
+/// requests in `log`, in order with the hand-overs.
 struct Watches {
     inner: Box<dyn Proposer>,
     window: usize,
     row: usize,
     seen: Arc<std::sync::Mutex<Vec<(u64, usize, usize)>>>,
+    log: Arc<std::sync::Mutex<Vec<Watched>>>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Watched {
+    Handed(u64),
+    Drafted(Vec<u64>),
 }
 
 impl Proposer for Watches {
@@ -1339,6 +1347,9 @@ impl Proposer for Watches {
         &mut self,
         reqs: &mut [specdec::proposer::ProposeReq<'_>],
     ) -> specdec::Result<Vec<specdec::DraftBlock>> {
+        if let Ok(mut l) = self.log.lock() {
+            l.push(Watched::Drafted(reqs.iter().map(|r| r.id).collect()));
+        }
         self.inner.propose(reqs)
     }
     fn feature_layers(&self) -> Vec<usize> {
@@ -1352,17 +1363,22 @@ impl Proposer for Watches {
         if let Ok(mut s) = self.seen.lock() {
             s.push((id, start, rows.len() / self.row));
         }
+        if let Ok(mut l) = self.log.lock() {
+            l.push(Watched::Handed(id));
+        }
         Ok(())
     }
 }
 
 /// Plans zero budgets with a one-request probe every `every` steps; wants features only
-/// within `window` steps of the next probe when `gates`.
+/// within `window` steps of the next probe when `gates`, for the probe's request alone when
+/// also `probe_only`.
 struct ProbesEvery {
     every: usize,
     steps: usize,
     probing: bool,
     gates: bool,
+    probe_only: bool,
     probe_steps: Arc<std::sync::Mutex<Vec<usize>>>,
 }
 
@@ -1389,6 +1405,9 @@ impl specdec::VerifyPolicy for ProbesEvery {
     fn drafting_within(&self, steps: usize) -> bool {
         !self.gates || self.every - self.steps % self.every <= steps
     }
+    fn probe_only_within(&self, steps: usize) -> Option<usize> {
+        (self.gates && self.probe_only && self.drafting_within(steps)).then_some(1)
+    }
 }
 
 #[test]
@@ -1397,8 +1416,9 @@ fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
     let ps = prompts(&f, 4);
     let (plain, _) = with_policy(&f, &ps, 24, None);
     let d = f.target.cfg.d_model;
-    let run = |gates: bool| {
+    let run = |gates: bool, probe_only: bool| {
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = Arc::new(std::sync::Mutex::new(Vec::new()));
         let probe_steps = Arc::new(std::sync::Mutex::new(Vec::new()));
         let mut e = Engine::with_cost(
             f.target.clone(),
@@ -1408,6 +1428,7 @@ fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
                 window: 2,
                 row: d,
                 seen: seen.clone(),
+                log: log.clone(),
             }),
             cfg(3),
             CostModel::flat(4),
@@ -1418,6 +1439,7 @@ fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
             steps: 0,
             probing: false,
             gates,
+            probe_only,
             probe_steps: probe_steps.clone(),
         })));
         for (i, p) in ps.iter().enumerate() {
@@ -1425,16 +1447,45 @@ fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
         }
         let out = collect(e.run_to_completion().unwrap());
         let seen = seen.lock().unwrap().clone();
+        let log = log.lock().unwrap().clone();
         let probes = probe_steps.lock().unwrap().clone();
-        (out, seen, probes)
+        (out, seen, probes, log)
     };
-    let (all, seen_all, _) = run(false);
-    let (gated, seen_gated, probes) = run(true);
+    let rows = |s: &[(u64, usize, usize)]| s.iter().map(|x| x.2).sum::<usize>();
+    let (all, seen_all, _, _) = run(false, false);
+    let (gated, seen_gated, probes, _) = run(true, false);
+    let (sentinel, seen_sentinel, _, log) = run(true, true);
     for (id, (toks, _, _)) in &plain {
         assert_eq!(&all[id].0, toks, "request {id}");
         assert_eq!(&gated[id].0, toks, "request {id}");
+        assert_eq!(&sentinel[id].0, toks, "request {id}");
     }
-    let rows = |s: &[(u64, usize, usize)]| s.iter().map(|x| x.2).sum::<usize>();
+    // Probes alone ahead: between two drafting calls one request (the sentinel) is handed
+    // features, and the probe drafts for it while it decodes.
+    let (mut handed, mut probes_on_sentinels) = (Vec::new(), 0);
+    for w in &log {
+        match w {
+            Watched::Handed(id) => {
+                if !handed.contains(id) {
+                    handed.push(*id);
+                }
+            }
+            Watched::Drafted(ids) => {
+                assert!(handed.len() <= 1, "features for {handed:?} before {ids:?}");
+                if !handed.is_empty() && ids == &handed {
+                    probes_on_sentinels += 1;
+                }
+                handed.clear();
+            }
+        }
+    }
+    assert!(probes_on_sentinels >= 2, "{log:?}");
+    assert!(
+        rows(&seen_sentinel) * 2 < rows(&seen_gated),
+        "{} rows to sentinels, {} to all",
+        rows(&seen_sentinel),
+        rows(&seen_gated)
+    );
     // Without gating every committed position is handed over; gated, about 2 steps in 7.
     assert!(!probes.is_empty(), "probes drafted");
     assert!(
@@ -1444,7 +1495,7 @@ fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
         rows(&seen_all)
     );
     // Gated or not, a request's positions arrive in order, never twice.
-    for seen in [&seen_all, &seen_gated] {
+    for seen in [&seen_all, &seen_gated, &seen_sentinel] {
         let mut next: HashMap<u64, usize> = HashMap::new();
         for &(id, start, n) in seen.iter() {
             let at = next.entry(id).or_insert(0);
