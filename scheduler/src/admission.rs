@@ -667,6 +667,12 @@ const EXPLORE_STEPS: u64 = 8;
 /// pointless: the running mean could not turn positive within the exploration steps.
 const EXPLORE_FLOOR: f64 = -0.25;
 
+/// Zero-budget steps before the next probe from which the window ahead of it hands target
+/// features to the probe's requests alone ([`specdec::VerifyPolicy::probe_only_within`]):
+/// by then the probes at 16 and 32 steps both found drafting not paying, so a probe that
+/// lets every request draft, most of them from a window started over, is rare.
+const SENTINEL_BACKOFF: usize = 64;
+
 /// Batch-token counts with a measured step-time ratio of their own ([`ConfidencePolicy`]).
 const SCALE_BUCKETS: usize = 256;
 
@@ -1004,8 +1010,9 @@ impl ConfidencePolicy {
 
     /// Whether any request may draft within the next `steps` steps (see
     /// [`specdec::VerifyPolicy::drafting_within`]): `Some(true)` when only the back-off's next
-    /// probe may, `Some(false)` when a budget, a probe under way, the exploration or a paying
-    /// drafting gain may have any request draft sooner, `None` when nothing drafts.
+    /// probe may and the back-off is long ([`SENTINEL_BACKOFF`]), `Some(false)` when a budget,
+    /// a probe under way, the exploration, a paying drafting gain or a probe early in the
+    /// back-off may have any request draft sooner, `None` when nothing drafts.
     fn drafting_soon(&self, steps: usize) -> Option<bool> {
         if self.lag == 0 || self.probing || self.budgets.len() < self.lag {
             return Some(false);
@@ -1022,7 +1029,8 @@ impl ConfidencePolicy {
         }
         // `planned` probes once `zero_run` reaches `next_probe`; a step that drafted nothing
         // counts one more on each call.
-        (self.zero_run.saturating_add(steps).saturating_add(1) >= self.next_probe).then_some(true)
+        (self.zero_run.saturating_add(steps).saturating_add(1) >= self.next_probe)
+            .then_some(self.next_probe >= SENTINEL_BACKOFF)
     }
 
     /// Fewest zero-budget steps between probes so that probing takes at most `probe_share` of
@@ -1523,13 +1531,27 @@ mod tests {
                 assert!(steps[i].1, "step {i}, {} before drafting step {j}", j - i);
             }
         }
-        // Before the last (a spaced probe of the back-off) they wanted them for the probe's
-        // request alone; a step that wanted none wanted none for a probe either.
-        let last = drafts[drafts.len() - 1];
-        assert!(last > 100, "{drafts:?}");
-        for i in last - W..last {
-            assert_eq!(probe_only[i], Some(1), "step {i}");
+        // Before a probe that ends a long back-off they wanted them for the probe's request
+        // alone, before one early in the back-off for every request; a step that wanted none
+        // wanted none for a probe either.
+        let mut kinds = (0, 0);
+        for k in 1..drafts.len() {
+            let (a, j) = (drafts[k - 1], drafts[k]);
+            if j - a <= W {
+                continue;
+            }
+            let long = j - a >= SENTINEL_BACKOFF;
+            if long {
+                kinds.0 += 1;
+            } else {
+                kinds.1 += 1;
+            }
+            for i in j - W..j {
+                let want = long.then_some(1);
+                assert_eq!(probe_only[i], want, "step {i} before {j}: {drafts:?}");
+            }
         }
+        assert!(kinds.0 >= 1 && kinds.1 >= 1, "{kinds:?}: {drafts:?}");
         for (i, s) in steps.iter().enumerate() {
             assert!(s.1 || probe_only[i].is_none(), "step {i}");
         }

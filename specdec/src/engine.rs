@@ -259,7 +259,10 @@ pub trait VerifyPolicy: Send {
     /// those steps: how many requests that probe drafts for. The engine then hands target
     /// features to that many requests (its sentinels, which the probe drafts for) instead of
     /// the whole batch: a full batch's feature hand-over costs 0.2–0.3 % of a step, paid
-    /// for a window of steps before every probe. `None`: any request may draft.
+    /// for a window of steps before every probe. A probe that finds drafting paying lets the
+    /// others draft from what they hold (a window started over, padded) until theirs fills,
+    /// so a policy answers this only where such a probe is rare (a long back-off).
+    /// `None`: any request may draft.
     fn probe_only_within(&self, _steps: usize) -> Option<usize> {
         None
     }
@@ -480,7 +483,8 @@ pub struct Engine {
     admitted: u64,
     pub steps: usize,
     /// Requests handed target features while only a probe may draft soon
-    /// ([`VerifyPolicy::probe_only_within`]); the probe drafts for them.
+    /// ([`VerifyPolicy::probe_only_within`]); the next probe (or budget drafted for a few)
+    /// drafts for them first. Empty outside that mode.
     sentinels: Vec<u64>,
     recal: Option<crate::recal::OnlineCalibration>,
     /// Every token's bytes for JSON mode, built on the first request that asks for it.
@@ -923,10 +927,16 @@ impl Engine {
                 .filter(|s| s.phase == Phase::Decode)
                 .map(|s| s.req.id)
                 .collect();
+            // Sentinels in the micro-batch verified this step (ping-pong), if any.
             chosen.extend(
-                decoding
+                self.running
                     .iter()
-                    .filter(|id| self.sentinels.contains(id))
+                    .filter(|s| {
+                        s.phase == Phase::Decode
+                            && !active.is_some_and(|g| s.group != g)
+                            && self.sentinels.contains(&s.req.id)
+                    })
+                    .map(|s| s.req.id)
                     .take(probe),
             );
             for di in 0..n_decode {
@@ -1151,15 +1161,22 @@ impl Engine {
             .is_none_or(|p| p.drafting_within(window));
         // While only a probe may draft soon, features go to its sentinels alone: the decoding
         // requests with the most tokens left to write (they are likeliest to live until it).
-        let sentinels_only = capture
-            && self
-                .policy
-                .as_ref()
-                .and_then(|p| p.probe_only_within(window))
-                .is_some_and(|w| {
-                    self.pick_sentinels(w);
-                    true
-                });
+        // Not for a proposer that states no window (it is handed every position).
+        let probe_width = self
+            .policy
+            .as_ref()
+            .and_then(|p| p.probe_only_within(window))
+            .filter(|_| capture && window != usize::MAX);
+        let sentinels_only = match probe_width {
+            Some(w) if w < n_decode => {
+                self.pick_sentinels(w);
+                true
+            }
+            _ => {
+                self.sentinels.clear();
+                false
+            }
+        };
         let fopts = ForwardOptions {
             layers: if capture {
                 self.proposer.feature_layers()

@@ -1416,7 +1416,7 @@ fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
     let ps = prompts(&f, 4);
     let (plain, _) = with_policy(&f, &ps, 24, None);
     let d = f.target.cfg.d_model;
-    let run = |gates: bool, probe_only: bool| {
+    let run_w = |gates: bool, probe_only: bool, window: usize| {
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
         let log = Arc::new(std::sync::Mutex::new(Vec::new()));
         let probe_steps = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -1425,7 +1425,7 @@ fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
             Some(f.tok.clone()),
             Box::new(Watches {
                 inner: proposer_clone(&f, "draft-model"),
-                window: 2,
+                window,
                 row: d,
                 seen: seen.clone(),
                 log: log.clone(),
@@ -1451,6 +1451,7 @@ fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
         let probes = probe_steps.lock().unwrap().clone();
         (out, seen, probes, log)
     };
+    let run = |gates: bool, probe_only: bool| run_w(gates, probe_only, 2);
     let rows = |s: &[(u64, usize, usize)]| s.iter().map(|x| x.2).sum::<usize>();
     let (all, seen_all, _, _) = run(false, false);
     let (gated, seen_gated, probes, _) = run(true, false);
@@ -1480,6 +1481,12 @@ fn target_features_are_captured_only_where_the_policy_may_draft_soon() {
         }
     }
     assert!(probes_on_sentinels >= 2, "{log:?}");
+    // A proposer that states no window is handed every position, probes or not.
+    let (unwindowed, seen_unwindowed, _, _) = run_w(true, true, usize::MAX);
+    assert_eq!(rows(&seen_unwindowed), rows(&seen_all));
+    for (id, (toks, _, _)) in &plain {
+        assert_eq!(&unwindowed[id].0, toks, "request {id}");
+    }
     assert!(
         rows(&seen_sentinel) * 2 < rows(&seen_gated),
         "{} rows to sentinels, {} to all",
