@@ -784,12 +784,13 @@ impl Proposer for DsparkProposer {
                         } else {
                             let p = probs(&logits, &[], r.params);
                             let j = sample(&p, r.rng) as usize;
-                            let q: Vec<(u32, f32)> = ids
-                                .iter()
-                                .zip(&p)
-                                .filter(|(_, v)| **v > 0.0)
-                                .map(|(&t, &v)| (t, v))
-                                .collect();
+                            let mut q: Vec<(u32, f32)> = Vec::with_capacity(p.len());
+                            q.extend(
+                                ids.iter()
+                                    .zip(&p)
+                                    .filter(|(_, v)| **v > 0.0)
+                                    .map(|(&t, &v)| (t, v)),
+                            );
                             (ids[j], Dist::Sparse(q))
                         }
                     }

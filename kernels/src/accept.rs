@@ -72,8 +72,7 @@ pub fn sample_residual(p: &[f32], q: &DraftDist<'_>, draft: u32, rng: &mut Rng) 
             }
         }
     }
-    let mass: f64 = r.iter().map(|&v| v as f64).sum();
-    if mass <= 1e-12 {
+    if crate::sampling::positive_mass(&r) <= 1e-12 {
         return sample(p, rng);
     }
     sample(&r, rng)
