@@ -1,5 +1,7 @@
-//! Times SiLU·mul, RoPE and RMSNorm at SmolLM2's shapes for 8 tokens, and the greedy argmax of
-//! one SmolLM2 logits row (the two-pass one and the one-pass scan it replaced).
+//! Times SiLU·mul, RoPE and RMSNorm at SmolLM2's shapes for 8 tokens, the greedy argmax of
+//! one SmolLM2 logits row (the two-pass one and the one-pass scan it replaced), and one
+//! sampled position at temperature 1 (softmax and draw) over SmolLM2's vocabulary and over
+//! its drafter's.
 //! `cargo run --release -p kernels --example opsbench`
 use kernels::Isa;
 use kernels::ops::*;
@@ -67,6 +69,26 @@ fn main() {
         }
         println!(
             "{name} 49 152 logits: {:.2} us (index {at})",
+            t0.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    let p = kernels::sampling::SamplingParams {
+        temperature: 1.0,
+        ..Default::default()
+    };
+    let mut rng = kernels::rng::Rng::new(1);
+    for n in [49_152usize, 8_192] {
+        let row: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919 % 10007) as f32) * 1e-3 - 5.0)
+            .collect();
+        let t0 = std::time::Instant::now();
+        let mut last = 0;
+        for _ in 0..1000 {
+            let pr = kernels::sampling::probs(std::hint::black_box(&row), &[], &p);
+            last = kernels::sampling::sample(&pr, &mut rng);
+        }
+        println!(
+            "probs + sample, T = 1, {n} logits: {:.2} us (last draw {last})",
             t0.elapsed().as_secs_f64() * 1e3
         );
     }
