@@ -373,8 +373,10 @@ fn lane_max_body(x: &[f32]) -> f32 {
 /// Why: this runs at every sampled position, over the whole vocabulary (49,152 on SmolLM2,
 /// and again at every verified position of a speculative window); a libm `exp` per element
 /// with a running f64 sum took 0.17 ms there per position, a twentieth of a decode. Here the
-/// exponential is [`ops::fast_exp`](crate::ops::fast_exp) (≤ 2 ulp) over 16 lanes with
-/// f32 partial sums, and each 16-lane chunk's total is added in f64.
+/// exponential is [`ops::fast_exp`](crate::ops::fast_exp) (≤ 2 ulp) over 16 lanes with f32
+/// partial sums, whose 16 lane totals are added into f64 lanes every 256 elements. Scaled gaps
+/// below the top logit past 87 give exactly 0 (`fast_exp`'s range) where libm gave at most
+/// 10⁻³⁸; p and q both come through here, so they agree.
 fn exp_shifted(l: &mut [f32], max: f32, inv_t: f32) -> f64 {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -424,23 +426,20 @@ fn exp_shifted_body(l: &mut [f32], max: f32, inv_t: f32) -> f64 {
     sum
 }
 
-/// The sum of the positive values of `x` (NaN counts as 0): f32 partial sums in 16 lanes per
-/// [`SCAN_BLOCK`], added in f64 (a running f64 sum is a chain of dependent adds, 4 cycles an
-/// element).
+/// The sum of the positive values of `x` (NaN counts as 0), in 16 independent f64 lanes (a
+/// running sum is a chain of dependent adds, 4 cycles an element). In f64 so that a block's
+/// mass agrees with [`sample`]'s element-wise walk through it to f64 rounding: with f32 lanes
+/// the two differed by ~10⁻⁷ of the block's mass, and that difference went to one token.
 pub(crate) fn positive_mass(x: &[f32]) -> f64 {
-    let mut total = 0f64;
-    for b in x.chunks(SCAN_BLOCK) {
-        let mut acc = [0f32; 16];
-        let mut chunks = b.chunks_exact(16);
-        for c in &mut chunks {
-            for (a, &v) in acc.iter_mut().zip(c) {
-                *a += v.max(0.0);
-            }
+    let mut acc = [0f64; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v.max(0.0) as f64;
         }
-        let rem: f64 = chunks.remainder().iter().map(|&v| v.max(0.0) as f64).sum();
-        total += acc.iter().map(|&a| a as f64).sum::<f64>() + rem;
     }
-    total
+    let rem: f64 = chunks.remainder().iter().map(|&v| v.max(0.0) as f64).sum();
+    acc.iter().sum::<f64>() + rem
 }
 
 /// Elements per block of [`sample`]'s scan.
@@ -610,13 +609,16 @@ mod tests {
                 .iter()
                 .filter(|v| !v.is_nan())
                 .fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+            // The exponential's argument rounded to f32 as `probs` rounds it (the old libm path
+            // did too): what is compared is the exponential and the sums.
+            let (maxf, inv_t) = (max as f32, 1.0 / t);
             let e: Vec<f64> = logits
                 .iter()
                 .map(|&v| {
                     if v.is_nan() {
                         0.0
                     } else {
-                        ((v as f64 - max) / t as f64).exp()
+                        (((v - maxf) * inv_t) as f64).exp()
                     }
                 })
                 .collect();
@@ -667,6 +669,20 @@ mod tests {
         let elsewhere: usize =
             c.iter().sum::<usize>() - tail_hits - heavy.iter().map(|h| c[h.0]).sum::<usize>();
         assert_eq!(elsewhere, 0, "a token of probability 0 was drawn");
+        // A block's mass must be what the walk through it adds up (else the difference goes to
+        // the block's last token, or away from the next block's first): here f32 partial sums
+        // were 4·10⁻⁷ off, 400,000 times token 255's probability.
+        let mut edge = vec![0f32; 2 * SCAN_BLOCK];
+        edge[0] = 0.5;
+        for k in 1..16 {
+            edge[16 * k] = 3e-8;
+        }
+        edge[SCAN_BLOCK - 1] = 1e-12;
+        edge[SCAN_BLOCK] = 0.5;
+        for b in edge.chunks(SCAN_BLOCK) {
+            let walk: f64 = b.iter().map(|&v| v as f64).sum();
+            assert!((positive_mass(b) - walk).abs() <= 1e-15 * walk);
+        }
         // Only the last token has mass; none has any.
         let mut last = vec![0f32; n];
         last[n - 1] = 1e-30;
