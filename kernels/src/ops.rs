@@ -821,7 +821,7 @@ fn sum_body(x: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn max_body(x: &[f32]) -> f32 {
+pub(crate) fn max_body(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 16];
     let chunks = x.chunks_exact(16);
     let rem = chunks

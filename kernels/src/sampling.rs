@@ -343,29 +343,13 @@ fn lane_max(x: &[f32]) -> f32 {
         // SAFETY: the features were just detected.
         return unsafe { lane_max_avx2(x) };
     }
-    lane_max_body(x)
+    crate::ops::max_body(x)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn lane_max_avx2(x: &[f32]) -> f32 {
-    lane_max_body(x)
-}
-
-#[inline(always)]
-fn lane_max_body(x: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; 16];
-    let chunks = x.chunks_exact(16);
-    let rem = chunks
-        .remainder()
-        .iter()
-        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
-    for c in chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a = if v > *a { v } else { *a };
-        }
-    }
-    acc.iter().fold(rem, |a, &b| if b > a { b } else { a })
+    crate::ops::max_body(x)
 }
 
 /// `l[i] = e^((l[i] − max)·inv_t)` (0 for NaN) for a finite `max`, returning the sum.
