@@ -1,13 +1,38 @@
 //! Times SiLU·mul, RoPE and RMSNorm at SmolLM2's shapes for 8 tokens, the greedy argmax of
 //! one SmolLM2 logits row (the two-pass one and the one-pass scan it replaced), and one
 //! sampled position at temperature 1 (softmax and draw) over SmolLM2's vocabulary and over
-//! its drafter's.
+//! its drafter's; and the activations' quantization before a matmul (rows × columns, on a
+//! team of two threads as in a forward).
 //! `cargo run --release -p kernels --example opsbench`
 use kernels::Isa;
 use kernels::ops::*;
 
 fn main() {
     let isa = Isa::detect();
+    let team = kernels::par::Team::new(2, "opsbench").expect("a team of two threads");
+    team.install(|| {
+        for (m, cols) in [
+            (1usize, 576usize),
+            (8, 576),
+            (8, 1536),
+            (32, 576),
+            (32, 1536),
+        ] {
+            let x: Vec<f32> = (0..m * cols)
+                .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 300.0)
+                .collect();
+            let reps = 20_000;
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                let q = kernels::grouped::quantize_rows(std::hint::black_box(&x), m, cols, isa);
+                std::hint::black_box(q);
+            }
+            println!(
+                "quantize_rows {m} × {cols}: {:.2} us",
+                t0.elapsed().as_secs_f64() * 1e6 / reps as f64
+            );
+        }
+    });
     let n = 8;
     let gu: Vec<f32> = (0..n * 3072)
         .map(|i| ((i % 97) as f32 - 48.0) * 0.05)

@@ -28,6 +28,7 @@
 use crate::quant::{GgmlType, QK, scale_min_k4};
 use crate::{Isa, KernelError};
 use half::f16;
+use std::mem::MaybeUninit;
 
 /// Elements per K-quant super-block.
 pub const QKK: usize = 256;
@@ -146,23 +147,11 @@ impl BlockA32 {
     /// [`BlockA32::quantize`] with the SIMD of `isa` where it has some (and this CPU too); the
     /// same bits either way for finite inputs.
     pub fn quantize_fast(x: &[f32], isa: Isa) -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if x.len() >= QK && isa.is_supported() {
-            match isa {
-                // SAFETY: `is_supported` checked this CPU has the ISA's features; `x` holds 32
-                // values.
-                Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { x86::quantize(x) },
-                Isa::Avx2 | Isa::Avx2Vnni => return unsafe { avx2::quantize(x) },
-                Isa::Scalar | Isa::Neon | Isa::NeonDot => {}
-            }
+        if x.len() < QK {
+            return Self::quantize(x);
         }
-        #[cfg(target_arch = "aarch64")]
-        if x.len() >= QK && matches!(isa, Isa::Neon | Isa::NeonDot) && isa.is_supported() {
-            // SAFETY: `is_supported` checked this CPU has NEON; `x` holds 32 values.
-            return unsafe { neon::quantize(x) };
-        }
-        let _ = isa;
-        Self::quantize(x)
+        let mut b = [MaybeUninit::uninit()];
+        quantize_into(&x[..QK], isa, &mut b)[0]
     }
 
     /// Fills the sums from the codes (the scalar quantizer).
@@ -175,10 +164,22 @@ impl BlockA32 {
     /// Fills the scale and sums from the code sums of each half (shared by both quantizers,
     /// so the same integers give the same bits).
     fn finish_sums(&mut self, d2: f32, s0: i32, s1: i32) {
-        self.d = d2;
-        self.neg16x32 = [-32.0 * d2 * s0 as f32, -32.0 * d2 * s1 as f32];
-        self.neg32 = -d2 * (s0 + s1) as f32;
-        self.sum = s0 + s1;
+        // SAFETY: `self` is a live block; writing its fields initializes nothing new.
+        unsafe { Self::write_sums(self, d2, s0, s1) }
+    }
+
+    /// [`BlockA32::finish_sums`] on a block being built in place, field by field.
+    ///
+    /// # Safety
+    /// `b` must be valid for writes and aligned.
+    #[inline(always)]
+    unsafe fn write_sums(b: *mut Self, d2: f32, s0: i32, s1: i32) {
+        unsafe {
+            (&raw mut (*b).d).write(d2);
+            (&raw mut (*b).neg16x32).write([-32.0 * d2 * s0 as f32, -32.0 * d2 * s1 as f32]);
+            (&raw mut (*b).neg32).write(-d2 * (s0 + s1) as f32);
+            (&raw mut (*b).sum).write(s0 + s1);
+        }
     }
 
     /// Two-level quantization of 32 values: `q1 = round(x / d1)` with `d1 = max|x| / 127`, then
@@ -212,7 +213,7 @@ impl BlockA32 {
         amax != 0.0 && amax.is_finite() && (1.0 / (d1 / 128.0)).is_finite()
     }
 
-    fn zero() -> Self {
+    pub(crate) fn zero() -> Self {
         BlockA32 {
             q1: [0; QK],
             q2: [0; QK],
@@ -231,43 +232,173 @@ pub struct QuantRows {
     pub outliers: Vec<Vec<(usize, f32)>>,
 }
 
-/// Quantizes `m` rows of `cols` activations (cols a multiple of 32), with the SIMD of `isa`
-/// (the same bits on every path).
-pub fn quantize_rows(x: &[f32], m: usize, cols: usize, isa: Isa) -> QuantRows {
-    let mut blocks = Vec::with_capacity(m * cols / QK);
-    let mut outliers = Vec::with_capacity(m);
-    // A row is copied only to split outliers off (none of the default models has any).
-    let mut rest: Vec<f32> = Vec::new();
-    for row in x[..m * cols].chunks_exact(cols) {
-        let mut o = Vec::new();
-        let src: &[f32] = if row
-            .chunks(QKK)
-            .any(|span| outlier_threshold(span).is_some())
-        {
-            rest.clear();
-            rest.extend_from_slice(row);
-            for (c, span) in rest.chunks_mut(QKK).enumerate() {
-                split_outliers(span, c * QKK, &mut o);
-            }
-            &rest
-        } else {
-            row
-        };
-        blocks.extend(
-            src.chunks_exact(QK)
-                .map(|b| BlockA32::quantize_fast(b, isa)),
-        );
-        outliers.push(o);
+/// Quantizes the blocks of 32 of `x` into `out`, with the SIMD of `isa` where it has some
+/// (and this CPU too): the same bits on every path. Every block of `out` is written (those
+/// past the end of `x` as zeros), and returned initialized.
+///
+/// The blocks are built where they stay, field by field. Built on the stack and copied out,
+/// each cost a store-forwarding stall (16-byte loads over its 4-byte scale stores); and a
+/// zeroed buffer that another core fills moves every line between the cores twice.
+pub fn quantize_into<'a>(
+    x: &[f32],
+    isa: Isa,
+    out: &'a mut [MaybeUninit<BlockA32>],
+) -> &'a mut [BlockA32] {
+    let n = out.len().min(x.len() / QK);
+    let (head, tail) = out.split_at_mut(n);
+    for b in tail {
+        b.write(BlockA32::zero());
     }
+    let x = &x[..n * QK];
+    let mut done = false;
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_supported() {
+        match isa {
+            // SAFETY: `is_supported` checked this CPU has the ISA's features; `x` holds 32
+            // values per block of `head`.
+            Isa::Avx512 | Isa::Avx512Bf16 => {
+                unsafe { x86::quantize_row(x, head) };
+                done = true;
+            }
+            Isa::Avx2 | Isa::Avx2Vnni => {
+                unsafe { avx2::quantize_row(x, head) };
+                done = true;
+            }
+            Isa::Scalar | Isa::Neon | Isa::NeonDot => {}
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if !done && matches!(isa, Isa::Neon | Isa::NeonDot) && isa.is_supported() {
+        for (xb, b) in x.chunks_exact(QK).zip(head.iter_mut()) {
+            // SAFETY: `is_supported` checked this CPU has NEON; `xb` holds 32 values.
+            b.write(unsafe { neon::quantize(xb) });
+        }
+        done = true;
+    }
+    if !done {
+        for (xb, b) in x.chunks_exact(QK).zip(head.iter_mut()) {
+            b.write(BlockA32::quantize(xb));
+        }
+    }
+    // SAFETY: every block of `out` was written above (the SIMD rows write each of theirs).
+    unsafe { &mut *(out as *mut [MaybeUninit<BlockA32>] as *mut [BlockA32]) }
+}
+
+/// Where [`quantize_rows`] writes a row's blocks from the parallel loop.
+struct BlocksPtr(*mut BlockA32);
+// SAFETY: each index of the loop writes only its own row's `cols / 32` blocks.
+unsafe impl Send for BlocksPtr {}
+unsafe impl Sync for BlocksPtr {}
+
+/// Blocks from which [`quantize_rows`] quantizes on the forward's threads (split by rows):
+/// below, a parallel loop's hand-over and the lines it moves between cores cost more than
+/// the ~20 ns a block it saves (`cargo run --release -p kernels --example opsbench`).
+const PAR_BLOCKS: usize = 256;
+
+/// Quantizes `m` rows of `cols` activations (cols a multiple of 32), with the SIMD of `isa`
+/// (the same bits on every path), rows in parallel from [`PAR_BLOCKS`] blocks.
+pub fn quantize_rows(x: &[f32], m: usize, cols: usize, isa: Isa) -> QuantRows {
+    let nblk = cols / QK;
+    let total = m * nblk;
+    let mut blocks: Vec<BlockA32> = Vec::with_capacity(total);
+    let rows = &x[..m * cols];
+    let tasks = crate::par::threads().min(m);
+    let outliers = if nblk == 0 {
+        vec![Vec::new(); m]
+    } else if m * nblk >= PAR_BLOCKS && m > 1 && tasks > 1 {
+        // One run of consecutive rows per thread: a claim costs about 0.1 µs.
+        let per = m.div_ceil(tasks);
+        let dst = BlocksPtr(blocks.spare_capacity_mut().as_mut_ptr().cast());
+        let runs = crate::par::map(m.div_ceil(per), |t| {
+            let dst = &dst;
+            let (r0, r1) = (t * per, ((t + 1) * per).min(m));
+            // SAFETY: the capacity holds m · nblk blocks and outlives the loop; index t
+            // writes only the blocks of rows r0..r1, which no other index touches.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(
+                    dst.0.add(r0 * nblk).cast::<MaybeUninit<BlockA32>>(),
+                    (r1 - r0) * nblk,
+                )
+            };
+            rows[r0 * cols..r1 * cols]
+                .chunks_exact(cols)
+                .zip(out.chunks_exact_mut(nblk))
+                .map(|(row, out)| quantize_row(row, isa, out))
+                .collect::<Vec<_>>()
+        });
+        runs.into_iter().flatten().collect()
+    } else {
+        rows.chunks_exact(cols)
+            .zip(blocks.spare_capacity_mut().chunks_exact_mut(nblk))
+            .map(|(row, out)| quantize_row(row, isa, out))
+            .collect()
+    };
+    // SAFETY: the loops above wrote all m · nblk blocks (each row's `quantize_into` writes
+    // every block of its slice, and the rows tile the capacity); a panic in them leaves the
+    // length at 0.
+    unsafe { blocks.set_len(total) };
     QuantRows { blocks, outliers }
 }
 
-/// [`OUTLIER_RATIO`] × the span's mean |x|, when some value of the span is above it.
-fn outlier_threshold(span: &[f32]) -> Option<f32> {
-    // Eight fixed partial sums (vectorizable, and the same bits on every path), and the
-    // largest |x| per lane: one pass, with no early exit to keep it from vectorizing.
-    let (mut part, mut top) = ([0f32; 8], [0f32; 8]);
-    let chunks = span.chunks_exact(8);
+/// One row of [`quantize_rows`]: its blocks into `out`, and its outliers.
+fn quantize_row(row: &[f32], isa: Isa, out: &mut [MaybeUninit<BlockA32>]) -> Vec<(usize, f32)> {
+    let mut o = Vec::new();
+    // A row is copied only to split outliers off (none of the default models has any).
+    if row
+        .chunks(QKK)
+        .any(|span| outlier_threshold(span, isa).is_some())
+    {
+        let mut rest = row.to_vec();
+        for (c, span) in rest.chunks_mut(QKK).enumerate() {
+            split_outliers(span, c * QKK, isa, &mut o);
+        }
+        quantize_into(&rest, isa, out);
+    } else {
+        quantize_into(row, isa, out);
+    }
+    o
+}
+
+/// Partial sums (and maxima) of [`outlier_threshold`]: independent enough that the adds of a
+/// 256-value span are not one chain of 32 (eight lanes left it latency-bound, a quarter of a
+/// row's quantization).
+const OUTLIER_LANES: usize = 32;
+
+/// [`OUTLIER_RATIO`] × the span's mean |x|, when some value of the span is above it: the same
+/// bits on every path (the same function, with the SIMD of `isa` where this CPU has it).
+fn outlier_threshold(span: &[f32], isa: Isa) -> Option<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if isa.is_supported() {
+        match isa {
+            // SAFETY: `is_supported` checked this CPU has the features.
+            Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { outlier_threshold_avx512(span) },
+            Isa::Avx2 | Isa::Avx2Vnni => return unsafe { outlier_threshold_avx2(span) },
+            Isa::Scalar | Isa::Neon | Isa::NeonDot => {}
+        }
+    }
+    let _ = isa;
+    outlier_threshold_body(span)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn outlier_threshold_avx512(span: &[f32]) -> Option<f32> {
+    outlier_threshold_body(span)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn outlier_threshold_avx2(span: &[f32]) -> Option<f32> {
+    outlier_threshold_body(span)
+}
+
+#[inline(always)]
+fn outlier_threshold_body(span: &[f32]) -> Option<f32> {
+    // Fixed partial sums (vectorizable, and the same bits on every path: Rust neither
+    // reassociates nor fuses float arithmetic) and the largest |x| per lane: one pass, with
+    // no early exit to keep it from vectorizing.
+    let (mut part, mut top) = ([0f32; OUTLIER_LANES], [0f32; OUTLIER_LANES]);
+    let chunks = span.chunks_exact(OUTLIER_LANES);
     let tail = chunks.remainder();
     for c in chunks {
         for ((p, t), v) in part.iter_mut().zip(top.iter_mut()).zip(c) {
@@ -289,8 +420,8 @@ fn outlier_threshold(span: &[f32]) -> Option<f32> {
 
 /// Moves values above [`OUTLIER_RATIO`] × the span's mean |x| (at most [`MAX_OUTLIERS`], the
 /// largest) from `span` to `out`.
-fn split_outliers(span: &mut [f32], base: usize, out: &mut Vec<(usize, f32)>) {
-    let Some(thr) = outlier_threshold(span) else {
+fn split_outliers(span: &mut [f32], base: usize, isa: Isa, out: &mut Vec<(usize, f32)>) {
+    let Some(thr) = outlier_threshold(span, isa) else {
         return;
     };
     let mut big: Vec<usize> = (0..span.len()).filter(|&e| span[e].abs() > thr).collect();
@@ -1014,20 +1145,145 @@ mod neon;
 mod x86 {
     use super::{BlockA32, MAX_TILE, Q4KGroup, Q6KGroup, Q41Group, Q50Group, Q80Group, Tile};
     use std::arch::x86_64::*;
+    use std::mem::MaybeUninit;
+
+    /// [`quantize`] over every block of a row (`x` holds 32 values per block of `out`), 16
+    /// blocks at a time by [`quantize16`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn quantize_row(x: &[f32], out: &mut [MaybeUninit<BlockA32>]) {
+        let n = out.len().min(x.len() / 32);
+        let mut j = 0;
+        while j + 16 <= n {
+            quantize16(&x[32 * j..32 * (j + 16)], &mut out[j..j + 16]);
+            j += 16;
+        }
+        for (xb, b) in x[32 * j..32 * n].chunks_exact(32).zip(&mut out[j..n]) {
+            quantize(xb, b);
+        }
+    }
+
+    /// Lane `k` of the result is `op` folded over the 16 lanes of `v[k]` (the reductions of
+    /// 16 vectors at once: four levels of shuffles, each halving the lanes per input).
+    #[inline(always)]
+    unsafe fn fold16(v: &[__m512; 16], op: impl Fn(__m512, __m512) -> __m512) -> __m512 {
+        // Pairs of inputs: 256-bit halves hold each input's eight partials.
+        let w: [__m512; 8] = std::array::from_fn(|i| {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            op(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            )
+        });
+        // 128-bit lane k of u[i]: four partials of input 4i + k.
+        let u: [__m512; 4] = std::array::from_fn(|i| {
+            let (c, d) = (w[2 * i], w[2 * i + 1]);
+            op(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(c, d),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(c, d),
+            )
+        });
+        let t: [__m512; 2] = std::array::from_fn(|i| {
+            let (e, f) = (u[2 * i], u[2 * i + 1]);
+            op(_mm512_unpacklo_ps(e, f), _mm512_unpackhi_ps(e, f))
+        });
+        // Lane 4k + i: input 4i + k.
+        let r = op(
+            _mm512_shuffle_ps::<0b01_00_01_00>(t[0], t[1]),
+            _mm512_shuffle_ps::<0b11_10_11_10>(t[0], t[1]),
+        );
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(idx, r)
+    }
+
+    /// [`quantize`] for 16 consecutive blocks with the same operations per element, so the
+    /// same bits; but the reductions (maxima, code sums) and the scale divisions run for the
+    /// 16 at once. One block at a time was a chain of two reductions and four divisions
+    /// (about 60 cycles a block); a window's activations are quantized before every matmul.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn quantize16(x: &[f32], out: &mut [MaybeUninit<BlockA32>]) {
+        let (x, out) = (&x[..512], &mut out[..16]);
+        let v: [[__m512; 2]; 16] = std::array::from_fn(|j| {
+            [
+                _mm512_loadu_ps(x.as_ptr().add(32 * j)),
+                _mm512_loadu_ps(x.as_ptr().add(32 * j + 16)),
+            ]
+        });
+        let a: [__m512; 16] =
+            std::array::from_fn(|j| _mm512_max_ps(_mm512_abs_ps(v[j][0]), _mm512_abs_ps(v[j][1])));
+        let amax = fold16(&a, |p, q| _mm512_max_ps(p, q));
+        // As `BlockA32::quantizable` (NaN compares false both times).
+        let ok = _mm512_cmp_ps_mask::<_CMP_NEQ_OQ>(amax, _mm512_setzero_ps())
+            & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(amax, _mm512_set1_ps(f32::INFINITY));
+        let d1 = _mm512_div_ps(amax, _mm512_set1_ps(127.0));
+        let d2 = _mm512_div_ps(d1, _mm512_set1_ps(128.0));
+        let one = _mm512_set1_ps(1.0);
+        let (i1, i2) = (_mm512_div_ps(one, d1), _mm512_div_ps(one, d2));
+        let abs_i2 = _mm512_abs_ps(i2);
+        let ok = ok & _mm512_cmp_ps_mask::<_CMP_LT_OQ>(abs_i2, _mm512_set1_ps(f32::INFINITY));
+        let (mut d1s, mut i1s, mut i2s) = ([0f32; 16], [0f32; 16], [0f32; 16]);
+        _mm512_storeu_ps(d1s.as_mut_ptr(), d1);
+        _mm512_storeu_ps(i1s.as_mut_ptr(), i1);
+        _mm512_storeu_ps(i2s.as_mut_ptr(), i2);
+        let magic = _mm512_set1_ps(12_582_912.0);
+        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        let mut x16 = [[_mm512_setzero_ps(); 16]; 2];
+        for j in 0..16 {
+            let b = out[j].as_mut_ptr();
+            if ok & (1 << j) == 0 {
+                b.write(BlockA32::zero());
+                continue;
+            }
+            let (i1, i2, d1v) = (
+                _mm512_set1_ps(i1s[j]),
+                _mm512_set1_ps(i2s[j]),
+                _mm512_set1_ps(d1s[j]),
+            );
+            for (h, vh) in v[j].iter().enumerate() {
+                let q1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(*vh, i1), magic), magic);
+                let q1 = _mm512_max_ps(_mm512_min_ps(q1, hi), lo);
+                let r = _mm512_sub_ps(*vh, _mm512_mul_ps(q1, d1v));
+                let q2 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(r, i2), magic), magic);
+                let q2 = _mm512_max_ps(_mm512_min_ps(q2, hi), lo);
+                let p1 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q1));
+                let p2 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q2));
+                _mm_storeu_si128((&raw mut (*b).q1).cast::<i8>().add(16 * h).cast(), p1);
+                _mm_storeu_si128((&raw mut (*b).q2).cast::<i8>().add(16 * h).cast(), p2);
+                // Integers below 2²⁴ in magnitude: exact in any order, as the lane sums.
+                x16[h][j] = _mm512_add_ps(_mm512_mul_ps(q1, _mm512_set1_ps(128.0)), q2);
+            }
+        }
+        let add = |p, q| _mm512_add_ps(p, q);
+        let s0 = _mm512_cvtps_epi32(fold16(&x16[0], add));
+        let s1 = _mm512_cvtps_epi32(fold16(&x16[1], add));
+        let (mut s0s, mut s1s) = ([0i32; 16], [0i32; 16]);
+        _mm512_storeu_si512(s0s.as_mut_ptr().cast(), s0);
+        _mm512_storeu_si512(s1s.as_mut_ptr().cast(), s1);
+        let mut d2s = [0f32; 16];
+        _mm512_storeu_ps(d2s.as_mut_ptr(), d2);
+        for j in 0..16 {
+            if ok & (1 << j) != 0 {
+                BlockA32::write_sums(out[j].as_mut_ptr(), d2s[j], s0s[j], s1s[j]);
+            }
+        }
+    }
 
     /// SIMD twin of [`BlockA32::quantize`]: the same operations in the same order per element
-    /// (multiply, magic-number rounding, clamp, multiply, subtract), so the same bits.
+    /// (multiply, magic-number rounding, clamp, multiply, subtract), so the same bits. Writes
+    /// `b` in place (see [`super::quantize_into`]).
+    #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn quantize(x: &[f32]) -> BlockA32 {
+    unsafe fn quantize(x: &[f32], b: &mut MaybeUninit<BlockA32>) {
         let v = [
             _mm512_loadu_ps(x.as_ptr()),
             _mm512_loadu_ps(x.as_ptr().add(16)),
         ];
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-        let mut b = BlockA32::zero();
         if !BlockA32::quantizable(amax) {
-            return b;
+            b.write(BlockA32::zero());
+            return;
         }
+        let b = b.as_mut_ptr();
         let d1 = amax / 127.0;
         let d2 = d1 / 128.0;
         let (i1, i2) = (_mm512_set1_ps(1.0 / d1), _mm512_set1_ps(1.0 / d2));
@@ -1043,15 +1299,14 @@ mod x86 {
             let q2 = _mm512_max_ps(_mm512_min_ps(q2, hi), lo);
             let p1 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q1));
             let p2 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q2));
-            _mm_storeu_si128(b.q1.as_mut_ptr().add(16 * h) as *mut __m128i, p1);
-            _mm_storeu_si128(b.q2.as_mut_ptr().add(16 * h) as *mut __m128i, p2);
+            _mm_storeu_si128((&raw mut (*b).q1).cast::<i8>().add(16 * h).cast(), p1);
+            _mm_storeu_si128((&raw mut (*b).q2).cast::<i8>().add(16 * h).cast(), p2);
             // The half's code sum Σ 128·q1 + q2: integers below 2²⁴ in magnitude, so the
             // float sum is exact in any order.
             let x16 = _mm512_add_ps(_mm512_mul_ps(q1, _mm512_set1_ps(128.0)), q2);
             sums[h] = _mm512_reduce_add_ps(x16) as i32;
         }
-        b.finish_sums(d2, sums[0], sums[1]);
-        b
+        BlockA32::write_sums(b, d2, sums[0], sums[1]);
     }
 
     /// Prefetches the bytes [`super::PREFETCH_BYTES`] ahead of group `g`, as many as a group
@@ -1421,6 +1676,87 @@ mod tests {
                 (b.d.to_bits(), b.neg32.to_bits())
             );
         }
+    }
+
+    /// Every block's fields, bit for bit.
+    fn block_bits(b: &BlockA32) -> ([i8; QK], [i8; QK], i32, [u32; 4]) {
+        (
+            b.q1,
+            b.q2,
+            b.sum,
+            [
+                b.d.to_bits(),
+                b.neg32.to_bits(),
+                b.neg16x32[0].to_bits(),
+                b.neg16x32[1].to_bits(),
+            ],
+        )
+    }
+
+    #[test]
+    fn whole_rows_get_the_scalar_bits_on_every_path() {
+        // Rows of 1 … 49 blocks (the SIMD rows go 16 blocks at a time, then one by one), with
+        // blocks at every scale, all-zero ones, ones too small to quantize, infinite ones and
+        // outliers; and enough rows to be quantized in parallel.
+        let mut rng = Rng::new(21);
+        let scales = [0.0f32, 1e-37, 1e-34, 1e-3, 1.0, 7.5, 3e4, f32::INFINITY];
+        let shapes = [
+            (1, 32),
+            (1, 64),
+            (3, 15 * 32),
+            (2, 16 * 32),
+            (1, 17 * 32),
+            (5, 576),
+        ];
+        let shapes = shapes
+            .into_iter()
+            .chain([(4, 33 * 32), (16, 576), (9, 1536), (1, 49 * 32)]);
+        for (m, cols) in shapes {
+            let mut x = vec![0f32; m * cols];
+            for b in x.chunks_mut(QK) {
+                let scale = scales[rng.below(scales.len())];
+                for v in b.iter_mut() {
+                    *v = if scale.is_infinite() {
+                        scale
+                    } else {
+                        scale * rng.normal() as f32
+                    };
+                }
+                if scale == 1.0 && rng.below(4) == 0 {
+                    b[7] = 5e4; // an outlier of its span
+                }
+            }
+            let want = quantize_rows(&x, m, cols, Isa::Scalar);
+            assert_eq!(want.blocks.len(), m * cols / QK);
+            for isa in Isa::available() {
+                let got = quantize_rows(&x, m, cols, isa);
+                assert_eq!(got.outliers, want.outliers, "{m} × {cols} {isa:?}");
+                assert_eq!(got.blocks.len(), want.blocks.len());
+                for (i, (a, b)) in want.blocks.iter().zip(&got.blocks).enumerate() {
+                    assert_eq!(
+                        block_bits(a),
+                        block_bits(b),
+                        "{m} × {cols} block {i} {isa:?}"
+                    );
+                }
+            }
+            // Each row on its own gives the same as the rows together.
+            for r in 0..m {
+                let one = quantize_rows(&x[r * cols..(r + 1) * cols], 1, cols, Isa::detect());
+                let nb = cols / QK;
+                for (a, b) in one.blocks.iter().zip(&want.blocks[r * nb..(r + 1) * nb]) {
+                    assert_eq!(block_bits(a), block_bits(b));
+                }
+                assert_eq!(one.outliers[0], want.outliers[r]);
+            }
+        }
+        // A row shorter than a block gets no blocks; no row at all, nothing.
+        assert!(
+            quantize_rows(&[1.0; 20], 2, 10, Isa::detect())
+                .blocks
+                .is_empty()
+        );
+        assert!(quantize_rows(&[], 0, 576, Isa::detect()).blocks.is_empty());
     }
 
     #[test]

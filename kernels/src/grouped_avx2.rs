@@ -27,6 +27,7 @@
 
 use super::{BlockA32, Q4KGroup, Q6KGroup, Q41Group, Q50Group, Q80Group, Tile};
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 /// Rows of a group in one ymm register.
 const HALF: usize = 8;
@@ -412,10 +413,20 @@ tile_passes!(
     TILE
 );
 
-/// SIMD twin of [`BlockA32::quantize`] on AVX2: the same operations in the same order per
-/// element, so the same bits (for finite inputs).
+/// [`quantize`] over every block of a row (`x` holds 32 values per block of `out`).
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn quantize(x: &[f32]) -> BlockA32 {
+pub(super) unsafe fn quantize_row(x: &[f32], out: &mut [MaybeUninit<BlockA32>]) {
+    for (xb, b) in x.chunks_exact(32).zip(out.iter_mut()) {
+        quantize(xb, b);
+    }
+}
+
+/// SIMD twin of [`BlockA32::quantize`] on AVX2: the same operations in the same order per
+/// element, so the same bits (for finite inputs). Writes `b` in place (see
+/// [`super::quantize_into`]).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize(x: &[f32], b: &mut MaybeUninit<BlockA32>) {
     let v = [
         _mm256_loadu_ps(x.as_ptr()),
         _mm256_loadu_ps(x.as_ptr().add(8)),
@@ -430,10 +441,11 @@ pub(super) unsafe fn quantize(x: &[f32]) -> BlockA32 {
     let mut lanes = [0f32; 8];
     _mm256_storeu_ps(lanes.as_mut_ptr(), m);
     let amax = lanes.iter().fold(0f32, |a, &b| a.max(b));
-    let mut b = BlockA32::zero();
     if !BlockA32::quantizable(amax) {
-        return b;
+        b.write(BlockA32::zero());
+        return;
     }
+    let b = b.as_mut_ptr();
     let d1 = amax / 127.0;
     let d2 = d1 / 128.0;
     let (i1, i2) = (_mm256_set1_ps(1.0 / d1), _mm256_set1_ps(1.0 / d2));
@@ -451,12 +463,11 @@ pub(super) unsafe fn quantize(x: &[f32]) -> BlockA32 {
         _mm256_storeu_si256(c1.as_mut_ptr() as *mut __m256i, _mm256_cvttps_epi32(q1));
         _mm256_storeu_si256(c2.as_mut_ptr() as *mut __m256i, _mm256_cvttps_epi32(q2));
         for i in 0..8 {
-            b.q1[8 * q + i] = c1[i] as i8;
-            b.q2[8 * q + i] = c2[i] as i8;
+            (*b).q1[8 * q + i] = c1[i] as i8;
+            (*b).q2[8 * q + i] = c2[i] as i8;
             // Integers below 2²⁴ in magnitude: exact, as the other quantizers' sums.
             sums[q / 2] += 128 * c1[i] + c2[i];
         }
     }
-    b.finish_sums(d2, sums[0], sums[1]);
-    b
+    BlockA32::write_sums(b, d2, sums[0], sums[1]);
 }
