@@ -505,11 +505,19 @@ fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
     ids.truncate(a.positions);
     let mut result = Vec::new();
     for dense in [false, true] {
+        // `--kv-cache-dtype` picks the cache of the forward under test; the reference keeps
+        // f32 elements, so the cache's own rounding shows in the comparison.
+        let kv_dtype = if dense {
+            Some(dspark_runtime::KvDtype::F32)
+        } else {
+            g.kv_dtype
+        };
         let m = Model::load(
             &path,
             &dspark_runtime::LoadOptions {
                 dense,
                 max_ctx: Some(a.positions + 16),
+                kv_dtype,
                 ..g.load_opts()
             },
         )?;

@@ -110,6 +110,12 @@ pub unsafe trait KvElem: Copy + Send + Sync + 'static {
     const HALF: bool;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
+    /// [`KvElem::from_f32`] of every element (the cache writes rows of them).
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = Self::from_f32(x);
+        }
+    }
 }
 
 // SAFETY: f32 is f32.
@@ -135,6 +141,14 @@ unsafe impl KvElem for half::f16 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         half::f16::from_f32(x)
+    }
+    /// Eight at a time with F16C where the CPU has it (`half` checks at run time); the same
+    /// rounding (to nearest even) as one by one. One by one, a call each, the cache writes of
+    /// a 32-token step took 1.4 ms of its 45.
+    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        let n = src.len().min(dst.len());
+        dst[..n].convert_from_f32_slice(&src[..n]);
     }
 }
 

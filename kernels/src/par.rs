@@ -317,6 +317,71 @@ pub fn map<T: Send + Sync>(n: usize, f: impl Fn(usize) -> T + Sync + Send) -> Ve
         .collect()
 }
 
+/// Where [`rows2_mut`] hands each run its rows from.
+struct RowsPtr<T>(*mut T);
+// SAFETY: every run of the loop forms slices of its own rows only (see `rows2_mut`), and `T`
+// is `Send`, so the rows may be written from another thread.
+unsafe impl<T: Send> Send for RowsPtr<T> {}
+unsafe impl<T: Send> Sync for RowsPtr<T> {}
+
+/// `f(i, &mut a[i·la..], &mut b[i·lb..])` for the rows `i < n` of two row-major buffers
+/// (`n` = the rows both hold), in parallel when `parallel` (one run of consecutive rows per
+/// thread, as [`for_each`] runs them), else in order on this thread. For the per-token steps
+/// between a forward's matmuls (norms, RoPE, SwiGLU): one thread doing them for a batch of 32
+/// tokens left the other idle for a tenth of the step.
+pub fn rows2_mut<A: Send, B: Send>(
+    a: &mut [A],
+    la: usize,
+    b: &mut [B],
+    lb: usize,
+    parallel: bool,
+    f: impl Fn(usize, &mut [A], &mut [B]) + Sync + Send,
+) {
+    // A zero-length row (the unused buffer of `rows_mut`) is an empty slice for every row.
+    let Some(n) = a.len().checked_div(la) else {
+        return;
+    };
+    let n = b.len().checked_div(lb).map_or(n, |m| m.min(n));
+    let runs = threads().min(n);
+    if !parallel || runs < 2 {
+        for i in 0..n {
+            f(
+                i,
+                &mut a[i * la..(i + 1) * la],
+                &mut b[i * lb..(i + 1) * lb],
+            );
+        }
+        return;
+    }
+    let per = n.div_ceil(runs);
+    let (pa, pb) = (RowsPtr(a.as_mut_ptr()), RowsPtr(b.as_mut_ptr()));
+    for_each(n.div_ceil(per), |r| {
+        let (pa, pb) = (&pa, &pb);
+        for i in r * per..((r + 1) * per).min(n) {
+            // SAFETY: row i lies inside both buffers (i < n; an empty row is a zero-length
+            // slice at the buffer's own pointer), which outlive the loop, and no other index
+            // of the loop forms a slice of it.
+            let (ra, rb) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(pa.0.add(i * la), la),
+                    std::slice::from_raw_parts_mut(pb.0.add(i * lb), lb),
+                )
+            };
+            f(i, ra, rb);
+        }
+    });
+}
+
+/// [`rows2_mut`] over one buffer.
+pub fn rows_mut<T: Send>(
+    data: &mut [T],
+    len: usize,
+    parallel: bool,
+    f: impl Fn(usize, &mut [T]) + Sync + Send,
+) {
+    rows2_mut(data, len, &mut [0u8; 0], 0, parallel, |i, r, _| f(i, r));
+}
+
 /// Threads the parallel loops here would use: the installed team's, else rayon's.
 pub fn threads() -> usize {
     current().map_or_else(rayon::current_num_threads, Team::threads)
@@ -345,6 +410,47 @@ mod tests {
         let v = team.install(|| map(50, |i| i * i));
         assert_eq!(v, (0..50).map(|i| i * i).collect::<Vec<_>>());
         assert_eq!(team.install(threads), 3);
+    }
+
+    #[test]
+    fn rows_are_each_visited_once_with_their_own_index() {
+        let team = Team::new(3, "rows").unwrap();
+        for (n, la, lb) in [
+            (0usize, 4usize, 2usize),
+            (1, 4, 2),
+            (2, 3, 5),
+            (7, 4, 1),
+            (64, 9, 3),
+        ] {
+            for parallel in [false, true] {
+                let mut a = vec![0usize; n * la + 1]; // a spare element past the last row
+                let mut b = vec![0usize; n * lb];
+                team.install(|| {
+                    rows2_mut(&mut a, la, &mut b, lb, parallel, |i, ra, rb| {
+                        assert_eq!((ra.len(), rb.len()), (la, lb));
+                        ra.iter_mut().for_each(|x| *x += i + 1);
+                        rb.iter_mut().for_each(|x| *x += 2 * i + 1);
+                    })
+                });
+                for i in 0..n {
+                    assert!(
+                        a[i * la..(i + 1) * la].iter().all(|&x| x == i + 1),
+                        "{n} {la}"
+                    );
+                    assert!(b[i * lb..(i + 1) * lb].iter().all(|&x| x == 2 * i + 1));
+                }
+                assert_eq!(a[n * la], 0, "past the rows");
+                let mut c = vec![0usize; n * la];
+                team.install(|| rows_mut(&mut c, la, parallel, |i, r| r.fill(i)));
+                assert!(
+                    c.chunks(la)
+                        .enumerate()
+                        .all(|(i, r)| r.iter().all(|&x| x == i))
+                );
+            }
+        }
+        // A zero-length row: nothing to visit, no panic.
+        rows_mut(&mut [1u8; 4], 0, true, |_, _| panic!("no rows"));
     }
 
     #[test]

@@ -123,15 +123,23 @@ impl<E: KvElem> Pool<E> {
         let d = nkv * hd;
         let (b, off) = (slot / bs, slot % bs);
         let kp = &mut self.k[layer];
+        // Converted a head's row at a time, then scattered into the transposed block.
+        let mut row = [E::from_f32(0.0); 256];
         for h in 0..nkv {
             let base = (b * nkv + h) * hd * bs + off;
-            for i in 0..hd {
-                kp[base + i * bs] = E::from_f32(k[h * hd + i]);
+            let src = &k[h * hd..(h + 1) * hd];
+            if hd <= row.len() {
+                E::from_f32_slice(src, &mut row[..hd]);
+                for (i, &e) in row[..hd].iter().enumerate() {
+                    kp[base + i * bs] = e;
+                }
+            } else {
+                for (i, &x) in src.iter().enumerate() {
+                    kp[base + i * bs] = E::from_f32(x);
+                }
             }
         }
-        for (dst, &x) in self.v[layer][slot * d..(slot + 1) * d].iter_mut().zip(v) {
-            *dst = E::from_f32(x);
-        }
+        E::from_f32_slice(v, &mut self.v[layer][slot * d..(slot + 1) * d]);
     }
 
     fn read_k(&self, cfg: &KvConfig, layer: usize, slot: usize) -> Vec<f32> {
