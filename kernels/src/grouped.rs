@@ -249,39 +249,35 @@ pub fn quantize_into<'a>(
     for b in tail {
         b.write(BlockA32::zero());
     }
-    let x = &x[..n * QK];
-    let mut done = false;
+    fill_blocks(&x[..n * QK], isa, head);
+    // SAFETY: every block of `out` was written above (the SIMD rows write each of theirs).
+    unsafe { &mut *(out as *mut [MaybeUninit<BlockA32>] as *mut [BlockA32]) }
+}
+
+/// Writes every block of `out` from the 32 values each of `x` (which holds exactly those).
+fn fill_blocks(x: &[f32], isa: Isa, out: &mut [MaybeUninit<BlockA32>]) {
     #[cfg(target_arch = "x86_64")]
     if isa.is_supported() {
         match isa {
             // SAFETY: `is_supported` checked this CPU has the ISA's features; `x` holds 32
-            // values per block of `head`.
-            Isa::Avx512 | Isa::Avx512Bf16 => {
-                unsafe { x86::quantize_row(x, head) };
-                done = true;
-            }
-            Isa::Avx2 | Isa::Avx2Vnni => {
-                unsafe { avx2::quantize_row(x, head) };
-                done = true;
-            }
+            // values per block of `out`.
+            Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { x86::quantize_row(x, out) },
+            Isa::Avx2 | Isa::Avx2Vnni => return unsafe { avx2::quantize_row(x, out) },
             Isa::Scalar | Isa::Neon | Isa::NeonDot => {}
         }
     }
     #[cfg(target_arch = "aarch64")]
-    if !done && matches!(isa, Isa::Neon | Isa::NeonDot) && isa.is_supported() {
-        for (xb, b) in x.chunks_exact(QK).zip(head.iter_mut()) {
+    if matches!(isa, Isa::Neon | Isa::NeonDot) && isa.is_supported() {
+        for (xb, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
             // SAFETY: `is_supported` checked this CPU has NEON; `xb` holds 32 values.
             b.write(unsafe { neon::quantize(xb) });
         }
-        done = true;
+        return;
     }
-    if !done {
-        for (xb, b) in x.chunks_exact(QK).zip(head.iter_mut()) {
-            b.write(BlockA32::quantize(xb));
-        }
+    let _ = isa;
+    for (xb, b) in x.chunks_exact(QK).zip(out.iter_mut()) {
+        b.write(BlockA32::quantize(xb));
     }
-    // SAFETY: every block of `out` was written above (the SIMD rows write each of theirs).
-    unsafe { &mut *(out as *mut [MaybeUninit<BlockA32>] as *mut [BlockA32]) }
 }
 
 /// Where [`quantize_rows`] writes a row's blocks from the parallel loop.
@@ -1225,8 +1221,6 @@ mod x86 {
         _mm512_storeu_ps(d1s.as_mut_ptr(), d1);
         _mm512_storeu_ps(i1s.as_mut_ptr(), i1);
         _mm512_storeu_ps(i2s.as_mut_ptr(), i2);
-        let magic = _mm512_set1_ps(12_582_912.0);
-        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
         let mut x16 = [[_mm512_setzero_ps(); 16]; 2];
         for j in 0..16 {
             let b = out[j].as_mut_ptr();
@@ -1240,17 +1234,7 @@ mod x86 {
                 _mm512_set1_ps(d1s[j]),
             );
             for (h, vh) in v[j].iter().enumerate() {
-                let q1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(*vh, i1), magic), magic);
-                let q1 = _mm512_max_ps(_mm512_min_ps(q1, hi), lo);
-                let r = _mm512_sub_ps(*vh, _mm512_mul_ps(q1, d1v));
-                let q2 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(r, i2), magic), magic);
-                let q2 = _mm512_max_ps(_mm512_min_ps(q2, hi), lo);
-                let p1 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q1));
-                let p2 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q2));
-                _mm_storeu_si128((&raw mut (*b).q1).cast::<i8>().add(16 * h).cast(), p1);
-                _mm_storeu_si128((&raw mut (*b).q2).cast::<i8>().add(16 * h).cast(), p2);
-                // Integers below 2²⁴ in magnitude: exact in any order, as the lane sums.
-                x16[h][j] = _mm512_add_ps(_mm512_mul_ps(q1, _mm512_set1_ps(128.0)), q2);
+                x16[h][j] = codes_half(*vh, i1, i2, d1v, b, h);
             }
         }
         let add = |p, q| _mm512_add_ps(p, q);
@@ -1268,8 +1252,36 @@ mod x86 {
         }
     }
 
-    /// SIMD twin of [`BlockA32::quantize`]: the same operations in the same order per element
-    /// (multiply, magic-number rounding, clamp, multiply, subtract), so the same bits. Writes
+    /// The codes of half a block (16 values, `h` = 0 or 1) stored into `b`, and per lane
+    /// 128·q1 + q2: the same operations in the same order per element as
+    /// [`BlockA32::quantize`] (multiply, magic-number rounding, clamp, multiply, subtract), so
+    /// the same bits. Those are integers below 2²⁴ in magnitude: their float sums are exact in
+    /// any order.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn codes_half(
+        vh: __m512,
+        i1: __m512,
+        i2: __m512,
+        d1: __m512,
+        b: *mut BlockA32,
+        h: usize,
+    ) -> __m512 {
+        let magic = _mm512_set1_ps(12_582_912.0);
+        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        let q1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(vh, i1), magic), magic);
+        let q1 = _mm512_max_ps(_mm512_min_ps(q1, hi), lo);
+        let r = _mm512_sub_ps(vh, _mm512_mul_ps(q1, d1));
+        let q2 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(r, i2), magic), magic);
+        let q2 = _mm512_max_ps(_mm512_min_ps(q2, hi), lo);
+        let p1 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q1));
+        let p2 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q2));
+        _mm_storeu_si128((&raw mut (*b).q1).cast::<i8>().add(16 * h).cast(), p1);
+        _mm_storeu_si128((&raw mut (*b).q2).cast::<i8>().add(16 * h).cast(), p2);
+        _mm512_add_ps(_mm512_mul_ps(q1, _mm512_set1_ps(128.0)), q2)
+    }
+
+    /// SIMD twin of [`BlockA32::quantize`] for one block ([`codes_half`] per half). Writes
     /// `b` in place (see [`super::quantize_into`]).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
@@ -1287,24 +1299,12 @@ mod x86 {
         let d1 = amax / 127.0;
         let d2 = d1 / 128.0;
         let (i1, i2) = (_mm512_set1_ps(1.0 / d1), _mm512_set1_ps(1.0 / d2));
-        let magic = _mm512_set1_ps(12_582_912.0);
-        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
         let d1v = _mm512_set1_ps(d1);
         let mut sums = [0i32; 2];
         for (h, vh) in v.iter().enumerate() {
-            let q1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(*vh, i1), magic), magic);
-            let q1 = _mm512_max_ps(_mm512_min_ps(q1, hi), lo);
-            let r = _mm512_sub_ps(*vh, _mm512_mul_ps(q1, d1v));
-            let q2 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(r, i2), magic), magic);
-            let q2 = _mm512_max_ps(_mm512_min_ps(q2, hi), lo);
-            let p1 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q1));
-            let p2 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q2));
-            _mm_storeu_si128((&raw mut (*b).q1).cast::<i8>().add(16 * h).cast(), p1);
-            _mm_storeu_si128((&raw mut (*b).q2).cast::<i8>().add(16 * h).cast(), p2);
             // The half's code sum Σ 128·q1 + q2: integers below 2²⁴ in magnitude, so the
             // float sum is exact in any order.
-            let x16 = _mm512_add_ps(_mm512_mul_ps(q1, _mm512_set1_ps(128.0)), q2);
-            sums[h] = _mm512_reduce_add_ps(x16) as i32;
+            sums[h] = _mm512_reduce_add_ps(codes_half(*vh, i1, i2, d1v, b, h)) as i32;
         }
         BlockA32::write_sums(b, d2, sums[0], sums[1]);
     }
@@ -1695,6 +1695,12 @@ mod tests {
 
     #[test]
     fn whole_rows_get_the_scalar_bits_on_every_path() {
+        // On a team of two, as in a forward, so the rows of 256 blocks or more are split.
+        let team = crate::par::Team::new(2, "quantize-test").unwrap();
+        team.install(whole_rows_case);
+    }
+
+    fn whole_rows_case() {
         // Rows of 1 … 49 blocks (the SIMD rows go 16 blocks at a time, then one by one), with
         // blocks at every scale, all-zero ones, ones too small to quantize, infinite ones and
         // outliers; and enough rows to be quantized in parallel.
