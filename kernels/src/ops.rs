@@ -325,7 +325,7 @@ unsafe fn attend_neon<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, o
 /// tokens decoded one by one, and every ISA gives the same bits.
 #[allow(unsafe_op_in_unsafe_fn)]
 mod attend_simd {
-    use super::{AttendArgs, KvElem, softmax_body};
+    use super::{AttendArgs, KvElem, fast_exp};
     #[cfg(target_arch = "aarch64")]
     use std::arch::aarch64::*;
     #[cfg(target_arch = "x86_64")]
@@ -336,10 +336,12 @@ mod attend_simd {
     /// 16 f32 lanes. Callers enable the target features of the implementation they use
     /// (AVX-512F for [`Zmm`]; AVX2, FMA and F16C for [`Ymm2`]; NEON for [`Neon4`]).
     pub(super) trait Lanes: Copy {
-        /// Most query rows one pass of scores keeps in registers.
+        /// Most query rows one pass of scores keeps in registers (two accumulators a row).
         const ROWS: usize;
-        /// Most query rows one pass of values keeps in registers at head_dim 64 (half that,
-        /// at least one, at 128).
+        /// 16-lane vectors of a value row one pass accumulates (2 or 4: a quarter or a half of
+        /// head_dim 128, a half or all of 64).
+        const VALUE_COLS: usize;
+        /// Most query rows one pass of values keeps in registers (`VALUE_COLS` vectors a row).
         const VALUE_ROWS: usize;
         unsafe fn zero() -> Self;
         unsafe fn splat(x: f32) -> Self;
@@ -379,6 +381,7 @@ mod attend_simd {
 
     impl Lanes for Mirror {
         const ROWS: usize = 4;
+        const VALUE_COLS: usize = 4;
         const VALUE_ROWS: usize = 4;
         #[inline(always)]
         unsafe fn zero() -> Self {
@@ -436,6 +439,7 @@ mod attend_simd {
     impl Lanes for Neon4 {
         // 32 registers of 4 lanes hold as many 16-lane values as AVX2's 16 of 8.
         const ROWS: usize = 2;
+        const VALUE_COLS: usize = 4;
         const VALUE_ROWS: usize = 1;
         #[inline(always)]
         unsafe fn zero() -> Self {
@@ -483,8 +487,14 @@ mod attend_simd {
 
     #[cfg(target_arch = "x86_64")]
     impl Lanes for Zmm {
-        const ROWS: usize = 4;
-        const VALUE_ROWS: usize = 4;
+        // 24 accumulators and two key rows of the 32 registers: one pass over the keys
+        // serves a verification window of 4 tokens × 3 GQA heads, so each key is converted
+        // from f16 once per 12 rows (the conversion shares the FMA ports).
+        const ROWS: usize = 12;
+        // Half a 64-wide row per pass: 24 accumulators again, each value vector converted
+        // once per 12 rows instead of once per 4.
+        const VALUE_COLS: usize = 2;
+        const VALUE_ROWS: usize = 12;
         #[inline(always)]
         unsafe fn zero() -> Self {
             Zmm(_mm512_setzero_ps())
@@ -531,6 +541,7 @@ mod attend_simd {
     impl Lanes for Ymm2 {
         const ROWS: usize = 2;
         // Head dim 64 is eight ymm per row already.
+        const VALUE_COLS: usize = 4;
         const VALUE_ROWS: usize = 1;
         #[inline(always)]
         unsafe fn zero() -> Self {
@@ -604,42 +615,118 @@ mod attend_simd {
         if !fits {
             return false;
         }
-        let lp = nb * BS;
+        // Scratch: the scores, block-major (`[block][row][BS]`, so a pass finds its rows'
+        // weights for one position at fixed offsets from one pointer), then the queries
+        // transposed (`[dim][row]`, likewise for one dimension).
         scores.clear();
-        scores.resize(r_n * lp, 0.0);
+        scores.resize(nb * r_n * BS + hd * r_n, 0.0);
+        let (sc, qt) = scores.split_at_mut(nb * r_n * BS);
+        for (r, q) in a.q[..r_n * hd].chunks_exact(hd).enumerate() {
+            for (d, &x) in q.iter().enumerate() {
+                qt[d * r_n + r] = x;
+            }
+        }
         let mut r = 0;
         while r < r_n {
-            r += match (r_n - r).min(V::ROWS) {
-                1 => scores_rows::<V, 1, E>(a, r, lp, scores),
-                2 => scores_rows::<V, 2, E>(a, r, lp, scores),
-                3 => scores_rows::<V, 3, E>(a, r, lp, scores),
-                _ => scores_rows::<V, 4, E>(a, r, lp, scores),
+            r += match pass_rows(r_n - r, V::ROWS) {
+                1 => scores_rows::<V, 1, E>(a, qt, r, sc),
+                2 => scores_rows::<V, 2, E>(a, qt, r, sc),
+                3 => scores_rows::<V, 3, E>(a, qt, r, sc),
+                4 => scores_rows::<V, 4, E>(a, qt, r, sc),
+                6 => scores_rows::<V, 6, E>(a, qt, r, sc),
+                8 => scores_rows::<V, 8, E>(a, qt, r, sc),
+                _ => scores_rows::<V, 12, E>(a, qt, r, sc),
             };
         }
         for r in 0..r_n {
-            let row = &mut scores[r * lp..(r + 1) * lp];
-            let (live, tail) = row.split_at_mut(a.lims[r]);
-            softmax_body(live);
-            // Grouped rows were scored past their own limit: those weights must be exactly 0.
-            tail.fill(0.0);
+            softmax_row(sc, r_n, r, a.lims[r], nb);
         }
-        let value_rows = if hd == 64 {
-            V::VALUE_ROWS
-        } else {
-            (V::VALUE_ROWS / 2).max(1)
-        };
-        let mut r = 0;
-        while r < r_n {
-            r += match (hd, (r_n - r).min(value_rows)) {
-                (64, 1) => values_rows::<V, 4, 1, E>(a, scores, lp, r, out),
-                (64, 2) => values_rows::<V, 4, 2, E>(a, scores, lp, r, out),
-                (64, 3) => values_rows::<V, 4, 3, E>(a, scores, lp, r, out),
-                (64, _) => values_rows::<V, 4, 4, E>(a, scores, lp, r, out),
-                (_, 1) => values_rows::<V, 8, 1, E>(a, scores, lp, r, out),
-                _ => values_rows::<V, 8, 2, E>(a, scores, lp, r, out),
-            };
+        let scores = &*sc;
+        // Each output element's sum runs over the positions in order whatever the pass
+        // shape, so the shape changes no bits.
+        for c0 in (0..hd).step_by(16 * V::VALUE_COLS) {
+            let mut r = 0;
+            while r < r_n {
+                r += match (V::VALUE_COLS, pass_rows(r_n - r, V::VALUE_ROWS)) {
+                    (2, 1) => values_rows::<V, 2, 1, E>(a, scores, r, c0, out),
+                    (2, 2) => values_rows::<V, 2, 2, E>(a, scores, r, c0, out),
+                    (2, 3) => values_rows::<V, 2, 3, E>(a, scores, r, c0, out),
+                    (2, 4) => values_rows::<V, 2, 4, E>(a, scores, r, c0, out),
+                    (2, 6) => values_rows::<V, 2, 6, E>(a, scores, r, c0, out),
+                    (2, 8) => values_rows::<V, 2, 8, E>(a, scores, r, c0, out),
+                    (2, _) => values_rows::<V, 2, 12, E>(a, scores, r, c0, out),
+                    (_, 1) => values_rows::<V, 4, 1, E>(a, scores, r, c0, out),
+                    (_, 2) => values_rows::<V, 4, 2, E>(a, scores, r, c0, out),
+                    (_, 3) => values_rows::<V, 4, 3, E>(a, scores, r, c0, out),
+                    _ => values_rows::<V, 4, 4, E>(a, scores, r, c0, out),
+                };
+            }
         }
         true
+    }
+
+    /// Softmax of row `r` of block-major scores over its first `lim` positions, with the
+    /// bits of `softmax_body` on the row laid out flat (the same maximum, the same sum in
+    /// the same order: 16 partial sums over whole blocks, the partial block's sum added
+    /// last); the row's positions from `lim` up to `nb` blocks become exactly 0, since a
+    /// pass with a longer row reads them.
+    #[inline(always)]
+    fn softmax_row(sc: &mut [f32], r_n: usize, r: usize, lim: usize, nb: usize) {
+        let at = |bi: usize| (bi * r_n + r) * BS;
+        let (full, part) = (lim / BS, lim % BS);
+        // The partial block's live positions (none when `lim` ends a block, which may be
+        // the last one).
+        let tail_at = if part > 0 { at(full) } else { 0 };
+        let mut mx = [f32::NEG_INFINITY; BS];
+        for bi in 0..full {
+            let b = &sc[at(bi)..at(bi) + BS];
+            for j in 0..BS {
+                mx[j] = if b[j] > mx[j] { b[j] } else { mx[j] };
+            }
+        }
+        let m = sc[tail_at..tail_at + part]
+            .iter()
+            .chain(mx.iter())
+            .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+        let mut acc = [0f32; BS];
+        for bi in 0..full {
+            let b = &mut sc[at(bi)..at(bi) + BS];
+            for j in 0..BS {
+                b[j] = fast_exp(b[j] - m);
+                acc[j] += b[j];
+            }
+        }
+        let tail = &mut sc[tail_at..tail_at + part];
+        for v in tail.iter_mut() {
+            *v = fast_exp(*v - m);
+        }
+        let rem: f32 = tail.iter().sum();
+        let inv = 1.0 / (acc.iter().sum::<f32>() + rem);
+        for bi in 0..full {
+            for v in &mut sc[at(bi)..at(bi) + BS] {
+                *v *= inv;
+            }
+        }
+        for v in &mut sc[tail_at..tail_at + part] {
+            *v *= inv;
+        }
+        if part > 0 {
+            sc[tail_at + part..tail_at + BS].fill(0.0);
+        }
+        for bi in lim.div_ceil(BS)..nb {
+            sc[at(bi)..at(bi) + BS].fill(0.0);
+        }
+    }
+
+    /// Rows for the next pass: the largest instantiated count that `left` rows and the
+    /// lanes' register budget `max` allow.
+    #[inline(always)]
+    fn pass_rows(left: usize, max: usize) -> usize {
+        let m = left.min(max);
+        [12, 8, 6, 4, 3, 2]
+            .into_iter()
+            .find(|&c| c <= m)
+            .unwrap_or(1)
     }
 
     /// Scores of rows `r0..r0 + R` for every key block up to the largest of their limits; two
@@ -647,13 +734,13 @@ mod attend_simd {
     #[inline(always)]
     unsafe fn scores_rows<V: Lanes, const R: usize, E: KvElem>(
         a: &AttendArgs<'_, E>,
+        qt: &[f32],
         r0: usize,
-        lp: usize,
         scores: &mut [f32],
     ) -> usize {
         let hd = a.hd;
+        let r_n = a.lims.len();
         let lim = a.lims[r0..r0 + R].iter().copied().max().unwrap_or(0);
-        let qp: [*const f32; R] = std::array::from_fn(|u| a.q.as_ptr().add((r0 + u) * hd));
         let scale = V::splat(a.scale);
         let nb = lim.div_ceil(BS);
         let tile = hd * BS * std::mem::size_of::<E>();
@@ -674,57 +761,65 @@ mod attend_simd {
             for d in (0..hd).step_by(2) {
                 let k0 = V::load(kt.add(d * BS));
                 let k1 = V::load(kt.add((d + 1) * BS));
+                let (q0, q1) = (
+                    qt.as_ptr().add(d * r_n + r0),
+                    qt.as_ptr().add((d + 1) * r_n + r0),
+                );
                 for u in 0..R {
-                    a0[u] = V::fmadd(V::splat(*qp[u].add(d)), k0, a0[u]);
-                    a1[u] = V::fmadd(V::splat(*qp[u].add(d + 1)), k1, a1[u]);
+                    a0[u] = V::fmadd(V::splat(*q0.add(u)), k0, a0[u]);
+                    a1[u] = V::fmadd(V::splat(*q1.add(u)), k1, a1[u]);
                 }
             }
+            let dst = scores.as_mut_ptr().add((bi * r_n + r0) * BS);
             for u in 0..R {
-                let dst = scores.as_mut_ptr().add((r0 + u) * lp + bi * BS);
-                V::mul(V::add(a0[u], a1[u]), scale).store(dst);
+                V::mul(V::add(a0[u], a1[u]), scale).store(dst.add(u * BS));
             }
         }
         R
     }
 
-    /// `out[r] = Σ_p w[r][p] · V[p]` for rows `r0..r0 + R` (head_dim `16·NV`), walking the
-    /// block table block by block. Returns `R`.
+    /// `out[r][c0..c0 + 16·NV] = Σ_p w[r][p] · V[p][c0..]` for rows `r0..r0 + R`, walking
+    /// the block table block by block. Returns `R`.
     #[inline(always)]
     unsafe fn values_rows<V: Lanes, const NV: usize, const R: usize, E: KvElem>(
         a: &AttendArgs<'_, E>,
         scores: &[f32],
-        lp: usize,
         r0: usize,
+        c0: usize,
         out: &mut [f32],
     ) -> usize {
-        let hd = 16 * NV;
+        let hd = a.hd;
         let kvd = a.n_kv * hd;
+        let r_n = a.lims.len();
         let lim = a.lims[r0..r0 + R].iter().copied().max().unwrap_or(0);
-        let wp: [*const f32; R] = std::array::from_fn(|u| scores.as_ptr().add((r0 + u) * lp));
         let mut acc = [[V::zero(); NV]; R];
         for (bi, &blk) in a.blocks.iter().enumerate() {
             let p0 = bi * BS;
             if p0 >= lim {
                 break;
             }
-            let base = a.vpool.as_ptr().add(blk as usize * BS * kvd + a.g * hd);
+            let base = a
+                .vpool
+                .as_ptr()
+                .add(blk as usize * BS * kvd + a.g * hd + c0);
             if let Some(&next) = a.blocks.get(bi + 1).filter(|_| p0 + BS < lim) {
                 let nv = a
                     .vpool
                     .as_ptr()
-                    .wrapping_add(next as usize * BS * kvd + a.g * hd);
+                    .wrapping_add(next as usize * BS * kvd + a.g * hd + c0);
                 for j in 0..BS {
                     V::prefetch(
                         nv.wrapping_add(j * kvd) as *const u8,
-                        hd * std::mem::size_of::<E>(),
+                        16 * NV * std::mem::size_of::<E>(),
                     );
                 }
             }
+            let wb = scores.as_ptr().add((bi * r_n + r0) * BS);
             for j in 0..BS.min(lim - p0) {
                 let vr = base.add(j * kvd);
                 let v: [V; NV] = std::array::from_fn(|i| V::load(vr.add(16 * i)));
                 for u in 0..R {
-                    let w = V::splat(*wp[u].add(p0 + j));
+                    let w = V::splat(*wb.add(u * BS + j));
                     for i in 0..NV {
                         acc[u][i] = V::fmadd(w, v[i], acc[u][i]);
                     }
@@ -733,7 +828,7 @@ mod attend_simd {
         }
         for u in 0..R {
             for i in 0..NV {
-                acc[u][i].store(out.as_mut_ptr().add((r0 + u) * hd + 16 * i));
+                acc[u][i].store(out.as_mut_ptr().add((r0 + u) * hd + c0 + 16 * i));
             }
         }
         R
@@ -1004,12 +1099,21 @@ mod tests {
     #[test]
     fn attend_matches_naive_causal_attention() {
         // The generic shape, the grouped fast paths (head_dim 64 and 128, blocks of 16) with
-        // every count of rows left over after groups of four, and uneven limits within a group.
+        // every count of rows left over after a pass's rows (12, 8, 6, 4, 3, 2 or 1 on some
+        // path), limits that end a block (the last one too) and uneven limits within a pass.
+        let long: Vec<usize> = (0..25)
+            .map(|i| [48, 16, 33, 1, 47, 32, 20][i % 7])
+            .collect();
         let shapes = [
             (16usize, 8usize, vec![5usize, 17, 30, 1, 48]),
             (64, 16, vec![5, 17, 30, 1, 48, 48, 47, 2, 33]),
             (64, 16, vec![40, 41, 42]),
             (128, 16, vec![9, 48, 1]),
+            (64, 16, long[..14].to_vec()),
+            (64, 16, long[..11].to_vec()),
+            (64, 16, long[..7].to_vec()),
+            (64, 16, long.clone()),
+            (128, 16, long[..13].to_vec()),
         ];
         for (hd, bs, lims) in shapes {
             attend_case::<f32>(hd, bs, &lims);
