@@ -31,6 +31,7 @@ fn main() {
                 lims: &lims,
                 kpool: &kpool,
                 vpool: &vpool,
+                vscale: &[],
                 blocks: &blocks,
                 bs,
                 n_kv,

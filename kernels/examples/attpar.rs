@@ -35,6 +35,7 @@ fn main() {
                     lims: &lims,
                     kpool: &kpool,
                     vpool: &vpool,
+                    vscale: &[],
                     blocks: &blocks,
                     bs,
                     n_kv,

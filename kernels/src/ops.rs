@@ -74,7 +74,13 @@ pub fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
 /// `[block][bs][kv_heads·hd]`. Grouping every query of a sequence and KV head (GQA heads ×
 /// verified tokens) reads each cached block once per task.
 #[allow(clippy::too_many_arguments)]
-pub fn attend<E: KvElem>(isa: Isa, a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
+pub fn attend<KE: KvElem, VE: KvElem>(
+    isa: Isa,
+    a: &AttendArgs<'_, KE, VE>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    const { assert!(!KE::I8, "keys are f32 or f16") };
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { attend_avx512(a, scores, out) },
@@ -89,25 +95,30 @@ pub fn attend<E: KvElem>(isa: Isa, a: &AttendArgs<'_, E>, scores: &mut Vec<f32>,
 /// The SIMD attention kernels' arithmetic in portable code (one multiply-add rounding per
 /// lane step, as theirs): every SIMD path gives these bits for the shapes they take (tested),
 /// so x86 and Arm compute the same attention. `false` when the shape is not one they take.
-pub fn attend_mirror<E: KvElem>(
-    a: &AttendArgs<'_, E>,
+pub fn attend_mirror<KE: KvElem, VE: KvElem>(
+    a: &AttendArgs<'_, KE, VE>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) -> bool {
     // SAFETY: the portable lanes use no instructions beyond the baseline; `run` checks every
     // index against the pools before forming a pointer.
-    unsafe { attend_simd::run::<attend_simd::Mirror, E>(a, scores, out) }
+    unsafe { attend_simd::run::<attend_simd::Mirror, KE, VE>(a, scores, out) }
 }
 
 /// An element of the KV cache. f16 halves the bytes a decode streams through attention, which
 /// at long contexts is most of them (SmolLM2 at ctx 2048: 94 MB of f32 K/V against 96 MB of
 /// weights per token); f32 is kept for the f32 reference forward.
 ///
+/// `i8` is an 8-bit code (values only): the element is the code times the scale
+/// [`AttendArgs::vscale`] carries.
+///
 /// # Safety
 /// `HALF` is true exactly for IEEE binary16 (the x86 kernel loads such elements with
-/// `vcvtph2ps`), false exactly for `f32`.
+/// `vcvtph2ps`) and `I8` exactly for `i8` (loaded with a sign extension); both are false
+/// exactly for `f32`.
 pub unsafe trait KvElem: Copy + Send + Sync + 'static {
     const HALF: bool;
+    const I8: bool = false;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
     /// [`KvElem::from_f32`] of every element (the cache writes rows of them).
@@ -152,12 +163,33 @@ unsafe impl KvElem for half::f16 {
     }
 }
 
-/// Inputs of [`attend`].
-pub struct AttendArgs<'a, E: KvElem = f32> {
+// SAFETY: i8 is i8.
+unsafe impl KvElem for i8 {
+    const HALF: bool = false;
+    const I8: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    /// The code nearest `x` (ties to even), saturated to ±127; NaN gives 0. Adding and
+    /// taking away 1.5·2²³ rounds in one instruction each, where `f32::round` is a libm call
+    /// on baseline x86-64, which made a cache write of 32 tokens cost milliseconds.
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        const MAGIC: f32 = 12_582_912.0;
+        ((x.clamp(-127.0, 127.0) + MAGIC) - MAGIC) as i8
+    }
+}
+
+/// Inputs of [`attend`]. Keys are f32 or f16 (`KE`); values (`VE`) may also be 8-bit codes.
+pub struct AttendArgs<'a, KE: KvElem = f32, VE: KvElem = KE> {
     pub q: &'a [f32],
     pub lims: &'a [usize],
-    pub kpool: &'a [E],
-    pub vpool: &'a [E],
+    pub kpool: &'a [KE],
+    pub vpool: &'a [VE],
+    /// With `i8` values, the scale of each position's value row per head (the value is its
+    /// code times it), `[block][head][position in block]`; empty otherwise.
+    pub vscale: &'a [f32],
     /// The sequence's block table.
     pub blocks: &'a [u32],
     pub bs: usize,
@@ -167,8 +199,13 @@ pub struct AttendArgs<'a, E: KvElem = f32> {
     pub scale: f32,
 }
 
+/// The portable attention.
 #[inline(always)]
-fn attend_body<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
+fn attend_body<KE: KvElem, VE: KvElem>(
+    a: &AttendArgs<'_, KE, VE>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let r_n = a.lims.len();
     let l = a.lims.iter().copied().max().unwrap_or(0);
     let (hd, bs) = (a.hd, a.bs);
@@ -188,7 +225,7 @@ fn attend_body<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mu
             let dst = &mut scores[r * lp + bi * bs..r * lp + (bi + 1) * bs];
             if bs == 16 {
                 // Fixed-width accumulator: stays in one vector register.
-                block_scores::<16, E>(q, kt, a.scale, dst);
+                block_scores::<16, KE>(q, kt, a.scale, dst);
             } else {
                 acc.fill(0.0);
                 for (d, &qd) in q.iter().enumerate() {
@@ -210,12 +247,13 @@ fn attend_body<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mu
         let w = &scores[r * lp..r * lp + a.lims[r]];
         let o = &mut out[r * hd..(r + 1) * hd];
         match hd {
-            64 => weighted_values::<64, E>(w, a, kvd, o),
-            128 => weighted_values::<128, E>(w, a, kvd, o),
+            64 => weighted_values::<64, KE, VE>(w, a, kvd, o),
+            128 => weighted_values::<128, KE, VE>(w, a, kvd, o),
             _ => {
                 for (p, &wp) in w.iter().enumerate() {
                     let slot = a.blocks[p / bs] as usize * bs + p % bs;
                     let v = &a.vpool[slot * kvd + a.g * hd..][..hd];
+                    let wp = wp * value_scale(a, p);
                     for (oi, vi) in o.iter_mut().zip(v) {
                         *oi = wp.mul_add(vi.to_f32(), *oi);
                     }
@@ -250,11 +288,21 @@ fn block_scores<const BS: usize, E: KvElem>(q: &[f32], kt: &[E], scale: f32, dst
     }
 }
 
+/// The scale of position `p`'s value row (1 for float values).
+#[inline(always)]
+fn value_scale<KE: KvElem, VE: KvElem>(a: &AttendArgs<'_, KE, VE>, p: usize) -> f32 {
+    if VE::I8 {
+        a.vscale[(a.blocks[p / a.bs] as usize * a.n_kv + a.g) * a.bs + p % a.bs]
+    } else {
+        1.0
+    }
+}
+
 /// `out = Σ_p w[p] · V[p]` for one query row, accumulators in registers (two chains).
 #[inline(always)]
-fn weighted_values<const HD: usize, E: KvElem>(
+fn weighted_values<const HD: usize, KE: KvElem, VE: KvElem>(
     w: &[f32],
-    a: &AttendArgs<'_, E>,
+    a: &AttendArgs<'_, KE, VE>,
     kvd: usize,
     out: &mut [f32],
 ) {
@@ -268,7 +316,7 @@ fn weighted_values<const HD: usize, E: KvElem>(
     let n2 = w.len() / 2 * 2;
     for p in (0..n2).step_by(2) {
         let (v0, v1) = (row(p), row(p + 1));
-        let (w0, w1) = (w[p], w[p + 1]);
+        let (w0, w1) = (w[p] * value_scale(a, p), w[p + 1] * value_scale(a, p + 1));
         for i in 0..HD {
             a0[i] = w0.mul_add(v0[i], a0[i]);
             a1[i] = w1.mul_add(v1[i], a1[i]);
@@ -276,8 +324,9 @@ fn weighted_values<const HD: usize, E: KvElem>(
     }
     if n2 < w.len() {
         let v0 = row(n2);
+        let w0 = w[n2] * value_scale(a, n2);
         for i in 0..HD {
-            a0[i] = w[n2].mul_add(v0[i], a0[i]);
+            a0[i] = w0.mul_add(v0[i], a0[i]);
         }
     }
     for i in 0..HD {
@@ -287,29 +336,41 @@ fn weighted_values<const HD: usize, E: KvElem>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn attend_avx512<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
+unsafe fn attend_avx512<KE: KvElem, VE: KvElem>(
+    a: &AttendArgs<'_, KE, VE>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     // SAFETY (for the calls below): AVX-512F is enabled on this function; the shapes are
     // checked by `attend_simd::run` before any pointer is formed.
-    if !unsafe { attend_simd::run::<attend_simd::Zmm, E>(a, scores, out) } {
+    if !unsafe { attend_simd::run::<attend_simd::Zmm, KE, VE>(a, scores, out) } {
         attend_body(a, scores, out)
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
+unsafe fn attend_avx2<KE: KvElem, VE: KvElem>(
+    a: &AttendArgs<'_, KE, VE>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     // SAFETY: AVX2, FMA and F16C are enabled on this function (`Isa::Avx2` and
     // `Isa::Avx2Vnni` checked them); shapes as above.
-    if !unsafe { attend_simd::run::<attend_simd::Ymm2, E>(a, scores, out) } {
+    if !unsafe { attend_simd::run::<attend_simd::Ymm2, KE, VE>(a, scores, out) } {
         attend_body(a, scores, out)
     }
 }
 
 #[cfg(target_arch = "aarch64")]
 #[target_feature(enable = "neon")]
-unsafe fn attend_neon<E: KvElem>(a: &AttendArgs<'_, E>, scores: &mut Vec<f32>, out: &mut [f32]) {
+unsafe fn attend_neon<KE: KvElem, VE: KvElem>(
+    a: &AttendArgs<'_, KE, VE>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     // SAFETY: NEON is enabled on this function (every aarch64 CPU has it); shapes as above.
-    if !unsafe { attend_simd::run::<attend_simd::Neon4, E>(a, scores, out) } {
+    if !unsafe { attend_simd::run::<attend_simd::Neon4, KE, VE>(a, scores, out) } {
         attend_body(a, scores, out)
     }
 }
@@ -456,6 +517,15 @@ mod attend_simd {
                 let [a, b] = f16x8_f32(vld1q_u16(h));
                 let [c, d] = f16x8_f32(vld1q_u16(h.add(8)));
                 Neon4([a, b, c, d])
+            } else if E::I8 {
+                let c = vld1q_s8(p as *const i8);
+                let (lo, hi) = (vmovl_s8(vget_low_s8(c)), vmovl_high_s8(c));
+                Neon4([
+                    vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))),
+                    vcvtq_f32_s32(vmovl_high_s16(lo)),
+                    vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
+                    vcvtq_f32_s32(vmovl_high_s16(hi)),
+                ])
             } else {
                 let f = p as *const f32;
                 Neon4(std::array::from_fn(|i| vld1q_f32(f.add(4 * i))))
@@ -507,6 +577,8 @@ mod attend_simd {
         unsafe fn load<E: KvElem>(p: *const E) -> Self {
             Zmm(if E::HALF {
                 _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+            } else if E::I8 {
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
             } else {
                 _mm512_loadu_ps(p as *const f32)
             })
@@ -558,6 +630,10 @@ mod attend_simd {
                     _mm256_cvtph_ps(_mm_loadu_si128(
                         (p as *const u16).add(8 * h) as *const __m128i
                     ))
+                } else if E::I8 {
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                        (p as *const i8).add(8 * h) as *const __m128i,
+                    )))
                 } else {
                     _mm256_loadu_ps((p as *const f32).add(8 * h))
                 }
@@ -591,8 +667,8 @@ mod attend_simd {
     /// Runs the grouped kernel; `false` (nothing written) when the shape is not one it takes or
     /// an index would leave the pools, so the caller falls back to the portable body.
     #[inline(always)]
-    pub(super) unsafe fn run<V: Lanes, E: KvElem>(
-        a: &AttendArgs<'_, E>,
+    pub(super) unsafe fn run<V: Lanes, KE: KvElem, VE: KvElem>(
+        a: &AttendArgs<'_, KE, VE>,
         scores: &mut Vec<f32>,
         out: &mut [f32],
     ) -> bool {
@@ -611,6 +687,7 @@ mod attend_simd {
             let b = b as usize;
             (b * a.n_kv + a.g + 1) * hd * BS <= a.kpool.len()
                 && (b * BS + BS - 1) * kvd + a.g * hd + hd <= a.vpool.len()
+                && (!VE::I8 || (b * a.n_kv + a.g + 1) * BS <= a.vscale.len())
         });
         if !fits {
             return false;
@@ -629,17 +706,30 @@ mod attend_simd {
         let mut r = 0;
         while r < r_n {
             r += match pass_rows(r_n - r, V::ROWS) {
-                1 => scores_rows::<V, 1, E>(a, qt, r, sc),
-                2 => scores_rows::<V, 2, E>(a, qt, r, sc),
-                3 => scores_rows::<V, 3, E>(a, qt, r, sc),
-                4 => scores_rows::<V, 4, E>(a, qt, r, sc),
-                6 => scores_rows::<V, 6, E>(a, qt, r, sc),
-                8 => scores_rows::<V, 8, E>(a, qt, r, sc),
-                _ => scores_rows::<V, 12, E>(a, qt, r, sc),
+                1 => scores_rows::<V, 1, KE, VE>(a, qt, r, sc),
+                2 => scores_rows::<V, 2, KE, VE>(a, qt, r, sc),
+                3 => scores_rows::<V, 3, KE, VE>(a, qt, r, sc),
+                4 => scores_rows::<V, 4, KE, VE>(a, qt, r, sc),
+                6 => scores_rows::<V, 6, KE, VE>(a, qt, r, sc),
+                8 => scores_rows::<V, 8, KE, VE>(a, qt, r, sc),
+                _ => scores_rows::<V, 12, KE, VE>(a, qt, r, sc),
             };
         }
         for r in 0..r_n {
             softmax_row(sc, r_n, r, a.lims[r], nb);
+            if VE::I8 {
+                // Each live weight takes its position's value scale, so the values pass
+                // multiplies codes.
+                let lim = a.lims[r];
+                for (bi, &blk) in a.blocks[..lim.div_ceil(BS)].iter().enumerate() {
+                    let vs = &a.vscale[(blk as usize * a.n_kv + a.g) * BS..][..BS];
+                    let n = BS.min(lim - bi * BS);
+                    let w = &mut sc[(bi * r_n + r) * BS..][..n];
+                    for (x, s) in w.iter_mut().zip(vs) {
+                        *x *= s;
+                    }
+                }
+            }
         }
         let scores = &*sc;
         // Each output element's sum runs over the positions in order whatever the pass
@@ -648,17 +738,17 @@ mod attend_simd {
             let mut r = 0;
             while r < r_n {
                 r += match (V::VALUE_COLS, pass_rows(r_n - r, V::VALUE_ROWS)) {
-                    (2, 1) => values_rows::<V, 2, 1, E>(a, scores, r, c0, out),
-                    (2, 2) => values_rows::<V, 2, 2, E>(a, scores, r, c0, out),
-                    (2, 3) => values_rows::<V, 2, 3, E>(a, scores, r, c0, out),
-                    (2, 4) => values_rows::<V, 2, 4, E>(a, scores, r, c0, out),
-                    (2, 6) => values_rows::<V, 2, 6, E>(a, scores, r, c0, out),
-                    (2, 8) => values_rows::<V, 2, 8, E>(a, scores, r, c0, out),
-                    (2, _) => values_rows::<V, 2, 12, E>(a, scores, r, c0, out),
-                    (_, 1) => values_rows::<V, 4, 1, E>(a, scores, r, c0, out),
-                    (_, 2) => values_rows::<V, 4, 2, E>(a, scores, r, c0, out),
-                    (_, 3) => values_rows::<V, 4, 3, E>(a, scores, r, c0, out),
-                    _ => values_rows::<V, 4, 4, E>(a, scores, r, c0, out),
+                    (2, 1) => values_rows::<V, 2, 1, KE, VE>(a, scores, r, c0, out),
+                    (2, 2) => values_rows::<V, 2, 2, KE, VE>(a, scores, r, c0, out),
+                    (2, 3) => values_rows::<V, 2, 3, KE, VE>(a, scores, r, c0, out),
+                    (2, 4) => values_rows::<V, 2, 4, KE, VE>(a, scores, r, c0, out),
+                    (2, 6) => values_rows::<V, 2, 6, KE, VE>(a, scores, r, c0, out),
+                    (2, 8) => values_rows::<V, 2, 8, KE, VE>(a, scores, r, c0, out),
+                    (2, _) => values_rows::<V, 2, 12, KE, VE>(a, scores, r, c0, out),
+                    (_, 1) => values_rows::<V, 4, 1, KE, VE>(a, scores, r, c0, out),
+                    (_, 2) => values_rows::<V, 4, 2, KE, VE>(a, scores, r, c0, out),
+                    (_, 3) => values_rows::<V, 4, 3, KE, VE>(a, scores, r, c0, out),
+                    _ => values_rows::<V, 4, 4, KE, VE>(a, scores, r, c0, out),
                 };
             }
         }
@@ -732,8 +822,8 @@ mod attend_simd {
     /// Scores of rows `r0..r0 + R` for every key block up to the largest of their limits; two
     /// partial sums per row (even and odd dimensions) break the FMA latency chain. Returns `R`.
     #[inline(always)]
-    unsafe fn scores_rows<V: Lanes, const R: usize, E: KvElem>(
-        a: &AttendArgs<'_, E>,
+    unsafe fn scores_rows<V: Lanes, const R: usize, KE: KvElem, VE: KvElem>(
+        a: &AttendArgs<'_, KE, VE>,
         qt: &[f32],
         r0: usize,
         scores: &mut [f32],
@@ -743,7 +833,7 @@ mod attend_simd {
         let lim = a.lims[r0..r0 + R].iter().copied().max().unwrap_or(0);
         let scale = V::splat(a.scale);
         let nb = lim.div_ceil(BS);
-        let tile = hd * BS * std::mem::size_of::<E>();
+        let tile = hd * BS * std::mem::size_of::<KE>();
         for (bi, &blk) in a.blocks[..nb].iter().enumerate() {
             let kt = a
                 .kpool
@@ -781,8 +871,8 @@ mod attend_simd {
     /// `out[r][c0..c0 + 16·NV] = Σ_p w[r][p] · V[p][c0..]` for rows `r0..r0 + R`, walking
     /// the block table block by block. Returns `R`.
     #[inline(always)]
-    unsafe fn values_rows<V: Lanes, const NV: usize, const R: usize, E: KvElem>(
-        a: &AttendArgs<'_, E>,
+    unsafe fn values_rows<V: Lanes, const NV: usize, const R: usize, KE: KvElem, VE: KvElem>(
+        a: &AttendArgs<'_, KE, VE>,
         scores: &[f32],
         r0: usize,
         c0: usize,
@@ -810,7 +900,7 @@ mod attend_simd {
                 for j in 0..BS {
                     V::prefetch(
                         nv.wrapping_add(j * kvd) as *const u8,
-                        16 * NV * std::mem::size_of::<E>(),
+                        16 * NV * std::mem::size_of::<VE>(),
                     );
                 }
             }
@@ -1116,40 +1206,56 @@ mod tests {
             (128, 16, long[..13].to_vec()),
         ];
         for (hd, bs, lims) in shapes {
-            attend_case::<f32>(hd, bs, &lims);
-            attend_case::<half::f16>(hd, bs, &lims);
+            attend_case::<f32, f32>(hd, bs, &lims);
+            attend_case::<half::f16, half::f16>(hd, bs, &lims);
+            attend_case::<half::f16, i8>(hd, bs, &lims);
         }
     }
 
-    /// The reference takes K and V as stored (rounded through `E`), so one bound holds for f16.
-    fn attend_case<E: KvElem>(hd: usize, bs: usize, lims: &[usize]) {
+    /// The reference takes K and V as stored (rounded through their types, or 8-bit codes
+    /// times their scales), so one bound holds for every element type.
+    fn attend_case<KE: KvElem, VE: KvElem>(hd: usize, bs: usize, lims: &[usize]) {
         let mut rng = Rng::new(9);
         let (n_kv, g, n_blocks) = (3usize, 1usize, 48usize.div_ceil(bs));
         let kvd = n_kv * hd;
-        // Logical K/V per position, then laid out as the cache does.
-        let stored = |x: f64| E::from_f32(x as f32).to_f32();
-        let k: Vec<f32> = (0..n_blocks * bs * kvd)
-            .map(|_| stored(rng.normal()))
-            .collect();
-        let v: Vec<f32> = (0..n_blocks * bs * kvd)
-            .map(|_| stored(rng.normal()))
-            .collect();
         let blocks: Vec<u32> = [4u32, 0, 5, 2, 1, 3]
             .into_iter()
             .filter(|&b| (b as usize) < n_blocks)
             .collect();
-        let mut kpool = vec![E::from_f32(0.0); n_blocks * bs * kvd];
-        let mut vpool = vec![E::from_f32(0.0); n_blocks * bs * kvd];
+        // Value codes over their whole range with scales around 1/40, as the cache quantizes
+        // rows of unit size (no scales for float values).
+        let vscale: Vec<f32> = if VE::I8 {
+            (0..n_blocks * n_kv * bs)
+                .map(|_| (0.015 + 0.02 * rng.uniform()) as f32)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // The cache's layout, then the logical K/V per position it holds.
+        let mut kpool = vec![KE::from_f32(0.0); n_blocks * bs * kvd];
+        let mut vpool = vec![VE::from_f32(0.0); n_blocks * bs * kvd];
+        let (mut k, mut v) = (
+            vec![0f32; n_blocks * bs * kvd],
+            vec![0f32; n_blocks * bs * kvd],
+        );
         for p in 0..n_blocks * bs {
             let (b, off) = (blocks[p / bs] as usize, p % bs);
             for h in 0..n_kv {
                 for d in 0..hd {
-                    kpool[((b * n_kv + h) * hd + d) * bs + off] =
-                        E::from_f32(k[p * kvd + h * hd + d]);
+                    let e = KE::from_f32(rng.normal() as f32);
+                    kpool[((b * n_kv + h) * hd + d) * bs + off] = e;
+                    k[p * kvd + h * hd + d] = e.to_f32();
                 }
-            }
-            for i in 0..kvd {
-                vpool[(b * bs + off) * kvd + i] = E::from_f32(v[p * kvd + i]);
+                for d in 0..hd {
+                    let (e, s) = if VE::I8 {
+                        let e = VE::from_f32((rng.uniform() * 254.0 - 127.0) as f32);
+                        (e, vscale[(b * n_kv + h) * bs + off])
+                    } else {
+                        (VE::from_f32(rng.normal() as f32), 1.0)
+                    };
+                    vpool[(b * bs + off) * kvd + h * hd + d] = e;
+                    v[p * kvd + h * hd + d] = e.to_f32() * s;
+                }
             }
         }
         let q: Vec<f32> = (0..lims.len() * hd).map(|_| rng.normal() as f32).collect();
@@ -1158,6 +1264,7 @@ mod tests {
             lims,
             kpool: &kpool,
             vpool: &vpool,
+            vscale: &vscale,
             blocks: &blocks,
             bs,
             n_kv,
@@ -1189,8 +1296,9 @@ mod tests {
                         .sum();
                     assert!(
                         (want - out[r * hd + i] as f64).abs() < 1e-4,
-                        "{isa:?} half {} hd{hd} bs{bs} r{r} i{i}",
-                        E::HALF
+                        "{isa:?} half {} i8 {} hd{hd} bs{bs} r{r} i{i}",
+                        KE::HALF,
+                        VE::I8
                     );
                 }
             }
@@ -1209,8 +1317,9 @@ mod tests {
                 assert_eq!(
                     bits(out),
                     bits(&mirror),
-                    "{isa:?} half {} hd{hd} against the mirror",
-                    E::HALF
+                    "{isa:?} half {} i8 {} hd{hd} against the mirror",
+                    KE::HALF,
+                    VE::I8
                 );
             }
         }

@@ -1185,7 +1185,7 @@ impl Model {
             let blocks = &meta.blocks[si][..];
             // The same call for either element type of the pools.
             macro_rules! attend_over {
-                ($kpool:expr, $vpool:expr) => {
+                ($kpool:expr, $vpool:expr, $vscale:expr) => {
                     ops::attend(
                         isa,
                         &ops::AttendArgs {
@@ -1193,6 +1193,7 @@ impl Model {
                             lims: &lims,
                             kpool: $kpool,
                             vpool: $vpool,
+                            vscale: $vscale,
                             blocks,
                             bs,
                             n_kv,
@@ -1206,8 +1207,9 @@ impl Model {
                 };
             }
             match pools {
-                LayerKv::F16(kpool, vpool) => attend_over!(kpool, vpool),
-                LayerKv::F32(kpool, vpool) => attend_over!(kpool, vpool),
+                LayerKv::F16(kpool, vpool) => attend_over!(kpool, vpool, &[]),
+                LayerKv::F32(kpool, vpool) => attend_over!(kpool, vpool, &[]),
+                LayerKv::Int8V { k, v, vscale } => attend_over!(k, v, vscale),
             }
             out
         };

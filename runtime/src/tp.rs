@@ -685,6 +685,7 @@ impl Group {
             match kc.dtype {
                 KvDtype::F16 => 0,
                 KvDtype::F32 => 1,
+                KvDtype::Int8V => 2,
             },
             copies.len() as u32,
         ]);
@@ -927,6 +928,7 @@ fn forward(
     let dtype = match w.next()? {
         0 => KvDtype::F16,
         1 => KvDtype::F32,
+        2 => KvDtype::Int8V,
         x => return Err(bad(format!("KV element type {x}"))),
     };
     let n_copies = w.next()? as usize;

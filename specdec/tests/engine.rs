@@ -5,7 +5,7 @@
 use dspark_runtime::generate::{GenerateParams, generate};
 use dspark_runtime::json::Format;
 use dspark_runtime::tiny::{TinySpec, tiny_model_path};
-use dspark_runtime::{LoadOptions, Model, Tokenizer};
+use dspark_runtime::{KvDtype, LoadOptions, Model, Tokenizer};
 use kernels::sampling::SamplingParams;
 use specdec::engine::CostModel;
 use specdec::proposer::{DraftModelProposer, NgramProposer, NoProposer};
@@ -175,6 +175,71 @@ fn greedy_output_equals_plain_greedy_for_every_proposer_alone_and_batched() {
             assert_eq!(e.kv_free_blocks(), 8192 / 16);
         }
         drop(proposer);
+    }
+}
+
+/// 8-bit values in the cache (`int8v`): each value row's codes depend on that row alone, so
+/// rolling back rejected drafts leaves every kept position as plain decoding writes it, and
+/// greedy parity holds. Head dim 64, so attention takes the SIMD kernels' 8-bit path.
+#[test]
+fn greedy_parity_holds_with_8_bit_values_in_the_cache() {
+    let tp = tiny_model_path(&TinySpec::qwen2(21), "int8v-target").unwrap();
+    let mut ds = TinySpec::qwen2(22);
+    ds.n_layers = 1;
+    let dp = tiny_model_path(&ds, "int8v-draft").unwrap();
+    let opts = LoadOptions {
+        threads: 1,
+        kv_dtype: Some(KvDtype::Int8V),
+        ..Default::default()
+    };
+    let f = Fixture {
+        target: Arc::new(Model::load(&tp, &opts).unwrap()),
+        draft: Arc::new(Model::load(&dp, &opts).unwrap()),
+        tok: Arc::new(Tokenizer::load(&tp).unwrap()),
+        draft_tok: Tokenizer::load(&dp).unwrap(),
+    };
+    assert_eq!(f.target.kv_dtype(), KvDtype::Int8V);
+    assert_eq!(f.target.cfg.head_dim, 64);
+    let ps = prompts(&f, 24);
+    let max_tokens = |i: usize| 12 + (i * 7) % 23;
+    let want: Vec<Vec<u32>> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            generate(
+                &f.target,
+                &f.tok,
+                p,
+                &GenerateParams {
+                    max_tokens: max_tokens(i),
+                    ..Default::default()
+                },
+                &mut |_| {},
+            )
+            .unwrap()
+            .token_ids
+        })
+        .collect();
+    for name in ["ngram", "draft-model"] {
+        for gamma in [1usize, 4] {
+            let mut e = Engine::with_cost(
+                f.target.clone(),
+                Some(f.tok.clone()),
+                proposer_clone(&f, name),
+                cfg(gamma),
+                CostModel::flat(gamma + 1),
+            )
+            .unwrap();
+            for (i, p) in ps.iter().enumerate() {
+                e.add(Request::new(i as u64, p.clone(), max_tokens(i)))
+                    .unwrap();
+            }
+            let got = collect(e.run_to_completion().unwrap());
+            for (i, w) in want.iter().enumerate() {
+                assert_eq!(&got[&(i as u64)].0, w, "{name} γ={gamma} prompt {i}");
+            }
+            e.check_kv().unwrap();
+        }
     }
 }
 
