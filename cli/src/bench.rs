@@ -107,6 +107,11 @@ pub struct VerifyCurveArgs {
     /// Timed repetitions per point (after one warm-up).
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
+    /// Give every sequence a context of its own instead of forks of one: a decode of the
+    /// batch then reads `batch` contexts' keys and values, as distinct requests do, instead of
+    /// one that stays in cache.
+    #[arg(long)]
+    pub unshared: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// SVG plot of T(k)/T(1) per (ctx, batch).
@@ -210,6 +215,33 @@ pub(crate) fn prefilled(
     Ok((cache, seqs))
 }
 
+/// `batch` sequences, each prefilled to `ctx` with a filler of its own (no shared blocks).
+fn prefilled_unshared(
+    model: &Model,
+    ctx: usize,
+    batch: usize,
+    max_k: usize,
+) -> anyhow::Result<(KvCache, Vec<SeqId>)> {
+    let mut cache = model.new_cache(batch * (ctx + max_k + 16) + 64, 16)?;
+    let mut seqs = Vec::with_capacity(batch);
+    for b in 0..batch {
+        let s = cache.new_seq();
+        for c in filler(ctx, model.cfg.vocab_size, b + 1).chunks(256) {
+            model.forward(
+                &mut cache,
+                &[SeqInput {
+                    seq: s,
+                    tokens: c,
+                    logits: LogitsMode::None,
+                }],
+                &ForwardOptions::default(),
+            )?;
+        }
+        seqs.push(s);
+    }
+    Ok((cache, seqs))
+}
+
 fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
     let path = g.resolve_model(&a.model)?;
     let max_ctx =
@@ -234,7 +266,11 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
     )?;
     for &ctx in &a.ctx {
         for &batch in &a.batch {
-            let (mut cache, seqs) = prefilled(&model, ctx, batch, max_k)?;
+            let (mut cache, seqs) = if a.unshared {
+                prefilled_unshared(&model, ctx, batch, max_k)?
+            } else {
+                prefilled(&model, ctx, batch, max_k)?
+            };
             let mut base = None;
             // A pass of three untimed forwards per k first, so that the first k measured does
             // not alone pay for what a prefill leaves cold (buffers, caches, sleeping threads).
@@ -283,7 +319,8 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
     }
     let v = json!({
         "model": a.model, "threads": model.threads(), "isa": model.isa().name(),
-        "weights": model.weights_desc, "command": command_line(), "points": points,
+        "weights": model.weights_desc, "kv_cache_dtype": model.kv_dtype().name(),
+        "unshared": a.unshared, "command": command_line(), "points": points,
     });
     if let Some(p) = &a.plot {
         let mut series = Vec::new();
