@@ -441,6 +441,13 @@ fn build_engine(
     let vocab_hash = target.tok.vocab_hash();
     let vocab = target.model.cfg.vocab_size;
     let max_ctx = target.model.cfg.max_ctx;
+    tracing::info!(
+        model = %a.model,
+        isa = target.model.isa().name(),
+        kv_cache_dtype = target.model.kv_dtype().name(),
+        max_ctx,
+        "target model loaded"
+    );
     let mut drafts = drafter::build::DraftCache::default();
     let (proposer, local): (Box<dyn specdec::Proposer>, bool) = match &a.local_drafter {
         Some(k) => {
