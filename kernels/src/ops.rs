@@ -100,9 +100,21 @@ pub fn attend_mirror<KE: KvElem, VE: KvElem>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) -> bool {
+    const { assert!(!KE::I8, "keys are f32 or f16") };
     // SAFETY: the portable lanes use no instructions beyond the baseline; `run` checks every
     // index against the pools before forming a pointer.
     unsafe { attend_simd::run::<attend_simd::Mirror, KE, VE>(a, scores, out) }
+}
+
+/// [`attend_mirror`] with the AVX-512 kernel's pass shape (12 rows, values in column halves).
+#[cfg(test)]
+fn attend_mirror_wide<KE: KvElem, VE: KvElem>(
+    a: &AttendArgs<'_, KE, VE>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) -> bool {
+    // SAFETY: as `attend_mirror`.
+    unsafe { attend_simd::run::<attend_simd::MirrorWide, KE, VE>(a, scores, out) }
 }
 
 /// An element of the KV cache. f16 halves the bytes a decode streams through attention, which
@@ -436,37 +448,42 @@ mod attend_simd {
     }
 
     /// The portable statement of the kernels' arithmetic: `f32::mul_add` is one rounding, as
-    /// every SIMD fused multiply-add.
+    /// every SIMD fused multiply-add. The pass shape is a parameter: [`Mirror`] takes one,
+    /// [`MirrorWide`] the AVX-512 kernel's, so hosts without AVX-512 test those passes too.
     #[derive(Clone, Copy)]
-    pub(super) struct Mirror([f32; 16]);
+    pub(super) struct Portable<const R: usize, const C: usize, const VR: usize>([f32; 16]);
 
-    impl Lanes for Mirror {
-        const ROWS: usize = 4;
-        const VALUE_COLS: usize = 4;
-        const VALUE_ROWS: usize = 4;
+    pub(super) type Mirror = Portable<4, 4, 4>;
+    #[cfg(test)]
+    pub(super) type MirrorWide = Portable<12, 2, 12>;
+
+    impl<const R: usize, const C: usize, const VR: usize> Lanes for Portable<R, C, VR> {
+        const ROWS: usize = R;
+        const VALUE_COLS: usize = C;
+        const VALUE_ROWS: usize = VR;
         #[inline(always)]
         unsafe fn zero() -> Self {
-            Mirror([0.0; 16])
+            Self([0.0; 16])
         }
         #[inline(always)]
         unsafe fn splat(x: f32) -> Self {
-            Mirror([x; 16])
+            Self([x; 16])
         }
         #[inline(always)]
         unsafe fn load<E: KvElem>(p: *const E) -> Self {
-            Mirror(std::array::from_fn(|i| (*p.add(i)).to_f32()))
+            Self(std::array::from_fn(|i| (*p.add(i)).to_f32()))
         }
         #[inline(always)]
         unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
-            Mirror(std::array::from_fn(|i| a.0[i].mul_add(b.0[i], c.0[i])))
+            Self(std::array::from_fn(|i| a.0[i].mul_add(b.0[i], c.0[i])))
         }
         #[inline(always)]
         unsafe fn add(a: Self, b: Self) -> Self {
-            Mirror(std::array::from_fn(|i| a.0[i] + b.0[i]))
+            Self(std::array::from_fn(|i| a.0[i] + b.0[i]))
         }
         #[inline(always)]
         unsafe fn mul(a: Self, b: Self) -> Self {
-            Mirror(std::array::from_fn(|i| a.0[i] * b.0[i]))
+            Self(std::array::from_fn(|i| a.0[i] * b.0[i]))
         }
         #[inline(always)]
         unsafe fn store(self, p: *mut f32) {
@@ -672,6 +689,10 @@ mod attend_simd {
         scores: &mut Vec<f32>,
         out: &mut [f32],
     ) -> bool {
+        // The value passes' dispatch below has arms for these shapes only.
+        const {
+            assert!(V::VALUE_COLS == 2 || (V::VALUE_COLS == 4 && V::VALUE_ROWS <= 4));
+        };
         let hd = a.hd;
         if a.bs != BS || !(hd == 64 || hd == 128) || a.g >= a.n_kv {
             return false;
@@ -1309,6 +1330,14 @@ mod tests {
         let mut mirror = vec![0f32; lims.len() * hd];
         let took = attend_mirror(&args, &mut Vec::new(), &mut mirror);
         assert_eq!(took, bs == 16 && (hd == 64 || hd == 128), "hd{hd} bs{bs}");
+        // Passes of 12 rows and half columns (the AVX-512 shape) give the same bits as passes
+        // of 4, on any host.
+        let mut wide = vec![0f32; lims.len() * hd];
+        assert_eq!(attend_mirror_wide(&args, &mut Vec::new(), &mut wide), took);
+        if took {
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&wide), bits(&mirror), "hd{hd}: wide passes");
+        }
         if took {
             let simd: Vec<&(Isa, Vec<f32>)> =
                 outs.iter().filter(|(i, _)| *i != Isa::Scalar).collect();

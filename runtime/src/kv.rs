@@ -86,14 +86,6 @@ impl KvDtype {
             KvDtype::Int8V => "int8v",
         }
     }
-
-    /// Bytes of one key element (`int8v`'s values take one, plus a float per row).
-    pub fn bytes(self) -> usize {
-        match self {
-            KvDtype::F16 | KvDtype::Int8V => 2,
-            KvDtype::F32 => 4,
-        }
-    }
 }
 
 /// One layer's K and V pools, borrowed for attention.
@@ -157,7 +149,15 @@ impl QPool {
         let d = nkv * hd;
         let (vp, vsc) = (&mut self.v[layer], &mut self.vscale[layer]);
         for (h, row) in v[..d].chunks_exact(hd).enumerate() {
-            let m = row.iter().fold(0f32, |a, &x| a.max(x.abs()));
+            // A NaN makes the row's scale NaN, so attention over it is NaN as with a float
+            // cache, rather than a silent 0.
+            let m = row.iter().fold(0f32, |a, &x| {
+                if x.abs() > a || x.is_nan() {
+                    x.abs()
+                } else {
+                    a
+                }
+            });
             let s = m / 127.0;
             vsc[(b * nkv + h) * bs + off] = s;
             let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
