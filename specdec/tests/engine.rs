@@ -125,12 +125,15 @@ fn cfg(gamma: usize) -> EngineConfig {
     }
 }
 
-#[test]
-fn greedy_output_equals_plain_greedy_for_every_proposer_alone_and_batched() {
-    let f = fixture();
-    let ps = prompts(&f, 50);
-    // max_tokens values that land mid-block for every gamma.
-    let max_tokens = |i: usize| 5 + (i * 7) % 23;
+/// Plain greedy decoding of every prompt (prompt `i` for `max_tokens(i)` tokens), then each
+/// (proposer, γ) of `runs` with everything queued at once (continuous batching, admitted as
+/// room allows): token for token the same outputs, and every cache block back.
+fn assert_greedy_parity(
+    f: &Fixture,
+    ps: &[Vec<u32>],
+    max_tokens: impl Fn(usize) -> usize,
+    runs: &[(&str, usize)],
+) {
     let want: Vec<Vec<u32>> = ps
         .iter()
         .enumerate()
@@ -149,33 +152,38 @@ fn greedy_output_equals_plain_greedy_for_every_proposer_alone_and_batched() {
             .token_ids
         })
         .collect();
-    for (name, proposer) in proposers(&f) {
-        for gamma in [1usize, 3, 4] {
-            if name == "none" && gamma > 1 {
-                continue;
-            }
-            let mut e = Engine::with_cost(
-                f.target.clone(),
-                Some(f.tok.clone()),
-                proposer_clone(&f, name),
-                cfg(gamma),
-                CostModel::flat(gamma + 1),
-            )
-            .unwrap();
-            // Continuous batching: everything queued at once, admitted as room allows.
-            for (i, p) in ps.iter().enumerate() {
-                e.add(Request::new(i as u64, p.clone(), max_tokens(i)))
-                    .unwrap();
-            }
-            let got = collect(e.run_to_completion().unwrap());
-            for (i, w) in want.iter().enumerate() {
-                assert_eq!(&got[&(i as u64)].0, w, "{name} γ={gamma} prompt {i}");
-            }
-            e.check_kv().unwrap();
-            assert_eq!(e.kv_free_blocks(), 8192 / 16);
+    for &(name, gamma) in runs {
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            proposer_clone(f, name),
+            cfg(gamma),
+            CostModel::flat(gamma + 1),
+        )
+        .unwrap();
+        for (i, p) in ps.iter().enumerate() {
+            e.add(Request::new(i as u64, p.clone(), max_tokens(i)))
+                .unwrap();
         }
-        drop(proposer);
+        let got = collect(e.run_to_completion().unwrap());
+        for (i, w) in want.iter().enumerate() {
+            assert_eq!(&got[&(i as u64)].0, w, "{name} γ={gamma} prompt {i}");
+        }
+        e.check_kv().unwrap();
+        assert_eq!(e.kv_free_blocks(), 8192 / 16);
     }
+}
+
+#[test]
+fn greedy_output_equals_plain_greedy_for_every_proposer_alone_and_batched() {
+    let f = fixture();
+    let ps = prompts(&f, 50);
+    let mut runs = vec![("none", 1)];
+    for name in ["ngram", "draft-model"] {
+        runs.extend([1, 3, 4].map(|gamma| (name, gamma)));
+    }
+    // max_tokens values that land mid-block for every gamma.
+    assert_greedy_parity(&f, &ps, |i| 5 + (i * 7) % 23, &runs);
 }
 
 /// 8-bit values in the cache (`int8v`): each value row's codes depend on that row alone, so
@@ -201,46 +209,13 @@ fn greedy_parity_holds_with_8_bit_values_in_the_cache() {
     assert_eq!(f.target.kv_dtype(), KvDtype::Int8V);
     assert_eq!(f.target.cfg.head_dim, 64);
     let ps = prompts(&f, 24);
-    let max_tokens = |i: usize| 12 + (i * 7) % 23;
-    let want: Vec<Vec<u32>> = ps
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            generate(
-                &f.target,
-                &f.tok,
-                p,
-                &GenerateParams {
-                    max_tokens: max_tokens(i),
-                    ..Default::default()
-                },
-                &mut |_| {},
-            )
-            .unwrap()
-            .token_ids
-        })
-        .collect();
-    for name in ["ngram", "draft-model"] {
-        for gamma in [1usize, 4] {
-            let mut e = Engine::with_cost(
-                f.target.clone(),
-                Some(f.tok.clone()),
-                proposer_clone(&f, name),
-                cfg(gamma),
-                CostModel::flat(gamma + 1),
-            )
-            .unwrap();
-            for (i, p) in ps.iter().enumerate() {
-                e.add(Request::new(i as u64, p.clone(), max_tokens(i)))
-                    .unwrap();
-            }
-            let got = collect(e.run_to_completion().unwrap());
-            for (i, w) in want.iter().enumerate() {
-                assert_eq!(&got[&(i as u64)].0, w, "{name} γ={gamma} prompt {i}");
-            }
-            e.check_kv().unwrap();
-        }
-    }
+    let runs = [
+        ("ngram", 1),
+        ("ngram", 4),
+        ("draft-model", 1),
+        ("draft-model", 4),
+    ];
+    assert_greedy_parity(&f, &ps, |i| 12 + (i * 7) % 23, &runs);
 }
 
 fn proposer_clone(f: &Fixture, name: &str) -> Box<dyn Proposer> {
