@@ -1,35 +1,36 @@
 //! Where a decoding step's time goes with B sequences of C cached positions each, their own
 //! (unshared) blocks, for one KV cache element type: the mean of 20 steps.
 //! `cargo run --release -p dspark-runtime --example decode_profile -- MODEL.gguf f16|f32|int8v B C`
+use anyhow::Context;
 use dspark_runtime::model::*;
 use dspark_runtime::{KvDtype, LoadOptions, Model};
-fn main() {
-    let p = std::path::PathBuf::from(std::env::args().nth(1).unwrap());
-    let dt = KvDtype::parse(&std::env::args().nth(2).unwrap()).unwrap();
-    let b: usize = std::env::args().nth(3).unwrap().parse().unwrap();
-    let ctx: usize = std::env::args().nth(4).unwrap().parse().unwrap();
+
+fn main() -> anyhow::Result<()> {
+    let usage = "usage: decode_profile MODEL.gguf f16|f32|int8v BATCH CTX";
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let [path, dtype, batch, ctx] = &args[..] else {
+        anyhow::bail!(usage);
+    };
+    let dt = KvDtype::parse(dtype)?;
+    let b: usize = batch.parse().context(usage)?;
+    let ctx: usize = ctx.parse().context(usage)?;
     let m = Model::load(
-        &p,
+        std::path::Path::new(path),
         &LoadOptions {
             kv_dtype: Some(dt),
             ..Default::default()
         },
-    )
-    .unwrap();
-    let mut c = m.new_cache(b * (ctx + 64), 16).unwrap();
+    )?;
+    let mut c = m.new_cache(b * (ctx + 64), 16)?;
     let seqs: Vec<_> = (0..b).map(|_| c.new_seq()).collect();
     let prompt: Vec<u32> = (0..ctx as u32).map(|i| 1000 + i * 7).collect();
     for &s in &seqs {
-        m.forward(
-            &mut c,
-            &[SeqInput {
-                seq: s,
-                tokens: &prompt,
-                logits: LogitsMode::None,
-            }],
-            &ForwardOptions::default(),
-        )
-        .unwrap();
+        let input = SeqInput {
+            seq: s,
+            tokens: &prompt,
+            logits: LogitsMode::None,
+        };
+        m.forward(&mut c, &[input], &ForwardOptions::default())?;
     }
     let tok = [2000u32];
     let mut tot = ForwardProfile::default();
@@ -45,25 +46,21 @@ fn main() {
             })
             .collect();
         let t0 = std::time::Instant::now();
-        let o = m
-            .forward(
-                &mut c,
-                &inp,
-                &ForwardOptions {
-                    profile: true,
-                    ..Default::default()
-                },
-            )
-            .unwrap();
+        let opts = ForwardOptions {
+            profile: true,
+            ..Default::default()
+        };
+        let o = m.forward(&mut c, &inp, &opts)?;
         wall += t0.elapsed().as_secs_f64();
-        let p = o.profile.clone().unwrap();
-        tot.matmul_s += p.matmul_s;
-        tot.head_s += p.head_s;
-        tot.attention_s += p.attention_s;
-        tot.other_s += p.other_s;
+        if let Some(p) = &o.profile {
+            tot.matmul_s += p.matmul_s;
+            tot.head_s += p.head_s;
+            tot.attention_s += p.attention_s;
+            tot.other_s += p.other_s;
+        }
         m.recycle(o);
         for &s in &seqs {
-            c.truncate(s, ctx).unwrap();
+            c.truncate(s, ctx)?;
         }
     }
     let f = 1e3 / n as f64;
@@ -76,4 +73,5 @@ fn main() {
         tot.attention_s * f,
         tot.other_s * f
     );
+    Ok(())
 }
