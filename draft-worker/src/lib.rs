@@ -156,6 +156,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
                 i.load = load.load(std::sync::atomic::Ordering::Relaxed) as u32;
                 i
             }),
+            dspark_scheduler::discovery::Nudge::default(),
         )
     });
     // Leaving placement first keeps new requests from pairing with a worker about to go; the

@@ -82,6 +82,11 @@ pub struct RouterArgs {
     /// Requests in flight before 429 (0 = the sum of target worker capacities).
     #[arg(long, env = "DSPARK_MAX_INFLIGHT", default_value_t = 0)]
     pub max_inflight: usize,
+    /// Milliseconds a request admitted here waits for room when every target worker reads
+    /// full, before it is refused with 429: placement's counts run ahead of the workers' load
+    /// reports for a moment after requests end, and other routers share the workers.
+    #[arg(long, env = "DSPARK_FULL_WAIT_MS", default_value_t = 2000)]
+    pub full_wait_ms: u64,
     #[arg(long, env = "DSPARK_HOME")]
     pub home: Option<PathBuf>,
     #[arg(long, env = "DSPARK_PYTHON", default_value = "python3")]
@@ -113,6 +118,8 @@ pub struct App {
     pub max_tokens_limit: usize,
     pub default_max_tokens: usize,
     pub max_inflight: usize,
+    /// How long a request waits for room when the cluster reads full (`--full-wait-ms`).
+    pub full_wait: Duration,
     /// A stop was asked for: `/ready` reads 503 while what is in flight finishes.
     pub draining: std::sync::atomic::AtomicBool,
     /// `tool_choice: "auto"` is served (a tool-call parser is configured).
@@ -193,6 +200,7 @@ impl App {
             max_tokens_limit: args.max_tokens_limit,
             default_max_tokens: args.default_max_tokens,
             max_inflight: args.max_inflight,
+            full_wait: Duration::from_millis(args.full_wait_ms),
             draining: std::sync::atomic::AtomicBool::new(false),
             auto_tools: args.tool_call_parser.is_some(),
             seq: AtomicU64::new(0),
@@ -551,6 +559,42 @@ async fn open(
             Err(Unopened::Unavailable(_, s)) => return Err(status_to_api(&s)),
             Err(Unopened::Refused(e)) => return Err(e),
             Ok(o) => return Ok(o),
+        }
+    }
+}
+
+/// How often a request waiting for room asks for a placement again.
+const FULL_POLL: Duration = Duration::from_millis(50);
+
+/// [`open`], waiting while every target reads full, until `deadline` or until `gone` (its
+/// client left); then the last refusal stands.
+async fn open_when_room(
+    app: &App,
+    job: &Job,
+    max_tokens: usize,
+    prompt_logprobs: bool,
+    deadline: Instant,
+    gone: impl Fn() -> bool,
+) -> Result<Opened, ApiError> {
+    loop {
+        match open(
+            app,
+            job,
+            job.prompt.clone(),
+            max_tokens,
+            &[],
+            prompt_logprobs,
+        )
+        .await
+        {
+            Err(e)
+                if e.status == StatusCode::TOO_MANY_REQUESTS
+                    && Instant::now() < deadline
+                    && !gone() =>
+            {
+                tokio::time::sleep(FULL_POLL).await;
+            }
+            r => return r,
         }
     }
 }
@@ -1129,6 +1173,24 @@ async fn serve(
             }
         }
     }
+    // None fit: the first waits a little for room (`--full-wait-ms`) before the request is
+    // refused, since the cluster may read full only until the workers' next load reports.
+    if opened.is_empty() && failure.is_none() {
+        jobs.make_contiguous().sort_by_key(|(i, _)| *i);
+        if let Some((i, job)) = jobs.pop_front() {
+            let deadline = Instant::now() + app.full_wait;
+            match open_when_room(&app, &job, settings.max_tokens, echo_lps, deadline, || {
+                false
+            })
+            .instrument(span.clone())
+            .await
+            {
+                Ok((target, stream, first)) => opened.push((i, job, target, stream, first)),
+                Err(e) if e.status == StatusCode::TOO_MANY_REQUESTS => jobs.push_front((i, job)),
+                Err(e) => failure = Some(e),
+            }
+        }
+    }
     if let Some(e) = failure.or_else(|| {
         opened.is_empty().then(|| {
             let mut e = ApiError::new(
@@ -1194,28 +1256,17 @@ async fn serve(
                     // Each opens on its own, so one prefill does not wait for another's.
                     let (app, tx, run) = (Arc::clone(&app), tx.clone(), run.clone());
                     tokio::spawn(async move {
-                        // A full cluster (placement counts lag the workers' reports) is
-                        // waited out, up to a limit.
+                        // A full cluster (placement counts lag the workers' reports, other
+                        // routers' requests hold room) is waited out, up to a limit.
                         let deadline = Instant::now() + Duration::from_secs(120);
-                        loop {
-                            match open(&app, &job, job.prompt.clone(), max_tokens, &[], echo_lps)
-                                .await
-                            {
-                                Ok((target, stream, first)) => {
-                                    run(i, job, target, stream, first, tx);
-                                    return;
-                                }
-                                Err(e)
-                                    if e.status == StatusCode::TOO_MANY_REQUESTS
-                                        && Instant::now() < deadline
-                                        && !tx.is_closed() =>
-                                {
-                                    tokio::time::sleep(Duration::from_millis(200)).await;
-                                }
-                                Err(e) => {
-                                    let _ = tx.send((i, Piece::Error(e))).await;
-                                    return;
-                                }
+                        match open_when_room(&app, &job, max_tokens, echo_lps, deadline, || {
+                            tx.is_closed()
+                        })
+                        .await
+                        {
+                            Ok((target, stream, first)) => run(i, job, target, stream, first, tx),
+                            Err(e) => {
+                                let _ = tx.send((i, Piece::Error(e))).await;
                             }
                         }
                     });

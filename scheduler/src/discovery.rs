@@ -144,6 +144,23 @@ pub fn normalize_url(s: &str) -> String {
     }
 }
 
+/// Asks a worker's registrar for its next heartbeat now, because its load changed (a request
+/// started or ended): placement counts what it placed since the last load report, so a report
+/// that waits for the next beat (a third of the TTL) lets back-to-back requests read a free
+/// worker as full. Nudged heartbeats come at most one per [`MIN_NUDGE_GAP`].
+#[derive(Clone, Default)]
+pub struct Nudge(Arc<tokio::sync::Notify>);
+
+impl Nudge {
+    /// Callable from any thread (the engine loop's too); a nudge during a heartbeat is kept.
+    pub fn nudge(&self) {
+        self.0.notify_one();
+    }
+}
+
+/// Least time between a heartbeat and a nudged one (bounds the reports of a busy worker).
+pub const MIN_NUDGE_GAP: Duration = Duration::from_millis(50);
+
 /// A worker's registration, kept fresh by a task until [`Registration::leave`].
 pub struct Registration {
     stop: tokio::sync::watch::Sender<bool>,
@@ -167,19 +184,23 @@ impl Registration {
 }
 
 /// Keeps a worker registered until [`Registration::leave`] (or the task aborted).
-/// `info` is called before every heartbeat so load reports stay fresh.
+/// `info` is called before every heartbeat so load reports stay fresh; `nudge` brings the next
+/// one forward.
 pub fn spawn_registrar(
     disc: Discovery,
     ttl: Duration,
     info: Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
+    nudge: Nudge,
 ) -> Registration {
     let (stop, mut rx) = tokio::sync::watch::channel(false);
     let task = tokio::spawn(async move {
         let beat = (ttl / 3).max(Duration::from_millis(100));
         loop {
             let r = match &disc {
-                Discovery::Static(url) => register_static(url, ttl, beat, &info, &mut rx).await,
-                Discovery::Etcd(eps) => register_etcd(eps, ttl, beat, &info, &mut rx).await,
+                Discovery::Static(url) => {
+                    register_static(url, ttl, beat, &info, &mut rx, &nudge).await
+                }
+                Discovery::Etcd(eps) => register_etcd(eps, ttl, beat, &info, &mut rx, &nudge).await,
             };
             match r {
                 Ok(()) => return, // left
@@ -195,7 +216,7 @@ pub fn spawn_registrar(
                 }
                 Err(e) => tracing::warn!("registration: {e}; retrying"),
             }
-            if !pause(beat, &mut rx).await {
+            if !pause(beat, &mut rx, None).await {
                 continue; // asked to leave: the next attempt leaves
             }
         }
@@ -203,14 +224,30 @@ pub fn spawn_registrar(
     Registration { stop, task }
 }
 
-/// Sleeps `d`; false if asked to leave meanwhile. A [`Registration`] dropped without leaving
-/// keeps the heartbeat going (its sender gone, `changed` fails at once: sleep anyway).
-async fn pause(d: Duration, stop: &mut tokio::sync::watch::Receiver<bool>) -> bool {
+/// Sleeps `d`, or until nudged (but at least [`MIN_NUDGE_GAP`]); false if asked to leave
+/// meanwhile. A [`Registration`] dropped without leaving keeps the heartbeat going (its sender
+/// gone, `changed` fails at once: sleep anyway).
+async fn pause(
+    d: Duration,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+    nudge: Option<&Nudge>,
+) -> bool {
     if *stop.borrow() {
         return false;
     }
+    let start = tokio::time::Instant::now();
+    let nudged = async {
+        match nudge {
+            Some(n) => {
+                n.0.notified().await;
+                tokio::time::sleep_until(start + MIN_NUDGE_GAP.min(d)).await;
+            }
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         _ = tokio::time::sleep(d) => true,
+        _ = nudged => true,
         r = stop.changed() => {
             if r.is_err() {
                 tokio::time::sleep(d).await;
@@ -228,6 +265,7 @@ async fn register_static(
     beat: Duration,
     info: &Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
     stop: &mut tokio::sync::watch::Receiver<bool>,
+    nudge: &Nudge,
 ) -> Result<()> {
     // A scheduler that vanished without closing the connection (its node gone) must not hold a
     // heartbeat forever: each call gets a TTL, then the worker reconnects, to a replacement too.
@@ -263,7 +301,7 @@ async fn register_static(
         c.register(i)
             .await
             .map_err(|e| SchedError::Discovery(format!("register: {}", e.message())))?;
-        pause(beat, stop).await;
+        pause(beat, stop, Some(nudge)).await;
     }
 }
 
@@ -275,6 +313,7 @@ async fn register_etcd(
     beat: Duration,
     info: &Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
     stop: &mut tokio::sync::watch::Receiver<bool>,
+    nudge: &Nudge,
 ) -> Result<()> {
     let mut c = Client::connect(eps, None).await.map_err(etcd_err)?;
     let lease = c
@@ -308,7 +347,7 @@ async fn register_etcd(
         let (put, renew) = tokio::join!(put, renew);
         put.map_err(etcd_err)?;
         renew?;
-        pause(beat, stop).await;
+        pause(beat, stop, Some(nudge)).await;
     }
 }
 

@@ -1,14 +1,15 @@
 //! A worker's registration against a real scheduler service on loopback: heartbeats keep it in
 //! the view, `leave` takes it out at once (long before its TTL), and one dropped without
-//! leaving keeps heartbeating at its pace instead of spinning.
+//! leaving keeps heartbeating at its pace instead of spinning; a nudge brings the next load
+//! report forward, so placement sees room as soon as a request ends.
 
 use dspark_proto::WorkerInfo;
 use dspark_proto::scheduler_client::SchedulerClient;
 use dspark_proto::scheduler_server::SchedulerServer;
-use dspark_scheduler::discovery::{Discovery, spawn_registrar};
+use dspark_scheduler::discovery::{Discovery, MIN_NUDGE_GAP, Nudge, spawn_registrar};
 use dspark_scheduler::service::SchedulerService;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 async fn scheduler() -> (String, SchedulerService) {
@@ -48,6 +49,12 @@ async fn until(what: &str, limit: Duration, mut f: impl AsyncFnMut() -> bool) ->
     t0.elapsed()
 }
 
+async fn place(
+    c: &mut SchedulerClient<tonic::transport::Channel>,
+) -> Result<tonic::Response<dspark_proto::Placement>, tonic::Status> {
+    c.place(dspark_proto::PlaceRequest::default()).await
+}
+
 fn worker(id: &str, beats: Arc<AtomicUsize>) -> Arc<dyn Fn() -> WorkerInfo + Send + Sync> {
     let id = id.to_string();
     Arc::new(move || {
@@ -71,6 +78,7 @@ async fn leaving_takes_a_worker_out_at_once_and_a_dropped_handle_keeps_its_pace(
         Discovery::Static(url.clone()),
         ttl,
         worker("w1", beats.clone()),
+        Nudge::default(),
     );
     until("registration", Duration::from_secs(5), async || {
         ids(&url).await == ["w1"]
@@ -114,6 +122,7 @@ async fn leaving_takes_a_worker_out_at_once_and_a_dropped_handle_keeps_its_pace(
         Discovery::Static(url.clone()),
         ttl,
         worker("w2", beats.clone()),
+        Nudge::default(),
     ));
     until("registration", Duration::from_secs(5), async || {
         ids(&url).await == ["w2"]
@@ -127,4 +136,69 @@ async fn leaving_takes_a_worker_out_at_once_and_a_dropped_handle_keeps_its_pace(
         "{n} heartbeats in 1 s at a 200 ms beat"
     );
     assert_eq!(ids(&url).await, ["w2"]);
+}
+
+#[tokio::test]
+async fn a_nudge_reports_room_before_the_next_heartbeat() {
+    let (url, _svc) = scheduler().await;
+    // A 30 s TTL: the next regular heartbeat is 10 s away.
+    let (beats, load) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicU32::new(0)));
+    let info = {
+        let (beats, load) = (beats.clone(), load.clone());
+        let base = worker("w", Arc::new(AtomicUsize::new(0)));
+        Arc::new(move || {
+            beats.fetch_add(1, Ordering::SeqCst);
+            let mut i = base();
+            i.load = load.load(Ordering::SeqCst);
+            i
+        })
+    };
+    let nudge = Nudge::default();
+    let _r = spawn_registrar(
+        Discovery::Static(url.clone()),
+        Duration::from_secs(30),
+        info,
+        nudge.clone(),
+    );
+    until("registration", Duration::from_secs(5), async || {
+        ids(&url).await == ["w"]
+    })
+    .await;
+    let mut c = SchedulerClient::connect(url.clone())
+        .await
+        .expect("connect");
+    // Four placements fill its capacity of 4 (the worker has not reported them yet).
+    for _ in 0..4 {
+        place(&mut c).await.expect("room");
+        load.fetch_add(1, Ordering::SeqCst);
+    }
+    let full = place(&mut c).await.expect_err("full");
+    assert_eq!(full.code(), tonic::Code::ResourceExhausted);
+    // Two requests end: the worker nudges, and placement has room again well before 10 s.
+    load.fetch_sub(2, Ordering::SeqCst);
+    nudge.nudge();
+    let waited = until("the nudged report", Duration::from_secs(2), async || {
+        place(&mut c).await.is_ok()
+    })
+    .await;
+    assert!(waited < Duration::from_secs(1), "{waited:?}");
+    // One more fits (2 reported + 2 placed), then it is full again.
+    place(&mut c).await.expect("room for the second");
+    assert_eq!(
+        place(&mut c).await.expect_err("full").code(),
+        tonic::Code::ResourceExhausted
+    );
+    // A burst of nudges is paced: at most one heartbeat per MIN_NUDGE_GAP.
+    let b0 = beats.load(Ordering::SeqCst);
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(500) {
+        nudge.nudge();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let n = beats.load(Ordering::SeqCst) - b0;
+    let most = (500 / MIN_NUDGE_GAP.as_millis() + 2) as usize;
+    assert!(
+        (2..=most).contains(&n),
+        "{n} heartbeats for 500 ms of nudges"
+    );
 }

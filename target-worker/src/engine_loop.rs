@@ -25,6 +25,9 @@ pub struct EngineLoop {
     pub engine: Engine,
     pub shared: Arc<RemoteShared>,
     pub load: Arc<AtomicUsize>,
+    /// Told when a request starts or ends, so placement hears of the load before the next
+    /// heartbeat (it counts its own placements only until then).
+    pub room: dspark_scheduler::discovery::Nudge,
     pub metrics: Arc<WorkerMetrics>,
 }
 
@@ -91,6 +94,7 @@ impl EngineLoop {
     fn end(&mut self, id: u64, senders: &mut HashMap<u64, EventTx>) {
         if senders.remove(&id).is_some() {
             self.load.fetch_sub(1, Ordering::Relaxed);
+            self.room.nudge();
         }
         if let Ok(mut a) = self.shared.assign.lock() {
             a.remove(&id);
@@ -112,6 +116,7 @@ impl EngineLoop {
                 match self.engine.add(req) {
                     Ok(()) => {
                         self.load.fetch_add(1, Ordering::Relaxed);
+                        self.room.nudge();
                         senders.insert(id, events);
                     }
                     Err(e) => {

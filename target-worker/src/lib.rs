@@ -277,10 +277,12 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             })?;
     }
     let (tx, rx) = std::sync::mpsc::channel();
+    let room = dspark_scheduler::discovery::Nudge::default();
     let el = engine_loop::EngineLoop {
         engine,
         shared,
         load: Arc::clone(&load),
+        room: room.clone(),
         metrics,
     };
     std::thread::Builder::new()
@@ -341,6 +343,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
                     i
                 }
             }),
+            room,
         )
     });
     let streams = Arc::new(AtomicUsize::new(0));

@@ -1535,6 +1535,100 @@ async fn draft_worker_killed_mid_stream_loses_nothing() {
 }
 
 /// Which of `targets` holds a request now (by the load its Info reports).
+/// The scheduler's view of the one target worker's load.
+async fn scheduler_load(sched: &str) -> u32 {
+    let Ok(mut c) =
+        dspark_proto::scheduler_client::SchedulerClient::connect(sched.to_string()).await
+    else {
+        return u32::MAX;
+    };
+    c.cluster(dspark_proto::ClusterRequest {})
+        .await
+        .map(|r| {
+            r.into_inner()
+                .workers
+                .iter()
+                .filter(|w| w.role == "target")
+                .map(|w| w.load)
+                .sum()
+        })
+        .unwrap_or(u32::MAX)
+}
+
+/// Placement counts what it placed until the worker's next load report; a worker reports as
+/// soon as a request starts or ends, so back-to-back requests never read a free worker as full,
+/// and a full one is waited for (`--full-wait-ms`, 2 s by default) before a 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn back_to_back_requests_find_room_and_a_full_cluster_is_waited_for() {
+    let _s = serial();
+    // A 30 s TTL: the regular heartbeats come 10 s apart.
+    let c = start_cluster(1, 0, &["--ttl-ms", "30000"]);
+    wait_for("a target worker", Duration::from_secs(120), || {
+        ready(&c.url, 1, 0)
+    })
+    .await;
+    let ask = |p: &str, max_tokens: usize| {
+        json!({"model": "smollm2-135m", "prompt": p, "max_tokens": max_tokens,
+               "temperature": 0, "return_token_ids": true})
+    };
+    let url = format!("{}/v1/completions", c.url);
+    // Three times its capacity of 4, one after another.
+    for i in 0..12 {
+        let p = PROMPTS[i % PROMPTS.len()];
+        let (st, v) = post(&url, &ask(p, 2)).await;
+        assert_eq!(st, 200, "request {i}: {v}");
+        assert_eq!(ids_of(&v), greedy(p, 2).0, "request {i}");
+    }
+    // Four long requests sent to the worker itself fill it.
+    let prompt = reference().1.encode(PROMPTS[0]).expect("tokens");
+    let mut busy = Vec::new();
+    for _ in 0..4 {
+        let mut t = TargetWorkerClient::connect(format!("http://{}", c.targets[0].addr))
+            .await
+            .expect("target worker");
+        let mut stream = t
+            .generate(GenerateRequest {
+                prompt: prompt.clone(),
+                max_tokens: 4000,
+                ..Default::default()
+            })
+            .await
+            .expect("generate")
+            .into_inner();
+        busy.push(tokio::spawn(async move {
+            while let Ok(Some(_)) = stream.message().await {}
+        }));
+    }
+    wait_for("its load reported", Duration::from_secs(5), || {
+        let sched = c.sched.clone();
+        async move { scheduler_load(&sched).await == 4 }
+    })
+    .await;
+    // Full: a request waits for room, then is refused.
+    let t0 = std::time::Instant::now();
+    let (st, v) = post(&url, &ask(PROMPTS[1], 2)).await;
+    assert_eq!(st, 429, "{v}");
+    assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1500),
+        "refused after {:?}, without waiting",
+        t0.elapsed()
+    );
+    // Room opening while one waits lets it in.
+    let waiting = tokio::spawn({
+        let (url, body) = (url.clone(), ask(PROMPTS[1], 2));
+        async move { post(&url, &body).await }
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    busy.pop().expect("a busy request").abort();
+    let (st, v) = waiting.await.expect("joined");
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(ids_of(&v), greedy(PROMPTS[1], 2).0);
+    for b in busy {
+        b.abort();
+    }
+}
+
 async fn busy_target(targets: &[&Proc]) -> usize {
     for _ in 0..50 {
         for (i, t) in targets.iter().enumerate() {
