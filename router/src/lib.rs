@@ -84,8 +84,10 @@ pub struct RouterArgs {
     pub max_inflight: usize,
     /// Milliseconds a request admitted here waits for room when every target worker reads
     /// full, before it is refused with 429: placement's counts run ahead of the workers' load
-    /// reports for a moment after requests end, and other routers share the workers.
-    #[arg(long, env = "DSPARK_FULL_WAIT_MS", default_value_t = 2000)]
+    /// reports for a moment after requests end, and other routers share the workers. At most
+    /// 600000; 0 refuses at once.
+    #[arg(long, env = "DSPARK_FULL_WAIT_MS", default_value_t = 2000,
+          value_parser = clap::value_parser!(u64).range(0..=600_000))]
     pub full_wait_ms: u64,
     #[arg(long, env = "DSPARK_HOME")]
     pub home: Option<PathBuf>,
@@ -563,8 +565,10 @@ async fn open(
     }
 }
 
-/// How often a request waiting for room asks for a placement again.
-const FULL_POLL: Duration = Duration::from_millis(50);
+/// A request waiting for room asks for a placement again after 50 ms, then twice as long each
+/// time up to 400 ms, each pause stretched by up to a quarter at random so that waiting
+/// requests do not ask together. (The scheduler's `full` placements count these asks.)
+const FULL_POLL: (Duration, Duration) = (Duration::from_millis(50), Duration::from_millis(400));
 
 /// [`open`], waiting while every target reads full, until `deadline` or until `gone` (its
 /// client left); then the last refusal stands.
@@ -576,6 +580,7 @@ async fn open_when_room(
     deadline: Instant,
     gone: impl Fn() -> bool,
 ) -> Result<Opened, ApiError> {
+    let mut pause = FULL_POLL.0;
     loop {
         match open(
             app,
@@ -592,7 +597,9 @@ async fn open_when_room(
                     && Instant::now() < deadline
                     && !gone() =>
             {
-                tokio::time::sleep(FULL_POLL).await;
+                let jitter = random_u64() % (pause.as_millis() as u64 / 4 + 1);
+                tokio::time::sleep(pause + Duration::from_millis(jitter)).await;
+                pause = (pause * 2).min(FULL_POLL.1);
             }
             r => return r,
         }
@@ -1174,8 +1181,9 @@ async fn serve(
         }
     }
     // None fit: the first waits a little for room (`--full-wait-ms`) before the request is
-    // refused, since the cluster may read full only until the workers' next load reports.
-    if opened.is_empty() && failure.is_none() {
+    // refused, since the cluster may read full only until the workers' next load reports. (A
+    // client that leaves meanwhile drops this handler, and the wait with it.)
+    if opened.is_empty() && failure.is_none() && !app.full_wait.is_zero() {
         jobs.make_contiguous().sort_by_key(|(i, _)| *i);
         if let Some((i, job)) = jobs.pop_front() {
             let deadline = Instant::now() + app.full_wait;
@@ -1210,8 +1218,12 @@ async fn serve(
     // Sequences deferred by a full cluster go in index order.
     jobs.make_contiguous().sort_by_key(|(i, _)| *i);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, Piece)>(64);
-    // Permits for the sequences still waiting: one comes back as each running one ends.
-    let room = Arc::new(tokio::sync::Semaphore::new(0));
+    // Permits for the sequences still waiting: the window's own places that did not open
+    // (a full cluster turned them away; they wait for room on their own), and one more as each
+    // running one ends.
+    let room = Arc::new(tokio::sync::Semaphore::new(
+        window.saturating_sub(opened.len()).min(jobs.len()),
+    ));
     let run = {
         let (app, span, room) = (Arc::clone(&app), span.clone(), Arc::clone(&room));
         move |i: usize,

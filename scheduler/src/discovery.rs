@@ -147,7 +147,8 @@ pub fn normalize_url(s: &str) -> String {
 /// Asks a worker's registrar for its next heartbeat now, because its load changed (a request
 /// started or ended): placement counts what it placed since the last load report, so a report
 /// that waits for the next beat (a third of the TTL) lets back-to-back requests read a free
-/// worker as full. Nudged heartbeats come at most one per [`MIN_NUDGE_GAP`].
+/// worker as full. Nudged heartbeats come at most one per [`MIN_NUDGE_GAP`]
+/// ([`ETCD_NUDGE_GAP`] with etcd).
 #[derive(Clone, Default)]
 pub struct Nudge(Arc<tokio::sync::Notify>);
 
@@ -160,6 +161,9 @@ impl Nudge {
 
 /// Least time between a heartbeat and a nudged one (bounds the reports of a busy worker).
 pub const MIN_NUDGE_GAP: Duration = Duration::from_millis(50);
+/// The same with etcd, where each report is a put that waits for etcd's disk and reaches every
+/// watcher.
+pub const ETCD_NUDGE_GAP: Duration = Duration::from_millis(200);
 
 /// A worker's registration, kept fresh by a task until [`Registration::leave`].
 pub struct Registration {
@@ -224,13 +228,13 @@ pub fn spawn_registrar(
     Registration { stop, task }
 }
 
-/// Sleeps `d`, or until nudged (but at least [`MIN_NUDGE_GAP`]); false if asked to leave
-/// meanwhile. A [`Registration`] dropped without leaving keeps the heartbeat going (its sender
-/// gone, `changed` fails at once: sleep anyway).
+/// Sleeps `d`, or until nudged (but at least the gap given with the nudge); false if asked to
+/// leave meanwhile. A [`Registration`] dropped without leaving keeps the heartbeat going at its
+/// pace (its sender gone, `changed` fails at once: sleep anyway, nudges unheard).
 async fn pause(
     d: Duration,
     stop: &mut tokio::sync::watch::Receiver<bool>,
-    nudge: Option<&Nudge>,
+    nudge: Option<(&Nudge, Duration)>,
 ) -> bool {
     if *stop.borrow() {
         return false;
@@ -238,9 +242,9 @@ async fn pause(
     let start = tokio::time::Instant::now();
     let nudged = async {
         match nudge {
-            Some(n) => {
+            Some((n, gap)) => {
                 n.0.notified().await;
-                tokio::time::sleep_until(start + MIN_NUDGE_GAP.min(d)).await;
+                tokio::time::sleep_until(start + gap.min(d)).await;
             }
             None => std::future::pending().await,
         }
@@ -301,7 +305,7 @@ async fn register_static(
         c.register(i)
             .await
             .map_err(|e| SchedError::Discovery(format!("register: {}", e.message())))?;
-        pause(beat, stop, Some(nudge)).await;
+        pause(beat, stop, Some((nudge, MIN_NUDGE_GAP))).await;
     }
 }
 
@@ -321,6 +325,8 @@ async fn register_etcd(
         .await
         .map_err(etcd_err)?;
     let (mut keeper, mut acks) = c.lease_keep_alive(lease.id()).await.map_err(etcd_err)?;
+    // The lease is renewed at the heartbeat's pace; a nudged report only puts.
+    let mut renewed: Option<tokio::time::Instant> = None;
     loop {
         let mut i = info();
         if *stop.borrow() {
@@ -337,17 +343,25 @@ async fn register_etcd(
             i.encode_to_vec(),
             Some(PutOptions::new().with_lease(lease.id())),
         );
+        let due = renewed.is_none_or(|t| t.elapsed() >= beat);
         let renew = async {
+            if !due {
+                return Ok(());
+            }
             keeper.keep_alive().await.map_err(etcd_err)?;
             match acks.message().await.map_err(etcd_err)? {
                 Some(a) if a.ttl() > 0 => Ok(()),
                 _ => Err(SchedError::Discovery("lease expired".into())),
             }
         };
+        let t = tokio::time::Instant::now();
         let (put, renew) = tokio::join!(put, renew);
         put.map_err(etcd_err)?;
         renew?;
-        pause(beat, stop, Some(nudge)).await;
+        if due {
+            renewed = Some(t);
+        }
+        pause(beat, stop, Some((nudge, ETCD_NUDGE_GAP))).await;
     }
 }
 

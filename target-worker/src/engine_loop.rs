@@ -25,8 +25,8 @@ pub struct EngineLoop {
     pub engine: Engine,
     pub shared: Arc<RemoteShared>,
     pub load: Arc<AtomicUsize>,
-    /// Told when a request starts or ends, so placement hears of the load before the next
-    /// heartbeat (it counts its own placements only until then).
+    /// Told when a request ends, so placement hears of the room before the next heartbeat (it
+    /// counts its own placements only until then).
     pub room: dspark_scheduler::discovery::Nudge,
     pub metrics: Arc<WorkerMetrics>,
 }
@@ -114,12 +114,13 @@ impl EngineLoop {
                     }
                 }
                 match self.engine.add(req) {
+                    // Counted in `load` when the service took it.
                     Ok(()) => {
-                        self.load.fetch_add(1, Ordering::Relaxed);
-                        self.room.nudge();
                         senders.insert(id, events);
                     }
                     Err(e) => {
+                        self.load.fetch_sub(1, Ordering::Relaxed);
+                        self.room.nudge();
                         let _ = events.send(Err(Status::invalid_argument(e.to_string())));
                         if let Ok(mut a) = self.shared.assign.lock() {
                             a.remove(&id);

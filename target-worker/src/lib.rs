@@ -343,7 +343,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
                     i
                 }
             }),
-            room,
+            room.clone(),
         )
     });
     let streams = Arc::new(AtomicUsize::new(0));
@@ -374,6 +374,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         cmds: std::sync::Mutex::new(tx),
         info,
         load,
+        room: room.clone(),
         next_id: AtomicU64::new(0),
         vocab,
         max_ctx,

@@ -17,7 +17,11 @@ pub struct TargetService {
     )>,
     pub cmds: Mutex<std::sync::mpsc::Sender<Cmd>>,
     pub info: WorkerInfo,
+    /// Requests taken and not yet ended, counted here, before the engine thread adds them
+    /// (that waits for its current step): the load reports placement relies on.
     pub load: Arc<AtomicUsize>,
+    /// Tells the registrar the load changed (the report comes before the next heartbeat).
+    pub room: dspark_scheduler::discovery::Nudge,
     pub next_id: AtomicU64,
     pub vocab: usize,
     pub max_ctx: usize,
@@ -189,15 +193,23 @@ impl TargetWorker for TargetService {
             Some(r.draft_worker)
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        self.cmds
-            .lock()
-            .map_err(|_| Status::internal("engine channel poisoned"))?
-            .send(Cmd::Add {
-                req,
-                draft,
-                events: tx,
-            })
-            .map_err(|_| Status::unavailable("the engine thread stopped"))?;
+        // The engine loop takes the count back when the request ends or is refused.
+        self.load.fetch_add(1, Ordering::Relaxed);
+        let sent = match self.cmds.lock() {
+            Ok(c) => c
+                .send(Cmd::Add {
+                    req,
+                    draft,
+                    events: tx,
+                })
+                .map_err(|_| Status::unavailable("the engine thread stopped")),
+            Err(_) => Err(Status::internal("engine channel poisoned")),
+        };
+        if let Err(e) = sent {
+            self.load.fetch_sub(1, Ordering::Relaxed);
+            return Err(e);
+        }
+        self.room.nudge();
         let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
             events,

@@ -1534,7 +1534,6 @@ async fn draft_worker_killed_mid_stream_loses_nothing() {
     assert_eq!(ids_of(&v), want[..24].to_vec());
 }
 
-/// Which of `targets` holds a request now (by the load its Info reports).
 /// The scheduler's view of the one target worker's load.
 async fn scheduler_load(sched: &str) -> u32 {
     let Ok(mut c) =
@@ -1556,8 +1555,9 @@ async fn scheduler_load(sched: &str) -> u32 {
 }
 
 /// Placement counts what it placed until the worker's next load report; a worker reports as
-/// soon as a request starts or ends, so back-to-back requests never read a free worker as full,
-/// and a full one is waited for (`--full-wait-ms`, 2 s by default) before a 429.
+/// soon as a request starts or ends, so back-to-back requests find room (the router's wait
+/// covers the moment before the report), and a full worker is waited for (`--full-wait-ms`,
+/// 2 s by default) before a 429.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn back_to_back_requests_find_room_and_a_full_cluster_is_waited_for() {
     let _s = serial();
@@ -1590,6 +1590,7 @@ async fn back_to_back_requests_find_room_and_a_full_cluster_is_waited_for() {
             .generate(GenerateRequest {
                 prompt: prompt.clone(),
                 max_tokens: 4000,
+                ignore_eos: true,
                 ..Default::default()
             })
             .await
@@ -1629,6 +1630,7 @@ async fn back_to_back_requests_find_room_and_a_full_cluster_is_waited_for() {
     }
 }
 
+/// Which of `targets` holds a request now (by the load its Info reports).
 async fn busy_target(targets: &[&Proc]) -> usize {
     for _ in 0..50 {
         for (i, t) in targets.iter().enumerate() {
@@ -1888,6 +1890,21 @@ async fn etcd_registration_ends_with_the_lease_or_the_worker() {
     .await;
     let v = complete(&url, PROMPTS[1], 8).await;
     assert_eq!(ids_of(&v), greedy(PROMPTS[1], 8).0);
+    // Requests one after another for twice the TTL: each start and end brings a load report
+    // (a put) forward, and the lease is still renewed at the heartbeat's pace.
+    let t0 = std::time::Instant::now();
+    let mut served = 0;
+    while t0.elapsed() < Duration::from_secs(4) {
+        let (st, body) = post(
+            &format!("{url}/v1/completions"),
+            &json!({"model": "smollm2-135m", "prompt": PROMPTS[served % PROMPTS.len()],
+                    "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(st, 200, "request {served} after {:?}: {body}", t0.elapsed());
+        served += 1;
+    }
+    assert!(served >= 4, "{served} requests in 4 s");
     // Frozen: it stops renewing its lease, etcd deletes its key, placement forgets it.
     target.signal("STOP");
     wait_for("lease expiry", Duration::from_secs(20), || async {
