@@ -21,9 +21,9 @@ pub struct GlobalArgs {
     /// or their NEON twins (with `sdot` on `neondot`), all with the same bits).
     #[arg(long, global = true, env = "DSPARK_ISA")]
     pub isa: Option<String>,
-    /// KV cache element type: f16 (half the bytes attention reads), f32, or int8v (f16 keys,
-    /// 8-bit values: 77 % of f16's bytes) (default: f16, and f32 for the f32 reference forward
-    /// of `bench accuracy`).
+    /// KV cache element type: f16 (half the bytes attention reads), f32, int8v (f16 keys,
+    /// 8-bit values: 77 % of f16's bytes) or int8 (8-bit keys, rotated, and values: 53 %)
+    /// (default: f16, and f32 for the f32 reference forward of `bench accuracy`).
     #[arg(long, global = true, env = "DSPARK_KV_CACHE_DTYPE")]
     pub kv_cache_dtype: Option<String>,
 }

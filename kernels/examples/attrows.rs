@@ -30,6 +30,7 @@ fn main() {
             lims: &lims,
             kpool: &kpool,
             vpool: &vpool,
+            kscale: &[],
             vscale: &[],
             blocks: &blocks,
             bs,

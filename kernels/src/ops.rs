@@ -80,7 +80,6 @@ pub fn attend<KE: KvElem, VE: KvElem>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    const { assert!(!KE::I8, "keys are f32 or f16") };
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { attend_avx512(a, scores, out) },
@@ -100,7 +99,6 @@ pub fn attend_mirror<KE: KvElem, VE: KvElem>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) -> bool {
-    const { assert!(!KE::I8, "keys are f32 or f16") };
     // SAFETY: the portable lanes use no instructions beyond the baseline; `run` checks every
     // index against the pools before forming a pointer.
     unsafe { attend_simd::run::<attend_simd::Mirror, KE, VE>(a, scores, out) }
@@ -121,7 +119,7 @@ fn attend_mirror_wide<KE: KvElem, VE: KvElem>(
 /// at long contexts is most of them (SmolLM2 at ctx 2048: 94 MB of f32 K/V against 96 MB of
 /// weights per token); f32 is kept for the f32 reference forward.
 ///
-/// `i8` is an 8-bit code (values only): the element is the code times the scale
+/// `i8` is an 8-bit code: the element is the code times the scale [`AttendArgs::kscale`] or
 /// [`AttendArgs::vscale`] carries.
 ///
 /// # Safety
@@ -193,12 +191,16 @@ unsafe impl KvElem for i8 {
     }
 }
 
-/// Inputs of [`attend`]. Keys are f32 or f16 (`KE`); values (`VE`) may also be 8-bit codes.
+/// Inputs of [`attend`]. Keys (`KE`) and values (`VE`) are f32, f16 or 8-bit codes.
 pub struct AttendArgs<'a, KE: KvElem = f32, VE: KvElem = KE> {
     pub q: &'a [f32],
     pub lims: &'a [usize],
     pub kpool: &'a [KE],
     pub vpool: &'a [VE],
+    /// With `i8` keys, the scale of each position's key row per head (the key is its code
+    /// times it), `[block][head][position in block]`; empty otherwise. A score is the query's
+    /// dot product with the codes, times `scale`, times this.
+    pub kscale: &'a [f32],
     /// With `i8` values, the scale of each position's value row per head (the value is its
     /// code times it), `[block][head][position in block]`; empty otherwise.
     pub vscale: &'a [f32],
@@ -251,6 +253,13 @@ fn attend_body<KE: KvElem, VE: KvElem>(
             }
         }
     }
+    if KE::I8 {
+        for r in 0..r_n {
+            for (p, x) in scores[r * lp..r * lp + a.lims[r]].iter_mut().enumerate() {
+                *x *= key_scale(a, p);
+            }
+        }
+    }
     for r in 0..r_n {
         softmax_body(&mut scores[r * lp..r * lp + a.lims[r]]);
     }
@@ -298,6 +307,12 @@ fn block_scores<const BS: usize, E: KvElem>(q: &[f32], kt: &[E], scale: f32, dst
     for j in 0..BS {
         dst[j] = ((acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j])) * scale;
     }
+}
+
+/// The scale of position `p`'s key row (8-bit keys only).
+#[inline(always)]
+fn key_scale<KE: KvElem, VE: KvElem>(a: &AttendArgs<'_, KE, VE>, p: usize) -> f32 {
+    a.kscale[(a.blocks[p / a.bs] as usize * a.n_kv + a.g) * a.bs + p % a.bs]
 }
 
 /// The scale of position `p`'s value row (1 for float values).
@@ -709,6 +724,7 @@ mod attend_simd {
             (b * a.n_kv + a.g + 1) * hd * BS <= a.kpool.len()
                 && (b * BS + BS - 1) * kvd + a.g * hd + hd <= a.vpool.len()
                 && (!VE::I8 || (b * a.n_kv + a.g + 1) * BS <= a.vscale.len())
+                && (!KE::I8 || (b * a.n_kv + a.g + 1) * BS <= a.kscale.len())
         });
         if !fits {
             return false;
@@ -737,6 +753,18 @@ mod attend_simd {
             };
         }
         for r in 0..r_n {
+            if KE::I8 {
+                // Each live score takes its position's key scale (the pass multiplied codes).
+                let lim = a.lims[r];
+                for (bi, &blk) in a.blocks[..lim.div_ceil(BS)].iter().enumerate() {
+                    let ks = &a.kscale[(blk as usize * a.n_kv + a.g) * BS..][..BS];
+                    let n = BS.min(lim - bi * BS);
+                    let w = &mut sc[(bi * r_n + r) * BS..][..n];
+                    for (x, s) in w.iter_mut().zip(ks) {
+                        *x *= s;
+                    }
+                }
+            }
             softmax_row(sc, r_n, r, a.lims[r], nb);
             if VE::I8 {
                 // Each live weight takes its position's value scale, so the values pass
@@ -1074,6 +1102,32 @@ unsafe fn softmax_avx2(x: &mut [f32]) {
     softmax_body(x)
 }
 
+/// The normalized Walsh–Hadamard transform of `x` in place (`x.len()` a power of two): an
+/// orthogonal matrix that is its own inverse, so `H·q · H·k = q · k`. An 8-bit cache stores
+/// each key row rotated by it (and attention rotates the queries alike): the rotation spreads
+/// the few channels that are tens of times larger than the rest over all of them, so one
+/// scale per row fits the whole row (QuaRot, Ashkboos et al. 2024). Plain adds in a fixed
+/// order: the same bits on every machine.
+pub fn hadamard(x: &mut [f32]) {
+    let n = x.len();
+    debug_assert!(n.is_power_of_two());
+    let mut h = 1;
+    while h < n {
+        for i in (0..n).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, b) = (x[j], x[j + h]);
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+    let s = 1.0 / (n as f32).sqrt();
+    for v in x.iter_mut() {
+        *v *= s;
+    }
+}
+
 /// In-place softmax (leaves a probability vector).
 pub fn softmax(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -1230,6 +1284,7 @@ mod tests {
             attend_case::<f32, f32>(hd, bs, &lims);
             attend_case::<half::f16, half::f16>(hd, bs, &lims);
             attend_case::<half::f16, i8>(hd, bs, &lims);
+            attend_case::<i8, i8>(hd, bs, &lims);
         }
     }
 
@@ -1252,6 +1307,14 @@ mod tests {
         } else {
             Vec::new()
         };
+        // Key codes likewise, with scales around 1/60 (scores of a few units).
+        let kscale: Vec<f32> = if KE::I8 {
+            (0..n_blocks * n_kv * bs)
+                .map(|_| (0.01 + 0.013 * rng.uniform()) as f32)
+                .collect()
+        } else {
+            Vec::new()
+        };
         // The cache's layout, then the logical K/V per position it holds.
         let mut kpool = vec![KE::from_f32(0.0); n_blocks * bs * kvd];
         let mut vpool = vec![VE::from_f32(0.0); n_blocks * bs * kvd];
@@ -1263,9 +1326,14 @@ mod tests {
             let (b, off) = (blocks[p / bs] as usize, p % bs);
             for h in 0..n_kv {
                 for d in 0..hd {
-                    let e = KE::from_f32(rng.normal() as f32);
+                    let (e, s) = if KE::I8 {
+                        let e = KE::from_f32((rng.uniform() * 254.0 - 127.0) as f32);
+                        (e, kscale[(b * n_kv + h) * bs + off])
+                    } else {
+                        (KE::from_f32(rng.normal() as f32), 1.0)
+                    };
                     kpool[((b * n_kv + h) * hd + d) * bs + off] = e;
-                    k[p * kvd + h * hd + d] = e.to_f32();
+                    k[p * kvd + h * hd + d] = e.to_f32() * s;
                 }
                 for d in 0..hd {
                     let (e, s) = if VE::I8 {
@@ -1285,6 +1353,7 @@ mod tests {
             lims,
             kpool: &kpool,
             vpool: &vpool,
+            kscale: &kscale,
             vscale: &vscale,
             blocks: &blocks,
             bs,
@@ -1317,8 +1386,9 @@ mod tests {
                         .sum();
                     assert!(
                         (want - out[r * hd + i] as f64).abs() < 1e-4,
-                        "{isa:?} half {} i8 {} hd{hd} bs{bs} r{r} i{i}",
+                        "{isa:?} half {} i8 keys {} values {} hd{hd} bs{bs} r{r} i{i}",
                         KE::HALF,
+                        KE::I8,
                         VE::I8
                     );
                 }
@@ -1346,12 +1416,43 @@ mod tests {
                 assert_eq!(
                     bits(out),
                     bits(&mirror),
-                    "{isa:?} half {} i8 {} hd{hd} against the mirror",
+                    "{isa:?} half {} i8 keys {} values {} hd{hd} against the mirror",
                     KE::HALF,
+                    KE::I8,
                     VE::I8
                 );
             }
         }
+    }
+
+    #[test]
+    fn hadamard_is_orthogonal_and_its_own_inverse() {
+        let mut rng = Rng::new(3);
+        for n in [1usize, 2, 64, 128] {
+            let q: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+            let mut k: Vec<f32> = (0..n).map(|_| rng.normal() as f32).collect();
+            // One large channel, as keys have.
+            k[n / 2] = 40.0;
+            let (mut hq, mut hk) = (q.clone(), k.clone());
+            hadamard(&mut hq);
+            hadamard(&mut hk);
+            let d = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+            assert!((d(&hq, &hk) - d(&q, &k)).abs() < 1e-3 * (1.0 + d(&q, &k).abs()));
+            if n >= 64 {
+                // The large channel is spread: no rotated element is near it.
+                let m = hk.iter().fold(0f32, |a, x| a.max(x.abs()));
+                assert!(m < 40.0 / 2.0, "n {n}: {m}");
+            }
+            let mut back = hk.clone();
+            hadamard(&mut back);
+            for (a, b) in back.iter().zip(&k) {
+                assert!((a - b).abs() < 1e-4, "n {n}");
+            }
+        }
+        // A fixed vector's transform (n = 4): [1, 2, 3, 4] → [10, -2, -4, 0] / 2.
+        let mut x = [1f32, 2.0, 3.0, 4.0];
+        hadamard(&mut x);
+        assert_eq!(x, [5.0, -1.0, -2.0, 0.0]);
     }
 
     #[test]

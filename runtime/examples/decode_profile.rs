@@ -1,12 +1,12 @@
 //! Where a decoding step's time goes with B sequences of C cached positions each, their own
 //! (unshared) blocks, for one KV cache element type: the mean of 20 steps.
-//! `cargo run --release -p dspark-runtime --example decode_profile -- MODEL.gguf f16|f32|int8v B C`
+//! `cargo run --release -p dspark-runtime --example decode_profile -- MODEL.gguf f16|f32|int8v|int8 B C`
 use anyhow::Context;
 use dspark_runtime::model::*;
 use dspark_runtime::{KvDtype, LoadOptions, Model};
 
 fn main() -> anyhow::Result<()> {
-    let usage = "usage: decode_profile MODEL.gguf f16|f32|int8v BATCH CTX";
+    let usage = "usage: decode_profile MODEL.gguf f16|f32|int8v|int8 BATCH CTX";
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [path, dtype, batch, ctx] = &args[..] else {
         anyhow::bail!(usage);

@@ -23,7 +23,8 @@
 //!
 //! Elements are f16 by default ([`KvDtype`]): a decode reads every cached K and V once per layer,
 //! and at long contexts those bytes outweigh the model's (SmolLM2 at ctx 2048: 94 MB in f32).
-//! The f32 reference forward keeps f32. `int8v` keeps f16 keys and 8-bit values ([`QPool`]).
+//! The f32 reference forward keeps f32. `int8v` keeps f16 keys and 8-bit values, `int8` 8-bit
+//! keys (rotated, see [`QPool`]) and values.
 
 use crate::RuntimeError;
 use half::f16;
@@ -64,17 +65,21 @@ pub enum KvDtype {
     /// f16 keys, 8-bit values with an f32 scale per row ([`QPool`]): 77 % of f16's bytes at
     /// head_dim 64.
     Int8V,
+    /// 8-bit keys (each row rotated by a Walsh–Hadamard transform first) and values, an f32
+    /// scale per row each ([`QPool`]): 53 % of f16's bytes at head_dim 64.
+    Int8,
 }
 
 impl KvDtype {
-    /// `f16`, `f32` or `int8v` (`--kv-cache-dtype`).
+    /// `f16`, `f32`, `int8v` or `int8` (`--kv-cache-dtype`).
     pub fn parse(s: &str) -> Result<Self, RuntimeError> {
         match s {
             "f16" => Ok(KvDtype::F16),
             "f32" => Ok(KvDtype::F32),
             "int8v" => Ok(KvDtype::Int8V),
+            "int8" => Ok(KvDtype::Int8),
             o => Err(RuntimeError::Config(format!(
-                "KV cache dtype `{o}`: expected f16, f32 or int8v"
+                "KV cache dtype `{o}`: expected f16, f32, int8v or int8"
             ))),
         }
     }
@@ -84,6 +89,7 @@ impl KvDtype {
             KvDtype::F16 => "f16",
             KvDtype::F32 => "f32",
             KvDtype::Int8V => "int8v",
+            KvDtype::Int8 => "int8",
         }
     }
 }
@@ -98,37 +104,73 @@ pub enum LayerKv<'a> {
         v: &'a [i8],
         vscale: &'a [f32],
     },
+    /// 8-bit key codes of the rotated keys, value codes, and their scales (see [`QPool`]):
+    /// queries must be rotated alike ([`kernels::ops::hadamard`]) before attention.
+    Int8 {
+        k: &'a [i8],
+        kscale: &'a [f32],
+        v: &'a [i8],
+        vscale: &'a [f32],
+    },
 }
 
-/// f16 keys and 8-bit values (`--kv-cache-dtype int8v`). Each value row (one position, one
-/// head) is quantized on its own: codes `[slot][kv_dim]` in the float layout, one scale per
+/// 8-bit values with f16 keys (`--kv-cache-dtype int8v`, `K` = `f16`) or 8-bit keys
+/// (`int8`, `K` = `i8`). Each value row (one position, one head) is quantized on its own: codes `[slot][kv_dim]` in the float layout, one scale per
 /// `[block][head][position]` (the row's largest |v| over 127), which attention folds into the
 /// row's weight. A row's codes depend on that row alone, so rolling back rejected drafts
 /// leaves every kept position as plain decoding would have written it, and speculative
 /// decoding stays lossless against plain decoding on the same cache.
 ///
-/// Keys stay f16. Quantized per position, Qwen2.5-0.5B's top-1 agreement with the reference
-/// fell to 0.951 (channels of its keys are tens of times larger than the rest). Per channel
-/// within a block (KIVI, Liu et al. 2024), agreement held (0.990–0.996 on the three default
-/// models), but a channel's scale then depends on every position written into the block,
-/// drafts that are later rejected included, so rolled-back positions would differ from plain
-/// decoding's.
-struct QPool {
-    k: Vec<Vec<f16>>,
+/// Keys quantized per position as they come lose too much: Qwen2.5-0.5B's top-1 agreement
+/// with the reference fell to 0.951, since a few channels of its keys are tens of times larger
+/// than the rest and a row's scale follows them. Per channel within a block (KIVI, Liu et al.
+/// 2024) agreement held, but a channel's scale then depends on every position written into
+/// the block, drafts that are later rejected included, so rolled-back positions would differ
+/// from plain decoding's. `int8` keys (`K` = `i8`) are rotated first, each head's row by the
+/// normalized Walsh–Hadamard transform ([`kernels::ops::hadamard`]), which spreads the large
+/// channels over the whole row; then quantized per row like the values, in the transposed
+/// key layout, one scale per `[block][head][position]`. The rotation is orthogonal, so
+/// attention rotates the queries alike and the scores are unchanged. A row still depends on
+/// itself alone.
+struct QPool<K: KvElem> {
+    k: Vec<Vec<K>>,
+    /// With `i8` keys, per layer `[block][head][position]`; empty otherwise.
+    kscale: Vec<Vec<f32>>,
     v: Vec<Vec<i8>>,
     vscale: Vec<Vec<f32>>,
 }
 
-impl QPool {
+/// The scale of an 8-bit row (its largest |x| over 127) and its codes. A NaN makes the scale
+/// NaN, so attention over the row is NaN as with a float cache, rather than a silent 0.
+fn quantize_row(row: &[f32], codes: &mut [i8]) -> f32 {
+    let m = row.iter().fold(0f32, |a, &x| {
+        if x.abs() > a || x.is_nan() {
+            x.abs()
+        } else {
+            a
+        }
+    });
+    let s = m / 127.0;
+    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+    for (e, &x) in codes.iter_mut().zip(row) {
+        *e = i8::from_f32(x * inv);
+    }
+    s
+}
+
+impl<K: KvElem> QPool<K> {
     fn new(cfg: &KvConfig) -> Self {
         let (nb, bs, nkv, hd) = (cfg.num_blocks, cfg.block_size, cfg.n_kv_heads, cfg.head_dim);
         let layers = cfg.n_layers;
+        let scales =
+            |on: bool| (0..layers).map(move |_| vec![0.0; if on { nb * nkv * bs } else { 0 }]);
         Self {
             k: (0..layers)
-                .map(|_| vec![f16::ZERO; nb * bs * nkv * hd])
+                .map(|_| vec![K::from_f32(0.0); nb * bs * nkv * hd])
                 .collect(),
+            kscale: scales(K::I8).collect(),
             v: (0..layers).map(|_| vec![0; nb * bs * nkv * hd]).collect(),
-            vscale: (0..layers).map(|_| vec![0.0; nb * nkv * bs]).collect(),
+            vscale: scales(true).collect(),
         }
     }
 
@@ -139,32 +181,52 @@ impl QPool {
             self.k[l].copy_within(from * n..(from + 1) * n, to * n);
             self.v[l].copy_within(from * n..(from + 1) * n, to * n);
             self.vscale[l].copy_within(from * ns..(from + 1) * ns, to * ns);
+            if K::I8 {
+                self.kscale[l].copy_within(from * ns..(from + 1) * ns, to * ns);
+            }
         }
     }
 
     fn write(&mut self, cfg: &KvConfig, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let (bs, hd, nkv) = (cfg.block_size, cfg.head_dim, cfg.n_kv_heads);
         let (b, off) = (slot / bs, slot % bs);
-        write_k(&mut self.k[layer], cfg, slot, k);
         let d = nkv * hd;
+        if K::I8 {
+            let (kp, ksc) = (&mut self.k[layer], &mut self.kscale[layer]);
+            let mut row = [0f32; MAX_INT8_HEAD_DIM];
+            let mut codes = [0i8; MAX_INT8_HEAD_DIM];
+            for (h, src) in k[..d].chunks_exact(hd).enumerate() {
+                let row = &mut row[..hd];
+                row.copy_from_slice(src);
+                kernels::ops::hadamard(row);
+                ksc[(b * nkv + h) * bs + off] = quantize_row(row, &mut codes[..hd]);
+                let base = (b * nkv + h) * hd * bs + off;
+                for (i, &c) in codes[..hd].iter().enumerate() {
+                    kp[base + i * bs] = K::from_f32(c as f32);
+                }
+            }
+        } else {
+            write_k(&mut self.k[layer], cfg, slot, k);
+        }
         let (vp, vsc) = (&mut self.v[layer], &mut self.vscale[layer]);
         for (h, row) in v[..d].chunks_exact(hd).enumerate() {
-            // A NaN makes the row's scale NaN, so attention over it is NaN as with a float
-            // cache, rather than a silent 0.
-            let m = row.iter().fold(0f32, |a, &x| {
-                if x.abs() > a || x.is_nan() {
-                    x.abs()
-                } else {
-                    a
-                }
-            });
-            let s = m / 127.0;
-            vsc[(b * nkv + h) * bs + off] = s;
-            let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-            for (e, &x) in vp[slot * d + h * hd..][..hd].iter_mut().zip(row) {
-                *e = i8::from_f32(x * inv);
+            vsc[(b * nkv + h) * bs + off] = quantize_row(row, &mut vp[slot * d + h * hd..][..hd]);
+        }
+    }
+
+    /// K of one position: the codes times their scale, rotated back.
+    fn read_k(&self, cfg: &KvConfig, layer: usize, slot: usize) -> Vec<f32> {
+        let mut k = read_k(&self.k[layer], cfg, slot);
+        if K::I8 {
+            let (bs, hd, nkv) = (cfg.block_size, cfg.head_dim, cfg.n_kv_heads);
+            let (b, off) = (slot / bs, slot % bs);
+            for (h, row) in k.chunks_exact_mut(hd).enumerate().take(nkv) {
+                let s = self.kscale[layer][(b * nkv + h) * bs + off];
+                row.iter_mut().for_each(|x| *x *= s);
+                kernels::ops::hadamard(row);
             }
         }
+        k
     }
 
     fn read_v(&self, cfg: &KvConfig, layer: usize, slot: usize) -> Vec<f32> {
@@ -255,8 +317,12 @@ impl<E: KvElem> Pool<E> {
 enum Pools {
     F16(Pool<f16>),
     F32(Pool<f32>),
-    Int8V(QPool),
+    Int8V(QPool<f16>),
+    Int8(QPool<i8>),
 }
+
+/// Largest head_dim of an `int8` cache (the rotation takes powers of two).
+const MAX_INT8_HEAD_DIM: usize = 256;
 
 /// Opaque sequence handle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -315,10 +381,20 @@ impl KvCache {
             ));
         }
         let per_layer = cfg.num_blocks * cfg.block_size * cfg.kv_dim();
+        if cfg.dtype == KvDtype::Int8
+            && !(cfg.head_dim.is_power_of_two() && cfg.head_dim <= MAX_INT8_HEAD_DIM)
+        {
+            return Err(RuntimeError::Config(format!(
+                "an int8 KV cache needs a head_dim that is a power of two up to \
+                 {MAX_INT8_HEAD_DIM} (this model's is {}): use int8v",
+                cfg.head_dim
+            )));
+        }
         Ok(Self {
             pools: match cfg.dtype {
                 KvDtype::F16 => Pools::F16(Pool::new(cfg.n_layers, per_layer)),
                 KvDtype::Int8V => Pools::Int8V(QPool::new(&cfg)),
+                KvDtype::Int8 => Pools::Int8(QPool::new(&cfg)),
                 KvDtype::F32 => Pools::F32(Pool::new(cfg.n_layers, per_layer)),
             },
             refcount: vec![0; cfg.num_blocks],
@@ -543,6 +619,7 @@ impl KvCache {
             Pools::F16(p) => p.copy(f, t, n),
             Pools::F32(p) => p.copy(f, t, n),
             Pools::Int8V(p) => p.copy_block(&self.cfg, from as usize, to as usize),
+            Pools::Int8(p) => p.copy_block(&self.cfg, from as usize, to as usize),
         }
     }
 
@@ -700,6 +777,7 @@ impl KvCache {
             Pools::F16(p) => p.write(&self.cfg, layer, slot, k, v),
             Pools::F32(p) => p.write(&self.cfg, layer, slot, k, v),
             Pools::Int8V(p) => p.write(&self.cfg, layer, slot, k, v),
+            Pools::Int8(p) => p.write(&self.cfg, layer, slot, k, v),
         }
     }
 
@@ -708,7 +786,8 @@ impl KvCache {
         match &self.pools {
             Pools::F16(p) => read_k(&p.k[layer], &self.cfg, slot),
             Pools::F32(p) => read_k(&p.k[layer], &self.cfg, slot),
-            Pools::Int8V(p) => read_k(&p.k[layer], &self.cfg, slot),
+            Pools::Int8V(p) => p.read_k(&self.cfg, layer, slot),
+            Pools::Int8(p) => p.read_k(&self.cfg, layer, slot),
         }
     }
 
@@ -718,6 +797,7 @@ impl KvCache {
             Pools::F16(p) => p.read_v(&self.cfg, layer, slot),
             Pools::F32(p) => p.read_v(&self.cfg, layer, slot),
             Pools::Int8V(p) => p.read_v(&self.cfg, layer, slot),
+            Pools::Int8(p) => p.read_v(&self.cfg, layer, slot),
         }
     }
 
@@ -733,6 +813,12 @@ impl KvCache {
             Pools::F32(p) => LayerKv::F32(&p.k[layer], &p.v[layer]),
             Pools::Int8V(p) => LayerKv::Int8V {
                 k: &p.k[layer],
+                v: &p.v[layer],
+                vscale: &p.vscale[layer],
+            },
+            Pools::Int8(p) => LayerKv::Int8 {
+                k: &p.k[layer],
+                kscale: &p.kscale[layer],
                 v: &p.v[layer],
                 vscale: &p.vscale[layer],
             },
@@ -958,6 +1044,80 @@ mod tests {
         assert_eq!(c.read_v(1, t0), c.read_v(1, s0));
         assert_eq!(c.read_k(1, t0), keys);
         c.check().unwrap();
+    }
+
+    #[test]
+    fn int8_pools_rotate_each_key_row_and_fork_copies_its_scales() {
+        let cfg = KvConfig {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 8,
+            block_size: 4,
+            num_blocks: 4,
+            dtype: KvDtype::parse("int8").unwrap(),
+        };
+        let mut c = KvCache::new(cfg.clone()).unwrap();
+        let a = c.new_seq();
+        c.reserve(a, 2).unwrap();
+        // Head 0 has one channel 100 times the others (as some models' keys do); head 1 not.
+        let x: Vec<f32> = (0..16)
+            .map(|i| {
+                if i == 3 {
+                    50.0
+                } else {
+                    0.5 * ((i as f32) * 0.7).sin()
+                }
+            })
+            .collect();
+        let (s0, s1) = (c.slot(a, 0).unwrap(), c.slot(a, 1).unwrap());
+        c.write(1, s0, &x, &x);
+        c.write(1, s1, &[0.0; 16], &[0.0; 16]);
+        c.set_len(a, 2).unwrap();
+        let LayerKv::Int8 { k, kscale, .. } = c.layer(1) else {
+            panic!("int8 pools")
+        };
+        // [block][head][dim][position] codes and a [block][head][position] scale per row: the
+        // rotated row's largest |x| over 127. Rotated, head 0's large channel is spread
+        // evenly (50 / √8 in every element, give or take the small ones).
+        let (b, off) = (s0 / 4, s0 % 4);
+        let mut hx = x[..8].to_vec();
+        kernels::ops::hadamard(&mut hx);
+        let m = hx.iter().fold(0f32, |a, v| a.max(v.abs()));
+        assert!(m < 50.0 / 8f32.sqrt() + 2.0, "{m}");
+        let ks = kscale[b * 2 * 4 + off];
+        assert!((ks * 127.0 - m).abs() < 1e-4, "{ks}");
+        for (d, &h) in hx.iter().enumerate() {
+            let code = k[(b * 2 * 8 + d) * 4 + off] as f32;
+            assert!((code * ks - h).abs() <= 0.5 * ks * 1.0001, "dim {d}");
+        }
+        // Read back, rotated back: the error's norm is at most half a step per element.
+        let back = c.read_k(1, s0);
+        for h in 0..2 {
+            let err: f32 = (0..8)
+                .map(|d| (back[h * 8 + d] - x[h * 8 + d]).powi(2))
+                .sum::<f32>()
+                .sqrt();
+            let step = kscale[(b * 2 + h) * 4 + off];
+            assert!(err <= 0.5 * step * 8f32.sqrt() * 1.0001, "head {h}: {err}");
+        }
+        // A zero row has scale 0 and reads back as zeros.
+        assert_eq!(c.read_k(1, s1), vec![0.0; 16]);
+        // Copy-on-write of the shared half-full block carries key codes and scales along.
+        let f = c.fork(a, 2).unwrap();
+        c.reserve(f, 3).unwrap();
+        let t0 = c.slot(f, 0).unwrap();
+        assert_ne!(t0, s0);
+        assert_eq!(c.read_k(1, t0), back);
+        assert_eq!(c.read_v(1, t0), c.read_v(1, s0));
+        c.check().unwrap();
+        // A NaN key makes its row's scale NaN (attention over it is NaN, as with floats).
+        let mut bad = x.clone();
+        bad[9] = f32::NAN;
+        c.write(0, s1, &bad, &x);
+        assert!(c.read_k(0, s1)[8..].iter().all(|v| v.is_nan()));
+        // The rotation takes powers of two only.
+        let e = KvCache::new(KvConfig { head_dim: 6, ..cfg });
+        assert!(matches!(e, Err(RuntimeError::Config(m)) if m.contains("int8v")));
     }
 
     #[test]

@@ -1179,13 +1179,17 @@ impl Model {
                     lims.push(tok_pos[t] + 1);
                 }
             }
+            if matches!(pools, LayerKv::Int8 { .. }) {
+                // The cache holds rotated keys: rotated queries give the same scores.
+                q.chunks_exact_mut(hd).for_each(ops::hadamard);
+            }
             let mut out = vec![0f32; nt * group * hd];
             let mut scores = Vec::new();
             let bs = cache.config().block_size;
             let blocks = &meta.blocks[si][..];
             // The same call for either element type of the pools.
             macro_rules! attend_over {
-                ($kpool:expr, $vpool:expr, $vscale:expr) => {
+                ($kpool:expr, $kscale:expr, $vpool:expr, $vscale:expr) => {
                     ops::attend(
                         isa,
                         &ops::AttendArgs {
@@ -1193,6 +1197,7 @@ impl Model {
                             lims: &lims,
                             kpool: $kpool,
                             vpool: $vpool,
+                            kscale: $kscale,
                             vscale: $vscale,
                             blocks,
                             bs,
@@ -1207,9 +1212,15 @@ impl Model {
                 };
             }
             match pools {
-                LayerKv::F16(kpool, vpool) => attend_over!(kpool, vpool, &[]),
-                LayerKv::F32(kpool, vpool) => attend_over!(kpool, vpool, &[]),
-                LayerKv::Int8V { k, v, vscale } => attend_over!(k, v, vscale),
+                LayerKv::F16(kpool, vpool) => attend_over!(kpool, &[], vpool, &[]),
+                LayerKv::F32(kpool, vpool) => attend_over!(kpool, &[], vpool, &[]),
+                LayerKv::Int8V { k, v, vscale } => attend_over!(k, &[], v, vscale),
+                LayerKv::Int8 {
+                    k,
+                    kscale,
+                    v,
+                    vscale,
+                } => attend_over!(k, kscale, v, vscale),
             }
             out
         };

@@ -686,6 +686,7 @@ impl Group {
                 KvDtype::F16 => 0,
                 KvDtype::F32 => 1,
                 KvDtype::Int8V => 2,
+                KvDtype::Int8 => 3,
             },
             copies.len() as u32,
         ]);
@@ -929,6 +930,7 @@ fn forward(
         0 => KvDtype::F16,
         1 => KvDtype::F32,
         2 => KvDtype::Int8V,
+        3 => KvDtype::Int8,
         x => return Err(bad(format!("KV element type {x}"))),
     };
     let n_copies = w.next()? as usize;

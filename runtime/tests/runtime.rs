@@ -651,3 +651,50 @@ fn every_isa_with_grouped_kernels_gives_the_same_hidden_state_bits() {
         }
     }
 }
+
+/// The 8-bit caches against an f32 cache on the same (dequantized) weights: values alone
+/// (`int8v`) and keys as well (`int8`, rotated rows, so attention must rotate the queries
+/// alike). Logits stay close at every position; the distance is printed for the record.
+#[test]
+fn eight_bit_caches_track_an_f32_cache() {
+    let p = tiny_model_path(&TinySpec::qwen2(2), "ref-qwen2").unwrap();
+    let load = |dtype| {
+        Model::load(
+            &p,
+            &LoadOptions {
+                threads: 2,
+                dense: true,
+                kv_dtype: Some(dtype),
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let toks: Vec<u32> = (0..60).map(|i| (i * 37 % 250) as u32).collect();
+    let want = logits_all(&load(dspark_runtime::KvDtype::F32), &toks);
+    let v = want.vocab;
+    for dtype in [
+        dspark_runtime::KvDtype::Int8V,
+        dspark_runtime::KvDtype::Int8,
+    ] {
+        let got = logits_all(&load(dtype), &toks);
+        let (mut err, mut norm) = (0f64, 0f64);
+        for (a, b) in got.logits.iter().zip(&want.logits) {
+            err += ((a - b) as f64).powi(2);
+            norm += (*b as f64).powi(2);
+        }
+        let rel = (err / norm).sqrt();
+        let agree = (0..toks.len())
+            .filter(|&p| {
+                kernels::sampling::argmax(&got.logits[p * v..(p + 1) * v])
+                    == kernels::sampling::argmax(&want.logits[p * v..(p + 1) * v])
+            })
+            .count();
+        eprintln!(
+            "{dtype:?}: relative logit error {rel:.2e}, top-1 {agree}/{}",
+            toks.len()
+        );
+        assert!(rel < 2e-2, "{dtype:?}: relative logit error {rel}");
+        assert!(agree + 2 >= toks.len(), "{dtype:?}: top-1 {agree}");
+    }
+}

@@ -201,39 +201,42 @@ fn split_forwards_match_the_whole_model() {
     }
 }
 
-/// 8-bit values (`int8v`): each rank quantizes the value rows of its own heads as the whole
-/// model does (a row's scale is its own), so the split forward matches the whole one as
-/// closely as with a float cache: only the shares' order of addition differs.
+/// 8-bit values (`int8v`), and 8-bit rotated keys (`int8`): each rank quantizes the rows of
+/// its own heads as the whole model does (a row's scale is its own, the rotation is per
+/// head), so the split forward matches the whole one as closely as with a float cache: only
+/// the shares' order of addition differs.
 #[test]
 fn split_forwards_match_the_whole_model_with_8_bit_values() {
-    let path = tiny_model_path(&TinySpec::qwen2(5), "tp-qwen2-k").unwrap();
-    let o = |tp| LoadOptions {
-        dense: true,
-        kv_dtype: Some(KvDtype::Int8V),
-        ..opts(tp)
-    };
-    let whole = Model::load(&path, &o(None)).unwrap();
-    assert_eq!(whole.kv_dtype(), KvDtype::Int8V);
-    let want = scenario(&whole);
-    let peers = (1..2)
-        .map(|r| {
-            let m = Arc::new(Model::load(&path, &o(Some(TpOptions::shard(r, 2)))).unwrap());
-            let l = TcpListener::bind("127.0.0.1:0").unwrap();
-            let a = l.local_addr().unwrap().to_string();
-            std::thread::spawn(move || tp::serve(m, l));
-            a
-        })
-        .collect();
-    let mut t = TpOptions::leader(peers);
-    t.connect_timeout = Duration::from_secs(10);
-    t.io_timeout = Duration::from_secs(20);
-    let m = Model::load(&path, &o(Some(t))).unwrap();
-    assert_eq!((m.tp_degree(), m.kv_dtype()), (2, KvDtype::Int8V));
-    let got = scenario(&m);
-    let v = whole.cfg.vocab_size;
-    assert_eq!(argmaxes(&got, v), argmaxes(&want, v));
-    let d = max_rel_diff(&got, &want);
-    assert!(d < 1e-5, "int8v: split logits differ by {d}");
+    for dtype in [KvDtype::Int8V, KvDtype::Int8] {
+        let path = tiny_model_path(&TinySpec::qwen2(5), "tp-qwen2-k").unwrap();
+        let o = |tp| LoadOptions {
+            dense: true,
+            kv_dtype: Some(dtype),
+            ..opts(tp)
+        };
+        let whole = Model::load(&path, &o(None)).unwrap();
+        assert_eq!(whole.kv_dtype(), dtype);
+        let want = scenario(&whole);
+        let peers = (1..2)
+            .map(|r| {
+                let m = Arc::new(Model::load(&path, &o(Some(TpOptions::shard(r, 2)))).unwrap());
+                let l = TcpListener::bind("127.0.0.1:0").unwrap();
+                let a = l.local_addr().unwrap().to_string();
+                std::thread::spawn(move || tp::serve(m, l));
+                a
+            })
+            .collect();
+        let mut t = TpOptions::leader(peers);
+        t.connect_timeout = Duration::from_secs(10);
+        t.io_timeout = Duration::from_secs(20);
+        let m = Model::load(&path, &o(Some(t))).unwrap();
+        assert_eq!((m.tp_degree(), m.kv_dtype()), (2, dtype));
+        let got = scenario(&m);
+        let v = whole.cfg.vocab_size;
+        assert_eq!(argmaxes(&got, v), argmaxes(&want, v), "{dtype:?}");
+        let d = max_rel_diff(&got, &want);
+        assert!(d < 1e-5, "{dtype:?}: split logits differ by {d}");
+    }
 }
 
 #[test]

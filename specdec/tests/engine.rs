@@ -186,36 +186,39 @@ fn greedy_output_equals_plain_greedy_for_every_proposer_alone_and_batched() {
     assert_greedy_parity(&f, &ps, |i| 5 + (i * 7) % 23, &runs);
 }
 
-/// 8-bit values in the cache (`int8v`): each value row's codes depend on that row alone, so
-/// rolling back rejected drafts leaves every kept position as plain decoding writes it, and
-/// greedy parity holds. Head dim 64, so attention takes the SIMD kernels' 8-bit path.
+/// 8-bit values in the cache (`int8v`), and 8-bit keys as well (`int8`, each key row rotated
+/// before it is quantized): each row's codes depend on that row alone, so rolling back
+/// rejected drafts leaves every kept position as plain decoding writes it, and greedy parity
+/// holds. Head dim 64, so attention takes the SIMD kernels' 8-bit paths.
 #[test]
 fn greedy_parity_holds_with_8_bit_values_in_the_cache() {
-    let tp = tiny_model_path(&TinySpec::qwen2(21), "int8v-target").unwrap();
-    let mut ds = TinySpec::qwen2(22);
-    ds.n_layers = 1;
-    let dp = tiny_model_path(&ds, "int8v-draft").unwrap();
-    let opts = LoadOptions {
-        threads: 1,
-        kv_dtype: Some(KvDtype::Int8V),
-        ..Default::default()
-    };
-    let f = Fixture {
-        target: Arc::new(Model::load(&tp, &opts).unwrap()),
-        draft: Arc::new(Model::load(&dp, &opts).unwrap()),
-        tok: Arc::new(Tokenizer::load(&tp).unwrap()),
-        draft_tok: Tokenizer::load(&dp).unwrap(),
-    };
-    assert_eq!(f.target.kv_dtype(), KvDtype::Int8V);
-    assert_eq!(f.target.cfg.head_dim, 64);
-    let ps = prompts(&f, 24);
-    let runs = [
-        ("ngram", 1),
-        ("ngram", 4),
-        ("draft-model", 1),
-        ("draft-model", 4),
-    ];
-    assert_greedy_parity(&f, &ps, |i| 12 + (i * 7) % 23, &runs);
+    for dtype in [KvDtype::Int8V, KvDtype::Int8] {
+        let tp = tiny_model_path(&TinySpec::qwen2(21), "int8v-target").unwrap();
+        let mut ds = TinySpec::qwen2(22);
+        ds.n_layers = 1;
+        let dp = tiny_model_path(&ds, "int8v-draft").unwrap();
+        let opts = LoadOptions {
+            threads: 1,
+            kv_dtype: Some(dtype),
+            ..Default::default()
+        };
+        let f = Fixture {
+            target: Arc::new(Model::load(&tp, &opts).unwrap()),
+            draft: Arc::new(Model::load(&dp, &opts).unwrap()),
+            tok: Arc::new(Tokenizer::load(&tp).unwrap()),
+            draft_tok: Tokenizer::load(&dp).unwrap(),
+        };
+        assert_eq!(f.target.kv_dtype(), dtype);
+        assert_eq!(f.target.cfg.head_dim, 64);
+        let ps = prompts(&f, 24);
+        let runs = [
+            ("ngram", 1),
+            ("ngram", 4),
+            ("draft-model", 1),
+            ("draft-model", 4),
+        ];
+        assert_greedy_parity(&f, &ps, |i| 12 + (i * 7) % 23, &runs);
+    }
 }
 
 fn proposer_clone(f: &Fixture, name: &str) -> Box<dyn Proposer> {

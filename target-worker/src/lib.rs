@@ -130,8 +130,8 @@ pub struct TargetArgs {
     /// How long to wait at start for the other ranks to come up.
     #[arg(long, env = "DSPARK_TP_CONNECT_TIMEOUT_S", default_value_t = 600)]
     pub tp_connect_timeout_s: u64,
-    /// KV cache element type: f16 (half the bytes attention reads), f32, or int8v (f16 keys,
-    /// 8-bit values: 77 % of f16's bytes).
+    /// KV cache element type: f16 (half the bytes attention reads), f32, int8v (f16 keys,
+    /// 8-bit values: 77 % of f16's bytes) or int8 (8-bit keys, rotated, and values: 53 %).
     #[arg(long, env = "DSPARK_KV_CACHE_DTYPE", default_value = "f16")]
     pub kv_cache_dtype: String,
     /// Serve Prometheus metrics (`GET /metrics`: batch, queue, KV cache, prefix cache,
