@@ -1110,7 +1110,10 @@ unsafe fn softmax_avx2(x: &mut [f32]) {
 /// order: the same bits on every machine.
 pub fn hadamard(x: &mut [f32]) {
     let n = x.len();
-    debug_assert!(n.is_power_of_two());
+    assert!(
+        n.is_power_of_two(),
+        "hadamard of {n} elements: not a power of two"
+    );
     let mut h = 1;
     while h < n {
         for i in (0..n).step_by(2 * h) {
@@ -1271,6 +1274,8 @@ mod tests {
             .collect();
         let shapes = [
             (16usize, 8usize, vec![5usize, 17, 30, 1, 48]),
+            // A head_dim the SIMD passes do not take (the portable body), blocks of 16.
+            (32, 16, vec![5, 17, 30, 1, 48]),
             (64, 16, vec![5, 17, 30, 1, 48, 48, 47, 2, 33]),
             (64, 16, vec![40, 41, 42]),
             (128, 16, vec![9, 48, 1]),

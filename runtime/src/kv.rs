@@ -121,8 +121,8 @@ pub enum LayerKv<'a> {
 /// leaves every kept position as plain decoding would have written it, and speculative
 /// decoding stays lossless against plain decoding on the same cache.
 ///
-/// Keys quantized per position as they come lose too much: Qwen2.5-0.5B's top-1 agreement
-/// with the reference fell to 0.951, since a few channels of its keys are tens of times larger
+/// Keys quantized per position as they come (a scale per 32 channels) lose too much:
+/// Qwen2.5-0.5B's top-1 agreement with the reference fell to 0.951, since a few channels of its keys are tens of times larger
 /// than the rest and a row's scale follows them. Per channel within a block (KIVI, Liu et al.
 /// 2024) agreement held, but a channel's scale then depends on every position written into
 /// the block, drafts that are later rejected included, so rolled-back positions would differ
