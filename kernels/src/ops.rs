@@ -755,29 +755,13 @@ mod attend_simd {
         for r in 0..r_n {
             if KE::I8 {
                 // Each live score takes its position's key scale (the pass multiplied codes).
-                let lim = a.lims[r];
-                for (bi, &blk) in a.blocks[..lim.div_ceil(BS)].iter().enumerate() {
-                    let ks = &a.kscale[(blk as usize * a.n_kv + a.g) * BS..][..BS];
-                    let n = BS.min(lim - bi * BS);
-                    let w = &mut sc[(bi * r_n + r) * BS..][..n];
-                    for (x, s) in w.iter_mut().zip(ks) {
-                        *x *= s;
-                    }
-                }
+                scale_row(a, a.kscale, sc, r_n, r);
             }
             softmax_row(sc, r_n, r, a.lims[r], nb);
             if VE::I8 {
                 // Each live weight takes its position's value scale, so the values pass
                 // multiplies codes.
-                let lim = a.lims[r];
-                for (bi, &blk) in a.blocks[..lim.div_ceil(BS)].iter().enumerate() {
-                    let vs = &a.vscale[(blk as usize * a.n_kv + a.g) * BS..][..BS];
-                    let n = BS.min(lim - bi * BS);
-                    let w = &mut sc[(bi * r_n + r) * BS..][..n];
-                    for (x, s) in w.iter_mut().zip(vs) {
-                        *x *= s;
-                    }
-                }
+                scale_row(a, a.vscale, sc, r_n, r);
             }
         }
         let scores = &*sc;
@@ -802,6 +786,26 @@ mod attend_simd {
             }
         }
         true
+    }
+
+    /// Multiplies row `r`'s live entries of block-major scores by their positions' scales
+    /// (`[block][head][position]`, as the cache keeps them).
+    #[inline(always)]
+    fn scale_row<KE: KvElem, VE: KvElem>(
+        a: &AttendArgs<'_, KE, VE>,
+        scales: &[f32],
+        sc: &mut [f32],
+        r_n: usize,
+        r: usize,
+    ) {
+        let lim = a.lims[r];
+        for (bi, &blk) in a.blocks[..lim.div_ceil(BS)].iter().enumerate() {
+            let s = &scales[(blk as usize * a.n_kv + a.g) * BS..][..BS];
+            let n = BS.min(lim - bi * BS);
+            for (x, s) in sc[(bi * r_n + r) * BS..][..n].iter_mut().zip(s) {
+                *x *= s;
+            }
+        }
     }
 
     /// Softmax of row `r` of block-major scores over its first `lim` positions, with the
