@@ -132,10 +132,21 @@ pub enum LayerKv<'a> {
 /// key layout, one scale per `[block][head][position]`. The rotation is orthogonal, so
 /// attention rotates the queries alike and the scores are unchanged. A row still depends on
 /// itself alone.
+///
+/// The largest key channels are near constants: on Qwen2.5-0.5B channel 62 of layer 0's first
+/// head averages 145 with a standard deviation of 0.3 over a text, and a rotation spreads that
+/// constant over the whole row, whose scale then follows it. Subtracting a fixed vector μ from
+/// every key of a head changes each query's scores by the same q·μ, which the softmax cancels:
+/// the cache stores H(k − μ) and attention is unchanged. [`KvCache::set_key_offsets`] sets μ
+/// per layer and head (the model estimates it once, on a fixed calibration text at load; see
+/// [`key_means`]). It is the same for every position, so a row still depends on itself alone.
 struct QPool<K: KvElem> {
     k: Vec<Vec<K>>,
     /// With `i8` keys, per layer `[block][head][position]`; empty otherwise.
     kscale: Vec<Vec<f32>>,
+    /// With `i8` keys and offsets set, per layer the rotated offsets H·μ, `[head][head_dim]`;
+    /// empty otherwise (μ = 0).
+    koff: Vec<Vec<f32>>,
     v: Vec<Vec<i8>>,
     vscale: Vec<Vec<f32>>,
 }
@@ -169,6 +180,7 @@ impl<K: KvElem> QPool<K> {
                 .map(|_| vec![K::from_f32(0.0); nb * bs * nkv * hd])
                 .collect(),
             kscale: scales(K::I8).collect(),
+            koff: Vec::new(),
             v: (0..layers).map(|_| vec![0; nb * bs * nkv * hd]).collect(),
             vscale: scales(true).collect(),
         }
@@ -199,6 +211,11 @@ impl<K: KvElem> QPool<K> {
                 let row = &mut row[..hd];
                 row.copy_from_slice(src);
                 kernels::ops::hadamard(row);
+                if let Some(off) = self.koff.get(layer) {
+                    for (x, o) in row.iter_mut().zip(&off[h * hd..(h + 1) * hd]) {
+                        *x -= o;
+                    }
+                }
                 ksc[(b * nkv + h) * bs + off] = quantize_row(row, &mut codes[..hd]);
                 let base = (b * nkv + h) * hd * bs + off;
                 for (i, &c) in codes[..hd].iter().enumerate() {
@@ -214,7 +231,7 @@ impl<K: KvElem> QPool<K> {
         }
     }
 
-    /// K of one position: the codes times their scale, rotated back.
+    /// K of one position: the codes times their scale, plus the offset, rotated back.
     fn read_k(&self, cfg: &KvConfig, layer: usize, slot: usize) -> Vec<f32> {
         let mut k = read_k(&self.k[layer], cfg, slot);
         if K::I8 {
@@ -223,6 +240,11 @@ impl<K: KvElem> QPool<K> {
             for (h, row) in k.chunks_exact_mut(hd).enumerate().take(nkv) {
                 let s = self.kscale[layer][(b * nkv + h) * bs + off];
                 row.iter_mut().for_each(|x| *x *= s);
+                if let Some(o) = self.koff.get(layer) {
+                    for (x, o) in row.iter_mut().zip(&o[h * hd..(h + 1) * hd]) {
+                        *x += o;
+                    }
+                }
                 kernels::ops::hadamard(row);
             }
         }
@@ -319,6 +341,36 @@ enum Pools {
     F32(Pool<f32>),
     Int8V(QPool<f16>),
     Int8(QPool<i8>),
+}
+
+/// Per layer and channel, the mean key over `slots` of `cache`, rounded to a multiple of 1/16
+/// (`n_layers × kv_dim` floats): the offsets an `int8` cache subtracts
+/// ([`KvCache::set_key_offsets`]). Any offset keeps attention exact; a good one shrinks what
+/// the 8-bit rows must span. Rounding makes a tensor-parallel rank, whose keys differ from
+/// the whole model's in the last bits, arrive at the same offsets.
+pub fn key_means(cache: &KvCache, slots: &[usize]) -> Vec<f32> {
+    let (layers, d) = (cache.cfg.n_layers, cache.cfg.kv_dim());
+    let mut out = vec![0f32; layers * d];
+    if slots.is_empty() {
+        return out;
+    }
+    for (l, o) in out.chunks_exact_mut(d).enumerate() {
+        let mut sum = vec![0f64; d];
+        for &s in slots {
+            for (a, x) in sum.iter_mut().zip(cache.read_k(l, s)) {
+                *a += x as f64;
+            }
+        }
+        for (o, a) in o.iter_mut().zip(sum) {
+            let m = a / slots.len() as f64;
+            *o = if m.is_finite() {
+                ((m * 16.0).round() / 16.0) as f32
+            } else {
+                0.0
+            };
+        }
+    }
+    out
 }
 
 /// Largest head_dim of an `int8` cache (the rotation takes powers of two).
@@ -770,6 +822,41 @@ impl KvCache {
         Ok(())
     }
 
+    /// Sets the key offsets μ of an `int8` cache (see [`QPool`]): `n_layers × kv_dim` floats,
+    /// heads side by side as [`KvCache::write`] takes keys. Only before anything is written,
+    /// since keys already stored were centred on the old offsets; other element types store
+    /// keys as they come and refuse.
+    pub fn set_key_offsets(&mut self, offsets: &[f32]) -> Result<(), RuntimeError> {
+        let (layers, d, hd) = (self.cfg.n_layers, self.cfg.kv_dim(), self.cfg.head_dim);
+        let Pools::Int8(p) = &mut self.pools else {
+            return Err(RuntimeError::Config(format!(
+                "key offsets are for an int8 cache, not {}",
+                self.cfg.dtype.name()
+            )));
+        };
+        if offsets.len() != layers * d || offsets.iter().any(|x| !x.is_finite()) {
+            return Err(RuntimeError::Config(format!(
+                "key offsets: {} floats (finite) for {layers} layers × {d}, got {}",
+                layers * d,
+                offsets.len()
+            )));
+        }
+        if self.seqs.values().any(|t| t.len > 0) || !self.prefix.map.is_empty() {
+            return Err(RuntimeError::Config(
+                "key offsets are set before a cache holds keys".into(),
+            ));
+        }
+        p.koff = offsets
+            .chunks_exact(d)
+            .map(|l| {
+                let mut l = l.to_vec();
+                l.chunks_exact_mut(hd).for_each(kernels::ops::hadamard);
+                l
+            })
+            .collect();
+        Ok(())
+    }
+
     /// Writes one position's K and V (each `kv_dim` floats, heads side by side), rounded to the
     /// cache's element type.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
@@ -1118,6 +1205,89 @@ mod tests {
         // The rotation takes powers of two only.
         let e = KvCache::new(KvConfig { head_dim: 6, ..cfg });
         assert!(matches!(e, Err(RuntimeError::Config(m)) if m.contains("int8v")));
+    }
+
+    #[test]
+    fn key_offsets_centre_int8_keys_and_are_set_before_any_key() {
+        let cfg = |dtype| KvConfig {
+            n_layers: 2,
+            n_kv_heads: 2,
+            head_dim: 64,
+            block_size: 4,
+            num_blocks: 8,
+            dtype,
+        };
+        // Keys with a near-constant large channel per head (as Qwen2.5's), the rest N(0, 1).
+        let mut rng = kernels::rng::Rng::new(11);
+        let rows: Vec<Vec<f32>> = (0..20)
+            .map(|_| {
+                (0..128)
+                    .map(|c| {
+                        let spike = match c {
+                            63 => 150.0,
+                            127 => -90.0,
+                            _ => 0.0,
+                        };
+                        spike + rng.normal() as f32 * if spike != 0.0 { 0.3 } else { 1.0 }
+                    })
+                    .collect()
+            })
+            .collect();
+        let fill = |c: &mut KvCache| -> Vec<usize> {
+            let s = c.new_seq();
+            c.reserve(s, rows.len()).unwrap();
+            let slots: Vec<usize> = (0..rows.len()).map(|p| c.slot(s, p).unwrap()).collect();
+            for (r, &slot) in rows.iter().zip(&slots) {
+                c.write(0, slot, r, r);
+                c.write(1, slot, r, r);
+            }
+            c.set_len(s, rows.len()).unwrap();
+            slots
+        };
+        let mut f = KvCache::new(cfg(KvDtype::F32)).unwrap();
+        let fs = fill(&mut f);
+        let mu = key_means(&f, &fs);
+        assert_eq!(mu.len(), 2 * 128);
+        // Means rounded to sixteenths, the spikes found.
+        assert!(mu.iter().all(|m| (m * 16.0).fract() == 0.0));
+        assert!((mu[63] - 150.0).abs() < 0.5 && (mu[128 + 127] + 90.0).abs() < 0.5);
+        let err = |c: &KvCache, slots: &[usize]| -> f64 {
+            let mut e = 0f64;
+            for (r, &slot) in rows.iter().zip(slots) {
+                for (a, b) in c.read_k(0, slot).iter().zip(r) {
+                    e += ((a - b) as f64).powi(2);
+                }
+            }
+            e
+        };
+        let mut plain = KvCache::new(cfg(KvDtype::Int8)).unwrap();
+        let ps = fill(&mut plain);
+        let mut centred = KvCache::new(cfg(KvDtype::Int8)).unwrap();
+        centred.set_key_offsets(&mu).unwrap();
+        let cs = fill(&mut centred);
+        // Read back (offset added, rotated back): with the offsets the rows span only their
+        // variable part, and the rounding error falls by far more than 10×.
+        let (ep, ec) = (err(&plain, &ps), err(&centred, &cs));
+        assert!(ec * 10.0 < ep, "centred {ec}, plain {ep}");
+        // Values are untouched by key offsets.
+        assert_eq!(plain.read_v(0, ps[3]), centred.read_v(0, cs[3]));
+        // Refused: a cache that already holds keys, a wrong length, a non-finite offset, and
+        // element types that store keys as they come.
+        let e = centred.set_key_offsets(&mu).unwrap_err();
+        assert!(e.to_string().contains("before a cache holds keys"), "{e}");
+        let mut fresh = KvCache::new(cfg(KvDtype::Int8)).unwrap();
+        assert!(fresh.set_key_offsets(&mu[..128]).is_err());
+        let mut nan = mu.clone();
+        nan[5] = f32::NAN;
+        assert!(fresh.set_key_offsets(&nan).is_err());
+        for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Int8V] {
+            let e = KvCache::new(cfg(dtype))
+                .unwrap()
+                .set_key_offsets(&mu)
+                .unwrap_err();
+            assert!(e.to_string().contains("int8 cache"), "{e}");
+        }
+        fresh.set_key_offsets(&mu).unwrap();
     }
 
     #[test]

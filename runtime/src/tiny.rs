@@ -29,6 +29,9 @@ pub struct TinySpec {
     /// Token-string variant: tiny models with different `vocab_variant` have different vocabularies.
     pub vocab_variant: u8,
     pub seed: u64,
+    /// qwen2 only: added to the key bias of each KV head's last channel (the slowest RoPE
+    /// pair), the near-constant large key channel of Qwen2.5's layers (about 145 in layer 0).
+    pub k_bias_spike: f32,
 }
 
 impl TinySpec {
@@ -48,6 +51,7 @@ impl TinySpec {
             separate_head: false,
             vocab_variant: 0,
             seed,
+            k_bias_spike: 0.0,
         }
     }
 
@@ -67,6 +71,7 @@ impl TinySpec {
             separate_head: true,
             vocab_variant: 0,
             seed,
+            k_bias_spike: 0.0,
         }
     }
 }
@@ -188,7 +193,14 @@ pub fn write_gguf(spec: &TinySpec, path: &Path) -> Result<()> {
         ));
         if a == "qwen2" {
             tensors.push((p("attn_q.bias"), vector(&mut rng, d, 0.0, 0.1)?));
-            tensors.push((p("attn_k.bias"), vector(&mut rng, kvd, 0.0, 0.1)?));
+            let mut kb: Vec<f32> = (0..kvd).map(|_| rng.normal() as f32 * 0.1).collect();
+            for h in 0..spec.n_kv_heads {
+                kb[(h + 1) * (d / spec.n_heads) - 1] += spec.k_bias_spike;
+            }
+            tensors.push((
+                p("attn_k.bias"),
+                QTensor::quantize(&Tensor::from_vec(kb, kvd, &Device::Cpu)?, GgmlDType::F32)?,
+            ));
             tensors.push((p("attn_v.bias"), vector(&mut rng, kvd, 0.0, 0.1)?));
         }
         tensors.push((

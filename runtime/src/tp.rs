@@ -16,6 +16,11 @@
 //! reconnects at the next forward, and a cache that still holds sequences computed before is
 //! refused once (its requests fail and are continued elsewhere) and then starts over.
 //!
+//! An `int8` cache subtracts fixed key offsets before it rounds (see `kv::QPool`). Rank 0
+//! estimates them at load with one forward over a calibration text, in which every rank
+//! returns the mean keys of its heads; rank 0 keeps them and sends each rank its share with
+//! every new `int8` cache, so a rank that restarts gets them back with its next cache.
+//!
 //! The link is TCP (Nagle off) with a small framed protocol, as gloo's CPU collectives are;
 //! on GPUs the same split would run over NCCL.
 
@@ -32,7 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Bumped whenever the frames below change; ranks of different versions refuse each other.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 const HELLO: u8 = 1;
 const OK: u8 = 2;
@@ -498,6 +503,10 @@ pub(crate) struct Group {
     live: Vec<(u64, std::sync::Weak<()>)>,
     buf: Vec<u8>,
     words: Vec<u32>,
+    /// Set for the calibration forward: every rank sends its heads' mean keys after it.
+    pub(crate) calibrate: bool,
+    /// Per other rank, the key offsets its new `int8` caches get (empty: none).
+    pub(crate) key_offsets: Vec<Vec<f32>>,
 }
 
 impl Group {
@@ -532,6 +541,8 @@ impl Group {
             live: Vec::new(),
             buf: Vec::new(),
             words: Vec::new(),
+            calibrate: false,
+            key_offsets: Vec::new(),
         };
         let deadline = Instant::now() + t.connect_timeout;
         let mut said: Option<Instant> = None;
@@ -688,6 +699,7 @@ impl Group {
                 KvDtype::Int8V => 2,
                 KvDtype::Int8 => 3,
             },
+            self.calibrate as u32,
             copies.len() as u32,
         ]);
         for (f, t) in copies {
@@ -698,9 +710,20 @@ impl Group {
             self.words.extend([r as u32, (r >> 32) as u32]);
         }
         meta.encode(&mut self.words);
+        let head = self.words.len();
         let mut payload = Vec::new();
-        words_bytes(&self.words, &mut payload);
         for i in 0..self.links.len() {
+            // A new `int8` cache comes with the rank's key offsets.
+            self.words.truncate(head);
+            match self.key_offsets.get(i) {
+                Some(o) if fresh && kc.dtype == KvDtype::Int8 => {
+                    self.words.push(o.len() as u32);
+                    self.words.extend(o.iter().map(|x| x.to_bits()));
+                }
+                _ => self.words.push(0),
+            }
+            payload.clear();
+            words_bytes(&self.words, &mut payload);
             if let Err(e) = write_frame(&mut self.links[i], BEGIN, &payload, &mut self.buf) {
                 // The ranks that got it would wait for rows that never come.
                 cache.mark_tp_lost();
@@ -725,6 +748,20 @@ impl Group {
             }
         }
         Ok(())
+    }
+
+    /// After a forward with [`Group::calibrate`] set: every other rank's mean keys
+    /// (`n_layers × its kv_dim`), in rank order.
+    pub(crate) fn key_means(&mut self, n: usize) -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::with_capacity(self.links.len());
+        for i in 0..self.links.len() {
+            let mut m = vec![0f32; n];
+            if let Err(e) = read_f32s(&mut self.links[i], &mut self.buf, &mut m, false) {
+                return Err(self.broken(e));
+            }
+            out.push(m);
+        }
+        Ok(out)
     }
 
     /// Adds the other ranks' shares into `acc` (rank 0's own), in rank order.
@@ -933,6 +970,7 @@ fn forward(
         3 => KvDtype::Int8,
         x => return Err(bad(format!("KV element type {x}"))),
     };
+    let calibrate = w.next()? != 0;
     let n_copies = w.next()? as usize;
     let copies: Vec<(u32, u32)> = w
         .take(n_copies.saturating_mul(2))?
@@ -950,6 +988,8 @@ fn forward(
         return Err(bad(format!("a cache of {nb} blocks of {bs}")));
     }
     let meta = BatchMeta::decode(&mut w, bs, nb, cfg.max_ctx)?;
+    let n_off = w.next()? as usize;
+    let key_offsets: Vec<f32> = w.take(n_off)?.iter().map(|&x| f32::from_bits(x)).collect();
     if fresh {
         caches.retain(|(i, _, _)| *i != id);
         if caches.len() >= MAX_CACHES
@@ -957,7 +997,7 @@ fn forward(
         {
             caches.swap_remove(j);
         }
-        let c = KvCache::new(KvConfig {
+        let mut c = KvCache::new(KvConfig {
             n_layers: cfg.n_layers,
             n_kv_heads: model.local.kv_heads,
             head_dim: cfg.head_dim,
@@ -965,6 +1005,9 @@ fn forward(
             num_blocks: nb,
             dtype,
         })?;
+        if !key_offsets.is_empty() {
+            c.set_key_offsets(&key_offsets)?;
+        }
         caches.push((id, c, Instant::now()));
     }
     let Some((_, cache, used)) = caches.iter_mut().find(|(i, _, _)| *i == id) else {
@@ -990,6 +1033,9 @@ fn forward(
             read_f32s(s, buf, &mut b.xn[..n * d], false)?;
             model.ffn_part(li, n, &mut b, &mut clock, &mut prof)?;
             write_f32s(s, &b.proj, out)?;
+        }
+        if calibrate {
+            write_f32s(s, &crate::kv::key_means(cache, &meta.tok_slot), out)?;
         }
         Ok(())
     })

@@ -652,6 +652,77 @@ fn every_isa_with_grouped_kernels_gives_the_same_hidden_state_bits() {
     }
 }
 
+/// A model whose keys carry a near-constant large channel (Qwen2.5's first layer reaches
+/// about 145 in one): the `int8` cache subtracts the key offsets the model estimated at load
+/// (softmax cancels a constant shift of every score), so its logits stay far closer to the
+/// f32 reference than the same cache without offsets.
+#[test]
+fn int8_key_offsets_absorb_a_constant_key_channel() {
+    let spec = TinySpec {
+        k_bias_spike: 150.0,
+        ..TinySpec::qwen2(8)
+    };
+    let p = tiny_model_path(&spec, "int8-koff-qwen2").unwrap();
+    let load = |dtype| {
+        Model::load(
+            &p,
+            &LoadOptions {
+                threads: 2,
+                dense: true,
+                kv_dtype: Some(dtype),
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let f32m = load(dspark_runtime::KvDtype::F32);
+    assert!(f32m.key_offsets().is_none());
+    let m = load(dspark_runtime::KvDtype::Int8);
+    let off = m
+        .key_offsets()
+        .expect("an int8 model estimates key offsets");
+    let (hd, kvd) = (m.cfg.head_dim, m.cfg.n_kv_heads * m.cfg.head_dim);
+    assert_eq!(off.len(), m.cfg.n_layers * kvd);
+    // Each KV head's last channel (the slowest RoPE pair keeps the bias constant) is found.
+    for l in 0..m.cfg.n_layers {
+        for h in 0..m.cfg.n_kv_heads {
+            let o = off[l * kvd + (h + 1) * hd - 1];
+            assert!((o - 150.0).abs() < 15.0, "layer {l} head {h}: {o}");
+        }
+    }
+    let toks: Vec<u32> = (0..60).map(|i| (i * 37 % 250) as u32).collect();
+    let want = logits_all(&f32m, &toks);
+    let run = |c: &mut dspark_runtime::KvCache| {
+        let s = c.new_seq();
+        m.forward(
+            c,
+            &[SeqInput {
+                seq: s,
+                tokens: &toks,
+                logits: LogitsMode::All,
+            }],
+            &ForwardOptions::default(),
+        )
+        .unwrap()
+        .logits
+    };
+    let rel = |got: &[f32]| {
+        let (mut err, mut norm) = (0f64, 0f64);
+        for (a, b) in got.iter().zip(&want.logits) {
+            err += ((a - b) as f64).powi(2);
+            norm += (*b as f64).powi(2);
+        }
+        (err / norm).sqrt()
+    };
+    let mut centred = m.new_cache(64, 16).unwrap();
+    let with = rel(&run(&mut centred));
+    let mut plain = dspark_runtime::KvCache::new(centred.config().clone()).unwrap();
+    let without = rel(&run(&mut plain));
+    eprintln!("relative logit error with key offsets {with:.2e}, without {without:.2e}");
+    assert!(with * 3.0 < without, "with {with}, without {without}");
+    assert!(with < 2e-2, "{with}");
+}
+
 /// The 8-bit caches against an f32 cache on the same (dequantized) weights: values alone
 /// (`int8v`) and keys as well (`int8`, rotated rows, so attention must rotate the queries
 /// alike). Logits stay close at every position; the distance is printed for the record.
