@@ -553,7 +553,9 @@ fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
             &path,
             &dspark_runtime::LoadOptions {
                 dense,
-                max_ctx: Some(a.positions + 16),
+                // The model's whole context, as served: an `int8` cache keeps key offsets only
+                // for channels that stay constant over all of it.
+                max_ctx: None,
                 kv_dtype,
                 ..g.load_opts()
             },

@@ -80,14 +80,35 @@ pub fn attend<KE: KvElem, VE: KvElem>(
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
+    attend_lse(isa, a, scores, out, &mut [])
+}
+
+/// [`attend`], and per query row the log of its softmax's denominator, `m + ln Σ exp(s − m)`
+/// over its scores `s` (`lse`, one per row; nothing is recorded when it is empty). Attention
+/// over positions split into parts is each part's output weighted by `exp(lse − max lse)`:
+/// a long context split over threads (one request has fewer KV heads than a CPU has cores).
+/// A row with no positions reads −∞. The outputs' bits are [`attend`]'s.
+pub fn attend_lse<KE: KvElem, VE: KvElem>(
+    isa: Isa,
+    a: &AttendArgs<'_, KE, VE>,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    assert!(
+        lse.is_empty() || lse.len() >= a.lims.len(),
+        "lse holds {} rows of {}",
+        lse.len(),
+        a.lims.len()
+    );
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { attend_avx512(a, scores, out) },
+        Isa::Avx512 | Isa::Avx512Bf16 => unsafe { attend_avx512(a, scores, out, lse) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::Avx2Vnni => unsafe { attend_avx2(a, scores, out) },
+        Isa::Avx2 | Isa::Avx2Vnni => unsafe { attend_avx2(a, scores, out, lse) },
         #[cfg(target_arch = "aarch64")]
-        Isa::Neon | Isa::NeonDot => unsafe { attend_neon(a, scores, out) },
-        _ => attend_body(a, scores, out),
+        Isa::Neon | Isa::NeonDot => unsafe { attend_neon(a, scores, out, lse) },
+        _ => attend_body(a, scores, out, lse),
     }
 }
 
@@ -98,10 +119,11 @@ pub fn attend_mirror<KE: KvElem, VE: KvElem>(
     a: &AttendArgs<'_, KE, VE>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
+    lse: &mut [f32],
 ) -> bool {
     // SAFETY: the portable lanes use no instructions beyond the baseline; `run` checks every
     // index against the pools before forming a pointer.
-    unsafe { attend_simd::run::<attend_simd::Mirror, KE, VE>(a, scores, out) }
+    unsafe { attend_simd::run::<attend_simd::Mirror, KE, VE>(a, scores, out, lse) }
 }
 
 /// [`attend_mirror`] with the AVX-512 kernel's pass shape (12 rows, values in column halves).
@@ -112,7 +134,7 @@ fn attend_mirror_wide<KE: KvElem, VE: KvElem>(
     out: &mut [f32],
 ) -> bool {
     // SAFETY: as `attend_mirror`.
-    unsafe { attend_simd::run::<attend_simd::MirrorWide, KE, VE>(a, scores, out) }
+    unsafe { attend_simd::run::<attend_simd::MirrorWide, KE, VE>(a, scores, out, &mut []) }
 }
 
 /// An element of the KV cache. f16 halves the bytes a decode streams through attention, which
@@ -219,6 +241,7 @@ fn attend_body<KE: KvElem, VE: KvElem>(
     a: &AttendArgs<'_, KE, VE>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
+    lse: &mut [f32],
 ) {
     let r_n = a.lims.len();
     let l = a.lims.iter().copied().max().unwrap_or(0);
@@ -261,7 +284,10 @@ fn attend_body<KE: KvElem, VE: KvElem>(
         }
     }
     for r in 0..r_n {
-        softmax_body(&mut scores[r * lp..r * lp + a.lims[r]]);
+        let l = softmax_body_lse(&mut scores[r * lp..r * lp + a.lims[r]]);
+        if let Some(x) = lse.get_mut(r) {
+            *x = l;
+        }
     }
     out[..r_n * hd].fill(0.0);
     for r in 0..r_n {
@@ -367,11 +393,12 @@ unsafe fn attend_avx512<KE: KvElem, VE: KvElem>(
     a: &AttendArgs<'_, KE, VE>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
+    lse: &mut [f32],
 ) {
     // SAFETY (for the calls below): AVX-512F is enabled on this function; the shapes are
     // checked by `attend_simd::run` before any pointer is formed.
-    if !unsafe { attend_simd::run::<attend_simd::Zmm, KE, VE>(a, scores, out) } {
-        attend_body(a, scores, out)
+    if !unsafe { attend_simd::run::<attend_simd::Zmm, KE, VE>(a, scores, out, lse) } {
+        attend_body(a, scores, out, lse)
     }
 }
 
@@ -381,11 +408,12 @@ unsafe fn attend_avx2<KE: KvElem, VE: KvElem>(
     a: &AttendArgs<'_, KE, VE>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
+    lse: &mut [f32],
 ) {
     // SAFETY: AVX2, FMA and F16C are enabled on this function (`Isa::Avx2` and
     // `Isa::Avx2Vnni` checked them); shapes as above.
-    if !unsafe { attend_simd::run::<attend_simd::Ymm2, KE, VE>(a, scores, out) } {
-        attend_body(a, scores, out)
+    if !unsafe { attend_simd::run::<attend_simd::Ymm2, KE, VE>(a, scores, out, lse) } {
+        attend_body(a, scores, out, lse)
     }
 }
 
@@ -395,10 +423,11 @@ unsafe fn attend_neon<KE: KvElem, VE: KvElem>(
     a: &AttendArgs<'_, KE, VE>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
+    lse: &mut [f32],
 ) {
     // SAFETY: NEON is enabled on this function (every aarch64 CPU has it); shapes as above.
-    if !unsafe { attend_simd::run::<attend_simd::Neon4, KE, VE>(a, scores, out) } {
-        attend_body(a, scores, out)
+    if !unsafe { attend_simd::run::<attend_simd::Neon4, KE, VE>(a, scores, out, lse) } {
+        attend_body(a, scores, out, lse)
     }
 }
 
@@ -703,6 +732,7 @@ mod attend_simd {
         a: &AttendArgs<'_, KE, VE>,
         scores: &mut Vec<f32>,
         out: &mut [f32],
+        lse: &mut [f32],
     ) -> bool {
         // The value passes' dispatch below has arms for these shapes only.
         const {
@@ -757,7 +787,10 @@ mod attend_simd {
                 // Each live score takes its position's key scale (the pass multiplied codes).
                 scale_row(a, a.kscale, sc, r_n, r);
             }
-            softmax_row(sc, r_n, r, a.lims[r], nb);
+            let l = softmax_row(sc, r_n, r, a.lims[r], nb);
+            if let Some(x) = lse.get_mut(r) {
+                *x = l;
+            }
             if VE::I8 {
                 // Each live weight takes its position's value scale, so the values pass
                 // multiplies codes.
@@ -812,9 +845,10 @@ mod attend_simd {
     /// bits of `softmax_body` on the row laid out flat (the same maximum, the same sum in
     /// the same order: 16 partial sums over whole blocks, the partial block's sum added
     /// last); the row's positions from `lim` up to `nb` blocks become exactly 0, since a
-    /// pass with a longer row reads them.
+    /// pass with a longer row reads them. Returns the row's log-sum-exp, as
+    /// `softmax_body_lse`.
     #[inline(always)]
-    fn softmax_row(sc: &mut [f32], r_n: usize, r: usize, lim: usize, nb: usize) {
+    fn softmax_row(sc: &mut [f32], r_n: usize, r: usize, lim: usize, nb: usize) -> f32 {
         let at = |bi: usize| (bi * r_n + r) * BS;
         let (full, part) = (lim / BS, lim % BS);
         // The partial block's live positions (none when `lim` ends a block, which may be
@@ -844,7 +878,8 @@ mod attend_simd {
             *v = fast_exp(*v - m);
         }
         let rem: f32 = tail.iter().sum();
-        let inv = 1.0 / (acc.iter().sum::<f32>() + rem);
+        let total = acc.iter().sum::<f32>() + rem;
+        let inv = 1.0 / total;
         for bi in 0..full {
             for v in &mut sc[at(bi)..at(bi) + BS] {
                 *v *= inv;
@@ -859,6 +894,7 @@ mod attend_simd {
         for bi in lim.div_ceil(BS)..nb {
             sc[at(bi)..at(bi) + BS].fill(0.0);
         }
+        m + total.ln()
     }
 
     /// Rows for the next pass: the largest instantiated count that `left` rows and the
@@ -1090,14 +1126,23 @@ pub(crate) fn max_body(x: &[f32]) -> f32 {
 
 #[inline(always)]
 fn softmax_body(x: &mut [f32]) {
+    softmax_body_lse(x);
+}
+
+/// [`softmax_body`], returning the log of its denominator: `max + ln Σ exp(x − max)`
+/// (−∞ for an empty row).
+#[inline(always)]
+fn softmax_body_lse(x: &mut [f32]) -> f32 {
     let max = max_body(x);
     for v in x.iter_mut() {
         *v = fast_exp(*v - max);
     }
-    let inv = 1.0 / sum_body(x);
+    let total = sum_body(x);
+    let inv = 1.0 / total;
     for v in x.iter_mut() {
         *v *= inv;
     }
+    max + total.ln()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -1372,10 +1417,67 @@ mod tests {
             scale: 0.25,
         };
         let mut outs: Vec<(Isa, Vec<f32>)> = Vec::new();
+        let mut lses: Vec<(Isa, Vec<f32>)> = Vec::new();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for isa in Isa::available() {
             let mut out = vec![0f32; lims.len() * hd];
             let mut sc = Vec::new();
             attend(isa, &args, &mut sc, &mut out);
+            // With the log-sum-exp recorded: the same outputs, and each row's denominator.
+            let mut with = vec![0f32; lims.len() * hd];
+            let mut lse = vec![0f32; lims.len()];
+            attend_lse(isa, &args, &mut sc, &mut with, &mut lse);
+            assert_eq!(bits(&with), bits(&out), "{isa:?}: attend_lse's outputs");
+            // The positions split into parts of two blocks, each attended on its own slice of
+            // the block table, then weighted by exp(lse − max lse): the whole row again.
+            let part = 2 * bs;
+            let n_parts = lims.iter().copied().max().unwrap_or(0).div_ceil(part);
+            let mut parts = Vec::new();
+            for pi in 0..n_parts {
+                let plims: Vec<usize> = lims
+                    .iter()
+                    .map(|&l| l.saturating_sub(pi * part).min(part))
+                    .collect();
+                let pargs = AttendArgs {
+                    lims: &plims,
+                    blocks: &blocks[pi * 2..],
+                    ..args
+                };
+                let mut o = vec![0f32; lims.len() * hd];
+                let mut l = vec![0f32; lims.len()];
+                attend_lse(isa, &pargs, &mut sc, &mut o, &mut l);
+                parts.push((plims, o, l));
+            }
+            for (r, &lim) in lims.iter().enumerate() {
+                let live: Vec<&(Vec<usize>, Vec<f32>, Vec<f32>)> =
+                    parts.iter().filter(|(pl, _, _)| pl[r] > 0).collect();
+                let m = live
+                    .iter()
+                    .map(|p| p.2[r])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let w: Vec<f32> = live.iter().map(|p| (p.2[r] - m).exp()).collect();
+                let z: f32 = w.iter().sum();
+                assert!(
+                    (m + z.ln() - lse[r]).abs() < 1e-4 * (1.0 + lse[r].abs()),
+                    "{isa:?} r{r}: parts' lse {} against {}",
+                    m + z.ln(),
+                    lse[r]
+                );
+                for i in 0..hd {
+                    let merged: f32 = live
+                        .iter()
+                        .zip(&w)
+                        .map(|(p, w)| w * p.1[r * hd + i])
+                        .sum::<f32>()
+                        / z;
+                    assert!(
+                        (merged - out[r * hd + i]).abs() < 1e-5,
+                        "{isa:?} lim {lim} r{r} i{i}: split {merged} whole {}",
+                        out[r * hd + i]
+                    );
+                }
+            }
+            lses.push((isa, lse));
             for (r, &lim) in lims.iter().enumerate() {
                 let mut s: Vec<f64> = (0..lim)
                     .map(|p| {
@@ -1386,6 +1488,12 @@ mod tests {
                     .collect();
                 let m = s.iter().cloned().fold(f64::MIN, f64::max);
                 let z: f64 = s.iter().map(|v| (v - m).exp()).sum();
+                let want_lse = m + z.ln();
+                let got_lse = lses.last().map(|(_, l)| l[r]).unwrap_or(f32::NAN) as f64;
+                assert!(
+                    (want_lse - got_lse).abs() < 1e-4 * (1.0 + want_lse.abs()),
+                    "{isa:?} r{r}: lse {got_lse} against {want_lse}"
+                );
                 for x in s.iter_mut() {
                     *x = (*x - m).exp() / z;
                 }
@@ -1407,21 +1515,27 @@ mod tests {
         // The SIMD kernels (AVX2 on two ymm, AVX-512 on one zmm, NEON on four registers) do
         // the portable mirror's operations per lane, so they give its bits.
         let mut mirror = vec![0f32; lims.len() * hd];
-        let took = attend_mirror(&args, &mut Vec::new(), &mut mirror);
+        let mut mirror_lse = vec![0f32; lims.len()];
+        let took = attend_mirror(&args, &mut Vec::new(), &mut mirror, &mut mirror_lse);
         assert_eq!(took, bs == 16 && (hd == 64 || hd == 128), "hd{hd} bs{bs}");
         // Passes of 12 rows and half columns (the AVX-512 shape) give the same bits as passes
         // of 4, on any host.
         let mut wide = vec![0f32; lims.len() * hd];
         assert_eq!(attend_mirror_wide(&args, &mut Vec::new(), &mut wide), took);
         if took {
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&wide), bits(&mirror), "hd{hd}: wide passes");
         }
         if took {
             let simd: Vec<&(Isa, Vec<f32>)> =
                 outs.iter().filter(|(i, _)| *i != Isa::Scalar).collect();
+            for (isa, lse) in lses.iter().filter(|(i, _)| *i != Isa::Scalar) {
+                assert_eq!(
+                    bits(lse),
+                    bits(&mirror_lse),
+                    "{isa:?}: lse against the mirror"
+                );
+            }
             for (isa, out) in &simd {
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(out),
                     bits(&mirror),

@@ -84,7 +84,6 @@ fn main() -> anyhow::Result<()> {
                 })
                 .sum::<f64>()
                 / n as f64;
-            // Mean over positions 1.. only (skip position 0, often an attention sink).
             let (jmax, mmax) = mean.iter().enumerate().fold((0, 0f64), |b, (j, m)| {
                 if m.abs() > b.1 { (j, m.abs()) } else { b }
             });

@@ -138,8 +138,11 @@ pub enum LayerKv<'a> {
 /// constant over the whole row, whose scale then follows it. Subtracting a fixed vector μ from
 /// every key of a head changes each query's scores by the same q·μ, which the softmax cancels:
 /// the cache stores H(k − μ) and attention is unchanged. [`KvCache::set_key_offsets`] sets μ
-/// per layer and head (the model estimates it once, on a fixed calibration text at load; see
-/// [`key_means`]). It is the same for every position, so a row still depends on itself alone.
+/// per layer and head (the model estimates it once at load, see [`key_means`]). It is the same
+/// for every position, so a row still depends on itself alone. Keys are stored after RoPE, so
+/// a channel is a constant only where its pair turns slowly: the model keeps μ where the
+/// pair turns by at most half a radian over the whole context (the constant then shrinks at
+/// least twofold at every position) and sets the rest to 0.
 struct QPool<K: KvElem> {
     k: Vec<Vec<K>>,
     /// With `i8` keys, per layer `[block][head][position]`; empty otherwise.
@@ -211,8 +214,8 @@ impl<K: KvElem> QPool<K> {
                 let row = &mut row[..hd];
                 row.copy_from_slice(src);
                 kernels::ops::hadamard(row);
-                if let Some(off) = self.koff.get(layer) {
-                    for (x, o) in row.iter_mut().zip(&off[h * hd..(h + 1) * hd]) {
+                if let Some(mu) = self.koff.get(layer) {
+                    for (x, o) in row.iter_mut().zip(&mu[h * hd..(h + 1) * hd]) {
                         *x -= o;
                     }
                 }
@@ -841,7 +844,8 @@ impl KvCache {
                 offsets.len()
             )));
         }
-        if self.seqs.values().any(|t| t.len > 0) || !self.prefix.map.is_empty() {
+        // Any block in use (written, or reserved and about to be) or kept for prefix reuse.
+        if self.refcount.iter().any(|&r| r > 0) || !self.prefix.map.is_empty() {
             return Err(RuntimeError::Config(
                 "key offsets are set before a cache holds keys".into(),
             ));
@@ -1287,6 +1291,13 @@ mod tests {
                 .unwrap_err();
             assert!(e.to_string().contains("int8 cache"), "{e}");
         }
+        // Blocks reserved for a forward that has not committed yet hold keys too.
+        let mut reserved = KvCache::new(cfg(KvDtype::Int8)).unwrap();
+        let s = reserved.new_seq();
+        reserved.reserve(s, 3).unwrap();
+        assert!(reserved.set_key_offsets(&mu).is_err());
+        reserved.remove(s).unwrap();
+        reserved.set_key_offsets(&mu).unwrap();
         fresh.set_key_offsets(&mu).unwrap();
     }
 

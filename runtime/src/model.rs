@@ -785,8 +785,23 @@ impl Model {
     /// top-1 0.986 both, mean KL 2.9·10⁻⁴ and 2.7·10⁻⁴), and building the tokenizer to encode
     /// it took 5 s of Qwen's load. With tensor parallelism every rank returns its heads' means,
     /// which rank 0 hands back with each new cache.
+    ///
+    /// Keys are cached after RoPE, so a constant channel stays one only where its pair turns
+    /// slowly: μ is kept for the channels whose pair turns by at most [`OFFSET_MAX_TURN`] over
+    /// the model's whole context (`max_ctx`), where the constant left after the subtraction is
+    /// at most 2·sin(¼)|μ| ≈ |μ|/2 at every position, and set to 0 for the rest. On
+    /// Qwen2.5 (θ = 10⁶, 32k positions) that keeps the 6 slowest of 32 pairs, which hold its
+    /// large channels; on SmolLM2 (θ = 10⁵, 8k) the 5 slowest, while its channels of about 15
+    /// turn by about 2 radians over 8k positions and are left alone.
     fn calibrate_key_offsets(&mut self) -> Result<()> {
         let t0 = Instant::now();
+        let hd = self.cfg.head_dim;
+        if !(hd.is_power_of_two() && hd <= 256) {
+            return Err(RuntimeError::Config(format!(
+                "an int8 KV cache needs a head_dim that is a power of two up to 256 (this \
+                 model's is {hd}): use int8v"
+            )));
+        }
         let vocab = self.cfg.vocab_size.max(1) as u64;
         let n = CALIBRATION_TOKENS.min(self.cfg.max_ctx);
         let ids: Vec<u32> = (0..n as u64)
@@ -824,7 +839,35 @@ impl Model {
         let slots = (0..ids.len())
             .map(|p| cache.slot(seq, p))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        self.key_offsets = Some(Arc::new(crate::kv::key_means(&cache, &slots)));
+        // Channels whose RoPE pair turns too far over the context get no offset.
+        let half = hd / 2;
+        let slow: Vec<bool> = (0..hd)
+            .map(|j| {
+                let i = if self.cfg.rope_interleaved {
+                    j / 2
+                } else {
+                    j % half
+                };
+                let inv = (self.cfg.rope_theta as f64).powf(-2.0 * i as f64 / hd as f64);
+                inv * self.cfg.max_ctx.saturating_sub(1) as f64 <= OFFSET_MAX_TURN
+            })
+            .collect();
+        let keep_slow = |m: &mut Vec<f32>| {
+            for (j, x) in m.iter_mut().enumerate() {
+                if !slow[j % hd] {
+                    *x = 0.0;
+                }
+            }
+        };
+        let mut own = crate::kv::key_means(&cache, &slots);
+        keep_slow(&mut own);
+        if let Some(g) = &self.group {
+            let mut g = g
+                .lock()
+                .map_err(|_| RuntimeError::Tp("the shard links' lock is poisoned".into()))?;
+            g.key_offsets.iter_mut().for_each(keep_slow);
+        }
+        self.key_offsets = Some(Arc::new(own));
         tracing::info!(
             tokens = ids.len(),
             ms = t0.elapsed().as_millis() as u64,
@@ -1222,8 +1265,16 @@ impl Model {
     }
 
     /// Causal GQA attention of every new token over its own sequence's cached positions `0..=pos`.
-    /// One task per (sequence, KV head, chunk of queries): all query heads of the group and all
-    /// new tokens of the sequence share each K/V row read.
+    /// One task per (sequence, KV head, chunk of queries, part of the positions): all query
+    /// heads of the group and all new tokens of the sequence share each K/V row read.
+    ///
+    /// Positions split into parts of [`ATTN_PART`] (rounded up to whole blocks), each part a
+    /// task, merged by their log-sum-exp: one request decoding has only as many tasks as KV
+    /// heads (3 for SmolLM2, 2 for Qwen2.5), fewer than a CPU has threads, or a number they do
+    /// not divide. The parts depend on a query row's own position only, never on the batch,
+    /// so a row gets the same bits in a decode, a verification window or a prefill chunk (what
+    /// keeps speculative decoding token-for-token equal to plain decoding); a row within one
+    /// part is computed exactly as without parts.
     fn attention(
         &self,
         cache: &KvCache,
@@ -1242,7 +1293,9 @@ impl Model {
         let scale = 1.0 / (hd as f32).sqrt();
         let pools = cache.layer(layer);
         let isa = self.isa;
-        // Tasks: (sequence index, kv head, first token, token count).
+        let bs = cache.config().block_size;
+        let part = ATTN_PART.div_ceil(bs) * bs;
+        // Tasks: (sequence index, kv head, first token, token count, part, parts).
         const QROWS: usize = 12;
         let mut tasks = Vec::new();
         for (si, &(t0, nt)) in batch_tokens.iter().enumerate() {
@@ -1251,18 +1304,31 @@ impl Model {
                 let mut a = 0;
                 while a < nt {
                     let b = (a + per).min(nt);
-                    tasks.push((si, g, t0 + a, b - a));
+                    let longest = tok_pos[t0 + a..t0 + b].iter().max().map_or(1, |p| p + 1);
+                    let parts = longest.div_ceil(part);
+                    for p in 0..parts {
+                        tasks.push((si, g, t0 + a, b - a, p, parts));
+                    }
                     a = b;
                 }
             }
         }
-        let run = |&(si, g, t0, nt): &(usize, usize, usize, usize)| -> Vec<f32> {
+        // Positions of token `t`'s row in part `p` of `parts`.
+        let lim_in = |t: usize, p: usize, parts: usize| -> usize {
+            if parts == 1 {
+                tok_pos[t] + 1
+            } else {
+                (tok_pos[t] + 1).saturating_sub(p * part).min(part)
+            }
+        };
+        type Task = (usize, usize, usize, usize, usize, usize);
+        let run = |&(si, g, t0, nt, p, parts): &Task| -> (Vec<f32>, Vec<f32>) {
             let mut q = Vec::with_capacity(nt * group * hd);
             let mut lims = Vec::with_capacity(nt * group);
             for t in t0..t0 + nt {
                 for h in g * group..(g + 1) * group {
                     q.extend_from_slice(&qkv[t * qkv_dim + h * hd..t * qkv_dim + (h + 1) * hd]);
-                    lims.push(tok_pos[t] + 1);
+                    lims.push(lim_in(t, p, parts));
                 }
             }
             if matches!(pools, LayerKv::Int8 { .. }) {
@@ -1270,13 +1336,13 @@ impl Model {
                 q.chunks_exact_mut(hd).for_each(ops::hadamard);
             }
             let mut out = vec![0f32; nt * group * hd];
+            let mut lse = vec![0f32; if parts > 1 { nt * group } else { 0 }];
             let mut scores = Vec::new();
-            let bs = cache.config().block_size;
-            let blocks = &meta.blocks[si][..];
+            let blocks = &meta.blocks[si][p * part / bs..];
             // The same call for either element type of the pools.
             macro_rules! attend_over {
                 ($kpool:expr, $kscale:expr, $vpool:expr, $vscale:expr) => {
-                    ops::attend(
+                    ops::attend_lse(
                         isa,
                         &ops::AttendArgs {
                             q: &q,
@@ -1294,6 +1360,7 @@ impl Model {
                         },
                         &mut scores,
                         &mut out,
+                        &mut lse,
                     )
                 };
             }
@@ -1308,32 +1375,65 @@ impl Model {
                     vscale,
                 } => attend_over!(k, kscale, v, vscale),
             }
-            out
+            (out, lse)
         };
         let total_work: usize = tok_pos.iter().map(|p| p + 1).sum::<usize>() * n_heads * hd;
-        let results: Vec<Vec<f32>> = if total_work < 100_000 || tasks.len() == 1 {
+        let results: Vec<(Vec<f32>, Vec<f32>)> = if total_work < 100_000 || tasks.len() == 1 {
             tasks.iter().map(run).collect()
         } else {
             kernels::par::map(tasks.len(), |i| run(&tasks[i]))
         };
-        for (&(_, g, t0, nt), out) in tasks.iter().zip(results) {
+        let mut i = 0;
+        let mut w = Vec::new();
+        while i < tasks.len() {
+            let (_, g, t0, nt, _, parts) = tasks[i];
+            let done = &results[i..i + parts];
             for (j, t) in (t0..t0 + nt).enumerate() {
                 for (hh, h) in (g * group..(g + 1) * group).enumerate() {
-                    let src = &out[(j * group + hh) * hd..(j * group + hh + 1) * hd];
-                    att[t * qd + h * hd..t * qd + (h + 1) * hd].copy_from_slice(src);
+                    let row = j * group + hh;
+                    let dst = &mut att[t * qd + h * hd..t * qd + (h + 1) * hd];
+                    // The parts this row has positions in, in order; one is copied as it is.
+                    let live = || (0..parts).filter(move |&p| lim_in(t, p, parts) > 0);
+                    if live().count() == 1 {
+                        let p = live().next().unwrap_or(0);
+                        dst.copy_from_slice(&done[p].0[row * hd..(row + 1) * hd]);
+                        continue;
+                    }
+                    let m = live()
+                        .map(|p| done[p].1[row])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    w.clear();
+                    w.extend(live().map(|p| (p, (done[p].1[row] - m).exp())));
+                    let z: f32 = w.iter().map(|x| x.1).sum();
+                    dst.fill(0.0);
+                    for &(p, wp) in &w {
+                        let wp = wp / z;
+                        for (d, s) in dst.iter_mut().zip(&done[p].0[row * hd..(row + 1) * hd]) {
+                            *d = wp.mul_add(*s, *d);
+                        }
+                    }
                 }
             }
+            i += parts;
         }
     }
 }
 
-/// Tokens from which a forward's per-token steps between matmuls (norms, residuals, RoPE) run
-/// on the team: handing a loop over costs about 0.5 µs, and these steps about 0.1 µs a token.
-/// Done on one thread, they left the other idle for a tenth of a 32-token step.
+/// Positions per part of an attention task (see `Model::attention`): at 512 a part is about
+/// 10 µs of SmolLM2's attention for one row, far above a task's hand-over and the merge.
+const ATTN_PART: usize = 512;
+
+/// The most a RoPE pair may turn over the context, in radians, for its channels to keep a key
+/// offset (see [`Model::calibrate_key_offsets`]).
+const OFFSET_MAX_TURN: f64 = 0.5;
+
 /// Tokens [`Model::calibrate_key_offsets`] runs: the large channels it removes are near
 /// constants, which a few dozen positions pin down.
 const CALIBRATION_TOKENS: usize = 128;
 
+/// Tokens from which a forward's per-token steps between matmuls (norms, residuals, RoPE) run
+/// on the team: handing a loop over costs about 0.5 µs, and these steps about 0.1 µs a token.
+/// Done on one thread, they left the other idle for a tenth of a 32-token step.
 const PAR_TOKENS: usize = 16;
 
 /// The same for SwiGLU, about 1 µs a token at SmolLM2's width.

@@ -17,7 +17,7 @@
 //! refused once (its requests fail and are continued elsewhere) and then starts over.
 //!
 //! An `int8` cache subtracts fixed key offsets before it rounds (see `kv::QPool`). Rank 0
-//! estimates them at load with one forward over a calibration text, in which every rank
+//! estimates them at load with one forward over tokens spread over the vocabulary, in which every rank
 //! returns the mean keys of its heads; rank 0 keeps them and sends each rank its share with
 //! every new `int8` cache, so a rank that restarts gets them back with its next cache.
 //!
@@ -710,20 +710,22 @@ impl Group {
             self.words.extend([r as u32, (r >> 32) as u32]);
         }
         meta.encode(&mut self.words);
-        let head = self.words.len();
+        let mut head = Vec::new();
+        words_bytes(&self.words, &mut head);
         let mut payload = Vec::new();
         for i in 0..self.links.len() {
             // A new `int8` cache comes with the rank's key offsets.
-            self.words.truncate(head);
+            payload.clear();
+            payload.extend_from_slice(&head);
             match self.key_offsets.get(i) {
                 Some(o) if fresh && kc.dtype == KvDtype::Int8 => {
-                    self.words.push(o.len() as u32);
-                    self.words.extend(o.iter().map(|x| x.to_bits()));
+                    payload.extend_from_slice(&(o.len() as u32).to_le_bytes());
+                    for x in o {
+                        payload.extend_from_slice(&x.to_bits().to_le_bytes());
+                    }
                 }
-                _ => self.words.push(0),
+                _ => payload.extend_from_slice(&0u32.to_le_bytes()),
             }
-            payload.clear();
-            words_bytes(&self.words, &mut payload);
             if let Err(e) = write_frame(&mut self.links[i], BEGIN, &payload, &mut self.buf) {
                 // The ranks that got it would wait for rows that never come.
                 cache.mark_tp_lost();
@@ -759,6 +761,11 @@ impl Group {
             if let Err(e) = read_f32s(&mut self.links[i], &mut self.buf, &mut m, false) {
                 return Err(self.broken(e));
             }
+            // A rank's caches refuse non-finite offsets: none is better than a rank that
+            // refuses every new cache.
+            m.iter_mut()
+                .filter(|x| !x.is_finite())
+                .for_each(|x| *x = 0.0);
             out.push(m);
         }
         Ok(out)

@@ -203,8 +203,8 @@ fn split_forwards_match_the_whole_model() {
 
 /// 8-bit values (`int8v`), and 8-bit rotated keys (`int8`): each rank quantizes the rows of
 /// its own heads as the whole model does (a row's scale is its own, the rotation is per
-/// head), so the split forward matches the whole one as closely as with a float cache: only
-/// the shares' order of addition differs. For `int8` the model's keys carry a large constant
+/// head), so the split forward matches the whole one: only the shares' order of addition
+/// differs, as with a float cache, and with 8-bit keys a code on a rounding boundary. For `int8` the model's keys carry a large constant
 /// channel, so the key offsets matter: rank 0 estimates them with every rank at load and hands
 /// each rank its share with each new cache; a rank without them would round its heads' keys
 /// differently from the whole model.
@@ -250,7 +250,14 @@ fn split_forwards_match_the_whole_model_with_8_bit_values() {
                 .chunks_exact(kvd)
                 .flat_map(|l| l[..kvd / 2].to_vec())
                 .collect();
-            assert_eq!(own, &mine[..]);
+            // The split's keys differ from the whole model's in the last bits; a mean that sat
+            // on a rounding boundary could round the other way.
+            assert_eq!(own.len(), mine.len());
+            assert!(
+                own.iter()
+                    .zip(&mine)
+                    .all(|(a, b)| (a - b).abs() <= 1.0 / 16.0)
+            );
             assert!(all.iter().any(|x| x.abs() > 100.0));
         } else {
             assert!(m.key_offsets().is_none());
@@ -259,7 +266,12 @@ fn split_forwards_match_the_whole_model_with_8_bit_values() {
         let v = whole.cfg.vocab_size;
         assert_eq!(argmaxes(&got, v), argmaxes(&want, v), "{dtype:?}");
         let d = max_rel_diff(&got, &want);
-        assert!(d < 1e-5, "{dtype:?}: split logits differ by {d}");
+        // 8-bit keys: a key element whose rotated value sits on a rounding boundary can take
+        // the next code in one forward and not the other (the split adds its shares in
+        // another order), which moves a score by a step of that row (6·10⁻⁵ measured). Ranks
+        // without their key offsets read 2·10⁻² here.
+        let bound = if dtype == KvDtype::Int8 { 1e-3 } else { 1e-5 };
+        assert!(d < bound, "{dtype:?}: split logits differ by {d}");
     }
 }
 
