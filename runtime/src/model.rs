@@ -1268,8 +1268,8 @@ impl Model {
     /// One task per (sequence, KV head, chunk of queries, part of the positions): all query
     /// heads of the group and all new tokens of the sequence share each K/V row read.
     ///
-    /// Positions split into parts of [`ATTN_PART`] (rounded up to whole blocks), each part a
-    /// task, merged by their log-sum-exp: one request decoding has only as many tasks as KV
+    /// Positions split into parts of [`ATTN_PART`] (rounded up to whole blocks; the last part
+    /// of a row runs on to its end), each part a task, merged by their log-sum-exp: one request decoding has only as many tasks as KV
     /// heads (3 for SmolLM2, 2 for Qwen2.5), fewer than a CPU has threads, or a number they do
     /// not divide. The parts depend on a query row's own position only, never on the batch,
     /// so a row gets the same bits in a decode, a verification window or a prefill chunk (what
@@ -1305,7 +1305,7 @@ impl Model {
                 while a < nt {
                     let b = (a + per).min(nt);
                     let longest = tok_pos[t0 + a..t0 + b].iter().max().map_or(1, |p| p + 1);
-                    let parts = longest.div_ceil(part);
+                    let parts = (longest / part).max(1);
                     for p in 0..parts {
                         tasks.push((si, g, t0 + a, b - a, p, parts));
                     }
@@ -1313,12 +1313,18 @@ impl Model {
                 }
             }
         }
-        // Positions of token `t`'s row in part `p` of `parts`.
+        // Positions of token `t`'s row in part `p` (of the task's `parts`). A row of `l`
+        // positions has max(1, ⌊l / part⌋) parts: whole ones of `part`, the last one running
+        // on to `l` (at most 2·part − 1), so no part is a sliver.
         let lim_in = |t: usize, p: usize, parts: usize| -> usize {
-            if parts == 1 {
-                tok_pos[t] + 1
+            let l = tok_pos[t] + 1;
+            let own = (l / part).max(1);
+            if parts == 1 || p + 1 == own {
+                l - p * part
+            } else if p < own {
+                part
             } else {
-                (tok_pos[t] + 1).saturating_sub(p * part).min(part)
+                0
             }
         };
         type Task = (usize, usize, usize, usize, usize, usize);
@@ -1419,9 +1425,14 @@ impl Model {
     }
 }
 
-/// Positions per part of an attention task (see `Model::attention`): at 512 a part is about
-/// 10 µs of SmolLM2's attention for one row, far above a task's hand-over and the merge.
-const ATTN_PART: usize = 512;
+/// Positions per part of an attention task (see `Model::attention`). Measured on 2 threads
+/// (`decode_profile`, `bench/results/attn-split-s44/`): parts of 512 made 32 requests at
+/// context 1024 about 3 % slower (twice the tasks, each with its own scratch and merge) and
+/// gained little at 2048; parts of 2048 took SmolLM2's attention at one request and context
+/// 6000 from 12.2 to 9.5 ms and at 8 requests and 4096 from 59.5 to 51.8 ms, but a last part
+/// of a few positions (context 2048 and a decode) cost 4 %: a row's last part now takes the
+/// remainder, so contexts under 4096 run in one part as before.
+const ATTN_PART: usize = 2048;
 
 /// The most a RoPE pair may turn over the context, in radians, for its channels to keep a key
 /// offset (see [`Model::calibrate_key_offsets`]).

@@ -192,25 +192,25 @@ fn varlen_batch_equals_per_request_forwards() {
     }
 }
 
-/// Long contexts split each attention task's positions into parts of 512 (whole blocks),
-/// merged by their log-sum-exp. Blocks of 2048 positions leave 1100 positions in one part
+/// Long contexts split each attention task's positions into parts of 2048 (whole blocks),
+/// merged by their log-sum-exp. Blocks of 8192 positions leave 4300 positions in one part
 /// (and the portable kernel, whose arithmetic is the same up to rounding): the logits agree
-/// at every position, those past 512 and 1024 included.
+/// at every position, those past 2048 and 4096 included.
 #[test]
 fn attention_split_over_long_contexts_equals_one_part() {
     let spec = TinySpec {
-        max_ctx: 1536,
+        max_ctx: 4608,
         ..TinySpec::llama(12)
     };
     // Dense f32 weights and cache: the integer kernels' activation rounding would turn the
     // last bits in which the two summation orders differ into steps of 10⁻³.
     let m = load(&spec, "long-ctx-llama", true);
-    let toks: Vec<u32> = (0..1100).map(|i| ((i * 29 + 7) % 250) as u32).collect();
+    let toks: Vec<u32> = (0..4300).map(|i| ((i * 29 + 7) % 250) as u32).collect();
     let run = |bs: usize| {
-        let mut c = m.new_cache(1536, bs).unwrap();
+        let mut c = m.new_cache(4608, bs).unwrap();
         let s = c.new_seq();
         let mut logits = Vec::new();
-        for chunk in toks.chunks(200) {
+        for chunk in toks.chunks(500) {
             let o = m
                 .forward(
                     &mut c,
@@ -226,7 +226,7 @@ fn attention_split_over_long_contexts_equals_one_part() {
         }
         logits
     };
-    let (split, whole) = (run(16), run(2048));
+    let (split, whole) = (run(16), run(8192));
     let v = m.cfg.vocab_size;
     for p in 0..toks.len() {
         let (a, b) = (&split[p * v..(p + 1) * v], &whole[p * v..(p + 1) * v]);
