@@ -700,6 +700,30 @@ fn every_isa_with_grouped_kernels_gives_the_same_hidden_state_bits() {
     }
 }
 
+/// A tiny model at `p` with dense f32 weights and a KV cache of `dtype`.
+fn load_dense(p: &std::path::Path, dtype: dspark_runtime::KvDtype) -> Model {
+    Model::load(
+        p,
+        &LoadOptions {
+            threads: 2,
+            dense: true,
+            kv_dtype: Some(dtype),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+/// Relative L2 distance of `got` from `want`.
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let (mut err, mut norm) = (0f64, 0f64);
+    for (a, b) in got.iter().zip(want) {
+        err += ((a - b) as f64).powi(2);
+        norm += (*b as f64).powi(2);
+    }
+    (err / norm).sqrt()
+}
+
 /// A model whose keys carry a near-constant large channel (Qwen2.5's first layer reaches
 /// about 145 in one): the `int8` cache subtracts the key offsets the model estimated at load
 /// (softmax cancels a constant shift of every score), so its logits stay far closer to the
@@ -711,18 +735,7 @@ fn int8_key_offsets_absorb_a_constant_key_channel() {
         ..TinySpec::qwen2(8)
     };
     let p = tiny_model_path(&spec, "int8-koff-qwen2").unwrap();
-    let load = |dtype| {
-        Model::load(
-            &p,
-            &LoadOptions {
-                threads: 2,
-                dense: true,
-                kv_dtype: Some(dtype),
-                ..Default::default()
-            },
-        )
-        .unwrap()
-    };
+    let load = |dtype| load_dense(&p, dtype);
     let f32m = load(dspark_runtime::KvDtype::F32);
     assert!(f32m.key_offsets().is_none());
     let m = load(dspark_runtime::KvDtype::Int8);
@@ -754,14 +767,7 @@ fn int8_key_offsets_absorb_a_constant_key_channel() {
         .unwrap()
         .logits
     };
-    let rel = |got: &[f32]| {
-        let (mut err, mut norm) = (0f64, 0f64);
-        for (a, b) in got.iter().zip(&want.logits) {
-            err += ((a - b) as f64).powi(2);
-            norm += (*b as f64).powi(2);
-        }
-        (err / norm).sqrt()
-    };
+    let rel = |got: &[f32]| rel_err(got, &want.logits);
     let mut centred = m.new_cache(64, 16).unwrap();
     let with = rel(&run(&mut centred));
     let mut plain = dspark_runtime::KvCache::new(centred.config().clone()).unwrap();
@@ -777,18 +783,7 @@ fn int8_key_offsets_absorb_a_constant_key_channel() {
 #[test]
 fn eight_bit_caches_track_an_f32_cache() {
     let p = tiny_model_path(&TinySpec::qwen2(2), "ref-qwen2").unwrap();
-    let load = |dtype| {
-        Model::load(
-            &p,
-            &LoadOptions {
-                threads: 2,
-                dense: true,
-                kv_dtype: Some(dtype),
-                ..Default::default()
-            },
-        )
-        .unwrap()
-    };
+    let load = |dtype| load_dense(&p, dtype);
     let toks: Vec<u32> = (0..60).map(|i| (i * 37 % 250) as u32).collect();
     let want = logits_all(&load(dspark_runtime::KvDtype::F32), &toks);
     let v = want.vocab;
@@ -797,12 +792,7 @@ fn eight_bit_caches_track_an_f32_cache() {
         dspark_runtime::KvDtype::Int8,
     ] {
         let got = logits_all(&load(dtype), &toks);
-        let (mut err, mut norm) = (0f64, 0f64);
-        for (a, b) in got.logits.iter().zip(&want.logits) {
-            err += ((a - b) as f64).powi(2);
-            norm += (*b as f64).powi(2);
-        }
-        let rel = (err / norm).sqrt();
+        let rel = rel_err(&got.logits, &want.logits);
         let agree = (0..toks.len())
             .filter(|&p| {
                 kernels::sampling::argmax(&got.logits[p * v..(p + 1) * v])
