@@ -192,10 +192,11 @@ fn varlen_batch_equals_per_request_forwards() {
     }
 }
 
-/// Long contexts split each attention task's positions into parts of 2048 (whole blocks),
-/// merged by their log-sum-exp. Blocks of 8192 positions leave 4300 positions in one part
-/// (and the portable kernel, whose arithmetic is the same up to rounding): the logits agree
-/// at every position, those past 2048 and 4096 included.
+/// Long contexts split each attention task's positions into parts of 2048 (whole blocks; a
+/// row's last part runs on to its end, so rows from 4096 positions on have two), merged by
+/// their log-sum-exp. Blocks of 8192 positions leave 4300 positions in one part: the logits
+/// agree at every position. (Head dim 16: both runs take the portable kernel; the kernel
+/// test holds the SIMD paths' log-sum-exp to the mirror's.)
 #[test]
 fn attention_split_over_long_contexts_equals_one_part() {
     let spec = TinySpec {
