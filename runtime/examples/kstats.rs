@@ -52,12 +52,11 @@ fn main() -> anyhow::Result<()> {
     let n = ids.len();
     for l in 0..m.cfg.n_layers {
         for h in 0..nkv {
-            let rows: Vec<Vec<f32>> = (0..n)
-                .map(|pos| {
-                    let k = c.read_k(l, c.slot(s, pos).unwrap());
-                    k[h * hd..(h + 1) * hd].to_vec()
-                })
-                .collect();
+            let mut rows: Vec<Vec<f32>> = Vec::with_capacity(n);
+            for pos in 0..n {
+                let k = c.read_k(l, c.slot(s, pos)?);
+                rows.push(k[h * hd..(h + 1) * hd].to_vec());
+            }
             let mut mean = vec![0f64; hd];
             for r in &rows {
                 for (m, x) in mean.iter_mut().zip(r) {

@@ -1313,13 +1313,13 @@ impl Model {
                 }
             }
         }
-        // Positions of token `t`'s row in part `p` (of the task's `parts`). A row of `l`
+        // Positions of token `t`'s row in part `p` of its task. A row of `l`
         // positions has max(1, ⌊l / part⌋) parts: whole ones of `part`, the last one running
         // on to `l` (at most 2·part − 1), so no part is a sliver.
-        let lim_in = |t: usize, p: usize, parts: usize| -> usize {
-            let l = tok_pos[t] + 1;
-            let own = (l / part).max(1);
-            if parts == 1 || p + 1 == own {
+        let own_parts = |t: usize| ((tok_pos[t] + 1) / part).max(1);
+        let lim_in = |t: usize, p: usize| -> usize {
+            let (l, own) = (tok_pos[t] + 1, own_parts(t));
+            if p + 1 == own {
                 l - p * part
             } else if p < own {
                 part
@@ -1334,7 +1334,7 @@ impl Model {
             for t in t0..t0 + nt {
                 for h in g * group..(g + 1) * group {
                     q.extend_from_slice(&qkv[t * qkv_dim + h * hd..t * qkv_dim + (h + 1) * hd]);
-                    lims.push(lim_in(t, p, parts));
+                    lims.push(lim_in(t, p));
                 }
             }
             if matches!(pools, LayerKv::Int8 { .. }) {
@@ -1398,18 +1398,17 @@ impl Model {
                 for (hh, h) in (g * group..(g + 1) * group).enumerate() {
                     let row = j * group + hh;
                     let dst = &mut att[t * qd + h * hd..t * qd + (h + 1) * hd];
-                    // The parts this row has positions in, in order; one is copied as it is.
-                    let live = || (0..parts).filter(move |&p| lim_in(t, p, parts) > 0);
-                    if live().count() == 1 {
-                        let p = live().next().unwrap_or(0);
-                        dst.copy_from_slice(&done[p].0[row * hd..(row + 1) * hd]);
+                    // The row's own parts are the task's first `own`; one is copied as it is.
+                    let own = own_parts(t);
+                    if own == 1 {
+                        dst.copy_from_slice(&done[0].0[row * hd..(row + 1) * hd]);
                         continue;
                     }
-                    let m = live()
+                    let m = (0..own)
                         .map(|p| done[p].1[row])
                         .fold(f32::NEG_INFINITY, f32::max);
                     w.clear();
-                    w.extend(live().map(|p| (p, (done[p].1[row] - m).exp())));
+                    w.extend((0..own).map(|p| (p, (done[p].1[row] - m).exp())));
                     let z: f32 = w.iter().map(|x| x.1).sum();
                     dst.fill(0.0);
                     for &(p, wp) in &w {

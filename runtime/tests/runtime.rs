@@ -24,10 +24,18 @@ fn load(spec: &TinySpec, name: &str, dense: bool) -> Model {
 
 /// One forward of `toks` on a fresh cache, logits at every position.
 fn logits_all(m: &Model, toks: &[u32]) -> dspark_runtime::model::ForwardOutput {
-    let mut c = m.new_cache(64, 16).unwrap();
+    logits_in(m, &mut m.new_cache(64, 16).unwrap(), toks)
+}
+
+/// One forward of `toks` as a new sequence of `c`, logits at every position.
+fn logits_in(
+    m: &Model,
+    c: &mut dspark_runtime::KvCache,
+    toks: &[u32],
+) -> dspark_runtime::model::ForwardOutput {
     let s = c.new_seq();
     m.forward(
-        &mut c,
+        c,
         &[SeqInput {
             seq: s,
             tokens: toks,
@@ -510,21 +518,7 @@ fn hugging_face_directory_equals_the_permuted_gguf() {
     let mg = Model::load(&gpath, &opts).unwrap();
     assert!(!mh.cfg.rope_interleaved && mg.cfg.rope_interleaved);
     let toks: Vec<u32> = (0..20).map(|i| (i * 7 % vocab) as u32).collect();
-    let run = |m: &Model| {
-        let mut c = m.new_cache(64, 16).unwrap();
-        let s = c.new_seq();
-        m.forward(
-            &mut c,
-            &[SeqInput {
-                seq: s,
-                tokens: &toks,
-                logits: LogitsMode::All,
-            }],
-            &ForwardOptions::default(),
-        )
-        .unwrap()
-        .logits
-    };
+    let run = |m: &Model| logits_all(m, &toks).logits;
     let (a1, b1) = (run(&mh), run(&mg));
     for (x, y) in a1.iter().zip(&b1) {
         assert!((x - y).abs() < 1e-3 * (1.0 + x.abs()), "{x} vs {y}");
@@ -754,20 +748,7 @@ fn int8_key_offsets_absorb_a_constant_key_channel() {
     }
     let toks: Vec<u32> = (0..60).map(|i| (i * 37 % 250) as u32).collect();
     let want = logits_all(&f32m, &toks);
-    let run = |c: &mut dspark_runtime::KvCache| {
-        let s = c.new_seq();
-        m.forward(
-            c,
-            &[SeqInput {
-                seq: s,
-                tokens: &toks,
-                logits: LogitsMode::All,
-            }],
-            &ForwardOptions::default(),
-        )
-        .unwrap()
-        .logits
-    };
+    let run = |c: &mut dspark_runtime::KvCache| logits_in(&m, c, &toks).logits;
     let rel = |got: &[f32]| rel_err(got, &want.logits);
     let mut centred = m.new_cache(64, 16).unwrap();
     let with = rel(&run(&mut centred));
