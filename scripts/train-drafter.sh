@@ -22,7 +22,8 @@ mapfile -t data < <(scripts/drafter-data.sh "$bin" smollm2-135m)
   --steps 11000 --batch 32 --lr 6e-4 --max-bytes 3200000 --save-every 250
 # Calibration on held-out prompts (first half of each prompt set): the copy prior (one run
 # without it), then the confidences (input mix, STS temperatures and shifts) on drafts made with
-# it; once for sampled requests (T = 1) and once for greedy ones;
+# it (greedy: with the copy runs fitted from that first run, as served); once for sampled
+# requests (T = 1) and once for greedy ones;
 # evaluation on the second half, at both temperatures. The first run sets the serving forward's
 # 4-bit weights, which both calibrations then fit.
 "$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \

@@ -625,8 +625,21 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     let second = d.join("cal2.json").display().to_string();
     calibrate(&["--json", &second]);
     let (c1, c2) = (read_json(Path::new(&first)), read_json(Path::new(&second)));
+    // The confidences are fitted on blocks drafted as served: the copy runs fitted first
+    // (this tiny target repeats itself, so six matched tokens make one) draft some of them.
+    let runs = c1["copy_runs"].as_array().expect("copy runs").clone();
+    assert!(
+        runs.iter().any(|r| r.as_f64().is_some_and(|x| x >= 0.5)),
+        "{runs:?}"
+    );
+    let copied = c1["copy_run_blocks"].as_u64().expect("copy-run blocks");
+    assert!(
+        copied > 0 && copied < c1["blocks"].as_u64().unwrap_or(0),
+        "{c1}"
+    );
     for key in [
         "blocks",
+        "copy_run_blocks",
         "tau",
         "sts",
         "sts_shift",

@@ -1299,6 +1299,20 @@ mod tests {
         reserved.remove(s).unwrap();
         reserved.set_key_offsets(&mu).unwrap();
         fresh.set_key_offsets(&mu).unwrap();
+        // So do blocks no sequence holds any more but the prefix cache keeps for reuse: a
+        // later sequence would read their keys under the new offsets.
+        let mut kept = KvCache::new(cfg(KvDtype::Int8)).unwrap();
+        kept.set_prefix_caching(true);
+        let s = kept.new_seq();
+        kept.reserve(s, 8).unwrap();
+        kept.set_len(s, 8).unwrap();
+        kept.register(s, &(0..8).collect::<Vec<u32>>()).unwrap();
+        kept.remove(s).unwrap();
+        assert_eq!(kept.cached_blocks(), 2, "two full blocks kept for reuse");
+        let e = kept.set_key_offsets(&mu).unwrap_err();
+        assert!(e.to_string().contains("before a cache holds keys"), "{e}");
+        kept.clear_prefix_cache();
+        kept.set_key_offsets(&mu).unwrap();
     }
 
     #[test]

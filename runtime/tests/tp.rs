@@ -366,3 +366,55 @@ fn a_lost_link_fails_forwards_then_reconnects_and_starts_over() {
     let want = last(&whole, &mut wc, wb, &[1, 2, 3, 4, 5, 6]).unwrap();
     assert!(max_rel_diff(&[got.logits], &[want.logits]) < 1e-4);
 }
+
+/// Int8 key offsets live with each cache on the ranks, sent by rank 0 with every new cache.
+/// After a reconnect (a restarted rank, or one another leader took over) a rank holds none of
+/// rank 0's caches, and the next cache must bring its offsets again: without them the keys of
+/// this spiked model read 2·10⁻² off (see the split test above).
+#[test]
+fn a_reconnected_rank_gets_its_int8_key_offsets_with_the_next_cache() {
+    let spec = TinySpec {
+        k_bias_spike: 150.0,
+        ..TinySpec::qwen2(5)
+    };
+    let path = tiny_model_path(&spec, "tp-qwen2-k-reconnect").unwrap();
+    let o = |tp| LoadOptions {
+        dense: true,
+        kv_dtype: Some(KvDtype::Int8),
+        ..opts(tp)
+    };
+    let whole = Model::load(&path, &o(None)).unwrap();
+    let want = scenario(&whole);
+    let peers: Vec<String> = (1..2)
+        .map(|r| {
+            let m = Arc::new(Model::load(&path, &o(Some(TpOptions::shard(r, 2)))).unwrap());
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let a = l.local_addr().unwrap().to_string();
+            std::thread::spawn(move || tp::serve(m, l));
+            a
+        })
+        .collect();
+    let lead = |peers: Vec<String>| {
+        let mut t = TpOptions::leader(peers);
+        t.connect_timeout = Duration::from_secs(10);
+        t.io_timeout = Duration::from_secs(20);
+        Model::load(&path, &o(Some(t))).unwrap()
+    };
+    let m = lead(peers.clone());
+    assert!(m.key_offsets().is_some());
+    // Another leader takes rank 1 over (its load calibrates through it): `m`'s link is cut.
+    let other = lead(peers);
+    let mut c = other.new_cache(64, 8).unwrap();
+    let s = c.new_seq();
+    fwd(&other, &mut c, &[(s, &[9])]);
+    // `m`'s next forward finds the link gone; the one after redials, in a new epoch.
+    let mut c = m.new_cache(64, 8).unwrap();
+    let s = c.new_seq();
+    let e = last(&m, &mut c, s, &[1]).unwrap_err();
+    assert!(matches!(e, RuntimeError::Tp(_)), "{e}");
+    let got = scenario(&m);
+    let v = whole.cfg.vocab_size;
+    assert_eq!(argmaxes(&got, v), argmaxes(&want, v));
+    let d = max_rel_diff(&got, &want);
+    assert!(d < 1e-3, "after a reconnect, split logits differ by {d}");
+}
