@@ -626,7 +626,8 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     calibrate(&["--json", &second]);
     let (c1, c2) = (read_json(Path::new(&first)), read_json(Path::new(&second)));
     // The confidences are fitted on blocks drafted as served: the copy runs fitted first
-    // (this tiny target repeats itself, so six matched tokens make one) draft some of them.
+    // (this tiny target repeats itself, so a match of six tokens starts a copy run) draft some
+    // of them.
     let runs = c1["copy_runs"].as_array().expect("copy runs").clone();
     assert!(
         runs.iter().any(|r| r.as_f64().is_some_and(|x| x >= 0.5)),
