@@ -21,9 +21,18 @@ fn opts(tp: Option<TpOptions>) -> LoadOptions {
 
 /// Starts ranks 1.. of `world` on loopback; their addresses.
 fn start_ranks(path: &Path, world: usize) -> Vec<String> {
+    start_ranks_with(path, world, opts)
+}
+
+/// Starts ranks 1.. of `world` on loopback, each loaded with `o(its shard)`; their addresses.
+fn start_ranks_with(
+    path: &Path,
+    world: usize,
+    o: impl Fn(Option<TpOptions>) -> LoadOptions,
+) -> Vec<String> {
     (1..world)
         .map(|r| {
-            let m = Arc::new(Model::load(path, &opts(Some(TpOptions::shard(r, world)))).unwrap());
+            let m = Arc::new(Model::load(path, &o(Some(TpOptions::shard(r, world)))).unwrap());
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
             let a = l.local_addr().unwrap().to_string();
             std::thread::spawn(move || tp::serve(m, l));
@@ -33,20 +42,19 @@ fn start_ranks(path: &Path, world: usize) -> Vec<String> {
 }
 
 fn leader(path: &Path, peers: Vec<String>) -> Result<Model, RuntimeError> {
-    leader_with(path, peers, false)
+    lead_with(path, peers, opts)
 }
 
-fn leader_with(path: &Path, peers: Vec<String>, dense: bool) -> Result<Model, RuntimeError> {
+/// Rank 0 over `peers`, loaded with `o(its leader options)`.
+fn lead_with(
+    path: &Path,
+    peers: Vec<String>,
+    o: impl Fn(Option<TpOptions>) -> LoadOptions,
+) -> Result<Model, RuntimeError> {
     let mut t = TpOptions::leader(peers);
     t.connect_timeout = Duration::from_secs(10);
     t.io_timeout = Duration::from_secs(20);
-    Model::load(
-        path,
-        &LoadOptions {
-            dense,
-            ..opts(Some(t))
-        },
-    )
+    Model::load(path, &o(Some(t)))
 }
 
 fn fwd(m: &Model, c: &mut KvCache, batch: &[(SeqId, &[u32])]) -> ForwardOutput {
@@ -156,17 +164,8 @@ fn split_forwards_match_the_whole_model() {
             let o = |tp| LoadOptions { dense, ..opts(tp) };
             let whole = Model::load(&path, &o(None)).unwrap();
             let want = scenario(&whole);
-            let peers = (1..degree)
-                .map(|r| {
-                    let m = Model::load(&path, &o(Some(TpOptions::shard(r, degree)))).unwrap();
-                    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-                    let a = l.local_addr().unwrap().to_string();
-                    let m = Arc::new(m);
-                    std::thread::spawn(move || tp::serve(m, l));
-                    a
-                })
-                .collect();
-            let m = leader_with(&path, peers, dense).unwrap();
+            let peers = start_ranks_with(&path, degree, o);
+            let m = lead_with(&path, peers, o).unwrap();
             assert_eq!(m.tp_degree(), degree);
             let got = scenario(&m);
             // Shares are added in rank order: the same forward twice is the same bits.
@@ -226,19 +225,8 @@ fn split_forwards_match_the_whole_model_with_8_bit_values() {
         let whole = Model::load(&path, &o(None)).unwrap();
         assert_eq!(whole.kv_dtype(), dtype);
         let want = scenario(&whole);
-        let peers = (1..2)
-            .map(|r| {
-                let m = Arc::new(Model::load(&path, &o(Some(TpOptions::shard(r, 2)))).unwrap());
-                let l = TcpListener::bind("127.0.0.1:0").unwrap();
-                let a = l.local_addr().unwrap().to_string();
-                std::thread::spawn(move || tp::serve(m, l));
-                a
-            })
-            .collect();
-        let mut t = TpOptions::leader(peers);
-        t.connect_timeout = Duration::from_secs(10);
-        t.io_timeout = Duration::from_secs(20);
-        let m = Model::load(&path, &o(Some(t))).unwrap();
+        let peers = start_ranks_with(&path, 2, o);
+        let m = lead_with(&path, peers, o).unwrap();
         assert_eq!((m.tp_degree(), m.kv_dtype()), (2, dtype));
         if dtype == KvDtype::Int8 {
             // Rank 0's offsets are the whole model's for its heads (the first half of each
@@ -385,21 +373,8 @@ fn a_reconnected_rank_gets_its_int8_key_offsets_with_the_next_cache() {
     };
     let whole = Model::load(&path, &o(None)).unwrap();
     let want = scenario(&whole);
-    let peers: Vec<String> = (1..2)
-        .map(|r| {
-            let m = Arc::new(Model::load(&path, &o(Some(TpOptions::shard(r, 2)))).unwrap());
-            let l = TcpListener::bind("127.0.0.1:0").unwrap();
-            let a = l.local_addr().unwrap().to_string();
-            std::thread::spawn(move || tp::serve(m, l));
-            a
-        })
-        .collect();
-    let lead = |peers: Vec<String>| {
-        let mut t = TpOptions::leader(peers);
-        t.connect_timeout = Duration::from_secs(10);
-        t.io_timeout = Duration::from_secs(20);
-        Model::load(&path, &o(Some(t))).unwrap()
-    };
+    let peers = start_ranks_with(&path, 2, o);
+    let lead = |peers: Vec<String>| lead_with(&path, peers, o).unwrap();
     let m = lead(peers.clone());
     assert!(m.key_offsets().is_some());
     // Another leader takes rank 1 over (its load calibrates through it): `m`'s link is cut.
