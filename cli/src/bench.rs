@@ -619,7 +619,10 @@ fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
 /// among the drafter's training prompts or the first sets, which calibration and the
 /// benchmarks use. A binned ECE read on a few thousand blocks is biased upward by about 2 %
 /// even for exact confidences; these sets hold 144 prompts each, nine times an evaluation
-/// half of a first set. Their first 48 were the whole held-out sets until session 22.
+/// half of a first set. Their first 48 were the whole held-out sets until session 22. The
+/// calibration sets (`prompts/calib/*.txt`, `chat-calib` …, 96 prompts each) are more new
+/// prompts for calibration alone, which the greedy head's fit needs more of than the first
+/// sets hold.
 pub fn prompt_set(name: &str) -> anyhow::Result<Vec<String>> {
     let text = match name {
         "chat" => include_str!("../../prompts/chat.txt"),
@@ -628,7 +631,10 @@ pub fn prompt_set(name: &str) -> anyhow::Result<Vec<String>> {
         "chat-heldout" => include_str!("../../prompts/heldout/chat.txt"),
         "code-heldout" => include_str!("../../prompts/heldout/code.txt"),
         "math-heldout" => include_str!("../../prompts/heldout/math.txt"),
-        "all" | "all-heldout" => {
+        "chat-calib" => include_str!("../../prompts/calib/chat.txt"),
+        "code-calib" => include_str!("../../prompts/calib/code.txt"),
+        "math-calib" => include_str!("../../prompts/calib/math.txt"),
+        "all" | "all-heldout" | "all-calib" => {
             return Ok(prompt_sets(name)
                 .iter()
                 .map(|s| prompt_set(s))
@@ -636,8 +642,9 @@ pub fn prompt_set(name: &str) -> anyhow::Result<Vec<String>> {
                 .concat());
         }
         other => anyhow::bail!(
-            "unknown prompt set `{other}` (chat, code, math, all, or the held-out chat-heldout, \
-             code-heldout, math-heldout, all-heldout)"
+            "unknown prompt set `{other}` (chat, code, math, all, the held-out chat-heldout, \
+             code-heldout, math-heldout, all-heldout, or the calibration sets chat-calib, \
+             code-calib, math-calib, all-calib)"
         ),
     };
     Ok(text
@@ -653,6 +660,7 @@ pub fn prompt_sets(name: &str) -> Vec<&str> {
     match name {
         "all" => vec!["chat", "code", "math"],
         "all-heldout" => vec!["chat-heldout", "code-heldout", "math-heldout"],
+        "all-calib" => vec!["chat-calib", "code-calib", "math-calib"],
         s => vec![s],
     }
 }
@@ -1146,6 +1154,7 @@ mod tests {
         for set in prompt_sets("all")
             .into_iter()
             .chain(prompt_sets("all-heldout"))
+            .chain(prompt_sets("all-calib"))
         {
             let prompts = prompt_set(set).expect("a shipped set");
             assert!(prompts.len() >= 32, "{set}: {} prompts", prompts.len());
@@ -1154,6 +1163,7 @@ mod tests {
             }
         }
         assert_eq!(prompt_set("all-heldout").unwrap().len(), 3 * 144);
+        assert_eq!(prompt_set("all-calib").unwrap().len(), 3 * 96);
         assert_eq!(prompt_sets("code-heldout"), vec!["code-heldout"]);
         let err = prompt_set("poetry").unwrap_err().to_string();
         assert!(err.contains("chat-heldout"), "{err}");

@@ -247,7 +247,8 @@ pub struct CalibrateArgs {
     /// Drafter checkpoint directory (its drafter.json gets the fitted temperatures).
     #[arg(long)]
     pub drafter: PathBuf,
-    /// Held-out prompt set: chat | code | math | all, or chat-heldout | code-heldout |
+    /// Held-out prompt set: chat | code | math | all, the calibration sets chat-calib |
+    /// code-calib | math-calib | all-calib (`prompts/calib/`), or chat-heldout | code-heldout |
     /// math-heldout | all-heldout (`prompts/heldout/`, which evaluation uses: keep them apart).
     #[arg(long, default_value = "all")]
     pub prompts: String,
@@ -271,6 +272,10 @@ pub struct CalibrateArgs {
     /// fits it, and the confidences are then calibrated on drafts made with it).
     #[arg(long)]
     pub no_copy: bool,
+    /// Greedy: keep the trained confidence head rather than fit one on greedy acceptance
+    /// (the ablation; see `GreedyHead`).
+    #[arg(long)]
+    pub no_greedy_head: bool,
     /// Bits of the serving forward's weights, 4 or 8, stored in the checkpoint before it is
     /// calibrated (confidences are fitted on the forward that will serve). Default: keep the
     /// checkpoint's (8 for a new one).
@@ -403,9 +408,57 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     {
         g.copy_runs = copy_runs.clone();
     }
-    let run = run_with(Box::new(
-        drafter::DsparkProposer::new(dr, "dspark")?.with_target_head(target.model.clone()),
-    ))?;
+    // Greedy: a confidence head fitted on greedy acceptance, from the blocks drafted as served;
+    // then the input mix and STS are fitted on a run in which each fold of the prompts is
+    // served by a head fitted on the other fold (fitted on the same requests, the head looked
+    // better than on new prompts and the mix leaned on it: held-out ROC-AUC fell).
+    let mut head_fit = serde_json::Value::Null;
+    let mut greedy_head = None;
+    let proposer = if greedy && !a.head_only && !a.no_greedy_head {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut logged = load()?;
+        logged.cfg = dr.cfg.clone();
+        run_with(Box::new(
+            drafter::DsparkProposer::new(logged, "dspark")?
+                .with_target_head(target.model.clone())
+                .with_head_log(log.clone()),
+        ))?;
+        let samples = log
+            .lock()
+            .map_err(|_| anyhow::anyhow!("head log poisoned"))?
+            .clone();
+        let l2 = drafter::calibrate::GREEDY_HEAD_L2;
+        let fit = |fold: Option<u8>| {
+            let s: Vec<_> = samples
+                .iter()
+                .filter(|s| fold.is_none_or(|f| s.fold != f))
+                .cloned()
+                .collect();
+            drafter::calibrate::fit_greedy_head(&s, gamma, l2)
+        };
+        let (all, f0, f1) = (fit(None)?, fit(Some(0))?, fit(Some(1))?);
+        let folds = samples.iter().filter(|s| s.fold == 0).count();
+        out!(
+            "greedy head: {} drafted positions ({folds} in fold 0), {}",
+            samples.len(),
+            if all.is_some() && f0.is_some() && f1.is_some() {
+                "fitted"
+            } else {
+                "too few to fit: the trained head serves"
+            }
+        )?;
+        head_fit = serde_json::json!({"samples": samples.len(), "fold0": folds, "l2": l2});
+        match (all, f0, f1) {
+            (Some(all), Some(f0), Some(f1)) => {
+                greedy_head = Some(all);
+                drafter::DsparkProposer::new(dr, "dspark")?.with_fold_heads([f0, f1])
+            }
+            _ => drafter::DsparkProposer::new(dr, "dspark")?,
+        }
+    } else {
+        drafter::DsparkProposer::new(dr, "dspark")?
+    };
+    let run = run_with(Box::new(proposer.with_target_head(target.model.clone())))?;
     let obs = run.obs;
     if obs.is_empty() {
         anyhow::bail!("no verified blocks with confidences were observed");
@@ -456,13 +509,14 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let mut cal = drafter::model::CalibrationCfg::from_sts(&sts);
     cal.copy_bias = copy_bias.clone();
     cal.copy_runs = copy_runs.clone();
+    cal.head = greedy_head;
     cfg.set_calibration(greedy, cal);
     let tmp = a.drafter.join("drafter.json.tmp");
     std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
     std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
     let v = serde_json::json!({"blocks": obs.len(), "copy_run_blocks": copy_run_blocks, "tau": tau, "auc": auc, "auc_head_only": auc_head, "auc_oracle": oracle, "ece_after_head_only": ece_head, "ece_before": before, "ece_after": after,
         "ece_floor": floor.iter().map(|f| f.0).collect::<Vec<_>>(), "ece_floor_q95": floor.iter().map(|f| f.1).collect::<Vec<_>>(),
-        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "copy_runs": copy_runs, "command": std::env::args().collect::<Vec<_>>().join(" ")});
+        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "copy_runs": copy_runs, "greedy_head": head_fit, "command": std::env::args().collect::<Vec<_>>().join(" ")});
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }

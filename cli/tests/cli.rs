@@ -638,6 +638,13 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
         copied > 0 && copied < c1["blocks"].as_u64().unwrap_or(0),
         "{c1}"
     );
+    // Greedy: the confidence head's inputs are logged for a head of greedy requests' own (two
+    // short prompts are too few to fit one: the trained head serves).
+    assert!(
+        c1["greedy_head"]["samples"].as_u64().is_some_and(|n| n > 0),
+        "{c1}"
+    );
+    assert!(out.contains("greedy head: "), "{out}");
     for key in [
         "blocks",
         "copy_run_blocks",
@@ -646,6 +653,7 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
         "sts_shift",
         "copy_bias",
         "copy_runs",
+        "greedy_head",
     ] {
         assert_eq!(c1[key], c2[key], "{key}");
     }
@@ -653,6 +661,70 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     // evaluation below serves it); other widths are refused before anything loads.
     calibrate(&["--serve-bits", "4"]);
     assert_eq!(read_json(&dir.join("drafter.json"))["serve_bits"], 4);
+    // More prompts, and no copy runs (which draft every block of this repetitive target once
+    // their rates are fitted), on a copy of the checkpoint: a greedy head is fitted and stored,
+    // one weight per input of the trained head, and served.
+    let headed = d.join("dr-head");
+    std::fs::create_dir_all(&headed).unwrap();
+    for f in std::fs::read_dir(&dir).unwrap() {
+        let f = f.unwrap().path();
+        if f.is_file() {
+            std::fs::copy(&f, headed.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let ho = headed.display().to_string();
+    let (code, out, err) = dspark(
+        &d,
+        &[
+            "calibrate-drafter",
+            "--target",
+            &m,
+            "--drafter",
+            &ho,
+            "--prompts",
+            "all",
+            "--limit",
+            "8",
+            "--max-tokens",
+            "48",
+            "--temperature",
+            "0",
+            "--no-copy",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let cfg = read_json(&headed.join("drafter.json"));
+    let head = &cfg["greedy_calibration"]["head"];
+    let width = cfg["d_model"].as_u64().unwrap_or(0) + cfg["rank"].as_u64().unwrap_or(0);
+    assert_eq!(
+        head["w"].as_array().map(|w| w.len() as u64),
+        Some(width),
+        "{out}"
+    );
+    assert_eq!(head["bias"].as_array().map(|b| b.len()), Some(4));
+    let (code, _, err) = dspark(
+        &d,
+        &[
+            "eval-drafter",
+            "--target",
+            &m,
+            "--drafter",
+            &ho,
+            "--prompts",
+            "code",
+            "--gamma",
+            "4",
+            "--temperature",
+            "0",
+            "--limit",
+            "2",
+            "--max-tokens",
+            "24",
+            "--arms",
+            "dspark",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
     let (code, _, err) = dspark(
         &d,
         &[

@@ -110,6 +110,42 @@ pub struct CalibrationCfg {
     /// this rate as the confidence. Empty: no copy runs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub copy_runs: Vec<f32>,
+    /// A confidence head of greedy requests' own (see [`GreedyHead`]); None: the trained one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head: Option<GreedyHead>,
+}
+
+/// A confidence head fitted for greedy requests by `dspark calibrate-drafter`: a logistic
+/// regression of "the target's argmax is the drafted token" on the trained head's own inputs,
+/// z_k = w·[h_k; W1[x_{k−1}]] + bias_k, never a function of x_k. The trained head learns
+/// 1 − TV of the sampled distributions; greedy acceptance is argmax agreement, another event,
+/// and a head fitted on it ranks greedy positions better (held-out greedy math, network
+/// positions: ROC-AUC 0.762 → 0.774 in the experiment that chose it). Its logit replaces the
+/// trained head's as the first confidence input of greedy requests.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GreedyHead {
+    /// Weights over [h_k; W1[x_{k−1}]] (d + rank; d for a parallel-only drafter).
+    pub w: Vec<f32>,
+    /// One bias per block position.
+    pub bias: Vec<f32>,
+}
+
+impl GreedyHead {
+    /// The logit at block position `k` (0-based) from h_k and, with the Markov head, the W1
+    /// row of x_{k−1}; None when the widths are not the head's.
+    pub fn logit(&self, h: &[f32], e: Option<&[f32]>, k: usize) -> Option<f32> {
+        let e = e.unwrap_or(&[]);
+        if h.len() + e.len() != self.w.len() {
+            return None;
+        }
+        let dot: f32 = self
+            .w
+            .iter()
+            .zip(h.iter().chain(e))
+            .map(|(a, b)| a * b)
+            .sum();
+        Some(dot + self.bias.get(k).copied()?)
+    }
 }
 
 impl CalibrationCfg {
@@ -169,6 +205,14 @@ impl CalibrationCfg {
                 "copy runs take at most {} rates in [0, 1]",
                 crate::proposer::COPY_MAX_MATCH
             )));
+        }
+        if let Some(h) = &self.head
+            && (h.bias.len() != gamma || h.w.iter().chain(&h.bias).any(|x| !x.is_finite()))
+        {
+            return Err(DrafterError::Invalid(
+                "a greedy confidence head needs finite weights and one bias per block position"
+                    .into(),
+            ));
         }
         Ok(())
     }
@@ -329,6 +373,15 @@ impl DrafterConfig {
         self.sampled_calibration().validate(self.gamma)?;
         if let Some(g) = &self.greedy_calibration {
             g.validate(self.gamma)?;
+            let width = self.d_model + self.rank;
+            if let Some(h) = &g.head
+                && h.w.len() != width
+            {
+                return Err(DrafterError::Invalid(format!(
+                    "the greedy confidence head has {} weights, this drafter's head inputs are {width} wide",
+                    h.w.len()
+                )));
+            }
         }
         Ok(())
     }
@@ -518,6 +571,10 @@ impl DsparkDrafter {
             ));
         }
         self.parallel_only = true;
+        // The greedy head reads W1 rows, which the parallel-only drafter has none of.
+        if let Some(g) = self.cfg.greedy_calibration.as_mut() {
+            g.head = None;
+        }
         Ok(self)
     }
 
@@ -1022,6 +1079,45 @@ pub(crate) mod tests {
             let e = c.validate().err().expect("refused");
             assert!(e.to_string().contains("serve_bits"), "{e}");
         }
+    }
+
+    #[test]
+    fn a_greedy_head_round_trips_and_a_bad_one_is_refused() {
+        let (m, tok) = tiny();
+        let dr = tiny_drafter(&m, &tok, 6, 5);
+        let mut cfg = dr.cfg.clone();
+        let width = cfg.d_model + cfg.rank;
+        let mut c = cfg.sampled_calibration();
+        c.head = Some(GreedyHead {
+            w: vec![0.5; width],
+            bias: vec![1.0; cfg.gamma],
+        });
+        cfg.greedy_calibration = Some(c);
+        cfg.validate().unwrap();
+        let back: DrafterConfig =
+            serde_json::from_str(&serde_json::to_string(&cfg).unwrap()).unwrap();
+        assert_eq!(back, cfg);
+        // Older checkpoints have none.
+        assert!(!serde_json::to_string(&dr.cfg).unwrap().contains("\"head\""));
+        let bad = |f: &dyn Fn(&mut GreedyHead)| {
+            let mut c = cfg.clone();
+            f(c.greedy_calibration
+                .as_mut()
+                .unwrap()
+                .head
+                .as_mut()
+                .unwrap());
+            c.validate().err().expect("refused").to_string()
+        };
+        assert!(bad(&|h| h.w.pop().map(|_| ()).unwrap_or(())).contains("wide"));
+        assert!(bad(&|h| h.bias.push(0.0)).contains("one bias per block position"));
+        assert!(bad(&|h| h.w[0] = f32::NAN).contains("finite"));
+        // The parallel-only drafter has no W1 rows to read: it drops the head.
+        let mut dr = dr;
+        dr.cfg = cfg;
+        dr.cfg.parallel_trained = true;
+        let p = dr.into_parallel().unwrap();
+        assert!(p.cfg.greedy_calibration.unwrap().head.is_none());
     }
 
     #[test]

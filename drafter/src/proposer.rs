@@ -4,9 +4,9 @@
 //! sampled token, reporting q_k (after the request's sampling transform) and the calibrated
 //! confidence c_k, which never depends on x_k.
 
-use crate::calibrate::CopySample;
+use crate::calibrate::{CopySample, HeadSample};
 use crate::fast::{CtxRow, FastDrafter, quantize_bits, quantize_q8};
-use crate::model::DsparkDrafter;
+use crate::model::{DsparkDrafter, GreedyHead};
 use kernels::sampling::{argmax, probs, sample};
 use specdec::SpecError;
 use specdec::proposer::{Dist, DraftBlock, ProposeReq, Proposer, suffix_match};
@@ -103,6 +103,12 @@ pub struct DsparkProposer {
     /// Where drafted positions with a copy candidate are recorded once the target has
     /// committed them (the copy prior's fit, [`crate::calibrate::fit_copy`]).
     copy_log: Option<Arc<Mutex<Vec<CopySample>>>>,
+    /// Where greedy requests' drafted positions are recorded with their head inputs once the
+    /// target has committed them (the greedy head's fit, [`crate::calibrate::fit_greedy_head`]).
+    head_log: Option<Arc<Mutex<Vec<HeadSample>>>>,
+    /// The greedy confidence head of requests in fold 0 and fold 1: the stored one for both,
+    /// or, while calibrating, each fitted on the other fold's requests.
+    greedy_heads: [Option<GreedyHead>; 2],
     /// Confidence head: weights over [h; W1[x_{k−1}]] (or h alone), and bias.
     conf_w: Vec<f32>,
     conf_b: f32,
@@ -141,6 +147,10 @@ struct ReqFeats {
     trials: u32,
     /// Copy candidates of the last drafted block, waiting for the committed tokens.
     pending_copy: Vec<PendingCopy>,
+    /// The head inputs of the last drafted block's positions (greedy requests, while logged).
+    pending_head: Vec<(usize, Vec<f32>)>,
+    /// The request's fold (see [`HeadSample::fold`]), from its context when first seen.
+    fold: Option<u8>,
 }
 
 /// A drafted position's copy candidate (see [`CopySample`]).
@@ -168,6 +178,42 @@ const PRIOR_RATE: f32 = 0.25;
 impl ReqFeats {
     /// Turns the last block's copy candidates into samples: position k counts when the target
     /// committed the drafted x_1..x_{k−1} and one more token, the one at k.
+    /// The request's fold: a hash of its context the first time it is seen (the prompt and
+    /// the first token), so reruns of the same prompts put each request in the same fold.
+    fn fold(&mut self, context: &[u32]) -> u8 {
+        *self.fold.get_or_insert_with(|| {
+            let mut h = context.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
+                (h ^ t as u64).wrapping_mul(0x0100_0000_01b3)
+            });
+            // FNV-1a, then SplitMix64's finalizer: FNV's bits barely move with the last tokens.
+            h ^= h >> 30;
+            h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            h ^= h >> 27;
+            h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+            h ^= h >> 31;
+            (h >> 63) as u8
+        })
+    }
+
+    /// Turns the last block's logged head inputs into samples: position k counts when the
+    /// target committed the drafted x_1..x_{k−1} and one more token.
+    fn resolve_head(&mut self, context: &[u32], out: &mut Vec<HeadSample>) {
+        let seen = context.get(self.draft_at..).unwrap_or(&[]);
+        let fold = self.fold.unwrap_or(0);
+        for (k, x) in self.pending_head.drain(..) {
+            let reached =
+                seen.len() > k && self.last_draft.len() > k && self.last_draft[..k] == seen[..k];
+            if reached {
+                out.push(HeadSample {
+                    fold,
+                    k,
+                    hit: seen[k] == self.last_draft[k],
+                    x,
+                });
+            }
+        }
+    }
+
     fn resolve_copy(&mut self, context: &[u32], out: &mut Vec<CopySample>) {
         let seen = context.get(self.draft_at..).unwrap_or(&[]);
         for p in self.pending_copy.drain(..) {
@@ -303,6 +349,12 @@ impl DsparkProposer {
             }
             pos
         });
+        let head_g = dr
+            .cfg
+            .greedy_calibration
+            .as_ref()
+            .and_then(|g| g.head.clone())
+            .filter(|h| h.w.len() == want);
         let fast = FastDrafter::new(&dr)?;
         let rl = dr.cfg.feature_layers.len() * dr.cfg.d_model;
         let pad = fast
@@ -316,6 +368,8 @@ impl DsparkProposer {
             vocab_pos,
             head_sub,
             copy_log: None,
+            head_log: None,
+            greedy_heads: [head_g.clone(), head_g],
             conf_w,
             conf_b,
             isa: kernels::Isa::detect(),
@@ -345,6 +399,21 @@ impl DsparkProposer {
         self
     }
 
+    /// Records every drafted position of greedy requests with the confidence head's inputs
+    /// and whether the target committed the drafted token there, into `log`.
+    pub fn with_head_log(mut self, log: Arc<Mutex<Vec<HeadSample>>>) -> Self {
+        self.head_log = Some(log);
+        self
+    }
+
+    /// Serves greedy requests of fold f (see [`HeadSample::fold`]) with `heads[f]` (while
+    /// calibrating: each fold's confidences from a head fitted without its requests, so the
+    /// input mix fitted on them sees the head as it does on new prompts).
+    pub fn with_fold_heads(mut self, heads: [GreedyHead; 2]) -> Self {
+        self.greedy_heads = heads.map(Some);
+        self
+    }
+
     /// `f` on the target's thread pool when there is one.
     /// Drafts a copy run (see [`copy_run`]) for each greedy request of `active` that has one,
     /// into `out`, and removes it from `active`.
@@ -354,6 +423,7 @@ impl DsparkProposer {
         active: &mut Vec<usize>,
         out: &mut [DraftBlock],
         copy_samples: &mut Vec<CopySample>,
+        head_samples: &mut Vec<HeadSample>,
     ) {
         let runs = self.dr.cfg.copy_runs();
         if runs.is_empty() {
@@ -370,7 +440,9 @@ impl DsparkProposer {
                 return true;
             }
             let f = feats.entry(r.id).or_default();
+            f.fold(r.context);
             f.resolve_copy(r.context, copy_samples);
+            f.resolve_head(r.context, head_samples);
             f.observe_acceptance(r.context);
             f.last_draft = block.tokens.clone();
             f.draft_at = r.context.len();
@@ -379,11 +451,16 @@ impl DsparkProposer {
         });
     }
 
-    fn log_copy(&self, samples: Vec<CopySample>) {
-        if let (Some(log), false) = (&self.copy_log, samples.is_empty())
+    fn log_samples(&self, copy: Vec<CopySample>, head: Vec<HeadSample>) {
+        if let (Some(log), false) = (&self.copy_log, copy.is_empty())
             && let Ok(mut l) = log.lock()
         {
-            l.extend(samples);
+            l.extend(copy);
+        }
+        if let (Some(log), false) = (&self.head_log, head.is_empty())
+            && let Ok(mut l) = log.lock()
+        {
+            l.extend(head);
         }
     }
 
@@ -527,11 +604,17 @@ impl Proposer for DsparkProposer {
         let g = self.dr.cfg.gamma;
         let mut active = drafting(reqs);
         let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
-        let mut copy_samples = Vec::new();
+        let (mut copy_samples, mut head_samples) = (Vec::new(), Vec::new());
         // Greedy requests whose text repeats itself here take a copy run, and skip the network.
-        self.copy_runs_into(reqs, &mut active, &mut out, &mut copy_samples);
+        self.copy_runs_into(
+            reqs,
+            &mut active,
+            &mut out,
+            &mut copy_samples,
+            &mut head_samples,
+        );
         if active.is_empty() {
-            self.log_copy(copy_samples);
+            self.log_samples(copy_samples, head_samples);
             return Ok(out);
         }
         let (d, v, rank) = (self.dr.cfg.d_model, self.dr.cfg.vocab, self.dr.cfg.rank);
@@ -552,17 +635,19 @@ impl Proposer for DsparkProposer {
         } else {
             0.0
         };
-        // Each request's running acceptance, from how its previous block fared.
-        let hist: Vec<(f32, f32)> = active
+        // Each request's running acceptance, from how its previous block fared, and its fold.
+        let (hist, folds): (Vec<(f32, f32)>, Vec<u8>) = active
             .iter()
             .map(|&i| {
                 let f = self.feats.entry(reqs[i].id).or_default();
+                let fold = f.fold(reqs[i].context);
                 f.resolve_copy(reqs[i].context, &mut copy_samples);
+                f.resolve_head(reqs[i].context, &mut head_samples);
                 f.observe_acceptance(reqs[i].context);
-                (f.rate_logit(), f.history_logit())
+                ((f.rate_logit(), f.history_logit()), fold)
             })
-            .collect();
-        self.log_copy(copy_samples);
+            .unzip();
+        self.log_samples(copy_samples, head_samples);
         let b = active.len();
         let kmax = active.iter().map(|&i| reqs[i].k.min(g)).max().unwrap_or(1);
         let mut anchors = Vec::with_capacity(b);
@@ -630,6 +715,8 @@ impl Proposer for DsparkProposer {
         // Committed and drafted tokens: what the copy prior searches.
         let mut seqs: Vec<Vec<u32>> = active.iter().map(|&i| reqs[i].context.to_vec()).collect();
         let mut pending: Vec<Vec<PendingCopy>> = active.iter().map(|_| Vec::new()).collect();
+        let mut pending_head: Vec<Vec<(usize, Vec<f32>)>> =
+            active.iter().map(|_| Vec::new()).collect();
         for kk in 0..kmax {
             // W1 rows of each request's previous token (B × r).
             let e: Option<Vec<f32>> = self.w1.as_ref().map(|w1| {
@@ -755,8 +842,20 @@ impl Proposer for DsparkProposer {
                 // Log-odds of the top probability: greedy acceptance is roughly that
                 // probability, so on the logistic's scale it is its log-odds.
                 let odds = lmax - (-lmax.exp_m1()).max(1e-12).ln();
+                // Greedy requests: their own head's logit, when the calibration has one.
+                let hk = &h_all[(bi * kmax + kk) * d..(bi * kmax + kk + 1) * d];
+                let ek = e.as_ref().map(|e| &e[bi * rank..(bi + 1) * rank]);
+                let zk = match &self.greedy_heads[folds[bi] as usize] {
+                    Some(h) if r.params.is_greedy() => h.logit(hk, ek, kk).unwrap_or(z[bi]),
+                    _ => z[bi],
+                };
+                if self.head_log.is_some() && r.params.is_greedy() {
+                    let mut x = hk.to_vec();
+                    x.extend_from_slice(ek.unwrap_or(&[]));
+                    pending_head[bi].push((kk, x));
+                }
                 let x = [
-                    z[bi],
+                    zk,
                     if odds.is_finite() {
                         odds.clamp(-30.0, 30.0)
                     } else {
@@ -830,6 +929,7 @@ impl Proposer for DsparkProposer {
                 f.last_draft = out[i].tokens.clone();
                 f.draft_at = reqs[i].context.len();
                 f.pending_copy = std::mem::take(&mut pending[bi]);
+                f.pending_head = std::mem::take(&mut pending_head[bi]);
             }
         }
         let d = |i: usize| self.stages[i] - stages0[i];
@@ -887,9 +987,15 @@ impl Proposer for DsparkProposer {
     fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> specdec::Result<Vec<DraftBlock>> {
         let mut active = drafting(reqs);
         let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
-        let mut copy_samples = Vec::new();
-        self.copy_runs_into(reqs, &mut active, &mut out, &mut copy_samples);
-        self.log_copy(copy_samples);
+        let (mut copy_samples, mut head_samples) = (Vec::new(), Vec::new());
+        self.copy_runs_into(
+            reqs,
+            &mut active,
+            &mut out,
+            &mut copy_samples,
+            &mut head_samples,
+        );
+        self.log_samples(copy_samples, head_samples);
         Ok(out)
     }
 }
@@ -1069,6 +1175,95 @@ mod tests {
             assert_eq!(second.hit_top, b.tokens[1] == 5);
         }
         assert!(got.iter().all(|s| s.k < 2));
+    }
+
+    /// Greedy requests read their own head's logit when the calibration has one (sampled ones
+    /// the trained head's); while calibrating each fold reads its own head; the head log
+    /// records each reached position with the head's inputs and whether it was committed.
+    #[test]
+    fn greedy_requests_read_the_greedy_head_and_the_log_records_its_inputs() {
+        let (m, tok) = crate::model::tests::tiny_target(22, "drafter-target");
+        let rl = 2 * m.cfg.d_model;
+        let width = m.cfg.d_model + 16;
+        let mut rng = kernels::rng::Rng::new(4);
+        let rows: Vec<f32> = (0..9 * rl).map(|_| rng.normal() as f32).collect();
+        let head = |b: f32| GreedyHead {
+            w: vec![0.0; width],
+            bias: (0..4).map(|k| b + k as f32).collect(),
+        };
+        let drafter = || {
+            let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+            let mut c = dr.cfg.sampled_calibration();
+            c.head = Some(head(10.0));
+            dr.cfg.greedy_calibration = Some(c);
+            dr.cfg.validate().unwrap();
+            dr
+        };
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut p = DsparkProposer::new(drafter(), "t")
+            .unwrap()
+            .with_head_log(log.clone());
+        p.observe(1, 0, &rows[..7 * rl]).unwrap();
+        let ctx: Vec<u32> = vec![5, 9, 2, 7, 3, 8, 1];
+        let z = |b: &DraftBlock| -> Vec<f32> {
+            b.conf_inputs
+                .as_ref()
+                .unwrap()
+                .iter()
+                .map(|x| x[0])
+                .collect()
+        };
+        let b = greedy_block(&mut p, &ctx, 4);
+        assert_eq!(z(&b), vec![10.0, 11.0, 12.0, 13.0]);
+        assert!(log.lock().unwrap().is_empty(), "nothing committed yet");
+        // The target commits the first drafted token, then another than the second.
+        let mut next = ctx.clone();
+        next.push(b.tokens[0]);
+        next.push(if b.tokens[1] == 4 { 6 } else { 4 });
+        p.observe(1, 7, &rows[7 * rl..]).unwrap();
+        let s = sampled_block(&mut p, &next, 4, 3);
+        assert!(
+            z(&s).iter().zip([10.0, 11.0]).all(|(a, b)| *a != b),
+            "sampled requests keep the trained head: {:?}",
+            z(&s)
+        );
+        let got = log.lock().unwrap().clone();
+        let ks: Vec<(usize, bool)> = got.iter().map(|s| (s.k, s.hit)).collect();
+        assert_eq!(ks, vec![(0, true), (1, false)]);
+        assert!(
+            got.iter()
+                .all(|s| s.x.len() == width && s.fold == got[0].fold)
+        );
+
+        // Fold heads: each request reads its fold's.
+        let mut p = DsparkProposer::new(drafter(), "t")
+            .unwrap()
+            .with_fold_heads([head(10.0), head(20.0)]);
+        let params = kernels::sampling::SamplingParams::greedy();
+        let ctxs: Vec<Vec<u32>> = (0..8u32).map(|i| vec![5, 9, 2, 7, 3, 8, i + 1]).collect();
+        for id in 0..8u64 {
+            p.observe(id, 0, &rows[..7 * rl]).unwrap();
+        }
+        let mut rngs: Vec<kernels::rng::Rng> = (0..8).map(kernels::rng::Rng::new).collect();
+        let mut reqs: Vec<ProposeReq<'_>> = ctxs
+            .iter()
+            .zip(rngs.iter_mut())
+            .enumerate()
+            .map(|(i, (c, r))| ProposeReq {
+                id: i as u64,
+                context: c,
+                k: 2,
+                params: &params,
+                rng: r,
+            })
+            .collect();
+        let firsts: std::collections::BTreeSet<i32> = p
+            .propose(&mut reqs)
+            .unwrap()
+            .iter()
+            .map(|b| z(b)[0] as i32)
+            .collect();
+        assert_eq!(firsts, [10, 20].into());
     }
 
     #[test]
