@@ -28,7 +28,9 @@ mapfile -t data < <(scripts/drafter-data.sh "$bin" smollm2-135m)
 # 4-bit weights, which both calibrations then fit.
 "$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \
   --max-tokens 512 --serve-bits 4 --json bench/results/calibrate-dspark-smollm2.json
-"$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \
+# Greedy: on the 288 calibration prompts (prompts/calib), which the greedy confidence head's
+# fit needs (≈ 30 min on 2 cores).
+"$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all-calib --offset 0 --limit 96 \
   --max-tokens 512 --temperature 0 --json bench/results/calibrate-dspark-smollm2-greedy.json
 "$bin" eval-drafter --target smollm2-135m --drafter "$out" --prompts all --gamma 7 --temperature 1.0 \
   --max-tokens 512 --json bench/results/eval-dspark-smollm2.json

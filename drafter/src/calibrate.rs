@@ -156,7 +156,8 @@ pub fn fit_greedy_head(
         let hess: Vec<Vec<f32>> = zt.t()?.matmul(&zt.broadcast_mul(&wt)?)?.to_vec2()?;
         let mut h: Vec<f64> = hess.into_iter().flatten().map(|x| x as f64).collect();
         for j in 0..p {
-            // The penalty on the weights; a trace on the biases keeps unseen positions at 0.
+            // The penalty on the weights; a trace on the biases keeps unseen positions at 0 (a
+            // position seen rarely and with one outcome only drifts towards ±30 instead).
             let pen = if j < width { l2 } else { 1e-6 };
             grad[j] += pen * theta[j];
             h[j * p + j] += pen;

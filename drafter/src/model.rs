@@ -124,7 +124,8 @@ pub struct CalibrationCfg {
 /// trained head's as the first confidence input of greedy requests.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct GreedyHead {
-    /// Weights over [h_k; W1[x_{k−1}]] (d + rank; d for a parallel-only drafter).
+    /// Weights over [h_k; W1[x_{k−1}]] (d_model + rank; the parallel-only drafter drops the
+    /// head).
     pub w: Vec<f32>,
     /// One bias per block position.
     pub bias: Vec<f32>,

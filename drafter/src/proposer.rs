@@ -176,8 +176,6 @@ const MAX_SPARE_RAW: usize = 64;
 const PRIOR_RATE: f32 = 0.25;
 
 impl ReqFeats {
-    /// Turns the last block's copy candidates into samples: position k counts when the target
-    /// committed the drafted x_1..x_{k−1} and one more token, the one at k.
     /// The request's fold: a hash of its context the first time it is seen (the prompt and
     /// the first token), so reruns of the same prompts put each request in the same fold.
     fn fold(&mut self, context: &[u32]) -> u8 {
@@ -214,6 +212,8 @@ impl ReqFeats {
         }
     }
 
+    /// Turns the last block's copy candidates into samples: position k counts when the target
+    /// committed the drafted x_1..x_{k−1} and one more token, the one at k.
     fn resolve_copy(&mut self, context: &[u32], out: &mut Vec<CopySample>) {
         let seen = context.get(self.draft_at..).unwrap_or(&[]);
         for p in self.pending_copy.drain(..) {
@@ -399,8 +399,9 @@ impl DsparkProposer {
         self
     }
 
-    /// Records every drafted position of greedy requests with the confidence head's inputs
-    /// and whether the target committed the drafted token there, into `log`.
+    /// Records the positions of greedy requests' network-drafted blocks that the target
+    /// reached, with the confidence head's inputs and whether it committed the drafted token
+    /// there, into `log` (copy runs, and a request's last block, are not recorded).
     pub fn with_head_log(mut self, log: Arc<Mutex<Vec<HeadSample>>>) -> Self {
         self.head_log = Some(log);
         self
