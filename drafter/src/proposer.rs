@@ -415,20 +415,19 @@ impl DsparkProposer {
         self
     }
 
-    /// `f` on the target's thread pool when there is one.
     /// Drafts a copy run (see [`copy_run`]) for each greedy request of `active` that has one,
-    /// into `out`, and removes it from `active`.
+    /// into `out`, and removes it from `active`; returns the samples those requests' previous
+    /// blocks resolved.
     fn copy_runs_into(
         &mut self,
         reqs: &[ProposeReq<'_>],
         active: &mut Vec<usize>,
         out: &mut [DraftBlock],
-        copy_samples: &mut Vec<CopySample>,
-        head_samples: &mut Vec<HeadSample>,
-    ) {
+    ) -> (Vec<CopySample>, Vec<HeadSample>) {
+        let (mut copy_samples, mut head_samples) = (Vec::new(), Vec::new());
         let runs = self.dr.cfg.copy_runs();
         if runs.is_empty() {
-            return;
+            return (copy_samples, head_samples);
         }
         let (g, feats) = (self.dr.cfg.gamma, &mut self.feats);
         active.retain(|&i| {
@@ -442,14 +441,15 @@ impl DsparkProposer {
             }
             let f = feats.entry(r.id).or_default();
             f.fold(r.context);
-            f.resolve_copy(r.context, copy_samples);
-            f.resolve_head(r.context, head_samples);
+            f.resolve_copy(r.context, &mut copy_samples);
+            f.resolve_head(r.context, &mut head_samples);
             f.observe_acceptance(r.context);
             f.last_draft = block.tokens.clone();
             f.draft_at = r.context.len();
             out[i] = block;
             false
         });
+        (copy_samples, head_samples)
     }
 
     fn log_samples(&self, copy: Vec<CopySample>, head: Vec<HeadSample>) {
@@ -465,6 +465,7 @@ impl DsparkProposer {
         }
     }
 
+    /// `f` on the target's thread pool when there is one.
     fn on_pool<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         match &self.target {
             Some(m) => m.install(f),
@@ -605,15 +606,8 @@ impl Proposer for DsparkProposer {
         let g = self.dr.cfg.gamma;
         let mut active = drafting(reqs);
         let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
-        let (mut copy_samples, mut head_samples) = (Vec::new(), Vec::new());
         // Greedy requests whose text repeats itself here take a copy run, and skip the network.
-        self.copy_runs_into(
-            reqs,
-            &mut active,
-            &mut out,
-            &mut copy_samples,
-            &mut head_samples,
-        );
+        let (mut copy_samples, mut head_samples) = self.copy_runs_into(reqs, &mut active, &mut out);
         if active.is_empty() {
             self.log_samples(copy_samples, head_samples);
             return Ok(out);
@@ -988,14 +982,7 @@ impl Proposer for DsparkProposer {
     fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> specdec::Result<Vec<DraftBlock>> {
         let mut active = drafting(reqs);
         let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
-        let (mut copy_samples, mut head_samples) = (Vec::new(), Vec::new());
-        self.copy_runs_into(
-            reqs,
-            &mut active,
-            &mut out,
-            &mut copy_samples,
-            &mut head_samples,
-        );
+        let (copy_samples, head_samples) = self.copy_runs_into(reqs, &mut active, &mut out);
         self.log_samples(copy_samples, head_samples);
         Ok(out)
     }
