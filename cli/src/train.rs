@@ -431,12 +431,13 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
         let fit = |fold: Option<u8>| {
             let s: Vec<_> = samples
                 .iter()
-                .filter(|s| fold.is_none_or(|f| s.fold != f))
+                .filter(|s| !s.copy_run && fold.is_none_or(|f| s.fold != f))
                 .cloned()
                 .collect();
             drafter::calibrate::fit_greedy_head(&s, gamma, l2)
         };
         let (all, f0, f1) = (fit(None)?, fit(Some(0))?, fit(Some(1))?);
+        let samples: Vec<_> = samples.into_iter().filter(|s| !s.copy_run).collect();
         let folds = samples.iter().filter(|s| s.fold == 0).count();
         out!(
             "greedy head: {} drafted positions ({folds} in fold 0), {}",
@@ -458,7 +459,49 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     } else {
         drafter::DsparkProposer::new(dr, "dspark")?
     };
+    // Greedy copy runs' confidences: a head over their inputs, fitted on the positions this
+    // run's copy runs draft (the rates serve them meanwhile; the drafts do not depend on it).
+    let run_log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let proposer = if greedy && !copy_runs.is_empty() {
+        proposer.with_head_log(run_log.clone())
+    } else {
+        proposer
+    };
     let run = run_with(Box::new(proposer.with_target_head(target.model.clone())))?;
+    let copied: Vec<_> = run_log
+        .lock()
+        .map_err(|_| anyhow::anyhow!("copy-run log poisoned"))?
+        .iter()
+        .filter(|s| s.copy_run)
+        .cloned()
+        .collect();
+    let copy_head =
+        drafter::calibrate::fit_greedy_head(&copied, gamma, drafter::calibrate::GREEDY_HEAD_L2)?;
+    let mut copy_head_fit = serde_json::Value::Null;
+    if !copied.is_empty() {
+        let hits: Vec<bool> = copied.iter().map(|s| s.hit).collect();
+        let rates: Vec<f64> = copied.iter().map(|s| s.x[0] as f64).collect();
+        let auc_rates = drafter::calibrate::roc_auc(&rates, &hits);
+        let auc_head = copy_head.as_ref().map(|h| {
+            let z: Vec<f64> = copied
+                .iter()
+                .map(|s| h.logit(&s.x, None, s.k).unwrap_or(0.0) as f64)
+                .collect();
+            drafter::calibrate::roc_auc(&z, &hits)
+        });
+        out!(
+            "copy-run head: {} copied positions, ROC-AUC there {:.3} with the rates, {} with the head (in-sample){}",
+            copied.len(),
+            auc_rates,
+            auc_head.map_or("-".into(), |a| format!("{a:.3}")),
+            if copy_head.is_some() {
+                ""
+            } else {
+                "; too few to fit: the rates serve"
+            }
+        )?;
+        copy_head_fit = serde_json::json!({"samples": copied.len(), "auc_rates": auc_rates, "auc_head_in_sample": auc_head, "head": copy_head});
+    }
     let obs = run.obs;
     if obs.is_empty() {
         anyhow::bail!("no verified blocks with confidences were observed");
@@ -510,13 +553,14 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     cal.copy_bias = copy_bias.clone();
     cal.copy_runs = copy_runs.clone();
     cal.head = greedy_head;
+    cal.copy_head = copy_head;
     cfg.set_calibration(greedy, cal);
     let tmp = a.drafter.join("drafter.json.tmp");
     std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
     std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
     let v = serde_json::json!({"blocks": obs.len(), "copy_run_blocks": copy_run_blocks, "tau": tau, "auc": auc, "auc_head_only": auc_head, "auc_oracle": oracle, "ece_after_head_only": ece_head, "ece_before": before, "ece_after": after,
         "ece_floor": floor.iter().map(|f| f.0).collect::<Vec<_>>(), "ece_floor_q95": floor.iter().map(|f| f.1).collect::<Vec<_>>(),
-        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "copy_runs": copy_runs, "greedy_head": head_fit, "command": std::env::args().collect::<Vec<_>>().join(" ")});
+        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "copy_runs": copy_runs, "greedy_head": head_fit, "copy_head": copy_head_fit, "command": std::env::args().collect::<Vec<_>>().join(" ")});
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }

@@ -645,6 +645,31 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
         "{c1}"
     );
     assert!(out.contains("greedy head: "), "{out}");
+    // The copy runs' positions are logged with their inputs for the copy-run head; the head
+    // stored is the one reported.
+    assert!(
+        c1["copy_head"]["samples"].as_u64().is_some_and(|n| n > 0),
+        "{c1}"
+    );
+    assert!(out.contains("copy-run head: "), "{out}");
+    let stored = read_json(&dir.join("drafter.json"))["greedy_calibration"]["copy_head"].clone();
+    let numbers = |v: &serde_json::Value| -> Vec<f64> {
+        ["w", "bias"]
+            .iter()
+            .flat_map(|k| v[*k].as_array().cloned().unwrap_or_default())
+            .filter_map(|x| x.as_f64())
+            .collect()
+    };
+    let reported = &c2["copy_head"]["head"];
+    assert_eq!(stored.is_null(), reported.is_null(), "{stored} {reported}");
+    let (a, b) = (numbers(&stored), numbers(reported));
+    assert!(
+        a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5),
+        "{stored} {reported}"
+    );
+    if let Some(w) = stored["w"].as_array() {
+        assert_eq!(w.len(), 5, "{stored}");
+    }
     for key in [
         "blocks",
         "copy_run_blocks",
@@ -654,6 +679,7 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
         "copy_bias",
         "copy_runs",
         "greedy_head",
+        "copy_head",
     ] {
         assert_eq!(c1[key], c2[key], "{key}");
     }

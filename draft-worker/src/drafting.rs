@@ -21,6 +21,8 @@ pub struct DraftHost {
     pub max_gamma: usize,
     /// The drafter's greedy copy-run rates (published: target workers make copy runs locally).
     pub copy_runs: Vec<f32>,
+    /// Their confidence head, flattened (empty: the rates serve).
+    pub copy_head: Vec<f32>,
 }
 
 impl DraftHost {
@@ -58,6 +60,7 @@ impl DraftHost {
         let feature_layers = proposer.feature_layers();
         Ok(Self {
             copy_runs: proposer.copy_runs(),
+            copy_head: proposer.copy_head(),
             drafter: kind.label(),
             row_len: feature_layers.len() * d_model,
             feature_layers,

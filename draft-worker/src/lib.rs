@@ -133,6 +133,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         feature_layers: host.feature_layers.iter().map(|&l| l as u32).collect(),
         max_gamma: host.max_gamma as u32,
         copy_runs: host.copy_runs.clone(),
+        copy_head: host.copy_head.clone(),
         ..Default::default()
     };
     let svc = service::DraftService::start(host, info.clone())?;

@@ -78,8 +78,10 @@ pub struct HeadSample {
     /// Block position (0-based).
     pub k: usize,
     pub hit: bool,
-    /// [h_k; W1[x_{k−1}]].
+    /// [h_k; W1[x_{k−1}]], or in a copy run [`crate::proposer::copy_inputs`].
     pub x: Vec<f32>,
+    /// The position was drafted by a copy run (its inputs are the copy-run head's).
+    pub copy_run: bool,
 }
 
 /// L2 weight of the greedy head's logistic regression, on standardized inputs and the summed
@@ -835,6 +837,7 @@ mod tests {
                 k,
                 hit,
                 x,
+                copy_run: false,
             });
         }
         let h = fit_greedy_head(&samples, gamma, GREEDY_HEAD_L2)

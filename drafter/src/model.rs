@@ -107,12 +107,17 @@ pub struct CalibrationCfg {
     /// the suffix's earlier occurrence was the one committed, on the calibration prompts.
     /// Where it is at least [`crate::proposer::COPY_RUN_MIN`], the proposer drafts the copy
     /// without running the network (whose output the copy prior decides there anyway), with
-    /// this rate as the confidence. Empty: no copy runs.
+    /// this rate as the confidence unless `copy_head` is set. Empty: no copy runs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub copy_runs: Vec<f32>,
     /// A confidence head of greedy requests' own (see [`GreedyHead`]); None: the trained one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head: Option<GreedyHead>,
+    /// Confidences of copy runs: a logistic regression over
+    /// [`crate::proposer::copy_inputs`] with one bias per block position (same shape as
+    /// [`GreedyHead`]); None: the match length's rate in `copy_runs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_head: Option<GreedyHead>,
 }
 
 /// A confidence head fitted for greedy requests by `dspark calibrate-drafter`: a logistic
@@ -125,7 +130,8 @@ pub struct CalibrationCfg {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct GreedyHead {
     /// Weights over [h_k; W1[x_{k−1}]] (d_model + rank; the parallel-only drafter drops the
-    /// head).
+    /// head). The same shape serves as the copy-run head ([`CalibrationCfg::copy_head`]), over
+    /// [`crate::proposer::copy_inputs`].
     pub w: Vec<f32>,
     /// One bias per block position.
     pub bias: Vec<f32>,
@@ -146,6 +152,24 @@ impl GreedyHead {
             .map(|(a, b)| a * b)
             .sum();
         Some(dot + self.bias.get(k).copied()?)
+    }
+
+    /// Weights then biases, as a draft worker publishes a copy-run head (see
+    /// [`GreedyHead::from_flat`]).
+    pub fn flat(&self) -> Vec<f32> {
+        self.w.iter().chain(&self.bias).copied().collect()
+    }
+
+    /// A head of `inputs` weights from [`GreedyHead::flat`]'s layout; None when there is no
+    /// bias after them or a number is not finite.
+    pub fn from_flat(flat: &[f32], inputs: usize) -> Option<Self> {
+        if flat.len() <= inputs || flat.iter().any(|x| !x.is_finite()) {
+            return None;
+        }
+        Some(Self {
+            w: flat[..inputs].to_vec(),
+            bias: flat[inputs..].to_vec(),
+        })
     }
 }
 
@@ -215,6 +239,16 @@ impl CalibrationCfg {
                     .into(),
             ));
         }
+        if let Some(h) = &self.copy_head
+            && (h.w.len() != crate::proposer::COPY_HEAD_INPUTS
+                || h.bias.len() != gamma
+                || h.w.iter().chain(&h.bias).any(|x| !x.is_finite()))
+        {
+            return Err(DrafterError::Invalid(format!(
+                "a copy-run head needs {} finite weights and one bias per block position",
+                crate::proposer::COPY_HEAD_INPUTS
+            )));
+        }
         Ok(())
     }
 }
@@ -261,12 +295,20 @@ impl DrafterConfig {
             .map_or(&[], |g| g.copy_runs.as_slice())
     }
 
+    /// The copy runs' confidence head (None: their rates; see [`CalibrationCfg::copy_head`]).
+    pub fn copy_head(&self) -> Option<&GreedyHead> {
+        self.greedy_calibration
+            .as_ref()
+            .and_then(|g| g.copy_head.as_ref())
+    }
+
     /// Without the copy prior (the ablation, and the drafts its fit is measured on).
     pub fn without_copy(mut self) -> Self {
         self.copy_bias.clear();
         if let Some(g) = self.greedy_calibration.as_mut() {
             g.copy_bias.clear();
             g.copy_runs.clear();
+            g.copy_head = None;
         }
         self
     }

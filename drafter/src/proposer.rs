@@ -9,7 +9,7 @@ use crate::fast::{CtxRow, FastDrafter, quantize_bits, quantize_q8};
 use crate::model::{DsparkDrafter, GreedyHead};
 use kernels::sampling::{argmax, probs, sample};
 use specdec::SpecError;
-use specdec::proposer::{Dist, DraftBlock, ProposeReq, Proposer, suffix_match};
+use specdec::proposer::{Dist, DraftBlock, ProposeReq, Proposer, suffix_match, suffix_match_at};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -30,46 +30,161 @@ fn drafting(reqs: &[ProposeReq<'_>]) -> Vec<usize> {
 /// running the network would cost a drafting call for the same tokens.
 pub const COPY_RUN_MIN: f32 = 0.5;
 
+/// Inputs of the copy-run confidence head ([`copy_inputs`]).
+pub const COPY_HEAD_INPUTS: usize = 5;
+/// How far [`copy_inputs`] follows a match back (the rates stop at [`COPY_MAX_MATCH`]).
+const COPY_LONG_MATCH: usize = 64;
+/// Matched tokens whose earlier occurrences [`copy_inputs`] counts.
+const COPY_AGREE_LEN: usize = 3;
+
+/// The copy-run confidence head's inputs at a copied position: `seq` is the context and the
+/// run's tokens before it, whose last `len` tokens also end at `src` (the most recent
+/// longest match, [`suffix_match_at`]), and `long0` is input 2 at the run's first position.
+/// 1. logit of the match length's rate `runs[min(len, runs.len()) − 1]`, clamped to
+///    [0.01, 0.99];
+/// 2. ln(1 + L), L the length of that match followed back up to 64 tokens: a long
+///    verbatim repeat (a loop) goes on more surely than a six-token one;
+/// 3. the same at the run's first position;
+/// 4. the log-odds that the last min(len, 3) tokens' earlier occurrences were followed by
+///    the copied token ((agreeing + ½)/(occurrences + 1)): a suffix that went on in several
+///    ways is a fork, one that always went on alike is a formula;
+/// 5. ln(1 + occurrences).
+///
+/// All are functions of `seq` alone, so of x_1..x_{k−1}: the copied token is what followed
+/// `src`. Held-out greedy math (first 48 prompts; a logistic regression fitted on the math
+/// calibration prompts): ROC-AUC over copied positions 0.72 with the rate alone, 0.83 with
+/// these.
+pub fn copy_inputs(
+    seq: &[u32],
+    len: usize,
+    src: usize,
+    long0: Option<f32>,
+    runs: &[f32],
+) -> [f32; COPY_HEAD_INPUTS] {
+    let n = seq.len();
+    let rate = len
+        .min(runs.len())
+        .checked_sub(1)
+        .and_then(|i| runs.get(i))
+        .copied()
+        .unwrap_or(0.5)
+        .clamp(0.01, 0.99);
+    if src >= n.saturating_sub(1) {
+        // Not an earlier occurrence: no evidence beyond the rate.
+        return [
+            (rate / (1.0 - rate)).ln(),
+            0.0,
+            long0.unwrap_or(0.0),
+            0.0,
+            0.0,
+        ];
+    }
+    let mut long = 0;
+    while long < COPY_LONG_MATCH && long <= src && seq[src - long] == seq[n - 1 - long] {
+        long += 1;
+    }
+    let long = (long as f32).ln_1p();
+    let cand = seq.get(src + 1).copied();
+    let m = len.clamp(1, COPY_AGREE_LEN);
+    let suffix = &seq[n.saturating_sub(m)..];
+    let (mut occ, mut agree) = (0u32, 0u32);
+    let lo = n.saturating_sub(COPY_WINDOW).max(m - 1);
+    for i in lo..n.saturating_sub(1) {
+        if seq[i] == seq[n - 1] && seq[i + 1 - m..=i] == *suffix {
+            occ += 1;
+            agree += (Some(seq[i + 1]) == cand) as u32;
+        }
+    }
+    let agreement = (agree as f32 + 0.5) / (occ as f32 + 1.0);
+    [
+        (rate / (1.0 - rate)).ln(),
+        long,
+        long0.unwrap_or(long),
+        (agreement / (1.0 - agreement)).ln(),
+        (occ as f32).ln_1p(),
+    ]
+}
+
 /// A greedy block drafted by the copy prior alone: while the committed-and-drafted suffix has
 /// an earlier occurrence whose match length L has a fitted acceptance rate `runs[L−1]` of at
-/// least [`COPY_RUN_MIN`], the token that followed it, with that rate as its confidence (a
-/// function of x_1..x_{k−1} only). Empty when the first position does not qualify.
-pub fn copy_run(context: &[u32], k: usize, runs: &[f32]) -> (Vec<u32>, Vec<f32>) {
-    let (mut toks, mut conf) = (Vec::new(), Vec::new());
+/// least [`COPY_RUN_MIN`], the token that followed it. Its confidence is that rate, or with a
+/// copy-run `head` σ(head over [`copy_inputs`]) (a run then stops at the head's last
+/// position); either is a function of x_1..x_{k−1} only. Returns the tokens, the confidences
+/// and, with a head or `with_inputs`, the head's inputs; empty when the first position does
+/// not qualify.
+pub fn copy_run(
+    context: &[u32],
+    k: usize,
+    runs: &[f32],
+    head: Option<&GreedyHead>,
+    with_inputs: bool,
+) -> (Vec<u32>, Vec<f32>, Vec<[f32; COPY_HEAD_INPUTS]>) {
+    let (mut toks, mut conf, mut inputs) = (Vec::new(), Vec::new(), Vec::new());
+    let k = head.map_or(k, |h| k.min(h.bias.len()));
     if runs.is_empty() || k == 0 {
-        return (toks, conf);
+        return (toks, conf, inputs);
     }
     let mut seq = context.to_vec();
+    let mut long0 = None;
     while toks.len() < k {
-        let Some((len, next)) = suffix_match(&seq, COPY_MAX_MATCH, COPY_WINDOW) else {
+        let Some((len, src)) = suffix_match_at(&seq, COPY_MAX_MATCH, COPY_WINDOW) else {
+            break;
+        };
+        let Some(&next) = seq.get(src + 1) else {
             break;
         };
         match len.min(runs.len()).checked_sub(1).and_then(|i| runs.get(i)) {
             Some(&p) if p >= COPY_RUN_MIN => {
+                let mut c = p;
+                if head.is_some() || with_inputs {
+                    let x = copy_inputs(&seq, len, src, long0, runs);
+                    long0.get_or_insert(x[1]);
+                    if let Some(z) = head.and_then(|h| h.logit(&x, None, toks.len())) {
+                        c = (1.0 / (1.0 + (-z).exp())).clamp(1e-4, 1.0 - 1e-4);
+                    }
+                    inputs.push(x);
+                }
                 toks.push(next);
-                conf.push(p);
+                conf.push(c);
                 seq.push(next);
             }
             _ => break,
         }
     }
-    (toks, conf)
+    (toks, conf, inputs)
 }
 
 /// [`copy_run`] as the engine's block: one-hot draft distributions (greedy verification reads
-/// only the tokens), the rates as confidences. Empty when no run qualifies.
-pub fn copy_block(context: &[u32], k: usize, runs: &[f32]) -> DraftBlock {
-    let (tokens, conf) = copy_run(context, k, runs);
+/// only the tokens), the run's confidences. Empty when no run qualifies.
+pub fn copy_block(
+    context: &[u32],
+    k: usize,
+    runs: &[f32],
+    head: Option<&GreedyHead>,
+) -> DraftBlock {
+    copy_block_with_inputs(context, k, runs, head, false).0
+}
+
+/// [`copy_block`] and (see [`copy_run`]) the head inputs of its positions.
+fn copy_block_with_inputs(
+    context: &[u32],
+    k: usize,
+    runs: &[f32],
+    head: Option<&GreedyHead>,
+    with_inputs: bool,
+) -> (DraftBlock, Vec<[f32; COPY_HEAD_INPUTS]>) {
+    let (tokens, conf, inputs) = copy_run(context, k, runs, head, with_inputs);
     if tokens.is_empty() {
-        return DraftBlock::default();
+        return (DraftBlock::default(), inputs);
     }
-    DraftBlock {
+    let block = DraftBlock {
         dists: vec![Dist::OneHot; tokens.len()],
         tokens,
         confidence: Some(conf),
         conf_inputs: None,
         fitted_rates: true,
-    }
+    };
+    (block, inputs)
 }
 
 pub struct DsparkProposer {
@@ -104,7 +219,8 @@ pub struct DsparkProposer {
     /// committed them (the copy prior's fit, [`crate::calibrate::fit_copy`]).
     copy_log: Option<Arc<Mutex<Vec<CopySample>>>>,
     /// Where greedy requests' drafted positions are recorded with their head inputs once the
-    /// target has committed them (the greedy head's fit, [`crate::calibrate::fit_greedy_head`]).
+    /// target has committed them (the fits of the greedy head and of the copy-run head,
+    /// [`crate::calibrate::fit_greedy_head`]).
     head_log: Option<Arc<Mutex<Vec<HeadSample>>>>,
     /// The greedy confidence head of requests in fold 0 and fold 1: the stored one for both,
     /// or, while calibrating, each fitted on the other fold's requests.
@@ -147,8 +263,10 @@ struct ReqFeats {
     trials: u32,
     /// Copy candidates of the last drafted block, waiting for the committed tokens.
     pending_copy: Vec<PendingCopy>,
-    /// The head inputs of the last drafted block's positions (greedy requests, while logged).
+    /// The head inputs of the last drafted block's positions (greedy requests, while logged),
+    /// and whether that block was a copy run (whose inputs are [`copy_inputs`]).
     pending_head: Vec<(usize, Vec<f32>)>,
+    pending_copy_run: bool,
     /// The request's fold (see [`HeadSample::fold`]), from its context when first seen.
     fold: Option<u8>,
 }
@@ -207,6 +325,7 @@ impl ReqFeats {
                     k,
                     hit: seen[k] == self.last_draft[k],
                     x,
+                    copy_run: self.pending_copy_run,
                 });
             }
         }
@@ -399,9 +518,10 @@ impl DsparkProposer {
         self
     }
 
-    /// Records the positions of greedy requests' network-drafted blocks that the target
-    /// reached, with the confidence head's inputs and whether it committed the drafted token
-    /// there, into `log` (copy runs, and a request's last block, are not recorded).
+    /// Records the positions of greedy requests' blocks that the target reached, with the
+    /// confidence head's inputs (a copy run's: [`copy_inputs`], marked
+    /// [`HeadSample::copy_run`]) and whether it committed the drafted token there, into `log`
+    /// (a request's last block is not recorded).
     pub fn with_head_log(mut self, log: Arc<Mutex<Vec<HeadSample>>>) -> Self {
         self.head_log = Some(log);
         self
@@ -425,17 +545,17 @@ impl DsparkProposer {
         out: &mut [DraftBlock],
     ) -> (Vec<CopySample>, Vec<HeadSample>) {
         let (mut copy_samples, mut head_samples) = (Vec::new(), Vec::new());
-        let runs = self.dr.cfg.copy_runs();
+        let (runs, head) = (self.dr.cfg.copy_runs(), self.dr.cfg.copy_head());
         if runs.is_empty() {
             return (copy_samples, head_samples);
         }
-        let (g, feats) = (self.dr.cfg.gamma, &mut self.feats);
+        let (g, feats, logged) = (self.dr.cfg.gamma, &mut self.feats, self.head_log.is_some());
         active.retain(|&i| {
             let r = &reqs[i];
             if !r.params.is_greedy() || r.params.shapes_logits() {
                 return true;
             }
-            let block = copy_block(r.context, r.k.min(g), runs);
+            let (block, inputs) = copy_block_with_inputs(r.context, r.k.min(g), runs, head, logged);
             if block.tokens.is_empty() {
                 return true;
             }
@@ -446,6 +566,10 @@ impl DsparkProposer {
             f.observe_acceptance(r.context);
             f.last_draft = block.tokens.clone();
             f.draft_at = r.context.len();
+            if logged {
+                f.pending_head = inputs.iter().map(|x| x.to_vec()).enumerate().collect();
+                f.pending_copy_run = true;
+            }
             out[i] = block;
             false
         });
@@ -925,6 +1049,7 @@ impl Proposer for DsparkProposer {
                 f.draft_at = reqs[i].context.len();
                 f.pending_copy = std::mem::take(&mut pending[bi]);
                 f.pending_head = std::mem::take(&mut pending_head[bi]);
+                f.pending_copy_run = false;
             }
         }
         let d = |i: usize| self.stages[i] - stages0[i];
@@ -977,6 +1102,14 @@ impl Proposer for DsparkProposer {
 
     fn copy_runs(&self) -> Vec<f32> {
         self.dr.cfg.copy_runs().to_vec()
+    }
+
+    fn copy_head(&self) -> Vec<f32> {
+        self.dr
+            .cfg
+            .copy_head()
+            .map(GreedyHead::flat)
+            .unwrap_or_default()
     }
 
     fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> specdec::Result<Vec<DraftBlock>> {
@@ -1076,20 +1209,26 @@ mod tests {
         // 5 9 2 7 5 9 2 → the repeat continues 7 5 9 2 …, with match lengths 3, 4, 5, 6.
         let ctx: Vec<u32> = vec![5, 9, 2, 7, 5, 9, 2];
         let runs = [0.2, 0.55, 0.6, 0.7, 0.8, 0.9];
-        assert_eq!(
-            copy_run(&ctx, 4, &runs),
-            (vec![7, 5, 9, 2], vec![0.6, 0.7, 0.8, 0.9])
-        );
-        assert_eq!(copy_run(&ctx, 2, &runs).0, vec![7, 5]);
+        let (toks, conf, inputs) = copy_run(&ctx, 4, &runs, None, true);
+        assert_eq!((toks, conf), (vec![7, 5, 9, 2], vec![0.6, 0.7, 0.8, 0.9]));
+        assert_eq!(inputs.len(), 4);
+        assert_eq!(copy_run(&ctx, 2, &runs, None, false).0, vec![7, 5]);
         // A run starts only where its rate reaches COPY_RUN_MIN, and stops where it falls.
-        assert!(copy_run(&ctx, 4, &[0.2, 0.55, 0.45]).0.is_empty());
+        assert!(
+            copy_run(&ctx, 4, &[0.2, 0.55, 0.45], None, false)
+                .0
+                .is_empty()
+        );
         assert_eq!(
-            copy_run(&ctx, 4, &[0.2, 0.55, 0.6, 0.3]).0,
+            copy_run(&ctx, 4, &[0.2, 0.55, 0.6, 0.3], None, false).0,
             vec![7],
             "the second position has a 4-token match"
         );
-        assert!(copy_run(&[1, 2, 3], 4, &runs).0.is_empty(), "no repeat");
-        assert!(copy_run(&ctx, 4, &[]).0.is_empty());
+        assert!(
+            copy_run(&[1, 2, 3], 4, &runs, None, false).0.is_empty(),
+            "no repeat"
+        );
+        assert!(copy_run(&ctx, 4, &[], None, false).0.is_empty());
 
         let (m, tok) = crate::model::tests::tiny_target(22, "drafter-target");
         let rl = 2 * m.cfg.d_model;
@@ -1163,6 +1302,88 @@ mod tests {
             assert_eq!(second.hit_top, b.tokens[1] == 5);
         }
         assert!(got.iter().all(|s| s.k < 2));
+    }
+
+    /// Copy runs' inputs on hand-worked sequences (a fork and a formula); a head's confidence
+    /// at each position from the inputs of the prefix; the proposer serves the stored head and
+    /// the head log records copy-run positions apart.
+    #[test]
+    fn copy_run_confidences_read_the_copy_head_over_inputs_of_the_prefix() {
+        let runs = [0.2, 0.55, 0.6, 0.7, 0.8, 0.9];
+        // "1 2 3" went on once with 4, once with 5: a fork. Its most recent occurrence (ending
+        // at 6) matches 3 tokens back.
+        let fork: Vec<u32> = vec![1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3];
+        let x = copy_inputs(&fork, 3, 6, None, &runs);
+        let close = |a: f32, b: f32| (a - b).abs() < 1e-5;
+        assert!(close(x[0], (0.6f32 / 0.4).ln()), "{x:?}");
+        assert!(close(x[1], 4f32.ln()) && close(x[2], x[1]), "{x:?}");
+        assert!(close(x[3], 0.0) && close(x[4], 3f32.ln()), "{x:?}");
+        // "1 2 3" went on with 5 both times: a formula, matched 7 tokens back.
+        let formula: Vec<u32> = vec![1, 2, 3, 5, 1, 2, 3, 5, 1, 2, 3];
+        let y = copy_inputs(&formula, 3, 6, Some(1.0), &runs);
+        assert!(close(y[1], 8f32.ln()) && close(y[2], 1.0), "{y:?}");
+        assert!(close(y[3], 5f32.ln()) && close(y[4], 3f32.ln()), "{y:?}");
+
+        // A head on the agreement alone ranks the formula above the fork, position by position.
+        let head = GreedyHead {
+            w: vec![0.0, 0.0, 0.0, 1.0, 0.0],
+            bias: vec![0.0, -1.0, 0.0, 0.0],
+        };
+        let (ft, fc, fx) = copy_run(&fork, 1, &runs, Some(&head), false);
+        assert_eq!(ft, vec![5]);
+        assert!(close(fc[0], 0.5) && fx[0] == x, "{fc:?}");
+        let (tt, tc, _) = copy_run(&formula, 2, &runs, Some(&head), false);
+        assert_eq!(tt, vec![5, 1]);
+        assert!(close(tc[0], 5.0 / 6.0), "{tc:?}");
+        // Position 1 takes its own bias; its inputs are those of the prefix with the first copy.
+        let mut seq = formula.clone();
+        seq.push(5);
+        let (len, src) = suffix_match_at(&seq, COPY_MAX_MATCH, COPY_WINDOW).unwrap();
+        let x1 = copy_inputs(&seq, len, src, Some(8f32.ln()), &runs);
+        let z1 = x1[3] - 1.0;
+        assert!(close(tc[1], 1.0 / (1.0 + (-z1).exp())), "{tc:?} {x1:?}");
+        // Without a head the rates serve, as before (a 6-token match here).
+        assert_eq!(copy_run(&formula, 1, &runs, None, false).1, vec![0.9]);
+
+        // The proposer serves the stored head, and logs copy-run positions with their inputs.
+        let (m, tok) = crate::model::tests::tiny_target(22, "drafter-target");
+        let rl = 2 * m.cfg.d_model;
+        let mut rng = kernels::rng::Rng::new(4);
+        let rows: Vec<f32> = (0..13 * rl).map(|_| rng.normal() as f32).collect();
+        let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        let mut c = dr.cfg.sampled_calibration();
+        c.copy_runs = runs.to_vec();
+        c.copy_head = Some(GreedyHead {
+            w: head.w.clone(),
+            bias: vec![0.0; 4],
+        });
+        dr.cfg.greedy_calibration = Some(c.clone());
+        dr.cfg.validate().unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut p = DsparkProposer::new(dr, "t")
+            .unwrap()
+            .with_head_log(log.clone());
+        p.observe(1, 0, &rows[..11 * rl]).unwrap();
+        let b = greedy_block(&mut p, &formula, 2);
+        assert_eq!(b.tokens, vec![5, 1]);
+        assert!(close(b.confidence.as_ref().unwrap()[0], 5.0 / 6.0), "{b:?}");
+        // The target commits the first copied token and another than the second.
+        let mut next = formula.clone();
+        next.extend([5, 7]);
+        p.observe(1, 11, &rows[11 * rl..]).unwrap();
+        greedy_block(&mut p, &next, 2);
+        let got = log.lock().unwrap().clone();
+        let ks: Vec<(usize, bool, bool)> = got.iter().map(|s| (s.k, s.hit, s.copy_run)).collect();
+        assert_eq!(ks, vec![(0, true, true), (1, false, true)]);
+        assert!(got.iter().all(|s| s.x.len() == COPY_HEAD_INPUTS));
+        // A head of another width is refused.
+        let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        c.copy_head = Some(GreedyHead {
+            w: vec![0.0; 4],
+            bias: vec![0.0; 4],
+        });
+        dr.cfg.greedy_calibration = Some(c);
+        assert!(dr.cfg.validate().is_err());
     }
 
     /// Greedy requests read their own head's logit when the calibration has one (sampled ones

@@ -52,8 +52,9 @@ pub struct DraftBlock {
     pub confidence: Option<Vec<f32>>,
     /// Per position, what the confidence was computed from (calibration data).
     pub conf_inputs: Option<Vec<ConfInputs>>,
-    /// The confidences are fitted rates served as they are (a greedy copy run's per-match-length
-    /// acceptance), not a confidence head's: the engine recalibrates them apart.
+    /// The confidences are a greedy copy run's (its per-match-length acceptance rates, or its
+    /// copy-run head's), not a confidence head's over the network: the engine recalibrates them
+    /// apart.
     pub fitted_rates: bool,
 }
 
@@ -144,6 +145,12 @@ pub trait Proposer: Send {
     fn copy_runs(&self) -> Vec<f32> {
         Vec::new()
     }
+    /// The copy runs' confidence head, flattened (weights, then one bias per block position;
+    /// empty: the rates serve), published with [`Proposer::copy_runs`] so that a target
+    /// worker's copy runs carry the confidences the drafter's own would.
+    fn copy_head(&self) -> Vec<f32> {
+        Vec::new()
+    }
 }
 
 /// Which proposer to build.
@@ -212,13 +219,19 @@ impl Proposer for NoProposer {
 /// text that repeats itself (code identifiers, quoted input, a small model's greedy loops) is
 /// predicted far better by "what came after this the last time" than by a small network.
 pub fn suffix_match(seq: &[u32], max_n: usize, window: usize) -> Option<(usize, u32)> {
+    suffix_match_at(seq, max_n, window).and_then(|(l, i)| Some((l, *seq.get(i + 1)?)))
+}
+
+/// [`suffix_match`] with where the earlier occurrence ends instead of what followed it:
+/// `(length, i)`, the token after it being `seq[i + 1]`.
+pub fn suffix_match_at(seq: &[u32], max_n: usize, window: usize) -> Option<(usize, usize)> {
     let n = seq.len();
     if n < 2 || max_n == 0 {
         return None;
     }
     let last = seq[n - 1];
     let lo = n.saturating_sub(window.max(2));
-    let mut best: Option<(usize, u32)> = None;
+    let mut best: Option<(usize, usize)> = None;
     // `i` ends an earlier occurrence; seq[i + 1] is what followed it.
     for i in (lo..n - 1).rev() {
         if seq[i] != last {
@@ -229,7 +242,7 @@ pub fn suffix_match(seq: &[u32], max_n: usize, window: usize) -> Option<(usize, 
             l += 1;
         }
         if best.is_none_or(|(b, _)| l > b) {
-            best = Some((l, seq[i + 1]));
+            best = Some((l, i));
             if l == max_n {
                 break;
             }

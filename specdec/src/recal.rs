@@ -34,8 +34,9 @@ const REFIT_EVERY: u32 = 8;
 /// Kinds of block: greedy or sampled × (copy run starting weak, confidence head, copy run
 /// starting strong).
 const CLASSES: usize = 6;
-/// A copy run whose first position's rate (the committed context's own match) is at least this
-/// is mapped apart from one that starts lower. Along a run the match length counts the tokens
+/// A copy run whose first position's rate (the committed context's own match; with a copy-run
+/// head, that head's confidence there) is at least this is mapped apart from one that starts
+/// lower. Along a run the match length counts the tokens
 /// the run itself copied, so a run that starts on a two-token match reaches the rate of a
 /// six-token match a few positions in, on no more evidence than it started with. One map per
 /// position saw both kinds of run at the same confidences and served their average: at

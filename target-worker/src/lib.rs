@@ -317,6 +317,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         central_budget_steps: 0,
         local_budget_steps: 0,
         copy_runs: Vec::new(),
+        copy_head: Vec::new(),
     };
     let counters = handles
         .as_ref()

@@ -278,17 +278,23 @@ impl RemoteProposer {
     }
 
     /// The copy-run rates the request's draft worker published (empty: none, or not known
-    /// while its link is down).
-    fn copy_runs_for(&mut self, id: u64) -> Vec<f32> {
+    /// while its link is down), and their confidence head if it published one.
+    fn copy_runs_for(&mut self, id: u64) -> (Vec<f32>, Option<drafter::model::GreedyHead>) {
         let Some(addr) = self.link_for(id) else {
-            return Vec::new();
+            return (Vec::new(), None);
         };
         self.links
             .get(&addr)
             .filter(|l| l.shared.up.load(Ordering::SeqCst))
             .and_then(|l| {
                 let i = l.shared.info.lock().ok()?;
-                i.as_ref().map(|i| i.copy_runs.clone())
+                i.as_ref().map(|i| {
+                    let head = drafter::model::GreedyHead::from_flat(
+                        &i.copy_head,
+                        drafter::proposer::COPY_HEAD_INPUTS,
+                    );
+                    (i.copy_runs.clone(), head)
+                })
             })
             .unwrap_or_default()
     }
@@ -667,8 +673,9 @@ impl Proposer for RemoteProposer {
         })
     }
 
-    /// Copy runs with the rates the draft worker published, made here where the context is:
-    /// the same drafts its drafter would make on a drafting call, without the call.
+    /// Copy runs with the rates (and copy-run head) the draft worker published, made here where
+    /// the context is: the same drafts its drafter would make on a drafting call, without the
+    /// call.
     fn propose_free(&mut self, reqs: &mut [ProposeReq<'_>]) -> Result<Vec<DraftBlock>> {
         let mut out = Vec::with_capacity(reqs.len());
         for r in reqs.iter() {
@@ -676,8 +683,13 @@ impl Proposer for RemoteProposer {
                 out.push(DraftBlock::default());
                 continue;
             }
-            let runs = self.copy_runs_for(r.id);
-            out.push(drafter::proposer::copy_block(r.context, r.k, &runs));
+            let (runs, head) = self.copy_runs_for(r.id);
+            out.push(drafter::proposer::copy_block(
+                r.context,
+                r.k,
+                &runs,
+                head.as_ref(),
+            ));
         }
         Ok(out)
     }
@@ -864,7 +876,7 @@ mod tests {
             a.insert(2, addr.clone());
         }
         assert!(
-            p.copy_runs_for(1).is_empty(),
+            p.copy_runs_for(1).0.is_empty(),
             "nothing known before the link is up"
         );
         assert!(!p.has_free_drafts());
@@ -909,6 +921,22 @@ mod tests {
         );
         // Sampled requests get none (a copy run is a greedy draft).
         assert!(out[1].tokens.is_empty());
+        // With a published head, its confidences: σ(bias) here, the weights being zero.
+        *p.links[&addr].shared.info.lock().expect("info") = Some(WorkerInfo {
+            copy_runs: vec![0.3, 0.6, 0.7],
+            copy_head: [0.0; drafter::proposer::COPY_HEAD_INPUTS]
+                .into_iter()
+                .chain([0.0, 2.0])
+                .collect(),
+            ..Default::default()
+        });
+        let out = p.propose_free(&mut reqs).expect("free drafts");
+        assert_eq!(out[0].tokens, vec![7, 8]);
+        let c = out[0].confidence.clone().unwrap_or_default();
+        assert!(
+            (c[0] - 0.5).abs() < 1e-6 && (c[1] - 1.0 / (1.0 + (-2f32).exp())).abs() < 1e-6,
+            "{c:?}"
+        );
         // A link that went down: its rates are not used.
         p.links[&addr].shared.up.store(false, Ordering::SeqCst);
         assert!(!p.has_free_drafts());

@@ -2246,15 +2246,23 @@ async fn dspark_drafter_in_its_own_worker_gets_features_over_the_wire() {
     ))
     .await
     .expect("draft worker");
-    let runs = dc
+    let info = dc
         .info(dspark_proto::InfoRequest {})
         .await
         .expect("info")
-        .into_inner()
-        .copy_runs;
+        .into_inner();
+    let runs = info.copy_runs;
     assert!(
         !runs.is_empty() && runs.iter().all(|&r| r > 0.0 && r < 1.0),
         "copy-run rates {runs:?}"
+    );
+    // With their confidence head: its 5 weights (drafter::proposer::COPY_HEAD_INPUTS), then
+    // one bias per block position (γ = 7).
+    assert_eq!(
+        info.copy_head.len(),
+        5 + 7,
+        "copy-run head {:?}",
+        info.copy_head
     );
     // Features are O(d) per committed token: 3 layers × 576 × 2 bytes (f16) ≈ 3.5 kB, never
     // O(vocab) (49152 × 4 bytes).
