@@ -29,7 +29,7 @@ mapfile -t data < <(scripts/drafter-data.sh "$bin" smollm2-135m)
 "$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all --offset 0 --limit 16 \
   --max-tokens 512 --serve-bits 4 --json bench/results/calibrate-dspark-smollm2.json
 # Greedy: on the 288 calibration prompts (prompts/calib), which the greedy confidence head's
-# fit needs (≈ 30 min on 2 cores).
+# fit needs; the copy-run head is fitted on the copy runs of its last run (≈ 30 min on 2 cores).
 "$bin" calibrate-drafter --target smollm2-135m --drafter "$out" --prompts all-calib --offset 0 --limit 96 \
   --max-tokens 512 --temperature 0 --json bench/results/calibrate-dspark-smollm2-greedy.json
 "$bin" eval-drafter --target smollm2-135m --drafter "$out" --prompts all --gamma 7 --temperature 1.0 \
