@@ -463,18 +463,16 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     // run's copy runs draft (the rates serve them meanwhile; the drafts do not depend on it).
     let run_log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let proposer = if greedy && !copy_runs.is_empty() {
-        proposer.with_head_log(run_log.clone())
+        proposer.with_copy_run_log(run_log.clone())
     } else {
         proposer
     };
     let run = run_with(Box::new(proposer.with_target_head(target.model.clone())))?;
-    let copied: Vec<_> = run_log
-        .lock()
-        .map_err(|_| anyhow::anyhow!("copy-run log poisoned"))?
-        .iter()
-        .filter(|s| s.copy_run)
-        .cloned()
-        .collect();
+    let copied: Vec<_> = std::mem::take(
+        &mut *run_log
+            .lock()
+            .map_err(|_| anyhow::anyhow!("copy-run log poisoned"))?,
+    );
     let copy_head =
         drafter::calibrate::fit_greedy_head(&copied, gamma, drafter::calibrate::GREEDY_HEAD_L2)?;
     let mut copy_head_fit = serde_json::Value::Null;
@@ -553,6 +551,9 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     cal.copy_bias = copy_bias.clone();
     cal.copy_runs = copy_runs.clone();
     cal.head = greedy_head;
+    cal.copy_head_inputs = copy_head
+        .is_some()
+        .then(|| drafter::proposer::COPY_HEAD_SPEC.to_string());
     cal.copy_head = copy_head;
     cfg.set_calibration(greedy, cal);
     let tmp = a.drafter.join("drafter.json.tmp");

@@ -646,7 +646,9 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     );
     assert!(out.contains("greedy head: "), "{out}");
     // The copy runs' positions are logged with their inputs for the copy-run head; the head
-    // stored is the one reported.
+    // stored is the one reported. (This tiny target's copies are always right, at 24 tokens
+    // as at 8 prompts × 48 of each set, so no head is fitted here and both are null; the
+    // fit's misses-and-hits case is the unit test of `fit_greedy_head`.)
     assert!(
         c1["copy_head"]["samples"].as_u64().is_some_and(|n| n > 0),
         "{c1}"
@@ -670,6 +672,11 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     if let Some(w) = stored["w"].as_array() {
         assert_eq!(w.len(), 5, "{stored}");
     }
+    // A stored head is tagged with the input set it reads.
+    let tag =
+        read_json(&dir.join("drafter.json"))["greedy_calibration"]["copy_head_inputs"].clone();
+    assert_eq!(tag.is_null(), stored.is_null(), "{tag} {stored}");
+    assert!(tag.is_null() || tag == "copy-v1", "{tag}");
     for key in [
         "blocks",
         "copy_run_blocks",

@@ -134,6 +134,11 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         max_gamma: host.max_gamma as u32,
         copy_runs: host.copy_runs.clone(),
         copy_head: host.copy_head.clone(),
+        copy_head_inputs: if host.copy_head.is_empty() {
+            String::new()
+        } else {
+            drafter::proposer::COPY_HEAD_SPEC.into()
+        },
         ..Default::default()
     };
     let svc = service::DraftService::start(host, info.clone())?;

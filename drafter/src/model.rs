@@ -118,6 +118,10 @@ pub struct CalibrationCfg {
     /// [`GreedyHead`]); None: the match length's rate in `copy_runs`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copy_head: Option<GreedyHead>,
+    /// The input set `copy_head` was fitted over ([`crate::proposer::COPY_HEAD_SPEC`]; absent:
+    /// "copy-v1", the only set before the tag).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_head_inputs: Option<String>,
 }
 
 /// A confidence head fitted for greedy requests by `dspark calibrate-drafter`: a logistic
@@ -249,6 +253,14 @@ impl CalibrationCfg {
                 crate::proposer::COPY_HEAD_INPUTS
             )));
         }
+        let spec = self.copy_head_inputs.as_deref().unwrap_or("copy-v1");
+        if self.copy_head.is_some() && spec != crate::proposer::COPY_HEAD_SPEC {
+            return Err(DrafterError::Invalid(format!(
+                "the copy-run head was fitted over inputs {spec:?}, this release computes {:?}: \
+                 refit it with `dspark calibrate-drafter --temperature 0`",
+                crate::proposer::COPY_HEAD_SPEC
+            )));
+        }
         Ok(())
     }
 }
@@ -309,6 +321,7 @@ impl DrafterConfig {
             g.copy_bias.clear();
             g.copy_runs.clear();
             g.copy_head = None;
+            g.copy_head_inputs = None;
         }
         self
     }

@@ -32,6 +32,11 @@ pub const COPY_RUN_MIN: f32 = 0.5;
 
 /// Inputs of the copy-run confidence head ([`copy_inputs`]).
 pub const COPY_HEAD_INPUTS: usize = 5;
+/// Names the input set [`copy_inputs`] computes. A copy-run head is only read over the inputs
+/// it was fitted on: a stored head carries this tag (one without a tag was fitted over
+/// "copy-v1"), and draft workers publish it with the head. Change it whenever
+/// [`copy_inputs`] changes meaning, even at the same width.
+pub const COPY_HEAD_SPEC: &str = "copy-v1";
 /// How far [`copy_inputs`] follows a match back (the rates stop at [`COPY_MAX_MATCH`]).
 const COPY_LONG_MATCH: usize = 64;
 /// Matched tokens whose earlier occurrences [`copy_inputs`] counts.
@@ -222,6 +227,9 @@ pub struct DsparkProposer {
     /// target has committed them (the fits of the greedy head and of the copy-run head,
     /// [`crate::calibrate::fit_greedy_head`]).
     head_log: Option<Arc<Mutex<Vec<HeadSample>>>>,
+    /// Whether `head_log` also takes the network's positions (false: copy runs' only, whose
+    /// inputs are 5 numbers where the network's are d_model + rank).
+    log_network: bool,
     /// The greedy confidence head of requests in fold 0 and fold 1: the stored one for both,
     /// or, while calibrating, each fitted on the other fold's requests.
     greedy_heads: [Option<GreedyHead>; 2],
@@ -488,6 +496,7 @@ impl DsparkProposer {
             head_sub,
             copy_log: None,
             head_log: None,
+            log_network: false,
             greedy_heads: [head_g.clone(), head_g],
             conf_w,
             conf_b,
@@ -524,6 +533,14 @@ impl DsparkProposer {
     /// (a request's last block is not recorded).
     pub fn with_head_log(mut self, log: Arc<Mutex<Vec<HeadSample>>>) -> Self {
         self.head_log = Some(log);
+        self.log_network = true;
+        self
+    }
+
+    /// [`Self::with_head_log`] for copy runs' positions alone (the copy-run head's fit).
+    pub fn with_copy_run_log(mut self, log: Arc<Mutex<Vec<HeadSample>>>) -> Self {
+        self.head_log = Some(log);
+        self.log_network = false;
         self
     }
 
@@ -968,7 +985,7 @@ impl Proposer for DsparkProposer {
                     Some(h) if r.params.is_greedy() => h.logit(hk, ek, kk).unwrap_or(z[bi]),
                     _ => z[bi],
                 };
-                if self.head_log.is_some() && r.params.is_greedy() {
+                if self.log_network && self.head_log.is_some() && r.params.is_greedy() {
                     let mut x = hk.to_vec();
                     x.extend_from_slice(ek.unwrap_or(&[]));
                     pending_head[bi].push((kk, x));
@@ -1362,7 +1379,7 @@ mod tests {
         let log = Arc::new(Mutex::new(Vec::new()));
         let mut p = DsparkProposer::new(dr, "t")
             .unwrap()
-            .with_head_log(log.clone());
+            .with_copy_run_log(log.clone());
         p.observe(1, 0, &rows[..11 * rl]).unwrap();
         let b = greedy_block(&mut p, &formula, 2);
         assert_eq!(b.tokens, vec![5, 1]);
@@ -1376,14 +1393,31 @@ mod tests {
         let ks: Vec<(usize, bool, bool)> = got.iter().map(|s| (s.k, s.hit, s.copy_run)).collect();
         assert_eq!(ks, vec![(0, true, true), (1, false, true)]);
         assert!(got.iter().all(|s| s.x.len() == COPY_HEAD_INPUTS));
+        // A head fitted over another input set is refused, though of the same width; its own
+        // tag and an untagged one ("copy-v1") are taken.
+        let dr_with = |c: crate::model::CalibrationCfg| {
+            let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+            dr.cfg.greedy_calibration = Some(c);
+            dr.cfg.validate()
+        };
+        for (tag, ok) in [
+            (None, true),
+            (Some(COPY_HEAD_SPEC), true),
+            (Some("copy-v0"), false),
+        ] {
+            c.copy_head_inputs = tag.map(str::to_string);
+            dr_with(c.clone()).map_or_else(
+                |e| assert!(!ok && e.to_string().contains("calibrate-drafter"), "{e}"),
+                |_| assert!(ok, "{tag:?} taken"),
+            );
+        }
         // A head of another width is refused.
-        let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
+        c.copy_head_inputs = None;
         c.copy_head = Some(GreedyHead {
             w: vec![0.0; 4],
             bias: vec![0.0; 4],
         });
-        dr.cfg.greedy_calibration = Some(c);
-        assert!(dr.cfg.validate().is_err());
+        assert!(dr_with(c).is_err());
     }
 
     /// Greedy requests read their own head's logit when the calibration has one (sampled ones
@@ -1443,6 +1477,16 @@ mod tests {
             got.iter()
                 .all(|s| s.x.len() == width && s.fold == got[0].fold)
         );
+        // A copy-run log leaves the network's positions out.
+        let copy_log = Arc::new(Mutex::new(Vec::new()));
+        let mut p = DsparkProposer::new(drafter(), "t")
+            .unwrap()
+            .with_copy_run_log(copy_log.clone());
+        p.observe(1, 0, &rows[..7 * rl]).unwrap();
+        assert_eq!(greedy_block(&mut p, &ctx, 4).tokens, b.tokens);
+        p.observe(1, 7, &rows[7 * rl..]).unwrap();
+        greedy_block(&mut p, &next, 4);
+        assert!(copy_log.lock().unwrap().is_empty());
 
         // Fold heads: each request reads its fold's.
         let mut p = DsparkProposer::new(drafter(), "t")

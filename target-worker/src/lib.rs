@@ -318,6 +318,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         local_budget_steps: 0,
         copy_runs: Vec::new(),
         copy_head: Vec::new(),
+        copy_head_inputs: String::new(),
     };
     let counters = handles
         .as_ref()

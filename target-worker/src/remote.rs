@@ -137,6 +137,15 @@ async fn run_link(
             info.id, info.vocab_hash, hello.vocab_hash
         ));
     }
+    if !info.copy_head.is_empty() && info.copy_head_inputs != drafter::proposer::COPY_HEAD_SPEC {
+        tracing::warn!(
+            draft = addr,
+            inputs = info.copy_head_inputs,
+            ours = drafter::proposer::COPY_HEAD_SPEC,
+            "the draft worker's copy-run head reads other inputs than this release computes: \
+             copy runs made here take its rates as confidences"
+        );
+    }
     let (tx, rx) = tokio::sync::mpsc::channel::<DraftCall>(64);
     tx.send(DraftCall {
         step: 0,
@@ -289,10 +298,15 @@ impl RemoteProposer {
             .and_then(|l| {
                 let i = l.shared.info.lock().ok()?;
                 i.as_ref().map(|i| {
-                    let head = drafter::model::GreedyHead::from_flat(
-                        &i.copy_head,
-                        drafter::proposer::COPY_HEAD_INPUTS,
-                    );
+                    // A head over other inputs (another release's) is not read: the rates serve.
+                    let head = (i.copy_head_inputs == drafter::proposer::COPY_HEAD_SPEC)
+                        .then(|| {
+                            drafter::model::GreedyHead::from_flat(
+                                &i.copy_head,
+                                drafter::proposer::COPY_HEAD_INPUTS,
+                            )
+                        })
+                        .flatten();
                     (i.copy_runs.clone(), head)
                 })
             })
@@ -928,6 +942,7 @@ mod tests {
                 .into_iter()
                 .chain([0.0, 2.0])
                 .collect(),
+            copy_head_inputs: drafter::proposer::COPY_HEAD_SPEC.into(),
             ..Default::default()
         });
         let out = p.propose_free(&mut reqs).expect("free drafts");
@@ -937,6 +952,14 @@ mod tests {
             (c[0] - 0.5).abs() < 1e-6 && (c[1] - 1.0 / (1.0 + (-2f32).exp())).abs() < 1e-6,
             "{c:?}"
         );
+        // A head over another release's inputs (or untagged) is not read: the rates serve.
+        for tag in ["", "copy-v0"] {
+            if let Some(i) = p.links[&addr].shared.info.lock().expect("info").as_mut() {
+                i.copy_head_inputs = tag.into();
+            }
+            let out = p.propose_free(&mut reqs).expect("free drafts");
+            assert_eq!(out[0].confidence.as_deref(), Some(&[0.6f32, 0.7][..]));
+        }
         // A link that went down: its rates are not used.
         p.links[&addr].shared.up.store(false, Ordering::SeqCst);
         assert!(!p.has_free_drafts());

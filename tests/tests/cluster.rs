@@ -2264,6 +2264,8 @@ async fn dspark_drafter_in_its_own_worker_gets_features_over_the_wire() {
         "copy-run head {:?}",
         info.copy_head
     );
+    // Tagged with the inputs it reads, so that a target worker of another release can tell.
+    assert_eq!(info.copy_head_inputs, "copy-v1");
     // Features are O(d) per committed token: 3 layers × 576 × 2 bytes (f16) ≈ 3.5 kB, never
     // O(vocab) (49152 × 4 bytes).
     let per_token = bytes as f64 / tokens as f64;
