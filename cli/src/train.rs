@@ -473,32 +473,13 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
             .lock()
             .map_err(|_| anyhow::anyhow!("copy-run log poisoned"))?,
     );
-    let copy_head =
-        drafter::calibrate::fit_greedy_head(&copied, gamma, drafter::calibrate::GREEDY_HEAD_L2)?;
-    let mut copy_head_fit = serde_json::Value::Null;
-    if !copied.is_empty() {
-        let hits: Vec<bool> = copied.iter().map(|s| s.hit).collect();
-        let rates: Vec<f64> = copied.iter().map(|s| s.x[0] as f64).collect();
-        let auc_rates = drafter::calibrate::roc_auc(&rates, &hits);
-        let auc_head = copy_head.as_ref().map(|h| {
-            let z: Vec<f64> = copied
-                .iter()
-                .map(|s| h.logit(&s.x, None, s.k).unwrap_or(0.0) as f64)
-                .collect();
-            drafter::calibrate::roc_auc(&z, &hits)
-        });
-        out!(
-            "copy-run head: {} copied positions, ROC-AUC there {:.3} with the rates, {} with the head (in-sample){}",
-            copied.len(),
-            auc_rates,
-            auc_head.map_or("-".into(), |a| format!("{a:.3}")),
-            if copy_head.is_some() {
-                ""
-            } else {
-                "; too few to fit: the rates serve"
-            }
-        )?;
-        copy_head_fit = serde_json::json!({"samples": copied.len(), "auc_rates": auc_rates, "auc_head_in_sample": auc_head, "head": copy_head});
+    let CopyHeadFit {
+        head: copy_head,
+        report: copy_head_fit,
+        line,
+    } = fit_copy_head(&copied, gamma)?;
+    if let Some(line) = line {
+        out!("{line}")?;
     }
     let obs = run.obs;
     if obs.is_empty() {
@@ -593,6 +574,61 @@ pub struct GenDataArgs {
 /// `dspark gen-data`: the target answers a prompt file (plain decoding, sampled), and the
 /// rendered conversations become drafter training text that matches what the drafter will see
 /// when serving chat requests.
+/// The copy-run head fitted on a calibration run's copied positions, what `--json` reports of
+/// the fit, and the line printed (None for both when no copy run was drafted).
+struct CopyHeadFit {
+    head: Option<drafter::model::GreedyHead>,
+    report: serde_json::Value,
+    line: Option<String>,
+}
+
+/// Fits the copy-run head ([`drafter::model::CalibrationCfg::copy_head`]) on `copied` and
+/// ranks the copied positions by the rates (input 1) and by the head, in sample.
+fn fit_copy_head(
+    copied: &[drafter::calibrate::HeadSample],
+    gamma: usize,
+) -> anyhow::Result<CopyHeadFit> {
+    let head =
+        drafter::calibrate::fit_greedy_head(copied, gamma, drafter::calibrate::GREEDY_HEAD_L2)?;
+    if copied.is_empty() {
+        return Ok(CopyHeadFit {
+            head,
+            report: serde_json::Value::Null,
+            line: None,
+        });
+    }
+    let hits: Vec<bool> = copied.iter().map(|s| s.hit).collect();
+    let rates: Vec<f64> = copied
+        .iter()
+        .map(|s| s.x.first().copied().unwrap_or(0.0) as f64)
+        .collect();
+    let auc_rates = drafter::calibrate::roc_auc(&rates, &hits);
+    let auc_head = head.as_ref().map(|h| {
+        let z: Vec<f64> = copied
+            .iter()
+            .map(|s| h.logit(&s.x, None, s.k).unwrap_or(0.0) as f64)
+            .collect();
+        drafter::calibrate::roc_auc(&z, &hits)
+    });
+    let line = format!(
+        "copy-run head: {} copied positions, ROC-AUC there {:.3} with the rates, {} with the head (in-sample){}",
+        copied.len(),
+        auc_rates,
+        auc_head.map_or("-".into(), |a| format!("{a:.3}")),
+        if head.is_some() {
+            ""
+        } else {
+            "; too few to fit: the rates serve"
+        }
+    );
+    let report = serde_json::json!({"samples": copied.len(), "auc_rates": auc_rates, "auc_head_in_sample": auc_head, "head": head});
+    Ok(CopyHeadFit {
+        head,
+        report,
+        line: Some(line),
+    })
+}
+
 pub fn gen_data(g: &Global, a: GenDataArgs) -> anyhow::Result<()> {
     use specdec::{Event, Request};
     use std::io::Write;
@@ -751,4 +787,49 @@ pub fn drafter_vocab(g: &Global, a: VocabArgs) -> anyhow::Result<()> {
     std::fs::write(&tmp, serde_json::to_string_pretty(&dr.cfg)?)?;
     std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use drafter::calibrate::HeadSample;
+
+    /// Copied positions whose outcome follows input 2 (the match followed back) and not the
+    /// rate: the head ranks them far better than the rates, and is reported as fitted; too few
+    /// positions, or none, leave the rates serving.
+    #[test]
+    fn the_copy_run_head_is_fitted_where_its_inputs_predict_acceptance() {
+        let mut rng = kernels::rng::Rng::new(7);
+        let samples: Vec<HeadSample> = (0..600)
+            .map(|i| {
+                let long = (i % 10) as f32 * 0.4;
+                let p = 1.0 / (1.0 + (-(2.0 * long - 4.0)).exp());
+                HeadSample {
+                    fold: (i % 2) as u8,
+                    k: i % 3,
+                    hit: rng.uniform() < p as f64,
+                    x: vec![0.8, long, long, rng.normal() as f32, rng.normal() as f32],
+                    copy_run: true,
+                }
+            })
+            .collect();
+        let fit = fit_copy_head(&samples, 7).expect("fit");
+        let head = fit.head.expect("a head");
+        assert_eq!(
+            (head.w.len(), head.bias.len()),
+            (drafter::proposer::COPY_HEAD_INPUTS, 7)
+        );
+        let (rates, headed) = (
+            fit.report["auc_rates"].as_f64().unwrap_or(1.0),
+            fit.report["auc_head_in_sample"].as_f64().unwrap_or(0.0),
+        );
+        assert!(rates == 0.5 && headed > 0.8, "{}", fit.report);
+        assert_eq!(fit.report["samples"], 600);
+        assert!(fit.line.is_some_and(|l| !l.contains("too few")));
+        let few = fit_copy_head(&samples[..100], 7).expect("fit");
+        assert!(few.head.is_none() && few.report["head"].is_null());
+        assert!(few.line.is_some_and(|l| l.contains("too few")));
+        let none = fit_copy_head(&[], 7).expect("fit");
+        assert!(none.head.is_none() && none.report.is_null() && none.line.is_none());
+    }
 }
