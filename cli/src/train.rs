@@ -475,6 +475,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     );
     let CopyHeadFit {
         head: copy_head,
+        inputs: copy_head_inputs,
         report: copy_head_fit,
         line,
     } = fit_copy_head(&copied, gamma)?;
@@ -532,9 +533,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     cal.copy_bias = copy_bias.clone();
     cal.copy_runs = copy_runs.clone();
     cal.head = greedy_head;
-    cal.copy_head_inputs = copy_head
-        .is_some()
-        .then(|| drafter::proposer::COPY_HEAD_SPEC.to_string());
+    cal.copy_head_inputs = copy_head_inputs;
     cal.copy_head = copy_head;
     cfg.set_calibration(greedy, cal);
     let tmp = a.drafter.join("drafter.json.tmp");
@@ -571,13 +570,12 @@ pub struct GenDataArgs {
     pub seed: u64,
 }
 
-/// `dspark gen-data`: the target answers a prompt file (plain decoding, sampled), and the
-/// rendered conversations become drafter training text that matches what the drafter will see
-/// when serving chat requests.
 /// The copy-run head fitted on a calibration run's copied positions, what `--json` reports of
 /// the fit, and the line printed (None for both when no copy run was drafted).
 struct CopyHeadFit {
     head: Option<drafter::model::GreedyHead>,
+    /// The input set the head reads, stored beside it (None without a head).
+    inputs: Option<String>,
     report: serde_json::Value,
     line: Option<String>,
 }
@@ -590,9 +588,13 @@ fn fit_copy_head(
 ) -> anyhow::Result<CopyHeadFit> {
     let head =
         drafter::calibrate::fit_greedy_head(copied, gamma, drafter::calibrate::GREEDY_HEAD_L2)?;
+    let inputs = head
+        .is_some()
+        .then(|| drafter::proposer::COPY_HEAD_SPEC.to_string());
     if copied.is_empty() {
         return Ok(CopyHeadFit {
             head,
+            inputs,
             report: serde_json::Value::Null,
             line: None,
         });
@@ -624,11 +626,15 @@ fn fit_copy_head(
     let report = serde_json::json!({"samples": copied.len(), "auc_rates": auc_rates, "auc_head_in_sample": auc_head, "head": head});
     Ok(CopyHeadFit {
         head,
+        inputs,
         report,
         line: Some(line),
     })
 }
 
+/// `dspark gen-data`: the target answers a prompt file (plain decoding, sampled), and the
+/// rendered conversations become drafter training text that matches what the drafter will see
+/// when serving chat requests.
 pub fn gen_data(g: &Global, a: GenDataArgs) -> anyhow::Result<()> {
     use specdec::{Event, Request};
     use std::io::Write;
@@ -794,9 +800,9 @@ mod tests {
     use super::*;
     use drafter::calibrate::HeadSample;
 
-    /// Copied positions whose outcome follows input 2 (the match followed back) and not the
-    /// rate: the head ranks them far better than the rates, and is reported as fitted; too few
-    /// positions, or none, leave the rates serving.
+    /// Copied positions whose outcome follows inputs 2 and 3 (the match followed back) and
+    /// not the rate: the head ranks them far better than the rates, and is reported as fitted
+    /// and tagged with its input set; too few positions, or none, leave the rates serving.
     #[test]
     fn the_copy_run_head_is_fitted_where_its_inputs_predict_acceptance() {
         let mut rng = kernels::rng::Rng::new(7);
@@ -825,9 +831,13 @@ mod tests {
         );
         assert!(rates == 0.5 && headed > 0.8, "{}", fit.report);
         assert_eq!(fit.report["samples"], 600);
+        assert_eq!(
+            fit.inputs.as_deref(),
+            Some(drafter::proposer::COPY_HEAD_SPEC)
+        );
         assert!(fit.line.is_some_and(|l| !l.contains("too few")));
         let few = fit_copy_head(&samples[..100], 7).expect("fit");
-        assert!(few.head.is_none() && few.report["head"].is_null());
+        assert!(few.head.is_none() && few.inputs.is_none() && few.report["head"].is_null());
         assert!(few.line.is_some_and(|l| l.contains("too few")));
         let none = fit_copy_head(&[], 7).expect("fit");
         assert!(none.head.is_none() && none.report.is_null() && none.line.is_none());

@@ -647,8 +647,8 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     assert!(out.contains("greedy head: "), "{out}");
     // The copy runs' positions are logged with their inputs for the copy-run head; the head
     // stored is the one reported. (This tiny target's copies are always right, at 24 tokens
-    // as at 8 prompts × 48 of each set, so no head is fitted here and both are null; the
-    // fit's misses-and-hits case is the unit test of `fit_greedy_head`.)
+    // as at 8 prompts × 48 of each set, so no head is fitted here and both are null; a fit,
+    // and its tag, are unit-tested in `fit_copy_head`'s test, cli/src/train.rs.)
     assert!(
         c1["copy_head"]["samples"].as_u64().is_some_and(|n| n > 0),
         "{c1}"

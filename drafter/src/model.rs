@@ -253,11 +253,10 @@ impl CalibrationCfg {
                 crate::proposer::COPY_HEAD_INPUTS
             )));
         }
-        let spec = self.copy_head_inputs.as_deref().unwrap_or("copy-v1");
+        let spec = crate::proposer::copy_head_spec(self.copy_head_inputs.as_deref());
         if self.copy_head.is_some() && spec != crate::proposer::COPY_HEAD_SPEC {
             return Err(DrafterError::Invalid(format!(
-                "the copy-run head was fitted over inputs {spec:?}, this release computes {:?}: \
-                 refit it with `dspark calibrate-drafter --temperature 0`",
+                "the copy-run head was fitted over inputs {spec:?}, this release computes {:?}",
                 crate::proposer::COPY_HEAD_SPEC
             )));
         }
@@ -305,6 +304,20 @@ impl DrafterConfig {
         self.greedy_calibration
             .as_ref()
             .map_or(&[], |g| g.copy_runs.as_slice())
+    }
+
+    /// Removes a copy-run head fitted over other inputs than [`crate::proposer::copy_inputs`]
+    /// computes (another release's), so that the rates serve; returns its tag.
+    pub fn drop_foreign_copy_head(&mut self) -> Option<String> {
+        let g = self.greedy_calibration.as_mut()?;
+        let spec = crate::proposer::copy_head_spec(g.copy_head_inputs.as_deref());
+        if g.copy_head.is_none() || spec == crate::proposer::COPY_HEAD_SPEC {
+            return None;
+        }
+        let spec = spec.to_string();
+        g.copy_head = None;
+        g.copy_head_inputs = None;
+        Some(spec)
     }
 
     /// The copy runs' confidence head (None: their rates; see [`CalibrationCfg::copy_head`]).
@@ -865,8 +878,18 @@ impl DsparkDrafter {
         };
         let text = std::fs::read_to_string(dir.join("drafter.json"))
             .map_err(|e| bad(format!("drafter.json: {e}")))?;
-        let cfg: DrafterConfig =
+        let mut cfg: DrafterConfig =
             serde_json::from_str(&text).map_err(|e| bad(format!("drafter.json: {e}")))?;
+        if let Some(spec) = cfg.drop_foreign_copy_head() {
+            tracing::warn!(
+                drafter = %dir.display(),
+                inputs = spec,
+                ours = crate::proposer::COPY_HEAD_SPEC,
+                "the stored copy-run head reads other inputs than this release computes: copy \
+                 runs take their rates as confidences until `dspark calibrate-drafter \
+                 --temperature 0` refits it"
+            );
+        }
         cfg.validate()?;
         if cfg.target_arch != target_arch || cfg.target_vocab_hash != vocab_hash {
             return Err(DrafterError::WrongTarget(format!(
@@ -1290,6 +1313,25 @@ pub(crate) mod tests {
             DsparkDrafter::load(&dir, "llama", "another-vocab", e.clone(), h.clone()),
             Err(DrafterError::WrongTarget(_))
         ));
+        // A copy-run head over another release's inputs is dropped at load (its rates serve,
+        // and calibrate-drafter can refit it); one over this release's is kept.
+        for (tag, kept) in [("copy-v0", false), (crate::proposer::COPY_HEAD_SPEC, true)] {
+            let mut cfg = back.cfg.clone();
+            let mut g = cfg.sampled_calibration();
+            g.copy_runs = vec![0.3, 0.6];
+            g.copy_head = Some(GreedyHead {
+                w: vec![0.0; crate::proposer::COPY_HEAD_INPUTS],
+                bias: vec![0.0; cfg.gamma],
+            });
+            g.copy_head_inputs = Some(tag.into());
+            cfg.greedy_calibration = Some(g);
+            let json = serde_json::to_string(&cfg).unwrap();
+            std::fs::write(dir.join("drafter.json"), json).unwrap();
+            let got = DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e.clone(), h.clone())
+                .unwrap();
+            assert_eq!(got.cfg.copy_head().is_some(), kept, "{tag}");
+            assert_eq!(got.cfg.copy_runs(), &[0.3, 0.6]);
+        }
         std::fs::write(dir.join("drafter.safetensors"), b"garbage").unwrap();
         assert!(matches!(
             DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e, h),

@@ -33,10 +33,21 @@ pub const COPY_RUN_MIN: f32 = 0.5;
 /// Inputs of the copy-run confidence head ([`copy_inputs`]).
 pub const COPY_HEAD_INPUTS: usize = 5;
 /// Names the input set [`copy_inputs`] computes. A copy-run head is only read over the inputs
-/// it was fitted on: a stored head carries this tag (one without a tag was fitted over
-/// "copy-v1"), and draft workers publish it with the head. Change it whenever
-/// [`copy_inputs`] changes meaning, even at the same width.
+/// it was fitted on: a stored head carries this tag, and draft workers publish it with the
+/// head. Change it whenever [`copy_inputs`] changes meaning, even at the same width. Target
+/// workers released before the tag (209e075 to c646b8e) read `WorkerInfo.copy_head` without
+/// it: a new input set must also move the head to a new proto field (field 18 reserved), or be
+/// rolled out after a tag-aware release everywhere.
 pub const COPY_HEAD_SPEC: &str = "copy-v1";
+
+/// The input set a copy-run head's tag names: an absent or empty tag is "copy-v1", the only
+/// set before tags (heads stored, and heads published by draft workers, from 209e075 on).
+pub fn copy_head_spec(tag: Option<&str>) -> &str {
+    match tag {
+        None | Some("") => "copy-v1",
+        Some(t) => t,
+    }
+}
 /// How far [`copy_inputs`] follows a match back (the rates stop at [`COPY_MAX_MATCH`]).
 const COPY_LONG_MATCH: usize = 64;
 /// Matched tokens whose earlier occurrences [`copy_inputs`] counts.
@@ -1394,7 +1405,8 @@ mod tests {
         assert_eq!(ks, vec![(0, true, true), (1, false, true)]);
         assert!(got.iter().all(|s| s.x.len() == COPY_HEAD_INPUTS));
         // A head fitted over another input set is refused, though of the same width; its own
-        // tag and an untagged one ("copy-v1") are taken.
+        // tag and an untagged one ("copy-v1") are taken. Loading drops such a head, so that
+        // the rates serve and calibrate-drafter can refit it.
         let dr_with = |c: crate::model::CalibrationCfg| {
             let mut dr = crate::model::tests::tiny_drafter(&m, &tok, 6, 5);
             dr.cfg.greedy_calibration = Some(c);
@@ -1407,9 +1419,14 @@ mod tests {
         ] {
             c.copy_head_inputs = tag.map(str::to_string);
             dr_with(c.clone()).map_or_else(
-                |e| assert!(!ok && e.to_string().contains("calibrate-drafter"), "{e}"),
+                |e| assert!(!ok && e.to_string().contains("copy-v0"), "{e}"),
                 |_| assert!(ok, "{tag:?} taken"),
             );
+            let mut cfg = crate::model::tests::tiny_drafter(&m, &tok, 6, 5).cfg;
+            cfg.greedy_calibration = Some(c.clone());
+            assert_eq!(cfg.drop_foreign_copy_head().is_some(), !ok, "{tag:?}");
+            assert_eq!(cfg.copy_head().is_some(), ok, "{tag:?}");
+            cfg.validate().unwrap();
         }
         // A head of another width is refused.
         c.copy_head_inputs = None;

@@ -137,7 +137,10 @@ async fn run_link(
             info.id, info.vocab_hash, hello.vocab_hash
         ));
     }
-    if !info.copy_head.is_empty() && info.copy_head_inputs != drafter::proposer::COPY_HEAD_SPEC {
+    if !info.copy_head.is_empty()
+        && drafter::proposer::copy_head_spec(Some(&info.copy_head_inputs))
+            != drafter::proposer::COPY_HEAD_SPEC
+    {
         tracing::warn!(
             draft = addr,
             inputs = info.copy_head_inputs,
@@ -287,7 +290,8 @@ impl RemoteProposer {
     }
 
     /// The copy-run rates the request's draft worker published (empty: none, or not known
-    /// while its link is down), and their confidence head if it published one.
+    /// while its link is down), and their confidence head if it published one over the inputs
+    /// this release computes.
     fn copy_runs_for(&mut self, id: u64) -> (Vec<f32>, Option<drafter::model::GreedyHead>) {
         let Some(addr) = self.link_for(id) else {
             return (Vec::new(), None);
@@ -299,7 +303,8 @@ impl RemoteProposer {
                 let i = l.shared.info.lock().ok()?;
                 i.as_ref().map(|i| {
                     // A head over other inputs (another release's) is not read: the rates serve.
-                    let head = (i.copy_head_inputs == drafter::proposer::COPY_HEAD_SPEC)
+                    let spec = drafter::proposer::copy_head_spec(Some(&i.copy_head_inputs));
+                    let head = (spec == drafter::proposer::COPY_HEAD_SPEC)
                         .then(|| {
                             drafter::model::GreedyHead::from_flat(
                                 &i.copy_head,
@@ -952,13 +957,15 @@ mod tests {
             (c[0] - 0.5).abs() < 1e-6 && (c[1] - 1.0 / (1.0 + (-2f32).exp())).abs() < 1e-6,
             "{c:?}"
         );
-        // A head over another release's inputs (or untagged) is not read: the rates serve.
-        for tag in ["", "copy-v0"] {
+        // An untagged head is "copy-v1" (draft workers released before the tag) and is read;
+        // one over another release's inputs is not: the rates serve.
+        for (tag, head_read) in [("", true), ("copy-v0", false)] {
             if let Some(i) = p.links[&addr].shared.info.lock().expect("info").as_mut() {
                 i.copy_head_inputs = tag.into();
             }
             let out = p.propose_free(&mut reqs).expect("free drafts");
-            assert_eq!(out[0].confidence.as_deref(), Some(&[0.6f32, 0.7][..]));
+            let rates = out[0].confidence.as_deref() == Some(&[0.6f32, 0.7][..]);
+            assert_eq!(rates, !head_read, "tag {tag:?}: {:?}", out[0].confidence);
         }
         // A link that went down: its rates are not used.
         p.links[&addr].shared.up.store(false, Ordering::SeqCst);
