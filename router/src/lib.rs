@@ -211,7 +211,7 @@ impl App {
 
     fn next_id(&self, prefix: &str) -> String {
         format!(
-            "{prefix}-{:x}{:04x}",
+            "{prefix}-{:012x}{:04x}",
             random_u64() >> 16,
             self.seq.fetch_add(1, Ordering::Relaxed) & 0xffff
         )
@@ -230,7 +230,60 @@ pub fn app(state: Arc<App>) -> Router {
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn(json_errors))
         .with_state(state)
+}
+
+/// Every error leaves with the OpenAI error body. axum answers some requests itself before
+/// a handler runs: a wrong method (405, empty body) and a body over the limit (413, plain
+/// text). Clients parse `error.message` on every 4xx and 5xx, so those are rewritten here;
+/// the status and the other headers stay.
+async fn json_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let method = req.method().clone();
+    let resp = next.run(req).await;
+    let status = resp.status();
+    if !(status.is_client_error() || status.is_server_error()) {
+        return resp;
+    }
+    let is_json = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if is_json {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+        .unwrap_or_default();
+    let message = match status {
+        // axum adds `Allow` outside this layer, so the methods are not named here.
+        StatusCode::METHOD_NOT_ALLOWED => {
+            format!("method {method} is not allowed on this route (see the Allow header)")
+        }
+        StatusCode::PAYLOAD_TOO_LARGE => {
+            format!("the request body is over this server's limit of {MAX_BODY} bytes")
+        }
+        _ if !text.is_empty() => text,
+        _ => status.canonical_reason().unwrap_or("error").to_string(),
+    };
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    let mut out = ApiError::new(status, kind, message).into_response();
+    for (name, value) in &parts.headers {
+        if name != axum::http::header::CONTENT_TYPE
+            && name != axum::http::header::CONTENT_LENGTH
+            && !value.is_empty()
+        {
+            out.headers_mut().append(name.clone(), value.clone());
+        }
+    }
+    out
 }
 
 pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
@@ -1749,7 +1802,80 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::call_finish;
+    use super::{MAX_BODY, call_finish, json_errors};
+    use axum::body::{Body, Bytes};
+    use axum::http::{Request, StatusCode};
+    use axum::routing::post;
+    use tower::ServiceExt;
+
+    /// axum's own rejections (wrong method, body over the limit) leave as JSON errors with
+    /// their status and `Allow`; a handler's JSON error and a success pass untouched.
+    #[tokio::test]
+    async fn errors_axum_answers_itself_carry_the_openai_error_body() {
+        let app = axum::Router::new()
+            .route("/echo", post(|b: Bytes| async move { b }))
+            .route(
+                "/teapot",
+                post(|| async { (StatusCode::IM_A_TEAPOT, "short and stout") }),
+            )
+            .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+            .layer(axum::middleware::from_fn(json_errors));
+        let send = |req: Request<Body>| {
+            let app = app.clone();
+            async move {
+                let r = app.oneshot(req).await.expect("infallible");
+                let status = r.status();
+                let allow = r.headers().get("allow").cloned();
+                let ctype = r.headers().get("content-type").cloned();
+                let body = axum::body::to_bytes(r.into_body(), 1 << 20)
+                    .await
+                    .expect("body");
+                (status, allow, ctype, body)
+            }
+        };
+        let json = |b: &Bytes| -> serde_json::Value {
+            serde_json::from_slice(b).unwrap_or_else(|e| panic!("{e}: {b:?}"))
+        };
+
+        let req = Request::get("/echo").body(Body::empty()).expect("request");
+        let (st, allow, _, body) = send(req).await;
+        assert_eq!(st, StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(allow.as_ref().and_then(|v| v.to_str().ok()), Some("POST"));
+        let v = json(&body);
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        let m = v["error"]["message"].as_str().unwrap_or("");
+        assert!(m.contains("GET"), "{v}");
+
+        let req = Request::post("/echo")
+            .body(Body::from(vec![b'a'; MAX_BODY + 1]))
+            .expect("request");
+        let (st, _, _, body) = send(req).await;
+        assert_eq!(st, StatusCode::PAYLOAD_TOO_LARGE);
+        let v = json(&body);
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(&MAX_BODY.to_string())),
+            "{v}"
+        );
+
+        // Some other plain-text error keeps its words.
+        let req = Request::post("/teapot")
+            .body(Body::empty())
+            .expect("request");
+        let (st, _, _, body) = send(req).await;
+        assert_eq!(st, StatusCode::IM_A_TEAPOT);
+        assert_eq!(json(&body)["error"]["message"], "short and stout");
+
+        // A success is not touched.
+        let req = Request::post("/echo")
+            .body(Body::from("hi"))
+            .expect("request");
+        let (st, _, ctype, body) = send(req).await;
+        assert_eq!(st, StatusCode::OK);
+        assert!(ctype.is_none_or(|v| !v.as_bytes().starts_with(b"application/json")));
+        assert_eq!(&body[..], b"hi");
+    }
 
     #[test]
     fn a_call_finishes_as_tool_calls_only_when_its_arguments_are_whole() {

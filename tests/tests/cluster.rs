@@ -1337,6 +1337,7 @@ print(json.dumps({"texts": texts, "done": done}))
             post(&format!("{}/v2/nothing", c.url), &json!({})).await,
             404,
         ),
+        ("wrong method", get(&cu).await, 405),
     ];
     for (what, (st, body), want) in cases {
         assert_eq!(st, want, "{what}: {body}");
