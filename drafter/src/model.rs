@@ -253,10 +253,11 @@ impl CalibrationCfg {
                 crate::proposer::COPY_HEAD_INPUTS
             )));
         }
-        let spec = crate::proposer::copy_head_spec(self.copy_head_inputs.as_deref());
-        if self.copy_head.is_some() && spec != crate::proposer::COPY_HEAD_SPEC {
+        let tag = self.copy_head_inputs.as_deref();
+        if self.copy_head.is_some() && !crate::proposer::copy_head_is_ours(tag) {
             return Err(DrafterError::Invalid(format!(
-                "the copy-run head was fitted over inputs {spec:?}, this release computes {:?}",
+                "the copy-run head was fitted over inputs {:?}, this release computes {:?}",
+                crate::proposer::copy_head_spec(tag),
                 crate::proposer::COPY_HEAD_SPEC
             )));
         }
@@ -310,11 +311,11 @@ impl DrafterConfig {
     /// computes (another release's), so that the rates serve; returns its tag.
     pub fn drop_foreign_copy_head(&mut self) -> Option<String> {
         let g = self.greedy_calibration.as_mut()?;
-        let spec = crate::proposer::copy_head_spec(g.copy_head_inputs.as_deref());
-        if g.copy_head.is_none() || spec == crate::proposer::COPY_HEAD_SPEC {
+        let tag = g.copy_head_inputs.as_deref();
+        if g.copy_head.is_none() || crate::proposer::copy_head_is_ours(tag) {
             return None;
         }
-        let spec = spec.to_string();
+        let spec = crate::proposer::copy_head_spec(tag).to_string();
         g.copy_head = None;
         g.copy_head_inputs = None;
         Some(spec)

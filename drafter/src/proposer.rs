@@ -48,6 +48,11 @@ pub fn copy_head_spec(tag: Option<&str>) -> &str {
         Some(t) => t,
     }
 }
+
+/// Whether a head tagged `tag` reads the inputs this release's [`copy_inputs`] computes.
+pub fn copy_head_is_ours(tag: Option<&str>) -> bool {
+    copy_head_spec(tag) == COPY_HEAD_SPEC
+}
 /// How far [`copy_inputs`] follows a match back (the rates stop at [`COPY_MAX_MATCH`]).
 const COPY_LONG_MATCH: usize = 64;
 /// Matched tokens whose earlier occurrences [`copy_inputs`] counts.

@@ -138,8 +138,7 @@ async fn run_link(
         ));
     }
     if !info.copy_head.is_empty()
-        && drafter::proposer::copy_head_spec(Some(&info.copy_head_inputs))
-            != drafter::proposer::COPY_HEAD_SPEC
+        && !drafter::proposer::copy_head_is_ours(Some(&info.copy_head_inputs))
     {
         tracing::warn!(
             draft = addr,
@@ -303,8 +302,8 @@ impl RemoteProposer {
                 let i = l.shared.info.lock().ok()?;
                 i.as_ref().map(|i| {
                     // A head over other inputs (another release's) is not read: the rates serve.
-                    let spec = drafter::proposer::copy_head_spec(Some(&i.copy_head_inputs));
-                    let head = (spec == drafter::proposer::COPY_HEAD_SPEC)
+                    let ours = drafter::proposer::copy_head_is_ours(Some(&i.copy_head_inputs));
+                    let head = ours
                         .then(|| {
                             drafter::model::GreedyHead::from_flat(
                                 &i.copy_head,
