@@ -113,6 +113,22 @@ impl Tensor {
 mod tests {
     use super::*;
 
+    /// A top_k past 32 bits reaches the worker as no truncation, never wrapped to a small k.
+    #[test]
+    fn a_huge_top_k_stays_huge_on_the_wire() {
+        for (k, want) in [
+            (40usize, 40u32),
+            (u32::MAX as usize + 2, u32::MAX),
+            (1usize << 32, u32::MAX),
+        ] {
+            let p = kernels::sampling::SamplingParams {
+                top_k: k,
+                ..Default::default()
+            };
+            assert_eq!(Sampling::from(&p).top_k, want, "{k}");
+        }
+    }
+
     #[test]
     fn tensor_round_trip_each_dtype() {
         let v: Vec<f32> = (0..24).map(|i| i as f32 * 0.25 - 3.0).collect();
@@ -140,7 +156,8 @@ impl From<&kernels::sampling::SamplingParams> for Sampling {
     fn from(p: &kernels::sampling::SamplingParams) -> Self {
         Self {
             temperature: p.temperature,
-            top_k: p.top_k as u32,
+            // Beyond any vocabulary: no truncation either way.
+            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
             top_p: p.top_p,
             repetition_penalty: p.repetition_penalty,
             presence_penalty: p.presence_penalty,

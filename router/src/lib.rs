@@ -326,11 +326,16 @@ async fn health() -> Json<Value> {
 }
 
 async fn ready(State(app): State<Arc<App>>) -> Response {
-    let t = app.cluster.targets();
+    // One view of the cluster for both counts (two reads could straddle a refresh).
+    let workers = app.cluster.workers();
+    let targets = workers
+        .iter()
+        .filter(|w| w.role == dspark_scheduler::placement::ROLE_TARGET)
+        .count();
     let draining = app.draining.load(Ordering::SeqCst);
-    let ok = !t.is_empty() && !draining;
-    let mut body = json!({"ready": ok, "target_workers": t.len(),
-        "draft_workers": app.cluster.workers().len() - t.len()});
+    let ok = targets > 0 && !draining;
+    let mut body = json!({"ready": ok, "target_workers": targets,
+        "draft_workers": workers.len() - targets});
     if draining {
         body["draining"] = json!(true);
     }
@@ -865,6 +870,8 @@ async fn drive(
                 );
                 let left = job.settings.max_tokens.saturating_sub(generated.len());
                 if left == 0 {
+                    stats.prompt_tokens = job.prompt.len() as u32;
+                    stats.completion_tokens = generated.len() as u32;
                     let _ = tx
                         .send(Piece::Done {
                             reason: "length".into(),
@@ -1152,8 +1159,9 @@ async fn serve(
     });
     let span = tracing::info_span!("request", request_id = id, traceparent = tp);
     dspark_scheduler::set_parent(&span, &tp);
-    // Chat without max_tokens: what fits, up to the default cap.
-    if kind == Kind::Chat {
+    // Chat without max_tokens: what fits, up to the default cap. A max_tokens the request
+    // gave is checked against the context below, never trimmed.
+    if kind == Kind::Chat && settings.max_tokens_defaulted {
         if let (Some(t), Some(p)) = (app.cluster.targets().first(), prompts.first()) {
             let room = (t.max_context as usize).saturating_sub(p.len());
             if room > 0 {

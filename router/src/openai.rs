@@ -363,6 +363,9 @@ const AUTO_REFUSED: &str = "tool_choice `auto` (the default with `tools`) needs 
 #[derive(Debug, Clone)]
 pub struct GenSettings {
     pub max_tokens: usize,
+    /// The request gave no max_tokens (nor max_completion_tokens): `max_tokens` is the default,
+    /// which chat trims to the room the prompt leaves; a given one is refused if it overflows.
+    pub max_tokens_defaulted: bool,
     pub sampling: kernels::sampling::SamplingParams,
     pub stop: Vec<String>,
     pub seed: u64,
@@ -687,6 +690,7 @@ impl Common {
             .map_err(|e| ApiError::bad(e.to_string(), None))?;
         Ok(GenSettings {
             max_tokens,
+            max_tokens_defaulted: max.is_none(),
             sampling,
             stop,
             seed: self

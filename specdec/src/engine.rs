@@ -825,18 +825,26 @@ impl Engine {
                 ..Default::default()
             };
             self.reserved_tokens += need;
+            let (text, sent, decoder) = resumed_text(self.tok.as_deref(), &req);
+            // A resumed request draws afresh: the first worker's draws went into the output
+            // it resumes, and reusing them would tie its tokens to those.
+            let seed = if req.resumed > 0 {
+                req.seed ^ (req.resumed as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            } else {
+                req.seed
+            };
             self.running.push(Seq {
                 kv,
                 tokens: req.prompt.clone(),
                 prefilled: cached,
                 phase: Phase::Prefill,
-                rng_draft: Rng::new(req.seed ^ 0x5eed_d4af_7a11_0001),
-                rng_accept: Rng::new(req.seed),
+                rng_draft: Rng::new(seed ^ 0x5eed_d4af_7a11_0001),
+                rng_accept: Rng::new(seed),
                 metrics,
                 gate: Gate::new(),
-                text: String::new(),
-                sent: 0,
-                decoder: StreamDecoder::new(),
+                text,
+                sent,
+                decoder,
                 arrived,
                 last_emit: None,
                 finished: None,
@@ -1587,6 +1595,31 @@ fn feature_rows(
             rows.extend_from_slice(&lh[t * d..(t + 1) * d]);
         }
     }
+}
+
+/// A resumed request's earlier output as text, how much of it the worker that made it sent,
+/// and the decoder after it. That worker held back what could still begin a stop string and
+/// the bytes of an unfinished character; going on from the same state sends them with what
+/// follows, ends a stop string that straddles the hand-over, and keeps a split character
+/// whole. `sent` is that worker's: what it held back at its last tokens is the longest end of
+/// the text that begins a stop string, and an earlier step never sent more (whatever it
+/// held back then begins the later text's held-back end or was cleared by it). A token the
+/// decoder cannot read leaves a fresh start, as before resuming kept state.
+fn resumed_text(tok: Option<&Tokenizer>, req: &Request) -> (String, usize, StreamDecoder) {
+    let mut decoder = StreamDecoder::new();
+    let mut text = String::new();
+    let (Some(tk), Some(from)) = (tok, req.prompt.len().checked_sub(req.resumed)) else {
+        return (text, 0, decoder);
+    };
+    for &t in &req.prompt[from..] {
+        match decoder.push(tk, t) {
+            Ok(Some(d)) => text.push_str(&d),
+            Ok(None) => {}
+            Err(_) => return (String::new(), 0, StreamDecoder::new()),
+        }
+    }
+    let sent = text.len() - held_back(&text, &req.stop);
+    (text, sent, decoder)
 }
 
 /// A JSON-mode request's document after its resumed output (a fresh one without); None if

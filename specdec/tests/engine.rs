@@ -277,6 +277,132 @@ fn stop_strings_and_eos_cut_blocks_exactly_like_plain_decoding() {
     }
 }
 
+/// A request resumed after its worker died mid-stream (the router sends the prompt plus the
+/// tokens it received, `resumed` of them) goes on from the text its first worker held back:
+/// at every cut, the text sent before it plus the text after it is the uninterrupted answer,
+/// token for token; a stop string that straddles the cut still ends the answer where it
+/// would have; a character whose bytes straddle it comes out whole.
+#[test]
+fn a_resumed_request_sends_the_text_its_first_worker_held_back() {
+    let f = fixture();
+    let ps = prompts(&f, 12);
+    let engine = || {
+        Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            Box::new(NoProposer),
+            cfg(1),
+            CostModel::flat(2),
+        )
+        .unwrap()
+    };
+    let request = |id: u64, prompt: Vec<u32>, max: usize, stop: Option<&String>| {
+        let mut r = Request::new(id, prompt, max);
+        r.stop = stop.into_iter().cloned().collect();
+        r
+    };
+    let mut e = engine();
+    for (i, p) in ps.iter().enumerate() {
+        e.add(request(i as u64, p.clone(), 40, None)).unwrap();
+    }
+    let plain = collect(e.run_to_completion().unwrap());
+    // The tiny model repeats itself: a stop string of its first character twice and one it
+    // never writes is held back all along (two characters behind), one of the character
+    // twice ends the answer at its second token, across a cut after the first.
+    let stops: Vec<Option<String>> = (0..ps.len())
+        .map(|i| {
+            let c = plain[&(i as u64)].1.chars().next()?;
+            Some(if i % 2 == 0 {
+                format!("{c}{c}\u{7}")
+            } else {
+                format!("{c}{c}")
+            })
+        })
+        .collect();
+    assert!(
+        stops.iter().filter(|s| s.is_some()).count() >= 4,
+        "{stops:?}"
+    );
+    // The uninterrupted runs with the stop strings, event by event.
+    let mut e = engine();
+    for (i, p) in ps.iter().enumerate() {
+        e.add(request(i as u64, p.clone(), 40, stops[i].as_ref()))
+            .unwrap();
+    }
+    let mut steps: HashMap<u64, Vec<(Vec<u32>, String)>> = HashMap::new();
+    let mut whole: HashMap<u64, FinishReason> = HashMap::new();
+    for ev in e.run_to_completion().unwrap() {
+        match ev {
+            Event::Tokens {
+                id, tokens, text, ..
+            } => steps.entry(id).or_default().push((tokens, text)),
+            Event::Finished { id, reason, .. } => {
+                whole.insert(id, reason);
+            }
+        }
+    }
+    // Every cut between two events, resumed on a fresh engine.
+    let mut e = engine();
+    let mut cuts = Vec::new();
+    let mut held = 0;
+    for (i, p) in ps.iter().enumerate() {
+        let ev = &steps[&(i as u64)];
+        for j in 0..ev.len().saturating_sub(1) {
+            let ids: Vec<u32> = ev[..=j].iter().flat_map(|s| s.0.clone()).collect();
+            let sent: String = ev[..=j].iter().map(|s| s.1.as_str()).collect();
+            if f.tok.decode(&ids, true).unwrap().len() > sent.len() {
+                held += 1;
+            }
+            let mut prompt = p.clone();
+            prompt.extend_from_slice(&ids);
+            let id = (cuts.len() + 1000) as u64;
+            let mut r = request(id, prompt, 40 - ids.len(), stops[i].as_ref());
+            r.resumed = ids.len();
+            e.add(r).unwrap();
+            cuts.push((i, id, ids, sent));
+        }
+    }
+    assert!(
+        held > 0,
+        "no cut found text held back: the test checks nothing"
+    );
+    let got = collect(e.run_to_completion().unwrap());
+    let want = |i: usize| -> (Vec<u32>, String) {
+        let ev = &steps[&(i as u64)];
+        (
+            ev.iter().flat_map(|s| s.0.clone()).collect(),
+            ev.iter().map(|s| s.1.as_str()).collect(),
+        )
+    };
+    for (i, id, ids, sent) in &cuts {
+        let (rest_ids, rest, reason) = &got[id];
+        let at = format!("prompt {i}, cut after {} tokens", ids.len());
+        assert_eq!([&ids[..], &rest_ids[..]].concat(), want(*i).0, "{at}");
+        assert_eq!(format!("{sent}{rest}"), want(*i).1, "{at}");
+        assert_eq!(*reason, whole[&(*i as u64)], "{at}");
+    }
+    e.check_kv().unwrap();
+
+    // "é" is two byte tokens: the first worker sent nothing for the first, its successor
+    // sends the character with the second.
+    let byte = |b: u8| {
+        (0..f.tok.vocab_size() as u32)
+            .find(|&t| f.tok.token_bytes(t) == [b])
+            .unwrap()
+    };
+    let (lead, tail) = (byte(0xC3), byte(0xA9));
+    let mut e = engine();
+    let mut prompt = ps[0].clone();
+    prompt.push(lead);
+    let mut r = Request::new(1, prompt, 1);
+    r.resumed = 1;
+    r.params.set_logit_bias([(tail, 100.0)]);
+    e.add(r).unwrap();
+    let got = collect(e.run_to_completion().unwrap());
+    assert_eq!(got[&1].0, vec![tail]);
+    assert_eq!(got[&1].1, "é");
+}
+
 /// Tokens that are whitespace only (tests push them away: a tiny random model pads with them).
 fn whitespace_tokens(f: &Fixture) -> Vec<u32> {
     (0..f.tok.vocab_size() as u32)

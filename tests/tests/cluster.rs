@@ -1338,6 +1338,17 @@ print(json.dumps({"texts": texts, "done": done}))
             404,
         ),
         ("wrong method", get(&cu).await, 405),
+        (
+            // A max_tokens the request gave is checked against the context, not trimmed.
+            "chat max_tokens past the context",
+            post(
+                &cu,
+                &json!({"model": "smollm2-135m", "max_tokens": 4096,
+                    "messages": [{"role": "user", "content": "word ".repeat(5000)}]}),
+            )
+            .await,
+            400,
+        ),
     ];
     for (what, (st, body), want) in cases {
         assert_eq!(st, want, "{what}: {body}");
