@@ -98,6 +98,12 @@ pub struct Drafting {
     next_id: u64,
 }
 
+/// Requests one draft worker keeps state for, over all its streams: a target worker runs a
+/// few hundred at most, so a stream opening more is refused before it exhausts memory.
+pub const MAX_REQUESTS: usize = 16_384;
+/// Longest context one request may sync (tokens), well past any model's context here.
+pub const MAX_CONTEXT_TOKENS: usize = 1 << 18;
+
 fn bad(m: impl Into<String>) -> String {
     m.into()
 }
@@ -240,6 +246,15 @@ impl Drafting {
                 continue;
             }
             for it in &call.items {
+                if !self.ids.contains_key(&(*stream, it.seq)) && self.ids.len() >= MAX_REQUESTS {
+                    rep.error = format!(
+                        "request {}: this draft worker holds {} requests already (at most \
+                         {MAX_REQUESTS}); finish some first",
+                        it.seq,
+                        self.ids.len()
+                    );
+                    break;
+                }
                 let g = *self.ids.entry((*stream, it.seq)).or_insert_with(|| {
                     self.next_id += 1;
                     self.next_id
@@ -260,6 +275,14 @@ impl Drafting {
                         ..Default::default()
                     });
                     continue;
+                }
+                if it.sync_from as usize + it.tokens.len() > MAX_CONTEXT_TOKENS {
+                    rep.error = format!(
+                        "request {}: a context of {} tokens (at most {MAX_CONTEXT_TOKENS})",
+                        it.seq,
+                        it.sync_from as usize + it.tokens.len()
+                    );
+                    break;
                 }
                 st.tokens.truncate(it.sync_from as usize);
                 st.tokens.extend_from_slice(&it.tokens);
@@ -312,6 +335,23 @@ impl Drafting {
                     for (wi, b) in order.into_iter().zip(blocks) {
                         let (ri, bi, _, k, _) = want[wi];
                         fill(&mut replies[ri].blocks[bi], b, k, self.host.vocab);
+                    }
+                }
+                // One request the drafter cannot serve (a context past the draft model's)
+                // must not cost the others their drafts: each is drafted alone, and one that
+                // fails gets an empty block (its target decodes without a draft this step).
+                Err(e) if reqs.len() > 1 => {
+                    tracing::warn!("batched drafting failed ({e}); drafting one at a time");
+                    for (wi, r) in order.into_iter().zip(reqs) {
+                        let (ri, bi, g, k, _) = want[wi];
+                        match self.host.proposer.propose(&mut [r]) {
+                            Ok(mut b) if b.len() == 1 => {
+                                let b = b.remove(0);
+                                fill(&mut replies[ri].blocks[bi], b, k, self.host.vocab);
+                            }
+                            Ok(_) => {}
+                            Err(e) => tracing::warn!(request = g, "drafting failed: {e}"),
+                        }
                     }
                 }
                 Err(e) => {
@@ -388,6 +428,114 @@ fn fill(m: &mut DraftBlock, b: specdec::proposer::DraftBlock, k: usize, vocab: u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dspark_proto::DraftItem;
+
+    /// A drafter that cannot draft past a context of 8 tokens (as a draft model past its own
+    /// context): it fails any batch holding such a request.
+    struct Short;
+    impl Proposer for Short {
+        fn name(&self) -> &str {
+            "short"
+        }
+        fn propose(
+            &mut self,
+            reqs: &mut [ProposeReq<'_>],
+        ) -> specdec::Result<Vec<specdec::proposer::DraftBlock>> {
+            if reqs.iter().any(|r| r.context.len() > 8) {
+                return Err(specdec::SpecError::Invalid("context too long".into()));
+            }
+            Ok(reqs
+                .iter()
+                .map(|r| specdec::proposer::DraftBlock {
+                    tokens: vec![1; r.k],
+                    dists: vec![Dist::OneHot; r.k],
+                    confidence: None,
+                    conf_inputs: None,
+                    fitted_rates: false,
+                })
+                .collect())
+        }
+    }
+
+    fn drafting() -> Drafting {
+        Drafting::new(DraftHost {
+            proposer: Box::new(Short),
+            drafter: "short".into(),
+            vocab: 10,
+            vocab_hash: "v".into(),
+            feature_layers: Vec::new(),
+            row_len: 0,
+            max_gamma: 4,
+            copy_runs: Vec::new(),
+            copy_head: Vec::new(),
+        })
+    }
+
+    fn round(items: Vec<DraftItem>) -> Vec<DraftReply> {
+        let mut d = drafting();
+        let (tx, _rx) = tokio::sync::oneshot::channel();
+        let call = DraftCall {
+            step: 1,
+            items,
+            ..Default::default()
+        };
+        d.rounds(vec![(7, call, tx)])
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect()
+    }
+
+    fn item(seq: u64, tokens: usize) -> DraftItem {
+        DraftItem {
+            seq,
+            tokens: vec![2; tokens],
+            k: 3,
+            ..Default::default()
+        }
+    }
+
+    /// One request the drafter cannot serve leaves its block empty; the others in the same
+    /// batch still get theirs.
+    #[test]
+    fn one_request_the_drafter_fails_costs_the_others_nothing() {
+        let r = round(vec![item(1, 4), item(2, 20), item(3, 5)]);
+        assert!(r[0].error.is_empty(), "{:?}", r[0].error);
+        let lens: Vec<usize> = r[0].blocks.iter().map(|b| b.tokens.len()).collect();
+        assert_eq!(lens, vec![3, 0, 3]);
+        // Alone, the failure is the round's error, as before.
+        let r = round(vec![item(2, 20)]);
+        assert!(r[0].error.contains("drafting failed"), "{:?}", r[0].error);
+    }
+
+    /// A context past [`MAX_CONTEXT_TOKENS`] is refused with a message, nothing kept for it.
+    #[test]
+    fn a_context_past_the_limit_is_refused() {
+        let mut d = drafting();
+        let (tx, _rx) = tokio::sync::oneshot::channel();
+        d.rounds(vec![(
+            7,
+            DraftCall {
+                step: 1,
+                items: vec![item(1, 4)],
+                ..Default::default()
+            },
+            tx,
+        )]);
+        let (tx, _rx) = tokio::sync::oneshot::channel();
+        let mut big = item(1, 0);
+        big.sync_from = 4;
+        big.tokens = vec![2; MAX_CONTEXT_TOKENS];
+        let r = d.rounds(vec![(
+            7,
+            DraftCall {
+                step: 2,
+                items: vec![big],
+                ..Default::default()
+            },
+            tx,
+        )]);
+        assert!(r[0].1.error.contains("at most"), "{:?}", r[0].1.error);
+    }
 
     #[test]
     fn a_block_goes_on_the_wire_with_its_confidences_and_their_kind() {

@@ -448,14 +448,17 @@ impl Admission {
         let bufs = std::mem::take(&mut self.bufs);
         let (mut merge, forced, forced_tau, mut k) =
             Merge::new(conf, limits, &mut self.clamped, bufs);
-        let base_b = conf.len() as u32 + step.plain_requests + step.other_tokens;
-        let tau = (conf.len() as u32 + step.plain_requests) as f64 + forced_tau;
+        // Saturating: the counts come over the wire in a budget request.
+        let base_b = (conf.len() as u32)
+            .saturating_add(step.plain_requests)
+            .saturating_add(step.other_tokens);
+        let tau = (conf.len() as f64 + step.plain_requests as f64) + forced_tau;
         let room = step
             .max_batch_tokens
             .min(sps.max_batch())
-            .saturating_sub(base_b + forced)
+            .saturating_sub(base_b.saturating_add(forced))
             .min(step.kv_headroom.saturating_sub(forced));
-        let b0 = base_b + forced;
+        let b0 = base_b.saturating_add(forced);
         let mut best = (tau * sps.sps(b0), 0u32);
         let mut t = tau;
         let mut stair = StairWalk::new(sps);
@@ -2266,7 +2269,11 @@ mod tests {
         let room = step
             .max_batch_tokens
             .min(sps.max_batch())
-            .saturating_sub(n as u32 + step.other_tokens + forced)
+            .saturating_sub(
+                (n as u32)
+                    .saturating_add(step.other_tokens)
+                    .saturating_add(forced),
+            )
             .min(step.kv_headroom.saturating_sub(forced));
         let mut k = lo.clone();
         let mut best = f64::MIN;

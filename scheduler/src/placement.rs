@@ -129,6 +129,29 @@ pub enum PlaceError {
 
 impl Cluster {
     /// Adds or refreshes a worker; its reported load replaces the placement estimate.
+    /// Whether a worker of this id is registered.
+    pub fn contains(&self, id: &str) -> bool {
+        self.workers.contains_key(id)
+    }
+
+    /// One worker's record, its load counting what was placed on it since it reported.
+    pub fn get(&self, id: &str) -> Option<WorkerInfo> {
+        self.workers.get(id).map(|e| {
+            let mut i = e.info.clone();
+            i.load = i.load.saturating_add(e.placed);
+            i
+        })
+    }
+
+    /// Registered workers.
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+
     pub fn upsert(&mut self, info: WorkerInfo, ttl: Duration, now: Instant) {
         self.workers.insert(
             info.id.clone(),
@@ -213,7 +236,7 @@ impl Cluster {
             .values()
             .map(|e| {
                 let mut i = e.info.clone();
-                i.load += e.placed;
+                i.load = i.load.saturating_add(e.placed);
                 i
             })
             .collect();
@@ -230,7 +253,8 @@ impl Cluster {
         exclude: &[String],
         prefix: &[u64],
     ) -> Result<(WorkerInfo, Option<WorkerInfo>), PlaceError> {
-        let ratio = |e: &Entry| (e.info.load + e.placed) as f64 / e.info.capacity.max(1) as f64;
+        let ratio =
+            |e: &Entry| (e.info.load as f64 + e.placed as f64) / e.info.capacity.max(1) as f64;
         let eligible = |e: &&Entry, role: &str| {
             e.info.role == role
                 && (model.is_empty() || e.info.model == model)
@@ -240,7 +264,7 @@ impl Cluster {
             .workers
             .values()
             .filter(|e| eligible(e, ROLE_TARGET))
-            .filter(|e| e.info.load + e.placed < e.info.capacity.max(1))
+            .filter(|e| e.info.load.saturating_add(e.placed) < e.info.capacity.max(1))
             .collect();
         let least = targets
             .iter()

@@ -146,9 +146,43 @@ fn expire_now(c: &mut Cluster) {
     }
 }
 
+/// Most workers one scheduler keeps: a registration past it is refused.
+pub const MAX_WORKERS: usize = 4096;
+/// Longest string field of a registration, and most entries of its lists: every router and
+/// worker reads these back with each cluster view.
+const MAX_FIELD_BYTES: usize = 1024;
+const MAX_SPS_STEPS: usize = 8192;
+const MAX_COPY_FLOATS: usize = 1024;
+
 fn check_info(i: &WorkerInfo) -> Result<(), Status> {
     if i.id.is_empty() || i.id.len() > 256 {
         return Err(Status::invalid_argument("worker id must be 1..=256 bytes"));
+    }
+    for (name, v) in [
+        ("model", &i.model),
+        ("vocab_hash", &i.vocab_hash),
+        ("drafter", &i.drafter),
+        ("sps_key", &i.sps_key),
+        ("copy_head_inputs", &i.copy_head_inputs),
+    ] {
+        if v.len() > MAX_FIELD_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "{name} is {} bytes (at most {MAX_FIELD_BYTES})",
+                v.len()
+            )));
+        }
+    }
+    for (name, len, max) in [
+        ("feature_layers", i.feature_layers.len(), 64),
+        ("sps", i.sps.len(), MAX_SPS_STEPS),
+        ("copy_runs", i.copy_runs.len(), MAX_COPY_FLOATS),
+        ("copy_head", i.copy_head.len(), MAX_COPY_FLOATS),
+    ] {
+        if len > max {
+            return Err(Status::invalid_argument(format!(
+                "{name} has {len} entries (at most {max})"
+            )));
+        }
     }
     if i.role != crate::placement::ROLE_TARGET && i.role != crate::placement::ROLE_DRAFT {
         return Err(Status::invalid_argument(format!(
@@ -176,7 +210,13 @@ impl Scheduler for SchedulerService {
             Duration::from_millis(info.ttl_ms as u64).clamp(MIN_TTL, MAX_TTL)
         };
         let mut c = self.lock()?;
-        let new = !c.workers().iter().any(|w| w.id == info.id);
+        let new = !c.contains(&info.id);
+        if new && c.len() >= MAX_WORKERS {
+            return Err(Status::resource_exhausted(format!(
+                "{} workers registered already (at most {MAX_WORKERS})",
+                c.len()
+            )));
+        }
         if new {
             tracing::info!(
                 worker = info.id,
@@ -230,9 +270,7 @@ impl Scheduler for SchedulerService {
         let r = req.into_inner();
         let info = self
             .lock()?
-            .workers()
-            .into_iter()
-            .find(|w| w.id == r.worker_id)
+            .get(&r.worker_id)
             .ok_or_else(|| Status::not_found(format!("unknown worker `{}`", r.worker_id)))?;
         let sps = crate::admission::SpsTable::new(
             info.sps
@@ -264,7 +302,7 @@ impl Scheduler for SchedulerService {
         }
         self.counts.budgets.fetch_add(1, Ordering::Relaxed);
         Ok(Response::new(BudgetReply {
-            for_step: r.step + 2,
+            for_step: r.step.saturating_add(2),
             k_total: d.k.iter().sum(),
         }))
     }

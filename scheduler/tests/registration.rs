@@ -202,3 +202,92 @@ async fn a_nudge_reports_room_before_the_next_heartbeat() {
         "{n} heartbeats for 500 ms of nudges"
     );
 }
+
+/// Registrations too large for every router and worker to read back with each cluster view
+/// are refused with a message; a load at u32::MAX and a budget report of u32::MAX tokens are
+/// served, not a panic that would poison the cluster view for everyone.
+#[tokio::test]
+async fn oversized_registrations_are_refused_and_extreme_counts_answer() {
+    let (url, _svc) = scheduler().await;
+    let mut c = SchedulerClient::connect(url.clone())
+        .await
+        .expect("connect");
+    let base = || WorkerInfo {
+        id: "w".into(),
+        role: "target".into(),
+        address: "127.0.0.1:1".into(),
+        capacity: 4,
+        ..Default::default()
+    };
+    let oversized = [
+        WorkerInfo {
+            copy_head: vec![0.0; 100_000],
+            ..base()
+        },
+        WorkerInfo {
+            feature_layers: vec![0; 100_000],
+            ..base()
+        },
+        WorkerInfo {
+            model: "m".repeat(100_000),
+            ..base()
+        },
+        WorkerInfo {
+            sps: vec![dspark_proto::SpsStep::default(); 100_000],
+            ..base()
+        },
+    ];
+    for w in oversized {
+        let e = c.register(w).await.expect_err("oversized registration");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains("at most"), "{e:?}");
+    }
+    assert!(ids(&url).await.is_empty());
+
+    // A draft worker reporting u32::MAX load, a target to pair it with, and placements.
+    let sps = vec![dspark_proto::SpsStep {
+        batch_tokens: 64,
+        steps_per_s: 100.0,
+    }];
+    c.register(WorkerInfo {
+        sps,
+        vocab_hash: "v".into(),
+        ..base()
+    })
+    .await
+    .expect("target");
+    c.register(WorkerInfo {
+        id: "d".into(),
+        role: "draft".into(),
+        load: u32::MAX,
+        vocab_hash: "v".into(),
+        ..base()
+    })
+    .await
+    .expect("draft");
+    for _ in 0..2 {
+        place(&mut c).await.expect("placed");
+    }
+    let view = c
+        .cluster(dspark_proto::ClusterRequest {})
+        .await
+        .expect("the view is served");
+    let d = view.into_inner().workers.into_iter().find(|w| w.id == "d");
+    assert_eq!(d.map(|d| d.load), Some(u32::MAX));
+    let r = c
+        .budget(dspark_proto::BudgetRequest {
+            worker_id: "w".into(),
+            step: u64::MAX,
+            rows: vec![dspark_proto::ConfRow { c: vec![0.9; 4] }],
+            other_tokens: u32::MAX,
+            kv_headroom: u32::MAX,
+            max_batch_tokens: u32::MAX,
+            max_k: u32::MAX,
+            plain_requests: u32::MAX,
+        })
+        .await
+        .expect("budget")
+        .into_inner();
+    assert_eq!(r.k_total, 0, "no room in a batch already past the table");
+    assert_eq!(r.for_step, u64::MAX);
+}

@@ -475,6 +475,7 @@ fn build_engine(
                         worker: id.to_string(),
                         model: a.model.clone(),
                         vocab_hash: vocab_hash.clone(),
+                        n_layers: target.model.cfg.n_layers,
                     },
                     fallback,
                     Duration::from_millis(a.draft_timeout_ms),

@@ -68,6 +68,34 @@ pub struct Hello {
     pub worker: String,
     pub model: String,
     pub vocab_hash: String,
+    /// The target's layers: a draft worker asking for the hidden states of others is refused.
+    pub n_layers: usize,
+}
+
+/// Most target layers a drafter may condition on (DSpark's drafters take three).
+pub const MAX_FEATURE_LAYERS: usize = 16;
+
+/// The draft worker's feature layers, if this target can give them: each a layer it has,
+/// none twice, at most [`MAX_FEATURE_LAYERS`]. A forward asked for a missing layer fails every
+/// request in its batch, so a link that would ask for one is not opened.
+fn check_feature_layers(layers: &[u32], n_layers: usize) -> std::result::Result<(), String> {
+    if layers.len() > MAX_FEATURE_LAYERS {
+        return Err(format!(
+            "{} feature layers (at most {MAX_FEATURE_LAYERS})",
+            layers.len()
+        ));
+    }
+    for (i, &l) in layers.iter().enumerate() {
+        if l as usize >= n_layers {
+            return Err(format!(
+                "feature layer {l} (this target has {n_layers} layers)"
+            ));
+        }
+        if layers[..i].contains(&l) {
+            return Err(format!("feature layer {l} listed twice"));
+        }
+    }
+    Ok(())
 }
 
 fn spawn_link(rt: &tokio::runtime::Handle, addr: String, hello: Hello) -> Link {
@@ -136,6 +164,10 @@ async fn run_link(
             "draft worker {} has vocabulary {}, this target {}",
             info.id, info.vocab_hash, hello.vocab_hash
         ));
+    }
+    if let Err(e) = check_feature_layers(&info.feature_layers, hello.n_layers) {
+        tracing::warn!(draft = addr, "draft worker {} refused: {e}", info.id);
+        return Err(format!("draft worker {}: {e}", info.id));
     }
     if !info.copy_head.is_empty()
         && !drafter::proposer::copy_head_is_ours(Some(&info.copy_head_inputs))
@@ -467,7 +499,9 @@ impl RemoteProposer {
             };
             let features = if rl > 0 && !rs.feats.is_empty() {
                 let from = rs.feats_acked.max(rs.feat_base);
-                let rows = &rs.feats[(from - rs.feat_base) * rl..];
+                // Rows of this request's width: a link whose layers differ from the last
+                // one's (another drafter) finds none here, and sends no features.
+                let rows = rs.feats.get((from - rs.feat_base) * rl..).unwrap_or(&[]);
                 (!rows.is_empty()).then(|| {
                     (
                         from,
@@ -848,6 +882,24 @@ fn sparse_rows(b: &dspark_proto::DraftBlock, n: usize, vocab: usize) -> Option<V
 mod tests {
     use super::*;
 
+    /// A draft worker asking for layers the target lacks, the same layer twice or too many
+    /// is refused before its link opens (a forward asked for them would fail every request).
+    #[test]
+    fn feature_layers_outside_the_target_refuse_the_link() {
+        assert!(check_feature_layers(&[], 30).is_ok());
+        assert!(check_feature_layers(&[5, 15, 28], 30).is_ok());
+        let e = check_feature_layers(&[5, 30], 30).unwrap_err();
+        assert!(e.contains("30"), "{e}");
+        assert!(
+            check_feature_layers(&[3, 3], 30)
+                .unwrap_err()
+                .contains("twice")
+        );
+        let many: Vec<u32> = (0..MAX_FEATURE_LAYERS as u32 + 1).collect();
+        assert!(check_feature_layers(&many, 64).is_err());
+        assert!(check_feature_layers(&vec![0; 10_000_000], 30).is_err());
+    }
+
     fn block(
         tokens: Vec<u32>,
         ids: Vec<u32>,
@@ -875,6 +927,7 @@ mod tests {
             worker: "t".into(),
             model: "m".into(),
             vocab_hash: "h".into(),
+            n_layers: 4,
         };
         let mut p = RemoteProposer::new(
             rt.handle().clone(),
