@@ -54,7 +54,8 @@ impl Cluster {
         tokio::spawn(async move {
             loop {
                 if let Ok(ch) = me.channel_for_url(&url) {
-                    let mut c = SchedulerClient::new(ch);
+                    let mut c = SchedulerClient::new(ch)
+                        .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES);
                     if let Ok(Ok(v)) =
                         tokio::time::timeout(SCHEDULER_TIMEOUT, c.cluster(ClusterRequest {})).await
                     {
@@ -150,7 +151,8 @@ impl Cluster {
         if exclude.is_empty() && !skip {
             if let Some(url) = &self.scheduler {
                 if let Ok(ch) = self.channel_for_url(url) {
-                    let mut c = SchedulerClient::new(ch);
+                    let mut c = SchedulerClient::new(ch)
+                        .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES);
                     let r = tokio::time::timeout(
                         SCHEDULER_TIMEOUT,
                         c.place(PlaceRequest {

@@ -606,6 +606,13 @@ impl Engine {
         req.params.validate()?;
         let vocab = self.model.cfg.vocab_size;
         req.params.validate_vocab(vocab)?;
+        // Each committed token is looked up in them.
+        if req.stop_token_ids.len() > 1024 {
+            return Err(SpecError::Invalid(format!(
+                "{} stop token ids (at most 1024)",
+                req.stop_token_ids.len()
+            )));
+        }
         if let Some(&t) = req.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(SpecError::Invalid(format!(
                 "stop token id {t} outside the vocabulary"

@@ -941,6 +941,9 @@ fn cancellation_and_bad_input() {
     r.stop_token_ids = vec![vocab + 3];
     assert!(e.add(r).unwrap_err().to_string().contains("stop token"));
     let mut r = Request::new(1, p.clone(), 5);
+    r.stop_token_ids = vec![1; 100_000];
+    assert!(e.add(r).unwrap_err().to_string().contains("at most"));
+    let mut r = Request::new(1, p.clone(), 5);
     r.min_tokens = 6;
     assert!(e.add(r).unwrap_err().to_string().contains("min_tokens"));
     let mut r = Request::new(1, p.clone(), 5);
