@@ -37,6 +37,9 @@ pub struct SamplingParams {
     pub held_ids: Vec<u32>,
 }
 
+/// Temperatures below this decode greedily (vLLM's threshold).
+pub const GREEDY_BELOW: f32 = 1e-5;
+
 /// Largest |bias| OpenAI's `logit_bias` accepts.
 pub const MAX_LOGIT_BIAS: f32 = 100.0;
 
@@ -62,8 +65,10 @@ impl SamplingParams {
         Self::default()
     }
 
+    /// Temperatures below [`GREEDY_BELOW`] are greedy: 1/T overflows f32 from about 3e-39,
+    /// and a NaN row would sample token 0 every time.
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        self.temperature < GREEDY_BELOW
     }
 
     pub fn has_penalties(&self) -> bool {
@@ -506,6 +511,22 @@ mod tests {
         assert!(params(1.0, 0, 0.0).validate().is_err());
         assert!(params(1.0, 0, 1.5).validate().is_err());
         assert!(params(0.7, 40, 0.9).validate().is_ok());
+    }
+
+    /// A tiny positive temperature decodes greedily instead of overflowing 1/T into a NaN
+    /// row (which sampled token 0 every time).
+    #[test]
+    fn a_tiny_temperature_is_greedy() {
+        let logits = [0.5f32, 3.0, 1.0, -2.0];
+        for t in [0.0f32, 1e-40, 1e-30, 1e-6] {
+            let p = params(t, 0, 1.0);
+            assert!(p.validate().is_ok() && p.is_greedy(), "{t}");
+        }
+        let p = params(1e-4, 0, 1.0);
+        assert!(!p.is_greedy());
+        let pr = probs(&logits, &[], &p);
+        assert!(pr.iter().all(|x| x.is_finite()), "{pr:?}");
+        assert_eq!(argmax(&pr), 1);
     }
 
     #[test]

@@ -602,6 +602,23 @@ impl Model {
         }
     }
 
+    /// On rank 0, before new sequences adopt cached prefix blocks: if the ranks went down or
+    /// reconnected since `cache` last synced with them, they hold none of its blocks, so its
+    /// prefix cache is dropped now (the next forward syncs it again). Otherwise a request
+    /// arriving after a rank came back while the worker was idle would adopt blocks the rank
+    /// lost, and its forward, with every other request in it, would fail. Without TP, nothing.
+    pub fn tp_sync(&self, cache: &mut KvCache) {
+        let Some(g) = &self.group else {
+            return;
+        };
+        let Ok(g) = g.lock() else {
+            return;
+        };
+        if cache.tp_tag().is_some() && !g.holds(cache) {
+            cache.mark_tp_lost();
+        }
+    }
+
     /// A hash of the configuration and the norm weights every rank loads whole: ranks of one
     /// group must hold the same checkpoint.
     pub fn fingerprint(&self) -> u64 {

@@ -624,6 +624,11 @@ impl Group {
         }
     }
 
+    /// Whether the ranks hold `cache`'s part: linked, and in the epoch the cache was synced in.
+    pub(crate) fn holds(&self, cache: &KvCache) -> bool {
+        !self.links.is_empty() && cache.tp_tag().map(|(e, _)| e) == Some(self.epoch)
+    }
+
     /// Dials the ranks if the links are down (no cache is touched: the next forward syncs).
     pub(crate) fn redial(&mut self) -> Result<bool> {
         if !self.links.is_empty() {

@@ -355,6 +355,58 @@ fn a_lost_link_fails_forwards_then_reconnects_and_starts_over() {
     assert!(max_rel_diff(&[got.logits], &[want.logits]) < 1e-4);
 }
 
+/// Ranks lost and relinked while the worker is idle (the target worker's redial thread) hold
+/// none of the cache's blocks: `tp_sync`, which the engine calls before admitting, drops the
+/// prefix cache, so the next request computes its prompt instead of adopting those blocks and
+/// failing its forward.
+#[test]
+fn ranks_relinked_while_idle_leave_no_prefix_blocks_to_adopt() {
+    let spec = TinySpec::llama(3);
+    let path = tiny_model_path(&spec, "tp-llama").unwrap();
+    let whole = Model::load(&path, &opts(None)).unwrap();
+    let peers = start_ranks(&path, 2);
+    let m = leader(&path, peers.clone()).unwrap();
+    let mut c = m.new_cache(128, 8).unwrap();
+    c.set_prefix_caching(true);
+    let first: Vec<u32> = (1..=17).collect();
+    let a = c.new_seq();
+    fwd(&m, &mut c, &[(a, &first)]);
+    c.register(a, &first).unwrap();
+    c.remove(a).unwrap();
+    // Synced and linked: the blocks stay offered.
+    m.tp_sync(&mut c);
+    let (p, hit) = c.new_seq_with_prefix(&first, 64);
+    assert!(hit > 0);
+    c.remove(p).unwrap();
+    // Another leader takes rank 1 over; the idle check sees the link gone and the redial
+    // relinks (a new epoch), as the target worker's redial thread does between requests.
+    let other = leader(&path, peers).unwrap();
+    let mut c2 = other.new_cache(64, 8).unwrap();
+    let s2 = c2.new_seq();
+    fwd(&other, &mut c2, &[(s2, &[9])]);
+    let t0 = std::time::Instant::now();
+    while m.tp_links().is_some_and(|l| l.up()) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the lost link never showed"
+        );
+        m.tp_check();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(m.tp_redial().unwrap());
+    m.tp_sync(&mut c);
+    let (b, hit) = c.new_seq_with_prefix(&first, 64);
+    assert_eq!(
+        hit, 0,
+        "prefix blocks the relinked ranks do not hold were offered"
+    );
+    let got = last(&m, &mut c, b, &first).unwrap();
+    let mut wc = whole.new_cache(64, 8).unwrap();
+    let wb = wc.new_seq();
+    let want = last(&whole, &mut wc, wb, &first).unwrap();
+    assert!(max_rel_diff(&[got.logits], &[want.logits]) < 1e-4);
+}
+
 /// Int8 key offsets live with each cache on the ranks, sent by rank 0 with every new cache.
 /// After a reconnect (a restarted rank, or one another leader took over) a rank holds none of
 /// rank 0's caches, and the next cache must bring its offsets again: without them the keys of

@@ -489,6 +489,8 @@ pub struct Engine {
     recal: Option<crate::recal::OnlineCalibration>,
     /// Every token's bytes for JSON mode, built on the first request that asks for it.
     json_vocab: Option<Arc<JsonVocab>>,
+    /// Steps whose drafting call failed (they verified without drafts).
+    pub draft_failures: u64,
 }
 
 impl Engine {
@@ -547,6 +549,7 @@ impl Engine {
             sentinels: Vec::new(),
             recal,
             json_vocab: None,
+            draft_failures: 0,
         })
     }
 
@@ -870,6 +873,8 @@ impl Engine {
     /// Runs one engine cycle and returns the events it produced.
     pub fn step(&mut self) -> Result<Vec<Event>> {
         let mut events = Vec::new();
+        // Tensor parallelism: no request adopts prefix blocks the ranks no longer hold.
+        self.model.tp_sync(&mut self.cache);
         self.admit()?;
         if self.running.is_empty() {
             return Ok(events);
@@ -1036,11 +1041,25 @@ impl Engine {
                     rng: &mut s.rng_draft,
                 });
             }
-            let blocks = if free {
-                self.proposer.propose_free(&mut reqs)?
+            let n_reqs = reqs.len();
+            let proposed = if free {
+                self.proposer.propose_free(&mut reqs)
             } else {
-                self.proposer.propose(&mut reqs)?
+                self.proposer.propose(&mut reqs)
             };
+            // Drafting only speeds decoding up: a drafter that fails (a draft model past its
+            // context or its cache) leaves this step to verify without drafts rather than
+            // failing every request in the batch.
+            let blocks = proposed.unwrap_or_else(|e| {
+                self.draft_failures += 1;
+                if self.draft_failures.is_power_of_two() {
+                    tracing::warn!(
+                        failures = self.draft_failures,
+                        "drafting failed, this step decodes without drafts: {e}"
+                    );
+                }
+                vec![DraftBlock::default(); n_reqs]
+            });
             for (&i, mut b) in drafting.iter().zip(blocks) {
                 let mut k = ks[i].unwrap_or(0);
                 if free {

@@ -229,6 +229,63 @@ fn proposer_clone(f: &Fixture, name: &str) -> Box<dyn Proposer> {
         .unwrap()
 }
 
+/// The n-gram drafter, failing every other drafting call (as a draft model past its cache).
+struct Flaky(NgramProposer, usize);
+impl Proposer for Flaky {
+    fn name(&self) -> &str {
+        "flaky"
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::proposer::DraftBlock>> {
+        self.1 += 1;
+        if self.1 % 2 == 0 {
+            return Err(specdec::SpecError::Invalid("draft cache full".into()));
+        }
+        self.0.propose(reqs)
+    }
+}
+
+/// A drafter that fails costs no request its answer: those steps verify without drafts, and
+/// greedy output stays plain decoding's.
+#[test]
+fn a_failing_drafter_leaves_every_request_served() {
+    let f = fixture();
+    let ps = prompts(&f, 12);
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        Box::new(Flaky(NgramProposer::default(), 0)),
+        cfg(3),
+        CostModel::flat(4),
+    )
+    .unwrap();
+    for (i, p) in ps.iter().enumerate() {
+        e.add(Request::new(i as u64, p.clone(), 30)).unwrap();
+    }
+    let got = collect(e.run_to_completion().unwrap());
+    for (i, p) in ps.iter().enumerate() {
+        let want = generate(
+            &f.target,
+            &f.tok,
+            p,
+            &GenerateParams {
+                max_tokens: 30,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(got[&(i as u64)].0, want.token_ids, "prompt {i}");
+    }
+    assert!(
+        e.draft_failures > 0,
+        "the drafter never failed: the test checks nothing"
+    );
+    e.check_kv().unwrap();
+}
+
 #[test]
 fn stop_strings_and_eos_cut_blocks_exactly_like_plain_decoding() {
     let f = fixture();
