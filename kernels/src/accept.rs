@@ -86,9 +86,10 @@ pub fn verify(draft: &[u32], q: &[DraftDist<'_>], p: &[&[f32]], rng: &mut Rng) -
     for (k, &x) in draft.iter().enumerate() {
         let px = p[k].get(x as usize).copied().unwrap_or(0.0);
         let qx = q[k].q_of(x, x);
-        // u ≤ p/q with u ∈ [0, 1): a token the drafter could not have proposed (q = 0) is
-        // rejected; p ≥ q always accepts.
-        let accept = qx > 0.0 && (px >= qx || (rng.uniform() as f32) < px / qx);
+        // u < p/q with u ∈ [0, 1): a token the drafter could not have proposed (q = 0) is
+        // rejected; p ≥ q always accepts. In f64: rounding u to f32 would reject the draws
+        // within half an ulp below p/q.
+        let accept = qx > 0.0 && (px >= qx || rng.uniform() * (qx as f64) < px as f64);
         if !accept {
             let next = sample_residual(p[k], &q[k], x, rng);
             return Verdict {
