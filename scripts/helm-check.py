@@ -101,6 +101,7 @@ def check_schema(helm, values_sets):
             ({"targetWorker": {"gamma": 33}}, "a draft length over 32"),
             ({"router": {"replicas": "three"}}, "a string replica count"),
             ({"drafter": "eagle"}, "an unknown drafter"),
+            ({"drafter": "none"}, "no drafter (a draft worker needs one)"),
             ({"etcd": {"endpoints": ["etcd:2379"]}}, "an etcd endpoint without a scheme"),
             ({"targetWorkers": {"replicas": 2}}, "a misspelt top-level key"),
             ({"listenHost": "localhost:80"}, "a listen host with a port"),

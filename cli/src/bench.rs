@@ -85,7 +85,7 @@ pub struct AccuracyArgs {
     #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
     pub model: String,
     /// Positions of text to score.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, value_parser = crate::config::at_least_one)]
     pub positions: usize,
     /// Text file to score (default: the repository's evaluation text).
     #[arg(long)]
@@ -105,7 +105,7 @@ pub struct VerifyCurveArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     pub batch: Vec<usize>,
     /// Timed repetitions per point (after one warm-up).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::config::at_least_one)]
     pub reps: usize,
     /// Give every sequence a context of its own instead of forks of one: a decode of the
     /// batch then reads `batch` contexts' keys and values, as distinct requests do, instead of
@@ -124,10 +124,10 @@ pub struct DecodeArgs {
     #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
     pub model: String,
     /// Decode steps to time.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::config::at_least_one)]
     pub tokens: usize,
     /// Prompt length before decoding.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::config::at_least_one)]
     pub prompt_len: usize,
     /// Python with `llama_cpp` installed for the peer arm (skipped if it cannot import it).
     #[arg(long, env = "DSPARK_LLAMA_CPP_PYTHON")]
@@ -165,7 +165,8 @@ pub(crate) fn write_json(path: &Option<PathBuf>, v: &serde_json::Value) -> anyho
         if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)?;
         }
-        std::fs::write(p, serde_json::to_string_pretty(v)?)?;
+        std::fs::write(p, serde_json::to_string_pretty(v)?)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", p.display()))?;
         eprintln!("wrote {}", p.display());
     }
     Ok(())
@@ -243,6 +244,7 @@ fn prefilled_unshared(
 }
 
 fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
+    crate::config::check_outputs(&[a.json.as_deref(), a.plot.as_deref()])?;
     let path = g.resolve_model(&a.model)?;
     let max_ctx =
         a.ctx.iter().max().copied().unwrap_or(256) + a.k.iter().max().copied().unwrap_or(1) + 16;
@@ -535,6 +537,9 @@ fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
     };
     let tok = dspark_runtime::Tokenizer::load(&path)?;
     let mut ids = tok.encode(&text)?;
+    if ids.is_empty() {
+        anyhow::bail!("the text to score holds no tokens");
+    }
     while ids.len() < a.positions {
         let more = tok.encode(&text)?;
         ids.extend(more);

@@ -96,3 +96,72 @@ impl Global {
         }
     }
 }
+
+/// Value parser for counts that must be at least 1 (steps, repetitions, lengths, degrees):
+/// zero divides, loops forever, or measures nothing.
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Value parser for a duration in seconds: finite, positive, at most a day.
+pub fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 86_400.0 => Ok(v),
+        Ok(v) => Err(format!("{v} is not in (0, 86400] seconds")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Fails before a long run if an output file cannot be written: its folder is created and
+/// the file opened for writing (one that did not exist is removed again; one that did is
+/// left as it is until the run writes it).
+pub fn check_outputs(paths: &[Option<&std::path::Path>]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    for path in paths.iter().flatten() {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create the folder of {}", path.display()))?;
+        }
+        let existed = path.exists();
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        if !existed {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_and_durations_are_checked_at_parse() {
+        assert_eq!(at_least_one("3"), Ok(3));
+        assert!(at_least_one("0").is_err());
+        assert!(at_least_one("-1").is_err());
+        assert_eq!(seconds("2.5"), Ok(2.5));
+        for bad in ["0", "-1", "inf", "NaN", "1e300"] {
+            assert!(seconds(bad).is_err(), "{bad}");
+        }
+        let dir = std::env::temp_dir().join(format!("dspark-out-{}", std::process::id()));
+        let out = dir.join("a/b.json");
+        check_outputs(&[None, Some(&out)]).unwrap();
+        assert!(dir.join("a").is_dir() && !out.exists());
+        std::fs::write(&out, "kept").unwrap();
+        check_outputs(&[Some(&out)]).unwrap();
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "kept");
+        let under_a_file = out.join("c.json");
+        let e = check_outputs(&[Some(&under_a_file)]).unwrap_err();
+        assert!(format!("{e:#}").contains("c.json"), "{e:#}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

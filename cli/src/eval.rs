@@ -180,6 +180,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
     if a.gamma == 0 || a.gamma > specdec::MAX_GAMMA {
         anyhow::bail!("--gamma must be in 1..={}", specdec::MAX_GAMMA);
     }
+    crate::config::check_outputs(&[a.json.as_deref(), a.blocks.as_deref()])?;
     let target = crate::spec::load_target(g, &a.target)?;
     let dir = match a.drafter.as_str() {
         "dspark" => drafter::build::default_dspark_for(&target.name).ok_or_else(|| {

@@ -74,6 +74,7 @@ pub struct FrontierArgs {
 }
 
 pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
+    crate::config::check_outputs(&[a.json.as_deref(), a.plot.as_deref()])?;
     anyhow::ensure!(
         !a.concurrency.is_empty() && a.concurrency.iter().all(|&c| c >= 1),
         "--concurrency takes values ≥ 1"

@@ -273,6 +273,7 @@ fn engine_json(r: &planner::EngineReport) -> Value {
 }
 
 pub fn run(a: PlanArgs) -> anyhow::Result<()> {
+    crate::config::check_outputs(&[a.json.as_deref(), a.plot.as_deref()])?;
     let finite = |v: f64, lo: f64, what: &str| {
         anyhow::ensure!(
             v.is_finite() && v >= lo,

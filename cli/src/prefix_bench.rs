@@ -129,12 +129,25 @@ fn system_prompt(tok: &dspark_runtime::Tokenizer, n: usize, examples: &[String])
 }
 
 pub fn run(g: &Global, a: PrefixArgs) -> anyhow::Result<()> {
+    crate::config::check_outputs(&[a.json.as_deref(), a.plot.as_deref()])?;
     anyhow::ensure!(
         a.requests >= 1 && a.concurrency >= 1 && a.rounds >= 1 && a.max_tokens >= 1,
         "--requests, --concurrency, --rounds and --max-tokens take values ≥ 1"
     );
     anyhow::ensure!(!a.system_tokens.is_empty(), "--system-tokens is empty");
     let target = crate::spec::load_target(g, &a.model)?;
+    // The system prompt is grown a question at a time; one past the context would take hours
+    // to build before the engine refused it.
+    if let Some(&n) = a
+        .system_tokens
+        .iter()
+        .find(|&&n| n >= target.model.cfg.max_ctx)
+    {
+        anyhow::bail!(
+            "--system-tokens {n} is not below the model's context of {} tokens",
+            target.model.cfg.max_ctx
+        );
+    }
     let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
     let questions = prompt_set(&a.prompts)?;
     anyhow::ensure!(!questions.is_empty(), "prompt set `{}` is empty", a.prompts);

@@ -25,7 +25,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub concurrency: Option<usize>,
     /// Seconds of load (requests in flight at the end are awaited and counted).
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = 30.0, value_parser = crate::config::seconds)]
     pub duration: f64,
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
@@ -207,6 +207,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         }
         std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
         eprintln!("wrote {}", p.display());
+    }
+    // A run in which nothing was served measured nothing (a wrong URL, a refused key).
+    if out["ok"].as_u64() == Some(0) {
+        anyhow::bail!(
+            "no request succeeded ({} failed); see `first_errors` above",
+            out["errors"]
+        );
     }
     Ok(())
 }

@@ -21,7 +21,7 @@ pub struct TpArgs {
     pub model: String,
     /// Tensor-parallel degrees compared (each divides the model's KV heads, or is a multiple
     /// of them dividing its query heads).
-    #[arg(long, value_delimiter = ',', default_value = "1,3")]
+    #[arg(long, value_delimiter = ',', default_value = "1,3", value_parser = crate::config::at_least_one)]
     pub degrees: Vec<usize>,
     /// Sequences per forward, one new token each (decode steps), at `--ctx` tokens of context.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]

@@ -17,7 +17,7 @@ pub struct TrainArgs {
     pub data: Vec<PathBuf>,
     #[arg(long)]
     pub out: PathBuf,
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, value_parser = crate::config::at_least_one)]
     pub steps: usize,
     #[arg(long, default_value_t = 7)]
     pub gamma: usize,
@@ -37,7 +37,7 @@ pub struct TrainArgs {
     /// Stop reading training text after this many bytes.
     #[arg(long, default_value_t = 20_000_000)]
     pub max_bytes: usize,
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 200, value_parser = crate::config::at_least_one)]
     pub save_every: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -154,6 +154,13 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
         } else {
             let st: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
             let step = st["step"].as_u64().unwrap_or(0) as usize;
+            if step >= a.steps {
+                anyhow::bail!(
+                    "the checkpoint in {} is at step {step} already; give --steps above it to \
+                     train on",
+                    a.out.display()
+                );
+            }
             eprintln!("resuming from step {step}");
             step
         };
@@ -286,6 +293,7 @@ pub struct CalibrateArgs {
 }
 
 pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
+    crate::config::check_outputs(&[a.json.as_deref()])?;
     if let Some(b) = a.serve_bits
         && !matches!(b, 4 | 8)
     {

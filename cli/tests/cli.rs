@@ -152,6 +152,100 @@ fn bad_model_inputs_are_clear_errors() {
     }
 }
 
+/// Counts that would divide by zero, loop forever or measure nothing, durations past any run,
+/// an empty text to score, and output paths that cannot be written: refused at once with a
+/// message, before any model is loaded or anything is measured.
+#[test]
+fn bad_benchmark_and_training_arguments_are_refused_up_front() {
+    let d = tmpdir("benchargs");
+    let m = tiny(&d);
+    let empty = d.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let empty = empty.to_string_lossy().to_string();
+    let file = d.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let under_file = file.join("out.json").to_string_lossy().to_string();
+    let data = d.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let data = data.to_string_lossy().to_string();
+    let out = d.join("drafter").to_string_lossy().to_string();
+    for (args, want) in [
+        (
+            vec!["bench", "decode", "--model", &m, "--prompt-len", "0"],
+            "at least 1",
+        ),
+        (
+            vec!["bench", "decode", "--model", &m, "--tokens", "0"],
+            "at least 1",
+        ),
+        (
+            vec!["bench", "tp", "--model", &m, "--degrees", "1,0"],
+            "at least 1",
+        ),
+        (
+            vec!["bench", "verify-curve", "--model", &m, "--reps", "0"],
+            "at least 1",
+        ),
+        (
+            vec!["bench", "accuracy", "--model", &m, "--positions", "0"],
+            "at least 1",
+        ),
+        (
+            vec!["bench", "accuracy", "--model", &m, "--text", &empty],
+            "no tokens",
+        ),
+        (
+            vec!["bench", "serve", "--model", "m", "--duration", "inf"],
+            "seconds",
+        ),
+        (
+            vec![
+                "train-drafter",
+                "--target",
+                &m,
+                "--data",
+                &data,
+                "--out",
+                &out,
+                "--steps",
+                "0",
+            ],
+            "at least 1",
+        ),
+        (
+            vec![
+                "train-drafter",
+                "--target",
+                &m,
+                "--data",
+                &data,
+                "--out",
+                &out,
+                "--save-every",
+                "0",
+            ],
+            "at least 1",
+        ),
+        (
+            vec![
+                "bench",
+                "verify-curve",
+                "--model",
+                &m,
+                "--json",
+                &under_file,
+            ],
+            "out.json",
+        ),
+    ] {
+        let (code, _, err) = dspark(&d, &args);
+        assert!(
+            code != 0 && err.contains(want) && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn bad_request_values_are_clear_errors() {
     let d = tmpdir("req");

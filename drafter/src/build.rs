@@ -52,10 +52,13 @@ pub fn default_draft_for(target: &str) -> Option<&'static str> {
     }
 }
 
-/// The shipped DSpark drafter of a target, if the repository has one.
+/// The shipped DSpark drafter of a target, if the repository has one: `drafters/TARGET`
+/// beside the source tree the binary was built from (the container image keeps only that
+/// directory, so the path names no `..` through this crate's own, absent there).
 pub fn default_dspark_for(target: &str) -> Option<PathBuf> {
     let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../drafters")
+        .parent()?
+        .join("drafters")
         .join(target);
     p.join("drafter.json").exists().then_some(p)
 }
@@ -190,4 +193,21 @@ pub fn engine_sized(
         cfg,
     )
     .map_err(spec_err)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The shipped drafter's path walks no `..`: the container image copies `drafters/` but
+    /// not this crate's directory, and a path through an absent directory does not resolve.
+    #[test]
+    fn the_shipped_drafter_is_found_without_walking_through_this_crate() {
+        let p = super::default_dspark_for("smollm2-135m").expect("shipped drafter");
+        assert!(
+            !p.components().any(|c| c == std::path::Component::ParentDir),
+            "{}",
+            p.display()
+        );
+        assert!(p.ends_with("drafters/smollm2-135m"), "{}", p.display());
+        assert!(super::default_dspark_for("no-such-model").is_none());
+    }
 }

@@ -422,6 +422,23 @@ impl DrafterConfig {
                 self.gamma
             )));
         }
+        // Bounds far past any drafter here: the sizes come from a JSON file and size the
+        // model's variables before the weights are read.
+        for (what, v, lo, hi) in [
+            ("d_model", self.d_model, 1, 1 << 16),
+            ("n_layers", self.n_layers, 1, 64),
+            ("n_heads", self.n_heads, 1, 1024),
+            ("ffn_dim", self.ffn_dim, 1, 1 << 18),
+            ("vocab", self.vocab, 1, 1 << 22),
+            ("rank", self.rank, 0, 4096),
+            ("context", self.context, 1, 1 << 20),
+        ] {
+            if !(lo..=hi).contains(&v) {
+                return Err(DrafterError::Invalid(format!(
+                    "{what} {v} out of range {lo}..={hi}"
+                )));
+            }
+        }
         if self.d_model % self.n_heads != 0 || (self.d_model / self.n_heads) % 2 != 0 {
             return Err(DrafterError::Invalid(
                 "d_model must split into even-width heads".into(),
@@ -896,9 +913,9 @@ impl DsparkDrafter {
             return Err(DrafterError::WrongTarget(format!(
                 "checkpoint is for a {} target with vocabulary {}…, this target is {} with {}…",
                 cfg.target_arch,
-                &cfg.target_vocab_hash[..12.min(cfg.target_vocab_hash.len())],
+                cfg.target_vocab_hash.chars().take(12).collect::<String>(),
                 target_arch,
-                &vocab_hash[..12.min(vocab_hash.len())]
+                vocab_hash.chars().take(12).collect::<String>()
             )));
         }
         let varmap = VarMap::new();
@@ -1333,6 +1350,28 @@ pub(crate) mod tests {
             assert_eq!(got.cfg.copy_head().is_some(), kept, "{tag}");
             assert_eq!(got.cfg.copy_runs(), &[0.3, 0.6]);
         }
+        // Sizes that would divide by zero or size allocations without bound, and a hash that
+        // an error message cut mid-character: errors, never panics.
+        let base = serde_json::to_value(&back.cfg).unwrap();
+        for (key, v, says) in [
+            ("n_heads", serde_json::json!(0), "n_heads"),
+            ("vocab", serde_json::json!(4_000_000_000u64), "vocab"),
+            ("context", serde_json::json!(1u64 << 40), "context"),
+            (
+                "target_vocab_hash",
+                serde_json::json!(format!("a{}", "é".repeat(6))),
+                "checkpoint is for",
+            ),
+        ] {
+            let mut c = base.clone();
+            c[key] = v;
+            std::fs::write(dir.join("drafter.json"), c.to_string()).unwrap();
+            let err = DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e.clone(), h.clone())
+                .err()
+                .expect("refused");
+            assert!(err.to_string().contains(says), "{key}: {err}");
+        }
+        std::fs::write(dir.join("drafter.json"), base.to_string()).unwrap();
         std::fs::write(dir.join("drafter.safetensors"), b"garbage").unwrap();
         assert!(matches!(
             DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e, h),

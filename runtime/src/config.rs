@@ -27,6 +27,13 @@ impl Arch {
     }
 }
 
+/// Bounds a configuration is checked against (see [`ModelConfig::validate`]).
+pub const MAX_LAYERS: usize = 1024;
+pub const MAX_WIDTH: usize = 1 << 16;
+pub const MAX_HEADS: usize = 1024;
+pub const MAX_VOCAB: usize = 1 << 22;
+pub const MAX_CONTEXT: usize = 1 << 20;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
     pub arch: Arch,
@@ -70,6 +77,23 @@ impl ModelConfig {
         }
         if self.vocab_size == 0 || self.max_ctx == 0 {
             return bad("vocab size and context must be positive".into());
+        }
+        // Far past any model served here: a corrupt header must not size the allocations
+        // (layers, the RoPE table) before a tensor is read.
+        for (what, v, max) in [
+            ("layers", self.n_layers, MAX_LAYERS),
+            ("width", self.d_model, MAX_WIDTH),
+            ("heads", self.n_heads, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_HEADS),
+            ("FFN width", self.ffn_dim, 8 * MAX_WIDTH),
+            ("vocabulary", self.vocab_size, MAX_VOCAB),
+            ("context", self.max_ctx, MAX_CONTEXT),
+        ] {
+            if v > max {
+                return bad(format!(
+                    "{what} {v} is past any model this runtime serves ({max})"
+                ));
+            }
         }
         Ok(())
     }

@@ -53,10 +53,26 @@ impl GgufFile {
         }
         let mut file = File::open(path)?;
         let file_len = file.metadata()?.len();
-        let content = gguf_file::Content::read(&mut file).map_err(|e| RuntimeError::Corrupt {
+        let corrupt = |reason: String| RuntimeError::Corrupt {
             path: path.display().to_string(),
-            reason: format!("not a valid GGUF file ({e})"),
-        })?;
+            reason,
+        };
+        // candle's reader divides by the file's `general.alignment`: a zero there panics
+        // inside it, so the panic is caught and reported as the corrupt file it is.
+        let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            gguf_file::Content::read(&mut file)
+        }));
+        let content = match read {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(corrupt(format!("not a valid GGUF file ({e})"))),
+            Err(_) => {
+                return Err(corrupt(
+                    "not a valid GGUF file (its header made the reader fail; \
+                     a zero general.alignment?)"
+                        .into(),
+                ));
+            }
+        };
         Ok(Self {
             path: path.to_path_buf(),
             content,
@@ -77,13 +93,14 @@ impl GgufFile {
         use gguf_file::Value::*;
         match self.meta(key)? {
             U8(v) => Some(*v as u64),
-            I8(v) => Some(*v as u64),
+            // A negative count is no count (it would read as a huge one).
+            I8(v) => u64::try_from(*v).ok(),
             U16(v) => Some(*v as u64),
-            I16(v) => Some(*v as u64),
+            I16(v) => u64::try_from(*v).ok(),
             U32(v) => Some(*v as u64),
-            I32(v) => Some(*v as u64),
+            I32(v) => u64::try_from(*v).ok(),
             U64(v) => Some(*v),
-            I64(v) => Some(*v as u64),
+            I64(v) => u64::try_from(*v).ok(),
             _ => None,
         }
     }
@@ -109,14 +126,22 @@ impl GgufFile {
             .ok_or_else(|| RuntimeError::MissingTensor(name.to_string()))?;
         let ty = ggml_type(name, info.ggml_dtype)?;
         let dims = info.shape.dims().to_vec();
-        let elems: usize = dims.iter().product();
+        // Checked: dims and offsets come from the file, and a wrapped product or sum would
+        // pass the end-of-file check below.
+        let elems = dims
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| self.corrupt(format!("tensor `{name}` has too many elements")))?;
         if !elems.is_multiple_of(ty.block_elems()) {
             return Err(self.corrupt(format!(
                 "tensor `{name}` has {elems} elements, not a multiple of its block"
             )));
         }
-        let bytes = (elems / ty.block_elems()) * ty.block_bytes();
-        let start = self.content.tensor_data_offset + info.offset;
+        let bytes = (elems / ty.block_elems()).checked_mul(ty.block_bytes());
+        let start = self.content.tensor_data_offset.checked_add(info.offset);
+        let (Some(bytes), Some(start)) = (bytes, start) else {
+            return Err(self.corrupt(format!("tensor `{name}` lies past any file")));
+        };
         if start.saturating_add(bytes as u64) > self.file_len {
             return Err(self.corrupt(format!(
                 "tensor `{name}` runs past the end of the file (truncated download?)"

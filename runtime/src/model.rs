@@ -490,6 +490,7 @@ impl Model {
             if q.rows() != local.q_dim(hd)
                 || k.rows() != local.kv_dim(hd)
                 || v.rows() != local.kv_dim(hd)
+                || [&q, &k, &v].iter().any(|m| m.cols() != cfg.d_model)
             {
                 return Err(RuntimeError::Config(format!(
                     "layer {i}: q/k/v shapes disagree with the config"
@@ -510,6 +511,14 @@ impl Model {
             };
             let gate = src.linear_part(&n("gate"), dense, rows(&fr))?;
             let up = src.linear_part(&n("up"), dense, rows(&fr))?;
+            if [&gate, &up]
+                .iter()
+                .any(|m| m.rows() != fr.len() || m.cols() != cfg.d_model)
+            {
+                return Err(RuntimeError::Config(format!(
+                    "layer {i}: FFN gate/up shapes disagree with the config"
+                )));
+            }
             let (wo, wo_pad) = src.linear_cols(&n("o"), dense, cols(&qr))?;
             let (down, down_pad) = src.linear_cols(&n("down"), dense, cols(&fr))?;
             if wo.rows() != cfg.d_model
@@ -521,19 +530,48 @@ impl Model {
                     "layer {i}: output projection or FFN down shapes disagree with the config"
                 )));
             }
+            let mut norm = |s: &str| -> Result<Vec<f32>> {
+                let v = src.vector(&n(s))?;
+                if v.len() != cfg.d_model {
+                    return Err(RuntimeError::Config(format!(
+                        "layer {i}: {s} has {} weights, the width is {}",
+                        v.len(),
+                        cfg.d_model
+                    )));
+                }
+                Ok(v)
+            };
             layers.push(Layer {
-                attn_norm: src.vector(&n("attn_norm"))?,
+                attn_norm: norm("attn_norm")?,
                 qkv: Fused::new(vec![q, k, v])?,
                 qkv_bias,
                 wo,
                 wo_pad,
-                ffn_norm: src.vector(&n("ffn_norm"))?,
+                ffn_norm: norm("ffn_norm")?,
                 gate_up: Fused::new(vec![gate, up])?,
                 down,
                 down_pad,
             });
         }
         let out_norm = src.vector(names.out_norm)?;
+        if out_norm.len() != cfg.d_model {
+            return Err(RuntimeError::Config(format!(
+                "the output norm has {} weights, the width is {}",
+                out_norm.len(),
+                cfg.d_model
+            )));
+        }
+        if let Some(h) = &head
+            && (h.rows() != cfg.vocab_size || h.cols() != cfg.d_model)
+        {
+            return Err(RuntimeError::Config(format!(
+                "the LM head is {}x{}, config says vocab {} × width {}",
+                h.rows(),
+                h.cols(),
+                cfg.vocab_size,
+                cfg.d_model
+            )));
+        }
         let rope = Rope::new(
             cfg.head_dim,
             cfg.rope_theta,

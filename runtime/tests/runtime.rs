@@ -1,5 +1,6 @@
 //! Runtime tests on tiny seeded models generated in code (fast, no download).
 
+use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
@@ -593,6 +594,104 @@ fn bad_model_files_are_clear_errors() {
     let e = Model::load(&dir.join("q40.gguf"), &o).unwrap_err();
     assert!(matches!(e, RuntimeError::UnsupportedQuant { .. }), "{e}");
     assert!(e.to_string().contains("Q4_0"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A tiny model's GGUF rewritten with `edit` applied to its metadata and tensors.
+fn rewritten(
+    dst: &std::path::Path,
+    edit: impl FnOnce(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>),
+) {
+    let src = tiny_model_path(&TinySpec::llama(1), "bad-src").unwrap();
+    let mut f = std::fs::File::open(&src).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let mut md: Vec<(String, Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    md.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let mut ts: Vec<(String, QTensor)> = names
+        .into_iter()
+        .map(|n| (n.clone(), content.tensor(&mut f, n, &Device::Cpu).unwrap()))
+        .collect();
+    edit(&mut md, &mut ts);
+    let md_ref: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts_ref: Vec<(&str, &QTensor)> = ts.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut out = std::fs::File::create(dst).unwrap();
+    gguf_file::write(&mut out, &md_ref, &ts_ref).unwrap();
+}
+
+/// Headers and tensors that contradict each other or size absurd allocations: each a clear
+/// error naming what is wrong, never a panic, an abort or a model that loads and computes
+/// garbage.
+#[test]
+fn corrupt_headers_and_shapes_are_clear_errors() {
+    let dir = std::env::temp_dir().join(format!("dspark-corrupt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let o = LoadOptions::default();
+    let set = |md: &mut Vec<(String, Value)>, key: &str, v: Value| {
+        md.retain(|(k, _)| k != key);
+        md.push((key.to_string(), v));
+    };
+    let cases: Vec<(
+        &str,
+        Box<dyn FnOnce(&mut Vec<(String, Value)>, &mut Vec<(String, QTensor)>)>,
+        &str,
+    )> = vec![
+        (
+            "alignment",
+            Box::new(|md, _| set(md, "general.alignment", Value::U32(0))),
+            "GGUF",
+        ),
+        (
+            "layers",
+            Box::new(|md, _| set(md, "llama.block_count", Value::U64(1 << 40))),
+            "layers",
+        ),
+        (
+            "negative-layers",
+            Box::new(|md, _| set(md, "llama.block_count", Value::I32(-1))),
+            "block_count",
+        ),
+        (
+            "context",
+            Box::new(|md, _| set(md, "llama.context_length", Value::U64(1 << 40))),
+            "context",
+        ),
+        (
+            "q-width",
+            Box::new(|_, ts| {
+                let w = Tensor::zeros((64, 96), candle_core::DType::F32, &Device::Cpu).unwrap();
+                for (n, t) in ts.iter_mut() {
+                    if n == "blk.0.attn_q.weight" {
+                        *t = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
+                    }
+                }
+            }),
+            "q/k/v",
+        ),
+        (
+            "norm",
+            Box::new(|_, ts| {
+                let v = Tensor::ones(63, candle_core::DType::F32, &Device::Cpu).unwrap();
+                for (n, t) in ts.iter_mut() {
+                    if n == "blk.1.ffn_norm.weight" {
+                        *t = QTensor::quantize(&v, GgmlDType::F32).unwrap();
+                    }
+                }
+            }),
+            "ffn_norm",
+        ),
+    ];
+    for (name, edit, says) in cases {
+        let path = dir.join(format!("{name}.gguf"));
+        rewritten(&path, edit);
+        let e = Model::load(&path, &o).map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains(says), "{name}: {e}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
