@@ -807,6 +807,8 @@ async fn drive(
     let mut failed: Vec<String> = Vec::new();
     let mut first_token = true;
     let mut ttft = 0.0f64;
+    // Set when a chunk said it was the request's last.
+    let mut said_done: Option<String> = None;
     loop {
         let ev = match first.take() {
             Some(e) => Some(Ok(e)),
@@ -822,6 +824,9 @@ async fn drive(
                         app.metrics.ttft.observe(ttft);
                     }
                     generated.extend_from_slice(&t.ids);
+                    if !t.finish_reason.is_empty() {
+                        said_done = Some(t.finish_reason.clone());
+                    }
                     if tx
                         .send(Piece::Text(t.text, t.ids, t.logprobs, t.prompt_logprobs))
                         .await
@@ -869,12 +874,12 @@ async fn drive(
                     "target worker failed mid-stream: {why}"
                 );
                 let left = job.settings.max_tokens.saturating_sub(generated.len());
-                if left == 0 {
+                if let Some(reason) = whole_before_break(said_done.as_deref(), left) {
                     stats.prompt_tokens = job.prompt.len() as u32;
                     stats.completion_tokens = generated.len() as u32;
                     let _ = tx
                         .send(Piece::Done {
-                            reason: "length".into(),
+                            reason,
                             stats: stats.clone(),
                             target: target.id.clone(),
                         })
@@ -911,6 +916,17 @@ async fn drive(
                 }
             }
         }
+    }
+}
+
+/// The finish reason of a request whose stream broke when no other worker is needed: its last
+/// chunk said it had ended (the worker died before `Finished`), or it has every token it
+/// asked for. `None`: resume it elsewhere.
+fn whole_before_break(said_done: Option<&str>, left: usize) -> Option<String> {
+    match said_done {
+        Some(reason) => Some(reason.to_string()),
+        None if left == 0 => Some("length".into()),
+        None => None,
     }
 }
 
@@ -1810,11 +1826,24 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_BODY, call_finish, json_errors};
+    use super::{MAX_BODY, call_finish, json_errors, whole_before_break};
     use axum::body::{Body, Bytes};
     use axum::http::{Request, StatusCode};
     use axum::routing::post;
     use tower::ServiceExt;
+
+    /// A stream that breaks after the chunk that said "stop" ends the answer there; one that
+    /// breaks with tokens still to come resumes elsewhere.
+    #[test]
+    fn a_stream_broken_after_its_last_chunk_is_not_resumed() {
+        assert_eq!(whole_before_break(Some("stop"), 7).as_deref(), Some("stop"));
+        assert_eq!(
+            whole_before_break(Some("length"), 0).as_deref(),
+            Some("length")
+        );
+        assert_eq!(whole_before_break(None, 0).as_deref(), Some("length"));
+        assert_eq!(whole_before_break(None, 7), None);
+    }
 
     /// axum's own rejections (wrong method, body over the limit) leave as JSON errors with
     /// their status and `Allow`; a handler's JSON error and a success pass untouched.

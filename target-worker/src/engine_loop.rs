@@ -71,8 +71,9 @@ impl EngineLoop {
                     // Published before the events go out: a caller that saw its request end
                     // and then scrapes finds it counted.
                     self.metrics.publish(Snapshot::of(&self.engine));
+                    let ending = ending(&events);
                     for ev in events {
-                        self.dispatch(ev, &mut senders);
+                        self.dispatch(ev, &ending, &mut senders);
                     }
                 }
                 Err(e) => {
@@ -131,7 +132,12 @@ impl EngineLoop {
         }
     }
 
-    fn dispatch(&mut self, ev: Event, senders: &mut HashMap<u64, EventTx>) {
+    fn dispatch(
+        &mut self,
+        ev: Event,
+        ending: &HashMap<u64, &'static str>,
+        senders: &mut HashMap<u64, EventTx>,
+    ) {
         match ev {
             Event::Tokens {
                 id,
@@ -156,6 +162,10 @@ impl EngineLoop {
                             text,
                             logprobs: wire(logprobs),
                             prompt_logprobs: wire(prompt_logprobs),
+                            finish_reason: ending
+                                .get(&id)
+                                .map(|r| r.to_string())
+                                .unwrap_or_default(),
                         })),
                     };
                     if tx.send(Ok(m)).is_err() {
@@ -212,5 +222,54 @@ impl EngineLoop {
                 self.end(id, senders);
             }
         }
+    }
+}
+
+/// The requests a step's events finish, with their reasons. Their last token chunk carries
+/// the reason too: a worker that dies between that chunk and `Finished` (sent back to back)
+/// leaves the router a whole answer rather than a request to resume past its end.
+fn ending(events: &[Event]) -> HashMap<u64, &'static str> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Finished { id, reason, .. } => Some((*id, reason.as_str())),
+            Event::Tokens { .. } => None,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ending;
+    use specdec::{Event, FinishReason, RequestMetrics};
+
+    #[test]
+    fn only_requests_finished_in_the_step_are_ending() {
+        let tokens = |id| Event::Tokens {
+            id,
+            tokens: vec![1],
+            text: "a".into(),
+            logprobs: vec![],
+            prompt_logprobs: vec![],
+        };
+        let done = |id, reason| Event::Finished {
+            id,
+            reason,
+            metrics: RequestMetrics::default(),
+        };
+        let events = vec![
+            tokens(1),
+            tokens(2),
+            done(2, FinishReason::Stop),
+            tokens(3),
+            done(3, FinishReason::Length),
+            done(4, FinishReason::Cancelled),
+        ];
+        let e = ending(&events);
+        assert_eq!(e.get(&1), None);
+        assert_eq!(e.get(&2), Some(&"stop"));
+        assert_eq!(e.get(&3), Some(&"length"));
+        assert_eq!(e.get(&4), Some(&"cancelled"));
+        assert_eq!(e.len(), 3);
     }
 }
