@@ -8,7 +8,7 @@
 use crate::{Result, SchedError};
 use dspark_proto::WorkerInfo;
 use dspark_proto::scheduler_client::SchedulerClient;
-use etcd_client::{Client, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
 use prost::Message;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -319,7 +319,7 @@ async fn register_etcd(
     stop: &mut tokio::sync::watch::Receiver<bool>,
     nudge: &Nudge,
 ) -> Result<()> {
-    let mut c = Client::connect(eps, None).await.map_err(etcd_err)?;
+    let mut c = etcd_connect(eps).await?;
     let lease = c
         .lease_grant(ttl.as_secs().max(1) as i64, None)
         .await
@@ -355,7 +355,11 @@ async fn register_etcd(
             }
         };
         let t = tokio::time::Instant::now();
-        let (put, renew) = tokio::join!(put, renew);
+        // Bounded by the lease: past it the key is gone anyway, and a fresh lease is the way
+        // back (an etcd that stopped answering without closing the connection).
+        let (put, renew) = tokio::time::timeout(ttl.max(beat), async { tokio::join!(put, renew) })
+            .await
+            .map_err(|_| SchedError::Discovery("etcd: no answer within the lease".into()))?;
         put.map_err(etcd_err)?;
         renew?;
         if due {
@@ -392,7 +396,7 @@ pub async fn deregister(disc: &Discovery, id: &str) -> Result<()> {
                 }
             }
             Discovery::Etcd(eps) => {
-                let mut c = Client::connect(eps, None).await.map_err(etcd_err)?;
+                let mut c = etcd_connect(eps).await?;
                 c.delete(format!("{ETCD_PREFIX}{id}"), None)
                     .await
                     .map_err(etcd_err)?;
@@ -403,6 +407,59 @@ pub async fn deregister(disc: &Discovery, id: &str) -> Result<()> {
     tokio::time::timeout(limit, work)
         .await
         .map_err(|_| SchedError::Discovery("deregister: timed out".into()))?
+}
+
+/// Connects with HTTP/2 pings, so an etcd member that vanishes without closing the connection
+/// (a partition, a dead node) fails the watch and the registrar's calls instead of leaving them
+/// waiting forever; and with a leader required, so a member cut off from its cluster cancels
+/// the watch rather than serving a stale view.
+async fn etcd_connect(eps: &[String]) -> Result<Client> {
+    let opts = ConnectOptions::new()
+        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5))
+        .with_connect_timeout(Duration::from_secs(5))
+        .with_require_leader(true);
+    Client::connect(eps, Some(opts)).await.map_err(etcd_err)
+}
+
+/// A worker entry read from etcd, held to what `Register` accepts: anyone who can write the
+/// prefix reaches placement through it. The id must be the key's, since a delete names the key.
+pub fn etcd_entry(key: &[u8], value: &[u8]) -> std::result::Result<WorkerInfo, String> {
+    let key = String::from_utf8_lossy(key);
+    let i =
+        WorkerInfo::decode(value).map_err(|e| format!("undecodable worker entry {key}: {e}"))?;
+    crate::service::check_info(&i).map_err(|s| format!("worker entry {key}: {}", s.message()))?;
+    if key.strip_prefix(ETCD_PREFIX) != Some(i.id.as_str()) {
+        return Err(format!("worker entry {key} names worker `{}`", i.id));
+    }
+    Ok(i)
+}
+
+/// Adds or refreshes an etcd worker, unless its entry is refused or the view is full (then an
+/// earlier entry of that key leaves: the key no longer says it). The id placed, if any.
+fn upsert_etcd(cl: &mut crate::placement::Cluster, key: &[u8], value: &[u8]) -> Option<String> {
+    match etcd_entry(key, value) {
+        Ok(i) if cl.contains(&i.id) || cl.len() < crate::service::MAX_WORKERS => {
+            let id = i.id.clone();
+            cl.upsert(i, ETCD_LOCAL_TTL, Instant::now());
+            Some(id)
+        }
+        Ok(i) => {
+            tracing::warn!(
+                worker = i.id,
+                "etcd: {} workers known already (at most {}); ignored",
+                cl.len(),
+                crate::service::MAX_WORKERS
+            );
+            None
+        }
+        Err(e) => {
+            tracing::warn!("etcd: {e}; ignored");
+            if let Some(id) = String::from_utf8_lossy(key).strip_prefix(ETCD_PREFIX) {
+                cl.remove(id);
+            }
+            None
+        }
+    }
 }
 
 fn etcd_err(e: etcd_client::Error) -> SchedError {
@@ -428,7 +485,7 @@ pub fn spawn_etcd_watcher(
 const ETCD_LOCAL_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
 async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluster>>) -> Result<()> {
-    let mut c = Client::connect(eps, None).await.map_err(etcd_err)?;
+    let mut c = etcd_connect(eps).await?;
     let snap = c
         .get(ETCD_PREFIX, Some(GetOptions::new().with_prefix()))
         .await
@@ -437,9 +494,8 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
         let mut cl = cluster.lock().map_err(|_| SchedError::Poisoned)?;
         let mut seen = std::collections::HashSet::new();
         for kv in snap.kvs() {
-            if let Ok(i) = WorkerInfo::decode(kv.value()) {
-                seen.insert(i.id.clone());
-                cl.upsert(i, ETCD_LOCAL_TTL, Instant::now());
+            if let Some(id) = upsert_etcd(&mut cl, kv.key(), kv.value()) {
+                seen.insert(id);
             }
         }
         for id in cl.forget_missing(ETCD_LOCAL_TTL, &seen) {
@@ -458,14 +514,22 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
         .await
         .map_err(etcd_err)?;
     while let Some(msg) = stream.message().await.map_err(etcd_err)? {
+        // etcd ends a watch it can no longer serve (its start revision compacted away, the
+        // member without a leader) with a message, not by closing the stream: list again.
+        if msg.canceled() || msg.compact_revision() > 0 {
+            return Err(SchedError::Discovery(format!(
+                "watch cancelled by etcd (compacted to {}): {}",
+                msg.compact_revision(),
+                msg.cancel_reason()
+            )));
+        }
         let mut cl = cluster.lock().map_err(|_| SchedError::Poisoned)?;
         for ev in msg.events() {
             let Some(kv) = ev.kv() else { continue };
             match ev.event_type() {
-                EventType::Put => match WorkerInfo::decode(kv.value()) {
-                    Ok(i) => cl.upsert(i, ETCD_LOCAL_TTL, Instant::now()),
-                    Err(e) => tracing::warn!("etcd: undecodable worker entry: {e}"),
-                },
+                EventType::Put => {
+                    upsert_etcd(&mut cl, kv.key(), kv.value());
+                }
                 EventType::Delete => {
                     let key = String::from_utf8_lossy(kv.key());
                     if let Some(id) = key.strip_prefix(ETCD_PREFIX) {
@@ -481,7 +545,62 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
 
 #[cfg(test)]
 mod tests {
-    use super::advertised_address;
+    use super::{ETCD_PREFIX, advertised_address, etcd_entry};
+    use dspark_proto::WorkerInfo;
+    use prost::Message;
+
+    /// What etcd holds is checked as a registration is: a bad or mislabelled entry never
+    /// reaches placement.
+    #[test]
+    fn etcd_entries_are_held_to_registration_rules() {
+        let good = WorkerInfo {
+            id: "t-1".into(),
+            role: crate::placement::ROLE_TARGET.into(),
+            address: "127.0.0.1:5000".into(),
+            ..Default::default()
+        };
+        let key = |id: &str| format!("{ETCD_PREFIX}{id}").into_bytes();
+        let got = etcd_entry(&key("t-1"), &good.encode_to_vec()).expect("a good entry");
+        assert_eq!(got.id, "t-1");
+        // The key names another worker: a later delete of `t-10` would leave `t-1` behind.
+        let e = etcd_entry(&key("t-10"), &good.encode_to_vec()).unwrap_err();
+        assert!(e.contains("names worker `t-1`"), "{e}");
+        let e = etcd_entry(&key("t-1"), b"\xff\xff\xff").unwrap_err();
+        assert!(e.contains("undecodable"), "{e}");
+        for (bad, says) in [
+            (
+                WorkerInfo {
+                    role: "boss".into(),
+                    ..good.clone()
+                },
+                "role",
+            ),
+            (
+                WorkerInfo {
+                    address: "nowhere".into(),
+                    ..good.clone()
+                },
+                "address",
+            ),
+            (
+                WorkerInfo {
+                    id: String::new(),
+                    ..good.clone()
+                },
+                "worker id",
+            ),
+            (
+                WorkerInfo {
+                    sps: vec![Default::default(); 100_000],
+                    ..good.clone()
+                },
+                "sps",
+            ),
+        ] {
+            let e = etcd_entry(&key(&bad.id), &bad.encode_to_vec()).unwrap_err();
+            assert!(e.contains(says), "{says}: {e}");
+        }
+    }
 
     #[test]
     fn advertised_address_is_dialable() {

@@ -154,7 +154,7 @@ const MAX_FIELD_BYTES: usize = 1024;
 const MAX_SPS_STEPS: usize = 8192;
 const MAX_COPY_FLOATS: usize = 1024;
 
-fn check_info(i: &WorkerInfo) -> Result<(), Status> {
+pub(crate) fn check_info(i: &WorkerInfo) -> Result<(), Status> {
     if i.id.is_empty() || i.id.len() > 256 {
         return Err(Status::invalid_argument("worker id must be 1..=256 bytes"));
     }
