@@ -1019,7 +1019,13 @@ async fn chat_completions(
     let r: ChatRequest = parse_body(&body).inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
     check_model(&app, &r.common.model)?;
     let mode = r.tool_mode(app.auto_tools)?;
-    let text = render_chat(&app, &r.messages, r.tools.as_ref())?;
+    // `tool_choice: "none"` means plain text: a template shown the tools would tell the model
+    // how to call them.
+    let tools = match mode {
+        openai::ToolMode::None => None,
+        _ => r.tools.as_ref(),
+    };
+    let text = render_chat(&app, &r.messages, tools)?;
     let prompt = encode(&app, &text)?;
     let mut settings = r.common.settings(
         app.max_tokens_limit.min(512),
@@ -1118,9 +1124,12 @@ fn render_chat(
         ApiError::bad("this model has no chat template; use /v1/completions", None)
     })?;
     if !tpl.renders_tool_calls() {
-        for m in conv.iter_mut().filter(|m| m.content.is_empty()) {
+        for m in conv.iter_mut() {
             if let Some(c) = m.tool_calls.take() {
-                m.content = c.to_string();
+                if !m.content.is_empty() {
+                    m.content.push('\n');
+                }
+                m.content.push_str(&c.to_string());
             }
         }
     }

@@ -841,8 +841,9 @@ impl ChatMessage {
             None => Ok(String::new()),
             Some(Content::Text(s)) => Ok(s.clone()),
             Some(Content::Parts(p)) => {
+                // Joined by newlines, as vLLM joins them: "Hello" + "world" is not "Helloworld".
                 let mut out = String::new();
-                for part in p {
+                for (i, part) in p.iter().enumerate() {
                     if part.kind != "text" {
                         return Err(ApiError::bad(
                             format!(
@@ -851,6 +852,9 @@ impl ChatMessage {
                             ),
                             Some("messages"),
                         ));
+                    }
+                    if i > 0 {
+                        out.push('\n');
                     }
                     out.push_str(part.text.as_deref().unwrap_or(""));
                 }
@@ -873,6 +877,21 @@ mod tests {
             v["tool_choice"] = choice;
         }
         serde_json::from_value(v).expect("request")
+    }
+
+    #[test]
+    fn text_parts_are_joined_by_newlines() {
+        let r: ChatRequest =
+            serde_json::from_value(json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]}))
+            .expect("request");
+        let m = &r.messages.as_ref().expect("messages")[0];
+        assert_eq!(m.text().expect("text"), "Hello\nworld");
+        let r: ChatRequest =
+            serde_json::from_value(json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "x"}}]}]}))
+            .expect("request");
+        assert!(r.messages.as_ref().expect("messages")[0].text().is_err());
     }
 
     fn weather() -> Value {

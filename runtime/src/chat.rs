@@ -38,15 +38,23 @@ pub struct ChatTemplate {
 
 impl ChatTemplate {
     pub fn new(template: &str, bos: &str, eos: &str) -> Result<Self> {
+        // As Hugging Face's `apply_chat_template` sets up Jinja: blocks trimmed, `break` and
+        // `continue`, its own `tojson` and `strftime_now`. Templates are written against
+        // that, and a prompt that differs by a newline is another prompt.
         let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
         env.add_function(
             "raise_exception",
             |msg: String| -> std::result::Result<String, Error> {
                 Err(Error::new(ErrorKind::InvalidOperation, msg))
             },
         );
-        env.add_function("strftime_now", |_fmt: String| -> String { String::new() });
+        env.add_function("strftime_now", |fmt: String| -> String {
+            strftime(&fmt, std::time::SystemTime::now())
+        });
         env.add_template_owned("chat", template.to_string())
             .map_err(|e| RuntimeError::Template(e.to_string()))?;
         Ok(Self {
@@ -100,6 +108,233 @@ impl ChatTemplate {
     }
 }
 
+/// Hugging Face's `tojson`: Python's `json.dumps` with `ensure_ascii=False` by default, so
+/// `", "` and `": "` between items, no HTML escapes, and `indent`, `separators`, `sort_keys`,
+/// `ensure_ascii` as keywords (minijinja's own writes compact JSON with `<` as `\u003c`).
+fn tojson(
+    v: minijinja::Value,
+    indent: Option<minijinja::Value>,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<String, Error> {
+    let bad = |m: String| Error::new(ErrorKind::InvalidOperation, m);
+    let indent = match indent.or(kwargs.get::<Option<minijinja::Value>>("indent")?) {
+        None => None,
+        Some(i) if i.is_none() => None,
+        Some(i) => match (i.as_i64(), i.as_str()) {
+            (Some(n), _) if (0..=64).contains(&n) => Some(" ".repeat(n as usize)),
+            (_, Some(s)) if s.len() <= 64 => Some(s.to_string()),
+            _ => {
+                return Err(bad(format!(
+                    "tojson: indent {i} is not a count or a string"
+                )));
+            }
+        },
+    };
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let (item, key) = match kwargs.get::<Option<minijinja::Value>>("separators")? {
+        Some(s) if !s.is_none() => {
+            let parts: Vec<String> = s
+                .try_iter()
+                .map_err(|_| bad("tojson: separators is a pair of strings".into()))?
+                .map(|p| p.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .ok_or_else(|| bad("tojson: separators is a pair of strings".into()))?;
+            match <[String; 2]>::try_from(parts) {
+                Ok([i, k]) => (i, k),
+                Err(_) => return Err(bad("tojson: separators is a pair of strings".into())),
+            }
+        }
+        _ if indent.is_some() => (",".to_string(), ": ".to_string()),
+        _ => (", ".to_string(), ": ".to_string()),
+    };
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&v).map_err(|e| bad(format!("tojson: {e}")))?;
+    let mut out = String::new();
+    let style = Dumps {
+        indent: indent.as_deref(),
+        item: &item,
+        key: &key,
+        sort_keys,
+        ensure_ascii,
+    };
+    style.write(&json, 0, &mut out);
+    Ok(out)
+}
+
+/// The shape of Python's `json.dumps` output.
+struct Dumps<'a> {
+    indent: Option<&'a str>,
+    item: &'a str,
+    key: &'a str,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl Dumps<'_> {
+    fn write(&self, v: &serde_json::Value, level: usize, out: &mut String) {
+        use serde_json::Value as J;
+        match v {
+            J::Array(a) if !a.is_empty() => {
+                out.push('[');
+                for (i, x) in a.iter().enumerate() {
+                    self.between(i, level + 1, out);
+                    self.write(x, level + 1, out);
+                }
+                self.close(level, out);
+                out.push(']');
+            }
+            J::Object(m) if !m.is_empty() => {
+                let mut entries: Vec<(&String, &serde_json::Value)> = m.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, x)) in entries.into_iter().enumerate() {
+                    self.between(i, level + 1, out);
+                    self.string(k, out);
+                    out.push_str(self.key);
+                    self.write(x, level + 1, out);
+                }
+                self.close(level, out);
+                out.push('}');
+            }
+            J::Array(_) => out.push_str("[]"),
+            J::Object(_) => out.push_str("{}"),
+            J::String(s) => self.string(s, out),
+            J::Null => out.push_str("null"),
+            J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+            J::Number(n) => out.push_str(&n.to_string()),
+        }
+    }
+
+    fn between(&self, i: usize, level: usize, out: &mut String) {
+        if i > 0 {
+            out.push_str(self.item);
+        }
+        if let Some(ind) = self.indent {
+            out.push('\n');
+            for _ in 0..level {
+                out.push_str(ind);
+            }
+        }
+    }
+
+    fn close(&self, level: usize, out: &mut String) {
+        if let Some(ind) = self.indent {
+            out.push('\n');
+            for _ in 0..level {
+                out.push_str(ind);
+            }
+        }
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && (c as u32) > 0x7e) => {
+                    let mut units = [0u16; 2];
+                    for u in c.encode_utf16(&mut units) {
+                        out.push_str(&format!("\\u{u:04x}"));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// `strftime` for the directives chat templates use (Llama 3's `strftime_now("%d %b %Y")`),
+/// in UTC; others are left as written.
+fn strftime(fmt: &str, now: std::time::SystemTime) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    let secs = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let days = (secs / 86_400) as i64;
+    let (h, mi, s) = (secs / 3600 % 24, secs / 60 % 60, secs % 60);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let weekday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let before = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][(m - 1) as usize];
+    let yday = before + d + i64::from(leap && m > 2);
+    let month = MONTHS[(m - 1) as usize];
+    let day = DAYS[weekday];
+    let mut out = String::new();
+    let mut it = fmt.chars();
+    while let Some(c) = it.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match it.next() {
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y.rem_euclid(100))),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('e') => out.push_str(&format!("{d:>2}")),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('B') => out.push_str(month),
+            Some('b') | Some('h') => out.push_str(&month[..3]),
+            Some('A') => out.push_str(day),
+            Some('a') => out.push_str(&day[..3]),
+            Some('H') => out.push_str(&format!("{h:02}")),
+            Some('I') => out.push_str(&format!("{:02}", (h + 11) % 12 + 1)),
+            Some('p') => out.push_str(if h < 12 { "AM" } else { "PM" }),
+            Some('M') => out.push_str(&format!("{mi:02}")),
+            Some('S') => out.push_str(&format!("{s:02}")),
+            Some('%') => out.push('%'),
+            Some(o) => {
+                out.push('%');
+                out.push(o);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,5 +384,53 @@ mod tests {
         let ct = ChatTemplate::new("{{ raise_exception('no system') }}", "", "").unwrap();
         assert!(ct.render(&[], true).is_err());
         assert!(ChatTemplate::new("{% for %}", "", "").is_err());
+    }
+
+    /// Hugging Face renders with trimmed blocks, loop controls and Python's `json.dumps`:
+    /// the strings below are what `apply_chat_template` gives for the same template and data.
+    #[test]
+    fn templates_render_as_hugging_face_renders_them() {
+        let t = "{% for m in messages %}\n  {% if m.role == 'skip' %}{% continue %}{% endif %}\n<{{ m.role }}>{{ m.content }}\n{% endfor %}\n";
+        let ct = ChatTemplate::new(t, "", "").unwrap();
+        let s = ct
+            .render(
+                &[
+                    Message::new("user", "a"),
+                    Message::new("skip", "x"),
+                    Message::new("assistant", "b"),
+                ],
+                false,
+            )
+            .unwrap();
+        assert_eq!(s, "<user>a\n<assistant>b\n");
+        let t = "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}|{{ tools | tojson(ensure_ascii=True, separators=(',', ':'), sort_keys=True) }}";
+        let ct = ChatTemplate::new(t, "", "").unwrap();
+        let tools = serde_json::json!([{"name": "f", "description": "Don't use <b> & é", "parameters": {}, "n": [1, 2.5, null, true]}]);
+        let s = ct.render_with_tools(&[], Some(&tools), false).unwrap();
+        assert_eq!(
+            s,
+            concat!(
+                r#"[{"name": "f", "description": "Don't use <b> & é", "parameters": {}, "n": [1, 2.5, null, true]}]"#,
+                "|{\n  \"name\": \"f\",\n  \"description\": \"Don't use <b> & é\",\n  \"parameters\": {},\n  \"n\": [\n    1,\n    2.5,\n    null,\n    true\n  ]\n}|",
+                r#"[{"description":"Don't use <b> & \u00e9","n":[1,2.5,null,true],"name":"f","parameters":{}}]"#
+            )
+        );
+        let ct = ChatTemplate::new("{{ 1 | tojson(colour=1) }}", "", "").unwrap();
+        assert!(ct.render(&[], false).is_err());
+    }
+
+    #[test]
+    fn strftime_writes_the_dates_templates_ask_for() {
+        // 2024-02-29 13:05:09 UTC, a Thursday.
+        let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_709_211_909);
+        assert_eq!(strftime("%d %b %Y", t), "29 Feb 2024");
+        assert_eq!(
+            strftime("%A %B %e, %y %H:%M:%S %j %I%p %% %Q", t),
+            "Thursday February 29, 24 13:05:09 060 01PM % %Q"
+        );
+        let epoch = std::time::UNIX_EPOCH;
+        assert_eq!(strftime("%a %Y-%m-%d", epoch), "Thu 1970-01-01");
+        let t = epoch + std::time::Duration::from_secs(951_782_400); // 2000-02-29
+        assert_eq!(strftime("%Y-%m-%d %j", t), "2000-02-29 060");
     }
 }

@@ -81,11 +81,58 @@ impl Tokenizer {
             };
             bos = tok_of("bos_token");
             eos = tok_of("eos_token");
-            chat_template = v["chat_template"].as_str().map(|s| s.to_string());
+            chat_template = hf_chat_template(&v["chat_template"]);
         }
-        Ok(Self::finish(inner, bos, eos, chat_template))
+        // Newer repositories keep the template in a file of its own.
+        if let Ok(t) = std::fs::read_to_string(dir.join("chat_template.jinja")) {
+            chat_template = Some(t);
+        }
+        let mut t = Self::finish(inner, bos, eos, chat_template);
+        // generation_config.json's end tokens stop generation too (Gemma's `<end_of_turn>`,
+        // Llama 3's `<|eot_id|>` beside `<|end_of_text|>`).
+        if let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) {
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(tok_err)?;
+            let ids: Vec<u64> = match &v["eos_token_id"] {
+                serde_json::Value::Number(n) => n.as_u64().into_iter().collect(),
+                serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).collect(),
+                _ => Vec::new(),
+            };
+            let vocab = t.vocab_size() as u64;
+            for id in ids.into_iter().filter(|&i| i < vocab) {
+                if !t.stop_ids.contains(&(id as u32)) {
+                    t.stop_ids.push(id as u32);
+                }
+            }
+        }
+        Ok(t)
     }
+}
 
+/// tokenizer_config.json's `chat_template`: a string, or a list of named templates (then the
+/// one named `default`, else the first).
+fn hf_chat_template(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => {
+            let named = |want: Option<&str>| {
+                list.iter().find_map(|t| {
+                    let name = t.get("name").and_then(|n| n.as_str());
+                    if want.is_none() || name == want {
+                        t.get("template")
+                            .and_then(|x| x.as_str())
+                            .map(str::to_string)
+                    } else {
+                        None
+                    }
+                })
+            };
+            named(Some("default")).or_else(|| named(None))
+        }
+        _ => None,
+    }
+}
+
+impl Tokenizer {
     fn finish(
         inner: tokenizers::Tokenizer,
         bos: Option<(u32, String)>,

@@ -553,6 +553,30 @@ fn tokenizer_round_trips_and_hf_json_matches_gguf() {
     t.save_json(&dir.join("tokenizer.json")).unwrap();
     let t2 = Tokenizer::from_hf_dir(&dir).unwrap();
     assert_eq!(t2.encode(text).unwrap(), ids);
+    // Named templates (the default one is used), then a chat_template.jinja beside them
+    // (it wins); generation_config.json's end tokens stop generation.
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}"#,
+    )
+    .unwrap();
+    let last = t.vocab_size() as u32 - 1;
+    std::fs::write(
+        dir.join("generation_config.json"),
+        format!(r#"{{"eos_token_id": [7, {last}, 99999999]}}"#),
+    )
+    .unwrap();
+    let t3 = Tokenizer::from_hf_dir(&dir).unwrap();
+    assert_eq!(t3.chat_template.as_deref(), Some("D"));
+    assert!(
+        t3.stop_ids.contains(&7) && t3.stop_ids.contains(&last),
+        "{:?}",
+        t3.stop_ids
+    );
+    assert!(!t3.stop_ids.contains(&99999999));
+    std::fs::write(dir.join("chat_template.jinja"), "J").unwrap();
+    let t4 = Tokenizer::from_hf_dir(&dir).unwrap();
+    assert_eq!(t4.chat_template.as_deref(), Some("J"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
