@@ -674,6 +674,14 @@ impl Common {
                 Some("min_tokens"),
             ));
         }
+        if (json || regex.is_some()) && self.ignore_eos {
+            // Once the document is whole only the end may follow: ignored, the request would
+            // write end tokens up to max_tokens.
+            return Err(ApiError::bad(
+                "ignore_eos cannot be combined with JSON mode or guided decoding",
+                Some("ignore_eos"),
+            ));
+        }
         let mut sampling = kernels::sampling::SamplingParams {
             temperature: temperature as f32,
             top_k,
@@ -760,6 +768,12 @@ impl Common {
                         found.push((Guided::JsonObject, P))
                     }
                     "json_object" => {}
+                    "whitespace_pattern" if !v.is_null() => {
+                        return Err(ApiError::bad(
+                            "structured_outputs.whitespace_pattern is not supported",
+                            Some(P),
+                        ));
+                    }
                     "disable_fallback"
                     | "disable_any_whitespace"
                     | "disable_additional_properties"
@@ -986,6 +1000,14 @@ mod tests {
                 "multipleOf",
             ),
             (json!({"guided_grammar": "root ::= x"}), "not supported"),
+            (
+                json!({"guided_regex": "x", "ignore_eos": true}),
+                "ignore_eos cannot",
+            ),
+            (
+                json!({"structured_outputs": {"json_object": true, "whitespace_pattern": " "}}),
+                "whitespace_pattern",
+            ),
             (
                 json!({"structured_outputs": {"grammar": "root ::= x"}}),
                 "grammar",

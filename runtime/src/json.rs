@@ -181,7 +181,14 @@ pub struct JsonState {
     ws: u8,
     /// Inside a string: escapes and UTF-8 under way.
     chars: StrChars,
+    /// Inside a number: digits of its integer part, then of its exponent.
+    digits: u8,
 }
+
+/// Most digits of a number's integer part, and of its exponent: the largest number written is
+/// under 1e200, which every JSON reader holds in an f64 (serde_json refuses `1e400`).
+pub const MAX_INT_DIGITS: usize = 100;
+pub const MAX_EXP_DIGITS: usize = 2;
 
 impl Default for JsonState {
     fn default() -> Self {
@@ -197,6 +204,7 @@ impl JsonState {
             depth: 0,
             ws: 0,
             chars: StrChars::default(),
+            digits: 0,
         }
     }
 
@@ -325,9 +333,14 @@ impl JsonState {
                 self.chars = StrChars::default();
                 St::Str { key: false }
             }
-            b'-' => St::Num(Num::Minus),
-            b'0' => St::Num(Num::Zero),
-            b'1'..=b'9' => St::Num(Num::Int),
+            b'-' => {
+                self.digits = 0;
+                St::Num(Num::Minus)
+            }
+            b'0'..=b'9' => {
+                self.digits = 1;
+                St::Num(if b == b'0' { Num::Zero } else { Num::Int })
+            }
             b't' => St::Lit { lit: 0, at: 1 },
             b'f' => St::Lit { lit: 1, at: 1 },
             b'n' => St::Lit { lit: 2, at: 1 },
@@ -351,6 +364,22 @@ impl JsonState {
             _ => None,
         };
         if let Some(s) = next {
+            match (n, s) {
+                (Minus, _) => self.digits = 1,
+                (_, E) => self.digits = 0,
+                (_, Int | Exp) => {
+                    let max = if s == Int {
+                        MAX_INT_DIGITS
+                    } else {
+                        MAX_EXP_DIGITS
+                    };
+                    if self.digits as usize >= max {
+                        return false;
+                    }
+                    self.digits += 1;
+                }
+                _ => {}
+            }
             self.st = St::Num(s);
             return true;
         }
@@ -688,6 +717,30 @@ mod tests {
     fn accepts(doc: &str) -> Option<bool> {
         let mut s = JsonState::new();
         s.push_bytes(doc.as_bytes()).then_some(s.complete())
+    }
+
+    /// Numbers stay ones serde_json reads: `1e400` and a 101-digit integer are refused.
+    #[test]
+    fn numbers_stay_in_f64_range() {
+        let big = "9".repeat(MAX_INT_DIGITS);
+        for (doc, ok) in [
+            (
+                format!(r#"{{"x": [{big}, -{big}.{big}e-99, 0E+12, 7e99]}}"#),
+                true,
+            ),
+            (r#"{"x": 1e400}"#.to_string(), false),
+            (r#"{"x": -0.5e-100}"#.to_string(), false),
+            (format!(r#"{{"x": {big}0}}"#), false),
+            (format!(r#"{{"x": -{big}1}}"#), false),
+        ] {
+            assert_eq!(accepts(&doc) == Some(true), ok, "{doc}");
+            if ok {
+                assert!(
+                    serde_json::from_str::<serde_json::Value>(&doc).is_ok(),
+                    "{doc}"
+                );
+            }
+        }
     }
 
     #[test]

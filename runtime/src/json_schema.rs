@@ -44,6 +44,8 @@ pub const MAX_WS_RUN: u8 = 32;
 pub const MAX_PATTERN_STATES: usize = 4096;
 /// Most distinct `pattern`s and `format`s of one schema (each is a DFA built per request).
 pub const MAX_PATTERNS: usize = 16;
+/// Most references one `$ref` may lead through before reaching a schema that is not one.
+pub const MAX_REF_CHAIN: usize = 32;
 /// Largest `minLength`, `maxLength`, `minItems` or `maxItems`.
 pub const MAX_COUNT: u64 = u16::MAX as u64 - 1;
 /// Digits of a bounded `integer` (it fits an i64).
@@ -183,6 +185,9 @@ impl Pattern {
                     .determinize_size_limit(Some(8 << 20)),
             )
             .syntax(syntax::Config::new().unicode(true).utf8(true))
+            // The NFA is built before the DFA's limits apply: `a{4000000000}` would copy `a`
+            // four billion times.
+            .thompson(regex_automata::nfa::thompson::Config::new().nfa_size_limit(Some(1 << 20)))
             .build(regex)
             .map_err(|e| format!("{src} is not supported: {e}"))?;
         let s0 = dfa
@@ -285,6 +290,11 @@ fn regex_escape(text: &str) -> String {
     out
 }
 
+/// White space in both ECMA-262's `\s` and Rust's, and in either.
+const WS_BOTH: &str =
+    r"\t\n\x0B\x0C\r \x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}";
+const WS_EITHER: &str = r"\t\n\x0B\x0C\r \x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}";
+
 /// An ECMA-262 pattern in the regex crate's syntax. Where the readings differ, the narrower
 /// set is kept: `\d`, `\w` are ASCII (ECMA-262) where they add characters and Unicode (Python,
 /// Rust) where a negated class takes them away; `.` leaves out the line terminators ECMA-262
@@ -308,6 +318,16 @@ fn ecma_to_rust(src: &str) -> String {
                 let set = match e {
                     'd' | 'D' => "0-9",
                     'w' | 'W' => "0-9A-Za-z_",
+                    // Neither reading of `\s` holds the other (U+0085 is Rust's only, U+FEFF
+                    // ECMA-262's): both present, the intersection adds, the union takes away.
+                    's' | 'S' => {
+                        let negated = class == Some(true);
+                        let lower = e == 's';
+                        let set = if lower != negated { WS_BOTH } else { WS_EITHER };
+                        let caret = if lower { "" } else { "^" };
+                        out.push_str(&format!("[{caret}{set}]"));
+                        continue;
+                    }
                     _ => {
                         out.push('\\');
                         out.push(e);
@@ -392,6 +412,8 @@ struct Compiler<'a> {
     /// By reference and depth: the depth bounds what lies below.
     refs: HashMap<(String, usize), u16>,
     patterns: HashMap<String, u16>,
+    /// `pattern`s and `format`s beside `enum`s and `const`s, compiled to filter the values.
+    enum_patterns: usize,
 }
 
 /// Keywords that say nothing about which values are valid.
@@ -432,6 +454,7 @@ impl Schema {
             expanding: Vec::new(),
             refs: HashMap::new(),
             patterns: HashMap::new(),
+            enum_patterns: 0,
         };
         s.root = s.node(&mut c, v, 0)?;
         Ok(s)
@@ -457,6 +480,19 @@ impl Schema {
             .ok_or_else(|| format!("a schema must be an object, got {v}"))?;
         if depth >= MAX_DEPTH {
             return Err(format!("schemas nest at most {MAX_DEPTH} deep"));
+        }
+        let literal = obj.contains_key("enum") || obj.contains_key("const");
+        if literal && obj.contains_key("enum") && obj.contains_key("const") {
+            return Err("`enum` cannot be combined with `const`".into());
+        }
+        if literal && (obj.contains_key("pattern") || obj.contains_key("format")) {
+            c.enum_patterns += 1;
+            if c.enum_patterns > MAX_PATTERNS {
+                return Err(format!(
+                    "a schema takes at most {MAX_PATTERNS} `pattern`s or `format`s beside \
+                     `enum`s and `const`s"
+                ));
+            }
         }
         const KNOWN: [&str; 20] = [
             "type",
@@ -613,6 +649,14 @@ impl Schema {
                         Some(p) => Some(p.as_object().ok_or("`properties` must be an object")?),
                     };
                     match obj.get("additionalProperties") {
+                        // Without `properties`, an object of any keys and values is meant;
+                        // all this would write is `{}`.
+                        None | Some(serde_json::Value::Bool(true)) if props.is_none() => {
+                            return Err("objects of any keys and values are not supported: \
+                                give `properties`, or `additionalProperties` a schema (or \
+                                use response_format json_object)"
+                                .into());
+                        }
                         None | Some(serde_json::Value::Bool(_)) => {}
                         Some(extra) => {
                             if props.is_some_and(|p| !p.is_empty()) || !required.is_empty() {
@@ -732,6 +776,12 @@ impl Schema {
         if c.expanding.iter().any(|e| e == r) || pointer.is_empty() {
             return Err(format!("recursive `$ref` {r:?} is not supported"));
         }
+        // A chain of references nests no data, so MAX_DEPTH does not bound it; the stack must.
+        if c.expanding.len() >= MAX_REF_CHAIN {
+            return Err(format!(
+                "`$ref`s lead through at most {MAX_REF_CHAIN} others"
+            ));
+        }
         let target = c
             .doc
             .pointer(pointer)
@@ -834,18 +884,36 @@ impl Schema {
 fn enum_filter(
     obj: &serde_json::Map<String, serde_json::Value>,
 ) -> Result<impl Fn(&serde_json::Value) -> bool, String> {
-    let num = |k: &str| obj.get(k).and_then(serde_json::Value::as_f64);
-    let count = |k: &str| obj.get(k).and_then(serde_json::Value::as_u64);
+    // Read as strictly as beside a `type`: a bound that is not a number is an error, not
+    // a bound dropped.
+    let num = |k: &str| -> Result<Option<f64>, String> {
+        obj.get(k)
+            .map(|v| v.as_f64().ok_or_else(|| format!("`{k}` must be a number")))
+            .transpose()
+    };
+    let count = |k: &str| -> Result<Option<u64>, String> {
+        obj.get(k)
+            .map(|v| v.as_u64().ok_or_else(|| format!("`{k}` must be a count")))
+            .transpose()
+    };
     let src = match (obj.get("pattern"), obj.get("format")) {
-        (Some(p), _) => p.as_str().map(str::to_owned),
-        (None, Some(f)) => f.as_str().and_then(format_pattern),
+        (Some(p), None) => Some(p.as_str().ok_or("`pattern` must be a string")?.to_owned()),
+        (None, Some(f)) => format_pattern(f.as_str().ok_or("`format` must be a string")?),
+        (Some(_), Some(_)) => return Err("`pattern` cannot be combined with `format`".into()),
         (None, None) => None,
     };
+    if obj.contains_key("additionalProperties") {
+        return Err(
+            "`additionalProperties` cannot be combined with `enum` or `const` \
+                    (list only the objects it allows)"
+                .into(),
+        );
+    }
     let pattern = src.map(|s| Pattern::compile(&s)).transpose()?;
-    let (min_len, max_len) = (count("minLength"), count("maxLength"));
-    let (min_items, max_items) = (count("minItems"), count("maxItems"));
-    let (lo, hi) = (num("minimum"), num("maximum"));
-    let (lo_ex, hi_ex) = (num("exclusiveMinimum"), num("exclusiveMaximum"));
+    let (min_len, max_len) = (count("minLength")?, count("maxLength")?);
+    let (min_items, max_items) = (count("minItems")?, count("maxItems")?);
+    let (lo, hi) = (num("minimum")?, num("maximum")?);
+    let (lo_ex, hi_ex) = (num("exclusiveMinimum")?, num("exclusiveMaximum")?);
     Ok(move |x: &serde_json::Value| match x {
         serde_json::Value::String(s) => {
             let n = s.chars().count() as u64;
@@ -1471,6 +1539,23 @@ impl SchemaState {
             _ => None,
         };
         if let Some(next) = next {
+            if n.bounds.is_none() {
+                // Unbounded, still one every JSON reader can hold in an f64 (`1e400` is out
+                // of range for serde_json): counts in `num` (`frac_digits` counts the
+                // exponent's).
+                let num = &mut self.num;
+                match next {
+                    N_INT | N_ZERO if num.int_digits as usize >= crate::json::MAX_INT_DIGITS => {
+                        return false;
+                    }
+                    N_INT | N_ZERO => num.int_digits += 1,
+                    N_EXP if num.frac_digits as usize >= crate::json::MAX_EXP_DIGITS => {
+                        return false;
+                    }
+                    N_EXP => num.frac_digits += 1,
+                    _ => {}
+                }
+            }
             if let Some(bounds) = n.bounds {
                 let mut num = self.num;
                 let d = b.wrapping_sub(b'0') as u64;
@@ -1569,6 +1654,121 @@ mod tests {
     fn accepts(s: &Schema, doc: &str) -> Option<bool> {
         let mut st = SchemaState::new(s);
         st.push_bytes(s, doc.as_bytes()).then_some(st.complete())
+    }
+
+    /// Requests that would exhaust memory, time or the stack, and keywords that would be
+    /// silently dropped, are refused, and quickly.
+    #[test]
+    fn hostile_and_silently_weakened_schemas_are_refused() {
+        let t0 = std::time::Instant::now();
+        for r in ["a{4000000000}", "(?:(?:a{1000}){1000}){1000}"] {
+            assert!(Pattern::full_match(r).is_err(), "{r}");
+        }
+        let obj = |p: Value| json!({"type": "object", "properties": {"a": p}});
+        let mut defs = serde_json::Map::new();
+        for i in 0..100_000 {
+            defs.insert(
+                format!("d{i}"),
+                json!({"$ref": format!("#/$defs/d{}", i + 1)}),
+            );
+        }
+        defs.insert("d100000".into(), json!({"type": "null"}));
+        let mut chain = obj(json!({"$ref": "#/$defs/d0"}));
+        chain["$defs"] = Value::Object(defs);
+        let mut pats = serde_json::Map::new();
+        for i in 0..MAX_PATTERNS + 1 {
+            pats.insert(format!("p{i}"), json!({"enum": ["a"], "pattern": "^a$"}));
+        }
+        for (bad, says) in [
+            (chain, "lead through"),
+            (
+                obj(json!({"const": "a", "enum": ["b"]})),
+                "cannot be combined with `const`",
+            ),
+            (
+                obj(json!({"enum": ["ab"], "maxLength": 2.5})),
+                "`maxLength` must be a count",
+            ),
+            (
+                obj(json!({"enum": [3], "minimum": "3"})),
+                "`minimum` must be a number",
+            ),
+            (
+                obj(json!({"enum": ["a"], "pattern": 1})),
+                "`pattern` must be a string",
+            ),
+            (
+                obj(json!({"enum": ["a"], "pattern": "a", "format": "date"})),
+                "cannot be combined with `format`",
+            ),
+            (
+                obj(json!({"enum": [{"a": "x"}], "additionalProperties": {"type": "integer"}})),
+                "`additionalProperties` cannot be combined",
+            ),
+            (obj(json!({"type": "object"})), "any keys and values"),
+            (
+                obj(json!({"type": "object", "additionalProperties": true})),
+                "any keys and values",
+            ),
+            (json!({"type": "object"}), "any keys and values"),
+            (
+                json!({"type": "object", "properties": Value::Object(pats)}),
+                "beside `enum`s",
+            ),
+        ] {
+            let e = Schema::compile(&bad).expect_err(says);
+            assert!(e.contains(says), "{says}: {e}");
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(20),
+            "{:?}",
+            t0.elapsed()
+        );
+        // An object with no properties, said so, is `{}`; with a schema for values, a map.
+        let s = Schema::compile(&obj(json!({"type": "object", "properties": {}}))).unwrap();
+        assert_eq!(accepts(&s, r#"{"a": {}}"#), Some(true));
+        // `\s` holds what both ECMA-262 and Rust call white space, `\S` what neither does.
+        let ws = Pattern::compile("^\\s$").unwrap();
+        let non = Pattern::compile("^\\S$").unwrap();
+        let neg = Pattern::compile("^[^\\s]$").unwrap();
+        for c in [" ", "\t", "\u{a0}", "\u{3000}"] {
+            assert!(
+                ws.matches_all(c.as_bytes()) && !non.matches_all(c.as_bytes()),
+                "{c:?}"
+            );
+        }
+        for c in ["\u{85}", "\u{feff}"] {
+            assert!(
+                !ws.matches_all(c.as_bytes()) && !non.matches_all(c.as_bytes()),
+                "{c:?}"
+            );
+            assert!(!neg.matches_all(c.as_bytes()), "{c:?}");
+        }
+        assert!(non.matches_all(b"a") && neg.matches_all(b"a") && !ws.matches_all(b"a"));
+    }
+
+    /// An unbounded number stays one serde_json reads: at most 100 integer digits and a
+    /// two-digit exponent.
+    #[test]
+    fn unbounded_numbers_stay_in_f64_range() {
+        let s = Schema::compile(&json!({"type": "object", "properties": {
+            "x": {"type": "number"}, "n": {"type": "integer"}}}))
+        .unwrap();
+        let big = "9".repeat(100);
+        for (doc, ok) in [
+            (format!(r#"{{"x": 1.5e99, "n": {big}}}"#), true),
+            (format!(r#"{{"x": -{big}.5E-99}}"#), true),
+            (r#"{"x": 1e400}"#.to_string(), false),
+            (r#"{"x": 1e+400}"#.to_string(), false),
+            (format!(r#"{{"n": {big}9}}"#), false),
+            (format!(r#"{{"x": {big}9}}"#), false),
+        ] {
+            assert_eq!(accepts(&s, &doc) == Some(true), ok, "{doc}");
+            if ok {
+                let v: Value = serde_json::from_str(&doc).expect(&doc);
+                assert!(v.is_object());
+            }
+        }
     }
 
     #[test]
@@ -1886,7 +2086,7 @@ mod tests {
         }
         for (bad, want) in [
             (
-                json!({"anyOf": [{"type": "object"}, {"type": "object", "properties": {}}]}),
+                json!({"anyOf": [{"type": "object", "properties": {"a": {"type": "null"}}}, {"type": "object", "properties": {}}]}),
                 "start differently",
             ),
             (
