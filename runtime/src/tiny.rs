@@ -32,6 +32,10 @@ pub struct TinySpec {
     /// qwen2 only: added to the key bias of each KV head's last channel (the slowest RoPE
     /// pair), the near-constant large key channel of Qwen2.5's layers (about 145 in layer 0).
     pub k_bias_spike: f32,
+    /// Standard deviation of the token embedding (also the tied head). 1 makes the next-token
+    /// distribution peaked (logits of deviation about √d_model), so greedy decoding varies;
+    /// about 0.15 spreads it, for tests of sampled distributions.
+    pub embed_scale: f32,
 }
 
 impl TinySpec {
@@ -52,6 +56,7 @@ impl TinySpec {
             vocab_variant: 0,
             seed,
             k_bias_spike: 0.0,
+            embed_scale: 1.0,
         }
     }
 
@@ -72,6 +77,7 @@ impl TinySpec {
             vocab_variant: 0,
             seed,
             k_bias_spike: 0.0,
+            embed_scale: 1.0,
         }
     }
 }
@@ -169,7 +175,7 @@ pub fn write_gguf(spec: &TinySpec, path: &Path) -> Result<()> {
     // Embedding scale large enough that greedy decoding is not a constant token.
     tensors.push((
         "token_embd.weight".into(),
-        qtensor(&mut rng, vocab_size, d, 1.0, spec.embed_dtype)?,
+        qtensor(&mut rng, vocab_size, d, spec.embed_scale, spec.embed_dtype)?,
     ));
     if spec.separate_head {
         tensors.push((
