@@ -19,9 +19,9 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// 1 = off; > 0. Divides positive logits (multiplies negative ones) of seen tokens.
     pub repetition_penalty: f32,
-    /// 0 = off. Subtracted once from the logit of every seen token.
+    /// 0 = off. Subtracted once from the logit of every token the output holds.
     pub presence_penalty: f32,
-    /// 0 = off. Subtracted per occurrence.
+    /// 0 = off. Subtracted per occurrence in the output.
     pub frequency_penalty: f32,
     /// 0 = off; in [0, 1]. After temperature, tokens less likely than `min_p` times the most
     /// likely one are dropped (vLLM's `min_p`).
@@ -35,6 +35,10 @@ pub struct SamplingParams {
     pub hold_until: usize,
     /// The end-of-sequence and stop token ids `hold_until` holds back.
     pub held_ids: Vec<u32>,
+    /// Where the output begins in `seen` (the prompt's length): presence and frequency
+    /// penalties count tokens from here, as OpenAI and vLLM do; the repetition penalty counts
+    /// the prompt too ([`SamplingParams::count_output_from`]).
+    pub output_from: usize,
 }
 
 /// Temperatures below this decode greedily (vLLM's threshold).
@@ -56,6 +60,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             hold_until: 0,
             held_ids: Vec::new(),
+            output_from: 0,
         }
     }
 }
@@ -106,6 +111,12 @@ impl SamplingParams {
         self.held_ids = end_ids.to_vec();
         self.held_ids.sort_unstable();
         self.held_ids.dedup();
+    }
+
+    /// Presence and frequency penalties count `seen` from `start` on: the prompt's length
+    /// (without output resumed from another worker, which is output still).
+    pub fn count_output_from(&mut self, start: usize) {
+        self.output_from = start;
     }
 
     pub fn validate(&self) -> Result<(), KernelError> {
@@ -209,14 +220,16 @@ pub fn argmax_scan(x: &[f32]) -> u32 {
     best as u32
 }
 
-/// Applies repetition / presence / frequency penalties for the tokens seen so far.
+/// Applies the repetition penalty for the tokens seen so far (prompt and output), presence and
+/// frequency penalties for those of the output (`seen[p.output_from..]`).
 pub fn apply_penalties(logits: &mut [f32], seen: &[u32], p: &SamplingParams) {
     if !p.has_penalties() {
         return;
     }
+    // Occurrences in the output; a prompt-only token is present with count 0.
     let mut counts = std::collections::HashMap::<u32, u32>::new();
-    for &t in seen {
-        *counts.entry(t).or_default() += 1;
+    for (i, &t) in seen.iter().enumerate() {
+        *counts.entry(t).or_default() += u32::from(i >= p.output_from);
     }
     for (&t, &c) in &counts {
         let Some(l) = logits.get_mut(t as usize) else {
@@ -229,7 +242,9 @@ pub fn apply_penalties(logits: &mut [f32], seen: &[u32], p: &SamplingParams) {
                 *l * p.repetition_penalty
             };
         }
-        *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+        if c > 0 {
+            *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+        }
     }
 }
 
@@ -269,10 +284,19 @@ pub fn probs(logits: &[f32], seen: &[u32], p: &SamplingParams) -> Vec<f32> {
     }
     let inv_t = 1.0 / p.temperature;
     let max = lane_max(&l);
+    if max == f32::INFINITY {
+        // A +∞ logit outweighs everything: its token (shared among +∞ ties), as greedy
+        // decoding would pick it. (∞ − ∞ would make every probability NaN, and then token 0.)
+        let tops = l.iter().filter(|&&v| v == f32::INFINITY).count() as f32;
+        for v in l.iter_mut() {
+            *v = if *v == f32::INFINITY { 1.0 / tops } else { 0.0 };
+        }
+        return l;
+    }
     let sum = if max.is_finite() {
         exp_shifted(&mut l, max, inv_t)
     } else {
-        // Every logit −∞ or one +∞: the plain loop's NaNs and infinities, as before.
+        // Every logit −∞ (or NaN): an empty row, which samples token 0 as greedy picks it.
         let mut sum = 0f64;
         for v in l.iter_mut() {
             let e = if v.is_nan() {
@@ -696,6 +720,19 @@ mod tests {
     }
 
     #[test]
+    fn an_infinite_logit_takes_all_the_mass() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        };
+        let inf = f32::INFINITY;
+        assert_eq!(probs(&[0.0, inf, 3.0, -inf], &[], &p), [0.0, 1.0, 0.0, 0.0]);
+        assert_eq!(probs(&[inf, 1.0, inf], &[], &p), [0.5, 0.0, 0.5]);
+        let mut rng = Rng::new(3);
+        assert_eq!(sample(&probs(&[0.0, 2.0, inf], &[], &p), &mut rng), 2);
+    }
+
+    #[test]
     fn penalties_lower_seen_tokens() {
         let p = SamplingParams {
             repetition_penalty: 2.0,
@@ -705,6 +742,18 @@ mod tests {
         let mut l = [2.0f32, -2.0, 1.0];
         apply_penalties(&mut l, &[0, 1, 1], &p);
         assert_eq!(l, [0.5, -4.5, 1.0]);
+        // Presence and frequency count the output only (from `output_from`); the repetition
+        // penalty counts the prompt too. Prompt [0, 0, 2], output [1, 2, 2].
+        let mut p = SamplingParams {
+            repetition_penalty: 2.0,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..Default::default()
+        };
+        p.count_output_from(3);
+        let mut l = [2.0f32, 2.0, 2.0, 2.0];
+        apply_penalties(&mut l, &[0, 0, 2, 1, 2, 2], &p);
+        assert_eq!(l, [1.0, 1.0 - 0.75, 1.0 - 1.0, 2.0]);
     }
 
     #[test]

@@ -166,6 +166,7 @@ impl From<&kernels::sampling::SamplingParams> for Sampling {
             logit_bias: p.logit_bias.iter().copied().collect(),
             hold_until: p.hold_until as u64,
             held_ids: p.held_ids.clone(),
+            output_from: p.output_from as u64,
         }
     }
 }
@@ -190,6 +191,8 @@ impl Sampling {
             hold_until: usize::try_from(self.hold_until)
                 .map_err(|_| WireError::Invalid("sampling: hold_until out of range".into()))?,
             held_ids: self.held_ids.clone(),
+            output_from: usize::try_from(self.output_from)
+                .map_err(|_| WireError::Invalid("sampling: output_from out of range".into()))?,
         };
         let mut p = p;
         p.set_logit_bias(self.logit_bias.iter().map(|(&t, &b)| (t, b)));

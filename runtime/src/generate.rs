@@ -132,6 +132,7 @@ pub fn generate(
         .copied()
         .collect();
     sampling.hold_end_tokens(prompt.len(), p.min_tokens, &ends);
+    sampling.count_output_from(prompt.len());
     let json = p.json.as_ref().map(|f| (JsonVocab::new(tok), f));
     let mut doc = p.json.as_ref().map(Format::start);
     let mut seen: Vec<u32> = prompt.to_vec();

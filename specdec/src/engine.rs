@@ -643,6 +643,8 @@ impl Engine {
         let prompt_len = req.prompt.len();
         req.params
             .hold_end_tokens(prompt_len, req.min_tokens, &ends);
+        req.params
+            .count_output_from(prompt_len.saturating_sub(req.resumed));
         if req.json.is_some() && self.json_vocab.is_none() {
             let tk = self
                 .tok
