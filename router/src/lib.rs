@@ -219,9 +219,15 @@ impl App {
 }
 
 pub fn app(state: Arc<App>) -> Router {
-    Router::new()
+    let generation = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&state),
+            count_outcome,
+        ));
+    Router::new()
+        .merge(generation)
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
@@ -232,6 +238,24 @@ pub fn app(state: Arc<App>) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(axum::middleware::from_fn(json_errors))
         .with_state(state)
+}
+
+/// How a generation request ended, counted in one place whatever refused it: 429 (the
+/// cluster full) as rejected, any other 4xx or 5xx as an error. A stream that fails after its
+/// 200 is counted where it fails.
+async fn count_outcome(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let resp = next.run(req).await;
+    let status = resp.status();
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        Metrics::add(&app.metrics.rejected, 1);
+    } else if status.is_client_error() || status.is_server_error() {
+        Metrics::add(&app.metrics.errors, 1);
+    }
+    resp
 }
 
 /// Every error leaves with the OpenAI error body. axum answers some requests itself before
@@ -369,8 +393,9 @@ async fn tokenize(
     if r.model.is_some() {
         check_model(&app, &r.model)?;
     }
-    let text = match (&r.prompt, &r.messages) {
-        (Some(p), None) => p.clone(),
+    // As the completions and chat endpoints tokenize them.
+    let (text, plain) = match (&r.prompt, &r.messages) {
+        (Some(p), None) => (p.clone(), Vec::new()),
         (None, Some(_)) => render_chat(&app, &r.messages, None)?,
         _ => {
             return Err(ApiError::bad(
@@ -381,7 +406,7 @@ async fn tokenize(
     };
     let ids = app
         .tok
-        .encode(&text)
+        .encode_with_plain(&text, &plain)
         .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("prompt")))?;
     let max_len = app.cluster.targets().first().map_or(0, |t| t.max_context);
     Ok(Json(
@@ -472,20 +497,16 @@ fn check_model(app: &App, model: &Option<String>) -> Result<(), ApiError> {
     }
 }
 
+/// The caller's W3C trace context, if it sent a well-formed one. None is invented: a parent
+/// that no collector ever receives would leave the router's span hanging off nothing; without
+/// one the router's span starts the trace.
 fn traceparent(headers: &HeaderMap) -> String {
     headers
         .get("traceparent")
         .and_then(|v| v.to_str().ok())
         .filter(|v| v.len() == 55 && v.split('-').count() == 4)
         .map(str::to_string)
-        .unwrap_or_else(|| {
-            format!(
-                "00-{:016x}{:016x}-{:016x}-01",
-                random_u64(),
-                random_u64(),
-                random_u64()
-            )
-        })
+        .unwrap_or_default()
 }
 
 /// Decrements the in-flight gauge however the request ends.
@@ -506,7 +527,6 @@ fn admit(app: &Arc<App>) -> Result<Inflight, ApiError> {
     let n = app.metrics.inflight.fetch_add(1, Ordering::Relaxed) as usize;
     let guard = Inflight(Arc::clone(app));
     if cap > 0 && n >= cap {
-        Metrics::add(&app.metrics.rejected, 1);
         let mut e = ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
             "rate_limit_error",
@@ -820,7 +840,6 @@ async fn drive(
                     if first_token {
                         first_token = false;
                         ttft = job.arrived.elapsed().as_secs_f64();
-                        Metrics::add(&app.metrics.ttft_us, (ttft * 1e6) as u64);
                         app.metrics.ttft.observe(ttft);
                     }
                     generated.extend_from_slice(&t.ids);
@@ -982,8 +1001,7 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     auth(&app, &headers)?;
     Metrics::add(&app.metrics.requests, 1);
-    let r: CompletionRequest =
-        parse_body(&body).inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
+    let r: CompletionRequest = parse_body(&body)?;
     check_model(&app, &r.common.model)?;
     let settings = r.common.settings(
         app.default_max_tokens,
@@ -1016,7 +1034,7 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     auth(&app, &headers)?;
     Metrics::add(&app.metrics.requests, 1);
-    let r: ChatRequest = parse_body(&body).inspect_err(|_| Metrics::add(&app.metrics.errors, 1))?;
+    let r: ChatRequest = parse_body(&body)?;
     check_model(&app, &r.common.model)?;
     let mode = r.tool_mode(app.auto_tools)?;
     // `tool_choice: "none"` means plain text: a template shown the tools would tell the model
@@ -1025,8 +1043,14 @@ async fn chat_completions(
         openai::ToolMode::None => None,
         _ => r.tools.as_ref(),
     };
-    let text = render_chat(&app, &r.messages, tools)?;
-    let prompt = encode(&app, &text)?;
+    let (text, plain) = render_chat(&app, &r.messages, tools)?;
+    let prompt = app
+        .tok
+        .encode_with_plain(&text, &plain)
+        .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("messages")))?;
+    if prompt.is_empty() {
+        return Err(ApiError::bad("the prompt is empty", Some("messages")));
+    }
     let mut settings = r.common.settings(
         app.max_tokens_limit.min(512),
         app.max_tokens_limit,
@@ -1064,11 +1088,15 @@ async fn chat_completions(
 /// The chat template rendered over `messages` (with the assistant's turn opened) and `tools`.
 /// An assistant turn's `tool_calls` reach the template as they are; a template that does not
 /// render them (SmolLM2's) gets them as the turn's text, so the model still sees its calls.
+///
+/// Also the byte ranges of the prompt that are a message's text holding a special-token
+/// string (`<|im_end|>`…): they are tokenized as characters, so a user cannot end their turn
+/// and write the system's. Tools and past calls holding one are refused.
 fn render_chat(
     app: &App,
     messages: &Option<Vec<openai::ChatMessage>>,
     tools: Option<&Value>,
-) -> Result<String, ApiError> {
+) -> Result<(String, Vec<std::ops::Range<usize>>), ApiError> {
     let msgs = match messages {
         Some(m) if !m.is_empty() => m,
         _ => {
@@ -1134,10 +1162,61 @@ fn render_chat(
         }
     }
     let tools = tools.filter(|t| t.as_array().is_some_and(|a| !a.is_empty()));
+    let special = |what: &str, v: &Value| match app.tok.special_in(&v.to_string()) {
+        Some(s) => Err(ApiError::bad(
+            format!("{what} holds the special token `{s}`"),
+            Some(if what == "tools" { "tools" } else { "messages" }),
+        )),
+        None => Ok(()),
+    };
+    if let Some(t) = tools {
+        special("tools", t)?;
+    }
+    for c in conv.iter().filter_map(|m| m.tool_calls.as_ref()) {
+        special("a message's tool_calls", c)?;
+    }
     let text = tpl
         .render_with_tools(&conv, tools, true)
         .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
-    Ok(text)
+    let contents: Vec<&str> = conv.iter().map(|m| m.content.as_str()).collect();
+    let plain = user_text_spans(&text, &contents, |t| app.tok.special_in(t))
+        .map_err(|e| ApiError::bad(e, Some("messages")))?;
+    Ok((text, plain))
+}
+
+/// Where the texts that hold a special-token string lie in the rendered prompt, in order, each
+/// found after the last (verbatim, or trimmed, as templates that `strip` it write it). A text
+/// the template rendered otherwise is refused: its special tokens cannot be told from the
+/// template's.
+fn user_text_spans<'a>(
+    prompt: &str,
+    texts: &[&str],
+    special_in: impl Fn(&str) -> Option<&'a str>,
+) -> Result<Vec<std::ops::Range<usize>>, String> {
+    let mut spans = Vec::new();
+    let mut at = 0;
+    for t in texts {
+        let Some(s) = special_in(t) else { continue };
+        let found = [*t, t.trim()].into_iter().find_map(|want| {
+            prompt
+                .get(at..)
+                .and_then(|rest| rest.find(want))
+                .map(|i| at + i..at + i + want.len())
+        });
+        match found {
+            Some(r) => {
+                at = r.end;
+                spans.push(r);
+            }
+            None => {
+                return Err(format!(
+                    "a message holds the special token `{s}`, and this model's chat template \
+                     does not write the message as it is, so it cannot be kept apart"
+                ));
+            }
+        }
+    }
+    Ok(spans)
 }
 
 fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -1184,6 +1263,10 @@ async fn serve(
     });
     let span = tracing::info_span!("request", request_id = id, traceparent = tp);
     dspark_scheduler::set_parent(&span, &tp);
+    // Workers' spans are children of this one (the caller's context when none is exported).
+    let tp = Some(dspark_scheduler::traceparent_of(&span))
+        .filter(|t| !t.is_empty())
+        .unwrap_or(tp);
     // Chat without max_tokens: what fits, up to the default cap. A max_tokens the request
     // gave is checked against the context below, never trimmed.
     if kind == Kind::Chat && settings.max_tokens_defaulted {
@@ -1298,7 +1381,6 @@ async fn serve(
     }) {
         // What did open is dropped: the workers cancel it, and its count goes back.
         drop(opened);
-        Metrics::add(&app.metrics.errors, 1);
         return Err(e);
     }
     // Sequences deferred by a full cluster go in index order.
@@ -1415,10 +1497,7 @@ async fn serve(
                     stats,
                     target,
                 } => ends[i] = Some((reason, stats, target)),
-                Piece::Error(e) => {
-                    Metrics::add(&app.metrics.errors, 1);
-                    return Err(e);
-                }
+                Piece::Error(e) => return Err(e),
             }
         }
         let ends: Vec<(String, SpecStats, String)> =
@@ -1835,11 +1914,37 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_BODY, call_finish, json_errors, whole_before_break};
+    use super::{MAX_BODY, call_finish, json_errors, user_text_spans, whole_before_break};
     use axum::body::{Body, Bytes};
     use axum::http::{Request, StatusCode};
     use axum::routing::post;
     use tower::ServiceExt;
+
+    /// Messages holding a special-token string are found in the prompt in order (verbatim or
+    /// trimmed); one the template changed otherwise is refused.
+    #[test]
+    fn texts_with_special_tokens_are_found_in_the_prompt() {
+        let special = |t: &str| t.contains("<|im_end|>").then_some("<|im_end|>");
+        let prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>user\nx<|im_end|>y<|im_end|>\n<|im_start|>assistant\nok <|im_end|><|im_end|>\n";
+        let spans = user_text_spans(
+            prompt,
+            &["hi", "x<|im_end|>y", "  ok <|im_end|>\n"],
+            special,
+        )
+        .unwrap();
+        assert_eq!(spans.len(), 2);
+        assert_eq!(&prompt[spans[0].clone()], "x<|im_end|>y");
+        assert_eq!(&prompt[spans[1].clone()], "ok <|im_end|>");
+        // Found after the previous one only; and not at all when the template rewrote it.
+        assert!(user_text_spans(prompt, &["x<|im_end|>y", "x<|im_end|>y"], special).is_err());
+        let e = user_text_spans(prompt, &["X<|im_end|>Y"], special).unwrap_err();
+        assert!(e.contains("<|im_end|>"), "{e}");
+        assert!(
+            user_text_spans(prompt, &["plain"], special)
+                .unwrap()
+                .is_empty()
+        );
+    }
 
     /// A stream that breaks after the chunk that said "stop" ends the answer there; one that
     /// breaks with tokens still to come resumes elsewhere.

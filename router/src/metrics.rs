@@ -16,7 +16,6 @@ pub struct Metrics {
     pub accepted: AtomicU64,
     pub forwards: AtomicU64,
     pub failovers: AtomicU64,
-    pub ttft_us: AtomicU64,
     /// Per request (each choice): arrival to first token, arrival to last, and the time per
     /// output token after the first.
     pub ttft: Histogram,
@@ -38,7 +37,6 @@ impl Default for Metrics {
             accepted: AtomicU64::new(0),
             forwards: AtomicU64::new(0),
             failovers: AtomicU64::new(0),
-            ttft_us: AtomicU64::new(0),
             ttft: Histogram::new(&LATENCY_BUCKETS),
             e2e: Histogram::new(&LATENCY_BUCKETS),
             tpot: Histogram::new(&TOKEN_BUCKETS),
@@ -76,7 +74,7 @@ impl Metrics {
             (
                 INFLIGHT,
                 "gauge",
-                "Requests being served.",
+                "Sequences being served (each prompt and choice of a request counts).",
                 g(&self.inflight),
             ),
             (
@@ -125,13 +123,6 @@ impl Metrics {
         for (name, kind, help, v) in rows {
             dspark_scheduler::prom::sample(&mut s, name, kind, help, v);
         }
-        dspark_scheduler::prom::sample(
-            &mut s,
-            TTFT_SECONDS_SUM,
-            "counter",
-            "Time to first token, summed over requests.",
-            g(&self.ttft_us) as f64 / 1e6,
-        );
         self.ttft.render(
             &mut s,
             TTFT_SECONDS,

@@ -17,6 +17,13 @@ use tokenizers::processors::PostProcessorWrapper;
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same, reading special-token strings as ordinary text: for what a user wrote.
+    plain: tokenizers::Tokenizer,
+    /// The strings of control tokens (`<|im_end|>`, …), longest first.
+    specials: Vec<String>,
+    /// Control tokens, which text leaves out: not GGUF's user-defined tokens, which candle
+    /// marks special too but are text (Qwen2.5's `<tool_call>`, which tool parsers look for).
+    hidden: std::collections::HashSet<u32>,
     /// Token ids that end generation (the model's EOS and end-of-turn markers).
     pub stop_ids: Vec<u32>,
     pub bos: Option<(u32, String)>,
@@ -57,7 +64,20 @@ impl Tokenizer {
         let bos = id_tok("tokenizer.ggml.bos_token_id");
         let eos = id_tok("tokenizer.ggml.eos_token_id");
         let chat_template = g.meta_str("tokenizer.chat_template");
-        Ok(Self::finish(inner, bos, eos, chat_template))
+        // llama.cpp's token types: 2 unknown, 3 control, 5 unused are not text; 4
+        // (user-defined) is, as Hugging Face's `special: false` added tokens are.
+        let hidden = match g.meta("tokenizer.ggml.token_type") {
+            Some(candle_core::quantized::gguf_file::Value::Array(types)) => Some(
+                types
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| matches!(token_type(t), Some(2 | 3 | 5)))
+                    .map(|(i, _)| i as u32)
+                    .collect(),
+            ),
+            _ => None,
+        };
+        Ok(Self::finish(inner, bos, eos, chat_template, hidden))
     }
 
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
@@ -87,7 +107,7 @@ impl Tokenizer {
         if let Ok(t) = std::fs::read_to_string(dir.join("chat_template.jinja")) {
             chat_template = Some(t);
         }
-        let mut t = Self::finish(inner, bos, eos, chat_template);
+        let mut t = Self::finish(inner, bos, eos, chat_template, None);
         // generation_config.json's end tokens stop generation too (Gemma's `<end_of_turn>`,
         // Llama 3's `<|eot_id|>` beside `<|end_of_text|>`).
         if let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) {
@@ -138,6 +158,7 @@ impl Tokenizer {
         bos: Option<(u32, String)>,
         eos: Option<(u32, String)>,
         chat_template: Option<String>,
+        hidden: Option<std::collections::HashSet<u32>>,
     ) -> Self {
         let mut stop_ids: Vec<u32> = eos.iter().map(|(id, _)| *id).collect();
         for s in [
@@ -152,13 +173,76 @@ impl Tokenizer {
                 stop_ids.push(id);
             }
         }
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
+        let added = inner.get_added_tokens_decoder();
+        let hidden = hidden.unwrap_or_else(|| {
+            added
+                .iter()
+                .filter(|(_, t)| t.special)
+                .map(|(&id, _)| id)
+                .collect()
+        });
+        let mut specials: Vec<String> = added
+            .iter()
+            .filter(|(id, t)| hidden.contains(id) && !t.content.is_empty())
+            .map(|(_, t)| t.content.clone())
+            .collect();
+        specials.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        specials.dedup();
         Self {
             inner,
+            plain,
+            specials,
+            hidden,
             stop_ids,
             bos,
             eos,
             chat_template,
         }
+    }
+
+    /// The special-token strings (`<|im_start|>`, …), longest first.
+    pub fn special_strings(&self) -> &[String] {
+        &self.specials
+    }
+
+    /// The first special-token string in `text`, if any.
+    pub fn special_in(&self, text: &str) -> Option<&str> {
+        self.specials
+            .iter()
+            .filter_map(|s| text.find(s.as_str()).map(|i| (i, s.as_str())))
+            .min()
+            .map(|(_, s)| s)
+    }
+
+    /// Encodes `text` with the byte ranges `plain` (sorted, disjoint, on character
+    /// boundaries) read as ordinary text: a user's `<|im_end|>` there is characters, not the
+    /// end of their turn. Outside them special-token strings map to their ids, as in
+    /// [`Self::encode`], which this equals when `plain` is empty.
+    pub fn encode_with_plain(
+        &self,
+        text: &str,
+        plain: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut at = 0;
+        let piece = |tok: &tokenizers::Tokenizer, s: &str, ids: &mut Vec<u32>| -> Result<()> {
+            if !s.is_empty() {
+                ids.extend_from_slice(tok.encode(s, false).map_err(tok_err)?.get_ids());
+            }
+            Ok(())
+        };
+        for r in plain {
+            let (Some(before), Some(inside)) = (text.get(at..r.start), text.get(r.clone())) else {
+                return Err(tok_err(format!("plain range {r:?} is not within the text")));
+            };
+            piece(&self.inner, before, &mut ids)?;
+            piece(&self.plain, inside, &mut ids)?;
+            at = r.end;
+        }
+        piece(&self.inner, text.get(at..).unwrap_or(""), &mut ids)?;
+        Ok(ids)
     }
 
     /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
@@ -180,8 +264,17 @@ impl Tokenizer {
             .to_vec())
     }
 
+    /// Text of `ids`; `skip_special` leaves out control tokens (not user-defined ones).
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special).map_err(tok_err)
+        if skip_special {
+            let kept: Vec<u32> = ids
+                .iter()
+                .copied()
+                .filter(|i| !self.hidden.contains(i))
+                .collect();
+            return self.inner.decode(&kept, false).map_err(tok_err);
+        }
+        self.inner.decode(ids, false).map_err(tok_err)
     }
 
     /// Whether tokens decode byte by byte (GPT-2 style byte-level BPE): then a token's text is
@@ -297,5 +390,21 @@ impl StreamDecoder {
         } else {
             Ok(None)
         }
+    }
+}
+
+/// A GGUF token type as a number.
+fn token_type(v: &candle_core::quantized::gguf_file::Value) -> Option<i64> {
+    use candle_core::quantized::gguf_file::Value::*;
+    match v {
+        I32(t) => Some(*t as i64),
+        U32(t) => Some(*t as i64),
+        I8(t) => Some(*t as i64),
+        U8(t) => Some(*t as i64),
+        I16(t) => Some(*t as i64),
+        U16(t) => Some(*t as i64),
+        I64(t) => Some(*t),
+        U64(t) => i64::try_from(*t).ok(),
+        _ => None,
     }
 }

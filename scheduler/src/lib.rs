@@ -154,6 +154,7 @@ pub async fn stop_requested(stdin_eof: bool) {
     tokio::spawn(async {
         signal().await;
         tracing::warn!("second stop signal: exiting now");
+        flush_spans();
         std::process::exit(130);
     });
 }
@@ -182,8 +183,38 @@ async fn signal() {
 pub fn exit_after(grace: std::time::Duration) {
     std::thread::spawn(move || {
         std::thread::sleep(grace);
+        flush_spans();
         std::process::exit(0);
     });
+}
+
+/// The span exporter, kept so that an exit can send what it has batched: the process ends in
+/// `exit`, which runs no destructors. Set once, by [`init_tracing`].
+static SPAN_EXPORT: std::sync::OnceLock<opentelemetry_sdk::trace::SdkTracerProvider> =
+    std::sync::OnceLock::new();
+
+/// Sends the spans batched for export, waiting at most two seconds (a collector that does not
+/// answer does not hold the exit up longer).
+pub fn flush_spans() {
+    let Some(p) = SPAN_EXPORT.get().cloned() else {
+        return;
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = p.force_flush();
+        let _ = tx.send(());
+    });
+    let _ = rx.recv_timeout(std::time::Duration::from_secs(2));
+}
+
+/// The W3C `traceparent` that makes a callee's spans children of `span` (empty when no
+/// exporter is configured: the span then has no context to pass on).
+pub fn traceparent_of(span: &tracing::Span) -> String {
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let cx = span.context();
+    let mut carrier = std::collections::HashMap::new();
+    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut carrier));
+    carrier.remove("traceparent").unwrap_or_default()
 }
 
 /// How a draining service counts down: waits until `inflight()` reads 0 or `limit` passed,
@@ -268,6 +299,7 @@ fn otlp_tracer(
         opentelemetry_sdk::propagation::TraceContextPropagator::new(),
     );
     let tracer = provider.tracer(service.to_string());
+    let _ = SPAN_EXPORT.set(provider.clone());
     opentelemetry::global::set_tracer_provider(provider);
     Ok(tracer)
 }

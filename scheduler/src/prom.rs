@@ -18,7 +18,6 @@ pub mod names {
     pub const ACCEPTED_TOKENS_TOTAL: &str = "dspark_router_accepted_tokens_total";
     pub const VERIFY_FORWARDS_TOTAL: &str = "dspark_router_verify_forwards_total";
     pub const FAILOVERS_TOTAL: &str = "dspark_router_failovers_total";
-    pub const TTFT_SECONDS_SUM: &str = "dspark_router_ttft_seconds_sum";
     pub const TTFT_SECONDS: &str = "dspark_router_time_to_first_token_seconds";
     pub const E2E_SECONDS: &str = "dspark_router_e2e_request_latency_seconds";
     pub const TPOT_SECONDS: &str = "dspark_router_time_per_output_token_seconds";

@@ -59,7 +59,8 @@ impl EngineLoop {
             if self.engine.is_idle() {
                 continue;
             }
-            let span = tracing::debug_span!("cycle", step = self.engine.steps);
+            // Info, as the exporter passes (per-cycle spans are part of what it promises).
+            let span = tracing::info_span!("cycle", step = self.engine.steps);
             let _g = span.enter();
             let t0 = std::time::Instant::now();
             let stepped = self.engine.step();

@@ -159,16 +159,19 @@ impl TargetWorker for TargetService {
             r.json.then_some(dspark_runtime::json::Format::Object)
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        // Open until the request's stream ends (it moves into the stream below), so the span
+        // covers the request's time in the engine, not only its submission.
         let span = tracing::info_span!("generate", request_id = r.request_id, engine_id = id);
         dspark_scheduler::set_parent(&span, &r.traceparent);
-        let _e = span.enter();
-        tracing::info!(
-            request_id = r.request_id,
-            engine_id = id,
-            traceparent = r.traceparent,
-            prompt_tokens = r.prompt.len(),
-            "generate"
-        );
+        span.in_scope(|| {
+            tracing::info!(
+                request_id = r.request_id,
+                engine_id = id,
+                traceparent = r.traceparent,
+                prompt_tokens = r.prompt.len(),
+                "generate"
+            )
+        });
         let req = specdec::Request {
             id,
             prompt: r.prompt,
@@ -214,7 +217,7 @@ impl TargetWorker for TargetService {
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
             events,
             move |e| {
-                let _open = &guard;
+                let _open = (&guard, &span);
                 e
             },
         ))))
