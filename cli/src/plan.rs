@@ -56,7 +56,7 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 7)]
     pub max_gamma: u8,
     /// How target workers pick verification lengths: `scheduler` (the hardware-aware policy,
-    /// `verifyPolicy: scheduler` in the chart) or `fixed-K` (every drafting request verifies K).
+    /// `verifyPolicy: scheduler` in the chart) or `fixed-K` (every drafting request verifies K; simulated for comparison, no chart values).
     #[arg(long, default_value = "scheduler")]
     pub verify: String,
     /// Round trip of a drafting round between pods (ms).
@@ -112,6 +112,17 @@ fn pairs(v: &Value) -> Option<Vec<(u32, f64)>> {
 /// JSON (`sps_table`).
 pub fn load_sps(path: &Path, ctx: Option<u32>) -> anyhow::Result<SpsTable> {
     let v = read_json(path)?;
+    // A profile artifact of another version measured another way (version 1's tables were
+    // skewed): refused here as the target worker refuses it.
+    if v.get("key").is_some() {
+        let want = dspark_scheduler::sps::ARTIFACT_VERSION;
+        anyhow::ensure!(
+            v["version"].as_u64() == Some(want as u64),
+            "{}: profile version {} (this build reads {want}); profile again",
+            path.display(),
+            v["version"]
+        );
+    }
     let pts = match ctx {
         Some(c) => {
             let mut pts: Vec<(u32, f64)> = v["points"]
@@ -387,15 +398,12 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         })
         .collect();
     let best = p.best.map(|i| &p.shapes[i]);
-    // The plan as the chart's values (helm/dspark-serve).
-    let helm = best.map(|b| {
-        // Fixed lengths are closest to the per-request gate capped at K.
-        let (policy, gamma) = match verify {
-            Verify::Scheduler => ("scheduler", a.max_gamma),
-            Verify::Fixed(k) => ("gate", k),
-        };
+    // The plan as the chart's values (helm/dspark-serve), for the policy the chart deploys:
+    // the scheduler's. A fixed length is simulated for comparison only; the chart has no
+    // fixed-length policy, and the per-request gate it does have is another policy.
+    let helm = best.filter(|_| verify == Verify::Scheduler).map(|b| {
         json!({"targetWorker": {"replicas": b.targets, "maxRunning": a.max_running,
-            "verifyPolicy": policy, "gamma": gamma},
+            "verifyPolicy": "scheduler", "gamma": a.max_gamma},
             "draftWorker": {"replicas": b.drafts}})
     });
     match best {

@@ -1054,15 +1054,46 @@ fn plan_sizes_both_pools_for_an_slo_and_refuses_bad_inputs() {
     assert_eq!(h["targetWorker"]["verifyPolicy"], "scheduler");
     assert!(so.contains("helm: --set targetWorker.replicas="), "{so}");
     assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg"));
+    // A fixed length is no policy the chart deploys: a plan, no chart values.
+    let fixed = d.join("fixed.json");
+    let mut args = base.to_vec();
+    let f = fixed.display().to_string();
+    args.extend([
+        "--rate",
+        "2",
+        "--verify",
+        "fixed-3",
+        "--max-targets",
+        "2",
+        "--max-drafts",
+        "1",
+        "--json",
+        &f,
+    ]);
+    let (code, so, se) = dspark(&d, &args);
+    assert_eq!(code, 0, "{se}");
+    assert!(!so.contains("helm:"), "{so}");
+    assert!(read_json(&fixed)["helm_values"].is_null());
     // Bad inputs: clear errors, no panics.
     let empty = d.join("empty.jsonl");
     std::fs::write(&empty, "").unwrap();
     let rising = d.join("rising.json");
     std::fs::write(&rising, r#"{"table": [[1, 100.0], [2, 200.0]]}"#).unwrap();
-    let (empty, rising) = (empty.display().to_string(), rising.display().to_string());
+    let old = d.join("old.json");
+    std::fs::write(
+        &old,
+        r#"{"version": 1, "key": {}, "table": [[1, 100.0], [2, 50.0]]}"#,
+    )
+    .unwrap();
+    let (empty, rising, old) = (
+        empty.display().to_string(),
+        rising.display().to_string(),
+        old.display().to_string(),
+    );
     for (flag, value, want) in [
         ("--blocks", empty.as_str(), "no blocks"),
         ("--sps", rising.as_str(), "point 1"),
+        ("--sps", old.as_str(), "profile version 1"),
         ("--sps", "/nonexistent/sps.json", "/nonexistent/sps.json"),
     ] {
         let mut args: Vec<&str> = base.to_vec();

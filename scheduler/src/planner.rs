@@ -3,8 +3,8 @@
 //!
 //! Pure and deterministic (seeded). Each target worker is simulated step by step over its
 //! profiled SPS(B) table (step seconds = [`SpsTable::seconds`] of the step's batch tokens, prefill
-//! chunks included), with the verification lengths chosen by the real admission code
-//! ([`Admission::decide`], the decision the `scheduler` verify policy makes). Drafting is
+//! chunks included), with the verification lengths chosen by the target worker's own policy
+//! object ([`ConfidencePolicy`], fed what the engine feeds it). Drafting is
 //! replayed from recorded verifications (`eval-drafter --blocks`): each drafting request draws a
 //! real block, whose served confidences the admission sees and whose accepted length decides what
 //! commits, so acceptance and calibration are the drafter's own, not a model of them.
@@ -12,8 +12,8 @@
 //! Draft workers are a shared pool. A drafting round of n requests costs the measured drafting
 //! time for n ([`DraftCost`]) plus the network hop, on the target's critical path; the pool's
 //! utilization ρ = (target workers × drafting seconds each demands per second) / draft workers
-//! adds an M/D/1 queueing wait ρ·s̄ / (2(1 − ρ)) to every round, solved to a fixed point with the
-//! simulation. ρ ≥ 1 cannot be served. Rounds drafted from copy runs (the target worker's own
+//! adds an M/D/c queueing wait (Erlang C, halved for deterministic service; ρ·s̄ / (2(1 − ρ))
+//! for one draft worker) to every round, solved to a fixed point with the simulation. ρ ≥ 1 cannot be served. Rounds drafted from copy runs (the target worker's own
 //! prompt lookup) cost the pool nothing.
 //!
 //! Target workers are symmetric (placement sends each request to the least-loaded one), so one
