@@ -132,16 +132,23 @@ fn broken_pipe(e: &anyhow::Error) -> bool {
 
 /// Runs a service subcommand (its own flags, parsed by its crate).
 fn service(argv: Vec<String>) -> anyhow::Result<()> {
-    use clap::Parser;
     let name = argv.first().cloned().unwrap_or_default();
     let rt = tokio::runtime::Runtime::new()?;
     // The OTLP exporter's gRPC channel lives on this runtime.
     let _guard = rt.enter();
     dspark_scheduler::init_tracing(&format!("dspark-{name}"));
-    match name.as_str() {
+    let ran = run_service(&rt, &name, &argv);
+    // What the exporter batched during the drain, sent while its runtime still runs.
+    dspark_scheduler::flush_spans(std::time::Duration::from_secs(2));
+    ran
+}
+
+fn run_service(rt: &tokio::runtime::Runtime, name: &str, argv: &[String]) -> anyhow::Result<()> {
+    use clap::Parser;
+    match name {
         "scheduler" => {
             let a =
-                dspark_scheduler::SchedulerArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+                dspark_scheduler::SchedulerArgs::try_parse_from(argv).unwrap_or_else(|e| e.exit());
             let eof = a.exit_on_stdin_eof;
             rt.block_on(dspark_scheduler::serve(
                 a,
@@ -149,20 +156,20 @@ fn service(argv: Vec<String>) -> anyhow::Result<()> {
             ))?;
         }
         "target-worker" => {
-            let a = target_worker::TargetArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+            let a = target_worker::TargetArgs::try_parse_from(argv).unwrap_or_else(|e| e.exit());
             rt.block_on(target_worker::run(a))?;
         }
         "tp-shard" => {
             let a =
-                target_worker::shard::ShardArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+                target_worker::shard::ShardArgs::try_parse_from(argv).unwrap_or_else(|e| e.exit());
             rt.block_on(target_worker::shard::run(a))?;
         }
         "draft-worker" => {
-            let a = draft_worker::DraftArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+            let a = draft_worker::DraftArgs::try_parse_from(argv).unwrap_or_else(|e| e.exit());
             rt.block_on(draft_worker::run(a))?;
         }
         "router" => {
-            let a = router::RouterArgs::try_parse_from(&argv).unwrap_or_else(|e| e.exit());
+            let a = router::RouterArgs::try_parse_from(argv).unwrap_or_else(|e| e.exit());
             rt.block_on(router::run(a))?;
         }
         other => anyhow::bail!(

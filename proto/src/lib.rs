@@ -127,6 +127,14 @@ mod tests {
             };
             assert_eq!(Sampling::from(&p).top_k, want, "{k}");
         }
+        // Where the answer starts (presence and frequency penalties count from there) crosses
+        // the wire, so a draft worker shapes q as the target shapes p.
+        let mut p = kernels::sampling::SamplingParams {
+            presence_penalty: 1.0,
+            ..Default::default()
+        };
+        p.count_output_from(17);
+        assert_eq!(Sampling::from(&p).to_params().unwrap().output_from, 17);
     }
 
     #[test]

@@ -248,6 +248,8 @@ async fn count_outcome(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
+    // Counted here, as the outcomes are: every request that reached the route, refused or not.
+    Metrics::add(&app.metrics.requests, 1);
     let resp = next.run(req).await;
     let status = resp.status();
     if status == StatusCode::TOO_MANY_REQUESTS {
@@ -763,7 +765,9 @@ async fn open_once(
         regex: job.settings.regex.clone().unwrap_or_default(),
         resumed: prompt_len.saturating_sub(job.prompt.len()) as u32,
     });
-    if let Ok(v) = job.traceparent.parse() {
+    if let Ok(v) = job.traceparent.parse()
+        && !job.traceparent.is_empty()
+    {
         req.metadata_mut().insert("traceparent", v);
     }
     // Counted until the stream is handed over; an opening dropped half way (its client gone)
@@ -896,6 +900,7 @@ async fn drive(
                 if let Some(reason) = whole_before_break(said_done.as_deref(), left) {
                     stats.prompt_tokens = job.prompt.len() as u32;
                     stats.completion_tokens = generated.len() as u32;
+                    app.metrics.e2e.observe(job.arrived.elapsed().as_secs_f64());
                     let _ = tx
                         .send(Piece::Done {
                             reason,
@@ -1000,7 +1005,6 @@ async fn completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     auth(&app, &headers)?;
-    Metrics::add(&app.metrics.requests, 1);
     let r: CompletionRequest = parse_body(&body)?;
     check_model(&app, &r.common.model)?;
     let settings = r.common.settings(
@@ -1033,7 +1037,6 @@ async fn chat_completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     auth(&app, &headers)?;
-    Metrics::add(&app.metrics.requests, 1);
     let r: ChatRequest = parse_body(&body)?;
     check_model(&app, &r.common.model)?;
     let mode = r.tool_mode(app.auto_tools)?;
@@ -1065,6 +1068,13 @@ async fn chat_completions(
                 "response_format cannot be combined with a forced tool call (the call's \
                  arguments already follow the function's parameters schema)",
                 Some("response_format"),
+            ));
+        }
+        if r.common.ignore_eos {
+            // The arguments end the answer: past them only the end may follow.
+            return Err(ApiError::bad(
+                "ignore_eos cannot be combined with a forced tool call",
+                Some("ignore_eos"),
             ));
         }
         settings.json_schema = Some(f.parameters.to_string());
@@ -1175,48 +1185,69 @@ fn render_chat(
     for c in conv.iter().filter_map(|m| m.tool_calls.as_ref()) {
         special("a message's tool_calls", c)?;
     }
+    for m in &conv {
+        if let Some(s) = m
+            .tool_call_id
+            .as_deref()
+            .and_then(|t| app.tok.special_in(t))
+        {
+            return Err(ApiError::bad(
+                format!("a tool_call_id holds the special token `{s}`"),
+                Some("messages"),
+            ));
+        }
+    }
+    // A text holding a control-token string is rendered as a marker of its own, which must
+    // come out once; the text then goes where the marker is, tokenized as characters.
+    let nonce = random_u64();
+    let mut held = Vec::new();
+    for (n, m) in conv.iter_mut().enumerate() {
+        if app.tok.special_in(&m.content).is_some() {
+            let marker = format!("\u{E000}{nonce:016x}-{n}\u{E001}");
+            held.push((marker.clone(), std::mem::replace(&mut m.content, marker)));
+        }
+    }
     let text = tpl
         .render_with_tools(&conv, tools, true)
         .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
-    let contents: Vec<&str> = conv.iter().map(|m| m.content.as_str()).collect();
-    let plain = user_text_spans(&text, &contents, |t| app.tok.special_in(t))
-        .map_err(|e| ApiError::bad(e, Some("messages")))?;
-    Ok((text, plain))
+    splice_texts(&text, &held).map_err(|e| ApiError::bad(e, Some("messages")))
 }
 
-/// Where the texts that hold a special-token string lie in the rendered prompt, in order, each
-/// found after the last (verbatim, or trimmed, as templates that `strip` it write it). A text
-/// the template rendered otherwise is refused: its special tokens cannot be told from the
-/// template's.
-fn user_text_spans<'a>(
-    prompt: &str,
-    texts: &[&str],
-    special_in: impl Fn(&str) -> Option<&'a str>,
-) -> Result<Vec<std::ops::Range<usize>>, String> {
-    let mut spans = Vec::new();
-    let mut at = 0;
-    for t in texts {
-        let Some(s) = special_in(t) else { continue };
-        let found = [*t, t.trim()].into_iter().find_map(|want| {
-            prompt
-                .get(at..)
-                .and_then(|rest| rest.find(want))
-                .map(|i| at + i..at + i + want.len())
-        });
-        match found {
-            Some(r) => {
-                at = r.end;
-                spans.push(r);
-            }
-            None => {
-                return Err(format!(
-                    "a message holds the special token `{s}`, and this model's chat template \
-                     does not write the message as it is, so it cannot be kept apart"
-                ));
+/// The rendered prompt with each `(marker, text)` marker replaced by its text, and where those
+/// texts lie in the result. A marker the template did not write exactly once (it dropped,
+/// repeated or rewrote the message) is refused: that text's control tokens could not be kept
+/// apart from the template's.
+fn splice_texts(
+    rendered: &str,
+    held: &[(String, String)],
+) -> Result<(String, Vec<std::ops::Range<usize>>), String> {
+    let mut at: Vec<(usize, &str, &str)> = Vec::with_capacity(held.len());
+    for (marker, text) in held {
+        let mut found = rendered.match_indices(marker.as_str());
+        match (found.next(), found.next()) {
+            (Some((i, _)), None) => at.push((i, marker.as_str(), text.as_str())),
+            _ => {
+                return Err(
+                    "a message holds a special-token string (such as `<|im_end|>`), and this \
+                     model's chat template does not write that message once as it is, so it \
+                     cannot be kept apart from the template's own tokens"
+                        .into(),
+                );
             }
         }
     }
-    Ok(spans)
+    at.sort_by_key(|x| x.0);
+    let mut out = String::with_capacity(rendered.len());
+    let mut spans = Vec::with_capacity(at.len());
+    let mut from = 0;
+    for (i, marker, text) in at {
+        out.push_str(&rendered[from..i]);
+        spans.push(out.len()..out.len() + text.len());
+        out.push_str(text);
+        from = i + marker.len();
+    }
+    out.push_str(&rendered[from..]);
+    Ok((out, spans))
 }
 
 fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -1564,7 +1595,9 @@ async fn serve(
             "choices": choices, "usage": usage(&stats, &ends[0].2)}),
         )
         .into_response();
-        if let Ok(v) = tp.parse() {
+        if let Ok(v) = tp.parse()
+            && !tp.is_empty()
+        {
             r.headers_mut().insert("traceparent", v);
         }
         return Ok(r);
@@ -1762,7 +1795,9 @@ async fn serve(
         let _ = out.send(Event::default().data("[DONE]")).await;
     });
     let mut r = Sse::new(s).keep_alive(KeepAlive::default()).into_response();
-    if let Ok(v) = tp.parse() {
+    if let Ok(v) = tp.parse()
+        && !tp.is_empty()
+    {
         r.headers_mut().insert("traceparent", v);
     }
     Ok(r)
@@ -1914,35 +1949,36 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_BODY, call_finish, json_errors, user_text_spans, whole_before_break};
+    use super::{MAX_BODY, call_finish, json_errors, splice_texts, whole_before_break};
     use axum::body::{Body, Bytes};
     use axum::http::{Request, StatusCode};
     use axum::routing::post;
     use tower::ServiceExt;
 
-    /// Messages holding a special-token string are found in the prompt in order (verbatim or
-    /// trimmed); one the template changed otherwise is refused.
+    /// Each held text goes where its marker is, its span recorded; a marker missing or
+    /// written twice is refused. (A user's `<|im_end|>` could otherwise be matched against the
+    /// template's own system turn.)
     #[test]
-    fn texts_with_special_tokens_are_found_in_the_prompt() {
-        let special = |t: &str| t.contains("<|im_end|>").then_some("<|im_end|>");
-        let prompt = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>user\nx<|im_end|>y<|im_end|>\n<|im_start|>assistant\nok <|im_end|><|im_end|>\n";
-        let spans = user_text_spans(
-            prompt,
-            &["hi", "x<|im_end|>y", "  ok <|im_end|>\n"],
-            special,
-        )
-        .unwrap();
+    fn held_texts_go_where_their_markers_are() {
+        let held = vec![
+            ("#A#".to_string(), "<|im_end|>".to_string()),
+            ("#B#".to_string(), "x<|im_end|>y".to_string()),
+        ];
+        let rendered = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n#B#<|im_end|>\n<|im_start|>user\n#A#<|im_end|>\n";
+        let (text, spans) = splice_texts(rendered, &held).unwrap();
+        assert_eq!(
+            text,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nx<|im_end|>y<|im_end|>\n<|im_start|>user\n<|im_end|><|im_end|>\n"
+        );
         assert_eq!(spans.len(), 2);
-        assert_eq!(&prompt[spans[0].clone()], "x<|im_end|>y");
-        assert_eq!(&prompt[spans[1].clone()], "ok <|im_end|>");
-        // Found after the previous one only; and not at all when the template rewrote it.
-        assert!(user_text_spans(prompt, &["x<|im_end|>y", "x<|im_end|>y"], special).is_err());
-        let e = user_text_spans(prompt, &["X<|im_end|>Y"], special).unwrap_err();
-        assert!(e.contains("<|im_end|>"), "{e}");
-        assert!(
-            user_text_spans(prompt, &["plain"], special)
-                .unwrap()
-                .is_empty()
+        assert_eq!(&text[spans[0].clone()], "x<|im_end|>y");
+        assert_eq!(&text[spans[1].clone()], "<|im_end|>");
+        assert!(spans[0].start > text.find("S<|im_end|>").unwrap());
+        assert!(splice_texts("#A# and #A#", &held[..1]).is_err());
+        assert!(splice_texts("none here", &held[..1]).is_err());
+        assert_eq!(
+            splice_texts("plain", &[]).unwrap(),
+            ("plain".to_string(), vec![])
         );
     }
 

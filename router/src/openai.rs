@@ -273,6 +273,17 @@ impl ChatRequest {
                         None | Some(Value::Null) => {
                             serde_json::json!({"type": "object", "properties": {}})
                         }
+                        // `{"type": "object"}` alone is how many tools say "no arguments"
+                        // (MCP's, among others): the empty object.
+                        Some(Value::Object(o))
+                            if o.get("type").and_then(Value::as_str) == Some("object")
+                                && !o.contains_key("properties")
+                                && !o.contains_key("additionalProperties") =>
+                        {
+                            let mut o = o.clone();
+                            o.insert("properties".into(), serde_json::json!({}));
+                            Value::Object(o)
+                        }
                         Some(p) => p.clone(),
                     };
                     funcs.push((name.to_string(), params));

@@ -91,6 +91,9 @@ pub struct Stream {
     held: String,
     /// Inside a block (held starts with `<tool_call>`).
     in_call: bool,
+    /// White space that ended the content released so far: sent with the next text, or
+    /// dropped if a call comes first (as a whole answer's content is trimmed before its call).
+    trailing: String,
     /// Calls released; after the first, text between blocks is dropped.
     pub calls: usize,
 }
@@ -118,6 +121,7 @@ impl Stream {
                 match call(&block, &self.tools) {
                     Some(c) => {
                         self.calls += 1;
+                        self.trailing.clear();
                         out.push(Out::Call(c));
                     }
                     // Not a call after all: the block is text.
@@ -150,14 +154,24 @@ impl Stream {
         let held = std::mem::take(&mut self.held);
         self.in_call = false;
         self.release(held, &mut out);
+        if self.calls == 0 && !self.trailing.is_empty() {
+            out.push(Out::Content(std::mem::take(&mut self.trailing)));
+        }
         out
     }
 
-    fn release(&self, text: String, out: &mut Vec<Out>) {
+    fn release(&mut self, text: String, out: &mut Vec<Out>) {
         // After a call, only further calls count.
-        if !text.is_empty() && self.calls == 0 {
-            out.push(Out::Content(text));
+        if text.is_empty() || self.calls > 0 {
+            return;
         }
+        let body = text.trim_end();
+        if !body.is_empty() {
+            let mut c = std::mem::take(&mut self.trailing);
+            c.push_str(body);
+            out.push(Out::Content(c));
+        }
+        self.trailing.push_str(&text[body.len()..]);
     }
 }
 
@@ -237,7 +251,9 @@ mod tests {
                     _ => None,
                 })
                 .collect();
-            assert_eq!(content, "Checking <the> weather.\n", "step {step}");
+            // As the whole answer's content: the white space before the call is not sent.
+            assert_eq!(content, "Checking <the> weather.", "step {step}");
+            assert_eq!(parse(t, &tools()).0.as_deref(), Some(content.as_str()));
             let calls: Vec<&Call> = outs
                 .iter()
                 .filter_map(|o| match o {
@@ -249,9 +265,20 @@ mod tests {
             assert_eq!(calls[0].name, "get_weather");
             assert_eq!(s.calls, 2);
         }
-        // A held-back `<tool` that never becomes a call, and an unclosed block, come out as
-        // text at the end.
-        for t in ["a <tool", "a <tool_call>{\"name\": \"noop\""] {
+        // Only white space before a call: no content, streamed or whole.
+        let t = "\n\n<tool_call>{\"name\": \"noop\"}</tool_call>";
+        let mut s = Stream::new(tools());
+        let outs: Vec<Out> = s.push(t).into_iter().chain(s.finish()).collect();
+        assert!(matches!(outs.as_slice(), [Out::Call(_)]), "{outs:?}");
+        assert_eq!(parse(t, &tools()).0, None);
+        // A held-back `<tool` that never becomes a call, an unclosed block, and white space
+        // with no call after it come out as text at the end.
+        for t in [
+            "a <tool",
+            "a <tool_call>{\"name\": \"noop\"",
+            "a \n b \n",
+            " \n",
+        ] {
             let mut s = Stream::new(tools());
             let mut text = String::new();
             for o in s.push(t).into_iter().chain(s.finish()) {

@@ -204,7 +204,10 @@ impl Dumps<'_> {
             J::String(s) => self.string(s, out),
             J::Null => out.push_str("null"),
             J::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-            J::Number(n) => out.push_str(&n.to_string()),
+            J::Number(n) => match n.as_f64().filter(|_| n.is_f64()) {
+                Some(f) => out.push_str(&py_float(f)),
+                None => out.push_str(&n.to_string()),
+            },
         }
     }
 
@@ -250,6 +253,49 @@ impl Dumps<'_> {
             }
         }
         out.push('"');
+    }
+}
+
+/// A float as Python's `repr` writes it: the shortest digits that read back, positional from
+/// 1e-4 up to 1e16 (with `.0` when whole), else `d.ddde±XX`.
+fn py_float(v: f64) -> String {
+    if v.is_nan() {
+        return "NaN".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    if v == 0.0 {
+        return if v.is_sign_negative() { "-0.0" } else { "0.0" }.into();
+    }
+    // Rust's `{:e}` gives the shortest round-trip digits: `-1.25e-7`.
+    let e = format!("{v:e}");
+    let (mant, exp) = e.split_once('e').unwrap_or((e.as_str(), "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let sign = if mant.starts_with('-') { "-" } else { "" };
+    let digits: String = mant.chars().filter(char::is_ascii_digit).collect();
+    if (-4..16).contains(&exp) {
+        let point = exp + 1;
+        let body = if point <= 0 {
+            format!("0.{}{digits}", "0".repeat((-point) as usize))
+        } else if point as usize >= digits.len() {
+            format!("{digits}{}.0", "0".repeat(point as usize - digits.len()))
+        } else {
+            format!(
+                "{}.{}",
+                &digits[..point as usize],
+                &digits[point as usize..]
+            )
+        };
+        format!("{sign}{body}")
+    } else {
+        let rest = if digits.len() > 1 {
+            format!(".{}", &digits[1..])
+        } else {
+            String::new()
+        };
+        let es = if exp < 0 { '-' } else { '+' };
+        format!("{sign}{}{rest}e{es}{:02}", &digits[..1], exp.abs())
     }
 }
 
@@ -417,6 +463,28 @@ mod tests {
         );
         let ct = ChatTemplate::new("{{ 1 | tojson(colour=1) }}", "", "").unwrap();
         assert!(ct.render(&[], false).is_err());
+    }
+
+    /// Python's `repr(float)`, as `json.dumps` writes floats.
+    #[test]
+    fn floats_are_written_as_python_writes_them() {
+        for (v, want) in [
+            (1e-7, "1e-07"),
+            (0.00005, "5e-05"),
+            (0.0001, "0.0001"),
+            (-0.00012, "-0.00012"),
+            (1e16, "1e+16"),
+            (1e15, "1000000000000000.0"),
+            (2.5, "2.5"),
+            (100.0, "100.0"),
+            (123.456, "123.456"),
+            (1.5e300, "1.5e+300"),
+            (-2.5e-300, "-2.5e-300"),
+            (0.1, "0.1"),
+            (-0.0, "-0.0"),
+        ] {
+            assert_eq!(py_float(v), want, "{v}");
+        }
     }
 
     #[test]

@@ -346,6 +346,14 @@ fn ecma_to_rust(src: &str) -> String {
                 }
             }
             ('[', None) => {
+                // `[\s\S]` is "any character" in every reading: kept whole (the narrowing
+                // of each half would leave out U+0085 and U+FEFF).
+                let rest: String = c[i..c.len().min(i + 5)].iter().collect();
+                if rest == "\\s\\S]" || rest == "\\S\\s]" {
+                    out.push_str(r"[\s\S]");
+                    i += 5;
+                    continue;
+                }
                 let negated = c.get(i) == Some(&'^');
                 if negated {
                     i += 1;
@@ -1745,6 +1753,10 @@ mod tests {
             assert!(!neg.matches_all(c.as_bytes()), "{c:?}");
         }
         assert!(non.matches_all(b"a") && neg.matches_all(b"a") && !ws.matches_all(b"a"));
+        let any = Pattern::compile("^[\\s\\S]$").unwrap();
+        for c in ["\u{85}", "\u{feff}", "a", " "] {
+            assert!(any.matches_all(c.as_bytes()), "{c:?}");
+        }
     }
 
     /// An unbounded number stays one serde_json reads: at most 100 integer digits and a

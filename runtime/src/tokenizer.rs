@@ -19,8 +19,12 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The same, reading special-token strings as ordinary text: for what a user wrote.
     plain: tokenizers::Tokenizer,
-    /// The strings of control tokens (`<|im_end|>`, …), longest first.
+    /// The strings of control tokens (`<|im_end|>`, …), longest first: what `plain` reads as
+    /// characters. (Added tokens not marked special, such as DeepSeek's `<｜User｜>` in its
+    /// `tokenizer.json`, are matched in any text, as Hugging Face matches them.)
     specials: Vec<String>,
+    /// One pass over a text for all of them (Llama 3 has 256 reserved tokens).
+    find_special: Option<aho_corasick::AhoCorasick>,
     /// Control tokens, which text leaves out: not GGUF's user-defined tokens, which candle
     /// marks special too but are text (Qwen2.5's `<tool_call>`, which tool parsers look for).
     hidden: std::collections::HashSet<u32>,
@@ -111,7 +115,11 @@ impl Tokenizer {
         // generation_config.json's end tokens stop generation too (Gemma's `<end_of_turn>`,
         // Llama 3's `<|eot_id|>` beside `<|end_of_text|>`).
         if let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) {
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(tok_err)?;
+            // Only its end tokens are read here: a file that does not parse costs those.
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| {
+                tracing::warn!("{}: {e}; its end tokens are not read", dir.display());
+                serde_json::Value::Null
+            });
             let ids: Vec<u64> = match &v["eos_token_id"] {
                 serde_json::Value::Number(n) => n.as_u64().into_iter().collect(),
                 serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).collect(),
@@ -185,15 +193,20 @@ impl Tokenizer {
         });
         let mut specials: Vec<String> = added
             .iter()
-            .filter(|(id, t)| hidden.contains(id) && !t.content.is_empty())
+            .filter(|(id, t)| hidden.contains(id) && t.special && !t.content.is_empty())
             .map(|(_, t)| t.content.clone())
             .collect();
         specials.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
         specials.dedup();
+        let find_special = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(&specials)
+            .ok();
         Self {
             inner,
             plain,
             specials,
+            find_special,
             hidden,
             stop_ids,
             bos,
@@ -207,13 +220,12 @@ impl Tokenizer {
         &self.specials
     }
 
-    /// The first special-token string in `text`, if any.
+    /// The first special-token string in `text`, if any (one pass).
     pub fn special_in(&self, text: &str) -> Option<&str> {
+        let m = self.find_special.as_ref()?.find(text)?;
         self.specials
-            .iter()
-            .filter_map(|s| text.find(s.as_str()).map(|i| (i, s.as_str())))
-            .min()
-            .map(|(_, s)| s)
+            .get(m.pattern().as_usize())
+            .map(String::as_str)
     }
 
     /// Encodes `text` with the byte ranges `plain` (sorted, disjoint, on character

@@ -95,18 +95,33 @@ pub fn advertised_address(bound: std::net::SocketAddr, advertise: Option<&str>) 
         }
         None => (a, bound.port()),
     };
-    // A DNS name: letters, digits, '-', '.' (an unexpanded `$(POD_IP)` is not one).
-    let name_ok = !host.is_empty()
-        && host.len() <= 253
-        && host
-            .split('.')
-            .all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
-    if !name_ok {
+    if !is_host_name(host) {
         return Err(SchedError::Config(format!(
             "--advertise `{a}`: `{host}` is neither an IP address nor a host name"
         )));
     }
     Ok(format!("{host}:{port}"))
+}
+
+/// A DNS name: letters, digits, '-', '.' (an unexpanded `$(POD_IP)` is not one).
+fn is_host_name(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && host
+            .split('.')
+            .all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'))
+}
+
+/// Whether `addr` is what [`advertised_address`] publishes: an IP socket address, or a host
+/// name and a port (`tw-0.tw.ns.svc:50051`).
+pub fn is_dialable(addr: &str) -> bool {
+    if addr.parse::<std::net::SocketAddr>().is_ok() {
+        return true;
+    }
+    match addr.rsplit_once(':') {
+        Some((host, port)) => is_host_name(host) && port.parse::<u16>().is_ok_and(|p| p > 0),
+        None => false,
+    }
 }
 
 /// What a worker publishes: [`advertised_address`] when it registers somewhere (`disc`), the
@@ -414,8 +429,11 @@ pub async fn deregister(disc: &Discovery, id: &str) -> Result<()> {
 /// waiting forever; and with a leader required, so a member cut off from its cluster cancels
 /// the watch rather than serving a stale view.
 async fn etcd_connect(eps: &[String]) -> Result<Client> {
+    // Pings only while a stream is open: etcd answers pings on an idle connection (the other
+    // endpoints' of a list) with GOAWAY, and takes none more often than every 5 s.
     let opts = ConnectOptions::new()
-        .with_keep_alive(Duration::from_secs(5), Duration::from_secs(5))
+        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+        .with_keep_alive_while_idle(false)
         .with_connect_timeout(Duration::from_secs(5))
         .with_require_leader(true);
     Client::connect(eps, Some(opts)).await.map_err(etcd_err)
@@ -454,8 +472,9 @@ fn upsert_etcd(cl: &mut crate::placement::Cluster, key: &[u8], value: &[u8]) -> 
         }
         Err(e) => {
             tracing::warn!("etcd: {e}; ignored");
+            // An earlier entry of this key leaves (not a worker registered by `Register`).
             if let Some(id) = String::from_utf8_lossy(key).strip_prefix(ETCD_PREFIX) {
-                cl.remove(id);
+                cl.remove_with_ttl(id, ETCD_LOCAL_TTL);
             }
             None
         }
@@ -492,17 +511,24 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
         .map_err(etcd_err)?;
     {
         let mut cl = cluster.lock().map_err(|_| SchedError::Poisoned)?;
-        let mut seen = std::collections::HashSet::new();
-        for kv in snap.kvs() {
-            if let Some(id) = upsert_etcd(&mut cl, kv.key(), kv.value()) {
-                seen.insert(id);
-            }
-        }
-        for id in cl.forget_missing(ETCD_LOCAL_TTL, &seen) {
+        // Who left goes first, so the worker cap counts what etcd holds now.
+        let keys: std::collections::HashSet<String> = snap
+            .kvs()
+            .iter()
+            .filter_map(|kv| {
+                String::from_utf8_lossy(kv.key())
+                    .strip_prefix(ETCD_PREFIX)
+                    .map(str::to_string)
+            })
+            .collect();
+        for id in cl.forget_missing(ETCD_LOCAL_TTL, &keys) {
             tracing::info!(
                 worker = id,
                 "worker left (etcd key gone while not watching)"
             );
+        }
+        for kv in snap.kvs() {
+            upsert_etcd(&mut cl, kv.key(), kv.value());
         }
     }
     let rev = snap.header().map(|h| h.revision() + 1).unwrap_or(0);
@@ -562,6 +588,12 @@ mod tests {
         let key = |id: &str| format!("{ETCD_PREFIX}{id}").into_bytes();
         let got = etcd_entry(&key("t-1"), &good.encode_to_vec()).expect("a good entry");
         assert_eq!(got.id, "t-1");
+        // A host name is an address a worker may advertise (`--advertise tw-0.tw.ns.svc`).
+        let named = WorkerInfo {
+            address: "tw-0.tw.ns.svc:50051".into(),
+            ..good.clone()
+        };
+        assert!(etcd_entry(&key("t-1"), &named.encode_to_vec()).is_ok());
         // The key names another worker: a later delete of `t-10` would leave `t-1` behind.
         let e = etcd_entry(&key("t-10"), &good.encode_to_vec()).unwrap_err();
         assert!(e.contains("names worker `t-1`"), "{e}");

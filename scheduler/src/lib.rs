@@ -154,7 +154,7 @@ pub async fn stop_requested(stdin_eof: bool) {
     tokio::spawn(async {
         signal().await;
         tracing::warn!("second stop signal: exiting now");
-        flush_spans();
+        flush_spans(std::time::Duration::from_millis(500));
         std::process::exit(130);
     });
 }
@@ -183,7 +183,7 @@ async fn signal() {
 pub fn exit_after(grace: std::time::Duration) {
     std::thread::spawn(move || {
         std::thread::sleep(grace);
-        flush_spans();
+        flush_spans(std::time::Duration::from_millis(500));
         std::process::exit(0);
     });
 }
@@ -193,9 +193,10 @@ pub fn exit_after(grace: std::time::Duration) {
 static SPAN_EXPORT: std::sync::OnceLock<opentelemetry_sdk::trace::SdkTracerProvider> =
     std::sync::OnceLock::new();
 
-/// Sends the spans batched for export, waiting at most two seconds (a collector that does not
-/// answer does not hold the exit up longer).
-pub fn flush_spans() {
+/// Sends the spans batched for export, waiting at most `wait` (a collector that does not
+/// answer does not hold an exit up longer). Call it where the exporter's runtime still runs
+/// and is not blocked (after a service's `run`, from `spawn_blocking`).
+pub fn flush_spans(wait: std::time::Duration) {
     let Some(p) = SPAN_EXPORT.get().cloned() else {
         return;
     };
@@ -204,7 +205,7 @@ pub fn flush_spans() {
         let _ = p.force_flush();
         let _ = tx.send(());
     });
-    let _ = rx.recv_timeout(std::time::Duration::from_secs(2));
+    let _ = rx.recv_timeout(wait);
 }
 
 /// The W3C `traceparent` that makes a callee's spans children of `span` (empty when no

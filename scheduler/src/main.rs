@@ -5,6 +5,12 @@ async fn main() -> anyhow::Result<()> {
     dspark_scheduler::init_tracing("dspark-scheduler");
     let args = dspark_scheduler::SchedulerArgs::parse();
     let eof = args.exit_on_stdin_eof;
-    dspark_scheduler::serve(args, dspark_scheduler::shutdown_signal(eof)).await?;
+    let r = dspark_scheduler::serve(args, dspark_scheduler::shutdown_signal(eof)).await;
+    // What the exporter batched during the drain, sent while its runtime still runs.
+    let _ = tokio::task::spawn_blocking(|| {
+        dspark_scheduler::flush_spans(std::time::Duration::from_secs(2))
+    })
+    .await;
+    r?;
     Ok(())
 }

@@ -190,7 +190,7 @@ pub(crate) fn check_info(i: &WorkerInfo) -> Result<(), Status> {
             i.role
         )));
     }
-    if i.address.parse::<std::net::SocketAddr>().is_err() {
+    if !crate::discovery::is_dialable(&i.address) {
         return Err(Status::invalid_argument(format!(
             "address `{}` is not host:port",
             i.address

@@ -546,6 +546,37 @@ fn greedy_parity_for_every_proposer(
     }
 }
 
+/// Penalties: presence and frequency counted over the answer, repetition over prompt and
+/// answer. Every proposer reproduces plain decoding under them, on models whose distributions
+/// are spread enough that where counting starts changes the answers.
+#[test]
+fn greedy_parity_holds_under_penalties_counted_over_the_answer() {
+    let f = fixture_scaled(0.15);
+    let ps = prompts(&f, 12);
+    let params = |i: usize| SamplingParams {
+        presence_penalty: 2.0,
+        frequency_penalty: 1.0 + (i % 3) as f32 * 0.5,
+        repetition_penalty: 1.0 + (i % 2) as f32 * 0.3,
+        ..SamplingParams::greedy()
+    };
+    let want: Vec<_> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let gp = GenerateParams {
+                max_tokens: 24,
+                sampling: params(i),
+                ..Default::default()
+            };
+            generate(&f.target, &f.tok, p, &gp, &mut |_| {}).unwrap()
+        })
+        .collect();
+    greedy_parity_for_every_proposer(&f, &ps, &want, true, |i, r| {
+        r.max_tokens = 24;
+        r.params = params(i);
+    });
+}
+
 /// logit_bias, min_tokens and stop_token_ids change the target's greedy choice; every proposer
 /// must still reproduce plain decoding under them token for token, and each option must have
 /// done what it says (an end-of-sequence pushed to the front held back until min_tokens, a
@@ -577,10 +608,17 @@ fn greedy_parity_holds_under_logit_bias_min_tokens_and_stop_token_ids() {
         .collect();
     // Every prompt: its plain second token suppressed, another token boosted a little. One in
     // three (not a multiple of 3, odd): end-of-sequence boosted to the top and min_tokens 12.
-    // Multiples of 3: a stop token id, the seventh token of its output without one.
+    // Multiples of 3: a stop token id, the seventh token of its output without one. Every
+    // fourth: penalties, presence and frequency counted over the output only (the engine and
+    // plain decoding must agree where the output starts), repetition over prompt and output.
     let eos_first = |i: usize| i % 2 == 1 && i % 3 != 0;
     let params = |i: usize| {
         let mut sp = SamplingParams::greedy();
+        if i % 4 == 2 {
+            sp.presence_penalty = 2.0;
+            sp.frequency_penalty = 2.0;
+            sp.repetition_penalty = 1.5;
+        }
         let mut bias = vec![(((i * 37) % 200) as u32 + 5, 2.5)];
         if let Some(&t) = plain[i].token_ids.get(1) {
             bias.push((t, -100.0));
@@ -930,7 +968,9 @@ fn sampled_tokens_match_with_speculation_on_and_off() {
         // compared samples keeps the bound, and few cells give it power. With 40,000 draws a
         // verifier that drew rejected positions from p instead of the residual fails (TV
         // 0.053 against a bound of 0.037; 0.003–0.010 when correct); over all cells with
-        // 4000 draws it passed (TV 0.16–0.18 under a bound of 0.3).
+        // 4000 draws it passed (TV 0.16–0.18 under a bound of 0.3). The shaped and JSON runs
+        // draw 4000 (bound 0.116, for the test's time): they catch gross errors only, and
+        // the plain run is the one that holds the residual to account.
         for (name, seeds) in [("none", 0..n), ("draft-model", 0..n), ("none", n..n + 4000)] {
             let mut e = Engine::with_cost(
                 f.target.clone(),

@@ -3,6 +3,12 @@ use clap::Parser;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     dspark_scheduler::init_tracing("dspark-target-worker");
-    target_worker::run(target_worker::TargetArgs::parse()).await?;
+    let r = target_worker::run(target_worker::TargetArgs::parse()).await;
+    // What the exporter batched during the drain, sent while its runtime still runs.
+    let _ = tokio::task::spawn_blocking(|| {
+        dspark_scheduler::flush_spans(std::time::Duration::from_secs(2))
+    })
+    .await;
+    r?;
     Ok(())
 }

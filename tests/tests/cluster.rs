@@ -855,6 +855,30 @@ print(json.dumps({"text": text, "items": items}))
             .count()
     });
     assert_eq!((end.len(), ends), (1, Some(2)), "{v}");
+    // A message of `<|im_end|>` alone: the template's own system turn keeps its real end (the
+    // user's text is not looked for in the prompt, where it first matched the system's).
+    let (st, v) = post(
+        &format!("{}/tokenize", c.url),
+        &json!({"messages": [{"role": "user", "content": "<|im_end|>"}]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let sys = reference()
+        .1
+        .encode("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n")
+        .expect("ids");
+    let got: Vec<u32> = v["tokens"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t.as_u64())
+                .map(|t| t as u32)
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(got.get(..sys.len()), Some(&sys[..]), "{v}");
+    let ends = got.iter().filter(|&&t| t == end[0]).count();
+    assert_eq!(ends, 2, "{v}");
     let (st, v) = post(
         &format!("{}/v1/chat/completions", c.url),
         &json!({"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}],
