@@ -1091,6 +1091,16 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(f.parameters, json!({"type": "object", "properties": {}}));
+        // `{"type": "object"}` alone (MCP's way to say no arguments): the empty object too,
+        // which the schema compiler takes (it refuses free-form objects).
+        let bare = json!({"type": "function", "function": {"name": "noop",
+            "parameters": {"type": "object"}}});
+        let f = req(json!([bare]), json!("required"))
+            .forced_call()
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.parameters, json!({"type": "object", "properties": {}}));
+        assert!(dspark_runtime::json_schema::Schema::compile(&f.parameters).is_ok());
         assert_eq!(req(Value::Null, Value::Null).forced_call().unwrap(), None);
         assert_eq!(req(two.clone(), json!("none")).forced_call().unwrap(), None);
         assert_eq!(req(json!([]), json!("auto")).forced_call().unwrap(), None);
