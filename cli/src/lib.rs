@@ -138,8 +138,11 @@ fn service(argv: Vec<String>) -> anyhow::Result<()> {
     let _guard = rt.enter();
     dspark_scheduler::init_tracing(&format!("dspark-{name}"));
     let ran = run_service(&rt, &name, &argv);
-    // What the exporter batched during the drain, sent while its runtime still runs.
-    dspark_scheduler::flush_spans(std::time::Duration::from_secs(2));
+    // What the exporter batched during the drain, sent while its runtime still runs (not
+    // after a failure: a forced exit could cut its report short).
+    if ran.is_ok() {
+        dspark_scheduler::flush_spans(std::time::Duration::from_secs(2));
+    }
     ran
 }
 

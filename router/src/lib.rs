@@ -1197,20 +1197,50 @@ fn render_chat(
             ));
         }
     }
-    // A text holding a control-token string is rendered as a marker of its own, which must
-    // come out once; the text then goes where the marker is, tokenized as characters.
+    render_kept_apart(tpl, conv, tools, |t| app.tok.special_in(t).is_some())
+        .map_err(|e| ApiError::bad(e, Some("messages")))
+}
+
+/// The prompt, with the byte ranges of messages that hold a control-token string
+/// (`special`): each is rendered as a marker of its own, which must come out once, and its
+/// text goes where the marker is, to be tokenized as characters. The template must write
+/// those texts as they are: rendered with them, the prompt is the same (a template that
+/// trims, escapes or cuts such a message is refused).
+fn render_kept_apart(
+    tpl: &dspark_runtime::chat::ChatTemplate,
+    mut conv: Vec<Message>,
+    tools: Option<&Value>,
+    special: impl Fn(&str) -> bool,
+) -> Result<(String, Vec<std::ops::Range<usize>>), String> {
     let nonce = random_u64();
     let mut held = Vec::new();
+    let mut held_at = Vec::new();
     for (n, m) in conv.iter_mut().enumerate() {
-        if app.tok.special_in(&m.content).is_some() {
+        if special(&m.content) {
             let marker = format!("\u{E000}{nonce:016x}-{n}\u{E001}");
+            held_at.push(n);
             held.push((marker.clone(), std::mem::replace(&mut m.content, marker)));
         }
     }
-    let text = tpl
-        .render_with_tools(&conv, tools, true)
-        .map_err(|e| ApiError::bad(format!("chat template: {e}"), Some("messages")))?;
-    splice_texts(&text, &held).map_err(|e| ApiError::bad(e, Some("messages")))
+    let render = |conv: &[Message]| {
+        tpl.render_with_tools(conv, tools, true)
+            .map_err(|e| format!("chat template: {e}"))
+    };
+    let (spliced, spans) = splice_texts(&render(&conv)?, &held)?;
+    if !held.is_empty() {
+        for (&n, (_, original)) in held_at.iter().zip(&held) {
+            conv[n].content = original.clone();
+        }
+        if render(&conv)? != spliced {
+            return Err(
+                "a message holds a special-token string (such as `<|im_end|>`), and \
+                        this model's chat template does not write that message as it is, so \
+                        it cannot be kept apart from the template's own tokens"
+                    .into(),
+            );
+        }
+    }
+    Ok((spliced, spans))
 }
 
 /// The rendered prompt with each `(marker, text)` marker replaced by its text, and where those
@@ -1949,11 +1979,51 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::{MAX_BODY, call_finish, json_errors, splice_texts, whole_before_break};
+    use super::{
+        MAX_BODY, call_finish, json_errors, render_kept_apart, splice_texts, whole_before_break,
+    };
     use axum::body::{Body, Bytes};
     use axum::http::{Request, StatusCode};
     use axum::routing::post;
     use tower::ServiceExt;
+
+    /// A message with a control-token string is kept apart where the template writes it as
+    /// it is, and refused where the template trims or escapes it.
+    #[test]
+    fn messages_with_control_tokens_are_kept_apart_or_refused() {
+        use dspark_runtime::chat::{ChatTemplate, Message};
+        let special = |t: &str| t.contains("<|im_end|>");
+        let verbatim = ChatTemplate::new(
+            "<|im_start|>system\nS<|im_end|>\n{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let conv = vec![
+            Message::new("user", "<|im_end|>"),
+            Message::new("user", "hi"),
+        ];
+        let (text, spans) = render_kept_apart(&verbatim, conv, None, special).unwrap();
+        assert_eq!(
+            text,
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n<|im_end|><|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        );
+        assert_eq!(spans, vec![48..58]);
+        assert_eq!(&text[spans[0].clone()], "<|im_end|>");
+        for t in ["{{ m.content | trim }}", "{{ m.content | tojson }}"] {
+            let tpl = ChatTemplate::new(
+                &format!("{{% for m in messages %}}<|im_start|>{{{{ m.role }}}}\n{t}<|im_end|>{{% endfor %}}"),
+                "",
+                "",
+            )
+            .unwrap();
+            let conv = vec![Message::new("user", " a\"<|im_end|> ")];
+            assert!(render_kept_apart(&tpl, conv, None, special).is_err(), "{t}");
+            // Without a control token, nothing is held and any template renders.
+            let conv = vec![Message::new("user", " plain ")];
+            assert!(render_kept_apart(&tpl, conv, None, special).is_ok(), "{t}");
+        }
+    }
 
     /// Each held text goes where its marker is, its span recorded; a marker missing or
     /// written twice is refused. (A user's `<|im_end|>` could otherwise be matched against the

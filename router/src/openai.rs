@@ -277,8 +277,10 @@ impl ChatRequest {
                         // (MCP's, among others): the empty object.
                         Some(Value::Object(o))
                             if o.get("type").and_then(Value::as_str) == Some("object")
-                                && !o.contains_key("properties")
-                                && !o.contains_key("additionalProperties") =>
+                                && o.keys().all(|k| {
+                                    ["type", "title", "description", "$schema", "$id", "$comment"]
+                                        .contains(&k.as_str())
+                                }) =>
                         {
                             let mut o = o.clone();
                             o.insert("properties".into(), serde_json::json!({}));

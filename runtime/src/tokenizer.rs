@@ -222,10 +222,21 @@ impl Tokenizer {
 
     /// The first special-token string in `text`, if any (one pass).
     pub fn special_in(&self, text: &str) -> Option<&str> {
-        let m = self.find_special.as_ref()?.find(text)?;
-        self.specials
-            .get(m.pattern().as_usize())
-            .map(String::as_str)
+        match &self.find_special {
+            Some(ac) => {
+                let m = ac.find(text)?;
+                self.specials
+                    .get(m.pattern().as_usize())
+                    .map(String::as_str)
+            }
+            // No automaton (it could not be built): the same answer, one scan a string.
+            None => self
+                .specials
+                .iter()
+                .filter_map(|s| text.find(s.as_str()).map(|i| (i, s.as_str())))
+                .min()
+                .map(|(_, s)| s),
+        }
     }
 
     /// Encodes `text` with the byte ranges `plain` (sorted, disjoint, on character

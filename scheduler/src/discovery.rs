@@ -456,6 +456,14 @@ pub fn etcd_entry(key: &[u8], value: &[u8]) -> std::result::Result<WorkerInfo, S
 /// earlier entry of that key leaves: the key no longer says it). The id placed, if any.
 fn upsert_etcd(cl: &mut crate::placement::Cluster, key: &[u8], value: &[u8]) -> Option<String> {
     match etcd_entry(key, value) {
+        // A worker that registers through `Register` keeps its own entry (and TTL).
+        Ok(i) if cl.ttl_of(&i.id).is_some_and(|t| t != ETCD_LOCAL_TTL) => {
+            tracing::warn!(
+                worker = i.id,
+                "etcd: also registered through Register; ignored"
+            );
+            None
+        }
         Ok(i) if cl.contains(&i.id) || cl.len() < crate::service::MAX_WORKERS => {
             let id = i.id.clone();
             cl.upsert(i, ETCD_LOCAL_TTL, Instant::now());
@@ -558,8 +566,9 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
                 }
                 EventType::Delete => {
                     let key = String::from_utf8_lossy(kv.key());
-                    if let Some(id) = key.strip_prefix(ETCD_PREFIX) {
-                        cl.remove(id);
+                    if let Some(id) = key.strip_prefix(ETCD_PREFIX)
+                        && cl.remove_with_ttl(id, ETCD_LOCAL_TTL)
+                    {
                         tracing::info!(worker = id, "worker left (etcd lease gone)");
                     }
                 }
@@ -571,9 +580,34 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
 
 #[cfg(test)]
 mod tests {
-    use super::{ETCD_PREFIX, advertised_address, etcd_entry};
+    use super::{ETCD_PREFIX, advertised_address, etcd_entry, is_dialable};
     use dspark_proto::WorkerInfo;
     use prost::Message;
+
+    /// What a worker advertises, and only that, is an address others accept (the target
+    /// worker's check of a request's draft worker among them).
+    #[test]
+    fn dialable_addresses_are_what_workers_advertise() {
+        for ok in [
+            "127.0.0.1:5",
+            "[::1]:5",
+            "tw-0.tw.ns.svc:50051",
+            "localhost:9",
+        ] {
+            assert!(is_dialable(ok), "{ok}");
+        }
+        for bad in [
+            "nowhere",
+            "host:0",
+            "host:port",
+            "a b:5",
+            ":5",
+            "$(POD_IP):5",
+            "h:70000",
+        ] {
+            assert!(!is_dialable(bad), "{bad}");
+        }
+    }
 
     /// What etcd holds is checked as a registration is: a bad or mislabelled entry never
     /// reaches placement.

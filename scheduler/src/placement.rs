@@ -167,6 +167,11 @@ impl Cluster {
     /// Drops the workers registered with `ttl` whose ids `keep` lacks, with what placement
     /// remembers of them; returns their ids. An etcd snapshot taken on reconnecting is the
     /// truth: a key deleted while the watch was down sent no event.
+    /// The TTL `id` was added with (which discovery path holds it).
+    pub fn ttl_of(&self, id: &str) -> Option<Duration> {
+        self.workers.get(id).map(|e| e.ttl)
+    }
+
     /// Removes `id` if it was added with `ttl` (one discovery path leaves another's alone).
     pub fn remove_with_ttl(&mut self, id: &str, ttl: Duration) -> bool {
         if self.workers.get(id).is_some_and(|e| e.ttl == ttl) {

@@ -100,7 +100,9 @@ impl TargetService {
                 "at most {MAX_STOPS} stop strings of 1..={MAX_STOP_LEN} bytes"
             ));
         }
-        if !r.draft_worker.is_empty() && r.draft_worker.parse::<std::net::SocketAddr>().is_err() {
+        // As registrations take it: an IP or a host name, and a port.
+        if !r.draft_worker.is_empty() && !dspark_scheduler::discovery::is_dialable(&r.draft_worker)
+        {
             return bad(format!(
                 "draft_worker `{}` is not host:port",
                 r.draft_worker
