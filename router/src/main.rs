@@ -4,14 +4,6 @@ use clap::Parser;
 async fn main() -> anyhow::Result<()> {
     dspark_scheduler::init_tracing("dspark-router");
     let r = router::run(router::RouterArgs::parse()).await;
-    // What the exporter batched during the drain, sent while its runtime still runs (not
-    // after a failure: a forced exit could cut its report short).
-    if r.is_ok() {
-        let _ = tokio::task::spawn_blocking(|| {
-            dspark_scheduler::flush_spans(std::time::Duration::from_secs(2))
-        })
-        .await;
-    }
-    r?;
+    dspark_scheduler::finish_run(r).await?;
     Ok(())
 }

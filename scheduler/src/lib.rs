@@ -208,6 +208,17 @@ pub fn flush_spans(wait: std::time::Duration) {
     let _ = rx.recv_timeout(wait);
 }
 
+/// The end of a service binary's `main`: after a clean run, what the exporter batched during
+/// the drain is sent while its runtime still runs (not after a failure: a forced exit could
+/// cut its report short); then the run's result.
+pub async fn finish_run<T, E>(r: std::result::Result<T, E>) -> std::result::Result<T, E> {
+    if r.is_ok() {
+        let _ =
+            tokio::task::spawn_blocking(|| flush_spans(std::time::Duration::from_secs(2))).await;
+    }
+    r
+}
+
 /// The W3C `traceparent` that makes a callee's spans children of `span` (empty when no
 /// exporter is configured: the span then has no context to pass on).
 pub fn traceparent_of(span: &tracing::Span) -> String {

@@ -6,14 +6,6 @@ async fn main() -> anyhow::Result<()> {
     let args = dspark_scheduler::SchedulerArgs::parse();
     let eof = args.exit_on_stdin_eof;
     let r = dspark_scheduler::serve(args, dspark_scheduler::shutdown_signal(eof)).await;
-    // What the exporter batched during the drain, sent while its runtime still runs (not
-    // after a failure: a forced exit could cut its report short).
-    if r.is_ok() {
-        let _ = tokio::task::spawn_blocking(|| {
-            dspark_scheduler::flush_spans(std::time::Duration::from_secs(2))
-        })
-        .await;
-    }
-    r?;
+    dspark_scheduler::finish_run(r).await?;
     Ok(())
 }
