@@ -85,26 +85,45 @@ impl Children {
         None
     }
 
-    /// SIGTERM (through `kill`), then SIGKILL after a grace period ([`UP_DRAIN_S`] plus room).
+    /// SIGTERM (through `kill`), then SIGKILL after a grace period ([`UP_DRAIN_S`] plus room),
+    /// in waves: the router and target workers drain first, while the draft workers they draft
+    /// with and the scheduler they deregister from are still up; then the draft workers; then
+    /// the scheduler.
     fn stop(&mut self) {
-        for (_, c) in &mut self.0 {
-            let _ = Command::new("kill")
-                .args(["-TERM", &c.id().to_string()])
-                .stderr(Stdio::null())
-                .status();
-        }
-        let t0 = Instant::now();
-        for (n, c) in &mut self.0 {
-            loop {
-                match c.try_wait() {
-                    Ok(Some(_)) => break,
-                    _ if t0.elapsed() > Duration::from_secs(5) => {
-                        eprintln!("{n} did not stop; killing it");
-                        let _ = c.kill();
-                        let _ = c.wait();
-                        break;
+        let wave = |n: &str| {
+            if n.starts_with("scheduler") {
+                2
+            } else if n.starts_with("draft-worker") {
+                1
+            } else {
+                0
+            }
+        };
+        for w in 0..=2 {
+            let t0 = Instant::now();
+            for (n, c) in &mut self.0 {
+                if wave(n) == w {
+                    let _ = Command::new("kill")
+                        .args(["-TERM", &c.id().to_string()])
+                        .stderr(Stdio::null())
+                        .status();
+                }
+            }
+            for (n, c) in &mut self.0 {
+                if wave(n) != w {
+                    continue;
+                }
+                loop {
+                    match c.try_wait() {
+                        Ok(Some(_)) => break,
+                        _ if t0.elapsed() > Duration::from_secs(5) => {
+                            eprintln!("{n} did not stop; killing it");
+                            let _ = c.kill();
+                            let _ = c.wait();
+                            break;
+                        }
+                        _ => std::thread::sleep(Duration::from_millis(50)),
                     }
-                    _ => std::thread::sleep(Duration::from_millis(50)),
                 }
             }
         }
