@@ -279,7 +279,7 @@ fn engine_json(r: &planner::EngineReport) -> Value {
         "tok_s": r.tok_s, "user_tok_s_p50": r.user_tok_s_p50, "user_tok_s_p10": r.user_tok_s_p10,
         "ttft_p50_ms": r.ttft_p50_s * 1e3, "ttft_p90_ms": r.ttft_p90_s * 1e3,
         "committed_per_call": r.committed_per_call, "draft_round_ms": r.draft_round_s * 1e3,
-        "finished": r.finished, "backlog": r.backlog,
+        "arrived": r.arrived, "finished": r.finished, "backlog": r.backlog,
     })
 }
 
