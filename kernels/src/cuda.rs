@@ -578,7 +578,17 @@ impl Gpu {
         m: usize,
         kernel: MatmulKernel,
     ) -> Result<DeviceBuf> {
-        if m == 0 || w.rows == 0 || x.len != m * w.cols {
+        // `rows` and `cols` are public: a matrix whose fields no longer describe its buffer
+        // would send every kernel reading `w[r·cols + c]` past it.
+        if w.rows.checked_mul(w.cols) != Some(w.w.len()) {
+            return Err(GpuError::Shape(format!(
+                "a {} × {} matrix over {} values",
+                w.rows,
+                w.cols,
+                w.w.len()
+            )));
+        }
+        if m == 0 || w.rows == 0 || m.checked_mul(w.cols) != Some(x.len) {
             return Err(GpuError::Shape(format!(
                 "{} inputs for {m} rows of {} (a {} × {} matrix)",
                 x.len, w.cols, w.rows, w.cols
@@ -1091,6 +1101,10 @@ mod tests {
             (33, 70, 5),
             (3, 4, 3),
             (7, 1032, 4),
+            // One token over rows of a multiple of 4 (every decode step: the 16-byte kernel),
+            // and two tokens over rows of no such multiple.
+            (64, 64, 1),
+            (5, 33, 2),
         ] {
             let w = randn(&mut rng, rows * cols);
             let x = randn(&mut rng, m * cols);

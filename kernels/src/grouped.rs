@@ -1818,7 +1818,8 @@ mod tests {
         for ty in TYPES {
             for &(rows, cols) in &[(16usize, 256usize), (48, 512), (64, 1536)] {
                 let (_, mat) = random_matrix(&mut rng, ty, rows, cols);
-                for &m in &[1usize, 3, 4, 5, 8, 9, 17] {
+                // Every token-tile width of every kernel (1 to 8) and a tail after full tiles.
+                for &m in &[1usize, 2, 3, 4, 5, 6, 7, 8, 9, 17] {
                     let mut x: Vec<f32> = (0..m * cols).map(|_| rng.normal() as f32).collect();
                     x[1] = 3.0e5; // a massive channel, split off
                     let mut want = vec![0f32; m * rows];

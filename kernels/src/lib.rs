@@ -132,6 +132,18 @@ impl Isa {
         Self::ALL.into_iter().filter(|i| i.is_supported()).collect()
     }
 
+    /// This path if the CPU runs it, else the portable one. Every dispatcher that enters a
+    /// `#[target_feature]` kernel goes through this: an `Isa` built by hand for features the
+    /// CPU lacks computes the same values slower, never executes an instruction it cannot run.
+    #[inline]
+    pub fn or_scalar(self) -> Isa {
+        if self.is_supported() {
+            self
+        } else {
+            Isa::Scalar
+        }
+    }
+
     /// Whether this CPU runs this path (what [`Isa::available`] lists), without allocating.
     pub fn is_supported(self) -> bool {
         #[cfg(target_arch = "x86_64")]
@@ -210,6 +222,30 @@ impl Isa {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    #[test]
+    fn every_path_named_runs_as_this_cpu_can() {
+        // Paths this CPU lacks (built by hand) fall back to the portable ones and agree with
+        // them; none executes an instruction the CPU cannot run.
+        let a: Vec<f32> = (0..67).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..67).map(|i| (i as f32 * 0.11).cos()).collect();
+        let want = ops::dot(Isa::Scalar, &a, &b);
+        let w = vec![1.0f32; 67];
+        let mut norm_want = vec![0.0; 67];
+        ops::rms_norm(Isa::Scalar, &a, &w, 1e-6, &mut norm_want);
+        for isa in Isa::ALL {
+            assert_eq!(isa.or_scalar() == isa, isa.is_supported(), "{isa:?}");
+            let got = ops::dot(isa, &a, &b);
+            assert!((got - want).abs() < 1e-4, "{isa:?}: {got} vs {want}");
+            let mut norm = vec![0.0; 67];
+            ops::rms_norm(isa, &a, &w, 1e-6, &mut norm);
+            for (x, y) in norm.iter().zip(&norm_want) {
+                assert!((x - y).abs() < 1e-4, "{isa:?}");
+            }
+        }
+    }
+
     #[test]
     fn the_cpu_model_is_one_clean_line() {
         let m = super::cpu_model();

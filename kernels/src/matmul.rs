@@ -250,10 +250,14 @@ impl QMatrix {
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32], isa: Isa) {
         let n = self.rows;
         let kb = self.kb();
+        // Checked: sizes whose product wraps would pass a wrapping check and write past `out`.
         assert!(
-            x.len() >= m * self.cols && out.len() >= m * n,
+            m.checked_mul(self.cols).is_some_and(|v| v <= x.len())
+                && m.checked_mul(n).is_some_and(|v| v <= out.len()),
             "matmul buffers too small"
         );
+        // An `Isa` built by hand for features this CPU lacks takes the portable path.
+        let isa = isa.or_scalar();
         if self.w.is_grouped() {
             return grouped!(&self.w, g => self.matmul_grouped(g, x, m, out, isa), _ => {});
         }

@@ -46,7 +46,7 @@ unsafe fn axpy_avx2(alpha: f32, x: &[f32], y: &mut [f32]) {
 /// `Σ a[i]·b[i]` over the shorter length.
 #[inline]
 pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
-    match isa {
+    match isa.or_scalar() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512 | Isa::Avx512Bf16 => unsafe { dot_avx2(a, b) },
         _ => dot_body(a, b),
@@ -56,7 +56,7 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 /// `y += alpha·x`.
 #[inline]
 pub fn axpy(isa: Isa, alpha: f32, x: &[f32], y: &mut [f32]) {
-    match isa {
+    match isa.or_scalar() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
             axpy_avx2(alpha, x, y)
@@ -101,7 +101,7 @@ pub fn attend_lse<KE: KvElem, VE: KvElem>(
         lse.len(),
         a.lims.len()
     );
-    match isa {
+    match isa.or_scalar() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { attend_avx512(a, scores, out, lse) },
         #[cfg(target_arch = "x86_64")]
@@ -745,16 +745,28 @@ mod attend_simd {
         let r_n = a.lims.len();
         let l = a.lims.iter().copied().max().unwrap_or(0);
         let nb = l.div_ceil(BS);
-        let kvd = a.n_kv * hd;
+        let Some(kvd) = a.n_kv.checked_mul(hd) else {
+            return false;
+        };
         if a.blocks.len() < nb || out.len() < r_n * hd || a.q.len() < r_n * hd {
             return false;
         }
+        // Checked arithmetic: shapes whose offsets wrap around would pass a wrapping check
+        // and send the kernels' pointers out of the pools.
         let fits = a.blocks[..nb].iter().all(|&b| {
             let b = b as usize;
-            (b * a.n_kv + a.g + 1) * hd * BS <= a.kpool.len()
-                && (b * BS + BS - 1) * kvd + a.g * hd + hd <= a.vpool.len()
-                && (!VE::I8 || (b * a.n_kv + a.g + 1) * BS <= a.vscale.len())
-                && (!KE::I8 || (b * a.n_kv + a.g + 1) * BS <= a.kscale.len())
+            let head_end = b.checked_mul(a.n_kv).and_then(|x| x.checked_add(a.g + 1));
+            let k_end = head_end.and_then(|x| x.checked_mul(hd * BS));
+            let scale_end = head_end.and_then(|x| x.checked_mul(BS));
+            let v_end = b
+                .checked_mul(BS)
+                .and_then(|x| x.checked_add(BS - 1))
+                .and_then(|x| x.checked_mul(kvd))
+                .and_then(|x| x.checked_add(a.g * hd + hd));
+            k_end.is_some_and(|e| e <= a.kpool.len())
+                && v_end.is_some_and(|e| e <= a.vpool.len())
+                && (!VE::I8 || scale_end.is_some_and(|e| e <= a.vscale.len()))
+                && (!KE::I8 || scale_end.is_some_and(|e| e <= a.kscale.len()))
         });
         if !fits {
             return false;
@@ -1053,7 +1065,7 @@ unsafe fn silu_mul_avx512(gate_up: &[f32], out: &mut [f32]) {
 
 /// RMSNorm: `out = x / sqrt(mean(x²) + eps) * w`.
 pub fn rms_norm(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    match isa {
+    match isa.or_scalar() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512 | Isa::Avx512Bf16 => unsafe {
             rms_norm_avx2(x, w, eps, out)
@@ -1064,7 +1076,7 @@ pub fn rms_norm(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 /// SwiGLU on a fused `[gate | up]` row: `out[i] = silu(gate[i]) * up[i]`.
 pub fn silu_mul(isa: Isa, gate_up: &[f32], out: &mut [f32]) {
-    match isa {
+    match isa.or_scalar() {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 | Isa::Avx512Bf16 => unsafe { silu_mul_avx512(gate_up, out) },
         #[cfg(target_arch = "x86_64")]
