@@ -180,7 +180,7 @@ impl Cluster {
                             // A scheduler that just restarted knows no worker until they
                             // re-register; the last view (kept while it is warming) still does.
                             // A worker that is really gone has left the view at the next refresh.
-                            return self.place_locally(exclude);
+                            return self.place_locally(model, exclude);
                         }
                         _ => {
                             tracing::debug!("scheduler unavailable; placing from the last view");
@@ -192,13 +192,18 @@ impl Cluster {
                 }
             }
         }
-        self.place_locally(exclude)
+        self.place_locally(model, exclude)
     }
 
+    /// The scheduler's choice made from the last view: workers of this model (a static
+    /// `--targets` entry names none and serves any), the least loaded target with room, and
+    /// a draft worker of its model and vocabulary.
     fn place_locally(
         &self,
+        model: &str,
         exclude: &[String],
     ) -> Result<(WorkerInfo, Option<WorkerInfo>), PlaceError> {
+        let serves = |w: &WorkerInfo| model.is_empty() || w.model.is_empty() || w.model == model;
         let view = self.workers();
         let load = self
             .local_load
@@ -208,6 +213,7 @@ impl Cluster {
         let targets: Vec<&WorkerInfo> = view
             .iter()
             .filter(|w| w.role == dspark_scheduler::placement::ROLE_TARGET)
+            .filter(|w| serves(w))
             .filter(|w| !exclude.contains(&w.id))
             .collect();
         if targets.is_empty() {
@@ -221,6 +227,7 @@ impl Cluster {
         let d = view
             .iter()
             .filter(|w| w.role == dspark_scheduler::placement::ROLE_DRAFT)
+            .filter(|w| serves(w))
             .filter(|w| w.vocab_hash == t.vocab_hash || w.vocab_hash.is_empty())
             .min_by_key(|w| (w.load, w.id.clone()))
             .cloned();
@@ -232,5 +239,47 @@ impl Cluster {
             let e = l.entry(addr.to_string()).or_insert(0);
             *e = (*e as i64 + delta as i64).max(0) as u32;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dspark_scheduler::placement::{ROLE_DRAFT, ROLE_TARGET};
+
+    fn worker(id: &str, role: &str, model: &str) -> WorkerInfo {
+        WorkerInfo {
+            id: id.into(),
+            role: role.into(),
+            model: model.into(),
+            address: format!("{id}:1"),
+            capacity: 4,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn placing_from_the_view_keeps_to_the_model() {
+        let c = Cluster::new(
+            None,
+            vec![
+                worker("a-target", ROLE_TARGET, "a"),
+                worker("b-target", ROLE_TARGET, "b"),
+                worker("a-draft", ROLE_DRAFT, "a"),
+                worker("b-draft", ROLE_DRAFT, "b"),
+            ],
+        );
+        for m in ["a", "b"] {
+            let (t, d) = c.place(m, &[], &[1, 2, 3]).await.expect("placed");
+            assert_eq!(t.id, format!("{m}-target"));
+            assert_eq!(d.expect("a draft worker").id, format!("{m}-draft"));
+        }
+        assert!(matches!(
+            c.place("c", &[], &[]).await,
+            Err(PlaceError::NoTarget)
+        ));
+        // A static `--targets` entry names no model and serves any.
+        let s = Cluster::new(None, vec![worker("static", ROLE_TARGET, "")]);
+        assert_eq!(s.place("c", &[], &[]).await.expect("placed").0.id, "static");
     }
 }

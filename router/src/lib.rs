@@ -113,7 +113,10 @@ pub struct RouterArgs {
 pub struct App {
     pub tok: Arc<Tokenizer>,
     pub template: Option<ChatTemplate>,
+    /// The name the API serves (`--served-model-name`, else the model).
     pub name: String,
+    /// The model the workers load and register under: what placement asks the scheduler for.
+    pub model: String,
     pub cluster: Arc<cluster::Cluster>,
     pub metrics: Metrics,
     pub api_key: Option<String>,
@@ -196,6 +199,7 @@ impl App {
                 .served_model_name
                 .clone()
                 .unwrap_or_else(|| args.model.clone()),
+            model: args.model.clone(),
             cluster,
             metrics: Metrics::default(),
             api_key: args.api_key.clone(),
@@ -703,7 +707,7 @@ async fn open_once(
     let refused = Unopened::Refused;
     let (target, draft) = app
         .cluster
-        .place(&app.name, exclude, &prompt)
+        .place(&app.model, exclude, &prompt)
         .await
         .map_err(|e| match e {
             cluster::PlaceError::NoTarget => ApiError::new(

@@ -65,6 +65,8 @@ const PROMPTS: [&str; 6] = [
 struct Cluster {
     url: String,
     sched: String,
+    /// The scheduler's Prometheus page.
+    sched_metrics: String,
     drafts: Vec<Proc>,
     targets: Vec<Proc>,
     _router: Proc,
@@ -72,7 +74,17 @@ struct Cluster {
 }
 
 fn start_cluster(targets: usize, drafts: usize, target_extra: &[&str]) -> Cluster {
-    let scheduler = spawn("scheduler", &["scheduler", "--listen", "127.0.0.1:0"]);
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let scheduler = spawn(
+        "scheduler",
+        &[
+            "scheduler",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            &metrics,
+        ],
+    );
     let sched = format!("http://{}", scheduler.addr);
     let d: Vec<Proc> = (0..drafts)
         .map(|i| {
@@ -122,6 +134,7 @@ fn start_cluster(targets: usize, drafts: usize, target_extra: &[&str]) -> Cluste
     Cluster {
         url: format!("http://{}", router.addr),
         sched,
+        sched_metrics: format!("http://{metrics}"),
         drafts: d,
         targets: t,
         _router: router,
@@ -1666,6 +1679,44 @@ async fn back_to_back_requests_find_room_and_a_full_cluster_is_waited_for() {
         let (st, v) = post(&url, &ask(p, 2)).await;
         assert_eq!(st, 200, "request {i}: {v}");
         assert_eq!(ids_of(&v), greedy(p, 2).0, "request {i}");
+    }
+    // A router serving the model under another name still places through the scheduler
+    // (which knows the workers by the model's own name).
+    let placements = |outcome: &str| {
+        let (base, name) = (
+            c.sched_metrics.clone(),
+            format!("dspark_scheduler_placements_total{{outcome=\"{outcome}\"}}"),
+        );
+        async move { dspark_tests::metric(&base, &name).await }
+    };
+    let placed = placements("placed").await;
+    assert!(placed >= 12.0, "{placed} placements");
+    {
+        let alias = spawn(
+            "router-alias",
+            &[
+                "router",
+                "--listen",
+                "127.0.0.1:0",
+                "--scheduler",
+                &c.sched,
+                "--served-model-name",
+                "smol",
+            ],
+        );
+        let base = format!("http://{}", alias.addr);
+        wait_for("the aliased router", Duration::from_secs(60), || {
+            ready(&base, 1, 0)
+        })
+        .await;
+        let mut body = ask(PROMPTS[2], 2);
+        body["model"] = json!("smol");
+        let (st, v) = post(&format!("{base}/v1/completions"), &body).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["model"], "smol", "{v}");
+        assert_eq!(ids_of(&v), greedy(PROMPTS[2], 2).0);
+        assert_eq!(placements("no_target").await, 0.0);
+        assert!(placements("placed").await > placed);
     }
     // Four long requests sent to the worker itself fill it.
     let prompt = reference().1.encode(PROMPTS[0]).expect("tokens");
