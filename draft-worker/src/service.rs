@@ -28,7 +28,15 @@ impl DraftService {
         let (l2, m2) = (Arc::clone(&load), Arc::clone(&metrics));
         std::thread::Builder::new()
             .name("drafting".into())
-            .spawn(move || Drafting::new(host).run(rx, l2, &m2))?;
+            .spawn(move || {
+                let run = std::panic::AssertUnwindSafe(|| Drafting::new(host).run(rx, l2, &m2));
+                // A worker whose drafting thread is gone would stay registered and refuse every
+                // round: it exits instead, so its registration ends and it is restarted.
+                if std::panic::catch_unwind(run).is_err() {
+                    tracing::error!("the drafting thread panicked; exiting");
+                    std::process::exit(70);
+                }
+            })?;
         Ok(Self {
             jobs: tx,
             info,
@@ -114,6 +122,13 @@ impl DraftWorker for DraftService {
                     );
                 }
                 if let Some(last) = last_step.filter(|&l| call.step <= l) {
+                    // Its drafting is refused; the requests it says are finished are freed.
+                    if !call.finished.is_empty() {
+                        let _ = jobs.send(Job::Finish {
+                            stream: stream_no,
+                            seqs: call.finished.clone(),
+                        });
+                    }
                     let rep = DraftReply {
                         step: call.step,
                         error: format!("stale or reordered step {} (last {last})", call.step),

@@ -318,6 +318,33 @@ pub struct DraftModelProposer {
     cache: KvCache,
     seqs: HashMap<u64, (SeqId, Vec<u32>)>,
     label: String,
+    /// Forwards that failed (a full draft cache): warned at powers of two.
+    failures: u64,
+}
+
+/// The next draft token from a request's logits (and the state that records it).
+fn pick(
+    seqs: &mut HashMap<u64, (SeqId, Vec<u32>)>,
+    r: &mut ProposeReq<'_>,
+    out: &mut DraftBlock,
+    fed: &[u32],
+    logits: &[f32],
+) -> u32 {
+    if let Some(e) = seqs.get_mut(&r.id) {
+        e.1.extend_from_slice(fed);
+    }
+    let mut seen: Vec<u32> = r.context.to_vec();
+    seen.extend_from_slice(&out.tokens);
+    let p = probs(logits, &seen, r.params);
+    let (tok, dist) = if r.params.is_greedy() {
+        (argmax(&p), Dist::OneHot)
+    } else {
+        let t = sample(&p, r.rng);
+        (t, Dist::Dense(p))
+    };
+    out.tokens.push(tok);
+    out.dists.push(dist);
+    tok
 }
 
 impl DraftModelProposer {
@@ -347,6 +374,7 @@ impl DraftModelProposer {
             cache,
             seqs: HashMap::new(),
             label: label.to_string(),
+            failures: 0,
         })
     }
 }
@@ -381,51 +409,87 @@ impl Proposer for DraftModelProposer {
                 e.1.truncate(common);
             }
         }
-        let max_k = reqs.iter().map(|r| r.k).max().unwrap_or(0);
+        // A request's drafts stop where the draft model's context ends (its KV holds the
+        // context and all but the last draft), so one request past it cannot fail the batch.
+        let max_ctx = self.model.cfg.max_ctx;
+        let ks: Vec<usize> = reqs
+            .iter()
+            .map(|r| r.k.min((max_ctx + 1).saturating_sub(r.context.len())))
+            .collect();
+        let max_k = ks.iter().copied().max().unwrap_or(0);
+        let opts = ForwardOptions::default();
         for step in 0..max_k {
             let active: Vec<usize> = (0..reqs.len())
-                .filter(|&i| reqs[i].k > step && !feeds[i].is_empty())
+                .filter(|&i| ks[i] > step && !feeds[i].is_empty())
                 .collect();
             if active.is_empty() {
                 break;
             }
+            let seq_of = |i: usize| self.seqs.get(&reqs[i].id).map(|e| e.0);
             let inputs: Vec<SeqInput<'_>> = active
                 .iter()
-                .map(|&i| SeqInput {
-                    seq: self.seqs[&reqs[i].id].0,
-                    tokens: &feeds[i],
-                    logits: LogitsMode::Last,
+                .filter_map(|&i| {
+                    Some(SeqInput {
+                        seq: seq_of(i)?,
+                        tokens: &feeds[i],
+                        logits: LogitsMode::Last,
+                    })
                 })
                 .collect();
-            let o = self
-                .model
-                .forward(&mut self.cache, &inputs, &ForwardOptions::default())?;
-            let mut next_feeds = feeds.clone();
-            for (j, &i) in active.iter().enumerate() {
-                let r = &mut reqs[i];
-                let logits = o.row(j, 0);
-                if let Some(e) = self.seqs.get_mut(&r.id) {
-                    e.1.extend_from_slice(&feeds[i]);
-                }
-                let mut seen: Vec<u32> = r.context.to_vec();
-                seen.extend_from_slice(&out[i].tokens);
-                let (tok, dist) = if r.params.is_greedy() {
-                    let p = probs(logits, &seen, r.params);
-                    (argmax(&p), Dist::OneHot)
-                } else {
-                    let p = probs(logits, &seen, r.params);
-                    let t = sample(&p, r.rng);
-                    (t, Dist::Dense(p))
-                };
-                out[i].tokens.push(tok);
-                out[i].dists.push(dist);
-                next_feeds[i] = vec![tok];
+            if inputs.len() != active.len() {
+                return Err(SpecError::Invariant("draft sequence lost".into()));
             }
-            for (i, f) in next_feeds.into_iter().enumerate() {
-                if !active.contains(&i) {
-                    feeds[i].clear();
-                } else {
-                    feeds[i] = f;
+            let mut next: Vec<Option<u32>> = vec![None; reqs.len()];
+            match self.model.forward(&mut self.cache, &inputs, &opts) {
+                Ok(o) => {
+                    for (j, &i) in active.iter().enumerate() {
+                        let t = pick(
+                            &mut self.seqs,
+                            &mut reqs[i],
+                            &mut out[i],
+                            &feeds[i],
+                            o.row(j, 0),
+                        );
+                        next[i] = Some(t);
+                    }
+                }
+                // Drafting only speeds decoding up: a forward that fails (the draft cache is
+                // full) is retried per request, and a request that still fails stops drafting
+                // here, keeping what it drafted; the others go on.
+                Err(e) => {
+                    self.failures += 1;
+                    if self.failures.is_power_of_two() {
+                        tracing::warn!(
+                            failures = self.failures,
+                            "draft model forward failed, drafting per request: {e}"
+                        );
+                    }
+                    for (j, &i) in active.iter().enumerate() {
+                        if active.len() == 1 {
+                            break;
+                        }
+                        let one = [SeqInput {
+                            seq: inputs[j].seq,
+                            tokens: &feeds[i],
+                            logits: LogitsMode::Last,
+                        }];
+                        if let Ok(o) = self.model.forward(&mut self.cache, &one, &opts) {
+                            let t = pick(
+                                &mut self.seqs,
+                                &mut reqs[i],
+                                &mut out[i],
+                                &feeds[i],
+                                o.row(0, 0),
+                            );
+                            next[i] = Some(t);
+                        }
+                    }
+                }
+            }
+            for (i, f) in feeds.iter_mut().enumerate() {
+                f.clear();
+                if let Some(t) = next[i] {
+                    f.push(t);
                 }
             }
         }

@@ -2241,3 +2241,76 @@ fn prompt_logprobs_cover_every_prompt_token_across_chunks() {
     }
     e.check_kv().unwrap();
 }
+
+/// A request the draft model cannot hold (a context past its cache, or past its context
+/// length) gets no drafts; the others in the same call get the drafts they get alone.
+#[test]
+fn a_request_the_draft_model_cannot_hold_costs_the_others_nothing() {
+    let f = fixture();
+    let greedy = SamplingParams::greedy();
+    let mk = |kv: usize| {
+        DraftModelProposer::new(
+            f.draft.clone(),
+            &f.draft_tok,
+            &f.tok,
+            f.target.cfg.vocab_size,
+            kv,
+            "draft-model:tiny",
+        )
+        .unwrap()
+    };
+    let small = prompts(&f, 3)[2].clone();
+    let long = |n: usize| -> Vec<u32> { small.iter().copied().cycle().take(n).collect() };
+    let alone = {
+        let mut p = mk(64);
+        let mut rng = kernels::rng::Rng::new(1);
+        let mut one = [specdec::proposer::ProposeReq {
+            id: 2,
+            context: &small,
+            k: 4,
+            params: &greedy,
+            rng: &mut rng,
+        }];
+        p.propose(&mut one).unwrap().remove(0).tokens
+    };
+    assert_eq!(alone.len(), 4);
+    let max_ctx = f.draft.cfg.max_ctx;
+    // 70 tokens in a 64-token cache; then a context past the model's.
+    for (kv, big) in [(64, long(70)), (4096, long(max_ctx + 5))] {
+        let mut p = mk(kv);
+        let (mut r1, mut r2) = (kernels::rng::Rng::new(1), kernels::rng::Rng::new(1));
+        let mut reqs = [
+            specdec::proposer::ProposeReq {
+                id: 1,
+                context: &big,
+                k: 4,
+                params: &greedy,
+                rng: &mut r1,
+            },
+            specdec::proposer::ProposeReq {
+                id: 2,
+                context: &small,
+                k: 4,
+                params: &greedy,
+                rng: &mut r2,
+            },
+        ];
+        let out = p
+            .propose(&mut reqs)
+            .expect("one request's trouble is not the call's");
+        assert!(out[0].tokens.is_empty(), "kv {kv}: {:?}", out[0].tokens);
+        assert_eq!(out[1].tokens, alone, "kv {kv}");
+    }
+    // A context that ends just short of the model's drafts only what fits.
+    let mut p = mk(4096);
+    let near = long(max_ctx - 1);
+    let mut rng = kernels::rng::Rng::new(1);
+    let mut one = [specdec::proposer::ProposeReq {
+        id: 3,
+        context: &near,
+        k: 4,
+        params: &greedy,
+        rng: &mut rng,
+    }];
+    assert_eq!(p.propose(&mut one).unwrap()[0].tokens.len(), 2);
+}

@@ -706,6 +706,14 @@ impl Proposer for RemoteProposer {
             {
                 l.finished.push(id);
             }
+            // The link's last request: no round would carry the ids soon (a target that
+            // falls idle sends none), and the draft worker would hold their state, counted as
+            // load, until the stream closes. A round of finished ids alone frees them now.
+            if !self.reqs.values().any(|x| x.link == r.link) {
+                if let Some(round) = self.send_round(&r.link, &mut [], &[]) {
+                    self.forget(&round);
+                }
+            }
         }
         self.forget_idle_links(id);
         self.fallback.finish(id);

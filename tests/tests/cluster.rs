@@ -2390,6 +2390,21 @@ async fn dspark_drafter_in_its_own_worker_gets_features_over_the_wire() {
         .await
         .expect("info")
         .into_inner();
+    // The requests are done and the target is idle: the draft worker holds nothing for them
+    // (their finished ids reach it without waiting for another request's round).
+    wait_for(
+        "the draft worker to free finished requests",
+        Duration::from_secs(5),
+        || {
+            let mut dc = dc.clone();
+            async move {
+                dc.info(dspark_proto::InfoRequest {})
+                    .await
+                    .is_ok_and(|i| i.into_inner().load == 0)
+            }
+        },
+    )
+    .await;
     let runs = info.copy_runs;
     assert!(
         !runs.is_empty() && runs.iter().all(|&r| r > 0.0 && r < 1.0),
