@@ -248,21 +248,33 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             Arc::new(move || m.render()),
         ));
     }
-    if let Some(links) = engine.model().tp_links() {
+    let room = dspark_scheduler::discovery::Nudge::default();
+    let tp_links = engine.model().tp_links();
+    if let Some(links) = tp_links.clone() {
         let model = Arc::clone(engine.model());
+        let room = room.clone();
         // A rank that restarts is linked again within a second, not at the next request.
         std::thread::Builder::new()
             .name("tp-redial".into())
             .spawn(move || {
                 let mut last = String::new();
+                let mut was_up = links.up();
                 loop {
                     std::thread::sleep(Duration::from_secs(1));
                     model.tp_check();
+                    // Placement hears at once that the worker went full (a rank down) or has
+                    // room again.
+                    if links.up() != was_up {
+                        was_up = links.up();
+                        room.nudge();
+                    }
                     if !links.up() {
                         match model.tp_redial() {
                             Ok(true) => {
                                 tracing::info!("tensor-parallel ranks linked again");
                                 last.clear();
+                                was_up = true;
+                                room.nudge();
                             }
                             Ok(false) => {}
                             // Said once per cause, not every second.
@@ -277,7 +289,6 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             })?;
     }
     let (tx, rx) = std::sync::mpsc::channel();
-    let room = dspark_scheduler::discovery::Nudge::default();
     let el = engine_loop::EngineLoop {
         engine,
         shared,
@@ -335,9 +346,15 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             Duration::from_millis(args.ttl_ms),
             Arc::new({
                 let counters = counters.clone();
+                let tp_links = tp_links.clone();
                 move || {
                     let mut i = info2.clone();
                     i.load = l2.load(Ordering::Relaxed) as u32;
+                    // A worker whose tensor-parallel ranks are down fails every step: it reads
+                    // full, so placement sends requests elsewhere until they are linked again.
+                    if tp_links.as_ref().is_some_and(|l| !l.up()) {
+                        i.load = i.load.max(i.capacity);
+                    }
                     if let Some((c, l)) = &counters {
                         i.central_budget_steps = c.load(Ordering::Relaxed);
                         i.local_budget_steps = l.load(Ordering::Relaxed);

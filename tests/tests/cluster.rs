@@ -2673,6 +2673,12 @@ async fn tensor_parallel_target_worker_is_greedy_identical_and_survives_a_rank_r
     // (The ranks gauge answering shows the page is up: a missing metric would also read 0.)
     assert_eq!(metric(&base, "dspark_target_tp_ranks").await, 3.0);
     assert_eq!(metric(&base, "dspark_target_tp_links_up").await, 0.0);
+    // While it is down the worker reads full, so placement sends requests elsewhere.
+    wait_for("the worker to read full", Duration::from_secs(5), || {
+        let sched = c.sched.clone();
+        async move { scheduler_load(&sched).await == 4 }
+    })
+    .await;
     // ...and once it is back on its address, the worker links it again by itself (no request
     // needed) and serves the same tokens as before.
     ranks[1] = spawn_rank(2, &addr2);
@@ -2681,6 +2687,15 @@ async fn tensor_parallel_target_worker_is_greedy_identical_and_survives_a_rank_r
     })
     .await;
     assert_eq!(metric(&base, "dspark_target_tp_connects_total").await, 2.0);
+    wait_for(
+        "the worker to read empty again",
+        Duration::from_secs(5),
+        || {
+            let sched = c.sched.clone();
+            async move { scheduler_load(&sched).await == 0 }
+        },
+    )
+    .await;
     let want = greedy_tp3(PROMPTS[1], 16);
     let mut got = Vec::new();
     for _ in 0..40 {
