@@ -788,6 +788,27 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
             ..Default::default()
         })
         .collect();
+    // Untimed: the first group once on every arm (first allocations, the drafter's first
+    // call), so round 0 is not measured cold while later rounds are warm.
+    if let Some(grp) = groups.first() {
+        for e in engines.iter_mut() {
+            for i in grp.clone() {
+                let mut r = Request::new((rounds * n + i) as u64, ids[i].clone(), a.max_tokens);
+                r.params = sampling.clone();
+                r.seed = i as u64;
+                e.add(r)?;
+            }
+            let mut left = grp.len();
+            while left > 0 {
+                for ev in e.step()? {
+                    if let Event::Finished { .. } = ev {
+                        left -= 1;
+                    }
+                }
+            }
+            e.reset_totals();
+        }
+    }
     for round in 0..rounds {
         let mut round_secs = vec![0f64; arms.len()];
         let mut round_tokens = vec![0usize; arms.len()];
@@ -815,7 +836,10 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
                             }
                             Event::Finished { metrics, .. } => {
                                 left -= 1;
-                                ac.tpot.push(metrics.tpot_s());
+                                // One token has no time per output token (not a zero).
+                                if metrics.completion_tokens > 1 {
+                                    ac.tpot.push(metrics.tpot_s());
+                                }
                                 ac.ttft.push(metrics.ttft_s);
                             }
                         }

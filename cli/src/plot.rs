@@ -13,6 +13,8 @@ const COLORS: [&str; 8] = [
 
 /// Renders `series` as an SVG line chart with axes, ticks and a legend.
 pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> String {
+    // Text from the command line (a model path may hold `&` or `<`) is escaped for XML.
+    let (title, x_label, y_label) = (xml(title), xml(x_label), xml(y_label));
     let (w, h, ml, mr, mt, mb) = (720.0, 440.0, 78.0, 190.0, 40.0, 50.0);
     let pts = series.iter().flat_map(|s| s.points.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, 0.0f64, f64::MIN);
@@ -110,11 +112,18 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, series: &[Series]) 
             w - mr + 30.0,
             w - mr + 36.0,
             ly + 4.0,
-            se.name
+            xml(&se.name)
         );
     }
     s.push_str("</svg>\n");
     s
+}
+
+fn xml(t: &str) -> String {
+    t.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 /// Tick values and labels covering `[lo, hi]`: four to ten ticks at a round step (1, 2, 2.5 or
@@ -176,6 +185,17 @@ mod tests {
         );
         assert!(s.starts_with("<svg") && s.contains(">a</text>") && s.contains(">b</text>"));
         assert_eq!(s.matches("<polyline").count(), 2);
+        let odd = line_chart(
+            "/m/a&b<c>.gguf",
+            "x",
+            "y",
+            &[Series {
+                name: "\"q\"".into(),
+                points: vec![(1.0, 1.0)],
+            }],
+        );
+        assert!(odd.contains("/m/a&amp;b&lt;c&gt;.gguf") && odd.contains("&quot;q&quot;"));
+        assert!(!odd.contains("a&b"));
     }
 
     #[test]

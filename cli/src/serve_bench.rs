@@ -36,6 +36,10 @@ pub struct ServeArgs {
     pub label: String,
     #[arg(long, env = "DSPARK_API_KEY")]
     pub api_key: Option<String>,
+    /// Requests sent one at a time before the measured load and not counted (connections,
+    /// first allocations and caches warm, the same for every arm).
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
 }
@@ -44,7 +48,8 @@ pub struct ServeArgs {
 struct Sample {
     ok: bool,
     error: String,
-    ttft: f64,
+    /// Seconds to the first token; `None` when no token came (an immediate end).
+    ttft: Option<f64>,
     e2e: f64,
     itl: Vec<f64>,
     tokens: u64,
@@ -89,6 +94,10 @@ async fn one(client: &reqwest::Client, a: &ServeArgs, model: &str, prompt: &str)
                 continue;
             };
             if data == "[DONE]" {
+                // Without the usage chunk (asked for) the tokens are unknown: not a success.
+                if s.error.is_empty() && s.usage.is_null() {
+                    s.error = "no usage chunk before [DONE]".into();
+                }
                 s.ok = s.error.is_empty();
                 s.e2e = t0.elapsed().as_secs_f64();
                 return s;
@@ -107,13 +116,16 @@ async fn one(client: &reqwest::Client, a: &ServeArgs, model: &str, prompt: &str)
                 s.tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
                 s.usage = v["usage"].clone();
             }
-            let has_text = v["choices"][0]["delta"]["content"]
-                .as_str()
-                .is_some_and(|t| !t.is_empty());
+            // A token shows as text or as a tool call's delta.
+            let delta = &v["choices"][0]["delta"];
+            let has_text = delta["content"].as_str().is_some_and(|t| !t.is_empty())
+                || delta["tool_calls"]
+                    .as_array()
+                    .is_some_and(|c| !c.is_empty());
             if has_text {
                 let now = Instant::now();
                 match last {
-                    None => s.ttft = t0.elapsed().as_secs_f64(),
+                    None => s.ttft = Some(t0.elapsed().as_secs_f64()),
                     Some(l) => s.itl.push((now - l).as_secs_f64()),
                 }
                 last = Some(now);
@@ -154,6 +166,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
                     .to_string()
             }
         };
+        for i in 0..a.warmup {
+            let w = one(&client, &a, &model, &prompts[i % prompts.len()]).await;
+            anyhow::ensure!(w.error.is_empty(), "warm-up request failed: {}", w.error);
+        }
         let (a2, client, model) = (Arc::new(a.clone()), Arc::new(client), Arc::new(model));
         let prompts = Arc::new(prompts);
         let t0 = Instant::now();
@@ -226,12 +242,14 @@ fn summarize(a: &ServeArgs, model: &str, mode: Value, s: Vec<Sample>, wall: f64)
         .map(|x| x.error.as_str())
         .collect();
     let tokens: u64 = ok.iter().map(|x| x.tokens).sum();
-    let mut ttft: Vec<f64> = ok.iter().map(|x| x.ttft * 1e3).collect();
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|x| x.ttft).map(|t| t * 1e3).collect();
     let mut tpot: Vec<f64> = ok
         .iter()
         .filter(|x| x.tokens > 1)
-        .map(|x| (x.e2e - x.ttft) / (x.tokens - 1) as f64 * 1e3)
+        .filter_map(|x| Some((x.e2e - x.ttft?) / (x.tokens - 1) as f64 * 1e3))
         .collect();
+    // Each request's first token came from its prefill, not a verifying forward.
+    let firsts = ok.iter().filter(|x| x.tokens > 0).count() as u64;
     let mut itl: Vec<f64> = ok
         .iter()
         .flat_map(|x| x.itl.iter().map(|v| v * 1e3))
@@ -259,7 +277,7 @@ fn summarize(a: &ServeArgs, model: &str, mode: Value, s: Vec<Sample>, wall: f64)
         "tpot_ms": {"p50": pct(&mut tpot, 0.5), "p99": pct(&mut tpot, 0.99)},
         "itl_ms": {"p50": pct(&mut itl, 0.5), "p99": pct(&mut itl, 0.99)},
         "completion_tokens": tokens,
-        "tokens_per_forward": if u("verify_forwards") > 0.0 { tokens as f64 / u("verify_forwards") } else { 0.0 },
+        "tokens_per_forward": if u("verify_forwards") > 0.0 { (tokens - firsts) as f64 / u("verify_forwards") } else { 0.0 },
         "wire": {
             "bytes_to_draft_per_token": if tokens > 0 { u("bytes_to_draft") / tokens as f64 } else { 0.0 },
             "bytes_from_draft_per_token": if tokens > 0 { u("bytes_from_draft") / tokens as f64 } else { 0.0 },

@@ -984,8 +984,9 @@ fn usage(stats: &SpecStats, target: &str) -> Value {
             "verify_forwards": stats.verify_forwards,
             "drafted_tokens": stats.drafted_tokens,
             "accepted_tokens": stats.accepted_tokens,
+            // After the first token, which the prefill produced (the engine's τ).
             "tokens_per_forward": if stats.verify_forwards > 0 {
-                stats.completion_tokens as f64 / stats.verify_forwards as f64 } else { 0.0 },
+                stats.completion_tokens.saturating_sub(1) as f64 / stats.verify_forwards as f64 } else { 0.0 },
             "remote_draft_cycles": stats.remote_draft_cycles,
             "fallback_draft_cycles": stats.fallback_draft_cycles,
             "bytes_to_draft": stats.bytes_to_draft,

@@ -580,6 +580,11 @@ impl Engine {
         &self.totals
     }
 
+    /// Starts the totals afresh (a benchmark's warm-up is not measured).
+    pub fn reset_totals(&mut self) {
+        self.totals = RequestMetrics::default();
+    }
+
     pub fn is_idle(&self) -> bool {
         self.waiting.is_empty() && self.running.is_empty()
     }

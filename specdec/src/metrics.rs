@@ -13,6 +13,9 @@ pub struct RequestMetrics {
     /// Prompt tokens whose KV came from the prefix cache (not computed for this request).
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// Of totals: the requests merged in whose first token came (their prefill's); 0 on one
+    /// request's own metrics (read as 1 when it has a token).
+    pub first_tokens: usize,
     /// Target forwards this request took part in after its prefill (decode / verify cycles).
     pub target_calls: usize,
     /// Cycles that verified at least one drafted token.
@@ -94,12 +97,23 @@ impl RequestMetrics {
             .collect()
     }
 
-    /// Output tokens per target forward (after the first token, which the prefill produced).
+    /// First tokens (each request's, which its prefill produced): merged totals count them,
+    /// one request has one when it has any token.
+    fn firsts(&self) -> usize {
+        if self.first_tokens > 0 {
+            self.first_tokens
+        } else {
+            usize::from(self.completion_tokens > 0)
+        }
+    }
+
+    /// Output tokens per target forward, after each request's first token (its prefill's):
+    /// τ of one request or of merged totals alike.
     pub fn committed_per_call(&self) -> f64 {
         if self.target_calls == 0 {
             1.0
         } else {
-            (self.completion_tokens.saturating_sub(1)) as f64 / self.target_calls as f64
+            (self.completion_tokens.saturating_sub(self.firsts())) as f64 / self.target_calls as f64
         }
     }
 
@@ -128,6 +142,7 @@ impl RequestMetrics {
     fn merge_counts(&mut self, o: &RequestMetrics) {
         self.prompt_tokens += o.prompt_tokens;
         self.cached_tokens += o.cached_tokens;
+        self.first_tokens = self.firsts() + o.firsts();
         self.completion_tokens += o.completion_tokens;
         self.target_calls += o.target_calls;
         self.spec_calls += o.spec_calls;
@@ -196,6 +211,30 @@ mod tests {
         assert_eq!(m.prefix_hist, vec![0, 0, 1, 0, 1]);
         assert_eq!(m.wasted_tokens, 2);
         assert_eq!(m.accept_per_pos(), vec![1.0, 1.0, 0.5, 0.5]);
+    }
+
+    #[test]
+    fn tokens_per_call_leave_out_every_request_s_first_token() {
+        // Plain decoding: 64 tokens, the first from the prefill, 63 from 63 calls.
+        let one = RequestMetrics {
+            completion_tokens: 64,
+            target_calls: 63,
+            ..Default::default()
+        };
+        assert_eq!(one.committed_per_call(), 1.0);
+        let mut tot = RequestMetrics::default();
+        for _ in 0..10 {
+            tot.merge(&one);
+        }
+        assert_eq!(tot.first_tokens, 10);
+        assert_eq!(tot.committed_per_call(), 1.0);
+        // Totals of totals, and a request with no token (prompt log-probabilities only).
+        let mut all = RequestMetrics::default();
+        all.merge(&tot);
+        all.merge(&tot);
+        all.merge(&RequestMetrics::default());
+        assert_eq!(all.first_tokens, 20);
+        assert_eq!(all.committed_per_call(), 1.0);
     }
 
     #[test]
