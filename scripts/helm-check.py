@@ -109,6 +109,9 @@ def check_schema(helm, values_sets):
             ({"targetWorker": {"prefixCaching": "yes"}}, "a string for prefix caching"),
             ({"router": {"toolCallParser": "mistral"}}, "a tool-call parser the router lacks"),
             ({"targetWorker": {"tensorParallel": {"size": 0}}}, "a tensor-parallel degree of 0"),
+            ({"etcd": {"endpoints": ["https://etcd:2379"]}}, "a TLS etcd endpoint (the binaries speak plain HTTP/2)"),
+            ({"router": {"fullWaitMs": 600001}}, "a full wait past the router's limit"),
+            ({"listenHost": "::"}, "an IPv6 listen host without brackets"),
         ]
         for v, what in bad:
             try:
@@ -117,6 +120,34 @@ def check_schema(helm, values_sets):
                 continue
             fail(f"values.schema.json accepts {what}: {v}")
     print(f"schema: {len(values_sets)} values sets accepted, {len(bad)} bad ones refused")
+
+
+def check_fetch_and_policies(helm):
+    """Init containers fetch what the pods load; the router's /metrics stays scrapable."""
+    def workload(docs, suffix):
+        return next(tpl for w, tpl in pod_specs(docs) if w["metadata"]["name"].endswith(suffix))
+
+    draft = "draft-model:qwen2.5-coder-0.5b"
+    docs = render(helm, {"model": "qwen2.5-coder-1.5b", "drafter": draft})
+    init = workload(docs, "-draft-worker")["spec"]["initContainers"][0]["args"]
+    if init != ["fetch-model", "qwen2.5-coder-1.5b", "--drafter", draft]:
+        fail(f"the draft workers' init container does not fetch their draft model: {init}")
+    init = workload(docs, "-target-worker")["spec"]["initContainers"][0]["args"]
+    if init != ["fetch-model", "qwen2.5-coder-1.5b"]:
+        fail(f"the target workers' init container: {init}")
+    for own in ("/models/own.gguf", "models/own.gguf"):
+        docs = render(helm, {"model": own})
+        for w, tpl in pod_specs(docs):
+            if any(c["args"][0] == "fetch-model" for c in tpl["spec"].get("initContainers", [])):
+                fail(f"{w['metadata']['name']} fetches the user's own file {own}")
+    scraper = [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    docs = render(helm, {"networkPolicy": {"routerIngressFrom": [{"podSelector": {"matchLabels": {"app": "lb"}}}],
+                                           "metricsFrom": scraper}})
+    check_k8s(docs, "restricted router ingress")
+    pol = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-router"))
+    if not any(r.get("from") == scraper for r in pol["spec"]["ingress"]):
+        fail(f"the router's NetworkPolicy shuts out the scrapers of its /metrics: {pol['spec']['ingress']}")
+    print("fetch and policies: the draft model fetched, own files left alone, router metrics scrapable")
 
 
 def check_k8s(docs, label):
@@ -428,6 +459,7 @@ def main():
         if hv:
             sets.append((os.path.relpath(p, ROOT) + " helm_values", hv))
     check_schema(helm, [(n, deep_merge(defaults, v)) for n, v in sets])
+    check_fetch_and_policies(helm)
     for name, v in sets:
         docs = render(helm, v)
         check_k8s(docs, name)

@@ -50,6 +50,10 @@ pub enum Command {
     FetchModel {
         /// smollm2-135m | qwen2.5-coder-0.5b | qwen2.5-coder-1.5b
         name: String,
+        /// Also the draft model this drafter loads beside NAME (`draft-model[:MODEL]`; other
+        /// drafters load none): what an init container fetches for a draft worker.
+        #[arg(long)]
+        drafter: Option<String>,
     },
     /// List the models `fetch-model` knows.
     Models,
@@ -188,7 +192,21 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
     }
     let g = cli.global.validate()?;
     match cli.cmd {
-        Command::FetchModel { name } => {
+        Command::FetchModel {
+            name,
+            drafter: kind,
+        } => {
+            // The drafter first: a bad kind is refused before a download.
+            let draft = match kind.as_deref().filter(|d| !d.is_empty()) {
+                Some(k) => {
+                    match specdec::ProposerKind::parse(k, drafter::build::default_draft_for(&name))?
+                    {
+                        specdec::ProposerKind::DraftModel(d) => Some(d),
+                        _ => None,
+                    }
+                }
+                None => None,
+            };
             let spec = dspark_runtime::fetch::spec(&name).ok_or_else(|| {
                 let names: Vec<&str> = dspark_runtime::fetch::known_models()
                     .iter()
@@ -199,6 +217,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             let p =
                 dspark_runtime::fetch::fetch(&spec, &g.home, &g.python, &mut |m| eprintln!("{m}"))?;
             out!("{}", p.display())?;
+            if let Some(d) = draft {
+                out!("{}", g.resolve_model(&d)?.display())?;
+            }
             Ok(())
         }
         Command::Models => {

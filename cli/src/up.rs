@@ -181,6 +181,12 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         .drafter
         .clone()
         .unwrap_or_else(|| drafter::build::default_kind_for(&a.target).label());
+    // And the draft model a draft-model drafter loads (each draft worker would fetch it).
+    if let specdec::ProposerKind::DraftModel(d) =
+        specdec::ProposerKind::parse(&drafter, drafter::build::default_draft_for(&a.target))?
+    {
+        g.resolve_model(&d)?;
+    }
     let mut common = vec![
         "--python".to_string(),
         g.python.clone(),

@@ -103,20 +103,26 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 
 {{/* Fetches the model into the cache before the main container starts. */}}
+{{- /*
+The init container that fetches the model (and, given a drafter that loads one, its draft
+model) into the cache before the main container starts. A path (anything with a "/" or a
+.gguf name) is the user's own file: nothing to fetch. Called with (dict "root" . "drafter" KIND).
+*/ -}}
 {{- define "dspark.fetchModel" -}}
-{{- if not (hasPrefix "/" .Values.model) }}
+{{- $m := .root.Values.model -}}
+{{- if not (or (contains "/" $m) (hasSuffix ".gguf" $m)) }}
 - name: fetch-model
-  image: {{ include "dspark.image" . }}
-  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  image: {{ include "dspark.image" .root }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
   command: ["dspark"]
-  args: ["fetch-model", {{ .Values.model | quote }}]
+  args: ["fetch-model", {{ $m | quote }}{{ with .drafter }}, "--drafter", {{ . | quote }}{{ end }}]
   env:
-    {{- include "dspark.commonEnv" . | nindent 4 }}
-    {{- include "dspark.cacheEnv" . | nindent 4 }}
+    {{- include "dspark.commonEnv" .root | nindent 4 }}
+    {{- include "dspark.cacheEnv" .root | nindent 4 }}
   volumeMounts:
-    {{- include "dspark.volumeMounts" . | nindent 4 }}
+    {{- include "dspark.volumeMounts" .root | nindent 4 }}
   securityContext:
-    {{- toYaml .Values.securityContext | nindent 4 }}
+    {{- toYaml .root.Values.securityContext | nindent 4 }}
 {{- end }}
 {{- end -}}
 
