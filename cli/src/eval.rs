@@ -459,10 +459,12 @@ pub fn recal_replay(a: ReplayArgs) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("{} line {}: {e}", a.blocks.display(), i + 1))?;
         lines.push(b);
     }
-    let mut sets: Vec<&str> = Vec::new();
+    // Each (set, arm) on its own: every arm ran its own engine (its steps count from 0) and
+    // its own drafter, whose verdicts one calibration must not learn together.
+    let mut sets: Vec<(&str, &str)> = Vec::new();
     for b in &lines {
-        if !sets.contains(&b.set.as_str()) {
-            sets.push(&b.set);
+        if !sets.contains(&(b.set.as_str(), b.arm.as_str())) {
+            sets.push((&b.set, &b.arm));
         }
     }
     let pct = |v: &[f64]| {
@@ -470,10 +472,14 @@ pub fn recal_replay(a: ReplayArgs) -> anyhow::Result<()> {
         let per: Vec<String> = v.iter().map(|x| format!("{:.2}", 100.0 * x)).collect();
         format!("worst {:.2} %, {}", 100.0 * worst, per.join(" "))
     };
-    for set in sets {
+    for (set, arm) in sets {
         // Blocks of one engine step are served before any of them is observed.
-        let mut blocks: Vec<&BlockLine> = lines.iter().filter(|b| b.set == set).collect();
+        let mut blocks: Vec<&BlockLine> = lines
+            .iter()
+            .filter(|b| b.set == set && b.arm == arm)
+            .collect();
         blocks.sort_by_key(|b| b.step);
+        let set = format!("{set} ({arm})");
         let engine: Vec<Vec<f64>> = blocks.iter().map(|b| b.served.clone()).collect();
         out!(
             "{set}: {} blocks; served by the engine: {}",

@@ -31,6 +31,10 @@ pub struct PlanArgs {
     /// requests, e.g. `chat=2,code=1` (default: every block of the file, as recorded).
     #[arg(long, value_delimiter = ',')]
     pub mix: Vec<String>,
+    /// The drafter the blocks are of (their `arm` field): an `eval-drafter` run records
+    /// several side by side, and only the one deployed is planned for.
+    #[arg(long, default_value = "dspark")]
+    pub arm: String,
     /// Drafting cost: a `bench draft --json` file (draft_ms by batch and γ).
     #[arg(long)]
     pub draft_cost: PathBuf,
@@ -161,8 +165,9 @@ pub fn load_sps(path: &Path, ctx: Option<u32>) -> anyhow::Result<SpsTable> {
     Ok(t.with_marginal(specdec::profile::marginal_staircase(&points)))
 }
 
-/// Blocks from an `eval-drafter --blocks` file: the served confidences and accepted length.
-pub fn load_blocks(path: &Path, set: Option<&str>) -> anyhow::Result<Vec<Block>> {
+/// Blocks from an `eval-drafter --blocks` file: the served confidences and accepted length, of
+/// one arm (a line without an `arm` is taken).
+pub fn load_blocks(path: &Path, set: Option<&str>, arm: &str) -> anyhow::Result<Vec<Block>> {
     let text =
         std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     let mut out = Vec::new();
@@ -173,7 +178,9 @@ pub fn load_blocks(path: &Path, set: Option<&str>) -> anyhow::Result<Vec<Block>>
     {
         let v: Value = serde_json::from_str(line)
             .map_err(|e| anyhow::anyhow!("{} line {}: {e}", path.display(), i + 1))?;
-        if set.is_some_and(|s| v["set"].as_str() != Some(s)) {
+        if set.is_some_and(|s| v["set"].as_str() != Some(s))
+            || v["arm"].as_str().is_some_and(|a| a != arm)
+        {
             continue;
         }
         let conf: Vec<f32> = v["served"]
@@ -214,18 +221,23 @@ pub fn load_blocks(path: &Path, set: Option<&str>) -> anyhow::Result<Vec<Block>>
     }
     anyhow::ensure!(
         !out.is_empty(),
-        "{}: no blocks{}",
+        "{}: no blocks of arm `{arm}`{}",
         path.display(),
-        set.map(|s| format!(" of set `{s}`")).unwrap_or_default()
+        set.map(|s| format!(" in set `{s}`")).unwrap_or_default()
     );
     Ok(out)
 }
 
 /// The traffic mix's block sets: `--mix NAME=W,...`, or one set (`--set NAME`, or the whole
 /// file).
-pub fn load_mix(path: &Path, set: Option<&str>, mix: &[String]) -> anyhow::Result<Vec<BlockSet>> {
+pub fn load_mix(
+    path: &Path,
+    set: Option<&str>,
+    mix: &[String],
+    arm: &str,
+) -> anyhow::Result<Vec<BlockSet>> {
     if mix.is_empty() {
-        let blocks = load_blocks(path, set)?;
+        let blocks = load_blocks(path, set, arm)?;
         return Ok(vec![BlockSet {
             name: set.unwrap_or("all").to_string(),
             weight: 1.0,
@@ -245,7 +257,7 @@ pub fn load_mix(path: &Path, set: Option<&str>, mix: &[String]) -> anyhow::Resul
             Ok(BlockSet {
                 name: name.to_string(),
                 weight,
-                blocks: load_blocks(path, Some(name))?,
+                blocks: load_blocks(path, Some(name), arm)?,
             })
         })
         .collect()
@@ -323,7 +335,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     );
     anyhow::ensure!(a.max_targets >= 1, "--max-targets ≥ 1");
     let sps = load_sps(&a.sps, a.ctx)?;
-    let blocks = load_mix(&a.blocks, a.set.as_deref(), &a.mix)?;
+    let blocks = load_mix(&a.blocks, a.set.as_deref(), &a.mix, &a.arm)?;
     let n_blocks: usize = blocks.iter().map(|s| s.blocks.len()).sum();
     let cost = load_draft_cost(&a.draft_cost)?;
     let time = SimTime {
@@ -601,4 +613,32 @@ fn validate(
         "prompt_tokens": prompt, "points": rows,
         "median_abs_error": median_err, "max_abs_error": max_err});
     crate::bench::write_json(&a.json, &v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An `eval-drafter --blocks` file holds several arms side by side; a plan reads the one
+    /// deployed.
+    #[test]
+    fn blocks_are_read_for_one_arm() {
+        let dir = std::env::temp_dir().join(format!("dspark-plan-arms-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("blocks.jsonl");
+        let line = |arm: &str, acc: u8| {
+            format!(
+                r#"{{"set":"code","arm":"{arm}","conf":[0.9,0.8],"served":[0.9,0.8],"copy_run":false,"accepted":{acc},"step":0,"request":0}}"#
+            )
+        };
+        let text = [line("dspark", 2), line("parallel", 0), line("parallel", 0)].join("\n");
+        std::fs::write(&p, text).unwrap();
+        let d = load_blocks(&p, None, "dspark").unwrap();
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].accepted, 2);
+        assert_eq!(load_blocks(&p, Some("code"), "parallel").unwrap().len(), 2);
+        let e = load_blocks(&p, None, "ngram").unwrap_err().to_string();
+        assert!(e.contains("no blocks of arm `ngram`"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

@@ -54,7 +54,8 @@ pub struct TrainArgs {
     /// Weight of the auxiliary parallel-only loss (the ablation sharing the backbone); 0 = off.
     #[arg(long, default_value_t = 0.5)]
     pub parallel_weight: f64,
-    /// Continue from the checkpoint in --out.
+    /// Continue from the checkpoint in --out (its `train_state.json` step; the optimizer's
+    /// moments start afresh, and the weights come back as saved, in f16).
     #[arg(long)]
     pub resume: bool,
     /// Start from the checkpoint in --out with a fresh schedule (warm-up, cosine from step 0;
@@ -147,7 +148,17 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
     if a.fine_tune && !a.out.join("drafter.json").exists() {
         anyhow::bail!("--fine-tune needs a checkpoint in {}", a.out.display());
     }
-    let (mut dr, start) = if a.fine_tune || (a.resume && state.exists()) {
+    // A checkpoint without a training state (copied, or finished and trimmed) is not started
+    // over silently: the first save would overwrite it.
+    if a.resume && !state.exists() && a.out.join("drafter.json").exists() {
+        anyhow::bail!(
+            "--resume: {} holds a checkpoint but no train_state.json; --fine-tune trains it \
+             further from step 0, or give another --out",
+            a.out.display()
+        );
+    }
+    let loaded = a.fine_tune || (a.resume && state.exists());
+    let (mut dr, start) = if loaded {
         let step = if a.fine_tune {
             eprintln!("fine-tuning the checkpoint in {}", a.out.display());
             0
@@ -179,8 +190,19 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
             DrafterConfig::for_target(&target.cfg, &tok.vocab_hash(), a.gamma, a.layers, a.rank);
         (DsparkDrafter::new(cfg, embed, head, a.seed)?, 0)
     };
+    if loaded {
+        // The calibration was fitted to the features these weights made; training moves them.
+        // Served as is, the confidences would read other features: dropped, to be fitted
+        // again (`dspark calibrate-drafter`).
+        eprintln!(
+            "the checkpoint's confidence calibration is dropped: run calibrate-drafter after"
+        );
+        dr.cfg = dr.cfg.clone().uncalibrated();
+    }
     dr.cfg.parallel_trained = dr.cfg.rank > 0 && a.parallel_weight > 0.0;
-    if dr.draft_vocab.is_none() && a.draft_vocab > 0 && a.draft_vocab < dr.cfg.vocab {
+    // A loaded checkpoint keeps the vocabulary it has (a new one mid-schedule would change the
+    // objective).
+    if !loaded && dr.draft_vocab.is_none() && a.draft_vocab > 0 && a.draft_vocab < dr.cfg.vocab {
         let keep = frequent_tokens(&data, dr.cfg.vocab, &tok.stop_ids, a.draft_vocab);
         let kept: std::collections::HashSet<u32> = keep.iter().copied().collect();
         let covered = data.iter().filter(|t| kept.contains(t)).count();

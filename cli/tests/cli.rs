@@ -1104,7 +1104,7 @@ fn plan_sizes_both_pools_for_an_slo_and_refuses_bad_inputs() {
         assert!(code != 0 && err.contains(want), "{flag} {value}: {err}");
     }
     for (mix, want) in [
-        ("code=1,chat=1", "no blocks of set `chat`"),
+        ("code=1,chat=1", "no blocks of arm `dspark` in set `chat`"),
         ("code=0", "weight"),
         ("code", "NAME=WEIGHT"),
     ] {

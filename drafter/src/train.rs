@@ -320,6 +320,14 @@ pub struct LossParts {
     pub soft_ce: f64,
 }
 
+/// Binary cross-entropy with logits, elementwise: softplus(z) − c·z. softplus is
+/// max(z, 0) + ln(1 + e^−|z|): e^z overflows f32 past z ≈ 88.7 (an infinite loss whose gradient
+/// is NaN).
+fn bce_with_logits(z: &Tensor, cstar: &Tensor) -> Result<Tensor> {
+    let softplus = (z.relu()? + ((z.abs()?.neg()?.exp()? + 1.0)?.log()?))?;
+    Ok((softplus - (cstar * z)?)?)
+}
+
 /// The step's surrogate: a scalar whose gradient w.r.t. every trainable variable equals the
 /// gradient of the objective. The head products (logits = h·Eᵀ, dh = dlogits·E) run outside
 /// autograd; the Markov bias, the backbone and the confidence heads go through it. A Markov
@@ -419,10 +427,7 @@ pub fn surrogate(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Result<(Te
     }
     // Confidence heads: BCE with logits against c* = 1 − TV (detached), through autograd.
     let wt = (Tensor::from_vec(wk.clone(), (1, g), &dev)? / norm as f64)?;
-    let bce = |z: &Tensor, cstar: &Tensor| -> Result<Tensor> {
-        let softplus = (z.exp()? + 1.0)?.log()?;
-        Ok((softplus - (cstar * z)?)?)
-    };
+    let bce = bce_with_logits;
     let cstar: Vec<f32> = stats.iter().map(|s| 1.0 - s.1 as f32).collect();
     let cstar = Tensor::from_vec(cstar, (b, g), &dev)?;
     let z = dr.conf_logits(&h, mk.as_ref().map(|m| &m.1))?;
@@ -582,6 +587,15 @@ pub fn train(
             .collect();
         let bt = make_batch_from(dr, &th, &picks)?;
         let (sur, parts) = surrogate(dr, &bt, tc)?;
+        // A loss that is not finite would write NaN into every weight (and the next
+        // checkpoint): stop with the last saved checkpoint intact.
+        if !parts.total.is_finite() {
+            return Err(DrafterError::Invalid(format!(
+                "the loss at step {step} is {} (a teacher's logits or the batch are not \
+                 finite); stopping before it reaches the weights",
+                parts.total
+            )));
+        }
         let lr = lr_at(step, tc);
         opt.step(&sur.backward()?, lr)?;
         let dt = t0.elapsed().as_secs_f64();
@@ -606,6 +620,30 @@ mod tests {
     use crate::model::tests::a_max;
     use crate::model::{DrafterConfig, target_tensors};
     use candle_core::D;
+
+    #[test]
+    fn the_confidence_loss_stays_finite_at_large_logits() {
+        let dev = Device::Cpu;
+        let z = Var::new(&[100.0f32, -100.0, 0.0, 3.0], &dev).unwrap();
+        let c = Tensor::new(&[1.0f32, 0.0, 0.5, 0.25], &dev).unwrap();
+        let l = bce_with_logits(z.as_tensor(), &c).unwrap();
+        let v: Vec<f32> = l.to_vec1().unwrap();
+        let want = |z: f64, c: f64| (1.0 + z.exp()).ln() - c * z;
+        assert!(v[0].abs() < 1e-6 && v[1].abs() < 1e-6, "{v:?}");
+        assert!((v[2] as f64 - want(0.0, 0.5)).abs() < 1e-6);
+        assert!((v[3] as f64 - want(3.0, 0.25)).abs() < 1e-5);
+        // d/dz = σ(z) − c.
+        let g = l.sum_all().unwrap().backward().unwrap();
+        let g: Vec<f32> = g.get(&z).unwrap().to_vec1().unwrap();
+        let sig = |z: f64| 1.0 / (1.0 + (-z).exp());
+        for (i, (&zi, &ci)) in [100.0, -100.0, 0.0, 3.0]
+            .iter()
+            .zip(&[1.0, 0.0, 0.5, 0.25])
+            .enumerate()
+        {
+            assert!((g[i] as f64 - (sig(zi) - ci)).abs() < 1e-5, "{i}: {g:?}");
+        }
+    }
 
     /// The objective written out with candle autograd end to end (head included).
     fn reference(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Tensor {
