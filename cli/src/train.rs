@@ -27,7 +27,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 64)]
     pub rank: usize,
     /// Blocks per step.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::config::at_least_one)]
     pub batch: usize,
     /// Tokens per target forward.
     #[arg(long, default_value_t = 192)]
@@ -594,7 +594,7 @@ pub struct GenDataArgs {
     #[arg(long, default_value_t = 1.0)]
     pub temperature: f32,
     /// Requests decoded together.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = crate::config::at_least_one)]
     pub batch: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

@@ -118,6 +118,26 @@ pub fn build_proposer(
                 e,
                 h,
             )?;
+            // Same architecture and tokenizer is not the same model: a drafter of SmolLM2-135M
+            // loads against the 360M (a shape error later, or poor drafts from another
+            // model's features).
+            let tc = &target.model.cfg;
+            if dr.cfg.target_layers != tc.n_layers
+                || dr.cfg.d_model != tc.d_model
+                || dr.cfg.feature_layers.iter().any(|&l| l >= tc.n_layers)
+            {
+                return Err(DrafterError::WrongTarget(format!(
+                    "the drafter in {} was trained on a target of {} layers × {} (features of \
+                     layers {:?}); `{}` has {} × {}",
+                    dir.display(),
+                    dr.cfg.target_layers,
+                    dr.cfg.d_model,
+                    dr.cfg.feature_layers,
+                    target.name,
+                    tc.n_layers,
+                    tc.d_model
+                )));
+            }
             Box::new(DsparkProposer::new(dr, &kind.label())?.with_target_head(target.model.clone()))
         }
         ProposerKind::DraftModel(name) => {
@@ -209,5 +229,48 @@ mod tests {
         );
         assert!(p.ends_with("drafters/smollm2-135m"), "{}", p.display());
         assert!(super::default_dspark_for("no-such-model").is_none());
+    }
+
+    /// A drafter loads only against the target it was trained on: same architecture and
+    /// tokenizer but another depth is refused with a message, not a shape error later.
+    #[test]
+    fn a_drafter_is_refused_by_a_target_of_another_shape() {
+        use super::*;
+        use dspark_runtime::tiny::{TinySpec, tiny_model_path};
+        let load = |spec: &TinySpec, name: &str| {
+            let p = tiny_model_path(spec, name).unwrap();
+            let opts = LoadOptions {
+                threads: 1,
+                ..Default::default()
+            };
+            Loaded {
+                name: name.into(),
+                model: Arc::new(Model::load(&p, &opts).unwrap()),
+                tok: Arc::new(Tokenizer::load(&p).unwrap()),
+            }
+        };
+        let a = load(&TinySpec::llama(21), "drafter-target");
+        let deeper = TinySpec {
+            n_layers: TinySpec::llama(21).n_layers + 1,
+            ..TinySpec::llama(21)
+        };
+        let b = load(&deeper, "drafter-target-deeper");
+        assert_eq!(a.tok.vocab_hash(), b.tok.vocab_hash());
+        let dr = crate::model::tests::tiny_drafter(&a.model, &a.tok, 6, 5);
+        let dir = std::env::temp_dir().join(format!("dspark-build-shape-{}", std::process::id()));
+        dr.save(&dir).unwrap();
+        let hub = ModelHub {
+            home: std::env::temp_dir(),
+            python: "python3".into(),
+            opts: LoadOptions::default(),
+        };
+        let kind = ProposerKind::Dspark(Some(dir.display().to_string()));
+        let mut drafts = DraftCache::default();
+        assert!(build_proposer(&hub, &kind, &a, &mut drafts).is_ok());
+        let e = build_proposer(&hub, &kind, &b, &mut drafts)
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("trained on a target of"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -340,6 +340,8 @@ pub fn ece(p: &[f64], y: &[bool], bins: usize) -> f64 {
 pub fn roc_auc(score: &[f64], y: &[bool]) -> f64 {
     let mut idx: Vec<usize> = (0..score.len().min(y.len())).collect();
     idx.sort_by(|&a, &b| score[a].total_cmp(&score[b]));
+    // Over the pairs ranked: labels past the shorter slice are not counted.
+    let y = &y[..idx.len()];
     let (pos, neg) = (
         y.iter().filter(|&&v| v).count() as f64,
         y.iter().filter(|&&v| !v).count() as f64,

@@ -740,6 +740,14 @@ impl KvCache {
                 t.blocks.len() * bs
             )));
         }
+        // Shrinking here would keep blocks that may be shared or registered, and the next
+        // `reserve` would write into them: shorter goes through `truncate`.
+        if len < t.len {
+            return Err(RuntimeError::Config(format!(
+                "set_len {len} below the length {} (truncate shortens)",
+                t.len
+            )));
+        }
         t.len = len;
         Ok(())
     }
@@ -1077,6 +1085,8 @@ mod tests {
         let s0 = c.slot(a, 0).unwrap();
         c.write(1, s0, &x, &x);
         c.set_len(a, 2).unwrap();
+        // Shorter goes through truncate (which unshares what it keeps writing into).
+        assert!(c.set_len(a, 1).is_err());
         let want: Vec<f32> = x.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
         assert_eq!(c.read_k(1, s0), want);
         assert_eq!(c.read_v(1, s0), want);

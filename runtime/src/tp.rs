@@ -570,13 +570,32 @@ impl Group {
         for (i, addr) in self.opts.peers.iter().enumerate() {
             let rank = i + 1;
             let unreachable = |e: String| RuntimeError::Tp(format!("rank {rank} at {addr}: {e}"));
-            let sa = addr
+            // `host:port` written wrong will not resolve later either.
+            if !crate::tp::is_host_port(addr) {
+                return Err(RuntimeError::Config(format!(
+                    "tensor-parallel rank {rank}: `{addr}` is not HOST:PORT"
+                )));
+            }
+            // Every address the name resolves to, in order (`localhost` may give ::1 first
+            // to a rank listening on 127.0.0.1), as `TcpStream::connect` would.
+            let addrs: Vec<std::net::SocketAddr> = addr
                 .to_socket_addrs()
                 .map_err(|e| unreachable(e.to_string()))?
-                .next()
-                .ok_or_else(|| unreachable("no address".into()))?;
-            let mut s = TcpStream::connect_timeout(&sa, Duration::from_secs(5))
-                .map_err(|e| unreachable(e.to_string()))?;
+                .collect();
+            let mut last = unreachable("no address".into());
+            let mut conn = None;
+            for sa in &addrs {
+                match TcpStream::connect_timeout(sa, Duration::from_secs(5)) {
+                    Ok(s) => {
+                        conn = Some(s);
+                        break;
+                    }
+                    Err(e) => last = unreachable(e.to_string()),
+                }
+            }
+            let Some(mut s) = conn else {
+                return Err(last);
+            };
             s.set_nodelay(true)?;
             s.set_read_timeout(Some(self.opts.io_timeout))?;
             s.set_write_timeout(Some(self.opts.io_timeout))?;
@@ -1053,9 +1072,46 @@ fn forward(
     })
 }
 
+/// `HOST:PORT` with a port number: a name or IPv4 address, or a bracketed IPv6 one.
+pub fn is_host_port(a: &str) -> bool {
+    let Some((host, port)) = a.rsplit_once(':') else {
+        return false;
+    };
+    let host_ok = if let Some(h) = host.strip_prefix('[') {
+        h.strip_suffix(']')
+            .is_some_and(|h| h.parse::<std::net::Ipv6Addr>().is_ok())
+    } else {
+        !host.is_empty() && !host.contains(':')
+    };
+    host_ok && port.parse::<u16>().is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peers_are_host_and_port() {
+        for ok in [
+            "127.0.0.1:7001",
+            "rank-1.tp.ns.svc:7001",
+            "[::1]:7001",
+            "localhost:1",
+        ] {
+            assert!(is_host_port(ok), "{ok}");
+        }
+        for bad in [
+            "host",
+            "::1:7001",
+            "[::1]",
+            "host:",
+            "host:99999",
+            ":7001",
+            "[x]:1",
+        ] {
+            assert!(!is_host_port(bad), "{bad}");
+        }
+    }
 
     fn cfg(kv: usize, heads: usize, ffn: usize) -> ModelConfig {
         ModelConfig {

@@ -737,7 +737,10 @@ impl Engine {
 
     fn footprint(&self, req: &Request) -> usize {
         let gamma = req.gamma.unwrap_or(self.cfg.gamma);
-        (req.prompt.len() + req.max_tokens + gamma + 1).min(self.model.cfg.max_ctx + gamma + 1)
+        // Saturating: a library caller's `max_tokens` near usize::MAX must not wrap into a
+        // tiny reservation.
+        (req.prompt.len().saturating_add(req.max_tokens) + gamma + 1)
+            .min(self.model.cfg.max_ctx + gamma + 1)
             + self.cfg.block_size
     }
 

@@ -177,6 +177,15 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     ) {
         return Err(TargetError::Config("--fallback is ngram or none".into()));
     }
+    if let Some(p) = args
+        .tp_peers
+        .iter()
+        .find(|p| !dspark_runtime::tp::is_host_port(p))
+    {
+        return Err(TargetError::Config(format!(
+            "--tp-peers: `{p}` is not HOST:PORT (a bracketed IPv6 address, a name or an IPv4 one)"
+        )));
+    }
     let disc = dspark_scheduler::discovery::Discovery::from_args(
         args.scheduler.as_deref(),
         args.etcd.as_deref(),
