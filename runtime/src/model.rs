@@ -152,6 +152,9 @@ pub struct Model {
     team: Arc<kernels::par::Team>,
     /// Human-readable description of the weights (e.g. "gguf Q4_1+Q8_0").
     pub weights_desc: String,
+    /// A hash of the layer matrices as stored (GGUF; 0 otherwise), part of
+    /// [`Model::fingerprint`].
+    weights_fp: u64,
     /// A logits buffer handed back with [`Model::recycle`], for the next forward: a step's
     /// logits are rows × vocabulary (6 MB for 32 rows of SmolLM2), and a fresh buffer each
     /// step was zeroed or page-faulted in every time.
@@ -223,16 +226,48 @@ struct GgufSource<'a> {
     types: HashMap<&'static str, usize>,
     /// Whether the grouped integer kernels run here ([`kernels::grouped::native`]).
     grouped: bool,
+    /// FNV-1a over the layer matrices as stored: name, type, dims and bytes from both ends.
+    fp: u64,
+}
+
+/// FNV-1a step over `b`.
+fn fnv(h: &mut u64, b: &[u8]) {
+    for &x in b {
+        *h = (*h ^ x as u64).wrapping_mul(0x100_0000_01b3);
+    }
+}
+
+impl GgufSource<'_> {
+    /// Every rank reads each layer matrix whole before taking its part: its type, shape and
+    /// stored bytes at both ends, hashed, tell one checkpoint from another of the same shape
+    /// (another quantization, a merged fine-tune). The embedding and head, which only rank 0
+    /// loads, are left out.
+    fn note(&mut self, name: &str, raw: &crate::gguf::RawTensor) {
+        if name == GGUF_NAMES.embed || name == GGUF_NAMES.head {
+            return;
+        }
+        fnv(&mut self.fp, name.as_bytes());
+        fnv(&mut self.fp, raw.ty.name().as_bytes());
+        for d in &raw.dims {
+            fnv(&mut self.fp, &(*d as u64).to_le_bytes());
+        }
+        let n = raw.data.len();
+        fnv(&mut self.fp, &raw.data[..n.min(256)]);
+        fnv(&mut self.fp, &raw.data[n.saturating_sub(256)..]);
+    }
 }
 
 impl TensorSource for GgufSource<'_> {
     fn linear_part(&mut self, name: &str, dense: bool, part: Part) -> Result<Linear> {
-        let raw = crate::tp::slice_raw(self.g.read(name)?, part, name)?;
+        let raw = self.g.read(name)?;
+        self.note(name, &raw);
+        let raw = crate::tp::slice_raw(raw, part, name)?;
         *self.types.entry(raw.ty.name()).or_default() += 1;
         Linear::from_raw(&raw, dense, self.grouped)
     }
     fn linear_cols(&mut self, name: &str, dense: bool, part: Part) -> Result<(Linear, usize)> {
         let raw = self.g.read(name)?;
+        self.note(name, &raw);
         let (part, left) = crate::tp::block_aligned(part, raw.ty.block_elems());
         let raw = crate::tp::slice_raw(raw, part, name)?;
         *self.types.entry(raw.ty.name()).or_default() += 1;
@@ -365,8 +400,10 @@ impl Model {
             g,
             types: HashMap::new(),
             grouped: kernels::grouped::native(opts.isa.unwrap_or_else(Isa::detect)),
+            fp: 0xcbf2_9ce4_8422_2325,
         };
         let mut m = Self::build(cfg, &mut src, &GGUF_NAMES, opts)?;
+        m.weights_fp = src.fp;
         let mut types: Vec<String> = src.types.iter().map(|(k, v)| format!("{k}×{v}")).collect();
         types.sort();
         m.weights_desc = format!(
@@ -383,9 +420,19 @@ impl Model {
 
     pub fn load_hf(dir: &Path, opts: &LoadOptions) -> Result<Self> {
         let cfg_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path)
-            .map_err(|_| RuntimeError::NotFound(cfg_path.display().to_string()))?;
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => RuntimeError::NotFound(cfg_path.display().to_string()),
+            _ => RuntimeError::Corrupt {
+                path: cfg_path.display().to_string(),
+                reason: e.to_string(),
+            },
+        })?;
         let cfg = ModelConfig::from_hf_json(&text)?;
+        // An untied head that is missing must not be replaced by the embedding (wrong logits).
+        let tied = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v["tie_word_embeddings"].as_bool())
+            .unwrap_or(true);
         let mut tensors = HashMap::new();
         let mut files: Vec<_> = std::fs::read_dir(dir)?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -406,6 +453,12 @@ impl Model {
                 }
             })?;
             tensors.extend(t);
+        }
+        if !tied && !tensors.contains_key(HF_NAMES.head) {
+            return Err(RuntimeError::MissingTensor(format!(
+                "{} (config.json: tie_word_embeddings is false)",
+                HF_NAMES.head
+            )));
         }
         let mut src = SafetensorsSource { tensors };
         let mut m = Self::build(cfg, &mut src, &HF_NAMES, opts)?;
@@ -593,6 +646,7 @@ impl Model {
             pool: Arc::new(pool),
             team: Arc::new(team),
             weights_desc: String::new(),
+            weights_fp: 0,
             spare_logits: Default::default(),
             shard,
             local,
@@ -657,15 +711,13 @@ impl Model {
         }
     }
 
-    /// A hash of the configuration and the norm weights every rank loads whole: ranks of one
-    /// group must hold the same checkpoint.
+    /// A hash of the configuration, the norm weights every rank loads whole and the layer
+    /// matrices as stored (type, shape, bytes at both ends): ranks of one group must hold the
+    /// same checkpoint, not only one of the same shape.
     pub fn fingerprint(&self) -> u64 {
         let mut h = 0xcbf2_9ce4_8422_2325u64;
-        let mut eat = |b: &[u8]| {
-            for &x in b {
-                h = (h ^ x as u64).wrapping_mul(0x100_0000_01b3);
-            }
-        };
+        fnv(&mut h, &self.weights_fp.to_le_bytes());
+        let mut eat = |b: &[u8]| fnv(&mut h, b);
         eat(serde_json::to_string(&self.cfg)
             .unwrap_or_default()
             .as_bytes());

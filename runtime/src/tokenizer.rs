@@ -50,8 +50,49 @@ impl Tokenizer {
     }
 
     pub fn from_gguf(g: &GgufFile) -> Result<Self> {
-        let mut inner = tokenizers::Tokenizer::from_gguf(&g.content).map_err(tok_err)?;
         let pre = g.meta_str("tokenizer.ggml.pre").unwrap_or_default();
+        // candle's reader knows the Qwen2 and Llama-3-style pre-tokenizers by name and reads
+        // any other as GPT-2's with a space added before every segment: wrong ids, silently.
+        // The names whose splitting is known here are read; the others are refused.
+        const KNOWN: [&str; 8] = [
+            "qwen2",
+            "llama3",
+            "llama-bpe",
+            "smaug-bpe",
+            "lfm2",
+            "smollm",
+            "gpt2",
+            "",
+        ];
+        if !KNOWN.contains(&pre.as_str()) {
+            return Err(RuntimeError::Tokenizer(format!(
+                "this GGUF's pre-tokenizer `{pre}` is not one this build splits text like (it \
+                 reads {}); load the model's Hugging Face directory (tokenizer.json) instead",
+                KNOWN[..7].join(", ")
+            )));
+        }
+        let mut inner = if pre == "llama-bpe" {
+            // llama.cpp's name for Llama 3's, which candle reads as `llama3`.
+            let mut metadata = g.content.metadata.clone();
+            metadata.insert(
+                "tokenizer.ggml.pre".into(),
+                candle_core::quantized::gguf_file::Value::String("llama3".into()),
+            );
+            let c = candle_core::quantized::gguf_file::Content {
+                magic: g.content.magic,
+                metadata,
+                tensor_infos: Default::default(),
+                tensor_data_offset: 0,
+            };
+            tokenizers::Tokenizer::from_gguf(&c)
+        } else {
+            tokenizers::Tokenizer::from_gguf(&g.content)
+        }
+        .map_err(tok_err)?;
+        if pre == "gpt2" || pre.is_empty() {
+            // GPT-2's own tokenizer adds no space in front (candle's default does).
+            inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+        }
         if pre == "smollm" {
             inner.with_pre_tokenizer(Some(Sequence::new(vec![
                 Digits::new(true).into(),
@@ -61,7 +102,7 @@ impl Tokenizer {
             inner.with_post_processor(None::<PostProcessorWrapper>);
         }
         let id_tok = |key: &str| -> Option<(u32, String)> {
-            let id = g.meta_u64(key)? as u32;
+            let id = u32::try_from(g.meta_u64(key)?).ok()?;
             let s = inner.id_to_token(id)?;
             Some((id, s))
         };

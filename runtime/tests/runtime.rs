@@ -973,3 +973,35 @@ fn eight_bit_caches_track_an_f32_cache() {
         assert!(agree + 2 >= toks.len(), "{dtype:?}: top-1 {agree}");
     }
 }
+
+/// A GGUF's pre-tokenizer decides how text splits before BPE: names this build splits like
+/// their model are read (llama.cpp's `llama-bpe` as Llama 3's), others refused rather than read
+/// as GPT-2's with a space added before every segment.
+#[test]
+fn gguf_pre_tokenizers_are_read_or_refused() {
+    let dir = std::env::temp_dir().join(format!("dspark-pre-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let with_pre = |pre: &str| {
+        let p = dir.join(format!("pre-{pre}.gguf"));
+        rewritten(&p, |md, _| {
+            for (k, v) in md.iter_mut() {
+                if k == "tokenizer.ggml.pre" {
+                    *v = Value::String(pre.into());
+                }
+            }
+        });
+        Tokenizer::load(&p)
+    };
+    let e = with_pre("deepseek-coder").err().expect("refused");
+    assert!(e.to_string().contains("deepseek-coder"), "{e}");
+    let text = "the theater, 1234 in there";
+    let llama3 = with_pre("llama3").unwrap().encode(text).unwrap();
+    assert_eq!(with_pre("llama-bpe").unwrap().encode(text).unwrap(), llama3);
+    // GPT-2's splitting adds no space in front: "the" alone encodes as at a text's start.
+    let gpt2 = with_pre("gpt2").unwrap();
+    assert_eq!(
+        gpt2.decode(&gpt2.encode("the").unwrap(), false).unwrap(),
+        "the"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -274,6 +274,14 @@ fn ranks_refuse_what_they_cannot_serve() {
     let other = tiny_model_path(&TinySpec::llama(4), "tp-llama-other").unwrap();
     let e = leader(&path, start_ranks(&other, 2)).unwrap_err();
     assert!(e.to_string().contains("another checkpoint"), "{e}");
+    // The same model quantized otherwise at rank 1 (same configuration and norms).
+    let q8 = TinySpec {
+        dtype: GgmlDType::Q8_0,
+        ..TinySpec::llama(3)
+    };
+    let other = tiny_model_path(&q8, "tp-llama-q8").unwrap();
+    let e = leader(&path, start_ranks(&other, 2)).unwrap_err();
+    assert!(e.to_string().contains("another checkpoint"), "{e}");
     // Rank 1 of 2 dialled as rank 1 of 4 (a wrong peer list).
     let four = TinySpec {
         d_model: 128,
