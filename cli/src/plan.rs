@@ -490,7 +490,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     let v = json!({
         "command": command,
         "inputs": {"verify": a.verify, "sps": a.sps, "ctx": a.ctx, "blocks": a.blocks, "blocks_n": n_blocks,
-            "set": a.set, "mix": a.mix, "draft_cost": a.draft_cost,
+            "set": a.set, "mix": a.mix, "arm": a.arm, "draft_cost": a.draft_cost,
             "rate": a.rate, "concurrency": a.concurrency, "prompt_tokens": a.prompt_tokens,
             "output_tokens": a.output_tokens, "output_spread": a.output_spread,
             "max_running": a.max_running, "prefill_chunk": a.prefill_chunk,

@@ -200,9 +200,10 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
         dr.cfg = dr.cfg.clone().uncalibrated();
     }
     dr.cfg.parallel_trained = dr.cfg.rank > 0 && a.parallel_weight > 0.0;
-    // A loaded checkpoint keeps the vocabulary it has (a new one mid-schedule would change the
-    // objective).
-    if !loaded && dr.draft_vocab.is_none() && a.draft_vocab > 0 && a.draft_vocab < dr.cfg.vocab {
+    // A resumed checkpoint keeps the vocabulary it has (a new one mid-schedule would change the
+    // objective); a fine-tuning phase, which starts its schedule afresh, may take one.
+    let resumed = loaded && !a.fine_tune;
+    if !resumed && dr.draft_vocab.is_none() && a.draft_vocab > 0 && a.draft_vocab < dr.cfg.vocab {
         let keep = frequent_tokens(&data, dr.cfg.vocab, &tok.stop_ids, a.draft_vocab);
         let kept: std::collections::HashSet<u32> = keep.iter().copied().collect();
         let covered = data.iter().filter(|t| kept.contains(t)).count();
@@ -530,6 +531,8 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let tau = run.totals.committed_per_call();
     let oracle = crate::eval::oracle_auc(&obs);
     let copy_run_blocks = obs.iter().filter(|o| !o.fixed.is_empty()).count();
+    // Fitted and read on the same blocks: optimistic; eval-drafter's held-out prompts tell.
+    out!("in-sample (the blocks the fit was made on; `eval-drafter` measures held-out prompts):")?;
     out!(
         "blocks {} ({copy_run_blocks} copy runs, served at their rates)  τ {:.2}  ROC-AUC {:.3} (head logit alone {:.3}; of the true acceptance probabilities {})",
         obs.len(),
@@ -569,7 +572,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let tmp = a.drafter.join("drafter.json.tmp");
     std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
     std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
-    let v = serde_json::json!({"blocks": obs.len(), "copy_run_blocks": copy_run_blocks, "tau": tau, "auc": auc, "auc_head_only": auc_head, "auc_oracle": oracle, "ece_after_head_only": ece_head, "ece_before": before, "ece_after": after,
+    let v = serde_json::json!({"in_sample": true, "blocks": obs.len(), "copy_run_blocks": copy_run_blocks, "tau": tau, "auc": auc, "auc_head_only": auc_head, "auc_oracle": oracle, "ece_after_head_only": ece_head, "ece_before": before, "ece_after": after,
         "ece_floor": floor.iter().map(|f| f.0).collect::<Vec<_>>(), "ece_floor_q95": floor.iter().map(|f| f.1).collect::<Vec<_>>(),
         "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "copy_runs": copy_runs, "greedy_head": head_fit, "copy_head": copy_head_fit, "command": std::env::args().collect::<Vec<_>>().join(" ")});
     if let Some(p) = &a.json {

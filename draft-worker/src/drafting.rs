@@ -376,9 +376,14 @@ impl Drafting {
                         }
                     }
                 }
-                // The one request drafting this call gets an empty block: its round's syncs and
-                // acknowledgements stand.
-                Err(e) => tracing::warn!("drafting failed: {e}"),
+                // The drafter fails its only request: the round's error, on which the target
+                // drafts locally (a drafter broken for every request must not leave targets
+                // waiting on empty blocks).
+                Err(e) => {
+                    for w in &want {
+                        replies[w.0].error = format!("drafting failed: {e}");
+                    }
+                }
             }
         }
         let us = t0.elapsed().as_micros() as u64;
@@ -537,13 +542,9 @@ mod tests {
         assert!(r[0].error.is_empty(), "{:?}", r[0].error);
         let lens: Vec<usize> = r[0].blocks.iter().map(|b| b.tokens.len()).collect();
         assert_eq!(lens, vec![3, 0, 3]);
-        // Alone, it gets an empty block too: the round (its syncs, its acknowledgements)
-        // stands.
+        // Alone, the failure is the round's error: the target drafts locally.
         let r = round(vec![item(2, 20)]);
-        assert!(r[0].error.is_empty(), "{:?}", r[0].error);
-        assert_eq!(r[0].blocks.len(), 1);
-        assert!(r[0].blocks[0].tokens.is_empty());
-        assert_eq!(r[0].blocks[0].have_tokens, 20);
+        assert!(r[0].error.contains("drafting failed"), "{:?}", r[0].error);
     }
 
     fn call(step: u64, items: Vec<DraftItem>) -> DraftCall {
@@ -575,9 +576,19 @@ mod tests {
         let r = run(&mut d, call(2, vec![whole]));
         assert_eq!(r.blocks[0].tokens.len(), 3);
         assert_eq!(d.active(), 1);
-        // A finished list arriving with a round refused as stale still frees (Job::Finish).
-        d.finish(7, &[1]);
-        assert_eq!(d.active(), 0);
+        // A finished list arriving with a round refused as stale still frees: Job::Finish
+        // through the drafting thread's loop, as the service sends it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let load = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(99));
+        let metrics = crate::metrics::DraftMetrics::default();
+        tx.send(Job::Finish {
+            stream: 7,
+            seqs: vec![1],
+        })
+        .unwrap();
+        drop(tx);
+        d.run(rx, load.clone(), &metrics);
+        assert_eq!(load.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 
     /// Features sent to a drafter that reads none are ignored, not a refused round.

@@ -625,25 +625,6 @@ impl DsparkDrafter {
         })
     }
 
-    /// Starts the drafter's final norm at the target's, so its hidden states enter the frozen LM
-    /// head at the scale the head was trained for.
-    pub fn init_out_norm(&self, w: &[f32]) -> Result<()> {
-        if w.len() != self.cfg.d_model {
-            return Err(DrafterError::Invalid(
-                "output norm width differs from d_model".into(),
-            ));
-        }
-        let data = self
-            .varmap
-            .data()
-            .lock()
-            .map_err(|_| DrafterError::Invalid("variable map poisoned".into()))?;
-        if let Some(v) = data.get("out_norm") {
-            v.set(&Tensor::from_vec(w.to_vec(), w.len(), &Device::Cpu)?)?;
-        }
-        Ok(())
-    }
-
     /// Trainable parameter count.
     pub fn num_params(&self) -> usize {
         self.varmap.all_vars().iter().map(|v| v.elem_count()).sum()

@@ -960,6 +960,7 @@ fn whole_before_break(said_done: Option<&str>, left: usize) -> Option<String> {
 
 fn merge(a: &mut SpecStats, b: &SpecStats) {
     a.verify_forwards += b.verify_forwards;
+    a.first_tokens += b.first_tokens;
     a.drafted_tokens += b.drafted_tokens;
     a.accepted_tokens += b.accepted_tokens;
     a.remote_draft_cycles += b.remote_draft_cycles;
@@ -973,6 +974,21 @@ fn merge(a: &mut SpecStats, b: &SpecStats) {
     }
 }
 
+/// Completion tokens per verify forward, after each sequence's first token (its prefill's, no
+/// verify forward's): the engine's τ, over every choice and resumed part the usage covers.
+fn tokens_per_forward(s: &SpecStats) -> f64 {
+    if s.verify_forwards == 0 {
+        return 0.0;
+    }
+    // A worker of an earlier release reports no first tokens: one per answer with tokens.
+    let firsts = if s.first_tokens > 0 {
+        s.first_tokens
+    } else {
+        u32::from(s.completion_tokens > 0)
+    };
+    s.completion_tokens.saturating_sub(firsts) as f64 / s.verify_forwards as f64
+}
+
 fn usage(stats: &SpecStats, target: &str) -> Value {
     json!({
         "prompt_tokens": stats.prompt_tokens,
@@ -984,9 +1000,7 @@ fn usage(stats: &SpecStats, target: &str) -> Value {
             "verify_forwards": stats.verify_forwards,
             "drafted_tokens": stats.drafted_tokens,
             "accepted_tokens": stats.accepted_tokens,
-            // After the first token, which the prefill produced (the engine's τ).
-            "tokens_per_forward": if stats.verify_forwards > 0 {
-                stats.completion_tokens.saturating_sub(1) as f64 / stats.verify_forwards as f64 } else { 0.0 },
+            "tokens_per_forward": tokens_per_forward(stats),
             "remote_draft_cycles": stats.remote_draft_cycles,
             "fallback_draft_cycles": stats.fallback_draft_cycles,
             "bytes_to_draft": stats.bytes_to_draft,
@@ -1985,8 +1999,32 @@ where
 #[cfg(test)]
 mod tests {
     use super::{
-        MAX_BODY, call_finish, json_errors, render_kept_apart, splice_texts, whole_before_break,
+        MAX_BODY, call_finish, combine, json_errors, render_kept_apart, splice_texts,
+        tokens_per_forward, whole_before_break,
     };
+    use dspark_proto::SpecStats;
+
+    /// Two choices of 10 tokens, each from its prefill and 9 verify forwards: one token per
+    /// forward, not (20 − 1)/18.
+    #[test]
+    fn tokens_per_forward_leave_out_every_sequence_s_first_token() {
+        let one = SpecStats {
+            completion_tokens: 10,
+            verify_forwards: 9,
+            first_tokens: 1,
+            ..Default::default()
+        };
+        let both = combine([&one, &one].into_iter(), 2, 5, false);
+        assert_eq!(both.first_tokens, 2);
+        assert_eq!(tokens_per_forward(&both), 1.0);
+        // A worker that reports no first tokens: one per answer.
+        let old = SpecStats {
+            first_tokens: 0,
+            ..one
+        };
+        assert_eq!(tokens_per_forward(&old), 1.0);
+    }
+
     use axum::body::{Body, Bytes};
     use axum::http::{Request, StatusCode};
     use axum::routing::post;

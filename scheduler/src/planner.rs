@@ -296,6 +296,7 @@ pub fn simulate_engine(
             first_token: 0.0,
         }
     };
+    let mut arrived = 0usize;
     let mut waiting: VecDeque<Req> = VecDeque::new();
     let mut running: Vec<Req> = Vec::new();
     let mut next_arrival = f64::INFINITY;
@@ -316,6 +317,7 @@ pub fn simulate_engine(
             }
             for _ in 0..concurrency {
                 let r = new_req(0.0, &mut rng);
+                arrived += usize::from(time.warmup_s <= 0.0);
                 waiting.push_back(r);
             }
         }
@@ -339,7 +341,6 @@ pub fn simulate_engine(
     let (mut dec_calls, mut dec_tokens) = (0u64, 0u64);
     let (mut draft_busy, mut rounds) = (0.0f64, 0u64);
     let (mut user, mut ttft, mut finished) = (Vec::new(), Vec::new(), 0usize);
-    let mut arrived = 0usize;
     let mut conf_buf: Vec<Vec<f32>> = Vec::new();
     let mut accepted: Vec<u8> = Vec::new();
     while t < end {

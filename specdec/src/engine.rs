@@ -739,8 +739,11 @@ impl Engine {
         let gamma = req.gamma.unwrap_or(self.cfg.gamma);
         // Saturating: a library caller's `max_tokens` near usize::MAX must not wrap into a
         // tiny reservation.
-        (req.prompt.len().saturating_add(req.max_tokens) + gamma + 1)
-            .min(self.model.cfg.max_ctx + gamma + 1)
+        (req.prompt
+            .len()
+            .saturating_add(req.max_tokens)
+            .saturating_add(gamma + 1))
+        .min(self.model.cfg.max_ctx + gamma + 1)
             + self.cfg.block_size
     }
 

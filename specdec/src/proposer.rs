@@ -320,7 +320,14 @@ pub struct DraftModelProposer {
     label: String,
     /// Forwards that failed (a full draft cache): warned at powers of two.
     failures: u64,
+    /// Requests whose forward failed alone, and how many calls they sit out: a full cache
+    /// stays full while its requests live, and retrying them every call would split every
+    /// batched step into one forward per request.
+    refused: HashMap<u64, u32>,
 }
+
+/// Calls a request whose forward failed alone sits out before it is tried again.
+const SIT_OUT_CALLS: u32 = 16;
 
 /// The next draft token from a request's logits (and the state that records it).
 fn pick(
@@ -375,6 +382,7 @@ impl DraftModelProposer {
             seqs: HashMap::new(),
             label: label.to_string(),
             failures: 0,
+            refused: HashMap::new(),
         })
     }
 }
@@ -412,10 +420,19 @@ impl Proposer for DraftModelProposer {
         // A request's drafts stop where the draft model's context ends (its KV holds the
         // context and all but the last draft), so one request past it cannot fail the batch.
         let max_ctx = self.model.cfg.max_ctx;
-        let ks: Vec<usize> = reqs
+        let mut ks: Vec<usize> = reqs
             .iter()
             .map(|r| r.k.min((max_ctx + 1).saturating_sub(r.context.len())))
             .collect();
+        for (i, r) in reqs.iter().enumerate() {
+            if let Some(c) = self.refused.get_mut(&r.id) {
+                ks[i] = 0;
+                *c -= 1;
+                if *c == 0 {
+                    self.refused.remove(&r.id);
+                }
+            }
+        }
         let max_k = ks.iter().copied().max().unwrap_or(0);
         let opts = ForwardOptions::default();
         for step in 0..max_k {
@@ -465,23 +482,31 @@ impl Proposer for DraftModelProposer {
                         );
                     }
                     for (j, &i) in active.iter().enumerate() {
-                        if active.len() == 1 {
-                            break;
-                        }
-                        let one = [SeqInput {
-                            seq: inputs[j].seq,
-                            tokens: &feeds[i],
-                            logits: LogitsMode::Last,
-                        }];
-                        if let Ok(o) = self.model.forward(&mut self.cache, &one, &opts) {
-                            let t = pick(
-                                &mut self.seqs,
-                                &mut reqs[i],
-                                &mut out[i],
-                                &feeds[i],
-                                o.row(0, 0),
-                            );
-                            next[i] = Some(t);
+                        // Alone in the batch, it failed alone already.
+                        let alone = if active.len() == 1 {
+                            None
+                        } else {
+                            let one = [SeqInput {
+                                seq: inputs[j].seq,
+                                tokens: &feeds[i],
+                                logits: LogitsMode::Last,
+                            }];
+                            self.model.forward(&mut self.cache, &one, &opts).ok()
+                        };
+                        match alone {
+                            Some(o) => {
+                                let t = pick(
+                                    &mut self.seqs,
+                                    &mut reqs[i],
+                                    &mut out[i],
+                                    &feeds[i],
+                                    o.row(0, 0),
+                                );
+                                next[i] = Some(t);
+                            }
+                            None => {
+                                self.refused.insert(reqs[i].id, SIT_OUT_CALLS);
+                            }
                         }
                     }
                 }
@@ -510,6 +535,7 @@ impl Proposer for DraftModelProposer {
     }
 
     fn finish(&mut self, id: u64) {
+        self.refused.remove(&id);
         if let Some((s, _)) = self.seqs.remove(&id) {
             let _ = self.cache.remove(s);
         }

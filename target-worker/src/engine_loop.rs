@@ -202,6 +202,7 @@ impl EngineLoop {
                         prompt_tokens: metrics.prompt_tokens as u32,
                         cached_tokens: metrics.cached_tokens as u32,
                         completion_tokens: metrics.completion_tokens as u32,
+                        first_tokens: u32::from(metrics.completion_tokens > 0),
                         verify_forwards: metrics.target_calls as u32,
                         drafted_tokens: metrics.drafted_tokens as u32,
                         accepted_tokens: metrics.accepted_tokens as u32,

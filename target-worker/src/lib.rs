@@ -362,7 +362,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
                     // A worker whose tensor-parallel ranks are down fails every step: it reads
                     // full, so placement sends requests elsewhere until they are linked again.
                     if tp_links.as_ref().is_some_and(|l| !l.up()) {
-                        i.load = i.load.max(i.capacity);
+                        i.load = i.load.max(i.capacity.max(1));
                     }
                     if let Some((c, l)) = &counters {
                         i.central_budget_steps = c.load(Ordering::Relaxed);
