@@ -763,13 +763,23 @@ impl ConfidencePolicy {
         (self.gain_seen > 0).then_some(self.gain_ema)
     }
 
+    /// The central scheduler's budget when it is fresh for this step (in `select`, after
+    /// `steps` counted it).
+    fn central_budget_now(&self) -> Option<u32> {
+        self.external
+            .as_ref()
+            .and_then(|e| e.lock().ok().map(|b| *b))
+            .filter(|b| b.for_step.saturating_add(1) >= self.steps && b.for_step <= self.steps + 1)
+            .map(|b| b.k_total)
+    }
+
     /// The central scheduler's budget when it is fresh for the coming step.
     fn central_budget(&self) -> Option<u32> {
         let next = self.steps + 1;
         self.external
             .as_ref()
             .and_then(|e| e.lock().ok().map(|b| *b))
-            .filter(|b| b.for_step + 1 >= next && b.for_step <= next + 1)
+            .filter(|b| b.for_step.saturating_add(1) >= next && b.for_step <= next + 1)
             .map(|b| b.k_total)
     }
 
@@ -1083,6 +1093,38 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             return Vec::new();
         }
         let (limits, step) = self.limits(conf.len(), other_tokens, plain_requests, kv_headroom);
+        // A step past the profiled table (a long prompt's chunk beside the decoders: the
+        // grid stops at 256 tokens and a chunk is 256) is decided from no data, and its zero
+        // would become the budget two steps on, when the chunk has gone. It verifies what was
+        // planned for it; the steps ahead keep the last real decision (a probe stays due), and
+        // nothing is reported (the central scheduler would answer the same zero).
+        let base = (conf.len() as u32)
+            .saturating_add(step.plain_requests)
+            .saturating_add(step.other_tokens);
+        if self.lag > 0 && base > self.sps.max_batch() {
+            self.budgets.push_back(self.last_real);
+            let lagged = if self.budgets.len() > self.lag {
+                self.budgets.pop_front().unwrap_or(self.last_real)
+            } else {
+                self.last_real
+            };
+            let budget = match self.central_budget_now() {
+                Some(b) => {
+                    self.central_steps
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    b
+                }
+                None => {
+                    self.local_steps
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    lagged
+                }
+            };
+            self.planned_central = false;
+            let k = self.adm.select_top(conf, &limits, budget);
+            self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
+            return k.into_iter().map(|x| x as usize).collect();
+        }
         let d = self.adm.decide(conf, &limits, step, &self.sps, self.rule);
         self.clamped_total += self.adm.clamped;
         if self.adm.clamped > 0 {
@@ -1172,16 +1214,11 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             } else {
                 now
             };
-            let central = self
-                .external
-                .as_ref()
-                .and_then(|e| e.lock().ok().map(|b| *b))
-                .filter(|b| b.for_step + 1 >= self.steps && b.for_step <= self.steps + 1);
-            let budget = match central {
+            let budget = match self.central_budget_now() {
                 Some(b) => {
                     self.central_steps
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    b.k_total
+                    b
                 }
                 None => {
                     self.local_steps
@@ -1315,10 +1352,10 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         if self.lag == 0 {
             return None;
         }
+        let local = (self.budgets.len() >= self.lag).then(|| self.budgets[0]);
         let central = self.central_budget();
         self.planned_central = central.is_some();
-        let Some(b) = central.or_else(|| (self.budgets.len() >= self.lag).then(|| self.budgets[0]))
-        else {
+        let Some(b) = central.or(local) else {
             // No budget yet (the first steps): probe, and decide from that at once.
             self.probing = true;
             return None;
@@ -1326,6 +1363,9 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         if b > 0 {
             self.zero_run = 0;
             self.next_probe = self.probe_every.max(1);
+            // A probe that drafted nothing is not this step: a planned one (its drafting time
+            // is no probe's, and its decision waits its turn).
+            self.probing = false;
             // Blocks one longer than the budget: the confidences of the next position let the
             // budget grow when they are high (a block capped at K_total could never show it).
             return Some(b as usize + 1);
@@ -1502,6 +1542,33 @@ mod tests {
         let d = run(&mut p, 80);
         let first = d.iter().position(|&x| x).expect("a probe");
         assert!(d[first..].iter().all(|&x| x), "{d:?}");
+    }
+
+    #[test]
+    fn a_step_past_the_table_leaves_the_budgets_ahead_alone() {
+        use specdec::VerifyPolicy;
+        // Profiled up to 32 tokens; a 256-token prompt chunk beside 4 decoders is past it.
+        let sps = SpsTable::new(vec![(16, 100.0), (32, 100.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        let rows = [[0.9f32; 4]; 4];
+        let conf: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+        // Plain decoding until the first probe (after 16 steps), whose decision applies at once.
+        for _ in 0..20 {
+            let drafted = p.planned() != Some(0);
+            let r: &[&[f32]] = if drafted { &conf } else { &[] };
+            p.select(r, 0, 0, 1 << 20);
+        }
+        // Every position of the 4 requests fits the table: 16, blocks one longer.
+        assert_eq!(p.planned(), Some(17));
+        // The chunk's step verifies what was planned for it...
+        let k = p.select(&conf, 256, 0, 1 << 20);
+        assert_eq!(k.iter().sum::<usize>(), 16, "{k:?}");
+        // ...and the steps after it, the chunk gone, keep the budget (its decision, from no
+        // data, was 0).
+        p.select(&conf, 0, 0, 1 << 20);
+        assert_eq!(p.planned(), Some(17));
+        p.select(&conf, 0, 0, 1 << 20);
+        assert_eq!(p.planned(), Some(17));
     }
 
     #[test]

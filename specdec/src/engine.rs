@@ -939,16 +939,20 @@ impl Engine {
                 }
             }
         }
-        let n_decode = self
-            .running
-            .iter()
-            .filter(|s| s.phase == Phase::Decode)
-            .count();
+        // The decoding requests this step verifies: with ping-pong, its micro-batch's only (a
+        // probe that chose the other's would draft nothing, step after step).
+        let in_step = |s: &&Seq| s.phase == Phase::Decode && !active.is_some_and(|g| s.group != g);
+        let n_decode = self.running.iter().filter(in_step).count();
         // Which decoding requests a probe (or a budget drafted for a few) drafts for: the
         // sentinels first, which hold the target's features, then a window rotating with the
-        // step count.
+        // micro-batch's own steps (every other step under ping-pong).
+        let turn = if active.is_some() {
+            self.steps / 2
+        } else {
+            self.steps
+        };
         let probe_from = if probe < n_decode {
-            self.steps % n_decode.max(1)
+            turn % n_decode.max(1)
         } else {
             0
         };
@@ -957,7 +961,7 @@ impl Engine {
             let decoding: Vec<u64> = self
                 .running
                 .iter()
-                .filter(|s| s.phase == Phase::Decode)
+                .filter(in_step)
                 .map(|s| s.req.id)
                 .collect();
             // Sentinels in the micro-batch verified this step (ping-pong), if any.
