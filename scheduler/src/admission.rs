@@ -763,6 +763,23 @@ impl ConfidencePolicy {
         (self.gain_seen > 0).then_some(self.gain_ema)
     }
 
+    /// Queues `next` as the budget `lag` steps on and returns this step's: the central
+    /// scheduler's when fresh, else the one queued `lag` steps ago (counted either way).
+    fn queue_and_take(&mut self, next: u32) -> u32 {
+        self.budgets.push_back(next);
+        let lagged = if self.budgets.len() > self.lag {
+            self.budgets.pop_front().unwrap_or(next)
+        } else {
+            next
+        };
+        let (counter, budget) = match self.central_budget_now() {
+            Some(b) => (&self.central_steps, b),
+            None => (&self.local_steps, lagged),
+        };
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        budget
+    }
+
     /// The central scheduler's budget when it is fresh for this step (in `select`, after
     /// `steps` counted it).
     fn central_budget_now(&self) -> Option<u32> {
@@ -1102,24 +1119,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             .saturating_add(step.plain_requests)
             .saturating_add(step.other_tokens);
         if self.lag > 0 && base > self.sps.max_batch() {
-            self.budgets.push_back(self.last_real);
-            let lagged = if self.budgets.len() > self.lag {
-                self.budgets.pop_front().unwrap_or(self.last_real)
-            } else {
-                self.last_real
-            };
-            let budget = match self.central_budget_now() {
-                Some(b) => {
-                    self.central_steps
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    b
-                }
-                None => {
-                    self.local_steps
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    lagged
-                }
-            };
+            let budget = self.queue_and_take(self.last_real);
             self.planned_central = false;
             let k = self.adm.select_top(conf, &limits, budget);
             self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
@@ -1208,24 +1208,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             self.adm.select_top(conf, &limits, now_sunk)
         } else {
-            self.budgets.push_back(now);
-            let lagged = if self.budgets.len() > self.lag {
-                self.budgets.pop_front().unwrap_or(now)
-            } else {
-                now
-            };
-            let budget = match self.central_budget_now() {
-                Some(b) => {
-                    self.central_steps
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    b
-                }
-                None => {
-                    self.local_steps
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    lagged
-                }
-            };
+            let budget = self.queue_and_take(now);
             self.adm.select_top(conf, &limits, budget)
         };
         self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
