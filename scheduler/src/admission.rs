@@ -689,6 +689,58 @@ pub struct ConfReport {
     pub kv_headroom: u32,
     pub max_batch_tokens: u32,
     pub max_k: u8,
+    /// The step's measured prices when drafting seconds count ([`StepPrices`]).
+    pub prices: Option<StepPrices>,
+}
+
+/// A worker's measured prices for one step, sent with its confidences so the central
+/// scheduler weighs drafting as the worker's own decision does: the profiled table prices
+/// verification, not drafting, and a worker whose drafting makes speculation lose would
+/// otherwise be told to keep drafting.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepPrices {
+    /// Seconds of the step decoding plainly.
+    pub plain_s: f64,
+    /// Seconds of the step verifying K drafts, drafting included (index K − 1).
+    pub spec_s: Vec<f64>,
+}
+
+/// Most verified drafts a step's prices are sent for (the profiled grid stops at 256 tokens).
+pub const MAX_PRICED: usize = 1024;
+
+impl StepPrices {
+    /// Whether a decision `d` of `reqs` decoding requests decodes faster plainly at these
+    /// prices (`None` when they do not price it: no drafts, beyond the curve, or not finite
+    /// and positive).
+    pub fn plain_wins(&self, d: &Decision, reqs: u32) -> Option<bool> {
+        let k = d.k.iter().sum::<u32>() as usize;
+        let spec_s = *self.spec_s.get(k.checked_sub(1)?)?;
+        let ok = |x: f64| x.is_finite() && x > 0.0;
+        if !ok(spec_s) || !ok(self.plain_s) {
+            return None;
+        }
+        Some(reqs as f64 / self.plain_s >= d.expected_tokens / spec_s)
+    }
+}
+
+/// The central scheduler's budget for a worker's reported step: the global argmax over the
+/// profiled table, 0 when the worker's measured prices say plain decoding is faster (the same
+/// comparison the worker's own [`ConfidencePolicy`] makes). Also whether the prices judged
+/// it (`None`: no prices, or none for this budget).
+pub fn central_budget(
+    adm: &mut Admission,
+    rows: &[&[f32]],
+    max_k: u8,
+    step: StepLimits,
+    sps: &SpsTable,
+    prices: &StepPrices,
+) -> (u32, Option<bool>) {
+    let limits = vec![ReqLimits { min_k: 0, max_k }; rows.len()];
+    let d = adm.decide(rows, &limits, step, sps, Rule::Argmax);
+    let reqs = (rows.len() as u32).saturating_add(step.plain_requests);
+    let judged = prices.plain_wins(&d, reqs);
+    let k: u32 = d.k.iter().sum();
+    (if judged == Some(true) { 0 } else { k }, judged)
 }
 
 /// A budget pushed by the central scheduler for a given engine step.
@@ -1038,6 +1090,38 @@ impl ConfidencePolicy {
         self.steps
     }
 
+    /// This step's prices for the central scheduler: plain decoding's seconds, and for every
+    /// budget K it could decide (up to the drafts on offer within the step's room) the seconds
+    /// of verifying K drafts plus drafting blocks of K + 1, as [`specdec::VerifyPolicy::select`]'s
+    /// comparison with plain decoding prices them.
+    fn step_prices(
+        &self,
+        conf: &[&[f32]],
+        reqs: u32,
+        step: StepLimits,
+        plain_s: f64,
+    ) -> StepPrices {
+        let b0 = reqs.saturating_add(step.other_tokens);
+        let room = step
+            .max_batch_tokens
+            .min(self.sps.max_batch())
+            .saturating_sub(b0)
+            .min(step.kv_headroom) as usize;
+        let offered: usize = conf.iter().map(|c| c.len().min(self.max_k as usize)).sum();
+        let n = conf.len();
+        let spec_s = (1..=room.min(offered).min(MAX_PRICED))
+            .map(|k| {
+                let block = (k + 1).min(self.max_k.max(1) as usize);
+                self.verify_seconds(reqs, step.other_tokens, k as u32)
+                    + self.draft_seconds(
+                        specdec::VerifyPolicy::draft_width(self, k + 1).min(n),
+                        block,
+                    )
+            })
+            .collect();
+        StepPrices { plain_s, spec_s }
+    }
+
     /// Whether any request may draft within the next `steps` steps (see
     /// [`specdec::VerifyPolicy::drafting_within`]): `Some(true)` when only the back-off's next
     /// probe may and the back-off is long ([`SENTINEL_BACKOFF`]), `Some(false)` when a budget,
@@ -1139,6 +1223,7 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         // measured step prices alone; whether to keep drafting is the decision below, with the
         // drafting seconds counted.
         let mut now_sunk = now;
+        let mut prices = None;
         if self.lag > 0 && self.count_draft_cost && self.draft_s_per_req > 0.0 {
             // Skipping drafting saves its cost: keep speculation only if it still pays. Priced
             // as the steps it plans would run: blocks one longer than the budget, for at most
@@ -1184,9 +1269,13 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             if now_sunk > 0 && plain >= d.expected_tokens / step_spec {
                 now_sunk = 0;
             }
+            if self.report.is_some() {
+                prices = Some(self.step_prices(conf, reqs, step, step_plain));
+            }
         }
         if let Some(tx) = &self.report {
             let _ = tx.try_send(ConfReport {
+                prices,
                 step: self.steps,
                 rows: conf.iter().map(|c| c.to_vec()).collect(),
                 other_tokens: step.other_tokens,
@@ -1525,6 +1614,86 @@ mod tests {
         let d = run(&mut p, 80);
         let first = d.iter().position(|&x| x).expect("a probe");
         assert!(d[first..].iter().all(|&x| x), "{d:?}");
+    }
+
+    /// The central scheduler decides from the worker's reports; a worker whose drafting costs
+    /// more than it gains must be told 0, as its own decision would be (the table prices
+    /// verification, not drafting). Answered from the table alone, the central budget kept a
+    /// costly drafter drafting on every step.
+    #[test]
+    fn central_budgets_weigh_the_workers_drafting_as_its_own_decision_does() {
+        use specdec::VerifyPolicy;
+        use std::sync::{Arc, Mutex};
+        let sps = SpsTable::new(vec![(64, 100.0), (256, 20.0)]).unwrap();
+        let rows = [[0.9f32; 4]; 4];
+        let conf: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+        // Steps that drafted, and the central budgets used, with or without the worker's
+        // prices sent along.
+        let scenario = |central: bool, send_prices: bool| -> (Vec<bool>, Vec<bool>, u64) {
+            let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 4);
+            let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+            let slot = Arc::new(Mutex::new(ExternalBudget::default()));
+            if central {
+                p.report = Some(tx);
+                p.external = Some(slot.clone());
+            }
+            let mut adm = Admission::default();
+            let mut priced = false;
+            let mut run = |p: &mut ConfidencePolicy, steps: usize| -> Vec<bool> {
+                (0..steps)
+                    .map(|_| {
+                        let drafted = p.planned() != Some(0);
+                        let rows: &[&[f32]] = if drafted { &conf } else { &[] };
+                        p.select(rows, 0, 0, 1 << 20);
+                        // The central scheduler answers at once, for the step two ahead.
+                        while let Ok(r) = rx.try_recv() {
+                            let refs: Vec<&[f32]> = r.rows.iter().map(|c| c.as_slice()).collect();
+                            let step = StepLimits {
+                                max_batch_tokens: r.max_batch_tokens,
+                                kv_headroom: r.kv_headroom,
+                                other_tokens: r.other_tokens,
+                                plain_requests: r.plain_requests,
+                            };
+                            let prices = r.prices.filter(|_| send_prices).unwrap_or_default();
+                            let (k, judged) =
+                                central_budget(&mut adm, &refs, r.max_k, step, &sps, &prices);
+                            priced |= judged.is_some();
+                            *slot.lock().unwrap() = ExternalBudget {
+                                for_step: r.step + 2,
+                                k_total: k,
+                            };
+                        }
+                        drafted
+                    })
+                    .collect()
+            };
+            // The first probe after 16 plain steps; drafting that costs next to nothing pays.
+            run(&mut p, 16);
+            p.observe_draft(4e-6, 4, 1);
+            let cheap = run(&mut p, 6);
+            // Drafting that costs 10 s a request never pays.
+            p.observe_draft(40.0, 4, 1);
+            let dear = run(&mut p, 60);
+            assert_eq!(priced, central && send_prices);
+            (
+                cheap,
+                dear,
+                p.central_steps.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        };
+        let (cheap, dear, central) = scenario(true, true);
+        let (local_cheap, local_dear, _) = scenario(false, false);
+        assert!(cheap.iter().all(|&d| d), "{cheap:?}");
+        assert!(central > 0, "central budgets were used");
+        // Step for step as the worker alone decides: drafting runs on while its mean gain
+        // from the cheap steps fades, then only the back-off's probes draft.
+        assert_eq!((&cheap, &dear), (&local_cheap, &local_dear));
+        let tail = dear[30..].iter().filter(|&&d| d).count();
+        assert!(tail <= 2, "{tail} of the last 30 steps drafted: {dear:?}");
+        // The table alone keeps it drafting.
+        let (_, dear, _) = scenario(true, false);
+        let tail = dear[30..].iter().filter(|&&d| d).count();
+        assert!(tail > 20, "{dear:?}");
     }
 
     #[test]

@@ -282,17 +282,29 @@ impl Scheduler for SchedulerService {
         if r.rows.len() > crate::admission::MAX_REQUESTS {
             return Err(Status::invalid_argument("too many requests in one report"));
         }
+        if r.spec_step_s.len() > crate::admission::MAX_PRICED {
+            return Err(Status::invalid_argument(format!(
+                "{} step prices in one report (at most {})",
+                r.spec_step_s.len(),
+                crate::admission::MAX_PRICED
+            )));
+        }
         let rows: Vec<&[f32]> = r.rows.iter().map(|x| x.c.as_slice()).collect();
         let max_k = r.max_k.min(u8::MAX as u32) as u8;
-        let limits = vec![crate::admission::ReqLimits { min_k: 0, max_k }; rows.len()];
         let step = crate::admission::StepLimits {
             max_batch_tokens: r.max_batch_tokens,
             kv_headroom: r.kv_headroom,
             other_tokens: r.other_tokens,
             plain_requests: r.plain_requests,
         };
+        // The worker's measured prices weigh its drafting, which the table does not price.
+        let prices = crate::admission::StepPrices {
+            plain_s: r.plain_step_s,
+            spec_s: r.spec_step_s,
+        };
         let mut adm = crate::admission::Admission::default();
-        let d = adm.decide(&rows, &limits, step, &sps, crate::admission::Rule::Argmax);
+        let (k_total, judged) =
+            crate::admission::central_budget(&mut adm, &rows, max_k, step, &sps, &prices);
         if adm.clamped > 0 {
             tracing::debug!(
                 worker = r.worker_id,
@@ -300,10 +312,17 @@ impl Scheduler for SchedulerService {
                 "confidences clamped into (0, 1)"
             );
         }
+        if judged.is_none() && !prices.spec_s.is_empty() {
+            tracing::debug!(
+                worker = r.worker_id,
+                k_total,
+                "step prices do not price the budget; the table alone decides"
+            );
+        }
         self.counts.budgets.fetch_add(1, Ordering::Relaxed);
         Ok(Response::new(BudgetReply {
             for_step: r.step.saturating_add(2),
-            k_total: d.k.iter().sum(),
+            k_total,
         }))
     }
 

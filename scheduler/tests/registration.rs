@@ -284,6 +284,7 @@ async fn oversized_registrations_are_refused_and_extreme_counts_answer() {
             max_batch_tokens: u32::MAX,
             max_k: u32::MAX,
             plain_requests: u32::MAX,
+            ..Default::default()
         })
         .await
         .expect("budget")

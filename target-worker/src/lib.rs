@@ -601,6 +601,8 @@ fn spawn_budget_client(
                 kv_headroom: r.kv_headroom,
                 max_batch_tokens: r.max_batch_tokens,
                 max_k: r.max_k as u32,
+                plain_step_s: r.prices.as_ref().map_or(0.0, |p| p.plain_s),
+                spec_step_s: r.prices.map(|p| p.spec_s).unwrap_or_default(),
             };
             match tokio::time::timeout(Duration::from_millis(200), client.budget(req)).await {
                 Ok(Ok(b)) => {
