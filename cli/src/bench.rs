@@ -114,7 +114,7 @@ pub struct VerifyCurveArgs {
     pub unshared: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// SVG plot of T(k)/T(1) per (ctx, batch).
+    /// SVG plot of T(k)/T(k0) per (ctx, batch), k0 the smallest --k (1 by default).
     #[arg(long)]
     pub plot: Option<PathBuf>,
 }
@@ -243,11 +243,25 @@ fn prefilled_unshared(
     Ok((cache, seqs))
 }
 
+/// The `--k` values in increasing order, each once: every ratio is to the first (the base k).
+fn k_list(k: &[usize]) -> anyhow::Result<Vec<usize>> {
+    let mut ks = k.to_vec();
+    ks.sort_unstable();
+    ks.dedup();
+    anyhow::ensure!(
+        ks.first().is_some_and(|&k| k >= 1),
+        "--k values must be at least 1"
+    );
+    Ok(ks)
+}
+
 fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
     crate::config::check_outputs(&[a.json.as_deref(), a.plot.as_deref()])?;
+    let ks = k_list(&a.k)?;
+    let k0 = ks[0];
     let path = g.resolve_model(&a.model)?;
     let max_ctx =
-        a.ctx.iter().max().copied().unwrap_or(256) + a.k.iter().max().copied().unwrap_or(1) + 16;
+        a.ctx.iter().max().copied().unwrap_or(256) + ks.iter().max().copied().unwrap_or(1) + 16;
     let model = Model::load(
         &path,
         &dspark_runtime::LoadOptions {
@@ -255,7 +269,7 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
             ..g.load_opts()
         },
     )?;
-    let max_k = a.k.iter().max().copied().unwrap_or(1);
+    let max_k = ks.iter().max().copied().unwrap_or(1);
     let mut points = Vec::new();
     out!(
         "{:>6} {:>6} {:>4} {:>10} {:>10} {:>8}",
@@ -264,7 +278,7 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
         "k",
         "ms_median",
         "ms_min",
-        "x_k1"
+        format!("x_k{k0}")
     )?;
     for &ctx in &a.ctx {
         for &batch in &a.batch {
@@ -277,7 +291,7 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
             // A pass of three untimed forwards per k first, so that the first k measured does
             // not alone pay for what a prefill leaves cold (buffers, caches, sleeping threads).
             for pass in [true, false] {
-                for &k in &a.k {
+                for &k in &ks {
                     let toks: Vec<Vec<u32>> = (0..batch)
                         .map(|b| filler(k, model.cfg.vocab_size, b + 7))
                         .collect();
@@ -322,7 +336,7 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
     let v = json!({
         "model": a.model, "threads": model.threads(), "isa": model.isa().name(),
         "weights": model.weights_desc, "kv_cache_dtype": model.kv_dtype().name(),
-        "unshared": a.unshared, "command": command_line(), "points": points,
+        "unshared": a.unshared, "command": command_line(), "base_k": k0, "points": points,
     });
     if let Some(p) = &a.plot {
         let mut series = Vec::new();
@@ -350,7 +364,7 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
         let svg = crate::plot::line_chart(
             &format!("{}: forward cost vs k", a.model),
             "new tokens per sequence (k)",
-            "T(k) / T(1)",
+            &format!("T(k) / T({k0})"),
             &series,
         );
         std::fs::write(p, svg)?;
@@ -915,7 +929,8 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         )?;
         let arm = json!({
             "drafter": label, "scheduler": sched, "gamma": gm, "tok_s": tok_s, "tpot_ms": mean(&ac.tpot) * 1e3, "ttft_ms": mean(&ac.ttft) * 1e3,
-            "committed_per_call": tot.committed_per_call(), "accept_per_pos": acc_pos, "speedup": speedup,
+            "committed_per_call": tot.committed_per_call(), "accept_per_pos": acc_pos,
+            "survival_per_pos": tot.survival_per_pos(), "speedup": speedup,
             "speedup_ci95": if lo.is_finite() { json!([lo, hi]) } else { json!(null) },
             "paired_groups": ac.rates.len(), "tok_s_rounds": ac.round_rates,
             "drafted_tokens": tot.drafted_tokens, "accepted_tokens": tot.accepted_tokens, "wasted_tokens": tot.wasted_tokens,
@@ -1196,5 +1211,13 @@ mod tests {
         assert_eq!(prompt_sets("code-heldout"), vec!["code-heldout"]);
         let err = prompt_set("poetry").unwrap_err().to_string();
         assert!(err.contains("chat-heldout"), "{err}");
+    }
+
+    #[test]
+    fn verify_curve_ratios_are_to_the_smallest_k_listed() {
+        assert_eq!(k_list(&[8, 2, 4, 2]).unwrap(), vec![2, 4, 8]);
+        assert_eq!(k_list(&[1, 2, 3, 4, 6, 8]).unwrap()[0], 1);
+        let e = k_list(&[0, 1]).unwrap_err().to_string();
+        assert!(e.contains("at least 1"), "{e}");
     }
 }

@@ -162,6 +162,38 @@ pub fn conditional_auc_by(obs: &[Observed], score: Score<'_>) -> f64 {
     roc_auc(&sc, &lab)
 }
 
+/// ECE before (identity STS) and after the static calibration `sts`, ROC-AUC, the ECE floor
+/// and the mean predicted and observed survival, on the blocks whose confidences the network
+/// computed. Copy-run blocks (greedy; `fixed` confidences, already calibrated and served as
+/// they are) are left out: they would read the same before and after, and mix another
+/// confidence into the network's. None where no network block was verified.
+#[allow(clippy::type_complexity)]
+fn static_calibration(
+    obs: &[Observed],
+    sts: &Sts,
+    gamma: usize,
+) -> (
+    Option<Vec<f64>>,
+    Option<Vec<f64>>,
+    Option<f64>,
+    Option<Vec<(f64, f64)>>,
+    Option<Vec<(f64, f64)>>,
+) {
+    let net: Vec<Observed> = obs.iter().filter(|o| o.fixed.is_empty()).cloned().collect();
+    if net.is_empty() {
+        return (None, None, None, None, None);
+    }
+    let b = cumulative_ece(&net, &Sts::identity(gamma));
+    // The parallel-only arm shares the checkpoint's temperatures (fitted for the Markov
+    // drafter); its ECE after STS says how well they transfer.
+    let af = cumulative_ece(&net, sts);
+    let auc = conditional_auc(&net, sts);
+    // What exactly calibrated confidences would read on these blocks.
+    let floor = cumulative_ece_floor(&net, sts, 200);
+    let means = cumulative_means(&net, sts);
+    (Some(b), Some(af), Some(auc), Some(floor), Some(means))
+}
+
 fn load_dspark(
     target: &crate::spec::Loaded,
     dir: &std::path::Path,
@@ -304,21 +336,10 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             }
             let tau = r.totals.committed_per_call();
             let acc = r.totals.accept_per_pos();
+            let survival = r.totals.survival_per_pos();
             let oracle = oracle_auc(&r.obs);
-            let (eb, ea, auc, floor, means) = if r.obs.is_empty() {
-                (None, None, None, None, None)
-            } else {
-                let b = cumulative_ece(&r.obs, &Sts::identity(a.gamma));
-                let sts = sts.truncated(a.gamma);
-                // The parallel-only arm shares the checkpoint's temperatures (fitted for the
-                // Markov drafter); its ECE after STS says how well they transfer.
-                let af = cumulative_ece(&r.obs, &sts);
-                let auc = conditional_auc(&r.obs, &sts);
-                // What exactly calibrated confidences would read on these blocks.
-                let floor = cumulative_ece_floor(&r.obs, &sts, 200);
-                let means = cumulative_means(&r.obs, &sts);
-                (Some(b), Some(af), Some(auc), Some(floor), Some(means))
-            };
+            let (eb, ea, auc, floor, means) =
+                static_calibration(&r.obs, &sts.truncated(a.gamma), a.gamma);
             // What the engine served: the static calibration mapped online by the verdicts of
             // the blocks verified before (prequential; `specdec::recal`).
             let served = !r.obs.is_empty() && r.obs.iter().all(|o| o.served.len() == o.len());
@@ -366,7 +387,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             )?;
             results.push(serde_json::json!({
                 "drafter": arm, "prompts": set, "gamma": a.gamma, "temperature": a.temperature,
-                "tau": tau, "accept_per_pos": acc,
+                "tau": tau, "accept_per_pos": acc, "survival_per_pos": survival,
                 "ece_before": eb, "ece_after": ea, "auc": auc, "auc_oracle": oracle,
                 "ece_floor": floor.as_ref().map(|f| f.iter().map(|x| x.0).collect::<Vec<_>>()),
                 "ece_floor_q95": floor.as_ref().map(|f| f.iter().map(|x| x.1).collect::<Vec<_>>()),
@@ -377,6 +398,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
                 "ece_floor_q95_online": flo.as_ref().map(|f| f.iter().map(|x| x.1).collect::<Vec<_>>()),
                 "survival_predicted_online": meo.as_ref().map(|m| m.iter().map(|x| x.0).collect::<Vec<_>>()),
                 "copy_run_blocks": r.obs.iter().filter(|o| !o.fixed.is_empty()).count(),
+                "network_blocks": r.obs.iter().filter(|o| o.fixed.is_empty()).count(),
                 "blocks": r.obs.len(), "completion_tokens": r.totals.completion_tokens,
                 "target_calls": r.totals.target_calls,
             }));
@@ -586,5 +608,37 @@ mod replay_tests {
         assert!(e[0].abs() < 1e-12, "{e:?}");
         let e = replay_ece(&[&x, &y], &[vec![0.9], vec![0.9]]);
         assert!((e[0] - 0.4).abs() < 1e-9, "{e:?}");
+    }
+}
+
+#[cfg(test)]
+mod calibration_tests {
+    use super::*;
+
+    #[test]
+    fn calibration_figures_leave_out_copy_run_blocks() {
+        // Network blocks: head logits, 0 to 2 drafts accepted.
+        let net: Vec<Observed> = (0..40)
+            .map(|i| Observed::from_logits(&[(i % 5) as f32 - 2.0, (i % 3) as f32 - 1.0], i % 3))
+            .collect();
+        let sts = Sts::identity(2);
+        let only = static_calibration(&net, &sts, 2);
+        assert!(only.0.is_some() && only.2.is_some());
+        // Greedy copy runs: fixed confidences of 0.99, every one rejected at once. They must
+        // change none of the figures.
+        let mut mixed = net.clone();
+        mixed.extend((0..40).map(|_| Observed {
+            fixed: vec![0.99, 0.99],
+            accepted: 0,
+            ..Default::default()
+        }));
+        let with = static_calibration(&mixed, &sts, 2);
+        assert_eq!(only.0, with.0, "ece_before");
+        assert_eq!(only.1, with.1, "ece_after");
+        assert_eq!(only.2, with.2, "auc");
+        assert_eq!(only.3, with.3, "ece floor");
+        assert_eq!(only.4, with.4, "survival means");
+        // Copy runs alone: no network confidence to report on.
+        assert!(static_calibration(&mixed[40..], &sts, 2).0.is_none());
     }
 }

@@ -51,9 +51,103 @@ struct Sample {
     /// Seconds to the first token; `None` when no token came (an immediate end).
     ttft: Option<f64>,
     e2e: f64,
+    /// Gaps between successive network reads that brought tokens (one per read: chunks that
+    /// arrive in one read arrive together).
     itl: Vec<f64>,
+    /// Per token after the first: its read's gap shared among the read's tokens (0 for tokens
+    /// that came in the first token's read).
+    itl_token: Vec<f64>,
+    /// Tokens were counted by the chunks' `token_ids` (else one per chunk with text).
+    counted_ids: bool,
     tokens: u64,
     usage: Value,
+}
+
+/// A streamed response, read by read.
+#[derive(Default)]
+struct StreamParse {
+    buf: String,
+    s: Sample,
+    /// When the last read that brought tokens came (seconds since the request was sent).
+    last: Option<f64>,
+}
+
+impl StreamParse {
+    /// One network read's bytes, received `at` seconds after the request was sent. True once
+    /// `[DONE]` came (the sample is then complete).
+    fn read(&mut self, at: f64, bytes: &[u8]) -> bool {
+        let s = &mut self.s;
+        self.buf.push_str(&String::from_utf8_lossy(bytes));
+        let mut tokens = 0u64;
+        let mut done = false;
+        while let Some(p) = self.buf.find("\n\n") {
+            let ev: String = self.buf.drain(..p + 2).collect();
+            let Some(data) = ev.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                done = true;
+                break;
+            }
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            if v.get("error").is_some() {
+                s.error = v["error"]["message"]
+                    .as_str()
+                    .unwrap_or("error")
+                    .to_string();
+                continue;
+            }
+            if !v["usage"].is_null() {
+                s.tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                s.usage = v["usage"].clone();
+            }
+            // A token shows as text or as a tool call's delta; `token_ids` (asked for) count
+            // a chunk's tokens, also those whose text is held back.
+            let delta = &v["choices"][0]["delta"];
+            let has_text = delta["content"].as_str().is_some_and(|t| !t.is_empty())
+                || delta["tool_calls"]
+                    .as_array()
+                    .is_some_and(|c| !c.is_empty());
+            match v["choices"][0]["token_ids"].as_array() {
+                Some(ids) => {
+                    s.counted_ids = true;
+                    tokens += ids.len() as u64;
+                }
+                // A server without `token_ids`: one token per chunk with text. Once chunks
+                // carried them, chunks without (tool calls parsed out, held-back text at the
+                // end) bring no new tokens.
+                None if has_text && !s.counted_ids => tokens += 1,
+                None => {}
+            }
+        }
+        if tokens > 0 {
+            match self.last {
+                None => {
+                    s.ttft = Some(at);
+                    s.itl_token
+                        .extend(std::iter::repeat_n(0.0, tokens as usize - 1));
+                }
+                Some(l) => {
+                    let gap = at - l;
+                    s.itl.push(gap);
+                    s.itl_token
+                        .extend(std::iter::repeat_n(gap / tokens as f64, tokens as usize));
+                }
+            }
+            self.last = Some(at);
+        }
+        if done {
+            // Without the usage chunk (asked for) the tokens are unknown: not a success.
+            if s.error.is_empty() && s.usage.is_null() {
+                s.error = "no usage chunk before [DONE]".into();
+            }
+            s.ok = s.error.is_empty();
+            s.e2e = at;
+        }
+        done
+    }
 }
 
 async fn one(client: &reqwest::Client, a: &ServeArgs, model: &str, prompt: &str) -> Sample {
@@ -61,7 +155,7 @@ async fn one(client: &reqwest::Client, a: &ServeArgs, model: &str, prompt: &str)
     let mut s = Sample::default();
     let body = json!({"model": model, "messages": [{"role": "user", "content": prompt}],
         "max_tokens": a.max_tokens, "temperature": a.temperature, "stream": true,
-        "stream_options": {"include_usage": true}});
+        "stream_options": {"include_usage": true}, "return_token_ids": true});
     let mut req = client
         .post(format!("{}/v1/chat/completions", a.url))
         .json(&body);
@@ -79,61 +173,21 @@ async fn one(client: &reqwest::Client, a: &ServeArgs, model: &str, prompt: &str)
         s.error = format!("HTTP {}", resp.status());
         return s;
     }
+    // Timed once per network read: the events of one read arrived together.
     let mut stream = resp.bytes_stream();
-    let mut buf = String::new();
-    let mut last: Option<Instant> = None;
+    let mut p = StreamParse::default();
     while let Some(chunk) = stream.next().await {
+        let at = t0.elapsed().as_secs_f64();
         let Ok(chunk) = chunk else {
-            s.error = "stream broke".into();
-            return s;
+            p.s.error = "stream broke".into();
+            return p.s;
         };
-        buf.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some(p) = buf.find("\n\n") {
-            let ev: String = buf.drain(..p + 2).collect();
-            let Some(data) = ev.trim().strip_prefix("data: ") else {
-                continue;
-            };
-            if data == "[DONE]" {
-                // Without the usage chunk (asked for) the tokens are unknown: not a success.
-                if s.error.is_empty() && s.usage.is_null() {
-                    s.error = "no usage chunk before [DONE]".into();
-                }
-                s.ok = s.error.is_empty();
-                s.e2e = t0.elapsed().as_secs_f64();
-                return s;
-            }
-            let Ok(v) = serde_json::from_str::<Value>(data) else {
-                continue;
-            };
-            if v.get("error").is_some() {
-                s.error = v["error"]["message"]
-                    .as_str()
-                    .unwrap_or("error")
-                    .to_string();
-                continue;
-            }
-            if !v["usage"].is_null() {
-                s.tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-                s.usage = v["usage"].clone();
-            }
-            // A token shows as text or as a tool call's delta.
-            let delta = &v["choices"][0]["delta"];
-            let has_text = delta["content"].as_str().is_some_and(|t| !t.is_empty())
-                || delta["tool_calls"]
-                    .as_array()
-                    .is_some_and(|c| !c.is_empty());
-            if has_text {
-                let now = Instant::now();
-                match last {
-                    None => s.ttft = Some(t0.elapsed().as_secs_f64()),
-                    Some(l) => s.itl.push((now - l).as_secs_f64()),
-                }
-                last = Some(now);
-            }
+        if p.read(at, &chunk) {
+            return p.s;
         }
     }
-    s.error = "stream ended without [DONE]".into();
-    s
+    p.s.error = "stream ended without [DONE]".into();
+    p.s
 }
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
@@ -254,11 +308,28 @@ fn summarize(a: &ServeArgs, model: &str, mode: Value, s: Vec<Sample>, wall: f64)
         .iter()
         .flat_map(|x| x.itl.iter().map(|v| v * 1e3))
         .collect();
+    let mut itl_token: Vec<f64> = ok
+        .iter()
+        .flat_map(|x| x.itl_token.iter().map(|v| v * 1e3))
+        .collect();
+    let itl_token_mean = if itl_token.is_empty() {
+        0.0
+    } else {
+        itl_token.iter().sum::<f64>() / itl_token.len() as f64
+    };
+    // Per user, as `bench frontier` and `dspark plan` read it: the tokens after the first over
+    // the time from the first token to the end (queueing and TTFT left out).
     let user: Vec<f64> = ok
         .iter()
-        .filter(|x| x.e2e > 0.0)
-        .map(|x| x.tokens as f64 / x.e2e)
+        .filter(|x| x.tokens > 1)
+        .filter_map(|x| {
+            let dt = x.e2e - x.ttft?;
+            (dt > 0.0).then(|| (x.tokens - 1) as f64 / dt)
+        })
         .collect();
+    // The load ran `duration` seconds; requests in flight at its end were awaited (the drain)
+    // and their tokens counted, so `tok_s` is over both.
+    let drain = (wall - a.duration).max(0.0);
     let u = |k: &str| -> f64 {
         ok.iter()
             .map(|x| x.usage["dspark"][k].as_f64().unwrap_or(0.0))
@@ -268,14 +339,19 @@ fn summarize(a: &ServeArgs, model: &str, mode: Value, s: Vec<Sample>, wall: f64)
     json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "label": a.label, "url": a.url, "model": model, "prompts": a.prompts,
-        "load": mode, "duration_s": wall, "max_tokens": a.max_tokens, "temperature": a.temperature,
+        "load": mode, "duration_s": wall, "load_s": a.duration, "drain_s": drain,
+        "max_tokens": a.max_tokens, "temperature": a.temperature,
         "requests": s.len(), "ok": ok.len(), "errors": errors.len(),
         "first_errors": errors.iter().take(3).collect::<Vec<_>>(),
         "tok_s": tokens as f64 / wall,
+        "tok_s_over": "duration_s = load_s + drain_s (requests in flight when the load ended are awaited and counted)",
         "user_tok_s": if user.is_empty() { 0.0 } else { user.iter().sum::<f64>() / user.len() as f64 },
+        "user_tok_s_def": "mean over requests of (tokens - 1) / (end - first token)",
         "ttft_ms": {"p50": pct(&mut ttft, 0.5), "p99": pct(&mut ttft, 0.99)},
         "tpot_ms": {"p50": pct(&mut tpot, 0.5), "p99": pct(&mut tpot, 0.99)},
         "itl_ms": {"p50": pct(&mut itl, 0.5), "p99": pct(&mut itl, 0.99)},
+        "itl_per_token_ms": {"p50": pct(&mut itl_token, 0.5), "p99": pct(&mut itl_token, 0.99), "mean": itl_token_mean,
+            "counted_by": if ok.iter().any(|x| x.counted_ids) { "token_ids" } else { "chunks" }},
         "completion_tokens": tokens,
         "tokens_per_forward": if u("verify_forwards") > 0.0 { (tokens - firsts) as f64 / u("verify_forwards") } else { 0.0 },
         "wire": {
@@ -287,4 +363,105 @@ fn summarize(a: &ServeArgs, model: &str, mode: Value, s: Vec<Sample>, wall: f64)
             "grpc_overhead_ms_per_cycle": if cycles > 0.0 { (u("draft_rtt_ms") - u("draft_compute_ms")) / cycles } else { 0.0 },
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(v: Value) -> String {
+        format!("data: {v}\n\n")
+    }
+
+    fn text(t: &str, ids: &[u32]) -> String {
+        event(json!({"choices": [{"index": 0, "delta": {"content": t}, "token_ids": ids}]}))
+    }
+
+    fn usage(n: u64) -> String {
+        event(json!({"choices": [], "usage": {"completion_tokens": n}}))
+    }
+
+    #[test]
+    fn gaps_are_timed_once_per_network_read() {
+        let mut p = StreamParse::default();
+        let role = event(
+            json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+        );
+        assert!(!p.read(0.05, role.as_bytes()));
+        assert!(p.s.ttft.is_none());
+        // The prefill's token.
+        assert!(!p.read(0.2, text("a", &[1]).as_bytes()));
+        // Two cycles' chunks (2 tokens and 1) in one read: one gap, not a second one near 0.
+        let two = text("bc", &[2, 3]) + &text("d", &[4]);
+        assert!(!p.read(0.5, two.as_bytes()));
+        // An event split over two reads arrives with the second.
+        let e = text("e", &[5]);
+        let (x, y) = e.split_at(10);
+        assert!(!p.read(0.6, x.as_bytes()));
+        assert!(!p.read(0.7, y.as_bytes()));
+        assert!(p.read(0.75, (usage(5) + "data: [DONE]\n\n").as_bytes()));
+        let s = &p.s;
+        assert!(s.ok, "{}", s.error);
+        assert_eq!((s.ttft, s.tokens, s.e2e), (Some(0.2), 5, 0.75));
+        assert!(s.counted_ids);
+        assert_eq!(s.itl.len(), 2, "{:?}", s.itl);
+        assert!((s.itl[0] - 0.3).abs() < 1e-12 && (s.itl[1] - 0.2).abs() < 1e-12);
+        // Per token after the first: the 0.3 s read's three tokens 0.1 s each, then 0.2 s.
+        assert_eq!(s.itl_token.len(), 4);
+        for (got, want) in s.itl_token.iter().zip([0.1, 0.1, 0.1, 0.2]) {
+            assert!((got - want).abs() < 1e-12, "{:?}", s.itl_token);
+        }
+    }
+
+    #[test]
+    fn without_token_ids_each_chunk_with_text_counts_once() {
+        let mut p = StreamParse::default();
+        let chunk = |t: &str| event(json!({"choices": [{"index": 0, "delta": {"content": t}}]}));
+        // Two chunks in the first read: the second token came with the first.
+        assert!(!p.read(0.1, (chunk("a") + &chunk("b")).as_bytes()));
+        // The last token, the usage and the end in one read.
+        let end = chunk("c") + &usage(3) + "data: [DONE]\n\n";
+        assert!(p.read(0.4, end.as_bytes()));
+        let s = &p.s;
+        assert!(s.ok && !s.counted_ids, "{}", s.error);
+        assert_eq!(s.ttft, Some(0.1));
+        assert_eq!(s.itl.len(), 1);
+        assert!((s.itl[0] - 0.3).abs() < 1e-12);
+        assert_eq!(s.itl_token.len(), 2);
+        assert_eq!(s.itl_token[0], 0.0);
+        assert!((s.itl_token[1] - 0.3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn per_user_rate_leaves_out_the_wait_for_the_first_token() {
+        let a = ServeArgs {
+            url: "http://127.0.0.1:1".into(),
+            model: None,
+            prompts: "chat".into(),
+            rate: None,
+            concurrency: Some(2),
+            duration: 10.0,
+            max_tokens: 64,
+            temperature: 0.0,
+            label: String::new(),
+            api_key: None,
+            warmup: 0,
+            json: None,
+        };
+        let done = |tokens, ttft, e2e| Sample {
+            ok: true,
+            ttft,
+            e2e,
+            tokens,
+            ..Default::default()
+        };
+        // 11 tokens: the first at 1 s, the last at 3 s: 10 tokens in 2 s. One token alone has
+        // no rate.
+        let s = vec![done(11, Some(1.0), 3.0), done(1, Some(0.5), 0.5)];
+        let v = summarize(&a, "m", json!({"mode": "closed"}), s, 12.0);
+        assert_eq!(v["user_tok_s"].as_f64(), Some(5.0), "{v}");
+        // The last request ended 2 s after the load: counted, over 12 s.
+        assert_eq!(v["drain_s"].as_f64(), Some(2.0), "{v}");
+        assert_eq!(v["tok_s"].as_f64(), Some(1.0), "{v}");
+    }
 }

@@ -247,6 +247,46 @@ fn bad_benchmark_and_training_arguments_are_refused_up_front() {
 }
 
 #[test]
+fn verify_curve_ratios_name_the_smallest_k_measured() {
+    let d = tmpdir("vcurve");
+    let m = tiny(&d);
+    let json = d.join("vc.json");
+    let (code, out, err) = dspark(
+        &d,
+        &[
+            "bench",
+            "verify-curve",
+            "--model",
+            &m,
+            "--ctx",
+            "16",
+            "--batch",
+            "1",
+            "--k",
+            "4,2,4",
+            "--reps",
+            "1",
+            "--json",
+            &json.display().to_string(),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    // Sorted and each k once; without k = 1 the ratios are to k = 2, and say so.
+    assert!(out.contains("x_k2") && !out.contains("x_k1"), "{out}");
+    let v = read_json(&json);
+    assert_eq!(v["base_k"], 2, "{v}");
+    let ks: Vec<u64> = v["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["k"].as_u64())
+        .collect();
+    assert_eq!(ks, [2, 4]);
+    let (code, _, err) = dspark(&d, &["bench", "verify-curve", "--model", &m, "--k", "0,2"]);
+    assert!(code != 0 && err.contains("at least 1"), "{err}");
+}
+
+#[test]
 fn bad_request_values_are_clear_errors() {
     let d = tmpdir("req");
     let m = tiny(&d);
@@ -902,18 +942,44 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
         .collect();
     assert_eq!(arms, ["dspark", "dspark-nocopy", "parallel", "ngram"]);
     // Per position, the mean predicted and the observed prefix survival, as many as ECEs.
-    let r = &v["results"][0];
-    let n = r["ece_after"].as_array().map_or(0, |e| e.len());
-    assert!(n > 0);
-    for key in ["survival_predicted", "survival_observed"] {
-        let x = r[key].as_array().expect(key);
-        assert_eq!(x.len(), n, "{key}");
-        assert!(
-            x.iter()
-                .all(|p| p.as_f64().is_some_and(|p| (0.0..=1.0).contains(&p))),
-            "{key}: {x:?}"
+    // The calibration figures cover the network's blocks (greedy copy runs carry confidences
+    // of their own): an arm with none reports none.
+    let mut reported = 0;
+    for r in v["results"].as_array().unwrap() {
+        let (net, copies) = (r["network_blocks"].as_u64(), r["copy_run_blocks"].as_u64());
+        assert_eq!(
+            net.zip(copies).map(|(a, b)| a + b),
+            r["blocks"].as_u64(),
+            "{r}"
         );
+        // Conditional acceptance and prefix survival, position by position.
+        let (acc, surv) = (&r["accept_per_pos"], &r["survival_per_pos"]);
+        assert_eq!(
+            acc.as_array().map(Vec::len),
+            surv.as_array().map(Vec::len),
+            "{r}"
+        );
+        if net == Some(0) {
+            assert!(r["ece_after"].is_null() && r["auc"].is_null(), "{r}");
+            continue;
+        }
+        let n = r["ece_after"].as_array().map_or(0, |e| e.len());
+        assert!(
+            n > 0 && r["ece_before"].is_array() && r["auc"].is_f64(),
+            "{r}"
+        );
+        for key in ["survival_predicted", "survival_observed"] {
+            let x = r[key].as_array().expect(key);
+            assert_eq!(x.len(), n, "{key}");
+            assert!(
+                x.iter()
+                    .all(|p| p.as_f64().is_some_and(|p| (0.0..=1.0).contains(&p))),
+                "{key}: {x:?}"
+            );
+        }
+        reported += 1;
     }
+    assert!(reported > 0, "{v}");
     // --no-copy leaves greedy requests without one.
     let (out, bias) = calibrate(&["--no-copy"]);
     assert!(!out.contains("copy prior ("), "{out}");

@@ -62,10 +62,10 @@ pub struct DraftArgs {
     /// etcd endpoints (comma-separated); registration through an etcd lease instead.
     #[arg(long, env = "DSPARK_ETCD")]
     pub etcd: Option<String>,
-    /// Worker id (default: draft-<port>).
+    /// Worker id (default: draft-<host>-<port> of the published address).
     #[arg(long, env = "DSPARK_WORKER_ID")]
     pub id: Option<String>,
-    /// Registration TTL in milliseconds.
+    /// Registration TTL in milliseconds (200..=60000, what the scheduler grants).
     #[arg(long, env = "DSPARK_TTL_MS", default_value_t = 3000)]
     pub ttl_ms: u64,
     /// Requests this worker drafts for at once (placement capacity).
@@ -89,6 +89,8 @@ pub struct DraftArgs {
 
 /// Loads the drafter, binds, registers, serves until a shutdown signal.
 pub async fn run(args: DraftArgs) -> Result<()> {
+    let ttl_ms =
+        dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms).map_err(DraftError::Config)?;
     let disc = dspark_scheduler::discovery::Discovery::from_args(
         args.scheduler.as_deref(),
         args.etcd.as_deref(),
@@ -115,10 +117,12 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
     let advertised = advertise(addr)?;
-    let id = args
-        .id
-        .clone()
-        .unwrap_or_else(|| format!("draft-{}", addr.port()));
+    let id = args.id.clone().unwrap_or_else(|| {
+        dspark_scheduler::discovery::default_worker_id(
+            dspark_scheduler::placement::ROLE_DRAFT,
+            &advertised,
+        )
+    });
     let info = dspark_proto::WorkerInfo {
         id: id.clone(),
         role: dspark_scheduler::placement::ROLE_DRAFT.into(),
@@ -129,7 +133,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         load: 0,
         drafter: host.drafter.clone(),
         max_context: 0,
-        ttl_ms: args.ttl_ms as u32,
+        ttl_ms,
         feature_layers: host.feature_layers.iter().map(|&l| l as u32).collect(),
         max_gamma: host.max_gamma as u32,
         copy_runs: host.copy_runs.clone(),
@@ -156,7 +160,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         let info2 = info.clone();
         dspark_scheduler::discovery::spawn_registrar(
             disc,
-            std::time::Duration::from_millis(args.ttl_ms),
+            std::time::Duration::from_millis(ttl_ms.into()),
             std::sync::Arc::new(move || {
                 let mut i = info2.clone();
                 i.load = load.load(std::sync::atomic::Ordering::Relaxed) as u32;

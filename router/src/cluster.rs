@@ -123,6 +123,12 @@ impl Cluster {
             .map_err(|e| e.to_string())?
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true)
+            // A worker whose node went away sends no reset: without pings its streams would
+            // wait for tokens forever, and their requests never fail over.
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(20))
+            .keep_alive_while_idle(true)
+            .tcp_keepalive(Some(Duration::from_secs(30)))
             .connect_lazy();
         m.insert(url.to_string(), c.clone());
         Ok(c)
@@ -135,12 +141,15 @@ impl Cluster {
             .max_encoding_message_size(dspark_proto::MAX_MESSAGE_BYTES))
     }
 
-    /// A target (and draft) for a new request; `exclude` lists target ids that just failed.
+    /// A target (and draft) for a new request; `exclude` lists target ids that just failed. A
+    /// `failover` goes to the least loaded target even when all read full (see
+    /// [`Cluster::place_locally`]).
     pub async fn place(
         &self,
         model: &str,
         exclude: &[String],
         prompt: &[u32],
+        failover: bool,
     ) -> Result<(WorkerInfo, Option<WorkerInfo>), PlaceError> {
         let skip = self
             .skip_scheduler_until
@@ -180,7 +189,7 @@ impl Cluster {
                             // A scheduler that just restarted knows no worker until they
                             // re-register; the last view (kept while it is warming) still does.
                             // A worker that is really gone has left the view at the next refresh.
-                            return self.place_locally(model, exclude);
+                            return self.place_locally(model, exclude, failover);
                         }
                         _ => {
                             tracing::debug!("scheduler unavailable; placing from the last view");
@@ -192,16 +201,19 @@ impl Cluster {
                 }
             }
         }
-        self.place_locally(model, exclude)
+        self.place_locally(model, exclude, failover)
     }
 
     /// The scheduler's choice made from the last view: workers of this model (a static
     /// `--targets` entry names none and serves any), the least loaded target with room, and
-    /// a draft worker of its model and vocabulary.
+    /// a draft worker of its model and vocabulary. A failover takes the least loaded target
+    /// whether it has room or not: its request was admitted before its worker died, and the
+    /// target queues it behind what it runs (a busy cluster is when failovers are most needed).
     fn place_locally(
         &self,
         model: &str,
         exclude: &[String],
+        failover: bool,
     ) -> Result<(WorkerInfo, Option<WorkerInfo>), PlaceError> {
         let serves = |w: &WorkerInfo| model.is_empty() || w.model.is_empty() || w.model == model;
         let view = self.workers();
@@ -221,7 +233,7 @@ impl Cluster {
         }
         let t = targets
             .iter()
-            .filter(|t| load.get(&t.address).copied().unwrap_or(0) < t.capacity.max(1))
+            .filter(|t| failover || load.get(&t.address).copied().unwrap_or(0) < t.capacity.max(1))
             .min_by_key(|t| (load.get(&t.address).copied().unwrap_or(0), t.id.clone()))
             .ok_or(PlaceError::Full)?;
         let d = view
@@ -270,16 +282,49 @@ mod tests {
             ],
         );
         for m in ["a", "b"] {
-            let (t, d) = c.place(m, &[], &[1, 2, 3]).await.expect("placed");
+            let (t, d) = c.place(m, &[], &[1, 2, 3], false).await.expect("placed");
             assert_eq!(t.id, format!("{m}-target"));
             assert_eq!(d.expect("a draft worker").id, format!("{m}-draft"));
         }
         assert!(matches!(
-            c.place("c", &[], &[]).await,
+            c.place("c", &[], &[], false).await,
             Err(PlaceError::NoTarget)
         ));
         // A static `--targets` entry names no model and serves any.
         let s = Cluster::new(None, vec![worker("static", ROLE_TARGET, "")]);
-        assert_eq!(s.place("c", &[], &[]).await.expect("placed").0.id, "static");
+        assert_eq!(
+            s.place("c", &[], &[], false).await.expect("placed").0.id,
+            "static"
+        );
+    }
+
+    /// Every target at capacity: a new request is refused (429 upstream), a failover from a
+    /// dead worker still goes to the least loaded survivor (before, it was refused too, and
+    /// the client lost its answer half way).
+    #[tokio::test]
+    async fn a_failover_is_placed_when_every_target_reads_full() {
+        let c = Cluster::new(
+            None,
+            vec![
+                worker("dead", ROLE_TARGET, "a"),
+                worker("x", ROLE_TARGET, "a"),
+                worker("y", ROLE_TARGET, "a"),
+            ],
+        );
+        for (addr, n) in [("x:1", 4), ("y:1", 5), ("dead:1", 4)] {
+            for _ in 0..n {
+                c.track(addr, 1);
+            }
+        }
+        let gone = ["dead".to_string()];
+        assert!(matches!(
+            c.place("a", &gone, &[1], false).await,
+            Err(PlaceError::Full)
+        ));
+        let (t, _) = c
+            .place("a", &gone, &[1], true)
+            .await
+            .expect("failover placed");
+        assert_eq!(t.id, "x");
     }
 }

@@ -619,7 +619,9 @@ const MAX_OPEN_TRIES: usize = 4;
 /// Places the job and opens the target's stream; the first event is awaited so that a refusal
 /// becomes an HTTP error before any response is sent. A worker that cannot take it (draining
 /// for a rolling update, or gone since the last cluster view) costs a placement elsewhere, not
-/// the request.
+/// the request. A `failover` (the request was running on a worker that died) is placed
+/// even where every target reads full: it was admitted already, the worker queues what it
+/// cannot run yet, and refusing it would cost its client the answer half way.
 async fn open(
     app: &App,
     job: &Job,
@@ -627,10 +629,20 @@ async fn open(
     max_tokens: usize,
     exclude: &[String],
     prompt_logprobs: bool,
+    failover: bool,
 ) -> Result<Opened, ApiError> {
     let mut skip = exclude.to_vec();
     loop {
-        match open_once(app, job, prompt.clone(), max_tokens, &skip, prompt_logprobs).await {
+        let opened = open_once(
+            app,
+            job,
+            prompt.clone(),
+            max_tokens,
+            &skip,
+            prompt_logprobs,
+            failover,
+        );
+        match opened.await {
             Err(Unopened::Unavailable(target, s))
                 if skip.len() < exclude.len() + MAX_OPEN_TRIES =>
             {
@@ -673,6 +685,7 @@ async fn open_when_room(
             max_tokens,
             &[],
             prompt_logprobs,
+            false,
         )
         .await
         {
@@ -703,11 +716,12 @@ async fn open_once(
     max_tokens: usize,
     exclude: &[String],
     prompt_logprobs: bool,
+    failover: bool,
 ) -> Result<Opened, Unopened> {
     let refused = Unopened::Refused;
     let (target, draft) = app
         .cluster
-        .place(&app.model, exclude, &prompt)
+        .place(&app.model, exclude, &prompt, failover)
         .await
         .map_err(|e| match e {
             cluster::PlaceError::NoTarget => ApiError::new(
@@ -930,7 +944,7 @@ async fn drive(
                 // The prompt's log-probabilities come with the first tokens: ask again only
                 // when none arrived.
                 let again = first_token && job.settings.echo && job.settings.logprobs.is_some();
-                match open(&app, &job, prompt, left, &failed, again).await {
+                match open(&app, &job, prompt, left, &failed, again, true).await {
                     Ok((t, s, f)) => {
                         target = t;
                         stream = s;
@@ -1073,8 +1087,10 @@ async fn chat_completions(
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty", Some("messages")));
     }
+    // Without max_tokens, chat answers may run to the end of the context (trimmed to the
+    // room left in `serve`), as vLLM's do.
     let mut settings = r.common.settings(
-        app.max_tokens_limit.min(512),
+        app.max_tokens_limit,
         app.max_tokens_limit,
         app.tok.vocab_size(),
     )?;
@@ -1334,7 +1350,16 @@ async fn serve(
     } else {
         total.min((limit / 2).max(1))
     };
-    let guards: Vec<Inflight> = (0..window).map(|_| admit(&app)).collect::<Result<_, _>>()?;
+    // The first sequence must be admitted; the window takes as many more places as are free
+    // now (at least one, so the rest still run one after another).
+    let mut guards: Vec<Inflight> = vec![admit(&app)?];
+    while guards.len() < window {
+        match admit(&app) {
+            Ok(g) => guards.push(g),
+            Err(_) => break,
+        }
+    }
+    let window = guards.len();
     let tp = traceparent(&headers);
     let id = app.next_id(if kind == Kind::Chat {
         "chatcmpl"
@@ -1410,6 +1435,7 @@ async fn serve(
             settings.max_tokens,
             &[],
             echo_lps,
+            false,
         )
         .instrument(span.clone())
     }))
@@ -1675,9 +1701,16 @@ async fn serve(
     let app2 = Arc::clone(&app);
     let s = async_stream(move |out| async move {
         let _guards = guards;
-        let mk = |choices: Value, usage: Value| {
+        // As OpenAI's chunks: every choice carries `logprobs` (null when not asked for), and
+        // with `include_usage` every chunk carries `usage`, null until the last.
+        let mk = |mut choices: Value, usage: Value| {
+            if let Some(cs) = choices.as_array_mut() {
+                for c in cs.iter_mut().filter_map(|c| c.as_object_mut()) {
+                    c.entry("logprobs").or_insert(Value::Null);
+                }
+            }
             let mut v = json!({"id": id, "object": chunk_obj, "created": created, "model": model, "choices": choices});
-            if !usage.is_null() {
+            if include_usage || !usage.is_null() {
                 v["usage"] = usage;
             }
             Event::default().data(v.to_string())
@@ -1705,7 +1738,14 @@ async fn serve(
         let mut args = vec![String::new(); total];
         let mut ends: Vec<Option<(SpecStats, String)>> = vec![None; total];
         let mut echoed = vec![!echo; total];
-        while let Some((i, p)) = rx.recv().await {
+        loop {
+            // A client that leaves is noticed at once, not at the next chunk sent: text held
+            // back (a tool call being written, a possible stop string) sends none for a while.
+            let next = tokio::select! {
+                p = rx.recv() => p,
+                _ = out.closed() => None,
+            };
+            let Some((i, p)) = next else { break };
             match p {
                 Piece::Text(mut t, mut ids, mut lps, plps) => {
                     if score_only {

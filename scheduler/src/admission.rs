@@ -1209,7 +1209,16 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
             return k.into_iter().map(|x| x as usize).collect();
         }
-        let d = self.adm.decide(conf, &limits, step, &self.sps, self.rule);
+        // Without a lag this step's own drafts are verified by its own decision, and the global
+        // argmax keeps an entry for what the entries after it add: whether x_j is verified
+        // would depend on c_{j+1}, a function of x_j (a sampled-output bias). The greedy scan
+        // decides each entry from the ones before it.
+        let rule = if self.lag == 0 {
+            Rule::GreedyEarlyStop
+        } else {
+            self.rule
+        };
+        let d = self.adm.decide(conf, &limits, step, &self.sps, rule);
         self.clamped_total += self.adm.clamped;
         if self.adm.clamped > 0 {
             tracing::debug!(
@@ -1614,6 +1623,34 @@ mod tests {
         let d = run(&mut p, 80);
         let first = d.iter().position(|&x| x).expect("a probe");
         assert!(d[first..].iter().all(|&x| x), "{d:?}");
+    }
+
+    /// Without a lag, whether a request's first draft is verified must not depend on the
+    /// confidence of its second (computed from the first draft's token). With S(1) = 100 and
+    /// S(2) = S(3) = 60 and c_1 = 0.5, the global argmax verifies both drafts when c_2 = 0.9
+    /// (Θ = 117 against 100) and none when c_2 = 0.1.
+    #[test]
+    fn without_a_lag_a_draft_is_verified_whatever_the_token_after_it() {
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(1, 100.0), (3, 60.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 0, 4096, 4);
+        p.count_draft_cost = false;
+        let first =
+            |p: &mut ConfidencePolicy, c2: f32| p.select(&[&[0.5, c2]], 0, 0, 1 << 20)[0].min(1);
+        assert_eq!(first(&mut p, 0.9), first(&mut p, 0.1));
+        // The argmax itself does depend on it (what the lagged budgets may use).
+        let mut adm = Admission::default();
+        let step = StepLimits {
+            max_batch_tokens: 4096,
+            kv_headroom: 1 << 20,
+            other_tokens: 0,
+            plain_requests: 0,
+        };
+        let lim = [ReqLimits { min_k: 0, max_k: 4 }];
+        let k = |c2: f32, adm: &mut Admission| {
+            adm.decide(&[&[0.5, c2]], &lim, step, &sps, Rule::Argmax).k[0]
+        };
+        assert_eq!((k(0.9, &mut adm), k(0.1, &mut adm)), (2, 0));
     }
 
     /// The central scheduler decides from the worker's reports; a worker whose drafting costs

@@ -150,6 +150,47 @@ fn port_ok(a: &str, p: u16) -> Result<()> {
     Ok(())
 }
 
+/// A worker's `--ttl-ms` in milliseconds, held to the TTLs the scheduler grants
+/// ([`MIN_TTL`](crate::service::MIN_TTL)..=[`MAX_TTL`](crate::service::MAX_TTL)): outside them
+/// the scheduler grants another TTL than the one the worker paces its heartbeats by. The error
+/// is the message of the worker's configuration error.
+pub fn check_ttl_ms(ttl_ms: u64) -> std::result::Result<u32, String> {
+    let (lo, hi) = (
+        crate::service::MIN_TTL.as_millis(),
+        crate::service::MAX_TTL.as_millis(),
+    );
+    if !(lo..=hi).contains(&u128::from(ttl_ms)) {
+        return Err(format!(
+            "--ttl-ms {ttl_ms}: the scheduler accepts registration TTLs of {lo}..={hi} ms"
+        ));
+    }
+    u32::try_from(ttl_ms).map_err(|_| format!("--ttl-ms {ttl_ms}: too large"))
+}
+
+/// The id a worker takes without `--id`: `ROLE-HOST-PORT` from its published address, in
+/// `[A-Za-z0-9._-]`. The host is part of it because ports repeat across hosts, and the
+/// scheduler refuses a second live worker under one id.
+pub fn default_worker_id(role: &str, address: &str) -> String {
+    let mut id = String::with_capacity(role.len() + address.len() + 1);
+    id.push_str(role);
+    id.push('-');
+    for c in address.chars() {
+        let c = if c.is_ascii_alphanumeric() || c == '.' || c == '_' || c == '-' {
+            c
+        } else {
+            '-'
+        };
+        // `[fd00::1]:9` reads `fd00-1-9`, not `-fd00--1--9`.
+        if c != '-' || !id.ends_with('-') {
+            id.push(c);
+        }
+    }
+    if id.ends_with('-') {
+        id.pop();
+    }
+    id
+}
+
 /// `host:port` → `http://host:port`.
 pub fn normalize_url(s: &str) -> String {
     if s.starts_with("http://") || s.starts_with("https://") {
@@ -316,10 +357,19 @@ async fn register_static(
                 ))),
             };
         }
-        i.ttl_ms = ttl.as_millis() as u32;
-        c.register(i)
+        i.ttl_ms = u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX);
+        let granted = c
+            .register(i)
             .await
-            .map_err(|e| SchedError::Discovery(format!("register: {}", e.message())))?;
+            .map_err(|e| SchedError::Discovery(format!("register: {}", e.message())))?
+            .into_inner()
+            .ttl_ms;
+        // A scheduler that grants a shorter TTL than asked (its own limits) expires a worker
+        // that beats at a third of what it asked for.
+        let beat = match granted {
+            0 => beat,
+            g => beat.min((Duration::from_millis(g.into()) / 3).max(MIN_NUDGE_GAP)),
+        };
         pause(beat, stop, Some((nudge, MIN_NUDGE_GAP))).await;
     }
 }
@@ -349,7 +399,7 @@ async fn register_etcd(
             tracing::info!(worker = i.id, "left placement (lease revoked)");
             return Ok(());
         }
-        i.ttl_ms = ttl.as_millis() as u32;
+        i.ttl_ms = u32::try_from(ttl.as_millis()).unwrap_or(u32::MAX);
         let key = format!("{ETCD_PREFIX}{}", i.id);
         // Renewal alongside the put, not after it: a put waits for etcd's disk (fsync), and one
         // slow write on a busy disk must not let the lease run out.
@@ -493,14 +543,28 @@ fn etcd_err(e: etcd_client::Error) -> SchedError {
     SchedError::Discovery(format!("etcd: {e}"))
 }
 
-/// Mirrors the etcd worker prefix into the cluster view (reconnecting on errors).
+/// Mirrors the etcd worker prefix into the cluster view (reconnecting on errors). The view is
+/// marked live ([`Cluster::set_etcd_live`](crate::placement::Cluster::set_etcd_live)) once a
+/// snapshot is in it, and stale from now on and whenever the watch fails, until the next
+/// snapshot: meanwhile it misses every put and delete (load reports, lease expiries).
 pub fn spawn_etcd_watcher(
     eps: Vec<String>,
     cluster: Arc<Mutex<crate::placement::Cluster>>,
 ) -> tokio::task::JoinHandle<()> {
+    // Before the first call can be served: no snapshot yet.
+    if let Ok(mut c) = cluster.lock() {
+        c.set_etcd_live(false);
+    }
     tokio::spawn(async move {
         loop {
-            if let Err(e) = watch_etcd(&eps, &cluster).await {
+            let r = watch_etcd(&eps, &cluster).await;
+            if let Ok(mut c) = cluster.lock()
+                && c.etcd_live() == Some(true)
+            {
+                c.set_etcd_live(false);
+                tracing::warn!("etcd watch lost: placement defers to the routers' views");
+            }
+            if let Err(e) = r {
                 tracing::warn!("etcd watch: {e}; retrying");
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -537,6 +601,11 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
         }
         for kv in snap.kvs() {
             upsert_etcd(&mut cl, kv.key(), kv.value());
+        }
+        // Under the lock, so no placement reads the view half-updated as live.
+        if cl.etcd_live() != Some(true) {
+            cl.set_etcd_live(true);
+            tracing::info!(workers = cl.len(), "etcd view current");
         }
     }
     let rev = snap.header().map(|h| h.revision() + 1).unwrap_or(0);
@@ -580,7 +649,9 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
 
 #[cfg(test)]
 mod tests {
-    use super::{ETCD_PREFIX, advertised_address, etcd_entry, is_dialable};
+    use super::{
+        ETCD_PREFIX, advertised_address, check_ttl_ms, default_worker_id, etcd_entry, is_dialable,
+    };
     use dspark_proto::WorkerInfo;
     use prost::Message;
 
@@ -666,6 +737,40 @@ mod tests {
             let e = etcd_entry(&key(&bad.id), &bad.encode_to_vec()).unwrap_err();
             assert!(e.contains(says), "{says}: {e}");
         }
+    }
+
+    /// A TTL the scheduler would clamp is refused up front, and none is truncated to 32 bits
+    /// (2^32 + 3000 ms once read as 3 s).
+    #[test]
+    fn registration_ttls_are_what_the_scheduler_grants() {
+        assert_eq!(check_ttl_ms(200), Ok(200));
+        assert_eq!(check_ttl_ms(3000), Ok(3000));
+        assert_eq!(check_ttl_ms(60_000), Ok(60_000));
+        for bad in [0, 199, 60_001, (1 << 32) + 3000, u64::MAX] {
+            let e = check_ttl_ms(bad).unwrap_err();
+            assert!(
+                e.contains("--ttl-ms") && e.contains("200..=60000"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    /// Default ids name the host too (ports repeat across hosts), in characters any id takes.
+    #[test]
+    fn default_ids_name_host_and_port() {
+        assert_eq!(
+            default_worker_id("target", "10.0.0.1:50051"),
+            "target-10.0.0.1-50051"
+        );
+        assert_ne!(
+            default_worker_id("target", "10.0.0.1:50051"),
+            default_worker_id("target", "10.0.0.2:50051")
+        );
+        assert_eq!(
+            default_worker_id("draft", "tw-0.tw.ns.svc:9"),
+            "draft-tw-0.tw.ns.svc-9"
+        );
+        assert_eq!(default_worker_id("draft", "[fd00::1]:9"), "draft-fd00-1-9");
     }
 
     #[test]

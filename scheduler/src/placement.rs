@@ -103,6 +103,10 @@ pub struct Cluster {
     /// Per target worker: the prompt blocks placed there (kept across heartbeats).
     prefixes: HashMap<String, PrefixMemory>,
     affinity_slack: f64,
+    /// etcd discovery: whether the view mirrors etcd (a snapshot read, the watch up); None
+    /// with static registration. A stale mirror keeps dead workers and the placement counts
+    /// that only a watched load report resets.
+    etcd_live: Option<bool>,
 }
 
 impl Default for Cluster {
@@ -112,6 +116,7 @@ impl Default for Cluster {
             last_sweep: None,
             prefixes: HashMap::new(),
             affinity_slack: DEFAULT_AFFINITY_SLACK,
+            etcd_live: None,
         }
     }
 }
@@ -141,6 +146,21 @@ impl Cluster {
             i.load = i.load.saturating_add(e.placed);
             i
         })
+    }
+
+    /// Marks the view an etcd mirror, current or not (the etcd watcher does).
+    pub fn set_etcd_live(&mut self, live: bool) {
+        self.etcd_live = Some(live);
+    }
+
+    /// Whether the etcd mirror is current; None with static registration.
+    pub fn etcd_live(&self) -> Option<bool> {
+        self.etcd_live
+    }
+
+    /// The address worker `id` registered with.
+    pub fn address_of(&self, id: &str) -> Option<&str> {
+        self.workers.get(id).map(|e| e.info.address.as_str())
     }
 
     /// Registered workers.
@@ -327,6 +347,8 @@ impl Cluster {
             .values()
             .filter(|e| eligible(e, ROLE_DRAFT))
             .filter(|e| e.info.vocab_hash == vocab)
+            // A full draft worker is not paired: the target drafts locally instead.
+            .filter(|e| e.info.load.saturating_add(e.placed) < e.info.capacity.max(1))
             .min_by(|a, b| {
                 ratio(a)
                     .total_cmp(&ratio(b))
@@ -465,6 +487,38 @@ mod tests {
             gone.extend(c.expire(t0 + ms(100 * k)));
         }
         assert_eq!(gone, vec!["1".to_string()]);
+    }
+
+    /// A draft worker at capacity (reported load plus placements since) is not paired again;
+    /// the target then drafts locally (no draft in the placement).
+    #[test]
+    fn full_draft_workers_are_not_paired() {
+        let now = Instant::now();
+        let ttl = Duration::from_secs(5);
+        let mut c = Cluster::default();
+        c.upsert(w("1", ROLE_TARGET, 8, 0), ttl, now);
+        c.upsert(w("2", ROLE_DRAFT, 2, 1), ttl, now);
+        assert_eq!(
+            c.place("m", &[], &[]).unwrap().1.map(|d| d.id),
+            Some("2".to_string())
+        );
+        assert!(
+            c.place("m", &[], &[]).unwrap().1.is_none(),
+            "1 reported + 1 placed of 2"
+        );
+        // Another draft worker with room takes the pairing; capacity 0 counts as 1.
+        c.upsert(w("3", ROLE_DRAFT, 0, 0), ttl, now);
+        assert_eq!(
+            c.place("m", &[], &[]).unwrap().1.map(|d| d.id),
+            Some("3".to_string())
+        );
+        assert!(c.place("m", &[], &[]).unwrap().1.is_none());
+        // A load report with room pairs it again.
+        c.upsert(w("2", ROLE_DRAFT, 2, 0), ttl, now);
+        assert_eq!(
+            c.place("m", &[], &[]).unwrap().1.map(|d| d.id),
+            Some("2".to_string())
+        );
     }
 
     #[test]

@@ -13,13 +13,19 @@ use tonic::{Request, Response, Status};
 
 /// TTL granted when a worker asks for none (and the bounds on what it may ask for).
 pub const DEFAULT_TTL: Duration = Duration::from_secs(3);
-const MIN_TTL: Duration = Duration::from_millis(200);
-const MAX_TTL: Duration = Duration::from_secs(60);
+pub const MIN_TTL: Duration = Duration::from_millis(200);
+pub const MAX_TTL: Duration = Duration::from_secs(60);
 
 #[derive(Clone)]
 pub struct SchedulerService {
     pub cluster: Arc<Mutex<Cluster>>,
     started: Instant,
+    /// The longest TTL granted since the start (milliseconds): the static warm-up lasts one of
+    /// its heartbeats.
+    longest_ttl_ms: Arc<AtomicU64>,
+    /// The static warm-up has ended (for good: a long-TTL worker joining later does not
+    /// start it again).
+    warmed: Arc<std::sync::atomic::AtomicBool>,
     /// Placements by outcome (`placed`, `full`, `no_target`) and budgets computed.
     pub counts: Arc<Counts>,
 }
@@ -37,6 +43,8 @@ impl Default for SchedulerService {
         Self {
             cluster: Arc::default(),
             started: Instant::now(),
+            longest_ttl_ms: Arc::default(),
+            warmed: Arc::default(),
             counts: Arc::default(),
         }
     }
@@ -106,8 +114,13 @@ impl SchedulerService {
     }
 }
 
-/// After a (re)start, workers need up to a TTL to register again.
-const WARMUP: Duration = Duration::from_secs(3);
+/// Static registration: after a (re)start, workers need up to one heartbeat to register again
+/// (a third of their TTL), plus a second of slack for the call itself. The warm-up lasts at
+/// least [`WARMUP_MIN`], while no worker has checked in at most one heartbeat of the longest
+/// TTL allowed ([`WARMUP_MAX`]), and once workers are back one heartbeat of the longest TTL
+/// they were granted: workers on the default TTL end it at 3 s, long-TTL ones extend it.
+const WARMUP_MIN: Duration = Duration::from_secs(3);
+const WARMUP_MAX: Duration = Duration::from_millis(MAX_TTL.as_millis() as u64 / 3 + 1000);
 
 impl SchedulerService {
     /// Sweeps the view every [`crate::placement::SWEEP_PERIOD`], so that expiry happens on time
@@ -125,8 +138,26 @@ impl SchedulerService {
         });
     }
 
-    fn warming(&self) -> bool {
-        self.started.elapsed() < WARMUP
+    /// With etcd, until a snapshot is read and while the watch is down (a snapshot holds every
+    /// leased worker, so no time is needed); statically, until every worker has had a
+    /// heartbeat's time to check in.
+    fn warming(&self, c: &Cluster) -> bool {
+        match c.etcd_live() {
+            Some(live) => !live,
+            None => {
+                if self.warmed.load(Ordering::Relaxed) {
+                    return false;
+                }
+                let t = self.started.elapsed();
+                let beat =
+                    Duration::from_millis(self.longest_ttl_ms.load(Ordering::Relaxed) / 3 + 1000);
+                let warming = t < WARMUP_MIN || (t < WARMUP_MAX && (c.is_empty() || t < beat));
+                if !warming {
+                    self.warmed.store(true, Ordering::Relaxed);
+                }
+                warming
+            }
+        }
     }
 
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Cluster>, Status> {
@@ -153,6 +184,9 @@ pub const MAX_WORKERS: usize = 4096;
 const MAX_FIELD_BYTES: usize = 1024;
 const MAX_SPS_STEPS: usize = 8192;
 const MAX_COPY_FLOATS: usize = 1024;
+/// Most prefix hashes a placement request may carry: routers send at most
+/// [`crate::placement::PREFIX_BLOCKS_MAX`]; each is remembered per worker.
+pub const MAX_PREFIX_HASHES: usize = 4 * crate::placement::PREFIX_BLOCKS_MAX;
 
 pub(crate) fn check_info(i: &WorkerInfo) -> Result<(), Status> {
     if i.id.is_empty() || i.id.len() > 256 {
@@ -210,6 +244,19 @@ impl Scheduler for SchedulerService {
             Duration::from_millis(info.ttl_ms as u64).clamp(MIN_TTL, MAX_TTL)
         };
         let mut c = self.lock()?;
+        self.longest_ttl_ms
+            .fetch_max(ttl.as_millis() as u64, Ordering::Relaxed);
+        // Default ids (`target-<port>`) repeat across hosts: a live worker's entry must not be
+        // taken over by another's heartbeats. Expired entries are gone (`lock`), and a restart
+        // on the same address is the same worker.
+        if let Some(old) = c.address_of(&info.id)
+            && old != info.address
+        {
+            return Err(Status::already_exists(format!(
+                "worker id `{}` is registered by {old}, not {}: give each worker its own --id",
+                info.id, info.address
+            )));
+        }
         let new = !c.contains(&info.id);
         if new && c.len() >= MAX_WORKERS {
             return Err(Status::resource_exhausted(format!(
@@ -242,7 +289,23 @@ impl Scheduler for SchedulerService {
 
     async fn place(&self, req: Request<PlaceRequest>) -> Result<Response<Placement>, Status> {
         let r = req.into_inner();
-        let placed = self.lock()?.place(&r.model, &[], &r.prefix_hashes);
+        if r.prefix_hashes.len() > MAX_PREFIX_HASHES {
+            return Err(Status::invalid_argument(format!(
+                "{} prefix hashes (at most {MAX_PREFIX_HASHES})",
+                r.prefix_hashes.len()
+            )));
+        }
+        let mut c = self.lock()?;
+        // Routers place from their own view on Unavailable, which beats a view that fills up
+        // with dead workers' placements.
+        if c.etcd_live() == Some(false) {
+            return Err(Status::unavailable(
+                "scheduler view stale: etcd unreachable",
+            ));
+        }
+        let placed = c.place(&r.model, &[], &r.prefix_hashes);
+        let warming = self.warming(&c);
+        drop(c);
         let count = match &placed {
             Ok(_) => &self.counts.placed,
             Err(PlaceError::Full(_)) => &self.counts.full,
@@ -254,7 +317,7 @@ impl Scheduler for SchedulerService {
                 target: Some(t),
                 draft: d,
             })),
-            Err(PlaceError::NoTarget(_)) if self.warming() => Err(Status::unavailable(
+            Err(PlaceError::NoTarget(_)) if warming => Err(Status::unavailable(
                 "scheduler warming up (workers are registering)",
             )),
             Err(PlaceError::NoTarget(m)) => Err(Status::unavailable(format!(
@@ -327,9 +390,205 @@ impl Scheduler for SchedulerService {
     }
 
     async fn cluster(&self, _: Request<ClusterRequest>) -> Result<Response<ClusterView>, Status> {
+        let c = self.lock()?;
         Ok(Response::new(ClusterView {
-            workers: self.lock()?.workers(),
-            warming: self.warming(),
+            workers: c.workers(),
+            warming: self.warming(&c),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::ROLE_TARGET;
+
+    fn target(id: &str, address: &str) -> WorkerInfo {
+        WorkerInfo {
+            id: id.into(),
+            role: ROLE_TARGET.into(),
+            address: address.into(),
+            capacity: 1,
+            ..Default::default()
+        }
+    }
+
+    fn started_ago(secs: u64) -> SchedulerService {
+        SchedulerService {
+            started: Instant::now()
+                .checked_sub(Duration::from_secs(secs))
+                .expect("a clock that far back"),
+            ..Default::default()
+        }
+    }
+
+    /// A worker with a long TTL heartbeats every 10 s: a scheduler restarted 5 s ago (past
+    /// the old 3 s warm-up) may not have heard it yet, so routers must keep their views; once
+    /// workers on the default TTL are back, 3 s is enough.
+    #[tokio::test]
+    async fn static_warm_up_outlasts_the_longest_heartbeat() {
+        let empty = Cluster::default();
+        assert!(started_ago(2).warming(&empty));
+        assert!(started_ago(5).warming(&empty), "nobody back yet");
+        assert!(started_ago(19).warming(&empty));
+        assert!(!started_ago(22).warming(&empty));
+        let back = |ttl_ms: u32, ago: u64| async move {
+            let svc = started_ago(ago);
+            svc.register(Request::new(WorkerInfo {
+                ttl_ms,
+                ..target("t", "127.0.0.1:5")
+            }))
+            .await
+            .expect("registered");
+            let c = svc.cluster.lock().expect("lock");
+            svc.warming(&c)
+        };
+        assert!(back(0, 2).await);
+        assert!(!back(0, 5).await, "default TTL: heard within 3 s");
+        assert!(back(30_000, 5).await, "a 10 s heartbeat may not have come");
+        assert!(!back(30_000, 12).await);
+        // Once over, a long-TTL worker joining later does not start it again (routers would
+        // keep departed workers in their views meanwhile).
+        let svc = started_ago(5);
+        svc.register(Request::new(target("a", "127.0.0.1:5")))
+            .await
+            .expect("registered");
+        assert!(!svc.warming(&svc.cluster.lock().expect("lock")));
+        svc.register(Request::new(WorkerInfo {
+            ttl_ms: 60_000,
+            ..target("b", "127.0.0.1:6")
+        }))
+        .await
+        .expect("registered");
+        assert!(!svc.warming(&svc.cluster.lock().expect("lock")));
+    }
+
+    /// With etcd, a view without a snapshot (not yet, or the watch lost) is stale: placement
+    /// defers to the routers (Unavailable) instead of reading dead workers' placements as full,
+    /// and the cluster view says warming so routers keep theirs. A snapshot makes it live.
+    #[tokio::test]
+    async fn a_stale_etcd_view_defers_placement_and_reads_warming() {
+        let svc = started_ago(60);
+        let watcher = crate::discovery::spawn_etcd_watcher(
+            vec!["127.0.0.1:1".into()],
+            Arc::clone(&svc.cluster),
+        );
+        {
+            let mut c = svc.cluster.lock().expect("lock");
+            // Capacity 1, one placement already: full until a load report, which never comes.
+            c.upsert(
+                target("t", "127.0.0.1:5"),
+                Duration::from_secs(3600),
+                Instant::now(),
+            );
+            assert!(c.place("", &[], &[]).is_ok());
+        }
+        for _ in 0..2 {
+            let e = svc
+                .place(Request::new(PlaceRequest::default()))
+                .await
+                .expect_err("stale");
+            assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+            assert!(e.message().contains("etcd unreachable"), "{e:?}");
+            let v = svc
+                .cluster(Request::new(ClusterRequest {}))
+                .await
+                .expect("view")
+                .into_inner();
+            assert!(v.warming, "no snapshot read");
+            tokio::time::sleep(Duration::from_millis(600)).await;
+        }
+        watcher.abort();
+        // A snapshot (here its effect: the view live, the worker's load report read).
+        {
+            let mut c = svc.cluster.lock().expect("lock");
+            c.upsert(
+                target("t", "127.0.0.1:5"),
+                Duration::from_secs(3600),
+                Instant::now(),
+            );
+            c.set_etcd_live(true);
+        }
+        assert!(
+            svc.place(Request::new(PlaceRequest::default()))
+                .await
+                .is_ok()
+        );
+        let v = svc
+            .cluster(Request::new(ClusterRequest {}))
+            .await
+            .expect("view")
+            .into_inner();
+        assert!(!v.warming);
+    }
+
+    /// Routers send at most PREFIX_BLOCKS_MAX hashes; far more is refused, not remembered.
+    #[tokio::test]
+    async fn placements_with_too_many_prefix_hashes_are_refused() {
+        let svc = SchedulerService::default();
+        svc.register(Request::new(WorkerInfo {
+            capacity: 8,
+            ..target("t", "127.0.0.1:5")
+        }))
+        .await
+        .expect("registered");
+        let place = |n: usize| PlaceRequest {
+            prefix_hashes: (0..n as u64).collect(),
+            ..Default::default()
+        };
+        let e = svc
+            .place(Request::new(place(MAX_PREFIX_HASHES + 1)))
+            .await
+            .expect_err("too many");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(
+            e.message()
+                .contains(&format!("at most {MAX_PREFIX_HASHES}")),
+            "{e:?}"
+        );
+        svc.place(Request::new(place(crate::placement::PREFIX_BLOCKS_MAX)))
+            .await
+            .expect("what a router sends");
+    }
+
+    /// Two workers on different hosts with the same default id: the second is refused while the
+    /// first is live; the first may restart on its address, and once its entry expired the id
+    /// is free.
+    #[tokio::test]
+    async fn a_live_id_is_not_taken_over_from_another_address() {
+        let svc = SchedulerService::default();
+        let (a, b) = ("10.0.0.1:50051", "10.0.0.2:50051");
+        svc.register(Request::new(target("target-50051", a)))
+            .await
+            .expect("first");
+        let e = svc
+            .register(Request::new(target("target-50051", b)))
+            .await
+            .expect_err("taken");
+        assert_eq!(e.code(), tonic::Code::AlreadyExists, "{e:?}");
+        for want in ["target-50051", a, b, "--id"] {
+            assert!(e.message().contains(want), "{want}: {e:?}");
+        }
+        assert_eq!(
+            svc.lock().expect("lock").address_of("target-50051"),
+            Some(a)
+        );
+        svc.register(Request::new(target("target-50051", a)))
+            .await
+            .expect("a restart on the same address");
+        {
+            let mut c = svc.cluster.lock().expect("lock");
+            let past = Instant::now()
+                .checked_sub(Duration::from_secs(10))
+                .expect("a clock that far back");
+            c.upsert(target("target-50051", a), Duration::from_secs(3), past);
+        }
+        svc.register(Request::new(target("target-50051", b)))
+            .await
+            .expect("the expired id is free");
+        assert_eq!(
+            svc.lock().expect("lock").address_of("target-50051"),
+            Some(b)
+        );
     }
 }

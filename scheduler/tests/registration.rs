@@ -1,11 +1,12 @@
 //! A worker's registration against a real scheduler service on loopback: heartbeats keep it in
 //! the view, `leave` takes it out at once (long before its TTL), and one dropped without
 //! leaving keeps heartbeating at its pace instead of spinning; a nudge brings the next load
-//! report forward, so placement sees room as soon as a request ends.
+//! report forward, so placement sees room as soon as a request ends; and a worker paces its
+//! heartbeats by the TTL the scheduler granted.
 
 use dspark_proto::WorkerInfo;
 use dspark_proto::scheduler_client::SchedulerClient;
-use dspark_proto::scheduler_server::SchedulerServer;
+use dspark_proto::scheduler_server::{Scheduler, SchedulerServer};
 use dspark_scheduler::discovery::{Discovery, MIN_NUDGE_GAP, Nudge, spawn_registrar};
 use dspark_scheduler::service::SchedulerService;
 use std::sync::Arc;
@@ -291,4 +292,81 @@ async fn oversized_registrations_are_refused_and_extreme_counts_answer() {
         .into_inner();
     assert_eq!(r.k_total, 0, "no room in a batch already past the table");
     assert_eq!(r.for_step, u64::MAX);
+}
+
+/// A scheduler that grants every worker `ttl_ms`, whatever it asked for (one with tighter
+/// limits than the worker's).
+struct Granting(SchedulerService, u32);
+
+#[tonic::async_trait]
+impl Scheduler for Granting {
+    async fn register(
+        &self,
+        req: tonic::Request<WorkerInfo>,
+    ) -> Result<tonic::Response<dspark_proto::RegisterReply>, tonic::Status> {
+        let mut r = self.0.register(req).await?;
+        r.get_mut().ttl_ms = self.1;
+        Ok(r)
+    }
+    async fn deregister(
+        &self,
+        req: tonic::Request<dspark_proto::WorkerId>,
+    ) -> Result<tonic::Response<dspark_proto::RegisterReply>, tonic::Status> {
+        self.0.deregister(req).await
+    }
+    async fn place(
+        &self,
+        req: tonic::Request<dspark_proto::PlaceRequest>,
+    ) -> Result<tonic::Response<dspark_proto::Placement>, tonic::Status> {
+        self.0.place(req).await
+    }
+    async fn cluster(
+        &self,
+        req: tonic::Request<dspark_proto::ClusterRequest>,
+    ) -> Result<tonic::Response<dspark_proto::ClusterView>, tonic::Status> {
+        self.0.cluster(req).await
+    }
+    async fn budget(
+        &self,
+        req: tonic::Request<dspark_proto::BudgetRequest>,
+    ) -> Result<tonic::Response<dspark_proto::BudgetReply>, tonic::Status> {
+        self.0.budget(req).await
+    }
+}
+
+/// A worker granted a shorter TTL than it asked for heartbeats at a third of the grant, not of
+/// its own TTL (which would let the scheduler expire it between beats).
+#[tokio::test]
+async fn heartbeats_follow_the_granted_ttl() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(
+        dspark_scheduler::grpc_server()
+            .add_service(SchedulerServer::new(Granting(
+                SchedulerService::default(),
+                600,
+            )))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let beats = Arc::new(AtomicUsize::new(0));
+    // Asks for 30 s: its own beat is 10 s away.
+    let _r = spawn_registrar(
+        Discovery::Static(url.clone()),
+        Duration::from_secs(30),
+        worker("w", beats.clone()),
+        Nudge::default(),
+    );
+    until("registration", Duration::from_secs(5), async || {
+        ids(&url).await == ["w"]
+    })
+    .await;
+    let b0 = beats.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let n = beats.load(Ordering::SeqCst) - b0;
+    assert!(
+        (3..=8).contains(&n),
+        "{n} heartbeats in 1 s for a 600 ms grant"
+    );
 }

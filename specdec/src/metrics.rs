@@ -26,8 +26,12 @@ pub struct RequestMetrics {
     /// Drafted tokens that were verified and rejected (or cut by a stop condition).
     pub wasted_tokens: usize,
     /// `proposed[k]`, `accepted[k]`: drafts at block position k (0-based) and how many survived.
+    /// `proposed[k]` counts every block drafted past k, also those rejected before k.
     pub proposed_at: Vec<usize>,
     pub accepted_at: Vec<usize>,
+    /// `reached[k]`: blocks drafted past k whose drafts before k were all accepted (the target
+    /// judged position k itself).
+    pub reached_at: Vec<usize>,
     /// `prefix_hist[a]`: verifications that accepted exactly `a` drafts.
     pub prefix_hist: Vec<usize>,
     pub draft_s: f64,
@@ -69,8 +73,14 @@ impl RequestMetrics {
             self.proposed_at.resize(drafted, 0);
             self.accepted_at.resize(drafted, 0);
         }
+        if self.reached_at.len() < drafted {
+            self.reached_at.resize(drafted, 0);
+        }
         for k in 0..drafted {
             self.proposed_at[k] += 1;
+            if k <= accepted {
+                self.reached_at[k] += 1;
+            }
             if k < accepted {
                 self.accepted_at[k] += 1;
             }
@@ -88,8 +98,23 @@ impl RequestMetrics {
         self.bonus_tokens += bonus as usize;
     }
 
-    /// Conditional acceptance at each block position: P(accept k | reached k).
+    /// Conditional acceptance at each block position: P(accept k | drafts before k accepted),
+    /// over the blocks that reached k (0 where none did).
     pub fn accept_per_pos(&self) -> Vec<f64> {
+        self.accepted_at
+            .iter()
+            .enumerate()
+            .map(|(k, &a)| match self.reached_at.get(k) {
+                Some(&r) if r > 0 => a as f64 / r as f64,
+                _ => 0.0,
+            })
+            .collect()
+    }
+
+    /// Prefix survival at each block position: P(accepted > k | drafted > k), over every block
+    /// drafted past k (0 where none was). The product of [`Self::accept_per_pos`] up to k
+    /// where every block drafts as far.
+    pub fn survival_per_pos(&self) -> Vec<f64> {
         self.proposed_at
             .iter()
             .zip(&self.accepted_at)
@@ -153,6 +178,7 @@ impl RequestMetrics {
         for (dst, src) in [
             (&mut self.proposed_at, &o.proposed_at),
             (&mut self.accepted_at, &o.accepted_at),
+            (&mut self.reached_at, &o.reached_at),
             (&mut self.prefix_hist, &o.prefix_hist),
         ] {
             if dst.len() < src.len() {
@@ -190,6 +216,7 @@ impl RequestMetrics {
             "bonus_rate": if self.spec_calls == 0 { 0.0 } else { self.bonus_tokens as f64 / self.spec_calls as f64 },
             "wasted_tokens": self.wasted_tokens,
             "accept_per_pos": self.accept_per_pos(),
+            "survival_per_pos": self.survival_per_pos(),
             "accepted_prefix_hist": self.prefix_hist,
             "draft_s": self.draft_s, "verify_s": self.verify_s, "accept_s": self.accept_s, "rollback_s": self.rollback_s,
             "ttft_s": self.ttft_s, "tpot_s": self.tpot_s(), "itl_mean_s": itl_mean, "e2e_s": self.e2e_s,
@@ -208,9 +235,50 @@ mod tests {
         m.record_block(0, 0, true);
         assert_eq!(m.proposed_at, vec![2, 2, 2, 2]);
         assert_eq!(m.accepted_at, vec![2, 2, 1, 1]);
+        // The first block's target judged positions 0..=2 (it rejected 2); position 3 it never
+        // reached.
+        assert_eq!(m.reached_at, vec![2, 2, 2, 1]);
         assert_eq!(m.prefix_hist, vec![0, 0, 1, 0, 1]);
         assert_eq!(m.wasted_tokens, 2);
-        assert_eq!(m.accept_per_pos(), vec![1.0, 1.0, 0.5, 0.5]);
+        // Conditional: position 3 was accepted every time it was reached.
+        assert_eq!(m.accept_per_pos(), vec![1.0, 1.0, 0.5, 1.0]);
+        assert_eq!(m.survival_per_pos(), vec![1.0, 1.0, 0.5, 0.5]);
+        let s = m.summary();
+        assert_eq!(s["accept_per_pos"][3].as_f64(), Some(1.0));
+        assert_eq!(s["survival_per_pos"][3].as_f64(), Some(0.5));
+    }
+
+    #[test]
+    fn conditional_acceptance_counts_only_blocks_that_reached_the_position() {
+        // Three blocks of 3: rejected at 0, rejected at 1, all accepted.
+        let mut m = RequestMetrics::default();
+        m.record_block(3, 0, false);
+        m.record_block(3, 1, false);
+        m.record_block(3, 3, true);
+        assert_eq!(m.reached_at, vec![3, 2, 1]);
+        assert_eq!(m.accept_per_pos(), vec![2.0 / 3.0, 0.5, 1.0]);
+        assert_eq!(m.survival_per_pos(), vec![2.0 / 3.0, 1.0 / 3.0, 1.0 / 3.0]);
+        // Survival is the running product of conditional acceptance when all draft as far.
+        let prod: Vec<f64> = m
+            .accept_per_pos()
+            .iter()
+            .scan(1.0, |p, &a| {
+                *p *= a;
+                Some(*p)
+            })
+            .collect();
+        for (p, s) in prod.iter().zip(m.survival_per_pos()) {
+            assert!((p - s).abs() < 1e-12, "{prod:?}");
+        }
+        // Merged totals keep the counts, and a position nobody reached reads 0.
+        let mut tot = RequestMetrics::default();
+        tot.merge(&m);
+        tot.merge(&m);
+        assert_eq!(tot.reached_at, vec![6, 4, 2]);
+        assert_eq!(tot.accept_per_pos(), m.accept_per_pos());
+        let mut never = RequestMetrics::default();
+        never.record_block(2, 0, false);
+        assert_eq!(never.accept_per_pos(), vec![0.0, 0.0]);
     }
 
     #[test]
@@ -251,6 +319,7 @@ mod tests {
         assert_eq!(tot.completion_tokens, 500_000);
         assert_eq!(tot.proposed_at, vec![500; 3]);
         assert_eq!(tot.accepted_at, vec![500, 0, 0]);
+        assert_eq!(tot.reached_at, vec![500, 500, 0]);
         assert!(tot.conf_blocks.is_empty());
         assert!(
             (TOTALS_ITL_CAP..=2 * TOTALS_ITL_CAP).contains(&tot.itl_s.len()),

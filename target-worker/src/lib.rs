@@ -57,9 +57,10 @@ pub struct TargetArgs {
     /// etcd endpoints (comma-separated); registration through an etcd lease instead.
     #[arg(long, env = "DSPARK_ETCD")]
     pub etcd: Option<String>,
-    /// Worker id (default: target-<port>).
+    /// Worker id (default: target-<host>-<port> of the published address).
     #[arg(long, env = "DSPARK_WORKER_ID")]
     pub id: Option<String>,
+    /// Registration TTL in milliseconds (200..=60000, what the scheduler grants).
     #[arg(long, env = "DSPARK_TTL_MS", default_value_t = 3000)]
     pub ttl_ms: u64,
     /// Default draft length.
@@ -170,6 +171,8 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         )));
     }
     sps::check_grid(&args.sps_grid, &args.sps_ctx).map_err(TargetError::Config)?;
+    let ttl_ms =
+        dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms).map_err(TargetError::Config)?;
     let fallback_kind = specdec::ProposerKind::parse(&args.fallback, None)?;
     if !matches!(
         fallback_kind,
@@ -218,10 +221,12 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     socket.bind(args.listen)?;
     let addr = socket.local_addr()?;
     let advertised = advertise(addr)?;
-    let id = args
-        .id
-        .clone()
-        .unwrap_or_else(|| format!("target-{}", addr.port()));
+    let id = args.id.clone().unwrap_or_else(|| {
+        dspark_scheduler::discovery::default_worker_id(
+            dspark_scheduler::placement::ROLE_TARGET,
+            &advertised,
+        )
+    });
     let shared = Arc::new(remote::RemoteShared::default());
     let rt = tokio::runtime::Handle::current();
     let (a2, sh2, id2) = (args.clone(), Arc::clone(&shared), id.clone());
@@ -318,7 +323,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         load: 0,
         drafter: args.local_drafter.clone().unwrap_or_default(),
         max_context: max_ctx as u32,
-        ttl_ms: args.ttl_ms as u32,
+        ttl_ms,
         feature_layers: Vec::new(),
         max_gamma: args.gamma as u32,
         sps: handles
@@ -352,7 +357,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         let (info2, l2) = (info.clone(), Arc::clone(&load));
         dspark_scheduler::discovery::spawn_registrar(
             disc,
-            Duration::from_millis(args.ttl_ms),
+            Duration::from_millis(ttl_ms.into()),
             Arc::new({
                 let counters = counters.clone();
                 let tp_links = tp_links.clone();

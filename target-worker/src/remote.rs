@@ -18,6 +18,33 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Estimated bytes (either way) one drafting round carries at most: a quarter of what a gRPC
+/// message may hold. One round for every request on a link overflowed the message limit on
+/// sampled traffic (dense q rows of the whole vocabulary come back: 196 KB a drafted position
+/// on SmolLM2, about 20 requests at γ = 4), and the link dropped and resent everything,
+/// every step.
+const ROUND_BYTES: u64 = dspark_proto::MAX_MESSAGE_BYTES as u64 / 4;
+
+/// Rounds of (link, bytes, request index) items: per link in order, a new round whenever
+/// the next item would take the round past `limit` (an item larger than `limit` goes alone).
+fn pack_rounds(items: Vec<(String, u64, usize)>, limit: u64) -> Vec<(String, Vec<usize>)> {
+    let mut rounds: Vec<(String, u64, Vec<usize>)> = Vec::new();
+    let mut open: HashMap<String, usize> = HashMap::new();
+    for (addr, bytes, i) in items {
+        match open.get(&addr).map(|&r| &mut rounds[r]) {
+            Some(r) if r.1 + bytes <= limit => {
+                r.1 += bytes;
+                r.2.push(i);
+            }
+            _ => {
+                open.insert(addr.clone(), rounds.len());
+                rounds.push((addr, bytes, vec![i]));
+            }
+        }
+    }
+    rounds.into_iter().map(|(a, _, idx)| (a, idx)).collect()
+}
+
 /// Feature rows kept per request for resending after a draft worker lost its state (DSpark
 /// conditions on the last few dozen positions only).
 const KEEP_ROWS: usize = 64;
@@ -44,10 +71,29 @@ pub struct RemoteShared {
 #[derive(Default)]
 struct LinkShared {
     up: AtomicBool,
+    /// A round on this link ran past the drafting timeout and nothing has come back since: its
+    /// requests draft locally, without waiting, until a reply (even a late one) or a new
+    /// stream shows the worker answers again, or [`STALL_RETRY`] has passed (one more round
+    /// then tries it). A draft worker that stalls with its connection open (a paused or
+    /// overloaded process) otherwise cost every step of the whole batch the full timeout.
+    stalled: Mutex<Option<Instant>>,
     generation: AtomicU64,
     calls: Mutex<Option<tokio::sync::mpsc::Sender<DraftCall>>>,
     pending: Mutex<HashMap<u64, std::sync::mpsc::Sender<(DraftReply, Instant)>>>,
     info: Mutex<Option<WorkerInfo>>,
+}
+
+/// How long a stalled link's requests draft locally before one round tries it again.
+const STALL_RETRY: Duration = Duration::from_secs(2);
+
+impl LinkShared {
+    /// Stalled, and not yet due for another try.
+    fn is_stalled(&self) -> bool {
+        self.stalled
+            .lock()
+            .map(|s| s.is_some_and(|t| t.elapsed() < STALL_RETRY))
+            .unwrap_or(false)
+    }
 }
 
 struct Link {
@@ -198,6 +244,9 @@ async fn run_link(
     *s.info.lock().map_err(|e| e.to_string())? = Some(info);
     *s.calls.lock().map_err(|e| e.to_string())? = Some(tx);
     s.generation.fetch_add(1, Ordering::SeqCst);
+    if let Ok(mut st) = s.stalled.lock() {
+        *st = None;
+    }
     s.up.store(true, Ordering::SeqCst);
     tracing::info!(draft = addr, "draft worker connected");
     while let Some(rep) = replies
@@ -205,6 +254,14 @@ async fn run_link(
         .await
         .map_err(|e| e.message().to_string())?
     {
+        if s.stalled
+            .lock()
+            .map_err(|e| e.to_string())?
+            .take()
+            .is_some()
+        {
+            tracing::info!(draft = addr, "draft worker answers again");
+        }
         // Replies nobody waits for any more (late, or the hello's) are dropped.
         let waiter = s
             .pending
@@ -440,20 +497,53 @@ impl RemoteProposer {
         }
     }
 
-    /// Requests by the (up) draft worker they are paired with; the rest draft locally.
-    fn groups(&mut self, reqs: &[ProposeReq<'_>]) -> HashMap<String, Vec<usize>> {
-        let mut groups: HashMap<String, Vec<usize>> = HashMap::new();
+    /// Requests by the (up) draft worker they are paired with, in rounds of at most
+    /// [`ROUND_BYTES`] estimated each way; the rest draft locally.
+    fn groups(&mut self, reqs: &[ProposeReq<'_>]) -> Vec<(String, Vec<usize>)> {
+        let mut items = Vec::new();
         for (i, r) in reqs.iter().enumerate() {
             if r.k == 0 {
                 continue;
             }
             if let Some(a) = self.link_for(r.id) {
-                if self.links[&a].shared.up.load(Ordering::SeqCst) {
-                    groups.entry(a).or_default().push(i);
+                let l = &self.links[&a].shared;
+                if l.up.load(Ordering::SeqCst) && !l.is_stalled() {
+                    let b = self.round_bytes(r, &a);
+                    items.push((a, b, i));
                 }
             }
         }
-        groups
+        pack_rounds(items, ROUND_BYTES)
+    }
+
+    /// What drafting `r` on `addr` puts on the wire, at most, one way: its unacknowledged
+    /// tokens and feature rows going, or its drafts coming back (dense q rows of the whole
+    /// vocabulary when it samples), whichever is larger.
+    fn round_bytes(&self, r: &ProposeReq<'_>, addr: &str) -> u64 {
+        let rl = self.layers().len() * self.d_model;
+        let (tokens, rows) = match self.reqs.get(&r.id) {
+            Some(rs) if rs.link == addr => {
+                let fed = rs.feat_base + rs.feats.len() / rl.max(1);
+                (
+                    r.context.len().saturating_sub(rs.tokens_acked),
+                    fed.saturating_sub(rs.feats_acked.max(rs.feat_base)),
+                )
+            }
+            Some(rs) => (r.context.len(), rs.feats.len() / rl.max(1)),
+            None => (r.context.len(), 0),
+        };
+        let elem = match self.feature_dtype {
+            Dtype::F32 => 4,
+            _ => 2,
+        };
+        let going = 4 * tokens as u64 + (rows * rl * elem) as u64;
+        let q = if r.params.temperature > 0.0 {
+            4 * self.vocab as u64
+        } else {
+            0
+        };
+        let coming = r.k as u64 * (16 + q);
+        going.max(coming) + 64
     }
 
     /// Sends one round for `idx` of `reqs` to `addr`: per request only what the draft worker
@@ -576,6 +666,28 @@ impl RemoteProposer {
     }
 
     /// A round that will not be collected: stop waiting for it (a late reply is dropped).
+    /// Forgets a round that ran past the drafting timeout and marks its link stalled.
+    fn stall(&self, round: &Round) {
+        self.forget(round);
+        let Some(l) = self.links.get(&round.addr) else {
+            return;
+        };
+        let was = l
+            .shared
+            .stalled
+            .lock()
+            .map(|mut s| s.replace(Instant::now()).is_some())
+            .unwrap_or(true);
+        if !was {
+            tracing::warn!(
+                draft = round.addr,
+                step = round.step,
+                timeout_ms = self.timeout.as_millis() as u64,
+                "draft worker late; drafting locally until it answers"
+            );
+        }
+    }
+
     fn forget(&self, round: &Round) {
         if let Some(l) = self.links.get(&round.addr) {
             if let Ok(mut p) = l.shared.pending.lock() {
@@ -783,26 +895,35 @@ impl Proposer for RemoteProposer {
                 }
                 continue;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            // A stalled link's round is not waited for (a reply already in counts).
+            let stalled = self
+                .links
+                .get(&round.addr)
+                .is_some_and(|l| l.shared.is_stalled());
+            let left = if stalled {
+                Duration::ZERO
+            } else {
+                deadline.saturating_duration_since(Instant::now())
+            };
             let rep = match round.ready.take() {
                 Some(r) => Ok(r),
                 None => round.rx.recv_timeout(left),
             };
-            if let Ok(rep) = rep {
-                self.apply(&round, &rep, reqs, &ids, &mut out);
-            } else {
-                self.forget(&round);
+            match rep {
+                Ok(rep) => self.apply(&round, &rep, reqs, &ids, &mut out),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !stalled => self.stall(&round),
+                Err(_) => self.forget(&round),
             }
         }
         self.prefetched = keep;
         // 2. The rest: one round per draft worker now.
         let missing: Vec<usize> = (0..reqs.len()).filter(|&i| out[i].is_none()).collect();
         if !missing.is_empty() {
-            let mut sub_groups: HashMap<String, Vec<usize>> = HashMap::new();
+            let mut sub_groups: Vec<(String, Vec<usize>)> = Vec::new();
             for (addr, idx) in self.groups(reqs) {
                 let v: Vec<usize> = idx.into_iter().filter(|i| out[*i].is_none()).collect();
                 if !v.is_empty() {
-                    sub_groups.insert(addr, v);
+                    sub_groups.push((addr, v));
                 }
             }
             let mut rounds = Vec::new();
@@ -815,12 +936,9 @@ impl Proposer for RemoteProposer {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match round.rx.recv_timeout(left) {
                     Ok(rep) => self.apply(&round, &rep, reqs, &ids, &mut out),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => self.stall(&round),
                     Err(_) => {
-                        tracing::debug!(
-                            draft = round.addr,
-                            step = round.step,
-                            "draft round late or lost"
-                        );
+                        tracing::debug!(draft = round.addr, step = round.step, "draft round lost");
                         self.forget(&round);
                     }
                 }
@@ -906,6 +1024,48 @@ mod tests {
         let many: Vec<u32> = (0..MAX_FEATURE_LAYERS as u32 + 1).collect();
         assert!(check_feature_layers(&many, 64).is_err());
         assert!(check_feature_layers(&vec![0; 10_000_000], 30).is_err());
+    }
+
+    /// Sampled requests on SmolLM2 (49152 tokens) at γ = 7 bring back 1.4 MB of q each: a
+    /// round for all 32 on one link (44 MB) is past the 16 MiB message limit, so rounds are
+    /// cut at a quarter of it, per link, in order.
+    #[test]
+    fn drafting_rounds_stay_under_the_message_limit() {
+        let per = 7 * (16 + 4 * 49_152) + 64;
+        let items: Vec<(String, u64, usize)> =
+            (0..32).map(|i| (format!("d{}", i % 2), per, i)).collect();
+        let rounds = pack_rounds(items, ROUND_BYTES);
+        assert!(rounds.len() > 4, "{}", rounds.len());
+        let mut seen: Vec<usize> = Vec::new();
+        for (addr, idx) in &rounds {
+            assert!(idx.len() as u64 * per <= ROUND_BYTES, "{idx:?}");
+            assert!(idx.iter().all(|i| format!("d{}", i % 2) == *addr));
+            assert!(idx.windows(2).all(|w| w[0] < w[1]));
+            seen.extend(idx);
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, (0..32).collect::<Vec<_>>());
+        // Greedy requests bring back token ids only: one round per link.
+        let small: Vec<(String, u64, usize)> =
+            (0..32).map(|i| (format!("d{}", i % 2), 200, i)).collect();
+        assert_eq!(pack_rounds(small, ROUND_BYTES).len(), 2);
+        // One item past the limit still goes, alone.
+        let r = pack_rounds(
+            vec![
+                ("a".into(), 10, 0),
+                ("a".into(), ROUND_BYTES + 1, 1),
+                ("a".into(), 10, 2),
+            ],
+            ROUND_BYTES,
+        );
+        assert_eq!(
+            r,
+            [
+                ("a".into(), vec![0]),
+                ("a".into(), vec![1]),
+                ("a".into(), vec![2])
+            ]
+        );
     }
 
     fn block(

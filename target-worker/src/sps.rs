@@ -43,7 +43,7 @@ pub fn key_for(name: &str, path: &Path, model: &Model, grid: &[usize], ctxs: &[u
     };
     SpsKey {
         model: name.to_string(),
-        model_bytes: std::fs::metadata(path).map(|m| m.len()).unwrap_or(0),
+        model_bytes: model_bytes(path),
         dtype: if path.is_dir() {
             "hf".into()
         } else {
@@ -72,6 +72,37 @@ pub fn key_for(name: &str, path: &Path, model: &Model, grid: &[usize], ctxs: &[u
         grid: set(grid),
         ctxs: set(ctxs),
     }
+}
+
+/// The size of a model's weights and config: the file itself, or for a Hugging Face directory
+/// the sum over its weight files (`*.safetensors`, `*.bin`, `*.gguf`) and `config.json`. A
+/// directory's own size (4096 on most file systems) would let one checkpoint's profile stand
+/// for another's. 0 when unreadable.
+fn model_bytes(path: &Path) -> u64 {
+    let Ok(meta) = std::fs::metadata(path) else {
+        return 0;
+    };
+    if !meta.is_dir() {
+        return meta.len();
+    }
+    let Ok(entries) = std::fs::read_dir(path) else {
+        return 0;
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            name == "config.json"
+                || [".safetensors", ".bin", ".gguf"]
+                    .iter()
+                    .any(|ext| name.ends_with(ext))
+        })
+        // Followed through links: a Hugging Face cache snapshot links its files to blobs.
+        .filter_map(|e| std::fs::metadata(e.path()).ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .fold(0u64, u64::saturating_add)
 }
 
 /// Measures the key's grid and contexts (`reps` interleaved passes) and builds the artifact.
@@ -117,6 +148,35 @@ pub fn load_or_profile(home: &Path, key: SpsKey, model: &Model) -> crate::Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A Hugging Face directory is sized by its weights and config, so two checkpoints in
+    /// directories (both 4096 bytes as entries) get different profile keys.
+    #[test]
+    fn directory_models_are_sized_by_their_weights() {
+        let dir = std::env::temp_dir().join(format!(
+            "dspark-sps-bytes-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("sub")).expect("temp dir");
+        let write = |name: &str, n: usize| {
+            std::fs::write(dir.join(name), vec![0u8; n]).expect("write");
+        };
+        write("config.json", 10);
+        write("model-00001-of-00002.safetensors", 1000);
+        write("model-00002-of-00002.safetensors", 500);
+        write("README.md", 7777);
+        write("tokenizer.json", 3333);
+        assert_eq!(model_bytes(&dir), 1510);
+        // Another checkpoint of the same layout differs.
+        write("model-00002-of-00002.safetensors", 501);
+        assert_eq!(model_bytes(&dir), 1511);
+        // A file is its own size; a missing path is 0.
+        assert_eq!(model_bytes(&dir.join("README.md")), 7777);
+        assert_eq!(model_bytes(&dir.join("missing")), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn grids_a_profile_cannot_measure_are_refused() {

@@ -1635,6 +1635,64 @@ async fn draft_worker_killed_mid_stream_loses_nothing() {
     assert_eq!(ids_of(&v), want[..24].to_vec());
 }
 
+/// A draft worker that stops answering with its connection open (SIGSTOP: a paused or
+/// overloaded process) costs its requests one drafting timeout, then they draft locally
+/// until it answers again; it used to cost every step of the batch the full timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_draft_worker_costs_one_timeout_not_every_step() {
+    let _s = serial();
+    let c = start_cluster(1, 1, &["--draft-timeout-ms", "1000"]);
+    wait_for("cluster", Duration::from_secs(120), || ready(&c.url, 1, 1)).await;
+    let prompt = PROMPTS[2];
+    let (want, _) = greedy(prompt, 48);
+    let remote = |v: &Value| {
+        v["usage"]["dspark"]["remote_draft_cycles"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let mut drafted_remotely = false;
+    for _ in 0..40 {
+        let v = complete(&c.url, prompt, 8).await;
+        if remote(&v) > 0 {
+            drafted_remotely = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(drafted_remotely, "drafting went through the draft worker");
+    c.drafts[0].signal("STOP");
+    let t0 = std::time::Instant::now();
+    let v = complete(&c.url, prompt, 48).await;
+    let took = t0.elapsed();
+    c.drafts[0].signal("CONT");
+    assert_eq!(
+        ids_of(&v),
+        want,
+        "greedy output while the draft worker is stalled"
+    );
+    let steps = v["usage"]["dspark"]["fallback_draft_cycles"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(steps > 4, "drafted locally meanwhile: {v}");
+    // One timeout, and one more try every 2 s: far from a second a step.
+    assert!(
+        took < Duration::from_secs(10),
+        "{took:?} for {steps} local drafting cycles"
+    );
+    // Answering again, it drafts again.
+    let mut back = false;
+    for _ in 0..40 {
+        let v = complete(&c.url, prompt, 8).await;
+        assert_eq!(ids_of(&v), want[..ids_of(&v).len()].to_vec());
+        if remote(&v) > 0 {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(back, "remote drafting resumed");
+}
+
 /// The scheduler's view of the one target worker's load.
 async fn scheduler_load(sched: &str) -> u32 {
     let Ok(mut c) =
