@@ -3,7 +3,7 @@
 
 use dspark_proto::scheduler_client::SchedulerClient;
 use dspark_proto::target_worker_client::TargetWorkerClient;
-use dspark_proto::{ClusterRequest, PlaceRequest, WorkerInfo};
+use dspark_proto::{ClusterRequest, InfoRequest, PlaceRequest, WorkerInfo};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -79,6 +79,39 @@ impl Cluster {
         });
     }
 
+    /// Without a scheduler, asks each static target worker for its own description every
+    /// `period` (at once, then again): its context and capacity (`max_running`) replace the
+    /// placeholders a `--targets` entry starts with (no context known: chat answers were not
+    /// trimmed to fit and too long a prompt reached the worker; capacity 16 whatever the
+    /// worker runs). Its id, role and address stay the list's.
+    pub fn spawn_static_info(self: &Arc<Self>, period: Duration) {
+        if self.scheduler.is_some() {
+            return;
+        }
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                for t in me.targets() {
+                    let Ok(mut c) = me.target_client(&t.address) else {
+                        continue;
+                    };
+                    let r = tokio::time::timeout(SCHEDULER_TIMEOUT, c.info(InfoRequest {})).await;
+                    let Ok(Ok(i)) = r else { continue };
+                    let i = i.into_inner();
+                    if let Ok(mut w) = me.view.write()
+                        && let Some(e) = w.iter_mut().find(|w| w.id == t.id)
+                    {
+                        e.max_context = i.max_context;
+                        if i.capacity > 0 {
+                            e.capacity = i.capacity;
+                        }
+                    }
+                }
+                tokio::time::sleep(period).await;
+            }
+        });
+    }
+
     /// Drops the channels and load counts of workers no longer in the view (pods come and go
     /// with every rollout, each at a new address; a router lives through many). Streams still
     /// open to a departed worker keep their own handle on its channel.
@@ -107,6 +140,18 @@ impl Cluster {
             .into_iter()
             .filter(|w| w.role == dspark_scheduler::placement::ROLE_TARGET)
             .collect()
+    }
+
+    /// The context a request for `model` must fit: the smallest among its target workers
+    /// that published one (a prompt that fits it fits wherever it is placed), 0 when none did.
+    pub fn context_for(&self, model: &str) -> u32 {
+        self.targets()
+            .iter()
+            .filter(|w| model.is_empty() || w.model.is_empty() || w.model == model)
+            .map(|w| w.max_context)
+            .filter(|&c| c > 0)
+            .min()
+            .unwrap_or(0)
     }
 
     /// Sum of target capacities (admission control).

@@ -192,6 +192,7 @@ impl App {
         }
         let cluster = cluster::Cluster::new(args.scheduler.clone(), statics);
         cluster.spawn_refresh(Duration::from_millis(500));
+        cluster.spawn_static_info(Duration::from_secs(10));
         Ok(Arc::new(Self {
             tok,
             template,
@@ -414,7 +415,7 @@ async fn tokenize(
         .tok
         .encode_with_plain(&text, &plain)
         .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("prompt")))?;
-    let max_len = app.cluster.targets().first().map_or(0, |t| t.max_context);
+    let max_len = app.cluster.context_for(&app.model);
     Ok(Json(
         json!({"count": ids.len(), "max_model_len": max_len, "tokens": ids}),
     ))
@@ -1375,8 +1376,9 @@ async fn serve(
     // Chat without max_tokens: what fits, up to the default cap. A max_tokens the request
     // gave is checked against the context below, never trimmed.
     if kind == Kind::Chat && settings.max_tokens_defaulted {
-        if let (Some(t), Some(p)) = (app.cluster.targets().first(), prompts.first()) {
-            let room = (t.max_context as usize).saturating_sub(p.len());
+        let ctx = app.cluster.context_for(&app.model);
+        if let Some(p) = prompts.first() {
+            let room = (ctx as usize).saturating_sub(p.len());
             if room > 0 {
                 settings.max_tokens = settings.max_tokens.min(room);
             }
@@ -1406,17 +1408,17 @@ async fn serve(
     if prompts.iter().any(|p| p.is_empty()) {
         return Err(ApiError::bad("the prompt is empty", Some("prompt")));
     }
-    if let Some(t) = app.cluster.targets().first().filter(|t| t.max_context > 0) {
+    let ctx = app.cluster.context_for(&app.model);
+    if ctx > 0 {
         if let Some(p) = prompts
             .iter()
-            .find(|p| p.len() + settings.max_tokens > t.max_context as usize)
+            .find(|p| p.len() + settings.max_tokens > ctx as usize)
         {
             return Err(ApiError::bad(
                 format!(
-                    "prompt ({} tokens) + max_tokens ({}) exceeds the model's context of {} tokens",
+                    "prompt ({} tokens) + max_tokens ({}) exceeds the model's context of {ctx} tokens",
                     p.len(),
                     settings.max_tokens,
-                    t.max_context
                 ),
                 Some("max_tokens"),
             ));

@@ -2010,6 +2010,23 @@ async fn stopped_workers_and_routers_drain_and_lose_nothing() {
         let v = complete(&format!("http://{}", statics.addr), PROMPTS[1], 8).await;
         assert_eq!(ids_of(&v), greedy(PROMPTS[1], 8).0, "{v}");
     }
+    // It learns the live worker's context from the worker itself (0 before: no chat answer
+    // was trimmed to fit, no prompt checked against it).
+    let want_ctx = target_info(&live).await.max_context;
+    assert!(want_ctx > 0);
+    wait_for(
+        "the static target's context",
+        Duration::from_secs(10),
+        || async {
+            let (st, v) = post(
+                &format!("http://{}/tokenize", statics.addr),
+                &json!({"prompt": "hi"}),
+            )
+            .await;
+            st == 200 && v["max_model_len"] == want_ctx
+        },
+    )
+    .await;
     drop(statics);
 
     // 3. A router told to stop: not ready at once, still serving through its delay, and what
