@@ -917,6 +917,8 @@ impl Engine {
         // of its drafts verified, so drafting more is wasted). A probe drafts for a few requests
         // only, so keeping the confidences fresh costs little at high load.
         let (mut cap, mut probe) = (usize::MAX, usize::MAX);
+        // The block cap of a positive planned budget, for the drafts prefetched after this step.
+        let mut planned_cap = None;
         // A step planned without drafting still verifies drafts that cost nothing to make.
         let mut free = false;
         if let Some(policy) = self.policy.as_mut() {
@@ -930,7 +932,10 @@ impl Engine {
                     Some(0) if self.proposer.has_free_drafts() => free = true,
                     // A positive budget: blocks capped at it, drafted for as many requests as
                     // the policy says (a window rotating over the batch).
-                    Some(kt) => (cap, probe) = (kt, policy.draft_width(kt)),
+                    Some(kt) => {
+                        (cap, probe) = (kt, policy.draft_width(kt));
+                        planned_cap = Some(kt);
+                    }
                     None => {
                         if let Some((n, k)) = policy.probe() {
                             (probe, cap) = (n, k);
@@ -1508,8 +1513,13 @@ impl Engine {
                 i += 1;
             }
         }
-        // 6. Pipelining: the micro-batch just verified starts drafting its next block now.
-        if self.proposer.pipelined() {
+        // 6. Pipelining: the micro-batch just verified starts drafting its next block now,
+        // unless the policy plans no drafting for its next turn (two steps on under
+        // ping-pong): a draft pool asked for full blocks on every plain-decoding step did the
+        // work for nothing, and its rounds queued ahead of the next probe's. Blocks are
+        // capped as this step's planned budget capped them.
+        let wanted = self.policy.as_ref().is_none_or(|p| p.drafting_within(2));
+        if self.proposer.pipelined() && wanted {
             let ctx = self.model.cfg.max_ctx;
             let gamma = self.cfg.gamma;
             let mut reqs: Vec<ProposeReq<'_>> = Vec::new();
@@ -1523,7 +1533,8 @@ impl Engine {
                 let room = ctx.saturating_sub(s.tokens.len());
                 let k = g
                     .min(remaining.saturating_sub(1))
-                    .min(room.saturating_sub(1));
+                    .min(room.saturating_sub(1))
+                    .min(planned_cap.unwrap_or(usize::MAX));
                 if k == 0 {
                     continue;
                 }

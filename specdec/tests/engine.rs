@@ -1200,6 +1200,8 @@ struct Prefetching {
     ready: HashMap<u64, (usize, specdec::DraftBlock)>,
     prefetches: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     hits: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// The longest block a prefetch asked for.
+    longest: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Proposer for Prefetching {
@@ -1212,6 +1214,10 @@ impl Proposer for Prefetching {
     fn prefetch(&mut self, reqs: &mut [specdec::proposer::ProposeReq<'_>]) {
         self.prefetches
             .fetch_add(reqs.len(), std::sync::atomic::Ordering::Relaxed);
+        for r in reqs.iter() {
+            self.longest
+                .fetch_max(r.k, std::sync::atomic::Ordering::Relaxed);
+        }
         let lens: Vec<(u64, usize)> = reqs.iter().map(|r| (r.id, r.context.len())).collect();
         if let Ok(blocks) = self.inner.propose(reqs) {
             for ((id, n), b) in lens.into_iter().zip(blocks) {
@@ -1289,6 +1295,7 @@ fn pipelined_ping_pong_keeps_greedy_parity_and_uses_prefetched_drafts() {
         ready: HashMap::new(),
         prefetches: prefetches.clone(),
         hits: hits.clone(),
+        longest: Default::default(),
     };
     let mut e = Engine::with_cost(
         f.target.clone(),
@@ -1314,6 +1321,97 @@ fn pipelined_ping_pong_keeps_greedy_parity_and_uses_prefetched_drafts() {
         hits.load(std::sync::atomic::Ordering::Relaxed) > 0,
         "a micro-batch's drafts were prefetched while the other verified"
     );
+}
+
+/// Plans a budget of 2 for its first `drafting` steps, then plain decoding for good; notes
+/// how many drafts had been prefetched when it switched.
+struct DraftsThenStops {
+    drafting: usize,
+    calls: usize,
+    prefetches: Arc<std::sync::atomic::AtomicUsize>,
+    at_switch: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl specdec::VerifyPolicy for DraftsThenStops {
+    fn name(&self) -> &str {
+        "drafts-then-stops"
+    }
+    fn select(&mut self, conf: &[&[f32]], _other: usize, _plain: usize, _kv: usize) -> Vec<usize> {
+        conf.iter().map(|c| c.len().min(2)).collect()
+    }
+    fn planned(&mut self) -> Option<usize> {
+        self.calls += 1;
+        if self.calls == self.drafting + 1 {
+            self.at_switch.store(
+                self.prefetches.load(std::sync::atomic::Ordering::Relaxed),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
+        Some(if self.calls <= self.drafting { 2 } else { 0 })
+    }
+    fn drafting_within(&self, steps: usize) -> bool {
+        self.calls.saturating_add(steps) <= self.drafting + 1
+    }
+}
+
+/// Under ping-pong the drafts of a micro-batch's next turn are prefetched after its step, as
+/// the policy plans them: blocks capped at the planned budget, none once plain decoding is
+/// planned (a remote draft pool drafted full blocks for every request on every plain step).
+#[test]
+fn prefetched_drafts_follow_the_planned_budget() {
+    let f = fixture();
+    let ps = prompts(&f, 8);
+    let prefetches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let longest = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let p = Prefetching {
+        inner: DraftModelProposer::new(
+            f.draft.clone(),
+            &f.draft_tok,
+            &f.tok,
+            f.target.cfg.vocab_size,
+            1 << 16,
+            "draft",
+        )
+        .unwrap(),
+        ready: HashMap::new(),
+        prefetches: prefetches.clone(),
+        hits: Default::default(),
+        longest: longest.clone(),
+    };
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        Box::new(p),
+        EngineConfig {
+            pingpong: true,
+            ..cfg(3)
+        },
+        CostModel::flat(4),
+    )
+    .unwrap();
+    let at_switch = Arc::new(std::sync::atomic::AtomicUsize::new(usize::MAX));
+    e.set_policy(Some(Box::new(DraftsThenStops {
+        drafting: 12,
+        calls: 0,
+        prefetches: prefetches.clone(),
+        at_switch: at_switch.clone(),
+    })));
+    for (i, p) in ps.iter().enumerate() {
+        e.add(Request::new(i as u64, p.clone(), 24)).unwrap();
+    }
+    e.run_to_completion().unwrap();
+    e.check_kv().unwrap();
+    let before = at_switch.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        before > 0 && before != usize::MAX,
+        "drafts were prefetched: {before}"
+    );
+    assert_eq!(
+        prefetches.load(std::sync::atomic::Ordering::Relaxed),
+        before,
+        "none once plain decoding was planned"
+    );
+    assert_eq!(longest.load(std::sync::atomic::Ordering::Relaxed), 2);
 }
 
 /// Serves `ps` (`max_tokens` each) with the draft-model proposer at γ = 3 under `policy`: the
