@@ -89,8 +89,8 @@ pub struct DraftArgs {
 
 /// Loads the drafter, binds, registers, serves until a shutdown signal.
 pub async fn run(args: DraftArgs) -> Result<()> {
-    let ttl_ms =
-        dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms).map_err(DraftError::Config)?;
+    let ttl_ms = dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms, args.etcd.is_some())
+        .map_err(DraftError::Config)?;
     let disc = dspark_scheduler::discovery::Discovery::from_args(
         args.scheduler.as_deref(),
         args.etcd.as_deref(),

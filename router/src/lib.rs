@@ -75,8 +75,8 @@ pub struct RouterArgs {
     /// Largest max_tokens a request may ask for.
     #[arg(long, env = "DSPARK_MAX_TOKENS_LIMIT", default_value_t = 4096)]
     pub max_tokens_limit: usize,
-    /// max_tokens when a request gives none (completions; chat uses the rest of the context up
-    /// to the limit).
+    /// max_tokens when a completion request gives none (chat: 512, or the room left in the
+    /// context when less; at most --max-tokens-limit either way).
     #[arg(long, default_value_t = 16)]
     pub default_max_tokens: usize,
     /// Requests in flight before 429 (0 = the sum of target worker capacities).
@@ -134,6 +134,9 @@ pub struct App {
 
 /// Failovers per request before giving up.
 const MAX_FAILOVERS: usize = 2;
+
+/// max_tokens of a chat request that gives none (less when the context has less room).
+const CHAT_DEFAULT_MAX_TOKENS: usize = 512;
 /// Largest request body.
 const MAX_BODY: usize = 8 * 1024 * 1024;
 
@@ -741,6 +744,15 @@ async fn open_once(
             }
         })
         .map_err(refused)?;
+    // A defaulted max_tokens fits the context of the worker chosen (the router's view may not
+    // have known it when the request was read).
+    let max_tokens = if job.settings.max_tokens_defaulted && target.max_context > 0 {
+        max_tokens
+            .min((target.max_context as usize).saturating_sub(prompt.len()))
+            .max(1)
+    } else {
+        max_tokens
+    };
     if target.max_context > 0 && prompt.len() + max_tokens > target.max_context as usize {
         return Err(refused(ApiError::bad(
             format!(
@@ -1088,10 +1100,11 @@ async fn chat_completions(
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty", Some("messages")));
     }
-    // Without max_tokens, chat answers may run to the end of the context (trimmed to the
-    // room left in `serve`), as vLLM's do.
+    // Without max_tokens, chat answers may run to CHAT_DEFAULT_MAX_TOKENS (trimmed to the room
+    // left in the context in `serve`): a target worker reserves KV for the whole answer when
+    // it admits a request, so a default of the whole context would cut how many run at once.
     let mut settings = r.common.settings(
-        app.max_tokens_limit,
+        app.max_tokens_limit.min(CHAT_DEFAULT_MAX_TOKENS),
         app.max_tokens_limit,
         app.tok.vocab_size(),
     )?;
@@ -1354,7 +1367,10 @@ async fn serve(
     // The first sequence must be admitted; the window takes as many more places as are free
     // now (at least one, so the rest still run one after another).
     let mut guards: Vec<Inflight> = vec![admit(&app)?];
-    while guards.len() < window {
+    // Looked at first: a place taken and given back would read full to a request arriving
+    // meanwhile.
+    let free = || limit == 0 || (app.metrics.inflight.load(Ordering::Relaxed) as usize) < limit;
+    while guards.len() < window && free() {
         match admit(&app) {
             Ok(g) => guards.push(g),
             Err(_) => break,

@@ -1231,7 +1231,16 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         // paid already, so the drafts are worth verifying when they beat plain decoding at the
         // measured step prices alone; whether to keep drafting is the decision below, with the
         // drafting seconds counted.
-        let mut now_sunk = now;
+        // Chosen by the greedy scan, as a decision without a lag is: these are the step's own
+        // drafts, and the global argmax would keep one for what the next (whose confidence is
+        // a function of its token) adds.
+        let own = if self.lag > 0 && self.probing {
+            self.adm
+                .decide(conf, &limits, step, &self.sps, Rule::GreedyEarlyStop)
+        } else {
+            d.clone()
+        };
+        let mut now_sunk: u32 = own.k.iter().sum();
         let mut prices = None;
         if self.lag > 0 && self.count_draft_cost && self.draft_s_per_req > 0.0 {
             // Skipping drafting saves its cost: keep speculation only if it still pays. Priced
@@ -1275,7 +1284,9 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             if now > 0 && plain >= spec {
                 now = 0;
             }
-            if now_sunk > 0 && plain >= d.expected_tokens / step_spec {
+            let own_spec =
+                self.verify_seconds(reqs, step.other_tokens, own.batch_tokens.saturating_sub(b0));
+            if now_sunk > 0 && plain >= own.expected_tokens / own_spec {
                 now_sunk = 0;
             }
             if self.report.is_some() {
@@ -1548,11 +1559,24 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         if n == 0 || !secs.is_finite() || secs <= 0.0 {
             return;
         }
-        if self.probing {
-            self.last_probe_s = secs;
-        }
         let per = secs / n as f64;
-        let ema = |x: &mut f64| *x = if *x == 0.0 { per } else { 0.8 * *x + 0.2 * per };
+        // One sample moves a mean by at most a factor 1.6 (a remote drafter's stalled call, a
+        // whole timeout, would price drafting out for a long back-off); a cost that stays
+        // high reaches it within a few calls.
+        if self.probing {
+            self.last_probe_s = if self.draft_s_per_req > 0.0 {
+                secs.min(4.0 * self.draft_s_per_req * n as f64)
+            } else {
+                secs
+            };
+        }
+        let ema = |x: &mut f64| {
+            *x = if *x == 0.0 {
+                per
+            } else {
+                0.8 * *x + 0.2 * per.min(4.0 * *x)
+            }
+        };
         ema(&mut self.draft_s_per_req);
         if block > 0
             && let (Some(x), Some(c)) = (
@@ -1708,8 +1732,11 @@ mod tests {
             run(&mut p, 16);
             p.observe_draft(4e-6, 4, 1);
             let cheap = run(&mut p, 6);
-            // Drafting that costs 10 s a request never pays.
-            p.observe_draft(40.0, 4, 1);
+            // Drafting that costs 10 s a request never pays (measured again and again: one
+            // sample moves the means by a factor 1.6 at most).
+            for _ in 0..60 {
+                p.observe_draft(40.0, 4, 1);
+            }
             let dear = run(&mut p, 60);
             assert_eq!(priced, central && send_prices);
             (

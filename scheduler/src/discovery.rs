@@ -154,11 +154,16 @@ fn port_ok(a: &str, p: u16) -> Result<()> {
 /// ([`MIN_TTL`](crate::service::MIN_TTL)..=[`MAX_TTL`](crate::service::MAX_TTL)): outside them
 /// the scheduler grants another TTL than the one the worker paces its heartbeats by. The error
 /// is the message of the worker's configuration error.
-pub fn check_ttl_ms(ttl_ms: u64) -> std::result::Result<u32, String> {
-    let (lo, hi) = (
-        crate::service::MIN_TTL.as_millis(),
-        crate::service::MAX_TTL.as_millis(),
-    );
+pub fn check_ttl_ms(ttl_ms: u64, etcd: bool) -> std::result::Result<u32, String> {
+    // An etcd lease takes whole seconds (at least one) and any length.
+    let (lo, hi) = if etcd {
+        (1, u128::from(u32::MAX))
+    } else {
+        (
+            crate::service::MIN_TTL.as_millis(),
+            crate::service::MAX_TTL.as_millis(),
+        )
+    };
     if !(lo..=hi).contains(&u128::from(ttl_ms)) {
         return Err(format!(
             "--ttl-ms {ttl_ms}: the scheduler accepts registration TTLs of {lo}..={hi} ms"
@@ -267,8 +272,9 @@ pub fn spawn_registrar(
                 Err(e) if *rx.borrow() => {
                     // Asked to leave while the connection was down: one direct attempt.
                     tracing::warn!("registration: {e}");
-                    let id = info().id;
-                    match deregister(&disc, &id).await {
+                    let i = info();
+                    let id = i.id;
+                    match deregister(&disc, &id, &i.address).await {
                         Ok(()) => tracing::info!(worker = id, "left placement"),
                         Err(e) => tracing::warn!(worker = id, "{e} (its TTL will expire it)"),
                     }
@@ -343,7 +349,10 @@ async fn register_static(
         if *stop.borrow() {
             // On the same connection, after the last heartbeat was answered.
             return match c
-                .deregister(dspark_proto::WorkerId { id: i.id.clone() })
+                .deregister(dspark_proto::WorkerId {
+                    id: i.id.clone(),
+                    address: i.address.clone(),
+                })
                 .await
             {
                 Ok(_) => {
@@ -436,7 +445,7 @@ async fn register_etcd(
 
 /// Takes a worker out of placement at once (a drain's first step), instead of waiting for its
 /// TTL or lease to run out. Stop its registrar first, or the next heartbeat puts it back.
-pub async fn deregister(disc: &Discovery, id: &str) -> Result<()> {
+pub async fn deregister(disc: &Discovery, id: &str, address: &str) -> Result<()> {
     let limit = Duration::from_secs(2);
     let work = async {
         match disc {
@@ -448,7 +457,10 @@ pub async fn deregister(disc: &Discovery, id: &str) -> Result<()> {
                     .await
                     .map_err(|e| SchedError::Discovery(format!("scheduler {url}: {e}")))?;
                 match SchedulerClient::new(ch)
-                    .deregister(dspark_proto::WorkerId { id: id.to_string() })
+                    .deregister(dspark_proto::WorkerId {
+                        id: id.to_string(),
+                        address: address.to_string(),
+                    })
                     .await
                 {
                     // Already gone (expired, or a scheduler that restarted): the same outcome.
@@ -743,11 +755,14 @@ mod tests {
     /// (2^32 + 3000 ms once read as 3 s).
     #[test]
     fn registration_ttls_are_what_the_scheduler_grants() {
-        assert_eq!(check_ttl_ms(200), Ok(200));
-        assert_eq!(check_ttl_ms(3000), Ok(3000));
-        assert_eq!(check_ttl_ms(60_000), Ok(60_000));
+        assert_eq!(check_ttl_ms(100, true), Ok(100));
+        assert_eq!(check_ttl_ms(300_000, true), Ok(300_000));
+        assert!(check_ttl_ms(0, true).is_err());
+        assert_eq!(check_ttl_ms(200, false), Ok(200));
+        assert_eq!(check_ttl_ms(3000, false), Ok(3000));
+        assert_eq!(check_ttl_ms(60_000, false), Ok(60_000));
         for bad in [0, 199, 60_001, (1 << 32) + 3000, u64::MAX] {
-            let e = check_ttl_ms(bad).unwrap_err();
+            let e = check_ttl_ms(bad, false).unwrap_err();
             assert!(
                 e.contains("--ttl-ms") && e.contains("200..=60000"),
                 "{bad}: {e}"

@@ -159,8 +159,12 @@ impl Cluster {
     }
 
     /// The address worker `id` registered with.
-    pub fn address_of(&self, id: &str) -> Option<&str> {
-        self.workers.get(id).map(|e| e.info.address.as_str())
+    /// The address a worker registered, and how long it has not been heard from.
+    pub fn address_of(&self, id: &str) -> Option<(&str, Duration)> {
+        self.workers.get(id).map(|e| {
+            let heard = e.expires.checked_sub(e.ttl).unwrap_or(e.expires);
+            (e.info.address.as_str(), heard.elapsed())
+        })
     }
 
     /// Registered workers.
@@ -184,9 +188,6 @@ impl Cluster {
         );
     }
 
-    /// Drops the workers registered with `ttl` whose ids `keep` lacks, with what placement
-    /// remembers of them; returns their ids. An etcd snapshot taken on reconnecting is the
-    /// truth: a key deleted while the watch was down sent no event.
     /// The TTL `id` was added with (which discovery path holds it).
     pub fn ttl_of(&self, id: &str) -> Option<Duration> {
         self.workers.get(id).map(|e| e.ttl)
@@ -200,6 +201,9 @@ impl Cluster {
         false
     }
 
+    /// Drops the workers registered with `ttl` whose ids `keep` lacks, with what placement
+    /// remembers of them; returns their ids. An etcd snapshot taken on reconnecting is the
+    /// truth: a key deleted while the watch was down sent no event.
     pub fn forget_missing(
         &mut self,
         ttl: Duration,

@@ -37,6 +37,7 @@ pub mod names {
     pub const T_ACCEPTED_TOTAL: &str = "dspark_target_spec_accepted_tokens_total";
     pub const T_DRAFTED_PER_POS_TOTAL: &str = "dspark_target_spec_drafted_tokens_per_pos_total";
     pub const T_ACCEPTED_PER_POS_TOTAL: &str = "dspark_target_spec_accepted_tokens_per_pos_total";
+    pub const T_REACHED_PER_POS_TOTAL: &str = "dspark_target_spec_reached_tokens_per_pos_total";
     pub const T_DRAFT_CYCLES_TOTAL: &str = "dspark_target_draft_cycles_total";
     pub const T_STEPS_TOTAL: &str = "dspark_target_engine_steps_total";
     pub const T_STEP_SECONDS: &str = "dspark_target_engine_step_seconds";

@@ -244,19 +244,23 @@ impl Scheduler for SchedulerService {
             Duration::from_millis(info.ttl_ms as u64).clamp(MIN_TTL, MAX_TTL)
         };
         let mut c = self.lock()?;
-        self.longest_ttl_ms
-            .fetch_max(ttl.as_millis() as u64, Ordering::Relaxed);
         // Default ids (`target-<port>`) repeat across hosts: a live worker's entry must not be
         // taken over by another's heartbeats. Expired entries are gone (`lock`), and a restart
         // on the same address is the same worker.
-        if let Some(old) = c.address_of(&info.id)
+        // A worker that restarted at another address (a pod with a new IP) takes its id over
+        // once the old entry has missed a heartbeat (a third of its TTL, and a second).
+        if let Some((old, silent)) = c.address_of(&info.id)
             && old != info.address
+            && silent <= c.ttl_of(&info.id).unwrap_or(DEFAULT_TTL) / 3 + Duration::from_secs(1)
         {
             return Err(Status::already_exists(format!(
-                "worker id `{}` is registered by {old}, not {}: give each worker its own --id",
+                "worker id `{}` is registered by {old}, which heartbeats, not by {}: give each \
+                 worker its own --id",
                 info.id, info.address
             )));
         }
+        self.longest_ttl_ms
+            .fetch_max(ttl.as_millis() as u64, Ordering::Relaxed);
         let new = !c.contains(&info.id);
         if new && c.len() >= MAX_WORKERS {
             return Err(Status::resource_exhausted(format!(
@@ -279,8 +283,18 @@ impl Scheduler for SchedulerService {
     }
 
     async fn deregister(&self, req: Request<WorkerId>) -> Result<Response<RegisterReply>, Status> {
-        let id = req.into_inner().id;
-        if !self.lock()?.remove(&id) {
+        let WorkerId { id, address } = req.into_inner();
+        let mut c = self.lock()?;
+        // A worker refused for another's id (ALREADY_EXISTS) leaves too: not with the live one.
+        if let Some((other, _)) = c.address_of(&id)
+            && !address.is_empty()
+            && other != address
+        {
+            return Err(Status::not_found(format!(
+                "worker `{id}` is registered by {other}, not {address}"
+            )));
+        }
+        if !c.remove(&id) {
             return Err(Status::not_found(format!("unknown worker `{id}`")));
         }
         tracing::info!(worker = id, "worker left");
@@ -569,13 +583,40 @@ mod tests {
         for want in ["target-50051", a, b, "--id"] {
             assert!(e.message().contains(want), "{want}: {e:?}");
         }
-        assert_eq!(
-            svc.lock().expect("lock").address_of("target-50051"),
-            Some(a)
-        );
+        let addr = |svc: &SchedulerService| {
+            svc.lock()
+                .expect("lock")
+                .address_of("target-50051")
+                .map(|(a, _)| a.to_string())
+        };
+        assert_eq!(addr(&svc).as_deref(), Some(a));
+        // The refused one, stopped, leaves: not with the live one's entry.
+        let e = svc
+            .deregister(Request::new(WorkerId {
+                id: "target-50051".into(),
+                address: b.into(),
+            }))
+            .await
+            .expect_err("not b's");
+        assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+        assert_eq!(addr(&svc).as_deref(), Some(a));
         svc.register(Request::new(target("target-50051", a)))
             .await
             .expect("a restart on the same address");
+        // Silent for more than a heartbeat (a third of its 3 s TTL, and a second): a restart
+        // at a new address (a pod with a new IP) takes the id over without waiting for the
+        // TTL.
+        {
+            let mut c = svc.cluster.lock().expect("lock");
+            let past = Instant::now()
+                .checked_sub(Duration::from_millis(2500))
+                .expect("a clock that far back");
+            c.upsert(target("target-50051", a), Duration::from_secs(3), past);
+        }
+        svc.register(Request::new(target("target-50051", b)))
+            .await
+            .expect("a missed heartbeat frees the id");
+        assert_eq!(addr(&svc).as_deref(), Some(b));
         {
             let mut c = svc.cluster.lock().expect("lock");
             let past = Instant::now()
@@ -583,12 +624,9 @@ mod tests {
                 .expect("a clock that far back");
             c.upsert(target("target-50051", a), Duration::from_secs(3), past);
         }
-        svc.register(Request::new(target("target-50051", b)))
+        svc.register(Request::new(target("target-50051", a)))
             .await
             .expect("the expired id is free");
-        assert_eq!(
-            svc.lock().expect("lock").address_of("target-50051"),
-            Some(b)
-        );
+        assert_eq!(addr(&svc).as_deref(), Some(a));
     }
 }

@@ -1121,7 +1121,7 @@ impl Engine {
         }
         // 2b. The scheduler trims the blocks (confidences only).
         if let Some(policy) = self.policy.as_mut() {
-            if !drafting.is_empty() && !free {
+            if !drafting.is_empty() && !free && !self.proposer.timed_out() {
                 // Per-step cost only: catching up on deferred context is paid once.
                 let secs = t_draft.elapsed().as_secs_f64() - self.proposer.last_catch_up_seconds();
                 let block = drafting
@@ -1245,14 +1245,18 @@ impl Engine {
         let d_model = self.model.cfg.d_model;
         let verify_s = t_fwd.elapsed().as_secs_f64();
         let batch_tokens: usize = windows.iter().map(|w| w.len()).sum();
-        if steady && n_drafted > 0 && batch_tokens > 0 {
+        if steady && n_drafted > 0 && batch_tokens > 0 && !self.proposer.timed_out() {
             // Drafting cost per drafted token relative to one token's share of a forward.
             let per_tok = verify_s / batch_tokens as f64;
             let rel = (draft_s / n_drafted as f64) / (per_tok * batch_tokens as f64).max(1e-9);
+            // One sample moves the mean by at most a factor 1.6: a remote drafter's stalled
+            // cycle (a whole timeout) read as a steady cost turned speculation off for hundreds
+            // of cycles, the gate's probes too rare to bring the mean back. A cost that stays
+            // high reaches it within a few cycles.
             self.draft_cost = if self.draft_cost == 0.0 {
                 rel
             } else {
-                0.8 * self.draft_cost + 0.2 * rel
+                0.8 * self.draft_cost + 0.2 * rel.min(4.0 * self.draft_cost)
             };
         }
         self.decode_ema = if self.decode_ema == 0.0 {
@@ -1564,6 +1568,7 @@ impl Engine {
             batch_tokens,
             proposer = self.proposer.name(),
             policy = self.policy.is_some(),
+            draft_cost = self.draft_cost,
             "step done"
         );
         Ok(events)

@@ -128,6 +128,13 @@ pub trait Proposer: Send {
     fn last_catch_up_seconds(&self) -> f64 {
         0.0
     }
+    /// Whether the last [`Proposer::propose`] waited out a remote drafter's timeout: its
+    /// seconds measured the timeout, not what drafting costs, and are left out of the means
+    /// that weigh drafting (one stalled call read as a cost turned speculation off for
+    /// hundreds of cycles).
+    fn timed_out(&self) -> bool {
+        false
+    }
     /// Whether [`Proposer::propose_free`] can return anything: drafts that cost next to
     /// nothing to make (a lookup, no network).
     fn has_free_drafts(&self) -> bool {

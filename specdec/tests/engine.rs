@@ -1323,6 +1323,81 @@ fn pipelined_ping_pong_keeps_greedy_parity_and_uses_prefetched_drafts() {
     );
 }
 
+/// A drafter whose every call takes `sleep` (as a remote one waiting out its timeout does),
+/// reporting it as a timeout or not.
+struct Sleepy {
+    inner: DraftModelProposer,
+    sleep: std::time::Duration,
+    timed_out: bool,
+}
+
+impl Proposer for Sleepy {
+    fn name(&self) -> &str {
+        "sleepy"
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::DraftBlock>> {
+        std::thread::sleep(self.sleep);
+        self.inner.propose(reqs)
+    }
+    fn commit(&mut self, id: u64, context: &[u32]) -> specdec::Result<()> {
+        self.inner.commit(id, context)
+    }
+    fn finish(&mut self, id: u64) {
+        self.inner.finish(id)
+    }
+    fn timed_out(&self) -> bool {
+        self.timed_out
+    }
+}
+
+/// Drafting calls that waited out a remote drafter's timeout do not price drafting: with
+/// the wait read as drafting's cost, the gate turned speculation off (drafts that the target
+/// accepts every time: the draft model is the target).
+#[test]
+fn a_drafting_timeout_is_not_read_as_drafting_cost() {
+    let f = fixture();
+    let ps = prompts(&f, 4);
+    let drafted = |timed_out: bool| {
+        let p = Sleepy {
+            inner: DraftModelProposer::new(
+                f.target.clone(),
+                &f.tok,
+                &f.tok,
+                f.target.cfg.vocab_size,
+                1 << 16,
+                "draft",
+            )
+            .unwrap(),
+            sleep: std::time::Duration::from_millis(20),
+            timed_out,
+        };
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            Box::new(p),
+            EngineConfig {
+                gate: true,
+                ..cfg(3)
+            },
+            CostModel::flat(4),
+        )
+        .unwrap();
+        for (i, p) in ps.iter().enumerate() {
+            e.add(Request::new(i as u64, p.clone(), 24)).unwrap();
+        }
+        e.run_to_completion().unwrap();
+        e.totals().drafted_tokens
+    };
+    let (waited, slow) = (drafted(true), drafted(false));
+    assert!(
+        waited > 2 * slow,
+        "{waited} drafted after timeouts, {slow} when slow"
+    );
+}
+
 /// Plans a budget of 2 for its first `drafting` steps, then plain decoding for good; notes
 /// how many drafts had been prefetched when it switched.
 struct DraftsThenStops {

@@ -171,8 +171,8 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         )));
     }
     sps::check_grid(&args.sps_grid, &args.sps_ctx).map_err(TargetError::Config)?;
-    let ttl_ms =
-        dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms).map_err(TargetError::Config)?;
+    let ttl_ms = dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms, args.etcd.is_some())
+        .map_err(TargetError::Config)?;
     let fallback_kind = specdec::ProposerKind::parse(&args.fallback, None)?;
     if !matches!(
         fallback_kind,

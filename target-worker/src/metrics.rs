@@ -25,6 +25,7 @@ pub struct Snapshot {
     pub accepted: usize,
     pub drafted_at: Vec<usize>,
     pub accepted_at: Vec<usize>,
+    pub reached_at: Vec<usize>,
     pub steps: usize,
 }
 
@@ -46,6 +47,7 @@ impl Snapshot {
             accepted: t.accepted_tokens,
             drafted_at: t.proposed_at.clone(),
             accepted_at: t.accepted_at.clone(),
+            reached_at: t.reached_at.clone(),
             steps: e.steps,
         }
     }
@@ -206,7 +208,7 @@ impl WorkerMetrics {
             out,
             T_DRAFTED_PER_POS_TOTAL,
             "counter",
-            "Draft tokens verified at each block position (0 = first).",
+            "Draft tokens drafted at each block position (0 = first), rejected before it or not.",
             "position",
             snap.drafted_at.iter().enumerate(),
         );
@@ -217,6 +219,15 @@ impl WorkerMetrics {
             "Draft tokens accepted at each block position (0 = first).",
             "position",
             snap.accepted_at.iter().enumerate(),
+        );
+        labelled(
+            out,
+            T_REACHED_PER_POS_TOTAL,
+            "counter",
+            "Draft tokens the target judged at each block position (every draft before accepted): \
+             accepted over reached is the conditional acceptance there.",
+            "position",
+            snap.reached_at.iter().enumerate(),
         );
         labelled(
             out,
@@ -282,6 +293,7 @@ mod tests {
             kv_free_blocks: 75,
             drafted_at: vec![10, 6],
             accepted_at: vec![7, 2],
+            reached_at: vec![10, 5],
             ..Default::default()
         });
         m.finished("stop");
@@ -296,6 +308,7 @@ mod tests {
             format!("{T_KV_USED_BLOCKS} 25\n"),
             format!("{T_KV_USAGE} 0.25\n"),
             format!("{T_ACCEPTED_PER_POS_TOTAL}{{position=\"1\"}} 2\n"),
+            format!("{T_REACHED_PER_POS_TOTAL}{{position=\"1\"}} 5\n"),
             format!("{T_FINISHED_TOTAL}{{reason=\"stop\"}} 2\n"),
             format!("{T_FINISHED_TOTAL}{{reason=\"length\"}} 1\n"),
             format!("{T_STEP_SECONDS}_count 1\n"),

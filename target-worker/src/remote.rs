@@ -18,12 +18,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Estimated bytes (either way) one drafting round carries at most: a quarter of what a gRPC
-/// message may hold. One round for every request on a link overflowed the message limit on
+/// Estimated bytes (either way) one drafting round carries at most: half of what a gRPC
+/// message may hold (the estimates are upper bounds). One round for every request on a link overflowed the message limit on
 /// sampled traffic (dense q rows of the whole vocabulary come back: 196 KB a drafted position
 /// on SmolLM2, about 20 requests at γ = 4), and the link dropped and resent everything,
 /// every step.
-const ROUND_BYTES: u64 = dspark_proto::MAX_MESSAGE_BYTES as u64 / 4;
+const ROUND_BYTES: u64 = dspark_proto::MAX_MESSAGE_BYTES as u64 / 2;
 
 /// Rounds of (link, bytes, request index) items: per link in order, a new round whenever
 /// the next item would take the round past `limit` (an item larger than `limit` goes alone).
@@ -72,9 +72,8 @@ pub struct RemoteShared {
 struct LinkShared {
     up: AtomicBool,
     /// A round on this link ran past the drafting timeout and nothing has come back since: its
-    /// requests draft locally, without waiting, until a reply (even a late one) or a new
-    /// stream shows the worker answers again, or [`STALL_RETRY`] has passed (one more round
-    /// then tries it). A draft worker that stalls with its connection open (a paused or
+    /// requests draft locally, without waiting, until a reply in time or a new stream shows
+    /// the worker answers again; every [`STALL_RETRY`] one more round tries it. A draft worker that stalls with its connection open (a paused or
     /// overloaded process) otherwise cost every step of the whole batch the full timeout.
     stalled: Mutex<Option<Instant>>,
     generation: AtomicU64,
@@ -254,14 +253,6 @@ async fn run_link(
         .await
         .map_err(|e| e.message().to_string())?
     {
-        if s.stalled
-            .lock()
-            .map_err(|e| e.to_string())?
-            .take()
-            .is_some()
-        {
-            tracing::info!(draft = addr, "draft worker answers again");
-        }
         // Replies nobody waits for any more (late, or the hello's) are dropped.
         let waiter = s
             .pending
@@ -269,6 +260,16 @@ async fn run_link(
             .map_err(|e| e.to_string())?
             .remove(&rep.step);
         if let Some(w) = waiter {
+            // Answered in time (a late answer has no waiter: a worker that always answers
+            // just past the timeout stays stalled, tried again every STALL_RETRY).
+            if s.stalled
+                .lock()
+                .map_err(|e| e.to_string())?
+                .take()
+                .is_some()
+            {
+                tracing::info!(draft = addr, "draft worker answers again");
+            }
             let _ = w.send((rep, Instant::now()));
         }
     }
@@ -298,6 +299,11 @@ pub struct RemoteProposer {
     d_model: usize,
     vocab: usize,
     step: u64,
+    /// Drafting cycles (`propose` calls): prefetched rounds age by these, not by rounds sent
+    /// (a cycle may send several per link).
+    cycle: u64,
+    /// The last `propose` waited out the timeout ([`Proposer::timed_out`]).
+    timed_out: bool,
     /// Rounds sent ahead by `prefetch`, collected by a later `propose`.
     prefetched: Vec<Round>,
 }
@@ -326,6 +332,8 @@ impl RemoteProposer {
             d_model,
             vocab,
             step: 0,
+            cycle: 0,
+            timed_out: false,
             prefetched: Vec::new(),
         }
     }
@@ -465,6 +473,8 @@ impl RemoteProposer {
 struct Round {
     addr: String,
     step: u64,
+    /// The drafting cycle it was sent in.
+    cycle: u64,
     rx: std::sync::mpsc::Receiver<(DraftReply, Instant)>,
     t0: Instant,
     /// Per request: context length and feature rows covered, and k.
@@ -521,8 +531,13 @@ impl RemoteProposer {
     /// vocabulary when it samples), whichever is larger.
     fn round_bytes(&self, r: &ProposeReq<'_>, addr: &str) -> u64 {
         let rl = self.layers().len() * self.d_model;
+        let generation = self
+            .links
+            .get(addr)
+            .map(|l| l.shared.generation.load(Ordering::SeqCst));
+        // On a new stream (a reconnect) everything is resent, as `send_round` does.
         let (tokens, rows) = match self.reqs.get(&r.id) {
-            Some(rs) if rs.link == addr => {
+            Some(rs) if rs.link == addr && Some(rs.generation) == generation => {
                 let fed = rs.feat_base + rs.feats.len() / rl.max(1);
                 (
                     r.context.len().saturating_sub(rs.tokens_acked),
@@ -658,6 +673,7 @@ impl RemoteProposer {
         Some(Round {
             addr: addr.to_string(),
             step,
+            cycle: self.cycle,
             rx,
             t0: Instant::now(),
             sent,
@@ -667,7 +683,8 @@ impl RemoteProposer {
 
     /// A round that will not be collected: stop waiting for it (a late reply is dropped).
     /// Forgets a round that ran past the drafting timeout and marks its link stalled.
-    fn stall(&self, round: &Round) {
+    fn stall(&mut self, round: &Round) {
+        self.timed_out = true;
         self.forget(round);
         let Some(l) = self.links.get(&round.addr) else {
             return;
@@ -684,6 +701,12 @@ impl RemoteProposer {
                 step = round.step,
                 timeout_ms = self.timeout.as_millis() as u64,
                 "draft worker late; drafting locally until it answers"
+            );
+        } else {
+            tracing::debug!(
+                draft = round.addr,
+                step = round.step,
+                "draft worker still late"
             );
         }
     }
@@ -835,6 +858,10 @@ impl Proposer for RemoteProposer {
         true
     }
 
+    fn timed_out(&self) -> bool {
+        self.timed_out
+    }
+
     fn has_free_drafts(&self) -> bool {
         self.links.values().any(|l| {
             l.shared.up.load(Ordering::SeqCst)
@@ -884,13 +911,15 @@ impl Proposer for RemoteProposer {
             }
         }
         self.drain_ready();
+        self.cycle += 1;
+        self.timed_out = false;
         let deadline = Instant::now() + self.timeout;
         // 1. Rounds prefetched for these requests (sent while the other micro-batch verified).
         let ids: HashMap<u64, usize> = reqs.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
         let mut keep = Vec::new();
         for mut round in std::mem::take(&mut self.prefetched) {
             if !round.sent.keys().any(|id| ids.contains_key(id)) {
-                if round.step + 16 > self.step {
+                if round.cycle + 16 > self.cycle {
                     keep.push(round);
                 }
                 continue;
@@ -1028,14 +1057,14 @@ mod tests {
 
     /// Sampled requests on SmolLM2 (49152 tokens) at γ = 7 bring back 1.4 MB of q each: a
     /// round for all 32 on one link (44 MB) is past the 16 MiB message limit, so rounds are
-    /// cut at a quarter of it, per link, in order.
+    /// cut at half of it, per link, in order.
     #[test]
     fn drafting_rounds_stay_under_the_message_limit() {
         let per = 7 * (16 + 4 * 49_152) + 64;
         let items: Vec<(String, u64, usize)> =
             (0..32).map(|i| (format!("d{}", i % 2), per, i)).collect();
         let rounds = pack_rounds(items, ROUND_BYTES);
-        assert!(rounds.len() > 4, "{}", rounds.len());
+        assert!(rounds.len() > 2, "{}", rounds.len());
         let mut seen: Vec<usize> = Vec::new();
         for (addr, idx) in &rounds {
             assert!(idx.len() as u64 * per <= ROUND_BYTES, "{idx:?}");

@@ -127,7 +127,11 @@ pub fn spawn(name: &str, args: &[&str]) -> Proc {
 pub fn spawn_env(name: &str, args: &[&str], env: &[(&str, &str)]) -> Proc {
     let mut child = Command::new(dspark_bin())
         .args(args)
-        .env("DSPARK_LOG", "warn")
+        // `DSPARK_TEST_LOG` (a filter) shows more of the processes' logs when debugging.
+        .env(
+            "DSPARK_LOG",
+            std::env::var("DSPARK_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
