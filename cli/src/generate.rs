@@ -109,7 +109,13 @@ pub fn run(g: &Global, a: GenerateArgs) -> anyhow::Result<()> {
     } else {
         a.prompt.clone()
     };
-    let ids = tok.encode(&text)?;
+    // A plain prompt starts with BOS where the model's tokenizer adds one; a chat template
+    // writes its own.
+    let ids = if a.chat {
+        tok.encode(&text)?
+    } else {
+        tok.encode_prompt(&text)?
+    };
     let mut drafts = crate::spec::DraftCache::default();
     let proposer = crate::spec::build_proposer(g, &kind, &target, &mut drafts)?;
     let mut engine = crate::spec::engine(&target, proposer, a.gamma, !a.no_gate, 1)?;

@@ -414,10 +414,12 @@ async fn tokenize(
             ));
         }
     };
-    let ids = app
-        .tok
-        .encode_with_plain(&text, &plain)
-        .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("prompt")))?;
+    let ids = if r.prompt.is_some() {
+        app.tok.encode_prompt(&text)
+    } else {
+        app.tok.encode_with_plain(&text, &plain)
+    }
+    .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("prompt")))?;
     let max_len = app.cluster.context_for(&app.model);
     Ok(Json(
         json!({"count": ids.len(), "max_model_len": max_len, "tokens": ids}),
@@ -1332,7 +1334,7 @@ fn splice_texts(
 fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
     let ids = app
         .tok
-        .encode(text)
+        .encode_prompt(text)
         .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("prompt")))?;
     if ids.is_empty() {
         return Err(ApiError::bad("the prompt is empty", Some("prompt")));

@@ -33,6 +33,11 @@ pub struct Tokenizer {
     pub bos: Option<(u32, String)>,
     pub eos: Option<(u32, String)>,
     pub chat_template: Option<String>,
+    /// Whether a prompt given as text starts with the BOS token, as the model's own
+    /// tokenizer encodes it (GGUF `tokenizer.ggml.add_bos_token`; a Hugging Face
+    /// `tokenizer_config.json`'s `add_bos_token`, or a post-processor that adds it): Llama 3
+    /// and Gemma do, SmolLM2 and Qwen2.5 do not.
+    pub add_bos: bool,
 }
 
 fn tok_err(e: impl std::fmt::Display) -> RuntimeError {
@@ -108,6 +113,10 @@ impl Tokenizer {
         };
         let bos = id_tok("tokenizer.ggml.bos_token_id");
         let eos = id_tok("tokenizer.ggml.eos_token_id");
+        let add_bos = matches!(
+            g.meta("tokenizer.ggml.add_bos_token"),
+            Some(candle_core::quantized::gguf_file::Value::Bool(true))
+        );
         let chat_template = g.meta_str("tokenizer.chat_template");
         // llama.cpp's token types: 2 unknown, 3 control, 5 unused are not text; 4
         // (user-defined) is, as Hugging Face's `special: false` added tokens are.
@@ -122,7 +131,9 @@ impl Tokenizer {
             ),
             _ => None,
         };
-        Ok(Self::finish(inner, bos, eos, chat_template, hidden))
+        let mut t = Self::finish(inner, bos, eos, chat_template, hidden);
+        t.add_bos = add_bos;
+        Ok(t)
     }
 
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
@@ -134,6 +145,7 @@ impl Tokenizer {
         let mut bos = None;
         let mut eos = None;
         let mut chat_template = None;
+        let mut add_bos = None;
         if let Ok(text) = std::fs::read_to_string(dir.join("tokenizer_config.json")) {
             let v: serde_json::Value = serde_json::from_str(&text).map_err(tok_err)?;
             let tok_of = |k: &str| -> Option<(u32, String)> {
@@ -146,6 +158,7 @@ impl Tokenizer {
             };
             bos = tok_of("bos_token");
             eos = tok_of("eos_token");
+            add_bos = v["add_bos_token"].as_bool();
             chat_template = hf_chat_template(&v["chat_template"]);
         }
         // Newer repositories keep the template in a file of its own.
@@ -153,6 +166,13 @@ impl Tokenizer {
             chat_template = Some(t);
         }
         let mut t = Self::finish(inner, bos, eos, chat_template, None);
+        // Unsaid in the config: whatever the post-processor does (Llama 3's adds it).
+        t.add_bos = add_bos.unwrap_or_else(|| {
+            let bos = t.bos.as_ref().map(|b| b.0);
+            t.inner
+                .encode("a", true)
+                .is_ok_and(|e| bos.is_some() && e.get_ids().first().copied() == bos)
+        });
         // generation_config.json's end tokens stop generation too (Gemma's `<end_of_turn>`,
         // Llama 3's `<|eot_id|>` beside `<|end_of_text|>`).
         if let Ok(text) = std::fs::read_to_string(dir.join("generation_config.json")) {
@@ -253,6 +273,7 @@ impl Tokenizer {
             bos,
             eos,
             chat_template,
+            add_bos: false,
         }
     }
 
@@ -326,6 +347,19 @@ impl Tokenizer {
             .map_err(tok_err)?
             .get_ids()
             .to_vec())
+    }
+
+    /// Encodes a prompt given as text (a completion's), with the BOS token first when the
+    /// model's tokenizer adds one ([`Tokenizer::add_bos`]), as Hugging Face's and vLLM's
+    /// `add_special_tokens` do. Chat templates write their own.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = self.encode(text)?;
+        if let Some((b, _)) = self.bos.as_ref().filter(|_| self.add_bos)
+            && ids.first() != Some(b)
+        {
+            ids.insert(0, *b);
+        }
+        Ok(ids)
     }
 
     /// Text of `ids`; `skip_special` leaves out control tokens (not user-defined ones).

@@ -603,6 +603,26 @@ fn tokenizer_round_trips_and_hf_json_matches_gguf() {
     std::fs::write(dir.join("chat_template.jinja"), "J").unwrap();
     let t4 = Tokenizer::from_hf_dir(&dir).unwrap();
     assert_eq!(t4.chat_template.as_deref(), Some("J"));
+    // A prompt given as text starts with BOS only where the tokenizer says so (SmolLM2's
+    // GGUF says no; Llama 3's configs say yes).
+    assert!(!t.add_bos && !t4.add_bos);
+    assert_eq!(t.encode_prompt(text).unwrap(), ids);
+    let (bos_id, bos) = t.bos.clone().expect("the tiny tokenizer names a BOS");
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::json!({"bos_token": bos, "add_bos_token": true}).to_string(),
+    )
+    .unwrap();
+    let t5 = Tokenizer::from_hf_dir(&dir).unwrap();
+    assert!(t5.add_bos);
+    let plain = "cafe 2024";
+    let pids = t5.encode(plain).unwrap();
+    assert_ne!(pids.first(), Some(&bos_id), "plain encoding adds nothing");
+    let mut want = vec![bos_id];
+    want.extend(&pids);
+    assert_eq!(t5.encode_prompt(plain).unwrap(), want);
+    // A text that starts with the BOS token's own string gets no second one.
+    assert_eq!(t5.encode_prompt(text).unwrap(), ids);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
