@@ -694,6 +694,26 @@ impl DsparkProposer {
         Ok((total, extra))
     }
 
+    /// Starts `id`'s window over (padded, as for a short request) when its rows stop short of
+    /// its anchor's predecessor (position `ctx_len − 2`): features went to other requests
+    /// while it decoded (a sentinel that finished leaves its place in a probe to a request
+    /// whose rows are from before the back-off), and a window of positions far behind the
+    /// anchor drafts from the wrong text, confidently. True when it did.
+    fn restart_stale(&mut self, id: u64, ctx_len: usize) -> bool {
+        let rl = self.row_len().max(1);
+        let end = ctx_len.saturating_sub(1);
+        match self.feats.get_mut(&id) {
+            Some(f) if f.raw0 + f.raw.len() / rl < end => {
+                f.raw.clear();
+                f.raw0 = end;
+                f.rows.clear();
+                f.f0 = end;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Context window (C rows, padded at the front with the zero row's, when the request is
     /// shorter). [`Self::fuse_windows`] must have run for `id`.
     fn window(&self, id: u64) -> Vec<&CtxRow> {
@@ -779,6 +799,14 @@ impl Proposer for DsparkProposer {
             t = now;
         };
         let ctx0 = self.stages[0];
+        for &i in &active {
+            if self.restart_stale(reqs[i].id, reqs[i].context.len()) {
+                tracing::debug!(
+                    request = reqs[i].id,
+                    "context features behind the anchor: window started over"
+                );
+            }
+        }
         let (fused, catch_up_rows) = self.fuse_windows(&ids)?;
         lap(&mut self.stages, 0);
         // In steady state each request brings one new context row; the rest was deferred work.
@@ -869,6 +897,13 @@ impl Proposer for DsparkProposer {
         let mut pending: Vec<Vec<PendingCopy>> = active.iter().map(|_| Vec::new()).collect();
         let mut pending_head: Vec<Vec<(usize, Vec<f32>)>> =
             active.iter().map(|_| Vec::new()).collect();
+        // Ranks that do not fit 8-bit blocks (tiny test drafters) take W2 in f32: read once per
+        // call (it was rebuilt at every drafted position: r × V floats each time).
+        let w2_f32 = if self.w1.is_some() && self.w2t.is_none() {
+            self.dr.markov_w2().map_err(err)?.unwrap_or_default()
+        } else {
+            Vec::new()
+        };
         for kk in 0..kmax {
             // W1 rows of each request's previous token (B × r).
             let e: Option<Vec<f32>> = self.w1.as_ref().map(|w1| {
@@ -888,11 +923,9 @@ impl Proposer for DsparkProposer {
                     Some(out)
                 }
                 (Some(e), None) => {
-                    // Ranks that do not fit 8-bit blocks (tiny test drafters): f32 W2.
-                    let w2 = self.dr.markov_w2().map_err(err)?.unwrap_or_default();
                     let mut out = vec![0f32; b * nv];
                     for bi in 0..b {
-                        for (i, row) in w2.chunks_exact(v).enumerate() {
+                        for (i, row) in w2_f32.chunks_exact(v).enumerate() {
                             let x = e[bi * rank + i];
                             let o = &mut out[bi * nv..(bi + 1) * nv];
                             match &self.vocab_ids {
@@ -1658,6 +1691,20 @@ mod tests {
                 assert_eq!(f.raw0 + f.raw.len() / rl, raw.len() / rl, "step {step}");
             }
         }
+        // Rows up to the anchor's predecessor are current; rows that stop short of it (the
+        // request decoded while features went elsewhere) start the window over, padded.
+        let n = raw.len() / rl;
+        assert!(!p.restart_stale(1, n + 1), "current");
+        assert!(p.restart_stale(1, n + 40), "40 positions behind");
+        p.fuse_windows(&[1]).unwrap();
+        let w = p.window(1);
+        let pad = expect(&p, &[]);
+        let worst = w
+            .iter()
+            .zip(&pad)
+            .flat_map(|(a, b)| a.fused.iter().zip(&b.fused).map(|(x, y)| (x - y).abs()))
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "the stale rows are gone: {worst}");
     }
 
     #[test]
