@@ -1109,14 +1109,19 @@ impl ConfidencePolicy {
             .min(step.kv_headroom) as usize;
         let offered: usize = conf.iter().map(|c| c.len().min(self.max_k as usize)).sum();
         let n = conf.len();
+        let max_block = self.max_k.max(1) as usize;
+        // Per block length once (at most γ of them), not per budget: each fits a line.
+        let mut per_block: Vec<Option<f64>> = vec![None; max_block + 1];
         let spec_s = (1..=room.min(offered).min(MAX_PRICED))
             .map(|k| {
-                let block = (k + 1).min(self.max_k.max(1) as usize);
-                self.verify_seconds(reqs, step.other_tokens, k as u32)
-                    + self.draft_seconds(
-                        specdec::VerifyPolicy::draft_width(self, k + 1).min(n),
-                        block,
-                    )
+                let block = (k + 1).min(max_block);
+                let width = specdec::VerifyPolicy::draft_width(self, k + 1).min(n);
+                let drafting = if !self.count_draft_cost || width == 0 {
+                    0.0
+                } else {
+                    width as f64 * *per_block[block].get_or_insert_with(|| self.draft_s_at(block))
+                };
+                self.verify_seconds(reqs, step.other_tokens, k as u32) + drafting
             })
             .collect();
         StepPrices { plain_s, spec_s }
