@@ -537,6 +537,37 @@ impl KvCache {
         (id, len)
     }
 
+    /// What [`KvCache::new_seq_with_prefix`] would adopt, without adopting it: the cached
+    /// blocks that match (whole blocks of `tokens[..max_tokens]`) and how many of those nobody
+    /// references now (adopting them takes them off the evictable list, so admission counts
+    /// them as taken).
+    pub fn prefix_match(&self, tokens: &[u32], max_tokens: usize) -> (usize, usize) {
+        if !self.prefix.enabled || self.tp_lost {
+            return (0, 0);
+        }
+        let bs = self.cfg.block_size;
+        let (mut matched, mut idle) = (0, 0);
+        let mut parent = ROOT;
+        for chunk in tokens[..max_tokens.min(tokens.len())].chunks_exact(bs) {
+            let key: PrefixKey = (parent, chunk.into());
+            let Some(&b) = self.prefix.map.get(&key) else {
+                break;
+            };
+            matched += 1;
+            if self.refcount[b as usize] == 0 {
+                idle += 1;
+            }
+            parent = b;
+        }
+        (matched, idle)
+    }
+
+    /// Blocks some sequence references (every block that is neither free nor an evictable
+    /// cached one).
+    pub fn held_blocks(&self) -> usize {
+        self.cfg.num_blocks - self.free_blocks()
+    }
+
     /// Registers `seq`'s full blocks whose tokens are `tokens[..]` (positions written so far,
     /// at most `tokens.len()`), so later sequences can share them. No-op when caching is off.
     pub fn register(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(), RuntimeError> {

@@ -445,8 +445,9 @@ struct Seq {
     arrived: Instant,
     last_emit: Option<Instant>,
     finished: Option<FinishReason>,
-    /// Tokens reserved in the KV budget at admission.
-    reserved: usize,
+    /// KV blocks its table may grow to (its footprint, cached prefix included), set at
+    /// admission.
+    reserved_blocks: usize,
     /// Micro-batch (0 or 1) when the engine pipelines drafting with verification.
     group: u8,
     /// Whether the proposer has drafted for this request before (its first drafting call also
@@ -473,7 +474,6 @@ pub struct Engine {
     cost: CostModel,
     waiting: VecDeque<(Request, Instant)>,
     running: Vec<Seq>,
-    reserved_tokens: usize,
     totals: RequestMetrics,
     /// EMA of drafting time per drafted token relative to one decode forward.
     draft_cost: f64,
@@ -539,7 +539,6 @@ impl Engine {
             cost,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            reserved_tokens: 0,
             totals: RequestMetrics::default(),
             draft_cost: 0.0,
             decode_ema: 0.0,
@@ -815,8 +814,25 @@ impl Engine {
             .register(s.kv, &s.tokens[..written.min(s.tokens.len())])?;
         self.cache.remove(s.kv)?;
         self.proposer.finish(s.req.id);
-        self.reserved_tokens -= s.reserved;
         Ok(())
+    }
+
+    /// KV blocks promised: those held now (a block several sequences share, a cached prompt
+    /// prefix, counts once) and those each running sequence may still allocate up to its
+    /// reservation. Admission keeps this within the cache, so no allocation of an admitted
+    /// request can fail: an allocation moves one block from the second term to the first, a
+    /// truncation moves it back, a release only lowers it, and what is neither held nor
+    /// promised (free blocks, cached ones nobody references) can be taken.
+    fn committed_blocks(&self) -> usize {
+        let promised: usize = self
+            .running
+            .iter()
+            .map(|s| {
+                let have = self.cache.blocks(s.kv).map_or(0, |b| b.len());
+                s.reserved_blocks.saturating_sub(have)
+            })
+            .sum();
+        self.cache.held_blocks() + promised
     }
 
     fn admit(&mut self) -> Result<()> {
@@ -824,13 +840,9 @@ impl Engine {
             let Some((req, _)) = self.waiting.front() else {
                 break;
             };
-            let need = self.footprint(req);
-            if self.reserved_tokens + need > self.cfg.kv_tokens {
-                break;
-            }
-            let Some((req, arrived)) = self.waiting.pop_front() else {
-                break;
-            };
+            // The footprint has a block of slack, so its floor covers the blocks the
+            // request can fill (prompt, answer and a verification window).
+            let need = self.footprint(req) / self.cfg.block_size;
             // Cached prefix: whole blocks, leaving the last prompt token (its logits give the
             // first token) and the proposer's feature window to be computed, so drafting sees
             // the same context rows with the cache or without it.
@@ -841,13 +853,23 @@ impl Engine {
             } else {
                 req.prompt.len().saturating_sub(window)
             };
+            // A cached prefix is paid for once: blocks another running request holds are
+            // counted already, and only those nobody held become taken. Requests sharing a
+            // long system prompt then fit as many as their own tokens allow.
+            let (matched, idle) = self.cache.prefix_match(&req.prompt, usable);
+            let charge = need.saturating_sub(matched) + idle;
+            if self.committed_blocks() + charge > self.cache.config().num_blocks {
+                break;
+            }
+            let Some((req, arrived)) = self.waiting.pop_front() else {
+                break;
+            };
             let (kv, cached) = self.cache.new_seq_with_prefix(&req.prompt, usable);
             let metrics = RequestMetrics {
                 prompt_tokens: req.prompt.len(),
                 cached_tokens: cached,
                 ..Default::default()
             };
-            self.reserved_tokens += need;
             let (text, sent, decoder) = resumed_text(self.tok.as_deref(), &req);
             // A resumed request draws afresh: the first worker's draws went into the output
             // it resumes, and reusing them would tie its tokens to those.
@@ -871,7 +893,7 @@ impl Engine {
                 arrived,
                 last_emit: None,
                 finished: None,
-                reserved: need,
+                reserved_blocks: need,
                 drafted_before: false,
                 prompt_lps: Vec::new(),
                 group: (self.admitted % 2) as u8,
@@ -1575,7 +1597,8 @@ impl Engine {
     }
 
     /// Per-cycle invariants: a decoding request's KV holds exactly its committed tokens but the
-    /// pending one; a prefilling request's KV holds exactly its prefilled prompt tokens.
+    /// pending one; a prefilling request's KV holds exactly its prefilled prompt tokens; no
+    /// request outgrows its reservation and the cache is not promised more blocks than it has.
     pub fn check_invariants(&self) -> Result<()> {
         for s in &self.running {
             let kv = self.cache.len(s.kv)?;
@@ -1601,6 +1624,19 @@ impl Engine {
                     s.req.id
                 )));
             }
+            let blocks = self.cache.blocks(s.kv)?.len();
+            if blocks > s.reserved_blocks {
+                return Err(SpecError::Invariant(format!(
+                    "request {}: {blocks} KV blocks, {} reserved",
+                    s.req.id, s.reserved_blocks
+                )));
+            }
+        }
+        let (committed, total) = (self.committed_blocks(), self.cache.config().num_blocks);
+        if committed > total {
+            return Err(SpecError::Invariant(format!(
+                "{committed} KV blocks promised, the cache has {total}"
+            )));
         }
         Ok(())
     }

@@ -2242,6 +2242,95 @@ fn prefix_cache_reuses_shared_prompts_and_changes_no_output() {
     }
 }
 
+/// Admission charges a cached prompt prefix once: requests sharing a long system prompt run
+/// side by side in a cache that holds one whole request and not two (charged whole, they ran
+/// one at a time), with every allocation of the admitted ones succeeding, the same tokens as
+/// plain greedy decoding, and every block back at the end.
+#[test]
+fn shared_prompt_prefixes_are_charged_once_at_admission() {
+    let f = fixture();
+    let system: String = (0..80)
+        .map(|i| ["the ", "theater ", "inner ", "rather "][i % 4])
+        .collect();
+    let ps: Vec<Vec<u32>> = prompts(&f, 6)
+        .iter()
+        .map(|p| {
+            let mut s = f.tok.encode(&system).unwrap();
+            s.extend_from_slice(p);
+            s
+        })
+        .collect();
+    let max_tokens = 16;
+    let want: Vec<Vec<u32>> = ps
+        .iter()
+        .map(|p| {
+            generate(
+                &f.target,
+                &f.tok,
+                p,
+                &GenerateParams {
+                    max_tokens,
+                    ..Default::default()
+                },
+                &mut |_| {},
+            )
+            .unwrap()
+            .token_ids
+        })
+        .collect();
+    for (name, gamma) in [("none", 0), ("ngram", 3), ("draft-model", 3)] {
+        let bs = 16;
+        let longest = ps.iter().map(|p| p.len()).max().unwrap();
+        // The engine's footprint of the longest request, in blocks (a block of slack): the
+        // cache holds one and a half of those, so no two requests fit charged whole.
+        let whole = (longest + max_tokens + gamma + 1 + bs) / bs;
+        let shared = f.tok.encode(&system).unwrap().len() / bs;
+        assert!(shared >= whole / 2, "{shared} shared blocks of {whole}");
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            proposer_clone(&f, name),
+            EngineConfig {
+                prefix_caching: true,
+                kv_tokens: (whole + whole / 2) * bs,
+                block_size: bs,
+                ..cfg(gamma)
+            },
+            CostModel::flat(gamma + 1),
+        )
+        .unwrap();
+        for (i, p) in ps.iter().enumerate() {
+            e.add(Request::new(i as u64, p.clone(), max_tokens))
+                .unwrap();
+        }
+        let (mut events, mut most) = (Vec::new(), 0);
+        while !e.is_idle() {
+            events.extend(e.step().unwrap());
+            most = most.max(e.num_running());
+            e.check_invariants().unwrap();
+        }
+        assert!(most >= 3, "{name}: at most {most} ran at once");
+        let cached: Vec<(u64, usize)> = events
+            .iter()
+            .filter_map(|ev| match ev {
+                Event::Finished { id, metrics, .. } => Some((*id, metrics.cached_tokens)),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            cached.iter().filter(|c| c.1 >= bs).count() >= ps.len() - 1,
+            "{name}: cached {cached:?}, whole {whole}, shared {shared}, lens {:?}",
+            ps.iter().map(|p| p.len()).collect::<Vec<_>>()
+        );
+        let got = collect(events);
+        for (i, w) in want.iter().enumerate() {
+            assert_eq!(&got[&(i as u64)].0, w, "{name} prompt {i}");
+        }
+        e.check_kv().unwrap();
+        assert_eq!(e.kv_free_blocks(), e.kv_total_blocks(), "{name}");
+    }
+}
+
 /// Log-probabilities reported per output token are the target's raw log-softmax at that
 /// position (checked against one forward over prompt + output), with the top alternatives in
 /// order; greedy tokens are their position's most likely; speculation does not change them;
