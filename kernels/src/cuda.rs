@@ -203,8 +203,9 @@ extern "C" __global__ void rope(float* x, int n, int width, int offset, int head
 // attention_part: one block per (query row, head, chunk of cl keys) writes the chunk's score
 // maximum m, its sum l of exp(score − m), and its unnormalized output Σ exp(score − m)·v; its
 // scores live in dynamic shared memory (cl floats). Chunks past the query's position write
-// nothing (attention_merge never reads them). The host picks cl: short chunks when there are
-// few (query, head) pairs, one chunk of every key for a long prefill.
+// nothing (attention_merge never reads them). cl is fixed (ATTN_CHUNK on the host): a query's
+// keys then split the same way whatever window it comes in, so its output has the same bits in
+// a decode step and in a verification window, as greedy parity with plain decoding needs.
 extern "C" __global__ void attention_part(const float* q, long long q_off, int q_stride,
                                           const float* k, long long k_off, const float* v,
                                           long long v_off, int kv_stride, float* part_o,
@@ -268,9 +269,10 @@ extern "C" __global__ void attention_part(const float* q, long long q_off, int q
 
 // attention_merge: one block per (query row, head) rescales its chunks to their common maximum
 // and normalizes: out = Σ_c exp(m_c − M)·o_c / Σ_c exp(m_c − M)·l_c.
+// Row t's output goes to out[out_off + (t·n_heads + h)·hd ..] (windows launched in row groups).
 extern "C" __global__ void attention_merge(const float* part_o, const float* part_ml,
-                                           float* out, int pos0, int n_heads, int hd,
-                                           int chunks, int cl) {
+                                           float* out, long long out_off, int pos0,
+                                           int n_heads, int hd, int chunks, int cl) {
     int t = blockIdx.x, h = blockIdx.y;
     long base = ((long)t * n_heads + h) * chunks;
     int used = (pos0 + t) / cl + 1;
@@ -284,7 +286,7 @@ extern "C" __global__ void attention_merge(const float* part_o, const float* par
         float a = 0.0f;
         for (int c = 0; c < used; c++)
             a += part_o[(base + c) * hd + d] * expf(part_ml[2 * (base + c)] - mx);
-        out[((long)t * n_heads + h) * hd + d] = a * inv;
+        out[out_off + ((long)t * n_heads + h) * hd + d] = a * inv;
     }
 }
 
@@ -316,16 +318,21 @@ const NORM_THREADS: u32 = 256;
 /// reductions halve).
 const ATTN_THREADS: u32 = 128;
 
-/// Keys per chunk below which `attention_part` splits no further (a split of k keys into
-/// ⌈k / 64⌉ chunks can still make them shorter: 65 keys are 2 chunks of 33).
-const ATTN_MIN_CHUNK: usize = 64;
+/// Keys per chunk of `attention_part`, the same for every launch: chunks that depended on the
+/// window (how many query rows came together) summed a query's keys in another order in a
+/// decode step than in a verification window, and a near tie could then turn the other way.
+/// 64 keys are 32 chunks for a decode step at 2048 positions.
+const ATTN_CHUNK: usize = 64;
 
-/// Blocks `attention_part` aims for: a few waves over an H100/H200's 132 multiprocessors.
-const ATTN_TARGET_BLOCKS: usize = 2048;
+/// Partial results (one per query row, head and chunk, head_dim floats each) a launch of
+/// `attention_part` keeps: a long prefill goes in groups of rows under this (128 MiB at a
+/// head_dim of 64). The tests' few hundred rows take several groups.
+#[cfg(not(test))]
+const ATTN_MAX_PARTIALS: usize = 1 << 19;
+#[cfg(test)]
+const ATTN_MAX_PARTIALS: usize = 1 << 10;
 
-/// Longest sequence the attention kernels take: one chunk's scores (up to every key, for a
-/// long prefill) must fit the 48 KiB of dynamic shared memory a launch gets without opting in
-/// to more.
+/// Longest sequence the attention kernels take (at most 128 chunks of a query's keys).
 pub const MAX_ATTENTION_TOKENS: usize = 8192;
 
 /// Compiles the kernels' source with NVRTC alone (no driver, no device) and returns the PTX's
@@ -869,79 +876,80 @@ impl Gpu {
                 "{keys} positions (the attention kernel takes at most {MAX_ATTENTION_TOKENS})"
             )));
         }
-        // Chunks enough for ATTN_TARGET_BLOCKS blocks, at most ⌈keys / ATTN_MIN_CHUNK⌉ of
-        // them: 32 chunks of 64 for a decode step at 2048 positions, one for a long prefill.
-        let pairs = n * h;
-        let want = ATTN_TARGET_BLOCKS
-            .div_ceil(pairs)
-            .clamp(1, keys.div_ceil(ATTN_MIN_CHUNK));
-        let cl = keys.div_ceil(want);
+        // Fixed chunks (see ATTN_CHUNK); rows in groups whose partials fit ATTN_MAX_PARTIALS.
+        let cl = ATTN_CHUNK;
         let chunks = keys.div_ceil(cl);
-        let mut part_o = self.output(pairs * chunks * hd)?;
-        let mut part_ml = self.output(pairs * chunks * 2)?;
+        let group = (ATTN_MAX_PARTIALS / (h * chunks).max(1)).clamp(1, n.max(1));
+        let mut part_o = self.output(group * h * chunks * hd)?;
+        let mut part_ml = self.output(group * h * chunks * 2)?;
         let mut out = self.output(n * h * hd)?;
         let grid = |x: usize| u32::try_from(x).map_err(|_| GpuError::Shape("too many rows".into()));
         let scale = 1.0 / (hd as f32).sqrt();
-        let (qo, ko, vo) = (q_off as i64, k_off as i64, v_off as i64);
         let cli = dim(cl, "chunk")?;
-        let (qs, kvs, nn, p, hh, kk, hdi, ch) = (
+        let (qs, kvs, hh, kk, hdi, ch) = (
             dim(q_stride, "query stride")?,
             dim(kv_stride, "kv stride")?,
-            dim(n, "rows")?,
-            dim(pos0, "position")?,
             dim(h, "heads")?,
             dim(kv, "kv heads")?,
             dim(hd, "head_dim")?,
             dim(chunks, "chunks")?,
         );
-        let cfg = LaunchConfig {
-            grid_dim: (grid(n)?, grid(h)?, grid(chunks)?),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: (cl * 4) as u32,
-        };
-        let mut b = self.stream.launch_builder(&self.attention);
-        b.arg(&q.d)
-            .arg(&qo)
-            .arg(&qs)
-            .arg(&k.d)
-            .arg(&ko)
-            .arg(&v.d)
-            .arg(&vo)
-            .arg(&kvs)
-            .arg(&mut part_o.d)
-            .arg(&mut part_ml.d)
-            .arg(&nn)
-            .arg(&p)
-            .arg(&hh)
-            .arg(&kk)
-            .arg(&hdi)
-            .arg(&scale)
-            .arg(&ch)
-            .arg(&cli);
-        // SAFETY: block (t, h, c) reads query row t < n and key/value rows s < pos0 + n at the
-        // offsets and strides given, which the callers checked lie inside their buffers; it
-        // writes partials (t·h_count + h)·chunks + c < n·h·chunks, the sizes allocated, and
-        // its dynamic shared memory holds its cl scores (cl ≤ keys ≤ MAX_ATTENTION_TOKENS
-        // keeps it under 48 KiB) and its static array ATTN_THREADS (its block size) partials.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
-        let cfg = LaunchConfig {
-            grid_dim: (grid(n)?, grid(h)?, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.stream.launch_builder(&self.attention_merge);
-        b.arg(&part_o.d)
-            .arg(&part_ml.d)
-            .arg(&mut out.d)
-            .arg(&p)
-            .arg(&hh)
-            .arg(&hdi)
-            .arg(&ch)
-            .arg(&cli);
-        // SAFETY: block (t, h) reads the partials of chunks c ≤ (pos0 + t) / cl <
-        // chunks, exactly those attention_part wrote for it, and writes row t, head h of the
-        // n × h·hd output.
-        unsafe { b.launch(cfg) }.map_err(drv)?;
+        let (ko, vo) = (k_off as i64, v_off as i64);
+        for r0 in (0..n).step_by(group) {
+            let rows = group.min(n - r0);
+            let (qo, oo) = ((q_off + r0 * q_stride) as i64, (r0 * h * hd) as i64);
+            let (nn, p) = (dim(rows, "rows")?, dim(pos0 + r0, "position")?);
+            let cfg = LaunchConfig {
+                grid_dim: (grid(rows)?, grid(h)?, grid(chunks)?),
+                block_dim: (ATTN_THREADS, 1, 1),
+                shared_mem_bytes: (cl * 4) as u32,
+            };
+            let mut b = self.stream.launch_builder(&self.attention);
+            b.arg(&q.d)
+                .arg(&qo)
+                .arg(&qs)
+                .arg(&k.d)
+                .arg(&ko)
+                .arg(&v.d)
+                .arg(&vo)
+                .arg(&kvs)
+                .arg(&mut part_o.d)
+                .arg(&mut part_ml.d)
+                .arg(&nn)
+                .arg(&p)
+                .arg(&hh)
+                .arg(&kk)
+                .arg(&hdi)
+                .arg(&scale)
+                .arg(&ch)
+                .arg(&cli);
+            // SAFETY: block (t, h, c) reads query row r0 + t < n and key/value rows
+            // s < pos0 + r0 + t + 1 ≤ pos0 + n at the offsets and strides given, which the
+            // callers checked lie inside their buffers; it writes partials
+            // (t·h_count + h)·chunks + c < group·h·chunks, the sizes allocated, and its dynamic
+            // shared memory holds its cl scores and its static array ATTN_THREADS (its block
+            // size) partials.
+            unsafe { b.launch(cfg) }.map_err(drv)?;
+            let cfg = LaunchConfig {
+                grid_dim: (grid(rows)?, grid(h)?, 1),
+                block_dim: (ATTN_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.stream.launch_builder(&self.attention_merge);
+            b.arg(&part_o.d)
+                .arg(&part_ml.d)
+                .arg(&mut out.d)
+                .arg(&oo)
+                .arg(&p)
+                .arg(&hh)
+                .arg(&hdi)
+                .arg(&ch)
+                .arg(&cli);
+            // SAFETY: block (t, h) reads the partials of chunks c ≤ (pos0 + r0 + t) / cl <
+            // chunks, exactly those attention_part wrote for it in this group, and writes row
+            // r0 + t < n, head h of the n × h·hd output.
+            unsafe { b.launch(cfg) }.map_err(drv)?;
+        }
         Ok(out)
     }
 
@@ -1196,7 +1204,7 @@ mod tests {
         }
         // The same attention over a KV cache filled in windows, each window's rows appended
         // first: a prefill, a decode step, windows. Past 64 positions a decode step or a short
-        // window splits the keys into chunks (5 of about 61 keys at position 300).
+        // window splits the keys into chunks (5 of 64 keys at position 300).
         let short: &[(usize, usize)] = &[(0, 5), (5, 6), (6, 14)];
         let long: &[(usize, usize)] = &[(0, 300), (300, 301), (301, 309), (309, 320)];
         for &(h, kv, hd, windows) in &[
@@ -1220,20 +1228,38 @@ mod tests {
                 gpu.zeros(cap).expect("zeros"),
                 gpu.zeros(cap).expect("zeros"),
             );
-            let mut got = Vec::new();
-            for &(p0, p1) in windows {
-                let rows = gpu.buf(&qkv[p0 * width..p1 * width]).expect("buf");
-                gpu.kv_append_dev(&rows, &mut kc, &mut vc, &a, p0)
-                    .expect("kv_append");
-                let out = gpu
-                    .attention_cached_dev(&rows, &kc, &vc, &a, p0)
-                    .expect("attention");
-                got.extend(gpu.read(&out).expect("read"));
-            }
+            let run = |windows: &[(usize, usize)], kc: &mut DeviceBuf, vc: &mut DeviceBuf| {
+                let mut got = Vec::new();
+                for &(p0, p1) in windows {
+                    let rows = gpu.buf(&qkv[p0 * width..p1 * width]).expect("buf");
+                    gpu.kv_append_dev(&rows, kc, vc, &a, p0).expect("kv_append");
+                    let out = gpu
+                        .attention_cached_dev(&rows, kc, vc, &a, p0)
+                        .expect("attention");
+                    got.extend(gpu.read(&out).expect("read"));
+                }
+                got
+            };
+            let got = run(windows, &mut kc, &mut vc);
             let e = max_rel(&got, &want);
             assert!(
                 e < 1e-4,
                 "cached attention {h}/{kv} heads of {hd}, {n} rows: {e}"
+            );
+            // Windows give the bits decode steps give (fixed chunks): what greedy parity
+            // between verification and plain decoding rests on.
+            let first = windows[0].1;
+            let steps: Vec<(usize, usize)> = std::iter::once((0, first))
+                .chain((first..n).map(|i| (i, i + 1)))
+                .collect();
+            let stepped = run(&steps, &mut kc, &mut vc);
+            let at = first * h * hd;
+            assert!(
+                got[at..]
+                    .iter()
+                    .zip(&stepped[at..])
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "cached attention {h}/{kv} heads of {hd}: windows differ from decode steps"
             );
             // Past the cache's rows is an error, not a launch.
             let rows = gpu.buf(&qkv[..3 * width]).expect("buf");

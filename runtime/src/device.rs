@@ -720,6 +720,22 @@ mod tests {
         out
     }
 
+    /// Logits of `toks` from a prefill of all but the last 23, then one token at a time: the
+    /// plain decoding that [`windowed_logits`]'s verification windows must match bit for bit
+    /// past the prefill (greedy parity rests on it).
+    fn stepped_logits<O: DeviceOps>(fwd: &DeviceForward<O>, toks: &[u32]) -> Vec<f32> {
+        let mut cache = fwd.new_cache(toks.len()).expect("cache");
+        let p = toks.len() - 23;
+        let mut out = fwd.forward(&mut cache, &toks[..p]).expect("prefill");
+        for i in p..toks.len() {
+            out.extend(
+                fwd.forward(&mut cache, &toks[i..i + 1])
+                    .expect("decode step"),
+            );
+        }
+        out
+    }
+
     /// Random weights of a config's shapes run, and are seeded.
     #[test]
     fn random_weights_follow_the_config() {
@@ -769,6 +785,11 @@ mod tests {
             assert_eq!(diff.positions, 40, "{name}");
             assert_eq!(diff.top1_agreement, 1.0, "{name}: {diff:?}");
             assert!(diff.max_rel < 1e-4, "{name}: {diff:?}");
+            let p = (toks.len() - 23) * model.cfg.vocab_size;
+            assert!(
+                got[p..] == stepped_logits(&fwd, &toks)[p..],
+                "{name}: windows differ from decode steps"
+            );
             // Without the rollback the window after it sees the rejected tokens.
             let mut cache = fwd.new_cache(45).expect("cache");
             fwd.forward(&mut cache, &toks[..26]).expect("forward");
@@ -890,6 +911,24 @@ mod tests {
                 println!("{name}, windows, {kernel:?}: {diff:?}");
                 assert!(diff.top1_agreement >= 0.99, "{name} {kernel:?}: {diff:?}");
                 assert!(diff.max_rel < 1e-3, "{name} {kernel:?}: {diff:?}");
+                // The same bits as decoding one token at a time (past 64 positions the
+                // attention splits keys into chunks: the same ones in both).
+                let p = (toks.len() - 23) * model.cfg.vocab_size;
+                let stepped = stepped_logits(&fwd, &toks);
+                let same = got[p..]
+                    .iter()
+                    .zip(&stepped[p..])
+                    .filter(|(a, b)| a.to_bits() == b.to_bits())
+                    .count();
+                println!(
+                    "{name}, windows vs decode steps, {kernel:?}: {same} of {} equal",
+                    got.len() - p
+                );
+                assert_eq!(
+                    same,
+                    got.len() - p,
+                    "{name} {kernel:?}: windows differ from decode steps"
+                );
             }
         }
     }

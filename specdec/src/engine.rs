@@ -810,10 +810,12 @@ impl Engine {
             Phase::Prefill => s.prefilled,
             Phase::Decode => s.tokens.len().saturating_sub(1),
         };
+        // The drafter forgets the request first: a KV error below must not leave its state
+        // (a remote draft worker's context) held until the link closes.
+        self.proposer.finish(s.req.id);
         self.cache
             .register(s.kv, &s.tokens[..written.min(s.tokens.len())])?;
         self.cache.remove(s.kv)?;
-        self.proposer.finish(s.req.id);
         Ok(())
     }
 
