@@ -213,9 +213,18 @@ pub fn load_blocks(path: &Path, set: Option<&str>, arm: &str) -> anyhow::Result<
         if conf.is_empty() {
             continue;
         }
+        // The planner counts accepted drafts in a byte: no verified block is that long.
+        let accepted = u8::try_from(accepted).map_err(|_| {
+            anyhow::anyhow!(
+                "{} line {}: {accepted} drafts accepted in one block, more than the planner \
+                 replays (255)",
+                path.display(),
+                i + 1
+            )
+        })?;
         out.push(Block {
             conf,
-            accepted: accepted as u8,
+            accepted,
             copy_run: v["copy_run"].as_bool().unwrap_or(false),
         });
     }
@@ -293,6 +302,21 @@ fn engine_json(r: &planner::EngineReport) -> Value {
         "committed_per_call": r.committed_per_call, "draft_round_ms": r.draft_round_s * 1e3,
         "arrived": r.arrived, "finished": r.finished, "backlog": r.backlog,
     })
+}
+
+/// A plan as the chart's values (helm/dspark-serve), for the policy the chart deploys: the
+/// scheduler's (a fixed length is simulated for comparison only; the chart has no fixed-length
+/// policy, and the per-request gate it does have is another policy). A shape without draft
+/// workers was simulated without speculation, while a target worker without draft workers
+/// drafts with its local fallback (n-gram by default): the plan turns the fallback off, so
+/// what is deployed is what was simulated.
+fn helm_values(targets: u32, drafts: u32, max_running: u32, max_gamma: u8) -> Value {
+    let mut target = json!({"replicas": targets, "maxRunning": max_running,
+        "verifyPolicy": "scheduler", "gamma": max_gamma});
+    if drafts == 0 {
+        target["fallback"] = json!("none");
+    }
+    json!({"targetWorker": target, "draftWorker": {"replicas": drafts}})
 }
 
 pub fn run(a: PlanArgs) -> anyhow::Result<()> {
@@ -381,45 +405,45 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         prices,
     };
     let p = planner::plan(&sc, a.max_targets, a.max_drafts)?;
-    println!(
+    out!(
         "{:>7} {:>6} {:>9} {:>12} {:>10} {:>9} {:>6}  verdict",
-        "targets", "drafts", "tok/s", "user tok/s", "TTFT p90", "ρ draft", "cost"
-    );
-    let shapes: Vec<Value> = p
-        .shapes
-        .iter()
-        .map(|s| {
-            println!(
-                "{:>7} {:>6} {:>9.1} {:>12.1} {:>8.0}ms {:>9.2} {:>6.2}  {}",
-                s.targets,
-                s.drafts,
-                s.tok_s,
-                s.engine.user_tok_s_p50,
-                s.engine.ttft_p90_s * 1e3,
-                s.draft_util,
-                s.cost,
-                if s.feasible {
-                    "meets the SLO"
-                } else {
-                    &s.reason
-                }
-            );
+        "targets",
+        "drafts",
+        "tok/s",
+        "user tok/s",
+        "TTFT p90",
+        "ρ draft",
+        "cost"
+    )?;
+    let mut shapes: Vec<Value> = Vec::with_capacity(p.shapes.len());
+    for s in &p.shapes {
+        out!(
+            "{:>7} {:>6} {:>9.1} {:>12.1} {:>8.0}ms {:>9.2} {:>6.2}  {}",
+            s.targets,
+            s.drafts,
+            s.tok_s,
+            s.engine.user_tok_s_p50,
+            s.engine.ttft_p90_s * 1e3,
+            s.draft_util,
+            s.cost,
+            if s.feasible {
+                "meets the SLO"
+            } else {
+                &s.reason
+            }
+        )?;
+        shapes.push(
             json!({"targets": s.targets, "drafts": s.drafts, "tok_s": s.tok_s,
-                "draft_util": s.draft_util, "cost": s.cost, "feasible": s.feasible,
-                "reason": s.reason, "engine": engine_json(&s.engine)})
-        })
-        .collect();
+            "draft_util": s.draft_util, "cost": s.cost, "feasible": s.feasible,
+            "reason": s.reason, "engine": engine_json(&s.engine)}),
+        );
+    }
     let best = p.best.map(|i| &p.shapes[i]);
-    // The plan as the chart's values (helm/dspark-serve), for the policy the chart deploys:
-    // the scheduler's. A fixed length is simulated for comparison only; the chart has no
-    // fixed-length policy, and the per-request gate it does have is another policy.
-    let helm = best.filter(|_| verify == Verify::Scheduler).map(|b| {
-        json!({"targetWorker": {"replicas": b.targets, "maxRunning": a.max_running,
-            "verifyPolicy": "scheduler", "gamma": a.max_gamma},
-            "draftWorker": {"replicas": b.drafts}})
-    });
+    let helm = best
+        .filter(|_| verify == Verify::Scheduler)
+        .map(|b| helm_values(b.targets, b.drafts, a.max_running, a.max_gamma));
     match best {
-        Some(b) => println!(
+        Some(b) => out!(
             "plan: {} target worker(s) + {} draft worker(s) (draft:target {}:{}), {:.0} tok/s, \
              median {:.1} tok/s per user, TTFT p90 {:.0} ms, cost {:.2}",
             b.targets,
@@ -430,17 +454,22 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             b.engine.user_tok_s_p50,
             b.engine.ttft_p90_s * 1e3,
             b.cost
-        ),
-        None => println!(
+        )?,
+        None => out!(
             "plan: no shape up to {} target and {} draft workers meets the SLO",
-            a.max_targets, a.max_drafts
-        ),
+            a.max_targets,
+            a.max_drafts
+        )?,
     }
     if let Some(h) = &helm {
-        println!(
+        let fallback = match h["targetWorker"]["fallback"].as_str() {
+            Some(f) => format!(" --set targetWorker.fallback={f}"),
+            None => String::new(),
+        };
+        out!(
             "helm: --set targetWorker.replicas={} --set draftWorker.replicas={} \
              --set targetWorker.maxRunning={} --set targetWorker.verifyPolicy={} \
-             --set targetWorker.gamma={}",
+             --set targetWorker.gamma={}{fallback}",
             h["targetWorker"]["replicas"],
             h["draftWorker"]["replicas"],
             h["targetWorker"]["maxRunning"],
@@ -448,7 +477,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
                 .as_str()
                 .unwrap_or("scheduler"),
             h["targetWorker"]["gamma"]
-        );
+        )?;
     }
     // The frontier per draft:target ratio at the planned target count: closed-loop load per
     // target worker 1, 2, 4, ... up to max_running.
@@ -541,10 +570,16 @@ fn validate(
     spec.hop_s = 0.0;
     let mut rows = Vec::new();
     let mut errs = Vec::new();
-    println!(
+    out!(
         "{:>10} {:>4} {:>10} {:>10} {:>7} {:>9} {:>9}",
-        "arm", "c", "measured", "predicted", "ratio", "τ meas.", "τ pred."
-    );
+        "arm",
+        "c",
+        "measured",
+        "predicted",
+        "ratio",
+        "τ meas.",
+        "τ pred."
+    )?;
     for p in f["points"].as_array().into_iter().flatten() {
         let (Some(arm), Some(c), Some(meas)) = (
             p["arm"].as_str(),
@@ -556,8 +591,20 @@ fn validate(
         let verify = match arm {
             "none" => None,
             "scheduler" => Some(Verify::Scheduler),
-            s => match s.strip_prefix("fixed-").and_then(|g| g.parse::<u8>().ok()) {
-                Some(g) => Some(Verify::Fixed(g)),
+            s => match s.strip_prefix("fixed-").and_then(|g| g.parse::<u64>().ok()) {
+                // Only in 1..=--max-gamma: the simulation would cap a longer length at
+                // --max-gamma and draft nothing at fixed-0, another arm than the one measured.
+                Some(g) => match u8::try_from(g) {
+                    Ok(g) if (1..=spec.max_gamma).contains(&g) => Some(Verify::Fixed(g)),
+                    _ => {
+                        eprintln!(
+                            "{arm} c {c}: not replayed: fixed lengths replay in 1..={} \
+                             (--max-gamma); skipped",
+                            spec.max_gamma
+                        );
+                        continue;
+                    }
+                },
                 None => continue,
             },
         };
@@ -585,12 +632,12 @@ fn validate(
         }
         let ratio = r.tok_s / meas;
         errs.push(ratio.ln().abs());
-        println!(
+        out!(
             "{arm:>10} {c:>4} {meas:>10.1} {:>10.1} {ratio:>7.3} {:>9.2} {:>9.2}",
             r.tok_s,
             p["committed_per_call"].as_f64().unwrap_or(f64::NAN),
             r.committed_per_call
-        );
+        )?;
         rows.push(json!({"arm": arm, "concurrency": c, "measured_tok_s": meas,
             "predicted_tok_s": r.tok_s, "ratio": ratio,
             "measured_committed_per_call": p["committed_per_call"],
@@ -601,12 +648,12 @@ fn validate(
     errs.sort_by(f64::total_cmp);
     let median_err = (errs[errs.len() / 2]).exp() - 1.0;
     let max_err = errs.last().map(|e| e.exp() - 1.0).unwrap_or(0.0);
-    println!(
+    out!(
         "predicted / measured tokens/s: median error {:.1} %, worst {:.1} % over {} points",
         median_err * 100.0,
         max_err * 100.0,
         rows.len()
-    );
+    )?;
     let v = json!({"command": command, "frontier": path, "sps": a.sps, "ctx": a.ctx,
         "blocks": a.blocks, "blocks_n": blocks.iter().map(|s| s.blocks.len()).sum::<usize>(),
         "draft_cost": a.draft_cost,
@@ -639,6 +686,29 @@ mod tests {
         assert_eq!(load_blocks(&p, Some("code"), "parallel").unwrap().len(), 2);
         let e = load_blocks(&p, None, "ngram").unwrap_err().to_string();
         assert!(e.contains("no blocks of arm `ngram`"), "{e}");
+        // More drafts accepted in one block than the planner counts: refused, not wrapped.
+        let long = dir.join("long.jsonl");
+        let served = ["0.9"; 300].join(",");
+        std::fs::write(
+            &long,
+            format!(r#"{{"set":"code","arm":"dspark","served":[{served}],"accepted":256}}"#),
+        )
+        .unwrap();
+        let e = load_blocks(&long, None, "dspark").unwrap_err().to_string();
+        assert!(e.contains("256 drafts accepted"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Without draft workers the plan was simulated without speculation: the chart's values
+    /// turn the target workers' local fallback drafter off; with draft workers they leave it.
+    #[test]
+    fn a_plan_without_draft_workers_deploys_no_fallback_drafter() {
+        let none = helm_values(3, 0, 16, 7);
+        assert_eq!(none["targetWorker"]["fallback"], "none", "{none}");
+        assert_eq!(none["draftWorker"]["replicas"], 0);
+        let some = helm_values(2, 1, 16, 7);
+        assert!(some["targetWorker"].get("fallback").is_none(), "{some}");
+        assert_eq!(some["targetWorker"]["replicas"], 2);
+        assert_eq!(some["targetWorker"]["gamma"], 7);
     }
 }

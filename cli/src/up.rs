@@ -4,6 +4,7 @@
 
 use crate::config::Global;
 use clap::Args;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -31,9 +32,10 @@ pub struct UpArgs {
     /// etcd endpoints for discovery (default: workers register with the scheduler directly).
     #[arg(long)]
     pub etcd: Option<String>,
-    /// Router port.
+    /// Router port (a fixed one: `up` prints the router's URL and waits for it there).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
+    /// Router listen address: an IP address (IPv6 with or without brackets).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Draft length.
@@ -49,7 +51,8 @@ pub struct UpArgs {
     /// Target workers verify two micro-batches in ping-pong to hide the drafting hop.
     #[arg(long)]
     pub pingpong: bool,
-    /// Require this bearer token on /v1/*.
+    /// Require this bearer token on /v1/* (handed to the router in its environment, never on
+    /// a command line that `ps` shows).
     #[arg(long, env = "DSPARK_API_KEY")]
     pub api_key: Option<String>,
     /// Seconds to wait for the cluster to come up.
@@ -57,10 +60,29 @@ pub struct UpArgs {
     pub startup_timeout: u64,
 }
 
+/// Settings of one process, not of a cluster (listen and published addresses, metrics ports,
+/// drafter, peers): left in `up`'s environment they would reach every child, so none gets
+/// them and `up` passes what it needs explicitly. The API key too: the router alone gets it.
+const PER_INSTANCE_ENV: [&str; 11] = [
+    "DSPARK_TARGET_LISTEN",
+    "DSPARK_DRAFT_LISTEN",
+    "DSPARK_TARGET_METRICS_LISTEN",
+    "DSPARK_DRAFT_METRICS_LISTEN",
+    "DSPARK_ADVERTISE",
+    "DSPARK_LOCAL_DRAFTER",
+    "DSPARK_DRAFT_WORKER",
+    "DSPARK_TARGETS",
+    "DSPARK_DRAFTS",
+    "DSPARK_TP_PEERS",
+    "DSPARK_API_KEY",
+];
+
 struct Children(Vec<(String, Child)>);
 
 impl Children {
-    fn spawn(&mut self, name: &str, args: &[String]) -> anyhow::Result<()> {
+    /// Starts `dspark ARGS` with `env` on top of this process's environment, less
+    /// [`PER_INSTANCE_ENV`].
+    fn spawn(&mut self, name: &str, args: &[String], env: &[(&str, &str)]) -> anyhow::Result<()> {
         let exe = std::env::current_exe()?;
         let mut cmd = Command::new(exe);
         cmd.args(args)
@@ -68,6 +90,10 @@ impl Children {
             .stdin(Stdio::piped())
             .stdout(Stdio::inherit())
             .stderr(Stdio::inherit());
+        for k in PER_INSTANCE_ENV {
+            cmd.env_remove(k);
+        }
+        cmd.envs(env.iter().copied());
         // A process group of its own: a terminal's Ctrl-C reaches `up` alone, which stops the
         // children with one SIGTERM each, so they drain (a second signal would cut them).
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
@@ -85,11 +111,12 @@ impl Children {
         None
     }
 
-    /// SIGTERM (through `kill`), then SIGKILL after a grace period ([`UP_DRAIN_S`] plus room),
-    /// in waves: the router and target workers drain first, while the draft workers they draft
-    /// with and the scheduler they deregister from are still up; then the draft workers; then
-    /// the scheduler.
-    fn stop(&mut self) {
+    /// SIGTERM, then SIGKILL after a grace period ([`UP_DRAIN_S`] plus room), in waves: the
+    /// router and target workers drain first, while the draft workers they draft with and the
+    /// scheduler they deregister from are still up; then the draft workers; then the
+    /// scheduler. `nap` sleeps up to the time given and says whether another stop signal came
+    /// meanwhile: then what is still running is killed at once, and this returns true.
+    fn stop(&mut self, nap: &mut dyn FnMut(Duration) -> bool) -> bool {
         let wave = |n: &str| {
             if n.starts_with("scheduler") {
                 2
@@ -99,14 +126,19 @@ impl Children {
                 0
             }
         };
-        for w in 0..=2 {
+        let mut forced = false;
+        'waves: for w in 0..=2 {
             let t0 = Instant::now();
             for (n, c) in &mut self.0 {
-                if wave(n) == w {
-                    let _ = Command::new("kill")
-                        .args(["-TERM", &c.id().to_string()])
-                        .stderr(Stdio::null())
-                        .status();
+                // Only a child not reaped yet: its pid is still its own, not a reused one.
+                if wave(n) == w
+                    && matches!(c.try_wait(), Ok(None))
+                    && let Ok(pid) = i32::try_from(c.id())
+                {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGTERM,
+                    );
                 }
             }
             for (n, c) in &mut self.0 {
@@ -117,17 +149,32 @@ impl Children {
                     match c.try_wait() {
                         Ok(Some(_)) => break,
                         _ if t0.elapsed() > Duration::from_secs(5) => {
-                            eprintln!("{n} did not stop; killing it");
+                            note(&format!("{n} did not stop; killing it"));
                             let _ = c.kill();
                             let _ = c.wait();
                             break;
                         }
-                        _ => std::thread::sleep(Duration::from_millis(50)),
+                        _ => {}
+                    }
+                    if nap(Duration::from_millis(50)) {
+                        forced = true;
+                        break 'waves;
                     }
                 }
             }
         }
+        if forced {
+            note("second stop signal: killing the cluster's processes now");
+            // `Child::kill` sends nothing to a child already reaped.
+            for (_, c) in &mut self.0 {
+                let _ = c.kill();
+            }
+            for (_, c) in &mut self.0 {
+                let _ = c.wait();
+            }
+        }
         self.0.clear();
+        forced
     }
 }
 
@@ -135,15 +182,21 @@ impl Children {
 const UP_DRAIN_S: &str = "3";
 
 impl Drop for Children {
+    /// What is left after a panic (`run` stops the cluster itself otherwise).
     fn drop(&mut self) {
-        self.stop();
+        self.stop(&mut |d: Duration| {
+            std::thread::sleep(d);
+            false
+        });
     }
 }
 
-/// SIGINT (Ctrl-C) and SIGTERM, registered once (created inside the runtime).
+/// SIGINT (Ctrl-C), SIGTERM and SIGHUP (the terminal closed), registered once (created inside
+/// the runtime).
 struct Signals {
     int: tokio::signal::unix::Signal,
     term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
 }
 
 impl Signals {
@@ -152,6 +205,7 @@ impl Signals {
         Ok(Self {
             int: signal(SignalKind::interrupt())?,
             term: signal(SignalKind::terminate())?,
+            hup: signal(SignalKind::hangup())?,
         })
     }
 
@@ -159,8 +213,26 @@ impl Signals {
         tokio::select! {
             _ = self.int.recv() => {}
             _ = self.term.recv() => {}
+            _ = self.hup.recv() => {}
         }
     }
+}
+
+/// Sleeps up to `d`, listening for a stop signal meanwhile: whether one came. The runtime
+/// runs while it sleeps, so a signal that came earlier is seen too.
+fn nap(rt: &tokio::runtime::Runtime, signals: &mut Signals, d: Duration) -> bool {
+    rt.block_on(async {
+        tokio::select! {
+            _ = signals.recv() => true,
+            _ = tokio::time::sleep(d) => false,
+        }
+    })
+}
+
+/// A line on stderr that cannot panic: after SIGHUP the terminal may be gone.
+fn note(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 fn free_port() -> anyhow::Result<u16> {
@@ -169,12 +241,48 @@ fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
+/// The router's listen address: `--host` an IP address (IPv6 with or without brackets) and
+/// `--port` a fixed port, since `up` prints the router's URL and probes it there.
+fn router_listen(host: &str, port: u16) -> anyhow::Result<SocketAddr> {
+    anyhow::ensure!(
+        port != 0,
+        "--port 0: the router needs a fixed port (`up` prints its URL and waits for it there)"
+    );
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    let ip: IpAddr = bare.parse().map_err(|_| {
+        anyhow::anyhow!("--host `{host}` is not an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1)")
+    })?;
+    Ok(SocketAddr::new(ip, port))
+}
+
+/// Fails when the router could not listen on `addr` (most often: another server, or another
+/// cluster, has the port), before any process starts: otherwise the readiness probe could
+/// take whatever answers there for this cluster.
+fn check_free(addr: SocketAddr) -> anyhow::Result<()> {
+    std::net::TcpListener::bind(addr).map_err(|e| {
+        anyhow::anyhow!(
+            "the router cannot listen on {addr}: {e} (is another server or cluster on port {}? \
+             pick another with --port)",
+            addr.port()
+        )
+    })?;
+    Ok(())
+}
+
 pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
     if a.draft_workers == 0 && !a.in_process_drafter {
         eprintln!("no draft workers: target workers decode with their local fallback drafter");
     }
     anyhow::ensure!(a.target_workers >= 1, "--target-workers must be at least 1");
     anyhow::ensure!(a.tp >= 1, "--tp must be at least 1");
+    anyhow::ensure!(
+        a.api_key.as_deref() != Some(""),
+        "--api-key is empty (leave it unset to serve without a key)"
+    );
+    let listen = router_listen(&a.host, a.port)?;
     // Fetch once here so the children do not race for the download.
     g.resolve_model(&a.target)?;
     let drafter = a
@@ -187,38 +295,65 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
     {
         g.resolve_model(&d)?;
     }
-    let mut common = vec![
+    check_free(listen)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // From the first child on, Ctrl-C, SIGTERM or SIGHUP stops the cluster cleanly, while it
+    // is still starting too (the default action would leave the children to notice stdin
+    // closing); a second one while it stops kills what is left.
+    let mut signals = rt.block_on(async { Signals::new() })?;
+    let mut kids = Children(Vec::new());
+    let ran = run_cluster(g, &a, &drafter, listen, &rt, &mut signals, &mut kids);
+    if kids.stop(&mut |d: Duration| nap(&rt, &mut signals, d)) {
+        std::process::exit(130);
+    }
+    ran
+}
+
+/// Starts the cluster and serves until a stop signal (`Ok`) or until one of its processes
+/// exits (`Err`); the caller stops what it started.
+fn run_cluster(
+    g: &Global,
+    a: &UpArgs,
+    drafter: &str,
+    listen: SocketAddr,
+    rt: &tokio::runtime::Runtime,
+    signals: &mut Signals,
+    kids: &mut Children,
+) -> anyhow::Result<()> {
+    let home = vec![
         "--python".to_string(),
         g.python.clone(),
         "--home".into(),
         g.home.display().to_string(),
     ];
+    // What a process that loads a model computes with: its threads, and the global --isa.
+    let compute = |threads: usize| {
+        let mut v = vec!["--threads".to_string(), threads.to_string()];
+        if let Some(isa) = g.isa {
+            v.extend(["--isa".to_string(), isa.name().to_string()]);
+        }
+        v
+    };
     let disc: Vec<String> = match &a.etcd {
         Some(e) => vec!["--etcd".into(), e.clone()],
         None => Vec::new(),
     };
     let sport = free_port()?;
     let sched_url = format!("http://127.0.0.1:{sport}");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    // From the first child on, Ctrl-C or SIGTERM stops the cluster cleanly, while it is still
-    // starting too (the default action would leave the children to notice stdin closing).
-    let mut signals = rt.block_on(async { Signals::new() })?;
-    let mut kids = Children(Vec::new());
     let mut s = vec![
         "scheduler".to_string(),
         "--listen".into(),
         format!("127.0.0.1:{sport}"),
     ];
     s.extend(disc.clone());
-    kids.spawn("scheduler", &s)?;
+    kids.spawn("scheduler", &s, &[])?;
     let reg: Vec<String> = if a.etcd.is_some() {
         disc.clone()
     } else {
         vec!["--scheduler".into(), sched_url.clone()]
     };
-    common.extend(["--threads".into(), g.threads.to_string()]);
     let drafts = if a.in_process_drafter {
         0
     } else {
@@ -230,20 +365,21 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
             "--target".into(),
             a.target.clone(),
             "--drafter".into(),
-            drafter.clone(),
+            drafter.to_string(),
             "--id".into(),
             format!("draft-{i}"),
         ];
         d.extend(reg.clone());
-        d.extend(common.clone());
-        kids.spawn(&format!("draft-worker {i}"), &d)?;
+        d.extend(home.clone());
+        d.extend(compute(g.threads));
+        kids.spawn(&format!("draft-worker {i}"), &d, &[])?;
     }
     // A split target's ranks compute at the same time: they share the cores.
-    let mut tcommon = common.clone();
-    if a.tp > 1 {
-        let n = tcommon.len();
-        tcommon[n - 1] = (g.effective_threads() / a.tp).max(1).to_string();
-    }
+    let tthreads = if a.tp > 1 {
+        (g.effective_threads() / a.tp).max(1)
+    } else {
+        g.threads
+    };
     for i in 0..a.target_workers {
         let mut t = vec![
             "target-worker".to_string(),
@@ -261,15 +397,18 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
             "--drain-timeout-s".into(),
             UP_DRAIN_S.into(),
         ];
+        if let Some(kv) = g.kv_dtype {
+            t.extend(["--kv-cache-dtype".to_string(), kv.name().to_string()]);
+        }
         if a.in_process_drafter {
-            t.extend(["--local-drafter".into(), drafter.clone()]);
+            t.extend(["--local-drafter".to_string(), drafter.to_string()]);
         }
         if a.pingpong {
             t.push("--pingpong".into());
         }
         let mut peers = Vec::new();
         for rank in 1..a.tp {
-            let listen = format!("127.0.0.1:{}", free_port()?);
+            let peer = format!("127.0.0.1:{}", free_port()?);
             let mut s = vec![
                 "tp-shard".to_string(),
                 "--model".into(),
@@ -279,27 +418,28 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
                 "--tp-size".into(),
                 a.tp.to_string(),
                 "--listen".into(),
-                listen.clone(),
+                peer.clone(),
                 // Outlasts its target worker's drain (it stops as soon as that one has left).
                 "--drain-timeout-s".into(),
                 "4".into(),
             ];
-            s.extend(tcommon.clone());
-            kids.spawn(&format!("target-worker {i} rank {rank}"), &s)?;
-            peers.push(listen);
+            s.extend(home.clone());
+            s.extend(compute(tthreads));
+            kids.spawn(&format!("target-worker {i} rank {rank}"), &s, &[])?;
+            peers.push(peer);
         }
         if !peers.is_empty() {
-            t.extend(["--tp-peers".into(), peers.join(",")]);
+            t.extend(["--tp-peers".to_string(), peers.join(",")]);
         }
         t.extend(reg.clone());
-        t.extend(tcommon.clone());
-        kids.spawn(&format!("target-worker {i}"), &t)?;
+        t.extend(home.clone());
+        t.extend(compute(tthreads));
+        kids.spawn(&format!("target-worker {i}"), &t, &[])?;
     }
-    let listen = format!("{}:{}", a.host, a.port);
     let mut r = vec![
         "router".to_string(),
         "--listen".into(),
-        listen.clone(),
+        listen.to_string(),
         "--model".into(),
         a.target.clone(),
         "--scheduler".into(),
@@ -307,13 +447,25 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         "--drain-timeout-s".into(),
         UP_DRAIN_S.into(),
     ];
-    if let Some(k) = &a.api_key {
-        r.extend(["--api-key".into(), k.clone()]);
-    }
-    r.extend(common[..4].iter().cloned());
-    kids.spawn("router", &r)?;
-    // Ready when the router sees every worker.
-    let url = format!("http://{listen}");
+    r.extend(home);
+    let key: Vec<(&str, &str)> = a
+        .api_key
+        .as_deref()
+        .map(|k| ("DSPARK_API_KEY", k))
+        .into_iter()
+        .collect();
+    kids.spawn("router", &r, &key)?;
+    // Ready when the router sees every worker; a wildcard listen address is dialed on loopback.
+    let probe = match listen.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => {
+            SocketAddr::new(Ipv4Addr::LOCALHOST.into(), listen.port())
+        }
+        IpAddr::V6(ip) if ip.is_unspecified() => {
+            SocketAddr::new(Ipv6Addr::LOCALHOST.into(), listen.port())
+        }
+        _ => listen,
+    };
+    let url = format!("http://{probe}");
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
         .build()?;
@@ -349,8 +501,7 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         });
         match ready {
             None => {
-                eprintln!("stopping the cluster (it was still starting)");
-                kids.stop();
+                note("stopping the cluster (it was still starting)");
                 return Ok(());
             }
             Some(Some(true)) => break,
@@ -373,8 +524,17 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
             ""
         }
     )?;
+    // The key itself is never printed: the sample reads it from the shell's environment.
+    let (with_key, auth) = if a.api_key.is_some() {
+        (
+            " (with the API key in DSPARK_API_KEY)",
+            " \\\n    -H \"Authorization: Bearer $DSPARK_API_KEY\"",
+        )
+    } else {
+        ("", "")
+    };
     out!(
-        "try:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\nCtrl-C stops the cluster.",
+        "try{with_key}:\n  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n    -d '{{\"model\": \"{}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'\nCtrl-C stops the cluster.",
         a.target
     )?;
     let stop = rt.block_on(async {
@@ -387,10 +547,31 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
             }
         }
     });
-    eprintln!("stopping the cluster");
-    kids.stop();
+    note("stopping the cluster");
     match stop {
         Some(e) => anyhow::bail!("a cluster process died: {e}"),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_router_listens_on_an_ip_address_and_a_fixed_free_port() {
+        let at = |h: &str| router_listen(h, 8000).map(|a| a.to_string());
+        assert_eq!(at("127.0.0.1").unwrap(), "127.0.0.1:8000");
+        assert_eq!(at("::1").unwrap(), "[::1]:8000");
+        assert_eq!(at("[::1]").unwrap(), "[::1]:8000");
+        assert!(at("localhost").is_err());
+        let e = router_listen("127.0.0.1", 0).unwrap_err().to_string();
+        assert!(e.contains("--port 0"), "{e}");
+        // A port another server holds is refused before anything starts.
+        let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let e = check_free(held.local_addr().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot listen"), "{e}");
     }
 }

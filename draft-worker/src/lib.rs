@@ -78,6 +78,9 @@ pub struct DraftArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Force a kernel path, as `dspark --isa` (default: the fastest this CPU has).
+    #[arg(long, env = "DSPARK_ISA")]
+    pub isa: Option<String>,
     /// Serve Prometheus metrics (`GET /metrics`: requests held, streams, rounds, draft
     /// tokens, drafting-call times) on this address; off when unset.
     #[arg(long, env = "DSPARK_DRAFT_METRICS_LISTEN")]
@@ -89,6 +92,12 @@ pub struct DraftArgs {
 
 /// Loads the drafter, binds, registers, serves until a shutdown signal.
 pub async fn run(args: DraftArgs) -> Result<()> {
+    let isa = args
+        .isa
+        .as_deref()
+        .map(kernels::Isa::parse)
+        .transpose()
+        .map_err(|e| DraftError::Config(format!("--isa: {e}")))?;
     let ttl_ms = dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms, args.etcd.is_some())
         .map_err(DraftError::Config)?;
     let disc = dspark_scheduler::discovery::Discovery::from_args(
@@ -107,6 +116,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         python: args.python.clone(),
         opts: dspark_runtime::LoadOptions {
             threads: args.threads,
+            isa,
             ..Default::default()
         },
     };

@@ -667,7 +667,8 @@ pub fn mdc_wait(c: u32, a: f64, s: f64) -> f64 {
     erlang_c * s / (c_f - a) / 2.0
 }
 
-/// Simulates `targets` target workers sharing `drafts` draft workers (0: no speculation).
+/// Simulates `targets` target workers sharing `drafts` draft workers (0: no speculation, as
+/// target workers deployed with their local fallback drafter off: `dspark plan` says so).
 pub fn evaluate(sc: &Scenario<'_>, targets: u32, drafts: u32) -> Result<PoolReport> {
     let (spec, w, blocks, cost) = (sc.spec, &sc.workload, sc.blocks, sc.cost);
     let (time, slo, prices) = (sc.time, sc.slo, sc.prices);

@@ -135,6 +135,10 @@ pub struct TargetArgs {
     /// 8-bit values: 77 % of f16's bytes) or int8 (8-bit keys, rotated, and values: 53 %).
     #[arg(long, env = "DSPARK_KV_CACHE_DTYPE", default_value = "f16")]
     pub kv_cache_dtype: String,
+    /// Force a kernel path, as `dspark --isa`: scalar | avx2 | avx2vnni | avx512 | avx512bf16
+    /// | neon | neondot (default: the fastest this CPU has).
+    #[arg(long, env = "DSPARK_ISA")]
+    pub isa: Option<String>,
     /// Serve Prometheus metrics (`GET /metrics`: batch, queue, KV cache, prefix cache,
     /// acceptance per position, step times) on this address; off when unset.
     #[arg(long, env = "DSPARK_TARGET_METRICS_LISTEN")]
@@ -163,6 +167,12 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     let feature_dtype = parse_dtype(&args.feature_dtype)?;
     let kv_dtype = dspark_runtime::KvDtype::parse(&args.kv_cache_dtype)
         .map_err(|e| TargetError::Config(format!("--kv-cache-dtype: {e}")))?;
+    let isa = args
+        .isa
+        .as_deref()
+        .map(kernels::Isa::parse)
+        .transpose()
+        .map_err(|e| TargetError::Config(format!("--isa: {e}")))?;
     if args.gamma > specdec::MAX_GAMMA {
         return Err(TargetError::Config(format!(
             "--gamma {} out of range 0..={}",
@@ -205,6 +215,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         python: args.python.clone(),
         opts: dspark_runtime::LoadOptions {
             threads: args.threads,
+            isa,
             kv_dtype: Some(kv_dtype),
             ..Default::default()
         },

@@ -30,6 +30,9 @@ pub struct ShardArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Force a kernel path, as `dspark --isa` (default: the fastest this CPU has).
+    #[arg(long, env = "DSPARK_ISA")]
+    pub isa: Option<String>,
     /// On SIGTERM or Ctrl-C: keep serving while rank 0 is connected (it drains its requests)
     /// for up to this many seconds.
     #[arg(long, env = "DSPARK_DRAIN_TIMEOUT_S", default_value_t = 30)]
@@ -49,12 +52,19 @@ pub async fn run(a: ShardArgs) -> Result<()> {
             a.tp_rank, a.tp_size
         )));
     }
+    let isa = a
+        .isa
+        .as_deref()
+        .map(kernels::Isa::parse)
+        .transpose()
+        .map_err(|e| TargetError::Config(format!("--isa: {e}")))?;
     let home = dspark_runtime::fetch::dspark_home(a.home.as_deref());
     let path =
         dspark_runtime::fetch::resolve(&a.model, &home, &a.python, &mut |m| eprintln!("{m}"))
             .map_err(|e| TargetError::Config(format!("model: {e}")))?;
     let opts = dspark_runtime::LoadOptions {
         threads: a.threads,
+        isa,
         tp: Some(TpOptions::shard(a.tp_rank, a.tp_size)),
         ..Default::default()
     };
