@@ -2,7 +2,7 @@
 //! `propose` over every waiting round of every stream.
 
 use crate::{DraftArgs, DraftError, Result};
-use dspark_proto::{DraftBlock, DraftCall, DraftReply, Dtype, QKind, Tensor};
+use dspark_proto::{DraftBlock, DraftCall, DraftItem, DraftReply, Dtype, QKind, Tensor};
 use kernels::rng::Rng;
 use specdec::proposer::{Dist, NgramProposer, ProposeReq};
 use specdec::{MAX_GAMMA, Proposer, ProposerKind};
@@ -40,9 +40,22 @@ impl DraftHost {
         let (proposer, vocab, vocab_hash, d_model): (Box<dyn Proposer>, usize, String, usize) =
             if kind == ProposerKind::Ngram {
                 let tok = dspark_runtime::Tokenizer::load(&path)?;
+                // The target sends ids up to its model's vocabulary, which can be larger than
+                // the tokenizer's (Qwen2.5: 151936 embedding rows, 151665 tokens); n-gram drafts
+                // only copy them, so the model's size is the bound.
+                let vocab = match model_vocab(&path) {
+                    Ok(v) => v.max(tok.vocab_size()),
+                    Err(e) => {
+                        tracing::warn!(
+                            "model configuration unreadable ({e}): token ids are checked \
+                             against the tokenizer's vocabulary"
+                        );
+                        tok.vocab_size()
+                    }
+                };
                 (
                     Box::new(NgramProposer::default()),
-                    tok.vocab_size(),
+                    vocab,
                     tok.vocab_hash(),
                     0,
                 )
@@ -70,6 +83,18 @@ impl DraftHost {
             max_gamma: MAX_GAMMA,
         })
     }
+}
+
+/// The model's vocabulary (its embedding rows) from its configuration alone, without loading
+/// weights.
+fn model_vocab(path: &std::path::Path) -> Result<usize> {
+    let cfg = if path.is_dir() {
+        let text = std::fs::read_to_string(path.join("config.json"))?;
+        dspark_runtime::ModelConfig::from_hf_json(&text)?
+    } else {
+        dspark_runtime::ModelConfig::from_gguf(&dspark_runtime::gguf::GgufFile::open(path)?)?
+    };
+    Ok(cfg.vocab_size)
 }
 
 /// Work for the drafting thread.
@@ -106,8 +131,30 @@ pub const MAX_REQUESTS: usize = 16_384;
 /// Longest context one request may sync (tokens), well past any model's context here.
 pub const MAX_CONTEXT_TOKENS: usize = 1 << 18;
 
-fn bad(m: impl Into<String>) -> String {
-    m.into()
+/// Largest reply to one round (encoded bytes, estimated from above): the message limit less a
+/// margin for the reply's own fields. A reply past the limit ends the stream, and the target
+/// would reconnect and send the same round again, forever.
+pub const REPLY_BYTES: usize = dspark_proto::MAX_MESSAGE_BYTES - (1 << 20);
+/// Largest block one request gets: half a message, as the target packs its rounds (its
+/// `ROUND_BYTES`), so a sampled request at a long γ over a large vocabulary (Qwen2.5: 608 KB a
+/// dense position) is cut to the positions that fit rather than overflow the reply.
+pub const ITEM_BYTES: usize = dspark_proto::MAX_MESSAGE_BYTES / 2;
+/// A block's encoding beyond its positions, at most: seq, kind, flags, counts, the q tensor's
+/// header, the tags and length prefixes (its own within the reply too).
+const BLOCK_OVERHEAD: usize = 128;
+/// A drafted position beyond its q row, at most: its token (a varint of up to 5 bytes) and its
+/// confidence (4).
+const POSITION_BYTES: usize = 16;
+
+/// A block that asks the target to resend the request from `have` tokens, drafting nothing:
+/// what a request the worker lacks (or refused) gets, so the target drafts it locally.
+fn resend_from(seq: u64, have: u32) -> DraftBlock {
+    DraftBlock {
+        seq,
+        need_sync: true,
+        have_tokens: have,
+        ..Default::default()
+    }
 }
 
 impl Drafting {
@@ -197,41 +244,55 @@ impl Drafting {
         }
     }
 
-    fn check(&self, call: &DraftCall) -> Result<(), String> {
-        for it in &call.items {
-            if it.k as usize > self.host.max_gamma {
-                return Err(bad(format!(
-                    "request {}: k = {} exceeds the drafter's maximum {}",
-                    it.seq, it.k, self.host.max_gamma
-                )));
-            }
-            if let Some(&t) = it.tokens.iter().find(|&&t| t as usize >= self.host.vocab) {
-                return Err(bad(format!(
-                    "request {}: token {t} outside the vocabulary ({})",
-                    it.seq, self.host.vocab
-                )));
-            }
-            if let Some(s) = &it.sampling {
-                s.to_params()
-                    .map_err(|e| bad(format!("request {}: {e}", it.seq)))?;
-            }
-            if let Some(f) = &it.features {
-                // Validated here without decoding; decoded once when applied.
-                let (_, n) = f
-                    .check()
-                    .map_err(|e| bad(format!("request {}: features: {e}", it.seq)))?;
-                if self.host.row_len > 0 && n % self.host.row_len != 0 {
-                    return Err(bad(format!(
-                        "request {}: features of {n} floats do not split into rows of {}",
-                        it.seq, self.host.row_len
-                    )));
-                }
+    /// Checks one item before anything of it is applied; returns its sampling parameters when
+    /// it carries them. A bad item is refused alone: the round's other requests still draft.
+    fn check_item(
+        &self,
+        it: &DraftItem,
+    ) -> Result<Option<kernels::sampling::SamplingParams>, String> {
+        let end = it.sync_from as usize + it.tokens.len();
+        if end > MAX_CONTEXT_TOKENS {
+            return Err(format!(
+                "a context of {end} tokens (at most {MAX_CONTEXT_TOKENS})"
+            ));
+        }
+        if let Some(&t) = it.tokens.iter().find(|&&t| t as usize >= self.host.vocab) {
+            return Err(format!(
+                "token {t} outside the vocabulary ({})",
+                self.host.vocab
+            ));
+        }
+        let params = it
+            .sampling
+            .as_ref()
+            .map(|s| s.to_params())
+            .transpose()
+            .map_err(|e| e.to_string())?;
+        if let Some(f) = &it.features {
+            // Validated here without decoding; decoded once when applied.
+            let (_, n) = f.check().map_err(|e| format!("features: {e}"))?;
+            if self.host.row_len > 0 && n % self.host.row_len != 0 {
+                return Err(format!(
+                    "features of {n} floats do not split into rows of {}",
+                    self.host.row_len
+                ));
             }
         }
-        Ok(())
+        Ok(params)
+    }
+
+    /// Tokens of a request this worker holds that the target still has (those before
+    /// `sync_from`): where the target resends from after a refusal.
+    fn held(&self, key: (u64, u64), sync_from: u32) -> u32 {
+        self.ids
+            .get(&key)
+            .and_then(|g| self.states.get(g))
+            .map_or(0, |st| st.tokens.len().min(sync_from as usize) as u32)
     }
 
     /// Applies every round's syncs, drafts all of them in one `propose`, builds the replies.
+    /// A request with bad input is refused alone (a block asking for a resync, so its target
+    /// drafts it locally); the round's error is left to failures of the whole call.
     fn rounds(
         &mut self,
         rounds: Vec<(u64, DraftCall, tokio::sync::oneshot::Sender<DraftReply>)>,
@@ -247,33 +308,41 @@ impl Drafting {
                 ..Default::default()
             };
             self.finish(*stream, &call.finished);
-            if let Err(e) = self.check(call) {
-                rep.error = e;
-                replies.push(rep);
-                continue;
-            }
             for it in &call.items {
+                let key = (*stream, it.seq);
                 // A request this worker holds nothing of must start from its first token: it
                 // gets state (seed, sampling) only from the round that sends them.
-                if it.sync_from > 0 && !self.ids.contains_key(&(*stream, it.seq)) {
-                    rep.blocks.push(DraftBlock {
-                        seq: it.seq,
-                        need_sync: true,
-                        have_tokens: 0,
-                        ..Default::default()
-                    });
+                if it.sync_from > 0 && !self.ids.contains_key(&key) {
+                    rep.blocks.push(resend_from(it.seq, 0));
                     continue;
                 }
-                if !self.ids.contains_key(&(*stream, it.seq)) && self.ids.len() >= MAX_REQUESTS {
-                    rep.error = format!(
-                        "request {}: this draft worker holds {} requests already (at most \
-                         {MAX_REQUESTS}); finish some first",
-                        it.seq,
+                let sampling = match self.check_item(it) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(
+                            stream = *stream,
+                            request = it.seq,
+                            "draft item refused: {e}"
+                        );
+                        rep.blocks
+                            .push(resend_from(it.seq, self.held(key, it.sync_from)));
+                        continue;
+                    }
+                };
+                if !self.ids.contains_key(&key) && self.ids.len() >= MAX_REQUESTS {
+                    tracing::warn!(
+                        stream = *stream,
+                        request = it.seq,
+                        "draft item refused: this draft worker holds {} requests already \
+                         (at most {MAX_REQUESTS})",
                         self.ids.len()
                     );
-                    break;
+                    rep.blocks.push(resend_from(it.seq, 0));
+                    continue;
                 }
-                let g = *self.ids.entry((*stream, it.seq)).or_insert_with(|| {
+                // Past the drafter's longest block: a shorter draft (truncating is lossless).
+                let k = (it.k as usize).min(self.host.max_gamma);
+                let g = *self.ids.entry(key).or_insert_with(|| {
                     self.next_id += 1;
                     self.next_id
                 });
@@ -282,25 +351,12 @@ impl Drafting {
                     rng: Rng::new(it.seed ^ 0x5eed_d4af),
                     params: kernels::sampling::SamplingParams::greedy(),
                 });
-                if let Some(p) = it.sampling.as_ref().and_then(|s| s.to_params().ok()) {
+                if let Some(p) = sampling {
                     st.params = p;
                 }
                 if it.sync_from as usize > st.tokens.len() {
-                    rep.blocks.push(DraftBlock {
-                        seq: it.seq,
-                        need_sync: true,
-                        have_tokens: st.tokens.len() as u32,
-                        ..Default::default()
-                    });
+                    rep.blocks.push(resend_from(it.seq, st.tokens.len() as u32));
                     continue;
-                }
-                if it.sync_from as usize + it.tokens.len() > MAX_CONTEXT_TOKENS {
-                    rep.error = format!(
-                        "request {}: a context of {} tokens (at most {MAX_CONTEXT_TOKENS})",
-                        it.seq,
-                        it.sync_from as usize + it.tokens.len()
-                    );
-                    break;
                 }
                 st.tokens.truncate(it.sync_from as usize);
                 st.tokens.extend_from_slice(&it.tokens);
@@ -320,8 +376,15 @@ impl Drafting {
                         _ => Ok(()),
                     });
                 if let Err(e) = r {
-                    rep.error = format!("request {}: {e}", it.seq);
-                    break;
+                    // Its state may be half applied: dropped, and the target resends it all.
+                    tracing::warn!(
+                        stream = *stream,
+                        request = it.seq,
+                        "draft item refused: {e}"
+                    );
+                    self.finish(*stream, &[it.seq]);
+                    rep.blocks.push(resend_from(it.seq, 0));
+                    continue;
                 }
                 let params = st.params.clone();
                 rep.blocks.push(DraftBlock {
@@ -329,12 +392,13 @@ impl Drafting {
                     have_tokens: st.tokens.len() as u32,
                     ..Default::default()
                 });
-                want.push((ri, rep.blocks.len() - 1, g, it.k as usize, params));
+                want.push((ri, rep.blocks.len() - 1, g, k, params));
             }
             replies.push(rep);
         }
         // One propose over every round's requests.
-        want.retain(|w| replies[w.0].error.is_empty() && w.3 > 0);
+        want.retain(|w| w.3 > 0);
+        let mut drafted: Vec<Option<specdec::proposer::DraftBlock>> = vec![None; want.len()];
         if !want.is_empty() {
             let by_g: HashMap<u64, usize> =
                 want.iter().enumerate().map(|(i, w)| (w.2, i)).collect();
@@ -355,8 +419,7 @@ impl Drafting {
             match self.host.proposer.propose(&mut reqs) {
                 Ok(blocks) => {
                     for (wi, b) in order.into_iter().zip(blocks) {
-                        let (ri, bi, _, k, _) = want[wi];
-                        fill(&mut replies[ri].blocks[bi], b, k, self.host.vocab);
+                        drafted[wi] = Some(b);
                     }
                 }
                 // One request the drafter cannot serve (a context past the draft model's)
@@ -365,14 +428,10 @@ impl Drafting {
                 Err(e) if reqs.len() > 1 => {
                     tracing::warn!("batched drafting failed ({e}); drafting one at a time");
                     for (wi, r) in order.into_iter().zip(reqs) {
-                        let (ri, bi, g, k, _) = want[wi];
                         match self.host.proposer.propose(&mut [r]) {
-                            Ok(mut b) if b.len() == 1 => {
-                                let b = b.remove(0);
-                                fill(&mut replies[ri].blocks[bi], b, k, self.host.vocab);
-                            }
+                            Ok(mut b) if b.len() == 1 => drafted[wi] = b.pop(),
                             Ok(_) => {}
-                            Err(e) => tracing::warn!(request = g, "drafting failed: {e}"),
+                            Err(e) => tracing::warn!(request = want[wi].2, "drafting failed: {e}"),
                         }
                     }
                 }
@@ -385,6 +444,24 @@ impl Drafting {
                     }
                 }
             }
+        }
+        // The blocks go on the wire in the rounds' item order, each within what is left of its
+        // reply's bytes (every block's overhead counted first).
+        let mut used: Vec<usize> = replies
+            .iter()
+            .map(|r| r.blocks.len().saturating_mul(BLOCK_OVERHEAD))
+            .collect();
+        for (w, b) in want.iter().zip(drafted) {
+            let Some(b) = b else { continue };
+            let (ri, bi, k) = (w.0, w.1, w.3);
+            let (Some(m), Some(u)) = (
+                replies.get_mut(ri).and_then(|r| r.blocks.get_mut(bi)),
+                used.get_mut(ri),
+            ) else {
+                continue;
+            };
+            let budget = (ITEM_BYTES - BLOCK_OVERHEAD).min(REPLY_BYTES.saturating_sub(*u));
+            *u = u.saturating_add(fill(m, b, k, self.host.vocab, budget));
         }
         let us = t0.elapsed().as_micros() as u64;
         for ((_, _, tx), mut rep) in rounds.into_iter().zip(replies) {
@@ -410,65 +487,131 @@ fn finite(rows: &mut [f32]) {
     }
 }
 
+/// How a block's q rows travel.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum QWire {
+    OneHot,
+    Sparse,
+    Dense,
+}
+
 /// Puts a drafted block on the wire: tokens, confidences, and q: one-hot; (token, probability)
 /// pairs when every row is sparse (a draft vocabulary or truncated sampling: 8 bytes per kept
 /// token instead of 4 per vocabulary entry); dense rows otherwise.
-fn fill(m: &mut DraftBlock, b: specdec::proposer::DraftBlock, k: usize, vocab: usize) {
-    let n = b.tokens.len().min(k);
-    m.tokens = b.tokens[..n].to_vec();
+///
+/// Only a prefix goes (a shorter draft is still lossless): up to the first malformed position
+/// (a token outside the vocabulary, a dense row shorter than it), which would otherwise panic
+/// here, and within `budget` bytes beyond [`BLOCK_OVERHEAD`], since a reply past the message
+/// limit ends the stream. Returns the bytes it takes (an upper bound).
+fn fill(
+    m: &mut DraftBlock,
+    b: specdec::proposer::DraftBlock,
+    k: usize,
+    vocab: usize,
+    budget: usize,
+) -> usize {
+    let n = b.tokens.len().min(k).min(b.dists.len());
+    let ok = b
+        .tokens
+        .iter()
+        .zip(&b.dists)
+        .take(n)
+        .take_while(|(t, d)| {
+            (**t as usize) < vocab
+                && match d {
+                    Dist::Dense(v) => v.len() >= vocab,
+                    Dist::Sparse(v) => v.iter().all(|&(x, _)| (x as usize) < vocab),
+                    Dist::OneHot => true,
+                }
+        })
+        .count();
+    let dists = b.dists.get(..ok).unwrap_or(&[]);
+    let kind = if dists.iter().all(|d| matches!(d, Dist::OneHot)) {
+        QWire::OneHot
+    } else if dists.iter().any(|d| matches!(d, Dist::Dense(_))) {
+        QWire::Dense
+    } else {
+        QWire::Sparse
+    };
+    let mut used = 0usize;
+    let mut n = 0usize;
+    for d in dists {
+        let q = match (kind, d) {
+            (QWire::OneHot, _) => 0,
+            // Its length (a varint), then a varint id and a float per entry.
+            (QWire::Sparse, Dist::Sparse(v)) => 5usize.saturating_add(v.len().saturating_mul(9)),
+            (QWire::Sparse, _) => 5 + 9,
+            (QWire::Dense, _) => vocab.saturating_mul(4),
+        };
+        let next = used.saturating_add(POSITION_BYTES).saturating_add(q);
+        if next > budget {
+            break;
+        }
+        used = next;
+        n += 1;
+    }
+    let tokens = b.tokens.get(..n).unwrap_or(&[]).to_vec();
+    let dists = dists.get(..n).unwrap_or(&[]);
     m.confidence = b
         .confidence
-        .map(|c| c[..n.min(c.len())].to_vec())
+        .map(|c| c.get(..n.min(c.len())).unwrap_or(&[]).to_vec())
         .unwrap_or_default();
     m.fitted_rates = b.fitted_rates;
-    let dists = &b.dists[..n];
-    if dists.iter().all(|d| matches!(d, Dist::OneHot)) {
-        m.q_kind = QKind::OneHot as i32;
-        return;
-    }
-    if !dists.iter().any(|d| matches!(d, Dist::Dense(_))) {
-        for (i, d) in dists.iter().enumerate() {
-            let before = m.q_ids.len();
-            match d {
-                Dist::Sparse(v) => {
-                    for &(t, p) in v.iter().filter(|(t, _)| (*t as usize) < vocab) {
+    match kind {
+        _ if n == 0 => m.q_kind = QKind::OneHot as i32,
+        QWire::OneHot => m.q_kind = QKind::OneHot as i32,
+        QWire::Sparse => {
+            for (&t, d) in tokens.iter().zip(dists) {
+                let before = m.q_ids.len();
+                match d {
+                    Dist::Sparse(v) => {
+                        for &(x, p) in v {
+                            m.q_ids.push(x);
+                            m.q_probs.push(p);
+                        }
+                    }
+                    _ => {
                         m.q_ids.push(t);
-                        m.q_probs.push(p);
+                        m.q_probs.push(1.0);
                     }
                 }
-                _ => {
-                    m.q_ids.push(m.tokens[i]);
-                    m.q_probs.push(1.0);
-                }
+                m.q_lens.push((m.q_ids.len() - before) as u32);
             }
-            m.q_lens.push((m.q_ids.len() - before) as u32);
+            m.q_kind = QKind::Sparse as i32;
         }
-        m.q_kind = QKind::Sparse as i32;
-        return;
-    }
-    let mut rows = vec![0f32; n * vocab];
-    for (i, d) in dists.iter().enumerate() {
-        let row = &mut rows[i * vocab..(i + 1) * vocab];
-        match d {
-            Dist::Dense(v) => row.copy_from_slice(&v[..vocab.min(v.len())]),
-            Dist::Sparse(v) => {
-                for &(t, p) in v {
-                    if (t as usize) < vocab {
-                        row[t as usize] = p;
+        QWire::Dense => {
+            let mut rows = vec![0f32; n * vocab];
+            for ((row, d), &t) in rows.chunks_exact_mut(vocab).zip(dists).zip(&tokens) {
+                match d {
+                    Dist::Dense(v) => {
+                        let c = vocab.min(v.len());
+                        row[..c].copy_from_slice(&v[..c]);
+                    }
+                    Dist::Sparse(v) => {
+                        for &(x, p) in v {
+                            if let Some(slot) = row.get_mut(x as usize) {
+                                *slot = p;
+                            }
+                        }
+                    }
+                    Dist::OneHot => {
+                        if let Some(slot) = row.get_mut(t as usize) {
+                            *slot = 1.0;
+                        }
                     }
                 }
             }
-            Dist::OneHot => row[m.tokens[i] as usize] = 1.0,
+            m.q_kind = QKind::Dense as i32;
+            m.q = Some(Tensor::from_f32(&rows, &[n, vocab], Dtype::F32));
         }
     }
-    m.q_kind = QKind::Dense as i32;
-    m.q = Some(Tensor::from_f32(&rows, &[n, vocab], Dtype::F32));
+    m.tokens = tokens;
+    used
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dspark_proto::DraftItem;
 
     /// A drafter that cannot draft past a context of 8 tokens (as a draft model past its own
     /// context): it fails any batch holding such a request.
@@ -476,6 +619,13 @@ mod tests {
     impl Proposer for Short {
         fn name(&self) -> &str {
             "short"
+        }
+        /// Refuses a context holding token 9 (as a drafter refuses input it cannot take).
+        fn commit(&mut self, _id: u64, context: &[u32]) -> specdec::Result<()> {
+            if context.contains(&9) {
+                return Err(specdec::SpecError::Invalid("token 9".into()));
+            }
+            Ok(())
         }
         fn propose(
             &mut self,
@@ -613,34 +763,62 @@ mod tests {
         assert_eq!(v, vec![0.0, 65504.0, -65504.0, 1.5]);
     }
 
-    /// A context past [`MAX_CONTEXT_TOKENS`] is refused with a message, nothing kept for it.
+    /// A context past [`MAX_CONTEXT_TOKENS`] refuses that request alone: it is asked to resend
+    /// from what this worker holds, and the round's other requests draft.
     #[test]
     fn a_context_past_the_limit_is_refused() {
         let mut d = drafting();
-        let (tx, _rx) = tokio::sync::oneshot::channel();
-        d.rounds(vec![(
-            7,
-            DraftCall {
-                step: 1,
-                items: vec![item(1, 4)],
-                ..Default::default()
-            },
-            tx,
-        )]);
-        let (tx, _rx) = tokio::sync::oneshot::channel();
+        let r = run(&mut d, call(1, vec![item(1, 4)]));
+        assert_eq!(r.blocks[0].tokens.len(), 3);
         let mut big = item(1, 0);
         big.sync_from = 4;
         big.tokens = vec![2; MAX_CONTEXT_TOKENS];
-        let r = d.rounds(vec![(
-            7,
-            DraftCall {
-                step: 2,
-                items: vec![big],
-                ..Default::default()
-            },
-            tx,
-        )]);
-        assert!(r[0].1.error.contains("at most"), "{:?}", r[0].1.error);
+        let r = run(&mut d, call(2, vec![big, item(2, 5)]));
+        assert!(r.error.is_empty(), "{:?}", r.error);
+        let b = &r.blocks[0];
+        assert!(
+            b.need_sync && b.have_tokens == 4 && b.tokens.is_empty(),
+            "{b:?}"
+        );
+        assert_eq!(r.blocks[1].tokens.len(), 3);
+        assert_eq!(d.active(), 2);
+    }
+
+    /// Bad input of one request (a token outside the vocabulary, invalid sampling, a commit
+    /// the drafter refuses) is that request's refusal, never the round's: the others draft,
+    /// and a k past the drafter's γ drafts γ tokens.
+    #[test]
+    fn one_bad_item_costs_the_round_nothing() {
+        let mut d = drafting();
+        let mut outside = item(2, 3);
+        outside.tokens.push(99);
+        let mut sampling = item(3, 3);
+        sampling.sampling = Some(dspark_proto::Sampling {
+            temperature: -1.0,
+            ..Default::default()
+        });
+        let mut uncommitted = item(4, 3);
+        uncommitted.tokens.push(9);
+        let mut long = item(5, 4);
+        long.k = 100;
+        let r = run(
+            &mut d,
+            call(
+                1,
+                vec![item(1, 4), outside, sampling, uncommitted, long, item(6, 5)],
+            ),
+        );
+        assert!(r.error.is_empty(), "{:?}", r.error);
+        let lens: Vec<usize> = r.blocks.iter().map(|b| b.tokens.len()).collect();
+        assert_eq!(lens, vec![3, 0, 0, 0, 4, 3]);
+        for b in &r.blocks[1..4] {
+            assert!(b.need_sync && b.have_tokens == 0, "{b:?}");
+        }
+        // The refused requests hold nothing here (the one whose commit failed was dropped).
+        assert_eq!(d.active(), 3);
+        // Resent well, a refused request drafts.
+        let r = run(&mut d, call(2, vec![item(2, 4)]));
+        assert_eq!(r.blocks[0].tokens.len(), 3);
     }
 
     #[test]
@@ -653,10 +831,125 @@ mod tests {
             fitted_rates: true,
         };
         let mut m = DraftBlock::default();
-        fill(&mut m, b, 2, 10);
+        fill(&mut m, b, 2, 10, ITEM_BYTES);
         assert_eq!(m.tokens, vec![4, 5]);
         assert_eq!(m.confidence, vec![0.6, 0.7]);
         assert!(m.fitted_rates);
         assert_eq!(m.q_kind, QKind::OneHot as i32);
+    }
+
+    /// Qwen2.5's vocabulary: a dense q row is 608 KB.
+    const WIDE: usize = 151_936;
+
+    fn one_hot_row(t: u32) -> Dist {
+        let mut q = vec![0f32; WIDE];
+        q[t as usize] = 1.0;
+        Dist::Dense(q)
+    }
+
+    /// A sampling drafter's dense rows at γ = 28 over Qwen2.5's vocabulary (17 MB) are cut to
+    /// the positions that fit half a message, not sent past the message limit.
+    #[test]
+    fn dense_rows_are_cut_to_the_byte_limit() {
+        let b = specdec::proposer::DraftBlock {
+            tokens: (0..28).collect(),
+            dists: (0..28).map(one_hot_row).collect(),
+            confidence: Some(vec![0.5; 28]),
+            conf_inputs: None,
+            fitted_rates: false,
+        };
+        let mut m = DraftBlock::default();
+        let used = fill(&mut m, b, 28, WIDE, ITEM_BYTES - BLOCK_OVERHEAD);
+        let n = m.tokens.len();
+        assert!(n > 0 && n < 28, "{n} positions");
+        assert_eq!(m.confidence.len(), n);
+        assert_eq!(m.q_kind, QKind::Dense as i32);
+        let q = m.q.as_ref().expect("dense q");
+        assert_eq!(q.shape, vec![n as u32, WIDE as u32]);
+        assert!(q.data.len() <= used && used + BLOCK_OVERHEAD <= ITEM_BYTES);
+        assert_eq!(m.tokens, (0..n as u32).collect::<Vec<_>>());
+    }
+
+    /// Draws dense rows over [`WIDE`] tokens (a sampling draft model).
+    struct Wide;
+    impl Proposer for Wide {
+        fn name(&self) -> &str {
+            "wide"
+        }
+        fn propose(
+            &mut self,
+            reqs: &mut [ProposeReq<'_>],
+        ) -> specdec::Result<Vec<specdec::proposer::DraftBlock>> {
+            Ok(reqs
+                .iter()
+                .map(|r| specdec::proposer::DraftBlock {
+                    tokens: vec![1; r.k],
+                    dists: (0..r.k).map(|_| one_hot_row(1)).collect(),
+                    ..Default::default()
+                })
+                .collect())
+        }
+    }
+
+    /// A round of several sampled requests fits one reply: later requests get what is left
+    /// (possibly nothing), never a reply past the message limit.
+    #[test]
+    fn a_round_of_dense_blocks_stays_under_the_reply_limit() {
+        let mut d = Drafting::new(DraftHost {
+            proposer: Box::new(Wide),
+            drafter: "wide".into(),
+            vocab: WIDE,
+            vocab_hash: "v".into(),
+            feature_layers: Vec::new(),
+            row_len: 0,
+            max_gamma: MAX_GAMMA,
+            copy_runs: Vec::new(),
+            copy_head: Vec::new(),
+        });
+        let items = (1..=3)
+            .map(|s| DraftItem {
+                k: 20,
+                ..item(s, 4)
+            })
+            .collect();
+        let r = run(&mut d, call(1, items));
+        assert!(r.error.is_empty(), "{:?}", r.error);
+        assert!(!r.blocks[0].tokens.is_empty());
+        let mut total = 0;
+        for b in &r.blocks {
+            let q = b.q.as_ref().map_or(0, |q| q.data.len());
+            assert_eq!(q, b.tokens.len() * WIDE * 4);
+            assert!(q + BLOCK_OVERHEAD <= ITEM_BYTES, "{q}");
+            total += q + BLOCK_OVERHEAD;
+        }
+        assert!(total <= REPLY_BYTES, "{total}");
+        let drafted: usize = r.blocks.iter().map(|b| b.tokens.len()).sum();
+        assert!(drafted < 60, "every request cut: {drafted}");
+    }
+
+    /// Malformed drafter output (fewer distributions than tokens, a dense row shorter than
+    /// the vocabulary, a token outside it) ends the block where it starts, without a panic.
+    #[test]
+    fn malformed_positions_cut_the_block() {
+        let row = || Dist::Dense(vec![0.0, 1.0, 0.0, 0.0]);
+        let cases = [
+            (vec![1, 1, 1], vec![row(), Dist::Dense(vec![0.0; 2]), row()]),
+            (vec![1, 7, 1], vec![row(), Dist::OneHot, row()]),
+            (vec![1, 1, 1], vec![row()]),
+            (
+                vec![1, 1],
+                vec![Dist::OneHot, Dist::Sparse(vec![(1, 0.5), (9, 0.5)])],
+            ),
+        ];
+        for (i, (tokens, dists)) in cases.into_iter().enumerate() {
+            let b = specdec::proposer::DraftBlock {
+                tokens,
+                dists,
+                ..Default::default()
+            };
+            let mut m = DraftBlock::default();
+            fill(&mut m, b, 3, 4, ITEM_BYTES);
+            assert_eq!(m.tokens, vec![1], "case {i}");
+        }
     }
 }

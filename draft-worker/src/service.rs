@@ -106,7 +106,24 @@ impl DraftWorker for DraftService {
                 };
                 if first {
                     first = false;
-                    if !call.vocab_hash.is_empty() && call.vocab_hash != info.vocab_hash {
+                    // Without the target's vocabulary hash the token ids it sends cannot be
+                    // known to mean what the drafter reads them as: refused, not assumed.
+                    if call.vocab_hash.is_empty() {
+                        tracing::warn!(
+                            stream = stream_no,
+                            target = call.target_worker,
+                            "draft stream refused: no vocabulary hash"
+                        );
+                        let _ = tx
+                            .send(Err(Status::invalid_argument(format!(
+                                "the first message of a draft stream must carry the target's \
+                                 vocab_hash (this draft worker serves vocabulary {}, model {})",
+                                info.vocab_hash, info.model
+                            ))))
+                            .await;
+                        break;
+                    }
+                    if call.vocab_hash != info.vocab_hash {
                         let _ = tx
                             .send(Err(Status::failed_precondition(format!(
                                 "draft worker serves vocabulary {} (model {}), the target has {}",

@@ -426,24 +426,19 @@ impl RemoteProposer {
         if b.tokens[..n].iter().any(|&t| t as usize >= self.vocab) {
             return None;
         }
-        let dists = if b.q_kind == QKind::Dense as i32 {
-            let q = b.q.as_ref()?.to_f32().ok()?;
-            if q.len() < n * self.vocab {
-                return None;
+        let dists = if b.q_kind == QKind::Dense as i32 || b.q_kind == QKind::Sparse as i32 {
+            let rows = if b.q_kind == QKind::Dense as i32 {
+                dense_rows(b, n, self.vocab)
+            } else {
+                sparse_rows(b, n, self.vocab)
+            };
+            if rows.is_none() {
+                tracing::debug!(
+                    request = b.seq,
+                    "q rows unusable: the request drafts locally"
+                );
             }
-            let mut d = Vec::with_capacity(n);
-            for i in 0..n {
-                let row = &q[i * self.vocab..(i + 1) * self.vocab];
-                let ok = row.iter().all(|p| p.is_finite() && *p >= 0.0)
-                    && row[b.tokens[i] as usize] > 0.0;
-                if !ok {
-                    return None;
-                }
-                d.push(Dist::Dense(row.to_vec()));
-            }
-            d
-        } else if b.q_kind == QKind::Sparse as i32 {
-            sparse_rows(b, n, self.vocab)?
+            rows?
         } else {
             vec![Dist::OneHot; n]
         };
@@ -731,14 +726,17 @@ impl RemoteProposer {
     ) {
         let (rep, arrived) = rep;
         let rtt = arrived.saturating_duration_since(round.t0).as_micros() as u64;
-        if !rep.error.is_empty() {
+        // A refused round drafts nothing, but the blocks it has still say what the draft
+        // worker holds (a worker that refuses the round for one request has applied the ones
+        // before it; one whose drafter failed, all): acknowledged, so they are not resent.
+        let refused = !rep.error.is_empty();
+        if refused {
             tracing::warn!(
                 draft = round.addr,
                 step = round.step,
                 "draft worker refused a round: {}",
                 rep.error
             );
-            return;
         }
         for b in &rep.blocks {
             let Some(&(ctx_len, feat_end, _)) = round.sent.get(&b.seq) else {
@@ -754,10 +752,14 @@ impl RemoteProposer {
             }
             rs.tokens_acked = ctx_len;
             rs.feats_acked = feat_end;
+            if refused {
+                continue;
+            }
             let Some(&i) = ids.get(&b.seq) else { continue };
             if reqs[i].context.len() != ctx_len || out[i].is_some() {
                 continue; // drafted for a context that has moved on
             }
+            // A block that is not usable leaves the request to draft locally this cycle.
             if let Some(blk) = self.block_from_wire(b, reqs[i].k) {
                 let bytes = b.encoded_len() as u64;
                 let compute = rep.compute_us;
@@ -1000,10 +1002,43 @@ impl Proposer for RemoteProposer {
     }
 }
 
+/// How far a q row's mass may be from 1: f32 rows normalized in f64 (as `probs` does) are far
+/// closer over any vocabulary here, while acceptance reads q as given, so a row off by more
+/// would bias a sampled request's output.
+const Q_MASS_TOLERANCE: f64 = 1e-3;
+
+/// Whether probabilities sum to 1 (within [`Q_MASS_TOLERANCE`], summed in f64).
+fn q_mass_is_one(probs: impl Iterator<Item = f32>) -> bool {
+    let mass: f64 = probs.map(f64::from).sum();
+    (mass - 1.0).abs() <= Q_MASS_TOLERANCE
+}
+
+/// The first `n` rows of a dense q from the wire, or `None` when any is unusable: too few
+/// values, a probability that is negative or not finite, a drafted token the row gives q = 0,
+/// or a row whose mass is not 1.
+fn dense_rows(b: &dspark_proto::DraftBlock, n: usize, vocab: usize) -> Option<Vec<Dist>> {
+    let q = b.q.as_ref()?.to_f32().ok()?;
+    if vocab == 0 || q.len() < n.checked_mul(vocab)? || b.tokens.len() < n {
+        return None;
+    }
+    let mut out = Vec::with_capacity(n);
+    for (row, &drafted) in q.chunks_exact(vocab).zip(&b.tokens).take(n) {
+        let ok = row.iter().all(|p| p.is_finite() && *p >= 0.0)
+            && row.get(drafted as usize).is_some_and(|&p| p > 0.0)
+            && q_mass_is_one(row.iter().copied());
+        if !ok {
+            return None;
+        }
+        out.push(Dist::Dense(row.to_vec()));
+    }
+    Some(out)
+}
+
 /// The first `n` rows of a sparse q from the wire, or `None` when any is unusable: lengths that
 /// do not add up, a token outside the vocabulary or listed twice in a row, a probability that
-/// is negative or not finite, or a drafted token the row gives q = 0 (it could not have been
-/// drawn from it).
+/// is negative or not finite, a drafted token the row gives q = 0 (it could not have been
+/// drawn from it), or a row whose mass is not 1 (every token it leaves out has q = 0, so its
+/// entries are the whole distribution).
 fn sparse_rows(b: &dspark_proto::DraftBlock, n: usize, vocab: usize) -> Option<Vec<Dist>> {
     if b.q_lens.len() < n || b.q_ids.len() != b.q_probs.len() {
         return None;
@@ -1025,6 +1060,9 @@ fn sparse_rows(b: &dspark_proto::DraftBlock, n: usize, vocab: usize) -> Option<V
         }
         let drafted = b.tokens[i];
         if !row.iter().any(|&(t, p)| t == drafted && p > 0.0) {
+            return None;
+        }
+        if !q_mass_is_one(row.iter().map(|&(_, p)| p)) {
             return None;
         }
         out.push(Dist::Sparse(row));
@@ -1243,9 +1281,160 @@ mod tests {
             block(vec![3], vec![3, 5], vec![-0.1, 0.4], vec![2]), // negative
             block(vec![4], vec![3, 5], vec![0.6, 0.4], vec![2]), // drafted token has q = 0
             block(vec![3], vec![3, 5], vec![0.6, 0.4], vec![]),  // no row lengths
+            block(vec![3], vec![3, 5], vec![0.6, 0.2], vec![2]), // mass 0.8
+            block(vec![3], vec![3, 5], vec![0.6, 0.6], vec![2]), // mass 1.2
         ];
         for (i, b) in bad.iter().enumerate() {
             assert!(sparse_rows(b, 1, 10).is_none(), "case {i} accepted");
         }
+    }
+
+    fn dense(tokens: Vec<u32>, q: &[f32], vocab: usize) -> dspark_proto::DraftBlock {
+        dspark_proto::DraftBlock {
+            q_kind: QKind::Dense as i32,
+            q: Some(dspark_proto::Tensor::from_f32(
+                q,
+                &[q.len() / vocab, vocab],
+                Dtype::F32,
+            )),
+            tokens,
+            ..Default::default()
+        }
+    }
+
+    /// Acceptance reads q as given: a dense row whose mass is not 1 (within rounding) would
+    /// bias a sampled request's output, and is refused like any other unusable row.
+    #[test]
+    fn dense_q_rows_must_be_distributions() {
+        let good = dense(vec![1, 2], &[0.25, 0.75, 0.0, 0.0, 0.0, 1.0], 3);
+        let rows = dense_rows(&good, 2, 3).expect("a valid block");
+        assert!(matches!(&rows[1], Dist::Dense(r) if r == &vec![0.0, 0.0, 1.0]));
+        // Rounding in f32 is within the tolerance.
+        let near = dense(vec![1], &[0.3, 0.7 + 1e-6, 0.0], 3);
+        assert!(dense_rows(&near, 1, 3).is_some());
+        let bad = [
+            dense(vec![1], &[0.25, 0.5, 0.0], 3),     // mass 0.75
+            dense(vec![1], &[0.5, 0.75, 0.0], 3),     // mass 1.25
+            dense(vec![1], &[1.0, 0.0, 0.0], 3),      // drafted token has q = 0
+            dense(vec![1], &[-0.5, 1.5, 0.0], 3),     // negative
+            dense(vec![1, 2], &[0.25, 0.75, 0.0], 3), // fewer rows than tokens
+        ];
+        for (i, b) in bad.iter().enumerate() {
+            let n = b.tokens.len();
+            assert!(dense_rows(b, n, 3).is_none(), "case {i} accepted");
+        }
+    }
+
+    /// A reply's unusable block costs only its own request a remote draft (it drafts
+    /// locally); a refused round still records what the draft worker acknowledged.
+    #[test]
+    fn unusable_blocks_and_refused_rounds_keep_the_others_acknowledged() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let hello = Hello {
+            worker: "t".into(),
+            model: "m".into(),
+            vocab_hash: "h".into(),
+            n_layers: 4,
+        };
+        let mut p = RemoteProposer::new(
+            rt.handle().clone(),
+            Arc::new(RemoteShared::default()),
+            hello,
+            Box::new(specdec::proposer::NoProposer),
+            Duration::from_millis(10),
+            Dtype::F16,
+            4,
+            10,
+        );
+        let (_tx, rx) = std::sync::mpsc::channel();
+        let round = Round {
+            addr: "a".into(),
+            step: 1,
+            cycle: 0,
+            rx,
+            t0: Instant::now(),
+            sent: HashMap::from([(1, (4, 0, 2)), (2, (4, 0, 2))]),
+            ready: None,
+        };
+        let ctx = [1u32, 2, 3, 4];
+        let sampled = kernels::sampling::SamplingParams {
+            temperature: 1.0,
+            ..kernels::sampling::SamplingParams::greedy()
+        };
+        let (mut r1, mut r2) = (kernels::rng::Rng::new(1), kernels::rng::Rng::new(2));
+        let reqs = vec![
+            ProposeReq {
+                id: 1,
+                context: &ctx,
+                k: 2,
+                params: &sampled,
+                rng: &mut r1,
+            },
+            ProposeReq {
+                id: 2,
+                context: &ctx,
+                k: 2,
+                params: &sampled,
+                rng: &mut r2,
+            },
+        ];
+        let ids: HashMap<u64, usize> = HashMap::from([(1, 0), (2, 1)]);
+        let rep = DraftReply {
+            step: 1,
+            blocks: vec![
+                // Request 1's q row has mass 0.8: unusable.
+                dspark_proto::DraftBlock {
+                    seq: 1,
+                    ..block(vec![3], vec![3, 5], vec![0.6, 0.2], vec![2])
+                },
+                dspark_proto::DraftBlock {
+                    seq: 2,
+                    ..block(vec![3], vec![3, 5], vec![0.6, 0.4], vec![2])
+                },
+            ],
+            ..Default::default()
+        };
+        let reset = |p: &mut RemoteProposer| {
+            for id in [1, 2] {
+                p.reqs.insert(
+                    id,
+                    ReqSync {
+                        link: "a".into(),
+                        generation: 0,
+                        tokens_acked: 0,
+                        feats: Vec::new(),
+                        feat_base: 0,
+                        feats_acked: 0,
+                    },
+                );
+            }
+        };
+        reset(&mut p);
+        let mut out: Vec<Option<DraftBlock>> = vec![None, None];
+        p.apply(
+            &round,
+            &(rep.clone(), Instant::now()),
+            &reqs,
+            &ids,
+            &mut out,
+        );
+        assert!(out[0].is_none(), "request 1 drafts locally");
+        assert_eq!(out[1].as_ref().map(|b| b.tokens.clone()), Some(vec![3]));
+        assert_eq!(p.reqs[&1].tokens_acked, 4);
+        assert_eq!(p.reqs[&2].tokens_acked, 4);
+        // The same reply with the round's error: no drafts, but the acknowledgements hold.
+        reset(&mut p);
+        let refused = DraftReply {
+            error: "drafting failed: test".into(),
+            ..rep
+        };
+        let mut out: Vec<Option<DraftBlock>> = vec![None, None];
+        p.apply(&round, &(refused, Instant::now()), &reqs, &ids, &mut out);
+        assert!(out.iter().all(Option::is_none));
+        assert_eq!(p.reqs[&1].tokens_acked, 4);
+        assert_eq!(p.reqs[&2].tokens_acked, 4);
     }
 }

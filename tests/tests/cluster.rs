@@ -1449,11 +1449,35 @@ print(json.dumps({"texts": texts, "done": done}))
         );
     }
 
-    // gRPC: the draft worker refuses oversized messages and bad rounds, flags unknown requests.
+    // gRPC: the draft worker refuses oversized messages, a stream that names no vocabulary
+    // and stale rounds; a request with bad input is refused alone (need_sync from what the
+    // worker holds) and unknown requests are flagged.
     let draft = format!("http://{}", c.drafts[0].addr);
     let mut dc = DraftWorkerClient::connect(draft.clone())
         .await
         .expect("draft worker");
+    let vocab_hash = dc
+        .info(dspark_proto::InfoRequest {})
+        .await
+        .expect("info")
+        .into_inner()
+        .vocab_hash;
+    {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let mut replies = dc
+            .draft(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("stream")
+            .into_inner();
+        tx.send(DraftCall {
+            step: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let e = replies.message().await.expect_err("no vocabulary named");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    }
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let mut replies = dc
         .draft(tokio_stream::wrappers::ReceiverStream::new(rx))
@@ -1470,6 +1494,7 @@ print(json.dumps({"texts": texts, "done": done}))
     tx.send(DraftCall {
         step: 1,
         items: vec![item(77, 5, vec![1], 2)],
+        vocab_hash,
         ..Default::default()
     })
     .await
@@ -1486,17 +1511,28 @@ print(json.dumps({"texts": texts, "done": done}))
     })
     .await
     .unwrap();
+    // A draft longer than the drafter makes is cut to its longest.
     let r = replies.message().await.unwrap().unwrap();
-    assert!(r.error.contains("exceeds"), "{r:?}");
+    assert!(r.error.is_empty() && !r.blocks[0].need_sync, "{r:?}");
     tx.send(DraftCall {
         step: 3,
-        items: vec![item(79, 0, vec![u32::MAX], 2)],
+        items: vec![
+            item(79, 0, vec![u32::MAX], 2),
+            item(81, 0, vec![1, 2, 1], 2),
+        ],
         ..Default::default()
     })
     .await
     .unwrap();
     let r = replies.message().await.unwrap().unwrap();
-    assert!(r.error.contains("vocabulary"), "{r:?}");
+    assert!(
+        r.error.is_empty() && r.blocks[0].need_sync && r.blocks[0].have_tokens == 0,
+        "{r:?}"
+    );
+    assert!(
+        !r.blocks[1].need_sync && r.blocks[1].have_tokens == 3,
+        "the other request is served: {r:?}"
+    );
     tx.send(DraftCall {
         step: 2,
         items: vec![],

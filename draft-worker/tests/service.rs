@@ -1,0 +1,158 @@
+//! The draft service over a real gRPC stream: what a target worker sees.
+
+use draft_worker::drafting::DraftHost;
+use draft_worker::service::DraftService;
+use dspark_proto::draft_worker_client::DraftWorkerClient;
+use dspark_proto::draft_worker_server::DraftWorkerServer;
+use dspark_proto::{DraftCall, DraftItem, DraftReply, WorkerInfo};
+use specdec::Proposer;
+use specdec::proposer::{Dist, ProposeReq};
+use tonic::Streaming;
+
+const HASH: &str = "vocab-1";
+
+/// Drafts k copies of token 1.
+struct Ones;
+impl Proposer for Ones {
+    fn name(&self) -> &str {
+        "ones"
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::proposer::DraftBlock>> {
+        Ok(reqs
+            .iter()
+            .map(|r| specdec::proposer::DraftBlock {
+                tokens: vec![1; r.k],
+                dists: vec![Dist::OneHot; r.k],
+                ..Default::default()
+            })
+            .collect())
+    }
+}
+
+/// A draft worker on a free local port; its URL.
+async fn serve() -> String {
+    let host = DraftHost {
+        proposer: Box::new(Ones),
+        drafter: "ones".into(),
+        vocab: 10,
+        vocab_hash: HASH.into(),
+        feature_layers: Vec::new(),
+        row_len: 0,
+        max_gamma: 4,
+        copy_runs: Vec::new(),
+        copy_head: Vec::new(),
+    };
+    let info = WorkerInfo {
+        vocab_hash: HASH.into(),
+        model: "test".into(),
+        ..Default::default()
+    };
+    let svc = DraftService::start(host, info).expect("drafting thread");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("address");
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DraftWorkerServer::new(svc))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    format!("http://{addr}")
+}
+
+/// Opens a draft stream; the sender for its calls and the replies.
+async fn open(url: &str) -> (tokio::sync::mpsc::Sender<DraftCall>, Streaming<DraftReply>) {
+    let mut dc = DraftWorkerClient::connect(url.to_string())
+        .await
+        .expect("connect");
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let replies = dc
+        .draft(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .expect("stream")
+        .into_inner();
+    (tx, replies)
+}
+
+fn item(seq: u64, tokens: Vec<u32>) -> DraftItem {
+    DraftItem {
+        seq,
+        tokens,
+        k: 3,
+        ..Default::default()
+    }
+}
+
+/// A stream whose first message names no vocabulary is refused with INVALID_ARGUMENT, never
+/// served on the assumption that the ids mean the same on both sides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_without_a_vocabulary_hash_is_refused() {
+    let url = serve().await;
+    let (tx, mut replies) = open(&url).await;
+    tx.send(DraftCall {
+        step: 1,
+        items: vec![item(1, vec![2, 3])],
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    let e = replies.message().await.expect_err("refused");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("vocab_hash"), "{e:?}");
+
+    // Another vocabulary: FAILED_PRECONDITION, as before.
+    let (tx, mut replies) = open(&url).await;
+    tx.send(DraftCall {
+        step: 0,
+        vocab_hash: "other".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    let e = replies.message().await.expect_err("refused");
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+}
+
+/// A round with one request of bad input still drafts the others: the bad one is asked to
+/// resync (its target drafts it locally), and the round carries no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_bad_request_leaves_the_round_drafting() {
+    let url = serve().await;
+    let (tx, mut replies) = open(&url).await;
+    tx.send(DraftCall {
+        step: 0,
+        target_worker: "t".into(),
+        vocab_hash: HASH.into(),
+        ..Default::default()
+    })
+    .await
+    .expect("hello");
+    let hello = replies.message().await.expect("reply").expect("open");
+    assert!(hello.error.is_empty(), "{hello:?}");
+    tx.send(DraftCall {
+        step: 1,
+        items: vec![
+            item(1, vec![2, 3, 4]),
+            item(2, vec![2, u32::MAX]),
+            item(3, vec![5, 6]),
+        ],
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    let r = replies.message().await.expect("reply").expect("open");
+    assert_eq!(r.step, 1);
+    assert!(r.error.is_empty(), "{r:?}");
+    assert_eq!(r.blocks.len(), 3, "{r:?}");
+    assert_eq!(r.blocks[0].tokens, vec![1, 1, 1]);
+    assert!(
+        r.blocks[1].need_sync && r.blocks[1].tokens.is_empty(),
+        "{r:?}"
+    );
+    assert_eq!(r.blocks[1].have_tokens, 0);
+    assert_eq!(r.blocks[2].tokens, vec![1, 1, 1]);
+    assert_eq!(r.blocks[2].have_tokens, 2);
+}
