@@ -30,7 +30,7 @@ pub struct UpArgs {
     #[arg(long)]
     pub in_process_drafter: bool,
     /// etcd endpoints for discovery (default: workers register with the scheduler directly).
-    #[arg(long)]
+    #[arg(long, env = "DSPARK_ETCD")]
     pub etcd: Option<String>,
     /// Router port (a fixed one: `up` prints the router's URL and waits for it there).
     #[arg(long, default_value_t = 8000)]
@@ -63,7 +63,7 @@ pub struct UpArgs {
 /// Settings of one process, not of a cluster (listen and published addresses, metrics ports,
 /// drafter, peers): left in `up`'s environment they would reach every child, so none gets
 /// them and `up` passes what it needs explicitly. The API key too: the router alone gets it.
-const PER_INSTANCE_ENV: [&str; 11] = [
+const PER_INSTANCE_ENV: [&str; 12] = [
     "DSPARK_TARGET_LISTEN",
     "DSPARK_DRAFT_LISTEN",
     "DSPARK_TARGET_METRICS_LISTEN",
@@ -75,6 +75,8 @@ const PER_INSTANCE_ENV: [&str; 11] = [
     "DSPARK_DRAFTS",
     "DSPARK_TP_PEERS",
     "DSPARK_API_KEY",
+    // `up` reads it as its own --etcd and hands it on explicitly.
+    "DSPARK_ETCD",
 ];
 
 struct Children(Vec<(String, Child)>);
@@ -165,8 +167,17 @@ impl Children {
         }
         if forced {
             note("second stop signal: killing the cluster's processes now");
-            // `Child::kill` sends nothing to a child already reaped.
+            // Each child leads its own process group: what it started goes too. Nothing is
+            // sent to a child already reaped (its pid may be another's by now).
             for (_, c) in &mut self.0 {
+                if matches!(c.try_wait(), Ok(None))
+                    && let Ok(pid) = i32::try_from(c.id())
+                {
+                    let _ = nix::sys::signal::killpg(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
                 let _ = c.kill();
             }
             for (_, c) in &mut self.0 {
@@ -306,6 +317,10 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
     let mut kids = Children(Vec::new());
     let ran = run_cluster(g, &a, &drafter, listen, &rt, &mut signals, &mut kids);
     if kids.stop(&mut |d: Duration| nap(&rt, &mut signals, d)) {
+        if let Err(e) = &ran {
+            note(&format!("error: {e:#}"));
+        }
+        // As a shell reports a process killed by SIGINT; the cluster was cut, not drained.
         std::process::exit(130);
     }
     ran

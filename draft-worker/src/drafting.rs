@@ -308,6 +308,16 @@ impl Drafting {
                 ..Default::default()
             };
             self.finish(*stream, &call.finished);
+            // More requests than the worker ever holds: refused whole (their answers alone
+            // could pass the message limit).
+            if call.items.len() > MAX_REQUESTS {
+                rep.error = format!(
+                    "{} requests in one round (at most {MAX_REQUESTS})",
+                    call.items.len()
+                );
+                replies.push(rep);
+                continue;
+            }
             for it in &call.items {
                 let key = (*stream, it.seq);
                 // A request this worker holds nothing of must start from its first token: it

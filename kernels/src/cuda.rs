@@ -203,9 +203,10 @@ extern "C" __global__ void rope(float* x, int n, int width, int offset, int head
 // attention_part: one block per (query row, head, chunk of cl keys) writes the chunk's score
 // maximum m, its sum l of exp(score − m), and its unnormalized output Σ exp(score − m)·v; its
 // scores live in dynamic shared memory (cl floats). Chunks past the query's position write
-// nothing (attention_merge never reads them). cl is fixed (ATTN_CHUNK on the host): a query's
-// keys then split the same way whatever window it comes in, so its output has the same bits in
-// a decode step and in a verification window, as greedy parity with plain decoding needs.
+// nothing (attention_merge never reads them). For windows of up to 64 rows cl is fixed
+// (ATTN_CHUNK on the host): a query's keys then split the same way whatever window it comes in,
+// so its output has the same bits in a decode step and in a verification window, as greedy
+// parity with plain decoding needs; a prefill's follow its size.
 extern "C" __global__ void attention_part(const float* q, long long q_off, int q_stride,
                                           const float* k, long long k_off, const float* v,
                                           long long v_off, int kv_stride, float* part_o,
@@ -318,11 +319,22 @@ const NORM_THREADS: u32 = 256;
 /// reductions halve).
 const ATTN_THREADS: u32 = 128;
 
-/// Keys per chunk of `attention_part`, the same for every launch: chunks that depended on the
-/// window (how many query rows came together) summed a query's keys in another order in a
-/// decode step than in a verification window, and a near tie could then turn the other way.
-/// 64 keys are 32 chunks for a decode step at 2048 positions.
+/// Keys per chunk of `attention_part` for windows of up to [`ATTN_FIXED_ROWS`] rows (decode
+/// steps and verification windows), the same whatever their size: chunks that depended on the
+/// window summed a query's keys in another order in a decode step than in a verification
+/// window, and a near tie could then turn the other way. 64 keys are 32 chunks for a decode
+/// step at 2048 positions. Also the shortest chunk a longer window (a prefill, which plain and
+/// speculative decoding run alike) is split into.
 const ATTN_CHUNK: usize = 64;
+
+/// Windows longer than this are prefills: their chunks follow the window (few long ones when
+/// there are many query rows, one of every key for a long prefill), so their partials stay
+/// small.
+const ATTN_FIXED_ROWS: usize = 64;
+
+/// Blocks `attention_part` aims for on a prefill: a few waves over an H100/H200's 132
+/// multiprocessors.
+const ATTN_TARGET_BLOCKS: usize = 2048;
 
 /// Partial results (one per query row, head and chunk, head_dim floats each) a launch of
 /// `attention_part` keeps: a long prefill goes in groups of rows under this (128 MiB at a
@@ -332,7 +344,9 @@ const ATTN_MAX_PARTIALS: usize = 1 << 19;
 #[cfg(test)]
 const ATTN_MAX_PARTIALS: usize = 1 << 10;
 
-/// Longest sequence the attention kernels take (at most 128 chunks of a query's keys).
+/// Longest sequence the attention kernels take: one chunk's scores (up to every key, for a
+/// long prefill) must fit the 48 KiB of dynamic shared memory a launch gets without opting in
+/// to more.
 pub const MAX_ATTENTION_TOKENS: usize = 8192;
 
 /// Compiles the kernels' source with NVRTC alone (no driver, no device) and returns the PTX's
@@ -477,6 +491,21 @@ impl Gpu {
         if !available() {
             return Err(GpuError::NoDriver);
         }
+        // cudarc looks each driver function up on its first call and panics when the library
+        // lacks it (a driver older than the bindings): an error here, not a crash.
+        std::panic::catch_unwind(|| Self::open(ordinal)).unwrap_or_else(|p| {
+            let why = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic");
+            Err(GpuError::Driver(format!(
+                "the CUDA driver library lacks what this build calls ({why})"
+            )))
+        })
+    }
+
+    fn open(ordinal: usize) -> Result<Self> {
         let ctx = CudaContext::new(ordinal).map_err(drv)?;
         let name = ctx.name().map_err(drv)?;
         let ptx = cudarc::nvrtc::compile_ptx(source())
@@ -876,8 +905,17 @@ impl Gpu {
                 "{keys} positions (the attention kernel takes at most {MAX_ATTENTION_TOKENS})"
             )));
         }
-        // Fixed chunks (see ATTN_CHUNK); rows in groups whose partials fit ATTN_MAX_PARTIALS.
-        let cl = ATTN_CHUNK;
+        // Fixed chunks for decode steps and verification windows (see ATTN_CHUNK); a prefill's
+        // chunks enough for ATTN_TARGET_BLOCKS blocks, at most ⌈keys / ATTN_CHUNK⌉ of them
+        // (one for a long prefill). Rows go in groups whose partials fit ATTN_MAX_PARTIALS.
+        let cl = if n <= ATTN_FIXED_ROWS {
+            ATTN_CHUNK
+        } else {
+            let want = ATTN_TARGET_BLOCKS
+                .div_ceil(n * h)
+                .clamp(1, keys.div_ceil(ATTN_CHUNK));
+            keys.div_ceil(want)
+        };
         let chunks = keys.div_ceil(cl);
         let group = (ATTN_MAX_PARTIALS / (h * chunks).max(1)).clamp(1, n.max(1));
         let mut part_o = self.output(group * h * chunks * hd)?;
@@ -927,8 +965,8 @@ impl Gpu {
             // s < pos0 + r0 + t + 1 ≤ pos0 + n at the offsets and strides given, which the
             // callers checked lie inside their buffers; it writes partials
             // (t·h_count + h)·chunks + c < group·h·chunks, the sizes allocated, and its dynamic
-            // shared memory holds its cl scores and its static array ATTN_THREADS (its block
-            // size) partials.
+            // shared memory holds its cl scores (cl ≤ keys ≤ MAX_ATTENTION_TOKENS keeps it
+            // under 48 KiB) and its static array ATTN_THREADS (its block size) partials.
             unsafe { b.launch(cfg) }.map_err(drv)?;
             let cfg = LaunchConfig {
                 grid_dim: (grid(rows)?, grid(h)?, 1),

@@ -824,7 +824,11 @@ impl Engine {
     /// reservation. Admission keeps this within the cache, so no allocation of an admitted
     /// request can fail: an allocation moves one block from the second term to the first, a
     /// truncation moves it back, a release only lowers it, and what is neither held nor
-    /// promised (free blocks, cached ones nobody references) can be taken.
+    /// promised (free blocks, cached ones nobody references) can be taken. That rests on how
+    /// blocks are shared here: only whole prompt blocks (attached at admission, registered at
+    /// the end of a prefill), never written again and never truncated (rollback stops at the
+    /// prompt), so no copy-on-write and no truncation of a block another holds; a fork or a
+    /// partial shared block would need its own accounting.
     fn committed_blocks(&self) -> usize {
         let promised: usize = self
             .running

@@ -284,6 +284,20 @@ struct ReqSync {
     feats: Vec<f32>,
     feat_base: usize,
     feats_acked: usize,
+    /// Rounds in a row whose answer for this request was a refusal (the draft worker held
+    /// everything the round synced from, and still took none of it) or a block unusable here.
+    refusals: u32,
+    /// Drafting cycle before which it drafts locally (after refusals, 2, 4, .. 256 cycles):
+    /// a request the draft worker keeps refusing was resent in full every cycle.
+    skip_until: u64,
+}
+
+impl ReqSync {
+    /// One more refusal in a row: local drafting for the next 2^refusals cycles (at most 256).
+    fn back_off(&mut self, cycle: u64) {
+        self.refusals = self.refusals.saturating_add(1);
+        self.skip_until = cycle + (1u64 << self.refusals.min(8));
+    }
 }
 
 /// The remote proposer.
@@ -426,7 +440,9 @@ impl RemoteProposer {
         if b.tokens[..n].iter().any(|&t| t as usize >= self.vocab) {
             return None;
         }
-        let dists = if b.q_kind == QKind::Dense as i32 || b.q_kind == QKind::Sparse as i32 {
+        let dists = if n == 0 {
+            Vec::new()
+        } else if b.q_kind == QKind::Dense as i32 || b.q_kind == QKind::Sparse as i32 {
             let rows = if b.q_kind == QKind::Dense as i32 {
                 dense_rows(b, n, self.vocab)
             } else {
@@ -472,8 +488,9 @@ struct Round {
     cycle: u64,
     rx: std::sync::mpsc::Receiver<(DraftReply, Instant)>,
     t0: Instant,
-    /// Per request: context length and feature rows covered, and k.
-    sent: HashMap<u64, (usize, usize, usize)>,
+    /// Per request: context length and feature rows covered, k, and the tokens it synced
+    /// from.
+    sent: HashMap<u64, (usize, usize, usize, usize)>,
     /// The reply, once drained.
     ready: Option<(DraftReply, Instant)>,
 }
@@ -508,6 +525,13 @@ impl RemoteProposer {
         let mut items = Vec::new();
         for (i, r) in reqs.iter().enumerate() {
             if r.k == 0 {
+                continue;
+            }
+            if self
+                .reqs
+                .get(&r.id)
+                .is_some_and(|rs| rs.skip_until > self.cycle)
+            {
                 continue;
             }
             if let Some(a) = self.link_for(r.id) {
@@ -584,6 +608,8 @@ impl RemoteProposer {
                 feats: Vec::new(),
                 feat_base: 0,
                 feats_acked: 0,
+                refusals: 0,
+                skip_until: 0,
             });
             if rs.generation != generation || rs.link != addr {
                 rs.generation = generation;
@@ -631,7 +657,7 @@ impl RemoteProposer {
             if let Ok(mut m) = self.shared.stats.lock() {
                 m.entry(r.id).or_default().bytes_to_draft += bytes;
             }
-            sent.insert(r.id, (r.context.len(), feat_end, r.k));
+            sent.insert(r.id, (r.context.len(), feat_end, r.k, acked));
             items.push(item);
         }
         let finished = std::mem::take(&mut self.links.get_mut(addr)?.finished);
@@ -739,13 +765,20 @@ impl RemoteProposer {
             );
         }
         for b in &rep.blocks {
-            let Some(&(ctx_len, feat_end, _)) = round.sent.get(&b.seq) else {
+            let Some(&(ctx_len, feat_end, _, synced_from)) = round.sent.get(&b.seq) else {
                 continue;
             };
+            let cycle = self.cycle;
             let Some(rs) = self.reqs.get_mut(&b.seq) else {
                 continue;
             };
             if b.need_sync {
+                // A worker that lost the request's state holds less than the round synced
+                // from; one that holds all of it refused the request (bad input, full): that
+                // is not healed by resending.
+                if b.have_tokens as usize >= synced_from {
+                    rs.back_off(cycle);
+                }
                 rs.tokens_acked = b.have_tokens as usize;
                 rs.feats_acked = 0;
                 continue;
@@ -759,18 +792,25 @@ impl RemoteProposer {
             if reqs[i].context.len() != ctx_len || out[i].is_some() {
                 continue; // drafted for a context that has moved on
             }
-            // A block that is not usable leaves the request to draft locally this cycle.
-            if let Some(blk) = self.block_from_wire(b, reqs[i].k) {
-                let bytes = b.encoded_len() as u64;
-                let compute = rep.compute_us;
-                self.stat(b.seq, |s| {
-                    s.remote_cycles += 1;
-                    s.bytes_from_draft += bytes;
-                    s.rtt_us += rtt;
-                    s.compute_us += compute;
-                });
-                out[i] = Some(blk);
+            // A block that is not usable leaves the request to draft locally (backing off).
+            let Some(blk) = self.block_from_wire(b, reqs[i].k) else {
+                if let Some(rs) = self.reqs.get_mut(&b.seq) {
+                    rs.back_off(cycle);
+                }
+                continue;
+            };
+            if let Some(rs) = self.reqs.get_mut(&b.seq) {
+                rs.refusals = 0;
             }
+            let bytes = b.encoded_len() as u64;
+            let compute = rep.compute_us;
+            self.stat(b.seq, |s| {
+                s.remote_cycles += 1;
+                s.bytes_from_draft += bytes;
+                s.rtt_us += rtt;
+                s.compute_us += compute;
+            });
+            out[i] = Some(blk);
         }
     }
 }
@@ -806,6 +846,8 @@ impl Proposer for RemoteProposer {
             feats: Vec::new(),
             feat_base: start,
             feats_acked: 0,
+            refusals: 0,
+            skip_until: 0,
         });
         if start < r.feat_base {
             r.feats.clear();
@@ -1017,7 +1059,14 @@ fn q_mass_is_one(probs: impl Iterator<Item = f32>) -> bool {
 /// values, a probability that is negative or not finite, a drafted token the row gives q = 0,
 /// or a row whose mass is not 1.
 fn dense_rows(b: &dspark_proto::DraftBlock, n: usize, vocab: usize) -> Option<Vec<Dist>> {
-    let q = b.q.as_ref()?.to_f32().ok()?;
+    let t = b.q.as_ref()?;
+    // Rows of another width (a draft worker whose model pads the same tokenizer's vocabulary
+    // to another size) read at this width would be shifted rows: their mass can still be 1,
+    // and acceptance would read the wrong q.
+    if t.shape.len() != 2 || t.shape[1] as usize != vocab {
+        return None;
+    }
+    let q = t.to_f32().ok()?;
     if vocab == 0 || q.len() < n.checked_mul(vocab)? || b.tokens.len() < n {
         return None;
     }
@@ -1356,7 +1405,7 @@ mod tests {
             cycle: 0,
             rx,
             t0: Instant::now(),
-            sent: HashMap::from([(1, (4, 0, 2)), (2, (4, 0, 2))]),
+            sent: HashMap::from([(1, (4, 0, 2, 0)), (2, (4, 0, 2, 0))]),
             ready: None,
         };
         let ctx = [1u32, 2, 3, 4];
@@ -1408,6 +1457,8 @@ mod tests {
                         feats: Vec::new(),
                         feat_base: 0,
                         feats_acked: 0,
+                        refusals: 0,
+                        skip_until: 0,
                     },
                 );
             }
@@ -1425,6 +1476,9 @@ mod tests {
         assert_eq!(out[1].as_ref().map(|b| b.tokens.clone()), Some(vec![3]));
         assert_eq!(p.reqs[&1].tokens_acked, 4);
         assert_eq!(p.reqs[&2].tokens_acked, 4);
+        // And backs off: it is not sent to the draft worker for the next cycles.
+        assert_eq!((p.reqs[&1].refusals, p.reqs[&2].refusals), (1, 0));
+        assert!(p.reqs[&1].skip_until > p.cycle && p.reqs[&2].skip_until <= p.cycle);
         // The same reply with the round's error: no drafts, but the acknowledgements hold.
         reset(&mut p);
         let refused = DraftReply {
@@ -1436,5 +1490,46 @@ mod tests {
         assert!(out.iter().all(Option::is_none));
         assert_eq!(p.reqs[&1].tokens_acked, 4);
         assert_eq!(p.reqs[&2].tokens_acked, 4);
+        // need_sync from a worker that holds what the round synced from is a refusal (backs
+        // off, doubling); from one that holds less, lost state (resent, no back-off).
+        reset(&mut p);
+        let (_tx, rx) = std::sync::mpsc::channel();
+        let synced = Round {
+            addr: "a".into(),
+            step: 2,
+            cycle: 0,
+            rx,
+            t0: Instant::now(),
+            sent: HashMap::from([(1, (4, 0, 2, 0)), (2, (4, 0, 2, 3))]),
+            ready: None,
+        };
+        let need_sync = |seq: u64| dspark_proto::DraftBlock {
+            seq,
+            need_sync: true,
+            have_tokens: 0,
+            ..Default::default()
+        };
+        let rep = DraftReply {
+            step: 2,
+            blocks: vec![need_sync(1), need_sync(2)],
+            ..Default::default()
+        };
+        for twice in [1, 2] {
+            let mut out: Vec<Option<DraftBlock>> = vec![None, None];
+            p.apply(
+                &synced,
+                &(rep.clone(), Instant::now()),
+                &reqs,
+                &ids,
+                &mut out,
+            );
+            assert_eq!(p.reqs[&1].refusals, twice);
+            assert_eq!(p.reqs[&1].skip_until, p.cycle + (1 << twice));
+            assert_eq!(p.reqs[&2].refusals, 0, "lost state is no refusal");
+        }
+        // A dense q row of another width is refused even when its mass is 1.
+        let wide = dense(vec![1], &[0.25, 0.75, 0.0, 0.0], 4);
+        assert!(dense_rows(&wide, 1, 4).is_some());
+        assert!(dense_rows(&wide, 1, 3).is_none());
     }
 }
