@@ -29,6 +29,9 @@ pub struct Cluster {
     /// After the scheduler failed to answer, placement skips it until then (a stalled
     /// scheduler must not add its timeout to every request).
     skip_scheduler_until: Mutex<Option<std::time::Instant>>,
+    /// Without a scheduler: the static targets (ids) that answered their last `Info`. The
+    /// list names addresses, not live workers; readiness counts these.
+    answering: Mutex<std::collections::HashSet<String>>,
 }
 
 /// How long placement stays local after the scheduler failed to answer.
@@ -42,7 +45,26 @@ impl Cluster {
             channels: Mutex::new(HashMap::new()),
             local_load: Mutex::new(HashMap::new()),
             skip_scheduler_until: Mutex::new(None),
+            answering: Mutex::new(std::collections::HashSet::new()),
         })
+    }
+
+    /// Target workers that can take requests, as far as this router knows: those the
+    /// scheduler lists (registered, heartbeating), or without one the static targets that
+    /// answered their last `Info` (a `--targets` list whose workers are down or still loading
+    /// read ready before).
+    /// `workers` is one read of the view ([`Cluster::workers`]).
+    pub fn ready_targets(&self, workers: &[WorkerInfo]) -> usize {
+        let targets = workers
+            .iter()
+            .filter(|w| w.role == dspark_scheduler::placement::ROLE_TARGET);
+        if self.scheduler.is_some() {
+            return targets.count();
+        }
+        let Ok(a) = self.answering.lock() else {
+            return 0;
+        };
+        targets.filter(|t| a.contains(&t.id)).count()
     }
 
     /// Refreshes the view from the scheduler every `period` (no-op without one).
@@ -83,7 +105,8 @@ impl Cluster {
     /// `period` (at once, then again): its context and capacity (`max_running`) replace the
     /// placeholders a `--targets` entry starts with (no context known: chat answers were not
     /// trimmed to fit and too long a prompt reached the worker; capacity 16 whatever the
-    /// worker runs). Its id, role and address stay the list's.
+    /// worker runs). Its id, role and address stay the list's. Whether each answered is what
+    /// readiness reads; while none has, it asks every half second.
     pub fn spawn_static_info(self: &Arc<Self>, period: Duration) {
         if self.scheduler.is_some() {
             return;
@@ -92,11 +115,20 @@ impl Cluster {
         tokio::spawn(async move {
             loop {
                 for t in me.targets() {
-                    let Ok(mut c) = me.target_client(&t.address) else {
+                    let answered = match me.target_client(&t.address) {
+                        Ok(mut c) => {
+                            tokio::time::timeout(SCHEDULER_TIMEOUT, c.info(InfoRequest {})).await
+                        }
+                        Err(_) => {
+                            me.set_answering(&t.id, false);
+                            continue;
+                        }
+                    };
+                    let Ok(Ok(i)) = answered else {
+                        me.set_answering(&t.id, false);
                         continue;
                     };
-                    let r = tokio::time::timeout(SCHEDULER_TIMEOUT, c.info(InfoRequest {})).await;
-                    let Ok(Ok(i)) = r else { continue };
+                    me.set_answering(&t.id, true);
                     let i = i.into_inner();
                     if let Ok(mut w) = me.view.write()
                         && let Some(e) = w.iter_mut().find(|w| w.id == t.id)
@@ -107,9 +139,25 @@ impl Cluster {
                         }
                     }
                 }
-                tokio::time::sleep(period).await;
+                let none = me.answering.lock().map(|a| a.is_empty()).unwrap_or(true);
+                let wait = if none {
+                    period.min(Duration::from_millis(500))
+                } else {
+                    period
+                };
+                tokio::time::sleep(wait).await;
             }
         });
+    }
+
+    fn set_answering(&self, id: &str, yes: bool) {
+        if let Ok(mut a) = self.answering.lock() {
+            if yes {
+                a.insert(id.to_string());
+            } else {
+                a.remove(id);
+            }
+        }
     }
 
     /// Drops the channels and load counts of workers no longer in the view (pods come and go

@@ -362,14 +362,16 @@ async fn health() -> Json<Value> {
 async fn ready(State(app): State<Arc<App>>) -> Response {
     // One view of the cluster for both counts (two reads could straddle a refresh).
     let workers = app.cluster.workers();
-    let targets = workers
+    let listed = workers
         .iter()
         .filter(|w| w.role == dspark_scheduler::placement::ROLE_TARGET)
         .count();
+    // Static `--targets` count once they answer (down or loading, they would take nothing).
+    let targets = app.cluster.ready_targets(&workers);
     let draining = app.draining.load(Ordering::SeqCst);
     let ok = targets > 0 && !draining;
     let mut body = json!({"ready": ok, "target_workers": targets,
-        "draft_workers": workers.len() - targets});
+        "draft_workers": workers.len() - listed});
     if draining {
         body["draining"] = json!(true);
     }

@@ -2045,6 +2045,21 @@ async fn stopped_workers_and_routers_drain_and_lose_nothing() {
             &format!("{dead},{live}"),
         ],
     );
+    // Ready once a listed worker answers; one listing only the dead address never is.
+    wait_for("the static router", Duration::from_secs(10), || async {
+        let (st, v) = get(&format!("http://{}/ready", statics.addr)).await;
+        st == 200 && v["target_workers"] == 1
+    })
+    .await;
+    let nobody = spawn(
+        "router-static-dead",
+        &["router", "--listen", "127.0.0.1:0", "--targets", &dead],
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (st, v) = get(&format!("http://{}/ready", nobody.addr)).await;
+    assert_eq!(st, 503, "{v}");
+    assert_eq!(v["target_workers"], 0, "{v}");
+    drop(nobody);
     for _ in 0..2 {
         let v = complete(&format!("http://{}", statics.addr), PROMPTS[1], 8).await;
         assert_eq!(ids_of(&v), greedy(PROMPTS[1], 8).0, "{v}");
