@@ -434,10 +434,7 @@ impl Model {
             .and_then(|v| v["tie_word_embeddings"].as_bool())
             .unwrap_or(true);
         let mut tensors = HashMap::new();
-        let mut files: Vec<_> = std::fs::read_dir(dir)?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
+        let mut files = safetensors_files(dir)?;
         files.sort();
         if files.is_empty() {
             return Err(RuntimeError::NotFound(format!(
@@ -1588,4 +1585,52 @@ impl std::fmt::Debug for Model {
 /// Convenience: the architecture name for display.
 pub fn arch_name(a: Arch) -> &'static str {
     a.name()
+}
+
+/// The weight files of a Hugging Face directory: those its `model.safetensors.index.json`
+/// names when it has one (a sharded checkpoint; other `.safetensors` files beside the shards,
+/// such as Mistral's `consolidated.safetensors`, are not this model's and were read too, each
+/// tensor of the last one read winning), else every `*.safetensors` file.
+fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Ok(std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect());
+    }
+    let corrupt = |reason: String| RuntimeError::Corrupt {
+        path: index.display().to_string(),
+        reason,
+    };
+    let text = std::fs::read_to_string(&index)?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| corrupt(e.to_string()))?;
+    let map = v["weight_map"]
+        .as_object()
+        .ok_or_else(|| corrupt("no weight_map object".into()))?;
+    let mut names = Vec::new();
+    for f in map.values() {
+        let name = f
+            .as_str()
+            .ok_or_else(|| corrupt("a weight_map value is not a file name".into()))?;
+        // A bare file name in this directory: an index must not reach outside it.
+        let plain = Path::new(name)
+            .file_name()
+            .is_some_and(|n| n == std::ffi::OsStr::new(name));
+        if !plain {
+            return Err(corrupt(format!("`{name}` is not a file of this directory")));
+        }
+        names.push(name.to_string());
+    }
+    names.sort();
+    names.dedup();
+    let files: Vec<std::path::PathBuf> = names.iter().map(|n| dir.join(n)).collect();
+    if let Some(missing) = files.iter().find(|f| !f.is_file()) {
+        return Err(RuntimeError::NotFound(format!(
+            "{} (named by {})",
+            missing.display(),
+            index.display()
+        )));
+    }
+    Ok(files)
 }

@@ -524,6 +524,60 @@ fn hugging_face_directory_equals_the_permuted_gguf() {
     for (x, y) in a1.iter().zip(&b1) {
         assert!((x - y).abs() < 1e-3 * (1.0 + x.abs()), "{x} vs {y}");
     }
+    // Sharded, as Hugging Face saves larger checkpoints: the index names the shards, and a
+    // stray file beside them with the same tensor names (read last, it would win) is not
+    // read. The same logits as the single file.
+    let sharded = dir.join("sharded");
+    std::fs::create_dir_all(&sharded).unwrap();
+    std::fs::copy(dir.join("config.json"), sharded.join("config.json")).unwrap();
+    let mut names: Vec<&String> = hf16.keys().collect();
+    names.sort();
+    let (first, second) = names.split_at(names.len() / 2);
+    let mut weight_map = serde_json::Map::new();
+    for (part, file) in [
+        (first, "model-00001-of-00002.safetensors"),
+        (second, "model-00002-of-00002.safetensors"),
+    ] {
+        let shard: HashMap<String, Tensor> =
+            part.iter().map(|&n| (n.clone(), hf16[n].clone())).collect();
+        candle_core::safetensors::save(&shard, sharded.join(file)).unwrap();
+        for &n in part {
+            weight_map.insert(n.clone(), serde_json::json!(file));
+        }
+    }
+    let stray: HashMap<String, Tensor> = hf16
+        .iter()
+        .map(|(n, t)| (n.clone(), (t * 0.5).unwrap()))
+        .collect();
+    candle_core::safetensors::save(&stray, sharded.join("zz-consolidated.safetensors")).unwrap();
+    let index = |map: &serde_json::Map<String, serde_json::Value>| {
+        std::fs::write(
+            sharded.join("model.safetensors.index.json"),
+            serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+        )
+        .unwrap()
+    };
+    index(&weight_map);
+    let ms = Model::load(&sharded, &opts).unwrap();
+    assert_eq!(run(&ms), a1, "the shards the index names, and only those");
+    // An index naming a missing shard, or a path out of the directory, is a clear error.
+    let mut bad = weight_map.clone();
+    bad.insert(
+        "extra".into(),
+        serde_json::json!("model-00003-of-00003.safetensors"),
+    );
+    index(&bad);
+    let e = Model::load(&sharded, &opts).err().expect("missing shard");
+    assert!(e.to_string().contains("model-00003-of-00003"), "{e}");
+    bad.insert("extra".into(), serde_json::json!("../model.safetensors"));
+    index(&bad);
+    let e = Model::load(&sharded, &opts)
+        .err()
+        .expect("outside the directory");
+    assert!(
+        e.to_string().contains("not a file of this directory"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
