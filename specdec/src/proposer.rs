@@ -382,7 +382,10 @@ impl DraftModelProposer {
                 "draft and target tokenizers differ (vocabulary hash mismatch)".into(),
             ));
         }
-        let cache = model.new_cache(kv_tokens, 16)?;
+        let mut cache = model.new_cache(kv_tokens, 16)?;
+        // Requests sharing a prompt prefix hold it once here too: admission counts a prefix
+        // the target's cache shares once, and N copies of it would overfill this cache.
+        cache.set_prefix_caching(true);
         Ok(Self {
             model,
             cache,
@@ -403,13 +406,21 @@ impl Proposer for DraftModelProposer {
         let mut out: Vec<DraftBlock> = reqs.iter().map(|_| DraftBlock::default()).collect();
         // Catch-up feed: committed tokens the draft KV has not seen (usually 1–2).
         let mut feeds: Vec<Vec<u32>> = Vec::with_capacity(reqs.len());
+        let mut fresh = Vec::new();
         for r in reqs.iter() {
             let entry = match self.seqs.get(&r.id) {
                 Some(e) => e.clone(),
                 None => {
-                    let s = self.cache.new_seq();
-                    self.seqs.insert(r.id, (s, Vec::new()));
-                    (s, Vec::new())
+                    // What another request started with (a shared system prompt, an earlier
+                    // turn) is attached from the cache: held and computed once. The last
+                    // token is fed (its logits give the first draft).
+                    let (s, cached) = self
+                        .cache
+                        .new_seq_with_prefix(r.context, r.context.len().saturating_sub(1));
+                    let fed = r.context[..cached].to_vec();
+                    self.seqs.insert(r.id, (s, fed.clone()));
+                    fresh.push(r.id);
+                    (s, fed)
                 }
             };
             let (s, fed) = entry;
@@ -525,6 +536,12 @@ impl Proposer for DraftModelProposer {
                 }
             }
         }
+        // A new request's context, now in the cache, can start the next ones.
+        for id in fresh {
+            if let Some((s, fed)) = self.seqs.get(&id) {
+                self.cache.register(*s, fed)?;
+            }
+        }
         Ok(out)
     }
 
@@ -543,7 +560,9 @@ impl Proposer for DraftModelProposer {
 
     fn finish(&mut self, id: u64) {
         self.refused.remove(&id);
-        if let Some((s, _)) = self.seqs.remove(&id) {
+        if let Some((s, fed)) = self.seqs.remove(&id) {
+            // The whole conversation so far may start the next turn.
+            let _ = self.cache.register(s, &fed);
             let _ = self.cache.remove(s);
         }
     }

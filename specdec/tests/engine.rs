@@ -1371,7 +1371,9 @@ fn a_drafting_timeout_is_not_read_as_drafting_cost() {
                 "draft",
             )
             .unwrap(),
-            sleep: std::time::Duration::from_millis(20),
+            // Far above a forward of these tiny models even when a parallel test run slows
+            // them (20 ms was not, once in a few full runs).
+            sleep: std::time::Duration::from_millis(60),
             timed_out,
         };
         let mut e = Engine::with_cost(
@@ -2329,6 +2331,59 @@ fn shared_prompt_prefixes_are_charged_once_at_admission() {
         e.check_kv().unwrap();
         assert_eq!(e.kv_free_blocks(), e.kv_total_blocks(), "{name}");
     }
+}
+
+/// The draft model's own cache holds a prompt prefix two requests share once: with room for
+/// one context and a half, the second request drafts (the same tokens as with room to spare)
+/// instead of failing its forward and sitting out.
+#[test]
+fn the_draft_models_cache_shares_prompt_prefixes() {
+    let f = fixture();
+    let system: String = (0..80)
+        .map(|i| ["the ", "theater ", "inner ", "rather "][i % 4])
+        .collect();
+    let ps: Vec<Vec<u32>> = prompts(&f, 2)
+        .iter()
+        .map(|p| {
+            let mut s = f.tok.encode(&system).unwrap();
+            s.extend_from_slice(p);
+            s
+        })
+        .collect();
+    let longest = ps.iter().map(|p| p.len()).max().unwrap();
+    let proposer = |kv: usize| {
+        DraftModelProposer::new(
+            f.draft.clone(),
+            &f.draft_tok,
+            &f.tok,
+            f.target.cfg.vocab_size,
+            kv,
+            "draft-model:tiny",
+        )
+        .unwrap()
+    };
+    let (mut tight, mut roomy) = (proposer(longest * 3 / 2), proposer(1 << 16));
+    let greedy = SamplingParams::greedy();
+    let draft = |p: &mut DraftModelProposer, id: u64| {
+        let mut rng = kernels::rng::Rng::new(id);
+        let mut reqs = [specdec::proposer::ProposeReq {
+            id,
+            context: &ps[id as usize],
+            k: 3,
+            params: &greedy,
+            rng: &mut rng,
+        }];
+        p.propose(&mut reqs).unwrap().remove(0).tokens
+    };
+    for id in [0, 1] {
+        let (a, b) = (draft(&mut tight, id), draft(&mut roomy, id));
+        assert_eq!(a.len(), 3, "request {id} drafted {a:?}");
+        assert_eq!(a, b, "request {id}");
+    }
+    // Finished, a request's blocks stay cached for the next turn, and the cache is whole.
+    tight.finish(0);
+    tight.finish(1);
+    assert_eq!(draft(&mut tight, 0).len(), 3);
 }
 
 /// Log-probabilities reported per output token are the target's raw log-softmax at that
