@@ -109,6 +109,22 @@ fn prompts(f: &Fixture, n: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// `n` prompts that start with the same system prompt of `words` words; and that prompt.
+fn shared_system_prompts(f: &Fixture, n: usize, words: usize) -> (String, Vec<Vec<u32>>) {
+    let system: String = (0..words)
+        .map(|i| ["the ", "theater ", "inner ", "rather "][i % 4])
+        .collect();
+    let ps = prompts(f, n)
+        .iter()
+        .map(|p| {
+            let mut s = f.tok.encode(&system).unwrap();
+            s.extend_from_slice(p);
+            s
+        })
+        .collect();
+    (system, ps)
+}
+
 fn collect(events: Vec<Event>) -> HashMap<u64, (Vec<u32>, String, FinishReason)> {
     let mut out: HashMap<u64, (Vec<u32>, String, FinishReason)> = HashMap::new();
     for e in events {
@@ -2124,17 +2140,7 @@ fn served_confidences_learn_the_acceptance_the_verdicts_show() {
 #[test]
 fn prefix_cache_reuses_shared_prompts_and_changes_no_output() {
     let f = fixture();
-    let system: String = (0..40)
-        .map(|i| ["the ", "theater ", "inner ", "rather "][i % 4])
-        .collect();
-    let mut ps: Vec<Vec<u32>> = prompts(&f, 6)
-        .iter()
-        .map(|p| {
-            let mut s = f.tok.encode(&system).unwrap();
-            s.extend_from_slice(p);
-            s
-        })
-        .collect();
+    let (_, mut ps) = shared_system_prompts(&f, 6, 40);
     assert!(ps[0].len() > 48, "prompt of {} tokens", ps[0].len());
     // Two prompts that differ from the others in one token of the system prompt: the last
     // of the first block (nothing may be shared), a middle one of the second (one block).
@@ -2251,17 +2257,7 @@ fn prefix_cache_reuses_shared_prompts_and_changes_no_output() {
 #[test]
 fn shared_prompt_prefixes_are_charged_once_at_admission() {
     let f = fixture();
-    let system: String = (0..80)
-        .map(|i| ["the ", "theater ", "inner ", "rather "][i % 4])
-        .collect();
-    let ps: Vec<Vec<u32>> = prompts(&f, 6)
-        .iter()
-        .map(|p| {
-            let mut s = f.tok.encode(&system).unwrap();
-            s.extend_from_slice(p);
-            s
-        })
-        .collect();
+    let (system, ps) = shared_system_prompts(&f, 6, 80);
     let max_tokens = 16;
     let want: Vec<Vec<u32>> = ps
         .iter()
@@ -2339,17 +2335,7 @@ fn shared_prompt_prefixes_are_charged_once_at_admission() {
 #[test]
 fn the_draft_models_cache_shares_prompt_prefixes() {
     let f = fixture();
-    let system: String = (0..80)
-        .map(|i| ["the ", "theater ", "inner ", "rather "][i % 4])
-        .collect();
-    let ps: Vec<Vec<u32>> = prompts(&f, 2)
-        .iter()
-        .map(|p| {
-            let mut s = f.tok.encode(&system).unwrap();
-            s.extend_from_slice(p);
-            s
-        })
-        .collect();
+    let (_, ps) = shared_system_prompts(&f, 2, 80);
     let longest = ps.iter().map(|p| p.len()).max().unwrap();
     let proposer = |kv: usize| {
         DraftModelProposer::new(
