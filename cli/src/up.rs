@@ -152,6 +152,7 @@ impl Children {
                         Ok(Some(_)) => break,
                         _ if t0.elapsed() > Duration::from_secs(5) => {
                             note(&format!("{n} did not stop; killing it"));
+                            kill_group(c);
                             let _ = c.kill();
                             let _ = c.wait();
                             break;
@@ -170,14 +171,7 @@ impl Children {
             // Each child leads its own process group: what it started goes too. Nothing is
             // sent to a child already reaped (its pid may be another's by now).
             for (_, c) in &mut self.0 {
-                if matches!(c.try_wait(), Ok(None))
-                    && let Ok(pid) = i32::try_from(c.id())
-                {
-                    let _ = nix::sys::signal::killpg(
-                        nix::unistd::Pid::from_raw(pid),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                }
+                kill_group(c);
                 let _ = c.kill();
             }
             for (_, c) in &mut self.0 {
@@ -238,6 +232,19 @@ fn nap(rt: &tokio::runtime::Runtime, signals: &mut Signals, d: Duration) -> bool
             _ = tokio::time::sleep(d) => false,
         }
     })
+}
+
+/// SIGKILL to a child's process group (each child leads its own: what it started goes too);
+/// nothing to a child already reaped, whose pid may be another's by now.
+fn kill_group(c: &mut Child) {
+    if matches!(c.try_wait(), Ok(None))
+        && let Ok(pid) = i32::try_from(c.id())
+    {
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
 }
 
 /// A line on stderr that cannot panic: after SIGHUP the terminal may be gone.

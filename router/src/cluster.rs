@@ -29,10 +29,15 @@ pub struct Cluster {
     /// After the scheduler failed to answer, placement skips it until then (a stalled
     /// scheduler must not add its timeout to every request).
     skip_scheduler_until: Mutex<Option<std::time::Instant>>,
-    /// Without a scheduler: the static targets (ids) that answered their last `Info`. The
-    /// list names addresses, not live workers; readiness counts these.
-    answering: Mutex<std::collections::HashSet<String>>,
+    /// Without a scheduler: the static targets (ids) that answered an `Info`, with how many
+    /// they missed since. The list names addresses, not live workers; readiness counts those
+    /// that answered and missed fewer than [`STATIC_MISSES`] in a row.
+    answering: Mutex<HashMap<String, u32>>,
 }
+
+/// `Info` calls in a row a static target may miss (a slow answer under load) and still count
+/// as ready.
+const STATIC_MISSES: u32 = 3;
 
 /// How long placement stays local after the scheduler failed to answer.
 const SCHEDULER_BACKOFF: Duration = Duration::from_secs(2);
@@ -45,7 +50,7 @@ impl Cluster {
             channels: Mutex::new(HashMap::new()),
             local_load: Mutex::new(HashMap::new()),
             skip_scheduler_until: Mutex::new(None),
-            answering: Mutex::new(std::collections::HashSet::new()),
+            answering: Mutex::new(HashMap::new()),
         })
     }
 
@@ -53,7 +58,8 @@ impl Cluster {
     /// scheduler lists (registered, heartbeating), or without one the static targets that
     /// answered their last `Info` (a `--targets` list whose workers are down or still loading
     /// read ready before).
-    /// `workers` is one read of the view ([`Cluster::workers`]).
+    /// `workers` is one read of the view ([`Cluster::workers`]). A static target that stops
+    /// answering reads not ready after [`STATIC_MISSES`] calls (up to 30 s).
     pub fn ready_targets(&self, workers: &[WorkerInfo]) -> usize {
         let targets = workers
             .iter()
@@ -64,7 +70,9 @@ impl Cluster {
         let Ok(a) = self.answering.lock() else {
             return 0;
         };
-        targets.filter(|t| a.contains(&t.id)).count()
+        targets
+            .filter(|t| a.get(&t.id).is_some_and(|&m| m < STATIC_MISSES))
+            .count()
     }
 
     /// Refreshes the view from the scheduler every `period` (no-op without one).
@@ -139,7 +147,11 @@ impl Cluster {
                         }
                     }
                 }
-                let none = me.answering.lock().map(|a| a.is_empty()).unwrap_or(true);
+                let none = me
+                    .answering
+                    .lock()
+                    .map(|a| a.values().all(|&m| m >= STATIC_MISSES))
+                    .unwrap_or(true);
                 let wait = if none {
                     period.min(Duration::from_millis(500))
                 } else {
@@ -153,9 +165,9 @@ impl Cluster {
     fn set_answering(&self, id: &str, yes: bool) {
         if let Ok(mut a) = self.answering.lock() {
             if yes {
-                a.insert(id.to_string());
-            } else {
-                a.remove(id);
+                a.insert(id.to_string(), 0);
+            } else if let Some(m) = a.get_mut(id) {
+                *m = m.saturating_add(1);
             }
         }
     }

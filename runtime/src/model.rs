@@ -449,6 +449,17 @@ impl Model {
                     reason: e.to_string(),
                 }
             })?;
+            // A tensor in two files (a consolidated copy beside the shards, under the same
+            // names) would be whichever was read last: refused.
+            if let Some(dup) = t.keys().find(|k| tensors.contains_key(*k)) {
+                return Err(RuntimeError::Corrupt {
+                    path: f.display().to_string(),
+                    reason: format!(
+                        "tensor {dup} is in another .safetensors file of {} too",
+                        dir.display()
+                    ),
+                });
+            }
             tensors.extend(t);
         }
         if !tied && !tensors.contains_key(HF_NAMES.head) {
@@ -1624,6 +1635,9 @@ fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     }
     names.sort();
     names.dedup();
+    if names.is_empty() {
+        return Err(corrupt("weight_map names no files".into()));
+    }
     let files: Vec<std::path::PathBuf> = names.iter().map(|n| dir.join(n)).collect();
     if let Some(missing) = files.iter().find(|f| !f.is_file()) {
         return Err(RuntimeError::NotFound(format!(

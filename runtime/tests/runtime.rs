@@ -578,6 +578,13 @@ fn hugging_face_directory_equals_the_permuted_gguf() {
         e.to_string().contains("not a file of this directory"),
         "{e}"
     );
+    // Without an index, the same tensor in two files is refused, not taken from the last.
+    std::fs::remove_file(sharded.join("model.safetensors.index.json")).unwrap();
+    let e = Model::load(&sharded, &opts).err().expect("a tensor twice");
+    assert!(
+        e.to_string().contains("in another .safetensors file"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

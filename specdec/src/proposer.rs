@@ -407,7 +407,28 @@ impl Proposer for DraftModelProposer {
         // Catch-up feed: committed tokens the draft KV has not seen (usually 1–2).
         let mut feeds: Vec<Vec<u32>> = Vec::with_capacity(reqs.len());
         let mut fresh = Vec::new();
-        for r in reqs.iter() {
+        // New requests that start alike in one call (a burst behind one system prompt) would
+        // each compute and hold the prefix: the first goes now, the others draft from the
+        // next call on, when its blocks are registered.
+        let bs = self.cache.config().block_size;
+        let mut firsts: Vec<&[u32]> = Vec::new();
+        let mut later = vec![false; reqs.len()];
+        for (i, r) in reqs.iter().enumerate() {
+            if self.seqs.contains_key(&r.id) || r.context.len() <= bs {
+                continue;
+            }
+            let first = &r.context[..bs];
+            if firsts.contains(&first) {
+                later[i] = true;
+            } else {
+                firsts.push(first);
+            }
+        }
+        for (i, r) in reqs.iter().enumerate() {
+            if later[i] {
+                feeds.push(Vec::new());
+                continue;
+            }
             let entry = match self.seqs.get(&r.id) {
                 Some(e) => e.clone(),
                 None => {
@@ -440,7 +461,14 @@ impl Proposer for DraftModelProposer {
         let max_ctx = self.model.cfg.max_ctx;
         let mut ks: Vec<usize> = reqs
             .iter()
-            .map(|r| r.k.min((max_ctx + 1).saturating_sub(r.context.len())))
+            .enumerate()
+            .map(|(i, r)| {
+                if later[i] {
+                    0
+                } else {
+                    r.k.min((max_ctx + 1).saturating_sub(r.context.len()))
+                }
+            })
             .collect();
         for (i, r) in reqs.iter().enumerate() {
             if let Some(c) = self.refused.get_mut(&r.id) {

@@ -2370,6 +2370,37 @@ fn the_draft_models_cache_shares_prompt_prefixes() {
     tight.finish(0);
     tight.finish(1);
     assert_eq!(draft(&mut tight, 0).len(), 3);
+    // Arriving in one call, the second waits a call for the first's blocks, then both draft
+    // what they draft alone.
+    let mut burst = proposer(longest * 3 / 2);
+    let both = |p: &mut DraftModelProposer| {
+        let (mut r0, mut r1) = (kernels::rng::Rng::new(0), kernels::rng::Rng::new(1));
+        let mut reqs = [
+            specdec::proposer::ProposeReq {
+                id: 0,
+                context: &ps[0],
+                k: 3,
+                params: &greedy,
+                rng: &mut r0,
+            },
+            specdec::proposer::ProposeReq {
+                id: 1,
+                context: &ps[1],
+                k: 3,
+                params: &greedy,
+                rng: &mut r1,
+            },
+        ];
+        let b = p.propose(&mut reqs).unwrap();
+        (b[0].tokens.clone(), b[1].tokens.clone())
+    };
+    let (a0, a1) = both(&mut burst);
+    assert_eq!((a0.len(), a1.len()), (3, 0));
+    let mut alone = proposer(1 << 16);
+    assert_eq!(a0, draft(&mut alone, 0));
+    let b1 = draft(&mut burst, 1);
+    assert_eq!(b1.len(), 3);
+    assert_eq!(b1, draft(&mut alone, 1));
 }
 
 /// Log-probabilities reported per output token are the target's raw log-softmax at that

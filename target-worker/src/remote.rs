@@ -287,8 +287,9 @@ struct ReqSync {
     /// Rounds in a row whose answer for this request was a refusal (the draft worker held
     /// everything the round synced from, and still took none of it) or a block unusable here.
     refusals: u32,
-    /// Drafting cycle before which it drafts locally (after refusals, 2, 4, .. 256 cycles):
-    /// a request the draft worker keeps refusing was resent in full every cycle.
+    /// Drafting cycle before which it drafts locally (after n refusals in a row, the next
+    /// 2^n − 1 cycles, at most 255): a request the draft worker keeps refusing was resent in
+    /// full every cycle.
     skip_until: u64,
 }
 
@@ -527,15 +528,16 @@ impl RemoteProposer {
             if r.k == 0 {
                 continue;
             }
-            if self
-                .reqs
-                .get(&r.id)
-                .is_some_and(|rs| rs.skip_until > self.cycle)
-            {
-                continue;
-            }
             if let Some(a) = self.link_for(r.id) {
                 let l = &self.links[&a].shared;
+                // Backing off from this link's stream; another link or a new stream (a
+                // restarted worker) is tried at once.
+                let generation = l.generation.load(Ordering::SeqCst);
+                if self.reqs.get(&r.id).is_some_and(|rs| {
+                    rs.skip_until > self.cycle && rs.link == a && rs.generation == generation
+                }) {
+                    continue;
+                }
                 if l.up.load(Ordering::SeqCst) && !l.is_stalled() {
                     let b = self.round_bytes(r, &a);
                     items.push((a, b, i));
@@ -616,6 +618,8 @@ impl RemoteProposer {
                 rs.link = addr.to_string();
                 rs.tokens_acked = 0;
                 rs.feats_acked = 0;
+                rs.refusals = 0;
+                rs.skip_until = 0;
             }
             let acked = rs.tokens_acked.min(r.context.len());
             let feat_end = if rl > 0 {
