@@ -20,6 +20,7 @@ pub mod json;
 pub mod json_schema;
 pub mod kv;
 pub mod model;
+pub mod safetensors;
 pub mod tiny;
 pub mod tokenizer;
 pub mod tp;

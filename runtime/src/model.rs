@@ -282,50 +282,63 @@ impl TensorSource for GgufSource<'_> {
     }
 }
 
+/// A Hugging Face checkpoint, read tensor by tensor (a rank's row slice reads only its rows).
 struct SafetensorsSource {
-    tensors: HashMap<String, Tensor>,
+    ck: crate::safetensors::Checkpoint,
+    /// The matrices' fingerprint, as [`GgufSource`] keeps it.
+    fp: u64,
 }
 
 impl SafetensorsSource {
-    fn get(&self, name: &str) -> Result<Tensor> {
-        let t = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| RuntimeError::MissingTensor(name.to_string()))?;
-        match t.dtype() {
-            DType::F32 | DType::F16 | DType::BF16 => Ok(t.to_dtype(DType::F32)?),
-            other => Err(RuntimeError::UnsupportedQuant {
-                tensor: name.to_string(),
-                dtype: format!("{other:?}"),
-            }),
+    fn get(&mut self, name: &str) -> Result<Tensor> {
+        self.ck.file(name)?.read(name)
+    }
+
+    /// Fingerprints a layer matrix as stored (the embedding and head, which only rank 0
+    /// loads, are left out).
+    fn note(&mut self, name: &str) -> Result<()> {
+        if name == HF_NAMES.embed || name == HF_NAMES.head {
+            return Ok(());
         }
+        let (dtype, shape, head, tail) = self.ck.file(name)?.ends(name)?;
+        fnv(&mut self.fp, name.as_bytes());
+        fnv(&mut self.fp, dtype.as_bytes());
+        for d in shape {
+            fnv(&mut self.fp, &(d as u64).to_le_bytes());
+        }
+        fnv(&mut self.fp, &head);
+        fnv(&mut self.fp, &tail);
+        Ok(())
     }
 }
 
 impl TensorSource for SafetensorsSource {
     fn linear_part(&mut self, name: &str, _dense: bool, part: Part) -> Result<Linear> {
-        let t = self.get(name)?;
-        if t.rank() != 2 {
+        self.note(name)?;
+        let f = self.ck.file(name)?;
+        let dims = f.shape(name).unwrap_or_default().to_vec();
+        if dims.len() != 2 {
             return Err(RuntimeError::Config(format!("`{name}` is not a matrix")));
         }
         let t = match part {
-            Part::Whole => t,
-            Part::Rows(a, b) if b <= t.dims()[0] => t.narrow(0, a, b - a)?,
-            Part::Cols(a, b) if b <= t.dims()[1] => t.narrow(1, a, b - a)?,
+            Part::Whole => f.read(name)?,
+            Part::Rows(a, b) if a <= b && b <= dims[0] => f.read_rows(name, a, b)?,
+            Part::Cols(a, b) if a <= b && b <= dims[1] => {
+                f.read(name)?.narrow(1, a, b - a)?.contiguous()?
+            }
             _ => {
                 return Err(RuntimeError::Config(format!(
-                    "`{name}` is {:?}, too small for {part:?}",
-                    t.dims()
+                    "`{name}` is {dims:?}, too small for {part:?}"
                 )));
             }
         };
-        Ok(Linear::Dense(t.contiguous()?))
+        Ok(Linear::Dense(t))
     }
     fn vector(&mut self, name: &str) -> Result<Vec<f32>> {
         Ok(self.get(name)?.flatten_all()?.to_vec1::<f32>()?)
     }
     fn has(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.ck.has(name)
     }
 }
 
@@ -433,7 +446,6 @@ impl Model {
             .ok()
             .and_then(|v| v["tie_word_embeddings"].as_bool())
             .unwrap_or(true);
-        let mut tensors = HashMap::new();
         let mut files = safetensors_files(dir)?;
         files.sort();
         if files.is_empty() {
@@ -442,34 +454,19 @@ impl Model {
                 dir.display()
             )));
         }
-        for f in files {
-            let t = candle_core::safetensors::load(&f, &Device::Cpu).map_err(|e| {
-                RuntimeError::Corrupt {
-                    path: f.display().to_string(),
-                    reason: e.to_string(),
-                }
-            })?;
-            // A tensor in two files (a consolidated copy beside the shards, under the same
-            // names) would be whichever was read last: refused.
-            if let Some(dup) = t.keys().find(|k| tensors.contains_key(*k)) {
-                return Err(RuntimeError::Corrupt {
-                    path: f.display().to_string(),
-                    reason: format!(
-                        "tensor {dup} is in another .safetensors file of {} too",
-                        dir.display()
-                    ),
-                });
-            }
-            tensors.extend(t);
-        }
-        if !tied && !tensors.contains_key(HF_NAMES.head) {
+        let ck = crate::safetensors::Checkpoint::open(&files, dir)?;
+        if !tied && !ck.has(HF_NAMES.head) {
             return Err(RuntimeError::MissingTensor(format!(
                 "{} (config.json: tie_word_embeddings is false)",
                 HF_NAMES.head
             )));
         }
-        let mut src = SafetensorsSource { tensors };
+        let mut src = SafetensorsSource {
+            ck,
+            fp: 0xcbf2_9ce4_8422_2325,
+        };
         let mut m = Self::build(cfg, &mut src, &HF_NAMES, opts)?;
+        m.weights_fp = src.fp;
         m.weights_desc = "safetensors (f32)".into();
         m.connect_group(opts)?;
         if m.needs_key_offsets() {

@@ -453,3 +453,90 @@ fn a_reconnected_rank_gets_its_int8_key_offsets_with_the_next_cache() {
     let d = max_rel_diff(&got, &want);
     assert!(d < 1e-3, "after a reconnect, split logits differ by {d}");
 }
+
+/// A tiny Hugging Face checkpoint (config.json + bf16 matrices in two .safetensors shards),
+/// random weights from `seed`; `norm_seed` sets the norms, which the configuration-level
+/// fingerprint covers.
+fn hf_checkpoint(name: &str, seed: u64) -> std::path::PathBuf {
+    use candle_core::{DType, Device, Tensor};
+    use std::collections::HashMap;
+    let (d, kvh, hd, ffn, layers, vocab) = (64usize, 2usize, 16usize, 96usize, 2usize, 300usize);
+    let mut rng = kernels::rng::Rng::new(seed);
+    let mut mat = |r: usize, c: usize, s: f32| {
+        let v: Vec<f32> = (0..r * c).map(|_| rng.normal() as f32 * s).collect();
+        Tensor::from_vec(v, (r, c), &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
+    let norm = Tensor::from_vec(
+        (0..d).map(|i| 1.0 + 0.01 * i as f32).collect::<Vec<f32>>(),
+        d,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let ws = 1.0 / (d as f32).sqrt();
+    let mut t: HashMap<String, Tensor> = HashMap::new();
+    t.insert("model.embed_tokens.weight".into(), mat(vocab, d, 1.0));
+    t.insert("model.norm.weight".into(), norm.clone());
+    for l in 0..layers {
+        let p = |n: &str| format!("model.layers.{l}.{n}");
+        for (n, r, c) in [
+            ("self_attn.q_proj.weight", d, d),
+            ("self_attn.k_proj.weight", kvh * hd, d),
+            ("self_attn.v_proj.weight", kvh * hd, d),
+            ("self_attn.o_proj.weight", d, d),
+            ("mlp.gate_proj.weight", ffn, d),
+            ("mlp.up_proj.weight", ffn, d),
+            ("mlp.down_proj.weight", d, ffn),
+        ] {
+            t.insert(p(n), mat(r, c, ws));
+        }
+        t.insert(p("input_layernorm.weight"), norm.clone());
+        t.insert(p("post_attention_layernorm.weight"), norm.clone());
+    }
+    let dir = std::env::temp_dir().join(format!("dspark-tp-hf-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut names: Vec<String> = t.keys().cloned().collect();
+    names.sort();
+    let (a, b) = names.split_at(names.len() / 2);
+    for (part, file) in [(a, "model-1.safetensors"), (b, "model-2.safetensors")] {
+        let shard: HashMap<String, Tensor> =
+            part.iter().map(|n| (n.clone(), t[n].clone())).collect();
+        candle_core::safetensors::save(&shard, dir.join(file)).unwrap();
+    }
+    std::fs::write(
+        dir.join("config.json"),
+        format!(r#"{{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":{d},"intermediate_size":{ffn},"num_hidden_layers":{layers},"num_attention_heads":4,"num_key_value_heads":{kvh},"vocab_size":{vocab},"rope_theta":10000.0,"rms_norm_eps":1e-5,"max_position_embeddings":256,"tie_word_embeddings":true}}"#),
+    )
+    .unwrap();
+    dir
+}
+
+/// A Hugging Face checkpoint splits as a GGUF one does: each rank reads its rows or columns
+/// of each matrix (never the whole checkpoint), the split forward matches the whole model,
+/// and ranks holding another checkpoint of the same shape and norms are refused.
+#[test]
+fn hugging_face_checkpoints_split_and_ranks_check_their_matrices() {
+    let path = hf_checkpoint("a", 5);
+    let whole = Model::load(&path, &opts(None)).unwrap();
+    let want = scenario(&whole);
+    let m = leader(&path, start_ranks(&path, 2)).unwrap();
+    assert_eq!(m.tp_degree(), 2);
+    let got = scenario(&m);
+    let diff = max_rel_diff(&got, &want);
+    // Partial sums added in another order (a wrong slice would be off by O(1)).
+    assert!(diff < 1e-4, "split vs whole: {diff}");
+    assert_eq!(
+        argmaxes(&got, whole.cfg.vocab_size),
+        argmaxes(&want, whole.cfg.vocab_size)
+    );
+    let r1 = Model::load(&path, &opts(Some(TpOptions::shard(1, 2)))).unwrap();
+    assert!(r1.weight_bytes() < whole.weight_bytes() / 2);
+    // Same configuration and norms, other matrices: only the matrices' fingerprint tells.
+    let other = hf_checkpoint("b", 6);
+    let e = leader(&path, start_ranks(&other, 2)).unwrap_err();
+    assert!(e.to_string().contains("another checkpoint"), "{e}");
+    let _ = std::fs::remove_dir_all(&path);
+    let _ = std::fs::remove_dir_all(&other);
+}
