@@ -815,8 +815,12 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
             let mut left = grp.len();
             while left > 0 {
                 for ev in e.step()? {
-                    if let Event::Finished { .. } = ev {
-                        left -= 1;
+                    match ev {
+                        Event::Finished { .. } => left -= 1,
+                        Event::Failed { id, error } => {
+                            anyhow::bail!("request {id} failed: {error}")
+                        }
+                        Event::Tokens { .. } => {}
                     }
                 }
             }
@@ -847,6 +851,9 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
                             Event::Tokens { id, tokens: t, .. } => {
                                 tokens += t.len();
                                 outs[id as usize % n - grp.start].extend(t);
+                            }
+                            Event::Failed { id, error } => {
+                                anyhow::bail!("request {id} failed: {error}")
                             }
                             Event::Finished { metrics, .. } => {
                                 left -= 1;

@@ -417,6 +417,9 @@ impl Driver {
                             r.2 += tokens.len();
                         }
                     }
+                    Event::Failed { id, error } => {
+                        anyhow::bail!("request {id} failed: {error}")
+                    }
                     Event::Finished { id, .. } => {
                         self.in_flight -= 1;
                         if let Some((added, Some(first), n)) = self.live.remove(&id) {

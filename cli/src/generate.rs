@@ -143,6 +143,7 @@ pub fn run(g: &Global, a: GenerateArgs) -> anyhow::Result<()> {
                 Event::Finished {
                     reason, metrics, ..
                 } => finish = Some((reason, metrics)),
+                Event::Failed { error, .. } => anyhow::bail!("the request failed: {error}"),
             }
         }
     }

@@ -92,6 +92,7 @@ fn run_arm(e: &mut Engine, reqs: &[Vec<u32>], a: &PrefixArgs) -> anyhow::Result<
                 Event::Tokens { id, tokens, .. } => {
                     r.outputs.entry(id).or_default().extend(tokens);
                 }
+                Event::Failed { id, error } => anyhow::bail!("request {id} failed: {error}"),
                 Event::Finished { metrics, .. } => {
                     in_flight -= 1;
                     r.ttft_s.push(metrics.ttft_s);

@@ -712,6 +712,7 @@ pub fn gen_data(g: &Global, a: GenDataArgs) -> anyhow::Result<()> {
                         s.push_str(&text);
                     }
                 }
+                Event::Failed { id, error } => anyhow::bail!("request {id} failed: {error}"),
                 Event::Finished { id, .. } => {
                     let i = id as usize;
                     writeln!(out, "{}{}\n", rendered[i], answers[i])?;

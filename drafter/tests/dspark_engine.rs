@@ -115,6 +115,7 @@ fn greedy_parity(vocab: Option<Vec<u32>>) {
         match ev {
             Event::Tokens { id, tokens, .. } => got[id as usize].extend(tokens),
             Event::Finished { metrics, .. } => drafted += metrics.drafted_tokens,
+            Event::Failed { id, error } => panic!("request {id} failed: {error}"),
         }
     }
     assert_eq!(got, want);

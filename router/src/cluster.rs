@@ -262,7 +262,9 @@ impl Cluster {
             .ok()
             .and_then(|g| *g)
             .is_some_and(|t| std::time::Instant::now() < t);
-        if exclude.is_empty() && !skip {
+        // A failover is placed from the view (the scheduler would refuse it where every
+        // target reads full).
+        if exclude.is_empty() && !skip && !failover {
             if let Some(url) = &self.scheduler {
                 if let Ok(ch) = self.channel_for_url(url) {
                     let mut c = SchedulerClient::new(ch)

@@ -921,6 +921,9 @@ async fn drive(
             },
             other => {
                 // The worker died or the stream broke: continue elsewhere.
+                // `INTERNAL` is a live worker's engine failing the request (a step that failed
+                // every request in it, or this request alone): it may take it again.
+                let alive = matches!(&other, Some(Err(s)) if s.code() == tonic::Code::Internal);
                 let why = match other {
                     Some(Err(s)) => s.message().to_string(),
                     _ => "stream ended without finishing".into(),
@@ -961,7 +964,20 @@ async fn drive(
                 // The prompt's log-probabilities come with the first tokens: ask again only
                 // when none arrived.
                 let again = first_token && job.settings.echo && job.settings.logprobs.is_some();
-                match open(&app, &job, prompt, left, &failed, again, true).await {
+                let mut opened = open(&app, &job, prompt.clone(), left, &failed, again, true).await;
+                if alive && matches!(&opened, Err(e) if e.status == StatusCode::SERVICE_UNAVAILABLE)
+                {
+                    // No other worker is up (a one-worker cluster): the one whose engine
+                    // failed is tried again, within the same failover budget, rather than
+                    // the request lost to what may have been one failed step.
+                    let others: Vec<String> = failed
+                        .iter()
+                        .filter(|f| **f != target.id)
+                        .cloned()
+                        .collect();
+                    opened = open(&app, &job, prompt, left, &others, again, true).await;
+                }
+                match opened {
                     Ok((t, s, f)) => {
                         target = t;
                         stream = s;

@@ -216,6 +216,10 @@ pub enum Event {
         reason: FinishReason,
         metrics: RequestMetrics,
     },
+    /// The request could not go on (its own tokens broke an invariant); it is released and the
+    /// rest of the batch goes on. The tokens sent before stand: a server resumes the request
+    /// from them elsewhere.
+    Failed { id: u64, error: String },
 }
 
 /// Chooses how many drafted tokens of each request to verify this step: the hardware-aware
@@ -457,6 +461,9 @@ struct Seq {
     prompt_lps: Vec<TokenLogprob>,
     /// JSON mode: the document after the committed output.
     json: Option<Doc>,
+    /// Set when committing its tokens failed this step: it leaves the batch with
+    /// [`Event::Failed`] at the step's end, and the others go on.
+    failed: Option<String>,
 }
 
 impl Seq {
@@ -904,6 +911,7 @@ impl Engine {
                 prompt_lps: Vec::new(),
                 group: (self.admitted % 2) as u8,
                 json: resumed_json(self.json_vocab.as_deref(), &req),
+                failed: None,
                 req,
             });
             self.admitted += 1;
@@ -1328,7 +1336,9 @@ impl Engine {
                         d_model,
                         &mut rows_buf,
                     );
-                    self.proposer.observe(s.req.id, lo, &rows_buf)?;
+                    if let Err(e) = self.proposer.observe(s.req.id, lo, &rows_buf) {
+                        drafter_lost(self.proposer.as_mut(), &mut self.draft_failures, s, e);
+                    }
                     features_s += t0.elapsed().as_secs_f64();
                 }
                 if let Some(top) = s.req.prompt_logprobs {
@@ -1365,14 +1375,16 @@ impl Engine {
                 s.metrics.accept_s += t0.elapsed().as_secs_f64();
                 s.phase = Phase::Decode;
                 s.metrics.ttft_s = s.arrived.elapsed().as_secs_f64();
-                commit_tokens(
+                if let Err(e) = commit_tokens(
                     s,
                     &[first],
                     (&rows[..vocab], vocab),
                     (self.tok.as_deref(), jv.as_deref()),
                     ctx,
                     &mut events,
-                )?;
+                ) {
+                    s.failed = Some(e.to_string());
+                }
                 continue;
             }
             // Verification window.
@@ -1474,14 +1486,22 @@ impl Engine {
             let kv_before = s.tokens.len() - 1;
             let mut new: Vec<u32> = d.tokens[..verdict.accepted].to_vec();
             new.push(verdict.next);
-            let committed = commit_tokens(
+            let committed = match commit_tokens(
                 s,
                 &new,
                 (&rows[..new.len() * vocab], vocab),
                 (self.tok.as_deref(), jv.as_deref()),
                 ctx,
                 &mut events,
-            )?;
+            ) {
+                Ok(c) => c,
+                Err(e) => {
+                    // Its KV keeps the whole window; releasing it keeps only what its
+                    // committed tokens hold.
+                    s.failed = Some(e.to_string());
+                    continue;
+                }
+            };
             if committed < new.len() {
                 // A stop condition cut the block: the accepted drafts after it are waste too.
                 s.metrics.wasted_tokens += verdict.accepted.saturating_sub(committed);
@@ -1492,7 +1512,9 @@ impl Engine {
                 let t0 = Instant::now();
                 let n = 1 + verdict.accepted;
                 feature_rows(&out, out.token_offsets[j], n, d_model, &mut rows_buf);
-                self.proposer.observe(s.req.id, kv_before, &rows_buf)?;
+                if let Err(e) = self.proposer.observe(s.req.id, kv_before, &rows_buf) {
+                    drafter_lost(self.proposer.as_mut(), &mut self.draft_failures, s, e);
+                }
                 features_s += t0.elapsed().as_secs_f64();
             }
             let t0 = Instant::now();
@@ -1526,6 +1548,16 @@ impl Engine {
         // 5. Proposer state, finished requests, invariants.
         let mut i = 0;
         while i < self.running.len() {
+            if let Some(error) = self.running[i].failed.take() {
+                let s = self.running.swap_remove(i);
+                tracing::error!(request = s.req.id, "request failed: {error}");
+                events.push(Event::Failed {
+                    id: s.req.id,
+                    error,
+                });
+                self.release(s)?;
+                continue;
+            }
             if let Some(reason) = self.running[i].finished {
                 let mut s = self.running.swap_remove(i);
                 s.metrics.e2e_s = s.arrived.elapsed().as_secs_f64();
@@ -1539,8 +1571,10 @@ impl Engine {
                 self.release(s)?;
             } else {
                 let s = &self.running[i];
-                if s.phase == Phase::Decode {
-                    self.proposer.commit(s.req.id, &s.tokens)?;
+                if s.phase == Phase::Decode
+                    && let Err(e) = self.proposer.commit(s.req.id, &s.tokens)
+                {
+                    drafter_lost(self.proposer.as_mut(), &mut self.draft_failures, s, e);
                 }
                 i += 1;
             }
@@ -1680,6 +1714,22 @@ impl Engine {
         }
         Ok(all)
     }
+}
+
+/// A proposer that fails on one request's state (features it cannot take, a context it cannot
+/// roll back) forgets that request: drafting only speeds decoding up, so the request decodes
+/// on (its drafter starts over from its context at its next drafting call) and the batch with
+/// it, instead of the whole step failing.
+fn drafter_lost(p: &mut dyn Proposer, failures: &mut u64, s: &Seq, e: SpecError) {
+    *failures += 1;
+    if failures.is_power_of_two() {
+        tracing::warn!(
+            request = s.req.id,
+            failures = *failures,
+            "the drafter failed on a request's state, which starts over: {e}"
+        );
+    }
+    p.finish(s.req.id);
 }
 
 /// Rows `off..off + n` of the captured layers into `rows`, each row the layers side by side.

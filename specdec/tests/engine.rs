@@ -143,6 +143,7 @@ fn collect(events: Vec<Event>) -> HashMap<u64, (Vec<u32>, String, FinishReason)>
                     .or_insert((Vec::new(), String::new(), FinishReason::Cancelled))
                     .2 = reason;
             }
+            Event::Failed { id, error } => panic!("request {id} failed: {error}"),
         }
     }
     out
@@ -279,9 +280,20 @@ fn proposer_clone(f: &Fixture, name: &str) -> Box<dyn Proposer> {
         .unwrap()
 }
 
-/// The n-gram drafter, failing every other drafting call (as a draft model past its cache).
-struct Flaky(NgramProposer, usize);
+/// The n-gram drafter, failing every other drafting call (as a draft model past its cache),
+/// and every other commit of request 5's context (as a drafter that cannot roll it back).
+struct Flaky(NgramProposer, usize, usize);
 impl Proposer for Flaky {
+    fn commit(&mut self, id: u64, _context: &[u32]) -> specdec::Result<()> {
+        if id != 5 {
+            return Ok(());
+        }
+        self.2 += 1;
+        if self.2 % 2 == 0 {
+            return Err(specdec::SpecError::Invariant("cannot roll back".into()));
+        }
+        Ok(())
+    }
     fn name(&self) -> &str {
         "flaky"
     }
@@ -297,8 +309,9 @@ impl Proposer for Flaky {
     }
 }
 
-/// A drafter that fails costs no request its answer: those steps verify without drafts, and
-/// greedy output stays plain decoding's.
+/// A drafter that fails costs no request its answer: those steps verify without drafts, a
+/// request whose drafting state it cannot keep decodes on (before, the whole step failed,
+/// and every request in it), and greedy output stays plain decoding's.
 #[test]
 fn a_failing_drafter_leaves_every_request_served() {
     let f = fixture();
@@ -306,7 +319,7 @@ fn a_failing_drafter_leaves_every_request_served() {
     let mut e = Engine::with_cost(
         f.target.clone(),
         Some(f.tok.clone()),
-        Box::new(Flaky(NgramProposer::default(), 0)),
+        Box::new(Flaky(NgramProposer::default(), 0, 0)),
         cfg(3),
         CostModel::flat(4),
     )
@@ -446,6 +459,7 @@ fn a_resumed_request_sends_the_text_its_first_worker_held_back() {
             Event::Finished { id, reason, .. } => {
                 whole.insert(id, reason);
             }
+            Event::Failed { id, error } => panic!("request {id} failed: {error}"),
         }
     }
     // Every cut between two events, resumed on a fresh engine.
@@ -2099,6 +2113,7 @@ fn served_confidences_learn_the_acceptance_the_verdicts_show() {
                     Event::Tokens { id, tokens: t, .. } => {
                         tokens.entry(id).or_insert_with(Vec::new).extend(t)
                     }
+                    Event::Failed { id, error } => panic!("request {id} failed: {error}"),
                 }
             }
         }
@@ -2544,6 +2559,7 @@ fn prompt_logprobs_cover_every_prompt_token_across_chunks() {
                 plps.extend(prompt_logprobs);
             }
             Event::Finished { metrics, .. } => cached = metrics.cached_tokens,
+            Event::Failed { id, error } => panic!("request {id} failed: {error}"),
         }
     }
     assert_eq!((firsts, cached), (1, 0));

@@ -223,6 +223,14 @@ impl EngineLoop {
                 }
                 self.end(id, senders);
             }
+            Event::Failed { id, error } => {
+                // This request only: the router resumes it from the tokens it has.
+                if let Some(tx) = senders.get(&id) {
+                    self.metrics.finished("error");
+                    let _ = tx.send(Err(Status::internal(format!("engine: {error}"))));
+                }
+                self.end(id, senders);
+            }
         }
     }
 }
@@ -235,7 +243,7 @@ fn ending(events: &[Event]) -> HashMap<u64, &'static str> {
         .iter()
         .filter_map(|e| match e {
             Event::Finished { id, reason, .. } => Some((*id, reason.as_str())),
-            Event::Tokens { .. } => None,
+            Event::Tokens { .. } | Event::Failed { .. } => None,
         })
         .collect()
 }

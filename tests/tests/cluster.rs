@@ -256,9 +256,17 @@ struct Streamed {
 
 impl Streamed {
     async fn open(url: &str, prompt: &str, max_tokens: usize) -> Self {
-        let body = json!({"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
+        Self::open_with(url, prompt, max_tokens, json!({})).await
+    }
+
+    /// [`Streamed::open`] with more fields in the request.
+    async fn open_with(url: &str, prompt: &str, max_tokens: usize, extra: Value) -> Self {
+        let mut body = json!({"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
             "temperature": 0, "stream": true, "stream_options": {"include_usage": true},
             "return_token_ids": true});
+        if let (Some(b), Some(x)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(x.clone());
+        }
         Self {
             sse: SseChunks::open(&format!("{url}/v1/completions"), &body).await,
             ids: Vec::new(),
@@ -2718,6 +2726,11 @@ async fn spans_reach_an_otlp_collector_under_the_callers_trace() {
 /// Greedy decoding in this process with the target split three ways (ranks 1 and 2 on threads
 /// here, over loopback TCP): the exact computation a tensor-parallel target worker makes.
 fn greedy_tp3(prompt: &str, max_tokens: usize) -> Vec<u32> {
+    greedy_tp3_min(prompt, max_tokens, 0)
+}
+
+/// [`greedy_tp3`], with end-of-sequence tokens masked for the first `min_tokens`.
+fn greedy_tp3_min(prompt: &str, max_tokens: usize, min_tokens: usize) -> Vec<u32> {
     use dspark_runtime::tp::{self, TpOptions};
     static R: OnceLock<Model> = OnceLock::new();
     let m = R.get_or_init(|| {
@@ -2742,6 +2755,7 @@ fn greedy_tp3(prompt: &str, max_tokens: usize) -> Vec<u32> {
     let ids = t.encode(prompt).expect("encode");
     let p = GenerateParams {
         max_tokens,
+        min_tokens,
         ..Default::default()
     };
     generate(m, t, &ids, &p, &mut |_| {})
@@ -2787,6 +2801,38 @@ async fn tensor_parallel_target_worker_is_greedy_identical_and_survives_a_rank_r
     // could break a near tie, which these prompts do not have).
     assert_eq!(greedy_tp3(PROMPTS[0], 24), greedy(PROMPTS[0], 24).0);
 
+    // Another leader takes the ranks over mid-stream (a link lost and back at once): the one
+    // target worker's step fails, and the router, with no other worker to resume the request
+    // on, gives it to the same one again, which relinks. The client gets the whole answer.
+    let failovers = metric(&c.url, "dspark_router_failovers_total").await;
+    let n = 600;
+    let mut s = Streamed::open_with(&c.url, PROMPTS[2], n, json!({"min_tokens": n})).await;
+    s.tokens(2).await;
+    let interloper = {
+        let mut t = dspark_runtime::tp::TpOptions::leader(vec![
+            ranks[0].addr.clone(),
+            ranks[1].addr.clone(),
+        ]);
+        t.connect_timeout = Duration::from_secs(10);
+        let o = LoadOptions {
+            threads: 1,
+            tp: Some(t),
+            ..Default::default()
+        };
+        tokio::task::spawn_blocking(move || Model::load(&model_path(), &o))
+            .await
+            .unwrap()
+            .expect("a second leader")
+    };
+    drop(interloper);
+    s.finish().await;
+    assert_eq!(s.ids, greedy_tp3_min(PROMPTS[2], n, n));
+    assert_eq!(
+        metric(&c.url, "dspark_router_failovers_total").await,
+        failovers + 1.0,
+        "the request was not resumed"
+    );
+
     // Rank 2 dies: requests fail with an error instead of hanging while it is gone...
     let addr2 = ranks[1].addr.clone();
     ranks[1].kill();
@@ -2815,7 +2861,8 @@ async fn tensor_parallel_target_worker_is_greedy_identical_and_survives_a_rank_r
         metric(&base, "dspark_target_tp_links_up").await == 1.0
     })
     .await;
-    assert_eq!(metric(&base, "dspark_target_tp_connects_total").await, 2.0);
+    // The first link, the one after the takeover, and this one.
+    assert_eq!(metric(&base, "dspark_target_tp_connects_total").await, 3.0);
     wait_for(
         "the worker to read empty again",
         Duration::from_secs(5),
