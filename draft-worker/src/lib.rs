@@ -79,8 +79,8 @@ pub struct DraftArgs {
     #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
     /// Force a kernel path, as `dspark --isa` (default: the fastest this CPU has).
-    #[arg(long, env = "DSPARK_ISA")]
-    pub isa: Option<String>,
+    #[arg(long, env = "DSPARK_ISA", value_parser = kernels::Isa::parse)]
+    pub isa: Option<kernels::Isa>,
     /// Serve Prometheus metrics (`GET /metrics`: requests held, streams, rounds, draft
     /// tokens, drafting-call times) on this address; off when unset.
     #[arg(long, env = "DSPARK_DRAFT_METRICS_LISTEN")]
@@ -92,12 +92,7 @@ pub struct DraftArgs {
 
 /// Loads the drafter, binds, registers, serves until a shutdown signal.
 pub async fn run(args: DraftArgs) -> Result<()> {
-    let isa = args
-        .isa
-        .as_deref()
-        .map(kernels::Isa::parse)
-        .transpose()
-        .map_err(|e| DraftError::Config(format!("--isa: {e}")))?;
+    let isa = args.isa;
     let ttl_ms = dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms, args.etcd.is_some())
         .map_err(DraftError::Config)?;
     let disc = dspark_scheduler::discovery::Discovery::from_args(

@@ -76,21 +76,21 @@ fn proposers(f: &Fixture) -> Vec<(&'static str, Box<dyn Proposer>)> {
     vec![
         ("none", Box::new(NoProposer)),
         ("ngram", Box::new(NgramProposer::default())),
-        (
-            "draft-model",
-            Box::new(
-                DraftModelProposer::new(
-                    f.draft.clone(),
-                    &f.draft_tok,
-                    &f.tok,
-                    f.target.cfg.vocab_size,
-                    4096,
-                    "draft-model:tiny",
-                )
-                .unwrap(),
-            ),
-        ),
+        ("draft-model", Box::new(draft_model(f, 4096))),
     ]
+}
+
+/// The fixture's draft model as a proposer, its KV cache `kv` tokens.
+fn draft_model(f: &Fixture, kv: usize) -> DraftModelProposer {
+    DraftModelProposer::new(
+        f.draft.clone(),
+        &f.draft_tok,
+        &f.tok,
+        f.target.cfg.vocab_size,
+        kv,
+        "draft-model:tiny",
+    )
+    .unwrap()
 }
 
 fn prompts(f: &Fixture, n: usize) -> Vec<Vec<u32>> {
@@ -1313,15 +1313,7 @@ fn pipelined_ping_pong_keeps_greedy_parity_and_uses_prefetched_drafts() {
     let prefetches = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let p = Prefetching {
-        inner: DraftModelProposer::new(
-            f.draft.clone(),
-            &f.draft_tok,
-            &f.tok,
-            f.target.cfg.vocab_size,
-            1 << 16,
-            "draft",
-        )
-        .unwrap(),
+        inner: draft_model(&f, 1 << 16),
         ready: HashMap::new(),
         prefetches: prefetches.clone(),
         hits: hits.clone(),
@@ -1471,15 +1463,7 @@ fn prefetched_drafts_follow_the_planned_budget() {
     let prefetches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let longest = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let p = Prefetching {
-        inner: DraftModelProposer::new(
-            f.draft.clone(),
-            &f.draft_tok,
-            &f.tok,
-            f.target.cfg.vocab_size,
-            1 << 16,
-            "draft",
-        )
-        .unwrap(),
+        inner: draft_model(&f, 1 << 16),
         ready: HashMap::new(),
         prefetches: prefetches.clone(),
         hits: Default::default(),
@@ -2080,15 +2064,7 @@ fn served_confidences_learn_the_acceptance_the_verdicts_show() {
     let f = fixture();
     let ps = prompts(&f, 48);
     let run = |recal: Option<specdec::recal::RecalConfig>| {
-        let inner = DraftModelProposer::new(
-            f.draft.clone(),
-            &f.draft_tok,
-            &f.tok,
-            f.target.cfg.vocab_size,
-            4096,
-            "draft-model:tiny",
-        )
-        .unwrap();
+        let inner = draft_model(&f, 4096);
         let mut e = Engine::with_cost(
             f.target.clone(),
             Some(f.tok.clone()),
@@ -2352,17 +2328,7 @@ fn the_draft_models_cache_shares_prompt_prefixes() {
     let f = fixture();
     let (_, ps) = shared_system_prompts(&f, 2, 80);
     let longest = ps.iter().map(|p| p.len()).max().unwrap();
-    let proposer = |kv: usize| {
-        DraftModelProposer::new(
-            f.draft.clone(),
-            &f.draft_tok,
-            &f.tok,
-            f.target.cfg.vocab_size,
-            kv,
-            "draft-model:tiny",
-        )
-        .unwrap()
-    };
+    let proposer = |kv: usize| draft_model(&f, kv);
     let (mut tight, mut roomy) = (proposer(longest * 3 / 2), proposer(1 << 16));
     let greedy = SamplingParams::greedy();
     let draft = |p: &mut DraftModelProposer, id: u64| {
@@ -2598,17 +2564,7 @@ fn prompt_logprobs_cover_every_prompt_token_across_chunks() {
 fn a_request_the_draft_model_cannot_hold_costs_the_others_nothing() {
     let f = fixture();
     let greedy = SamplingParams::greedy();
-    let mk = |kv: usize| {
-        DraftModelProposer::new(
-            f.draft.clone(),
-            &f.draft_tok,
-            &f.tok,
-            f.target.cfg.vocab_size,
-            kv,
-            "draft-model:tiny",
-        )
-        .unwrap()
-    };
+    let mk = |kv: usize| draft_model(&f, kv);
     let small = prompts(&f, 3)[2].clone();
     let long = |n: usize| -> Vec<u32> { small.iter().copied().cycle().take(n).collect() };
     let alone = {

@@ -137,8 +137,8 @@ pub struct TargetArgs {
     pub kv_cache_dtype: String,
     /// Force a kernel path, as `dspark --isa`: scalar | avx2 | avx2vnni | avx512 | avx512bf16
     /// | neon | neondot (default: the fastest this CPU has).
-    #[arg(long, env = "DSPARK_ISA")]
-    pub isa: Option<String>,
+    #[arg(long, env = "DSPARK_ISA", value_parser = kernels::Isa::parse)]
+    pub isa: Option<kernels::Isa>,
     /// Serve Prometheus metrics (`GET /metrics`: batch, queue, KV cache, prefix cache,
     /// acceptance per position, step times) on this address; off when unset.
     #[arg(long, env = "DSPARK_TARGET_METRICS_LISTEN")]
@@ -167,12 +167,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     let feature_dtype = parse_dtype(&args.feature_dtype)?;
     let kv_dtype = dspark_runtime::KvDtype::parse(&args.kv_cache_dtype)
         .map_err(|e| TargetError::Config(format!("--kv-cache-dtype: {e}")))?;
-    let isa = args
-        .isa
-        .as_deref()
-        .map(kernels::Isa::parse)
-        .transpose()
-        .map_err(|e| TargetError::Config(format!("--isa: {e}")))?;
+    let isa = args.isa;
     if args.gamma > specdec::MAX_GAMMA {
         return Err(TargetError::Config(format!(
             "--gamma {} out of range 0..={}",

@@ -31,8 +31,8 @@ pub struct ShardArgs {
     #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
     /// Force a kernel path, as `dspark --isa` (default: the fastest this CPU has).
-    #[arg(long, env = "DSPARK_ISA")]
-    pub isa: Option<String>,
+    #[arg(long, env = "DSPARK_ISA", value_parser = kernels::Isa::parse)]
+    pub isa: Option<kernels::Isa>,
     /// On SIGTERM or Ctrl-C: keep serving while rank 0 is connected (it drains its requests)
     /// for up to this many seconds.
     #[arg(long, env = "DSPARK_DRAIN_TIMEOUT_S", default_value_t = 30)]
@@ -52,12 +52,7 @@ pub async fn run(a: ShardArgs) -> Result<()> {
             a.tp_rank, a.tp_size
         )));
     }
-    let isa = a
-        .isa
-        .as_deref()
-        .map(kernels::Isa::parse)
-        .transpose()
-        .map_err(|e| TargetError::Config(format!("--isa: {e}")))?;
+    let isa = a.isa;
     let home = dspark_runtime::fetch::dspark_home(a.home.as_deref());
     let path =
         dspark_runtime::fetch::resolve(&a.model, &home, &a.python, &mut |m| eprintln!("{m}"))
