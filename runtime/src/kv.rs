@@ -12,10 +12,14 @@
 //! tokens attaches those blocks instead of computing them again (a shared system prompt, the
 //! earlier turns of a chat). Keys are exact token lists, not hashes: a collision cannot hand a
 //! sequence another prompt's keys and values. A registered block nobody references stays
-//! cached and counts as free; it is evicted least recently used first, when an allocation
-//! finds the free list empty, and its descendants in the index go with it. A registered block
-//! is never written again: growing into one that is shared copies it (as for a fork), and one
-//! that is not is unregistered first.
+//! cached and counts as free. When an allocation finds the free list empty it evicts a cached
+//! leaf (a block nothing is registered under), least recently used first: a prefix goes only
+//! after the tails that hang from it, and evicting a block never takes a more recently used one
+//! along (unregistering a block unregisters what is keyed under it). A cached block can have a
+//! tail in use that its sequence chained under it without holding it (see
+//! [`KvCache::register`]); it is no leaf then, and goes only once no leaf is cached (see
+//! `KvCache::pinned_victim`). A registered block is never written again: growing into one that
+//! is shared copies it (as for a fork), and one that is not is unregistered first.
 //!
 //! Layout per layer: K is `[block][kv_head][head_dim][block_size]` (each block transposed, so
 //! attention scores a whole block with vertical FMAs), V is `[block][block_size][kv_dim]`. Both
@@ -46,9 +50,11 @@ struct PrefixIndex {
     key: Vec<Option<PrefixKey>>,
     /// Per block: registered blocks keyed under it.
     children: Vec<Vec<u32>>,
-    /// Registered blocks with no reference, by last use (eviction order).
+    /// Registered blocks with no reference (cached), by last use.
     idle: BTreeMap<u64, u32>,
-    /// Per block: when it was last attached or released (key into `idle` while there).
+    /// The blocks of `idle` with no registered children, by last use (eviction order).
+    leaves: BTreeMap<u64, u32>,
+    /// Per block: when it was last released (key into `idle` and `leaves` while there).
     last_use: Vec<u64>,
     tick: u64,
     /// Prompt tokens looked up and found, since start (metrics).
@@ -526,7 +532,9 @@ impl KvCache {
         for &b in &blocks {
             let rc = &mut self.refcount[b as usize];
             if *rc == 0 {
-                self.prefix.idle.remove(&self.prefix.last_use[b as usize]);
+                let t = self.prefix.last_use[b as usize];
+                self.prefix.idle.remove(&t);
+                self.prefix.leaves.remove(&t);
             }
             *rc += 1;
         }
@@ -592,7 +600,13 @@ impl KvCache {
                 return Ok(());
             }
             if parent != ROOT {
-                self.prefix.children[parent as usize].push(b);
+                let p = parent as usize;
+                // A cached parent (the equal block computed alongside, which this sequence
+                // does not hold) stops being a leaf.
+                if self.refcount[p] == 0 && self.prefix.children[p].is_empty() {
+                    self.prefix.leaves.remove(&self.prefix.last_use[p]);
+                }
+                self.prefix.children[p].push(b);
             }
             self.prefix.map.insert(key.clone(), b);
             self.prefix.key[b as usize] = Some(key);

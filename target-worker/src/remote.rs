@@ -803,6 +803,11 @@ impl RemoteProposer {
                 }
                 continue;
             };
+            if blk.tokens.is_empty() && reqs[i].k > 0 {
+                // The remote drafter sat this one out (a draft model without room for it):
+                // the local drafter may still have something.
+                continue;
+            }
             if let Some(rs) = self.reqs.get_mut(&b.seq) {
                 rs.refusals = 0;
             }
@@ -815,6 +820,16 @@ impl RemoteProposer {
                 s.compute_us += compute;
             });
             out[i] = Some(blk);
+        }
+        if refused {
+            // A worker whose drafter failed the round is not asked again every step: its
+            // requests draft locally for 2, 4, … 256 cycles, as after a refusal of one.
+            let cycle = self.cycle;
+            for seq in round.sent.keys() {
+                if let Some(rs) = self.reqs.get_mut(seq) {
+                    rs.back_off(cycle);
+                }
+            }
         }
     }
 }
@@ -1494,6 +1509,24 @@ mod tests {
         assert!(out.iter().all(Option::is_none));
         assert_eq!(p.reqs[&1].tokens_acked, 4);
         assert_eq!(p.reqs[&2].tokens_acked, 4);
+        // Both back off: the failing drafter is not asked every step.
+        assert_eq!((p.reqs[&1].refusals, p.reqs[&2].refusals), (1, 1));
+        assert!(p.reqs[&2].skip_until > p.cycle);
+        // An empty block where drafts were asked for (the remote drafter sat it out) leaves
+        // the request to the local drafter, without backing off.
+        reset(&mut p);
+        let empty = DraftReply {
+            step: 1,
+            blocks: vec![dspark_proto::DraftBlock {
+                seq: 2,
+                ..block(vec![], vec![], vec![], vec![])
+            }],
+            ..Default::default()
+        };
+        let mut out: Vec<Option<DraftBlock>> = vec![None, None];
+        p.apply(&round, &(empty, Instant::now()), &reqs, &ids, &mut out);
+        assert!(out[1].is_none(), "request 2 drafts locally");
+        assert_eq!((p.reqs[&2].tokens_acked, p.reqs[&2].refusals), (4, 0));
         // need_sync from a worker that holds what the round synced from is a refusal (backs
         // off, doubling); from one that holds less, lost state (resent, no back-off).
         reset(&mut p);
