@@ -578,6 +578,8 @@ impl KvCache {
 
     /// Registers `seq`'s full blocks whose tokens are `tokens[..]` (positions written so far,
     /// at most `tokens.len()`), so later sequences can share them. No-op when caching is off.
+    /// Where a prefix is cached already under another block (an equal one computed alongside),
+    /// the blocks after it are registered under that block, which `seq` does not hold.
     pub fn register(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(), RuntimeError> {
         if !self.prefix.enabled || self.tp_lost {
             return Ok(());
@@ -616,7 +618,7 @@ impl KvCache {
     }
 
     /// Removes `b` and every block keyed under it from the index; those nobody references
-    /// return to the free list.
+    /// return to the free list. `b`'s parent becomes a leaf if `b` was its last child.
     fn unregister(&mut self, b: u32) {
         let mut stack = vec![b];
         while let Some(x) = stack.pop() {
@@ -624,18 +626,49 @@ impl KvCache {
                 continue;
             };
             if key.0 != ROOT {
-                self.prefix.children[key.0 as usize].retain(|&c| c != x);
+                // Only `b`'s parent is still registered: the others were unregistered first.
+                let p = key.0 as usize;
+                let siblings = &mut self.prefix.children[p];
+                siblings.retain(|&c| c != x);
+                let last_child = siblings.is_empty();
+                if last_child && self.refcount[p] == 0 && self.prefix.key[p].is_some() {
+                    self.prefix.leaves.insert(self.prefix.last_use[p], key.0);
+                }
             }
             self.prefix.map.remove(&key);
             stack.append(&mut self.prefix.children[x as usize]);
-            if self.refcount[x as usize] == 0
-                && self
-                    .prefix
-                    .idle
-                    .remove(&self.prefix.last_use[x as usize])
-                    .is_some()
-            {
-                self.free.push(x);
+            if self.refcount[x as usize] == 0 {
+                let t = self.prefix.last_use[x as usize];
+                self.prefix.leaves.remove(&t);
+                if self.prefix.idle.remove(&t).is_some() {
+                    self.free.push(x);
+                }
+            }
+        }
+    }
+
+    /// The cached block to evict when no cached block is a leaf, which happens only while
+    /// tails that sequences chained under cached blocks they do not hold are in use (see
+    /// [`KvCache::register`]): walking down from the least recently used cached block to the
+    /// least recently used cached block below it, the first with none below. Evicting it frees
+    /// it alone, so nothing more recently used goes with it; the blocks keyed under it (all in
+    /// use) leave the index. `None` when nothing is cached.
+    fn pinned_victim(&self) -> Option<u32> {
+        let mut x = *self.prefix.idle.first_key_value()?.1;
+        loop {
+            let mut below: Option<(u64, u32)> = None;
+            let mut stack = self.prefix.children[x as usize].clone();
+            while let Some(c) = stack.pop() {
+                let t = self.prefix.last_use[c as usize];
+                // A registered block nobody references is cached.
+                if self.refcount[c as usize] == 0 && below.is_none_or(|(bt, _)| t < bt) {
+                    below = Some((t, c));
+                }
+                stack.extend_from_slice(&self.prefix.children[c as usize]);
+            }
+            match below {
+                Some((_, c)) => x = c,
+                None => return Some(x),
             }
         }
     }
@@ -679,13 +712,12 @@ impl KvCache {
 
     fn alloc(&mut self) -> Result<u32, RuntimeError> {
         if self.free.is_empty() {
-            // Evict the least recently used cached block (and what is keyed under it).
-            let (_, b) = self
-                .prefix
-                .idle
-                .first_key_value()
-                .map(|(&t, &b)| (t, b))
-                .ok_or(RuntimeError::KvFull)?;
+            // Evict the least recently used cached leaf: nothing is keyed under it, so it
+            // goes alone.
+            let b = match self.prefix.leaves.first_key_value() {
+                Some((_, &b)) => b,
+                None => self.pinned_victim().ok_or(RuntimeError::KvFull)?,
+            };
             self.unregister(b);
         }
         let b = self.free.pop().ok_or(RuntimeError::KvFull)?;
@@ -701,8 +733,12 @@ impl KvCache {
         if *rc == 0 {
             if self.prefix.key[b as usize].is_some() {
                 self.prefix.tick += 1;
-                self.prefix.last_use[b as usize] = self.prefix.tick;
-                self.prefix.idle.insert(self.prefix.tick, b);
+                let t = self.prefix.tick;
+                self.prefix.last_use[b as usize] = t;
+                self.prefix.idle.insert(t, b);
+                if self.prefix.children[b as usize].is_empty() {
+                    self.prefix.leaves.insert(t, b);
+                }
             } else {
                 self.free.push(b);
             }
@@ -844,8 +880,8 @@ impl KvCache {
             .seqs
             .remove(&seq)
             .ok_or(RuntimeError::UnknownSeq(seq.0))?;
-        // Last block first: cached blocks are evicted leaves first, so a prefix many
-        // sequences share outlives the tails that hang from it.
+        // Last block first: a prefix counts as used no earlier than the tails that hang from
+        // it (which eviction takes first in any case, leaves first).
         for b in t.blocks.into_iter().rev() {
             self.release(b);
         }
@@ -1039,8 +1075,14 @@ impl KvCache {
                     "block {b} twice on the free list"
                 )));
             }
+            if self.prefix.key[b as usize].is_some() {
+                return Err(RuntimeError::Invariant(format!(
+                    "block {b} on the free list but registered"
+                )));
+            }
             is_free[b as usize] = true;
         }
+        let mut leaves = 0;
         for (&t, &b) in &self.prefix.idle {
             if is_free[b as usize] {
                 return Err(RuntimeError::Invariant(format!(
@@ -1052,7 +1094,31 @@ impl KvCache {
                     "cached block {b} not registered under its last use"
                 )));
             }
+            if self.prefix.children[b as usize].is_empty() {
+                leaves += 1;
+                if self.prefix.leaves.get(&t) != Some(&b) {
+                    return Err(RuntimeError::Invariant(format!(
+                        "cached leaf {b} not in the eviction order"
+                    )));
+                }
+            }
             is_free[b as usize] = true;
+        }
+        if leaves != self.prefix.leaves.len() {
+            return Err(RuntimeError::Invariant(
+                "eviction order holds a block that is no cached leaf".into(),
+            ));
+        }
+        for (b, kids) in self.prefix.children.iter().enumerate() {
+            for &c in kids {
+                if self.prefix.key[b].is_none()
+                    || self.prefix.key[c as usize].as_ref().map(|k| k.0) != Some(b as u32)
+                {
+                    return Err(RuntimeError::Invariant(format!(
+                        "block {b} lists {c}, which is not registered under it"
+                    )));
+                }
+            }
         }
         let mut registered = 0;
         for (b, key) in self.prefix.key.iter().enumerate() {
@@ -1600,6 +1666,83 @@ mod tests {
         assert_eq!((c.cached_blocks(), c.free_blocks()), (0, 0));
         // Referenced blocks are never evicted: the cache is full.
         assert!(matches!(c.reserve(s, 25), Err(RuntimeError::KvFull)));
+        c.check().unwrap();
+    }
+
+    #[test]
+    fn a_cached_block_is_never_evicted_with_a_colder_one() {
+        // a and b start together with the same first block, so each computes its own copy;
+        // b registers after a, so b's second block is registered under a's first block, which
+        // b does not hold.
+        let p: Vec<u32> = (0..8).collect();
+        let q: [u32; 8] = [0, 1, 2, 3, 50, 51, 52, 53];
+        let r: Vec<u32> = (100..104).collect();
+        let start = |c: &mut KvCache| {
+            c.set_prefix_caching(true);
+            let (a, _) = c.new_seq_with_prefix(&p, 8);
+            let (b, _) = c.new_seq_with_prefix(&q, 8);
+            let (mut ta, mut tb) = (Vec::new(), Vec::new());
+            assert!(append(c, a, &mut ta, &p));
+            assert!(append(c, b, &mut tb, &q));
+            c.register(a, &ta).unwrap();
+            c.register(b, &tb).unwrap();
+            let (a0, b1) = (c.blocks(a).unwrap()[0], c.blocks(b).unwrap()[1]);
+            c.remove(a).unwrap();
+            c.check().unwrap();
+            (b, a0, b1)
+        };
+        let mut c = cache(5);
+        let (b, a0, b1) = start(&mut c);
+        // Cached by last use: a's second block, a's first, r's block, b's second (b's first
+        // is not registered: a's equal one is).
+        let (d, _) = c.new_seq_with_prefix(&r, 4);
+        let mut td = Vec::new();
+        assert!(append(&mut c, d, &mut td, &r));
+        c.register(d, &td).unwrap();
+        c.remove(d).unwrap();
+        c.remove(b).unwrap();
+        assert_eq!((c.cached_blocks(), c.free_blocks()), (4, 5));
+        c.check().unwrap();
+        // Three blocks: the free one, a's second block, then r's: a's first block still has
+        // b's second hanging from it, which was used more recently than r's and stays
+        // (evicting a's first block would unregister it too).
+        let s = c.new_seq();
+        c.reserve(s, 12).unwrap();
+        assert_eq!((c.cached_blocks(), c.free_blocks()), (2, 2));
+        c.check().unwrap();
+        let (x, hit) = c.new_seq_with_prefix(&r, 4);
+        assert_eq!(hit, 0);
+        c.remove(x).unwrap();
+        let (y, hit) = c.new_seq_with_prefix(&q, 8);
+        assert_eq!(hit, 8);
+        assert_eq!(c.blocks(y).unwrap(), &[a0, b1]);
+        assert_contents(&c, y, &q);
+        c.remove(y).unwrap();
+        // Now b's second block goes first, then a's first, which has become a leaf.
+        c.reserve(s, 16).unwrap();
+        let (y, hit) = c.new_seq_with_prefix(&q, 8);
+        assert_eq!(hit, 4);
+        assert_eq!(c.blocks(y).unwrap(), &[a0]);
+        c.remove(y).unwrap();
+        c.reserve(s, 20).unwrap();
+        assert_eq!((c.cached_blocks(), c.free_blocks()), (0, 0));
+        c.check().unwrap();
+
+        // While b still holds its second block, a's first is no leaf; it is evicted once no
+        // leaf is left (it counts as free, so a reservation that counted on it succeeds), and
+        // b's second block leaves the index with it.
+        let mut c = cache(4);
+        let (b, _, _) = start(&mut c);
+        assert_eq!((c.cached_blocks(), c.free_blocks()), (2, 2));
+        let s = c.new_seq();
+        c.reserve(s, 8).unwrap();
+        assert_eq!((c.cached_blocks(), c.free_blocks()), (0, 0));
+        c.check().unwrap();
+        let (y, hit) = c.new_seq_with_prefix(&q, 8);
+        assert_eq!(hit, 0);
+        c.remove(y).unwrap();
+        c.remove(b).unwrap();
+        assert_eq!((c.cached_blocks(), c.free_blocks()), (0, 2));
         c.check().unwrap();
     }
 
