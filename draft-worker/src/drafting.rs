@@ -396,6 +396,14 @@ impl Drafting {
                     rep.blocks.push(resend_from(it.seq, 0));
                     continue;
                 }
+                // How the target verified this worker's previous block (before drafting the
+                // next, which reads the acceptance of that one): drafts it never verified are
+                // not counted as rejected. Unknown (an older target): as the context says.
+                if let Some(v) = it.verified {
+                    self.host
+                        .proposer
+                        .verified(g, it.verified_at as usize, v as usize);
+                }
                 let params = st.params.clone();
                 rep.blocks.push(DraftBlock {
                     seq: it.seq,
@@ -961,5 +969,114 @@ mod tests {
             fill(&mut m, b, 3, 4, ITEM_BYTES);
             assert_eq!(m.tokens, vec![1], "case {i}");
         }
+    }
+
+    /// Records the calls it gets, in order.
+    struct Recording(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+    impl Recording {
+        fn log(&self, e: String) {
+            self.0.lock().expect("log").push(e);
+        }
+    }
+    impl Proposer for Recording {
+        fn name(&self) -> &str {
+            "recording"
+        }
+        fn commit(&mut self, id: u64, context: &[u32]) -> specdec::Result<()> {
+            self.log(format!("commit {id} {}", context.len()));
+            Ok(())
+        }
+        fn verified(&mut self, id: u64, at: usize, k: usize) {
+            self.log(format!("verified {id} {at} {k}"));
+        }
+        fn propose(
+            &mut self,
+            reqs: &mut [ProposeReq<'_>],
+        ) -> specdec::Result<Vec<specdec::proposer::DraftBlock>> {
+            for r in reqs.iter() {
+                self.log(format!("propose {} {}", r.id, r.context.len()));
+            }
+            Ok(reqs
+                .iter()
+                .map(|r| specdec::proposer::DraftBlock {
+                    tokens: vec![1; r.k],
+                    dists: vec![Dist::OneHot; r.k],
+                    ..Default::default()
+                })
+                .collect())
+        }
+    }
+
+    /// The target's verdict on the previous block reaches the drafter after the context it
+    /// synced and before the next block is drafted, under the drafter's id for the request;
+    /// an item without one (an older target) calls nothing.
+    #[test]
+    fn the_targets_verdict_reaches_the_drafter_before_it_drafts() {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut d = Drafting::new(DraftHost {
+            proposer: Box::new(Recording(log.clone())),
+            drafter: "recording".into(),
+            vocab: 10,
+            vocab_hash: "v".into(),
+            feature_layers: Vec::new(),
+            row_len: 0,
+            max_gamma: 4,
+            copy_runs: Vec::new(),
+            copy_head: Vec::new(),
+        });
+        let take = || std::mem::take(&mut *log.lock().expect("log"));
+        let r = run(&mut d, call(1, vec![item(5, 4)]));
+        assert_eq!(r.blocks[0].tokens.len(), 3);
+        let g = d.ids[&(7u64, 5u64)];
+        assert_eq!(
+            take(),
+            vec![format!("commit {g} 4"), format!("propose {g} 4")]
+        );
+        // 1 of the 3 drafts made at context length 4 verified.
+        let next = DraftItem {
+            sync_from: 4,
+            tokens: vec![2, 2],
+            verified_at: 4,
+            verified: Some(1),
+            ..item(5, 0)
+        };
+        let r = run(&mut d, call(2, vec![next]));
+        assert_eq!(r.blocks[0].tokens.len(), 3);
+        assert_eq!(
+            take(),
+            vec![
+                format!("commit {g} 6"),
+                format!("verified {g} 4 1"),
+                format!("propose {g} 6")
+            ]
+        );
+        // None verified is a verdict too; no verdict at all calls nothing.
+        let none = DraftItem {
+            sync_from: 6,
+            tokens: vec![2],
+            verified_at: 6,
+            verified: Some(0),
+            ..item(5, 0)
+        };
+        run(&mut d, call(3, vec![none]));
+        assert_eq!(
+            take(),
+            vec![
+                format!("commit {g} 7"),
+                format!("verified {g} 6 0"),
+                format!("propose {g} 7")
+            ]
+        );
+        let unknown = DraftItem {
+            sync_from: 7,
+            tokens: vec![2],
+            verified_at: 7,
+            ..item(5, 0)
+        };
+        run(&mut d, call(4, vec![unknown]));
+        assert_eq!(
+            take(),
+            vec![format!("commit {g} 8"), format!("propose {g} 8")]
+        );
     }
 }

@@ -398,6 +398,17 @@ impl ReqFeats {
         self.last_draft.clear();
     }
 
+    /// The engine verified the first `k` drafts of the block drafted at context length `at`:
+    /// the rest were never verified and are not counted (a block drafted elsewhere, not at
+    /// all).
+    fn verified(&mut self, at: usize, k: usize) {
+        if self.draft_at == at {
+            self.last_draft.truncate(k);
+        } else {
+            self.last_draft.clear();
+        }
+    }
+
     /// Log-odds of the running acceptance rate.
     fn rate_logit(&self) -> f32 {
         let r = self.rate.unwrap_or(PRIOR_RATE).clamp(0.01, 0.99);
@@ -738,6 +749,12 @@ impl Proposer for DsparkProposer {
 
     fn feature_layers(&self) -> Vec<usize> {
         self.dr.cfg.feature_layers.clone()
+    }
+
+    fn verified(&mut self, id: u64, at: usize, k: usize) {
+        if let Some(f) = self.feats.get_mut(&id) {
+            f.verified(at, k);
+        }
     }
 
     fn observe(&mut self, id: u64, start: usize, rows: &[f32]) -> specdec::Result<()> {
@@ -1599,6 +1616,42 @@ mod tests {
         assert_eq!((f.accepted, f.trials), (2, 4));
         let r = (2.0 + 4.0 * PRIOR_RATE) / 8.0;
         assert!((f.history_logit() - (r / (1.0 - r)).ln()).abs() < 1e-6);
+    }
+
+    /// Drafts a verify policy trimmed were never verified: they count neither as accepted nor
+    /// as rejected (a sampled request's next token matches one only by chance).
+    #[test]
+    fn trimmed_drafts_are_no_trials() {
+        let mut f = ReqFeats {
+            last_draft: vec![5, 6, 7],
+            draft_at: 2,
+            ..Default::default()
+        };
+        // One of three verified, and accepted; the target's next token, 9, stood where the
+        // second draft (never verified) was.
+        f.verified(2, 1);
+        f.observe_acceptance(&[1, 2, 5, 9]);
+        assert_eq!((f.accepted, f.trials), (1, 1));
+        let want = PRIOR_RATE + 0.25 * (1.0 - PRIOR_RATE);
+        assert!((f.rate.unwrap() - want).abs() < 1e-6);
+        // A block trimmed to nothing: no trial at all.
+        f.last_draft = vec![4, 4];
+        f.draft_at = 4;
+        f.verified(4, 0);
+        f.observe_acceptance(&[1, 2, 5, 9, 8]);
+        assert_eq!((f.accepted, f.trials), (1, 1));
+        assert!((f.rate.unwrap() - want).abs() < 1e-6);
+        // A verdict for another block than the one held: nothing is counted.
+        f.last_draft = vec![3];
+        f.draft_at = 5;
+        f.verified(6, 1);
+        f.observe_acceptance(&[1, 2, 5, 9, 8, 3]);
+        assert_eq!((f.accepted, f.trials), (1, 1));
+        // Without a verdict (all verified), as before: 2 of 2 more.
+        f.last_draft = vec![3, 3];
+        f.draft_at = 6;
+        f.observe_acceptance(&[1, 2, 5, 9, 8, 3, 3, 3, 7]);
+        assert_eq!((f.accepted, f.trials), (3, 3));
     }
 
     #[test]

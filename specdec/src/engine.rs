@@ -1077,6 +1077,10 @@ impl Engine {
         let drafting: Vec<usize> = (0..self.running.len())
             .filter(|&i| ks[i].is_some_and(|k| k > 0))
             .collect();
+        let mut drafted = vec![false; self.running.len()];
+        for &i in &drafting {
+            drafted[i] = true;
+        }
         let mut drafts: Vec<DraftBlock> = vec![DraftBlock::default(); self.running.len()];
         if !drafting.is_empty() {
             let mut reqs: Vec<ProposeReq<'_>> = Vec::with_capacity(drafting.len());
@@ -1390,6 +1394,10 @@ impl Engine {
             // Verification window.
             let d = &drafts[i];
             let k = d.tokens.len();
+            if drafted[i] {
+                // Its block as verified (a policy may have trimmed it, to none).
+                self.proposer.verified(s.req.id, s.tokens.len(), k);
+            }
             let t0 = Instant::now();
             // For calibration data: the probability each position had of being accepted,
             // 1 − TV(q, p) (sampled requests only) — the most any confidence could know.

@@ -78,6 +78,14 @@ pub trait Proposer: Send {
     fn commit(&mut self, _id: u64, _context: &[u32]) -> Result<()> {
         Ok(())
     }
+    /// The engine verified the first `k` drafts of the block it was given for request `id` at
+    /// context length `at`: fewer than drafted where a verify policy trimmed the block, 0 where
+    /// it verified none. Called for every request that drafted in the step, before its tokens
+    /// are committed. A drafter that infers acceptance from the committed context learns here
+    /// which drafts were never verified: the target's next token matches an unverified draft
+    /// only by chance (for a sampled request, with probability Σ p·q, below the 1 − TV a
+    /// verification accepts with), so counting them biases its acceptance history down.
+    fn verified(&mut self, _id: u64, _at: usize, _k: usize) {}
     /// The request ended; release its state.
     fn finish(&mut self, _id: u64) {}
     /// Whether drafting has latency worth hiding (a remote draft worker). The engine then
@@ -445,11 +453,15 @@ impl Proposer for DraftModelProposer {
                 }
             };
             let (s, fed) = entry;
+            // At least the last token is fed: its logits give the first draft. (A context that
+            // ends inside what was fed, a block the verify policy trimmed before a draft the
+            // target's next token then matched, backs off one; before, it drafted nothing.)
             let common = fed
                 .iter()
                 .zip(r.context.iter())
                 .take_while(|(a, b)| a == b)
-                .count();
+                .count()
+                .min(r.context.len().saturating_sub(1));
             self.cache.truncate(s, common)?;
             feeds.push(r.context[common..].to_vec());
             if let Some(e) = self.seqs.get_mut(&r.id) {

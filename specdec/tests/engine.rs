@@ -1640,6 +1640,114 @@ fn a_planned_budget_drafts_for_as_many_requests_as_the_policy_says() {
     assert!(w.iter().all(|&n| n <= 2), "{w:?}");
 }
 
+/// A policy that verifies none of the drafts on every other step and one on the others.
+struct TrimsHard {
+    calls: usize,
+}
+
+impl specdec::VerifyPolicy for TrimsHard {
+    fn name(&self) -> &str {
+        "trims-hard"
+    }
+    fn select(&mut self, conf: &[&[f32]], _other: usize, _plain: usize, _kv: usize) -> Vec<usize> {
+        self.calls += 1;
+        let keep = self.calls % 2;
+        conf.iter().map(|c| c.len().min(keep)).collect()
+    }
+}
+
+/// The draft model, recording each block it drafts (request, context length, drafts) and each
+/// verdict the engine hands back (request, context length, drafts verified).
+struct Verdicts {
+    inner: DraftModelProposer,
+    log: Arc<std::sync::Mutex<(Vec<(u64, usize, usize)>, Vec<(u64, usize, usize)>)>>,
+}
+
+impl Proposer for Verdicts {
+    fn name(&self) -> &str {
+        "verdicts"
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::DraftBlock>> {
+        let blocks = self.inner.propose(reqs)?;
+        if let Ok(mut l) = self.log.lock() {
+            for (r, b) in reqs.iter().zip(&blocks) {
+                l.0.push((r.id, r.context.len(), b.tokens.len()));
+            }
+        }
+        Ok(blocks)
+    }
+    fn commit(&mut self, id: u64, context: &[u32]) -> specdec::Result<()> {
+        self.inner.commit(id, context)
+    }
+    fn verified(&mut self, id: u64, at: usize, k: usize) {
+        if let Ok(mut l) = self.log.lock() {
+            l.1.push((id, at, k));
+        }
+    }
+    fn finish(&mut self, id: u64) {
+        self.inner.finish(id)
+    }
+}
+
+/// Every drafted block gets a verdict with how many of its drafts the policy left to verify
+/// (here none or one of three): a drafter that infers its acceptance from the committed context
+/// needs it not to count the rest as rejected. And a trimmed block costs the draft model
+/// nothing on the next step.
+#[test]
+fn the_proposer_hears_how_many_drafts_of_each_block_were_verified() {
+    let f = fixture();
+    let ps = prompts(&f, 4);
+    let log = Arc::new(std::sync::Mutex::new((Vec::new(), Vec::new())));
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        Box::new(Verdicts {
+            inner: draft_model(&f, 4096),
+            log: log.clone(),
+        }),
+        cfg(3),
+        CostModel::flat(4),
+    )
+    .unwrap();
+    e.set_policy(Some(Box::new(TrimsHard { calls: 0 })));
+    for (i, p) in ps.iter().enumerate() {
+        e.add(Request::new(i as u64, p.clone(), 20)).unwrap();
+    }
+    let got = collect(e.run_to_completion().unwrap());
+    for (i, p) in ps.iter().enumerate() {
+        let want = generate(
+            &f.target,
+            &f.tok,
+            p,
+            &GenerateParams {
+                max_tokens: 20,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(got[&(i as u64)].0, want.token_ids, "prompt {i}");
+    }
+    let (drafted, verdicts) = log.lock().unwrap().clone();
+    // Every block is drafted whole: after a block trimmed to none whose first draft the
+    // target's token matched, the draft model's context ended inside what it had fed, and it
+    // drafted nothing on the next step.
+    assert!(drafted.iter().all(|d| d.2 > 0), "{drafted:?}");
+    // One verdict per drafted block, in order, for the same request and context length.
+    assert_eq!(drafted.len(), verdicts.len());
+    for (d, v) in drafted.iter().zip(&verdicts) {
+        assert_eq!((d.0, d.1), (v.0, v.1));
+        assert!(v.2 <= d.2.min(1), "{d:?} {v:?}");
+    }
+    assert!(
+        verdicts.iter().any(|v| v.2 == 0) && verdicts.iter().any(|v| v.2 == 1),
+        "{drafted:?} {verdicts:?}"
+    );
+}
+
 /// N-gram lookup that also offers its drafts as free ones, counting both kinds of call.
 struct FreeLookup {
     inner: Box<dyn Proposer>,

@@ -291,13 +291,47 @@ struct ReqSync {
     /// 2^n − 1 cycles, at most 255): a request the draft worker keeps refusing was resent in
     /// full every cycle.
     skip_until: u64,
+    /// Context length of the last item sent on this stream with drafts asked for, while no
+    /// verdict on its block is recorded: the draft worker's latest block, as far as this side
+    /// knows.
+    sent_at: Option<usize>,
+    /// Context length of the draft worker's block put into the drafts of the last cycle, if
+    /// one was (the block the engine then verified, when `verified` names that length).
+    used_at: Option<usize>,
+    /// For the next item: the draft worker's block drafted at this context length had this
+    /// many drafts verified (`DraftItem.verified_at` / `verified`).
+    verdict: Option<(usize, usize)>,
 }
 
 impl ReqSync {
+    fn new(link: String, generation: u64, feat_base: usize) -> Self {
+        Self {
+            link,
+            generation,
+            tokens_acked: 0,
+            feats: Vec::new(),
+            feat_base,
+            feats_acked: 0,
+            refusals: 0,
+            skip_until: 0,
+            sent_at: None,
+            used_at: None,
+            verdict: None,
+        }
+    }
+
     /// One more refusal in a row: local drafting for the next 2^refusals cycles (at most 256).
     fn back_off(&mut self, cycle: u64) {
         self.refusals = self.refusals.saturating_add(1);
         self.skip_until = cycle + (1u64 << self.refusals.min(8));
+    }
+
+    /// The verdict the next item carries, forgotten once taken: the one recorded, or else, for
+    /// the block last asked for when no verdict on it came (the engine never verified it: the
+    /// request did not draft in that step), none of its drafts verified.
+    fn take_verdict(&mut self) -> Option<(usize, usize)> {
+        let sent = self.sent_at.take().map(|at| (at, 0));
+        self.verdict.take().or(sent)
     }
 }
 
@@ -321,6 +355,9 @@ pub struct RemoteProposer {
     timed_out: bool,
     /// Rounds sent ahead by `prefetch`, collected by a later `propose`.
     prefetched: Vec<Round>,
+    /// Requests the fallback drafted for in the last cycle, with the context length it drafted
+    /// at: its blocks' verdicts are its own.
+    local: HashMap<u64, usize>,
 }
 
 impl RemoteProposer {
@@ -350,6 +387,7 @@ impl RemoteProposer {
             cycle: 0,
             timed_out: false,
             prefetched: Vec::new(),
+            local: HashMap::new(),
         }
     }
 
@@ -603,60 +641,7 @@ impl RemoteProposer {
         let mut sent = HashMap::new();
         for &i in idx {
             let r = &mut reqs[i];
-            let rs = self.reqs.entry(r.id).or_insert_with(|| ReqSync {
-                link: addr.to_string(),
-                generation,
-                tokens_acked: 0,
-                feats: Vec::new(),
-                feat_base: 0,
-                feats_acked: 0,
-                refusals: 0,
-                skip_until: 0,
-            });
-            if rs.generation != generation || rs.link != addr {
-                rs.generation = generation;
-                rs.link = addr.to_string();
-                rs.tokens_acked = 0;
-                rs.feats_acked = 0;
-                rs.refusals = 0;
-                rs.skip_until = 0;
-            }
-            let acked = rs.tokens_acked.min(r.context.len());
-            let feat_end = if rl > 0 {
-                rs.feat_base + rs.feats.len() / rl
-            } else {
-                0
-            };
-            let features = if rl > 0 && !rs.feats.is_empty() {
-                let from = rs.feats_acked.max(rs.feat_base);
-                // Rows of this request's width: a link whose layers differ from the last
-                // one's (another drafter) finds none here, and sends no features.
-                let rows = rs.feats.get((from - rs.feat_base) * rl..).unwrap_or(&[]);
-                (!rows.is_empty()).then(|| {
-                    (
-                        from,
-                        dspark_proto::Tensor::from_f32(
-                            rows,
-                            &[rows.len() / rl, rl],
-                            self.feature_dtype,
-                        ),
-                    )
-                })
-            } else {
-                None
-            };
-            let item = DraftItem {
-                seq: r.id,
-                sync_from: acked as u32,
-                tokens: r.context[acked..].to_vec(),
-                feat_from: features.as_ref().map(|f| f.0 as u32).unwrap_or(0),
-                features: features.map(|f| f.1),
-                k: r.k as u32,
-                // Sampling parameters and seed travel once, with the request's first tokens
-                // (the draft worker keeps them with its state).
-                sampling: (acked == 0).then(|| r.params.into()),
-                seed: if acked == 0 { r.rng.next_u64() } else { 0 },
-            };
+            let (item, feat_end, acked) = self.build_item(addr, generation, rl, r);
             let bytes = item.encoded_len() as u64;
             if let Ok(mut m) = self.shared.stats.lock() {
                 m.entry(r.id).or_default().bytes_to_draft += bytes;
@@ -687,6 +672,16 @@ impl RemoteProposer {
             if let Ok(mut p) = link.shared.pending.lock() {
                 p.remove(&step);
             }
+            // The verdicts it carried go with the requests' next items (and it asked for no
+            // block).
+            for it in &call.items {
+                if let Some(rs) = self.reqs.get_mut(&it.seq) {
+                    rs.sent_at = None;
+                    if let Some(v) = it.verified {
+                        rs.verdict = Some((it.verified_at as usize, v as usize));
+                    }
+                }
+            }
             // The ids that finished did not leave: they go with the next round, or the draft
             // worker would hold their state until the stream closes (a late draft worker
             // fills the channel, and every refused round would leak them).
@@ -704,6 +699,77 @@ impl RemoteProposer {
             sent,
             ready: None,
         })
+    }
+
+    /// The item that drafts `r` on `addr`'s stream of `generation` (feature rows of `rl`
+    /// floats): only what the draft worker has not acknowledged, and the verdict on its previous
+    /// block. Returns it with the feature rows it covers and the tokens it syncs from.
+    fn build_item(
+        &mut self,
+        addr: &str,
+        generation: u64,
+        rl: usize,
+        r: &mut ProposeReq<'_>,
+    ) -> (DraftItem, usize, usize) {
+        let rs = self
+            .reqs
+            .entry(r.id)
+            .or_insert_with(|| ReqSync::new(addr.to_string(), generation, 0));
+        if rs.generation != generation || rs.link != addr {
+            rs.generation = generation;
+            rs.link = addr.to_string();
+            rs.tokens_acked = 0;
+            rs.feats_acked = 0;
+            rs.refusals = 0;
+            rs.skip_until = 0;
+            // A new stream holds none of the request's blocks (its drafter starts afresh).
+            rs.sent_at = None;
+            rs.used_at = None;
+            rs.verdict = None;
+        }
+        let verdict = rs.take_verdict();
+        if r.k > 0 {
+            rs.sent_at = Some(r.context.len());
+        }
+        let acked = rs.tokens_acked.min(r.context.len());
+        let feat_end = if rl > 0 {
+            rs.feat_base + rs.feats.len() / rl
+        } else {
+            0
+        };
+        let features = if rl > 0 && !rs.feats.is_empty() {
+            let from = rs.feats_acked.max(rs.feat_base);
+            // Rows of this request's width: a link whose layers differ from the last
+            // one's (another drafter) finds none here, and sends no features.
+            let rows = rs.feats.get((from - rs.feat_base) * rl..).unwrap_or(&[]);
+            (!rows.is_empty()).then(|| {
+                (
+                    from,
+                    dspark_proto::Tensor::from_f32(
+                        rows,
+                        &[rows.len() / rl, rl],
+                        self.feature_dtype,
+                    ),
+                )
+            })
+        } else {
+            None
+        };
+        let item = DraftItem {
+            seq: r.id,
+            sync_from: acked as u32,
+            tokens: r.context[acked..].to_vec(),
+            feat_from: features.as_ref().map(|f| f.0 as u32).unwrap_or(0),
+            features: features.map(|f| f.1),
+            k: r.k as u32,
+            // Sampling parameters and seed travel once, with the request's first tokens
+            // (the draft worker keeps them with its state).
+            sampling: (acked == 0).then(|| r.params.into()),
+            seed: if acked == 0 { r.rng.next_u64() } else { 0 },
+            verified_at: verdict.map_or(0, |v| v.0 as u32),
+            verified: verdict.map(|v| v.1 as u32),
+        };
+        (item, feat_end, acked)
     }
 
     /// A round that will not be collected: stop waiting for it (a late reply is dropped).
@@ -810,6 +876,8 @@ impl RemoteProposer {
             }
             if let Some(rs) = self.reqs.get_mut(&b.seq) {
                 rs.refusals = 0;
+                // The engine verifies this block (or what its policy leaves of it).
+                rs.used_at = Some(ctx_len);
             }
             let bytes = b.encoded_len() as u64;
             let compute = rep.compute_us;
@@ -858,16 +926,10 @@ impl Proposer for RemoteProposer {
             return Ok(());
         }
         let link = self.link_for(id).unwrap_or_default();
-        let r = self.reqs.entry(id).or_insert_with(|| ReqSync {
-            link,
-            generation: 0,
-            tokens_acked: 0,
-            feats: Vec::new(),
-            feat_base: start,
-            feats_acked: 0,
-            refusals: 0,
-            skip_until: 0,
-        });
+        let r = self
+            .reqs
+            .entry(id)
+            .or_insert_with(|| ReqSync::new(link, 0, start));
         if start < r.feat_base {
             r.feats.clear();
             r.feat_base = start;
@@ -890,7 +952,25 @@ impl Proposer for RemoteProposer {
         Ok(())
     }
 
+    /// Records the verdict on the draft worker's block for its next item: the block verified
+    /// when it was the one drafted remotely at `at`, none of its drafts otherwise (the engine
+    /// verified a block made here: the fallback's, a copy run, or none after a late reply).
+    fn verified(&mut self, id: u64, at: usize, k: usize) {
+        if let Some(rs) = self.reqs.get_mut(&id) {
+            if rs.used_at.take() == Some(at) {
+                rs.verdict = Some((at, k));
+                rs.sent_at = None;
+            } else if let Some(sent) = rs.sent_at.take() {
+                rs.verdict = Some((sent, 0));
+            }
+        }
+        if self.local.remove(&id) == Some(at) {
+            self.fallback.verified(id, at, k);
+        }
+    }
+
     fn finish(&mut self, id: u64) {
+        self.local.remove(&id);
         for r in &mut self.prefetched {
             r.sent.remove(&id);
         }
@@ -1056,6 +1136,7 @@ impl Proposer for RemoteProposer {
             let blocks = self.fallback.propose(&mut sub)?;
             for (&i, b) in missing.iter().zip(blocks) {
                 self.stat(reqs[i].id, |s| s.fallback_cycles += 1);
+                self.local.insert(reqs[i].id, reqs[i].context.len());
                 out[i] = Some(b);
             }
         }
@@ -1467,19 +1548,7 @@ mod tests {
         };
         let reset = |p: &mut RemoteProposer| {
             for id in [1, 2] {
-                p.reqs.insert(
-                    id,
-                    ReqSync {
-                        link: "a".into(),
-                        generation: 0,
-                        tokens_acked: 0,
-                        feats: Vec::new(),
-                        feat_base: 0,
-                        feats_acked: 0,
-                        refusals: 0,
-                        skip_until: 0,
-                    },
-                );
+                p.reqs.insert(id, ReqSync::new("a".into(), 0, 0));
             }
         };
         reset(&mut p);
@@ -1568,5 +1637,125 @@ mod tests {
         let wide = dense(vec![1], &[0.25, 0.75, 0.0, 0.0], 4);
         assert!(dense_rows(&wide, 1, 4).is_some());
         assert!(dense_rows(&wide, 1, 3).is_none());
+    }
+
+    /// The draft worker learns, with the request's next item, how many drafts of its previous
+    /// block the engine verified: what the verify policy left of a block of its that landed,
+    /// none of one the engine never verified (a block made here instead, a step without
+    /// drafts); once, and nothing about blocks of an earlier stream.
+    #[test]
+    fn the_next_item_says_how_many_of_the_remote_drafts_were_verified() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let hello = Hello {
+            worker: "t".into(),
+            model: "m".into(),
+            vocab_hash: "h".into(),
+            n_layers: 4,
+        };
+        let mut p = RemoteProposer::new(
+            rt.handle().clone(),
+            Arc::new(RemoteShared::default()),
+            hello,
+            Box::new(specdec::proposer::NoProposer),
+            Duration::from_millis(10),
+            Dtype::F16,
+            4,
+            10,
+        );
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rng = kernels::rng::Rng::new(1);
+        // The first item: no block before it, no verdict.
+        let ctx = [1u32, 2, 3, 4];
+        let mut r = ProposeReq {
+            id: 1,
+            context: &ctx,
+            k: 2,
+            params: &greedy,
+            rng: &mut rng,
+        };
+        let (item, _, acked) = p.build_item("a", 0, 0, &mut r);
+        assert_eq!(acked, 0);
+        assert_eq!((item.verified_at, item.verified), (0, None));
+        // Its block lands (drafted at context length 4) and the policy verifies 1 of its 2.
+        let (_tx, rx) = std::sync::mpsc::channel();
+        let round = Round {
+            addr: "a".into(),
+            step: 1,
+            cycle: 0,
+            rx,
+            t0: Instant::now(),
+            sent: HashMap::from([(1, (4, 0, 2, 0))]),
+            ready: None,
+        };
+        let rep = DraftReply {
+            step: 1,
+            blocks: vec![dspark_proto::DraftBlock {
+                seq: 1,
+                tokens: vec![3, 5],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let reqs = vec![r];
+        let ids: HashMap<u64, usize> = HashMap::from([(1, 0)]);
+        let mut out: Vec<Option<DraftBlock>> = vec![None];
+        p.apply(&round, &(rep, Instant::now()), &reqs, &ids, &mut out);
+        assert_eq!(out[0].as_ref().map(|b| b.tokens.clone()), Some(vec![3, 5]));
+        drop(reqs);
+        p.verified(1, 4, 1);
+        // The next item carries it.
+        let ctx = [1u32, 2, 3, 4, 3, 7];
+        let mut r = ProposeReq {
+            id: 1,
+            context: &ctx,
+            k: 2,
+            params: &greedy,
+            rng: &mut rng,
+        };
+        let (item, _, acked) = p.build_item("a", 0, 0, &mut r);
+        assert_eq!(acked, 4, "the round acknowledged the context");
+        assert_eq!((item.verified_at, item.verified), (4, Some(1)));
+        // This block (drafted at 6) is not the one verified (a late reply: the fallback's
+        // was): none of its drafts verified, said once.
+        p.verified(1, 6, 2);
+        let ctx = [1u32, 2, 3, 4, 3, 7, 7, 8, 9];
+        let mut r = ProposeReq {
+            id: 1,
+            context: &ctx,
+            k: 2,
+            params: &greedy,
+            rng: &mut rng,
+        };
+        let (item, _, _) = p.build_item("a", 0, 0, &mut r);
+        assert_eq!((item.verified_at, item.verified), (6, Some(0)));
+        // A step without drafts verified nothing of the block drafted at 9 either, although
+        // the engine said nothing.
+        let ctx = [1u32, 2, 3, 4, 3, 7, 7, 8, 9, 9];
+        let mut r = ProposeReq {
+            id: 1,
+            context: &ctx,
+            k: 2,
+            params: &greedy,
+            rng: &mut rng,
+        };
+        let (item, _, _) = p.build_item("a", 0, 0, &mut r);
+        assert_eq!((item.verified_at, item.verified), (9, Some(0)));
+        // A new stream (the draft worker reconnected) holds none of the old blocks: nothing
+        // about them goes, and the context is resent whole.
+        p.verified(1, 10, 2);
+        let ctx = [1u32, 2, 3, 4, 3, 7, 7, 8, 9, 9, 4];
+        let mut r = ProposeReq {
+            id: 1,
+            context: &ctx,
+            k: 2,
+            params: &greedy,
+            rng: &mut rng,
+        };
+        let (item, _, acked) = p.build_item("a", 1, 0, &mut r);
+        assert_eq!(acked, 0);
+        assert_eq!((item.verified_at, item.verified), (0, None));
     }
 }
