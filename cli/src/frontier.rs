@@ -1,7 +1,10 @@
 //! `dspark bench frontier`: throughput against interactivity as concurrency grows, for no
 //! speculation, fixed draft lengths and the hardware-aware scheduler, in one run on the same
-//! prompts. Writes `{"points":[{"arm","concurrency","tok_s","user_tok_s","committed_per_call"}]}`
-//! and an SVG of total tokens/s against per-user tokens/s.
+//! prompts. Writes `{"points":[{"arm","concurrency","tok_s","user_tok_s","committed_per_call",
+//! "mean_in_flight","window_s","window_tokens",...}]}` and an SVG of total tokens/s against
+//! per-user tokens/s. Each point's rates are its steady state: over a window in which all `c`
+//! requests are in flight, the ramp-up and the drain left out (see `Window` and `Measured`);
+//! the `point_*` fields give the whole point.
 
 use crate::config::Global;
 use clap::Args;
@@ -36,7 +39,9 @@ pub struct FrontierArgs {
     /// speculation for prefill interference that real traffic gives every arm.
     #[arg(long, default_value_t = 0.5)]
     pub length_spread: f64,
-    /// Requests per point, as a multiple of the concurrency.
+    /// Requests per point, as a multiple of the concurrency. The point's figures are over its
+    /// steady window (all `c` in flight), from the end of the first `c` requests' prefills to
+    /// the first request that finishes with none left to submit: more waves, a longer window.
     #[arg(long, default_value_t = 2)]
     pub waves: usize,
     /// At least this many timed requests per point, whatever the concurrency: at c = 1 a few
@@ -116,13 +121,14 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
     let mut drafts = crate::spec::DraftCache::default();
     let mut points = Vec::new();
     out!(
-        "{:<12} {:>5} {:>9} {:>11} {:>9} {:>8}",
+        "{:<12} {:>5} {:>9} {:>11} {:>9} {:>8} {:>9}",
         "arm",
         "conc",
         "tok/s",
         "user tok/s",
         "per_call",
-        "ttft ms"
+        "ttft ms",
+        "in flight"
     )?;
     let max_c = a.concurrency.iter().copied().max().unwrap_or(1);
     let lengths = Lengths {
@@ -176,6 +182,13 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
             }
             for (ai, name, d) in drivers {
                 let m = d.measure();
+                if m.steady_rounds == 0 {
+                    eprintln!(
+                        "  note: round {round}: {name} c{c}: no steady window (the drain began \
+                         before the first {c} requests all had their first token); its figures \
+                         are over the whole point"
+                    );
+                }
                 if a.rounds > 1 {
                     eprintln!("  round {round}: {name} c{c} {:.1} tok/s", m.tok_s());
                 }
@@ -192,11 +205,12 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
             let name = &arms[ai].0;
             let m = Measured::pool(rounds);
             out!(
-                "{name:<12} {c:>5} {:>9.1} {:>11.1} {:>9.2} {:>8.1}",
+                "{name:<12} {c:>5} {:>9.1} {:>11.1} {:>9.2} {:>8.1} {:>9.2}",
                 m.tok_s(),
                 m.user_tok_s(),
                 m.per_call(),
-                m.ttft_ms()
+                m.ttft_ms(),
+                m.mean_in_flight()
             )?;
             let mut p = m.json(name, c);
             p["rounds"] = json!(rounds.iter().map(|r| r.json(name, c)).collect::<Vec<_>>());
@@ -300,39 +314,176 @@ struct Driver {
     out_tokens: usize,
     /// Seconds spent in this arm's steps so far.
     clock: f64,
-    /// Per request in flight: clock when added, clock at its first token, tokens so far.
-    live: std::collections::HashMap<u64, (f64, Option<f64>, usize)>,
+    /// Σ over steps of seconds × requests in flight during the step (request-seconds).
+    in_flight_s: f64,
+    /// Of the first min(c, n) requests (the ramp-up), those without a first token yet.
+    ramping: usize,
+    window: Window,
+    live: std::collections::HashMap<u64, Live>,
+    /// Over every request: decode rates ((tokens − 1) / seconds after the first token) and
+    /// times to first token.
     user: Vec<f64>,
     ttft: Vec<f64>,
+    /// Over the steady window: each request's decode rate clipped to it, and the times to first
+    /// token of the requests submitted while it was open.
+    user_window: Vec<f64>,
+    ttft_window: Vec<f64>,
     tokens0: usize,
     calls0: usize,
 }
 
+/// One request in flight.
+struct Live {
+    /// Clock when submitted, and whether the steady window was open then.
+    added: f64,
+    added_in_window: bool,
+    /// Clock at its first token.
+    first: Option<f64>,
+    /// Tokens streamed so far.
+    tokens: usize,
+    /// Where its decoding inside the steady window starts: (clock, tokens so far then).
+    span: Option<(f64, usize)>,
+}
+
+/// A point on the arm's clock: seconds, tokens streamed and request-seconds in flight so far.
+/// [`Window::span`] gives the window's own three as one.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Mark {
+    clock: f64,
+    tokens: usize,
+    in_flight_s: f64,
+}
+
+/// The steady window of a point: every step in it runs with all `c` requests in flight. It
+/// opens after the step in which the last of the first `c` requests got its first token (the
+/// ramp-up: until then some of the `c` are still in their prefill, all of them at once) and
+/// closes after the first step in which a request finishes with none left to submit (the
+/// drain: from then on fewer than `c` are in flight). A drain that begins before the ramp-up
+/// ends leaves no window.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Window {
+    open: Option<Mark>,
+    close: Option<Mark>,
+}
+
+impl Window {
+    /// Whether the next step falls in the window.
+    fn is_open(&self) -> bool {
+        self.open.is_some() && self.close.is_none()
+    }
+
+    /// After a step, at `now`: `ramped` when every one of the first `c` requests has had its
+    /// first token, `draining` when fewer than `c` are in flight and none is left to submit.
+    fn step(&mut self, now: Mark, ramped: bool, draining: bool) {
+        if ramped && self.open.is_none() && self.close.is_none() {
+            self.open = Some(now);
+        }
+        if draining && self.close.is_none() {
+            self.close = Some(now);
+        }
+    }
+
+    /// The window's seconds, tokens and request-seconds; `None` where it never opened or has no
+    /// length.
+    fn span(&self) -> Option<Mark> {
+        let (a, b) = (self.open?, self.close?);
+        (b.clock > a.clock).then(|| Mark {
+            clock: b.clock - a.clock,
+            tokens: b.tokens.saturating_sub(a.tokens),
+            in_flight_s: b.in_flight_s - a.in_flight_s,
+        })
+    }
+}
+
+/// A request's decode rate over a span that started at `start` (clock, tokens then) and ends at
+/// `now` with `tokens`: the tokens after the start over the seconds; `None` for no seconds.
+fn span_rate(start: (f64, usize), now: f64, tokens: usize) -> Option<f64> {
+    let dt = now - start.0;
+    (dt > 0.0).then(|| tokens.saturating_sub(start.1) as f64 / dt)
+}
+
+/// `x` per second over `secs`; 0 for no seconds.
+fn per_second(x: f64, secs: f64) -> f64 {
+    if secs > 0.0 { x / secs } else { 0.0 }
+}
+
+fn average(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
 /// What one arm measured over its timed requests (one round, or several pooled).
+///
+/// The rates over time (`tok_s`, `mean_in_flight`) are over each round's steady window (see
+/// [`Window`]), not over the whole point: at its start the first `c` requests all prefill at
+/// once, at its end the last ones drain with fewer than `c` in flight, and a whole-point figure
+/// would mix lower concurrencies into concurrency `c`'s. A round without a window (its drain
+/// began before its ramp-up ended) contributes its whole point instead; `steady_rounds` counts
+/// the rounds that had one. The `point_*` figures keep the whole point, ramp-up and drain
+/// included (what `tok_s`, `user_tok_s` and `ttft_ms` meant before the window).
 #[derive(Clone, Debug, Default, PartialEq)]
 struct Measured {
-    /// Tokens streamed, and seconds of the arm's own clock.
+    /// Tokens streamed, seconds of the arm's own clock and request-seconds in flight that
+    /// `tok_s` and `mean_in_flight` are over: the steady window's (the whole point's in a round
+    /// without one).
     tokens: usize,
     active_s: f64,
-    /// Per multi-token request: its decode rate (tokens after the first over the seconds after
-    /// it) and its time to first token.
+    in_flight_s: f64,
+    /// The steady windows' seconds and tokens (0 for a round without one), and the number of
+    /// rounds that had one.
+    window_s: f64,
+    window_tokens: usize,
+    steady_rounds: usize,
+    /// The same as `tokens`, `active_s`, `in_flight_s` over the whole point.
+    point_tokens: usize,
+    point_s: f64,
+    point_in_flight_s: f64,
+    /// Per-request figures in the window: each request's decode rate over the part of its
+    /// decoding inside the window (tokens after its first token or the window's start, over the
+    /// seconds from then to its end or the window's end), and the time to first token of the
+    /// requests submitted inside it: the first wave's is the ramp-up's burst of `c` prefills at
+    /// once, a refill's its prefill beside `c` − 1 decoding requests, as under steady load.
+    /// Every request's instead where the round had no window or none of its requests qualify.
     user: Vec<f64>,
     ttft: Vec<f64>,
-    /// Tokens after each request's first (its prefill's), and target calls.
+    /// Per multi-token request of the whole point: its decode rate (tokens after the first over
+    /// the seconds after it), and every request's time to first token.
+    point_user: Vec<f64>,
+    point_ttft: Vec<f64>,
+    /// Tokens after each request's first (its prefill's), and target calls: over every request
+    /// of the point (the engine adds a request's counts to its totals when it finishes, not per
+    /// step, so they cannot be cut at the window).
     after_first: usize,
     calls: usize,
     requests: usize,
 }
 
 impl Measured {
+    /// Total tokens/s in the steady window (see [`Measured`]).
     fn tok_s(&self) -> f64 {
         self.tokens as f64 / self.active_s.max(1e-9)
     }
+    /// Time-weighted mean of the requests in flight over the seconds `tok_s` is over: `c` in a
+    /// steady window, by its definition (recorded so that a reader can check it).
+    fn mean_in_flight(&self) -> f64 {
+        per_second(self.in_flight_s, self.active_s)
+    }
+    fn point_tok_s(&self) -> f64 {
+        self.point_tokens as f64 / self.point_s.max(1e-9)
+    }
+    fn point_mean_in_flight(&self) -> f64 {
+        per_second(self.point_in_flight_s, self.point_s)
+    }
     fn user_tok_s(&self) -> f64 {
-        self.user.iter().sum::<f64>() / self.user.len().max(1) as f64
+        average(&self.user)
     }
     fn ttft_ms(&self) -> f64 {
-        1e3 * self.ttft.iter().sum::<f64>() / self.ttft.len().max(1) as f64
+        1e3 * average(&self.ttft)
+    }
+    fn point_user_tok_s(&self) -> f64 {
+        average(&self.point_user)
+    }
+    fn point_ttft_ms(&self) -> f64 {
+        1e3 * average(&self.point_ttft)
     }
     /// Committed tokens per target call after prefill: 1.00 for plain decoding.
     fn per_call(&self) -> f64 {
@@ -351,18 +502,38 @@ impl Measured {
         for r in rounds {
             m.tokens += r.tokens;
             m.active_s += r.active_s;
+            m.in_flight_s += r.in_flight_s;
+            m.window_s += r.window_s;
+            m.window_tokens += r.window_tokens;
+            m.steady_rounds += r.steady_rounds;
+            m.point_tokens += r.point_tokens;
+            m.point_s += r.point_s;
+            m.point_in_flight_s += r.point_in_flight_s;
             m.user.extend(&r.user);
             m.ttft.extend(&r.ttft);
+            m.point_user.extend(&r.point_user);
+            m.point_ttft.extend(&r.point_ttft);
             m.after_first += r.after_first;
             m.calls += r.calls;
             m.requests += r.requests;
         }
         m
     }
+    /// `tok_s`, `user_tok_s`, `ttft_ms`, `active_s`, `tokens` and `mean_in_flight` are the
+    /// steady window's (see [`Measured`]); `window_s`, `window_tokens` and `steady_rounds`
+    /// describe the windows; `ttft_requests` and `user_spans` count the samples behind
+    /// `ttft_ms` and `user_tok_s`; the `point_*` fields are over the whole point;
+    /// `committed_per_call` and `requests` are over every request.
     fn json(&self, arm: &str, c: usize) -> serde_json::Value {
         json!({"arm": arm, "concurrency": c, "tok_s": self.tok_s(), "user_tok_s": self.user_tok_s(),
             "committed_per_call": self.per_call(), "requests": self.requests,
-            "active_s": self.active_s, "ttft_ms": self.ttft_ms()})
+            "active_s": self.active_s, "ttft_ms": self.ttft_ms(), "tokens": self.tokens,
+            "mean_in_flight": self.mean_in_flight(), "window_s": self.window_s,
+            "window_tokens": self.window_tokens, "steady_rounds": self.steady_rounds,
+            "ttft_requests": self.ttft.len(), "user_spans": self.user.len(),
+            "point_s": self.point_s, "point_tokens": self.point_tokens,
+            "point_tok_s": self.point_tok_s(), "point_mean_in_flight": self.point_mean_in_flight(),
+            "point_user_tok_s": self.point_user_tok_s(), "point_ttft_ms": self.point_ttft_ms()})
     }
 }
 
@@ -378,9 +549,14 @@ impl Driver {
             in_flight: 0,
             out_tokens: 0,
             clock: 0.0,
+            in_flight_s: 0.0,
+            ramping: c.min(n),
+            window: Window::default(),
             live: Default::default(),
             user: Vec::new(),
             ttft: Vec::new(),
+            user_window: Vec::new(),
+            ttft_window: Vec::new(),
             tokens0,
             calls0,
         }
@@ -401,20 +577,44 @@ impl Driver {
                     ids[id % ids.len()].clone(),
                     lengths.of(id),
                 ))?;
-                self.live.insert(id as u64, (self.clock, None, 0));
+                self.live.insert(
+                    id as u64,
+                    Live {
+                        added: self.clock,
+                        added_in_window: self.window.is_open(),
+                        first: None,
+                        tokens: 0,
+                        span: None,
+                    },
+                );
                 self.next += 1;
                 self.in_flight += 1;
             }
+            // Whether this step falls in the steady window, and how many requests it serves.
+            let in_window = self.window.is_open();
+            let running = self.in_flight;
             let t0 = Instant::now();
             let events = self.e.step()?;
-            self.clock += t0.elapsed().as_secs_f64();
+            let dt = t0.elapsed().as_secs_f64();
+            self.clock += dt;
+            self.in_flight_s += dt * running as f64;
+            // Requests first..first + c are the ramp-up's.
+            let ramp_end = self.first + self.c;
             for ev in events {
                 match ev {
                     Event::Tokens { id, tokens, .. } => {
                         self.out_tokens += tokens.len();
                         if let Some(r) = self.live.get_mut(&id) {
-                            r.1.get_or_insert(self.clock);
-                            r.2 += tokens.len();
+                            r.tokens += tokens.len();
+                            if r.first.is_none() {
+                                r.first = Some(self.clock);
+                                if in_window {
+                                    r.span = Some((self.clock, r.tokens));
+                                }
+                                if (id as usize) < ramp_end {
+                                    self.ramping = self.ramping.saturating_sub(1);
+                                }
+                            }
                         }
                     }
                     Event::Failed { id, error } => {
@@ -422,13 +622,59 @@ impl Driver {
                     }
                     Event::Finished { id, .. } => {
                         self.in_flight -= 1;
-                        if let Some((added, Some(first), n)) = self.live.remove(&id) {
-                            self.ttft.push(first - added);
-                            let dt = self.clock - first;
-                            if n > 1 && dt > 0.0 {
-                                self.user.push((n - 1) as f64 / dt);
+                        if let Some(r) = self.live.remove(&id) {
+                            if let Some(first) = r.first {
+                                self.ttft.push(first - r.added);
+                                if r.added_in_window {
+                                    self.ttft_window.push(first - r.added);
+                                }
+                                let dt = self.clock - first;
+                                if r.tokens > 1 && dt > 0.0 {
+                                    self.user.push((r.tokens - 1) as f64 / dt);
+                                }
+                                if in_window
+                                    && let Some(u) =
+                                        r.span.and_then(|s| span_rate(s, self.clock, r.tokens))
+                                {
+                                    self.user_window.push(u);
+                                }
+                            } else if (id as usize) < ramp_end {
+                                // Finished without a token: it no longer holds the ramp-up open.
+                                self.ramping = self.ramping.saturating_sub(1);
                             }
                         }
+                    }
+                }
+            }
+            let now = Mark {
+                clock: self.clock,
+                tokens: self.out_tokens,
+                in_flight_s: self.in_flight_s,
+            };
+            let (was_opened, was_closed) =
+                (self.window.open.is_some(), self.window.close.is_some());
+            self.window.step(
+                now,
+                self.ramping == 0,
+                self.next >= self.n && self.in_flight < self.c,
+            );
+            if !was_opened && self.window.open.is_some() {
+                // The requests already decoding enter the window here.
+                for r in self.live.values_mut() {
+                    if r.first.is_some() {
+                        r.span = Some((self.clock, r.tokens));
+                    }
+                }
+            }
+            if !was_closed && self.window.close.is_some() {
+                // The requests still decoding leave it here.
+                for r in self.live.values_mut() {
+                    if let Some(u) = r
+                        .span
+                        .take()
+                        .and_then(|s| span_rate(s, self.clock, r.tokens))
+                    {
+                        self.user_window.push(u);
                     }
                 }
             }
@@ -438,11 +684,35 @@ impl Driver {
 
     fn measure(&self) -> Measured {
         let t = self.e.totals();
-        Measured {
+        let window = self.window.span();
+        let whole = Mark {
+            clock: self.clock,
             tokens: self.out_tokens,
-            active_s: self.clock,
-            user: self.user.clone(),
-            ttft: self.ttft.clone(),
+            in_flight_s: self.in_flight_s,
+        };
+        let used = window.unwrap_or(whole);
+        // The window's per-request figures where it has any, else every request's.
+        let pick = |in_window: &[f64], all: &[f64]| -> Vec<f64> {
+            if window.is_some() && !in_window.is_empty() {
+                in_window.to_vec()
+            } else {
+                all.to_vec()
+            }
+        };
+        Measured {
+            tokens: used.tokens,
+            active_s: used.clock,
+            in_flight_s: used.in_flight_s,
+            window_s: window.map_or(0.0, |w| w.clock),
+            window_tokens: window.map_or(0, |w| w.tokens),
+            steady_rounds: usize::from(window.is_some()),
+            point_tokens: whole.tokens,
+            point_s: whole.clock,
+            point_in_flight_s: whole.in_flight_s,
+            user: pick(&self.user_window[..], &self.user[..]),
+            ttft: pick(&self.ttft_window[..], &self.ttft[..]),
+            point_user: self.user.clone(),
+            point_ttft: self.ttft.clone(),
             after_first: (t.completion_tokens - self.tokens0).saturating_sub(self.n),
             calls: t.target_calls - self.calls0,
             requests: self.n,
@@ -655,6 +925,7 @@ mod tests {
             after_first: 2 * calls,
             calls,
             requests: user.len(),
+            ..Default::default()
         };
         let a = r(300, 1.0, &[10.0, 20.0], 100);
         let b = r(100, 1.0, &[30.0], 50);
@@ -668,6 +939,93 @@ mod tests {
         assert_eq!(m.requests, 3);
         assert_eq!(Measured::pool(std::slice::from_ref(&a)), a);
         assert_eq!(Measured::default().per_call(), 1.0);
+        // The window's request-seconds pool like its tokens: two windows of 1 s at c = 4 and a
+        // whole point of 1 s at a mean of 2 in flight (a round without a window) read 10 / 3.
+        let w = |in_flight_s: f64, window_s: f64, steady_rounds: usize| Measured {
+            tokens: 100,
+            active_s: 1.0,
+            in_flight_s,
+            window_s,
+            window_tokens: if steady_rounds == 1 { 100 } else { 0 },
+            steady_rounds,
+            point_tokens: 150,
+            point_s: 2.0,
+            point_in_flight_s: 5.0,
+            ..Default::default()
+        };
+        let m = Measured::pool(&[w(4.0, 1.0, 1), w(4.0, 1.0, 1), w(2.0, 0.0, 0)]);
+        assert!((m.mean_in_flight() - 10.0 / 3.0).abs() < 1e-12);
+        assert_eq!(
+            (m.window_s, m.window_tokens, m.steady_rounds),
+            (2.0, 200, 2)
+        );
+        assert_eq!(m.tok_s(), 100.0);
+        assert_eq!(m.point_tok_s(), 75.0);
+        assert_eq!(m.point_mean_in_flight(), 2.5);
+        assert_eq!(Measured::default().mean_in_flight(), 0.0);
+    }
+
+    #[test]
+    fn the_steady_window_runs_from_the_ramp_up_to_the_drain() {
+        // c = 2, step by step as a driver feeds it: (seconds, requests in flight during the
+        // step, tokens streamed, all of the first two have had their first token, draining).
+        let steps = [
+            (0.5, 2, 2, true, false), // both prefills at once: the ramp-up ends here
+            (0.1, 2, 2, true, false), // both decode
+            (0.1, 2, 2, true, false), // one finishes; the last request is submitted
+            (0.2, 2, 2, true, false), // its prefill beside the other's decoding
+            (0.1, 2, 2, true, true),  // one finishes with none left to submit: the drain
+            (0.3, 1, 3, true, true),  // the last one alone
+        ];
+        let (mut w, mut now) = (Window::default(), Mark::default());
+        for (dt, n, tokens, ramped, draining) in steps {
+            now.clock += dt;
+            now.tokens += tokens;
+            now.in_flight_s += dt * n as f64;
+            w.step(now, ramped, draining);
+        }
+        assert!(!w.is_open());
+        // From 0.5 s (2 tokens, 1.0 request-seconds) to 1.0 s (10 tokens, 2.0): 8 tokens in
+        // 0.5 s, 16 tokens/s, two in flight throughout.
+        let s = w.span().unwrap();
+        assert!((s.clock - 0.5).abs() < 1e-9, "{s:?}");
+        assert_eq!(s.tokens, 8);
+        assert!(
+            (per_second(s.in_flight_s, s.clock) - 2.0).abs() < 1e-9,
+            "{s:?}"
+        );
+        assert!((s.tokens as f64 / s.clock - 16.0).abs() < 1e-6);
+        // The whole point: 13 tokens in 1.3 s (10 tokens/s), 2.3 request-seconds: a mean of
+        // 1.77 in flight, ramp-up and drain included.
+        assert_eq!(now.tokens, 13);
+        assert!((per_second(now.in_flight_s, now.clock) - 2.3 / 1.3).abs() < 1e-9);
+        assert_eq!(per_second(1.0, 0.0), 0.0);
+
+        let at = |t: f64| Mark {
+            clock: t,
+            tokens: 0,
+            in_flight_s: 0.0,
+        };
+        // A drain that begins before the ramp-up ends leaves no window, and none opens later.
+        let mut w = Window::default();
+        w.step(at(0.1), false, true);
+        w.step(at(0.2), true, true);
+        assert_eq!(w.span(), None);
+        assert!(w.open.is_none() && !w.is_open());
+        // Ramp-up and drain in the same step: a window of no length.
+        let mut w = Window::default();
+        w.step(at(0.1), true, true);
+        assert!(w.open.is_some() && !w.is_open() && w.span().is_none());
+    }
+
+    #[test]
+    fn a_requests_rate_in_the_window_counts_the_tokens_after_its_start() {
+        // Entered at 1.0 s with 3 tokens, 8 at 1.5 s: 5 tokens in 0.5 s.
+        assert_eq!(span_rate((1.0, 3), 1.5, 8), Some(10.0));
+        // No time in the window: no rate (a request that entered in the closing step).
+        assert_eq!(span_rate((1.0, 3), 1.0, 3), None);
+        // Time but no token (a stalled request) reads 0.
+        assert_eq!(span_rate((1.0, 3), 1.25, 3), Some(0.0));
     }
 
     #[test]
