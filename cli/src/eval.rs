@@ -84,9 +84,13 @@ pub fn run_arm(
     let mut requests = Vec::new();
     while !eng.is_idle() {
         for ev in eng.step()? {
-            if let Event::Finished { id, metrics, .. } = ev {
-                requests.extend(std::iter::repeat_n(id, metrics.conf_blocks.len()));
-                blocks.extend(metrics.conf_blocks);
+            match ev {
+                Event::Finished { id, metrics, .. } => {
+                    requests.extend(std::iter::repeat_n(id, metrics.conf_blocks.len()));
+                    blocks.extend(metrics.conf_blocks);
+                }
+                Event::Failed { id, error } => anyhow::bail!("request {id} failed: {error}"),
+                Event::Tokens { .. } => {}
             }
         }
     }

@@ -185,8 +185,8 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                 if m.steady_rounds == 0 {
                     eprintln!(
                         "  note: round {round}: {name} c{c}: no steady window (the drain began \
-                         before the first {c} requests all had their first token); its figures \
-                         are over the whole point"
+                         no later than the first {c} requests all had their first token); its \
+                         figures are over the whole point"
                     );
                 }
                 if a.rounds > 1 {
@@ -337,6 +337,9 @@ struct Live {
     /// Clock when submitted, and whether the steady window was open then.
     added: f64,
     added_in_window: bool,
+    /// Whether its first token came in a step of the steady window (a refill still in its
+    /// prefill when the drain begins has a time to first token partly the drain's).
+    first_in_window: bool,
     /// Clock at its first token.
     first: Option<f64>,
     /// Tokens streamed so far.
@@ -582,6 +585,7 @@ impl Driver {
                     Live {
                         added: self.clock,
                         added_in_window: self.window.is_open(),
+                        first_in_window: false,
                         first: None,
                         tokens: 0,
                         span: None,
@@ -608,6 +612,7 @@ impl Driver {
                             r.tokens += tokens.len();
                             if r.first.is_none() {
                                 r.first = Some(self.clock);
+                                r.first_in_window = in_window;
                                 if in_window {
                                     r.span = Some((self.clock, r.tokens));
                                 }
@@ -625,7 +630,7 @@ impl Driver {
                         if let Some(r) = self.live.remove(&id) {
                             if let Some(first) = r.first {
                                 self.ttft.push(first - r.added);
-                                if r.added_in_window {
+                                if r.added_in_window && r.first_in_window {
                                     self.ttft_window.push(first - r.added);
                                 }
                                 let dt = self.clock - first;

@@ -591,6 +591,12 @@ fn status_to_api(s: &tonic::Status) -> ApiError {
             e.retry_after = Some(1);
             e
         }
+        // The worker answered: its engine failed the request.
+        tonic::Code::Internal => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            format!("target worker: {}", s.message()),
+        ),
         _ => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_error",
@@ -975,7 +981,16 @@ async fn drive(
                         .filter(|f| **f != target.id)
                         .cloned()
                         .collect();
-                    opened = open(&app, &job, prompt, left, &others, again, true).await;
+                    opened = open(&app, &job, prompt.clone(), left, &others, again, true).await;
+                    // Failing there again before its first event costs the same budget as
+                    // failing mid-stream.
+                    while matches!(&opened, Err(e) if e.status == StatusCode::INTERNAL_SERVER_ERROR)
+                        && failed.len() < MAX_FAILOVERS
+                    {
+                        failed.push(target.id.clone());
+                        Metrics::add(&app.metrics.failovers, 1);
+                        opened = open(&app, &job, prompt.clone(), left, &others, again, true).await;
+                    }
                 }
                 match opened {
                     Ok((t, s, f)) => {

@@ -78,7 +78,8 @@ impl SafetensorsFile {
             )));
         }
         let mut text = vec![0u8; n as usize];
-        file.read_exact(&mut text)?;
+        file.read_exact(&mut text)
+            .map_err(|e| corrupt(format!("header: {e}")))?;
         let v: serde_json::Value = serde_json::from_slice(&text)
             .map_err(|e| corrupt(format!("header is not JSON: {e}")))?;
         let obj = v

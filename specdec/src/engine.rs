@@ -1553,6 +1553,14 @@ impl Engine {
                 policy.observe_outcome(outcome.0, outcome.1, free);
             }
         }
+        // The decoding requests this step verified (before finished ones leave `running`):
+        // only they start drafting their next block below. One the token budget left out
+        // has not moved, and a second round for the same context would be drafted twice.
+        let mut stepped: Vec<u64> = (0..self.running.len())
+            .filter(|&i| ks[i].is_some())
+            .map(|i| self.running[i].req.id)
+            .collect();
+        stepped.sort_unstable();
         // 5. Proposer state, finished requests, invariants.
         let mut i = 0;
         while i < self.running.len() {
@@ -1598,7 +1606,9 @@ impl Engine {
             let gamma = self.cfg.gamma;
             let mut reqs: Vec<ProposeReq<'_>> = Vec::new();
             for s in self.running.iter_mut() {
-                let verified = s.phase == Phase::Decode && s.drafted_before;
+                let verified = s.phase == Phase::Decode
+                    && s.drafted_before
+                    && stepped.binary_search(&s.req.id).is_ok();
                 if !verified || active.is_some_and(|g| s.group != g) {
                     continue;
                 }

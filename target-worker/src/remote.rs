@@ -358,6 +358,9 @@ pub struct RemoteProposer {
     /// Requests the fallback drafted for in the last cycle, with the context length it drafted
     /// at: its blocks' verdicts are its own.
     local: HashMap<u64, usize>,
+    /// Requests a draft worker answered with an empty block this cycle: they draft locally
+    /// without a second round.
+    declined: std::collections::HashSet<u64>,
 }
 
 impl RemoteProposer {
@@ -388,6 +391,7 @@ impl RemoteProposer {
             timed_out: false,
             prefetched: Vec::new(),
             local: HashMap::new(),
+            declined: std::collections::HashSet::new(),
         }
     }
 
@@ -532,6 +536,9 @@ struct Round {
     sent: HashMap<u64, (usize, usize, usize, usize)>,
     /// The reply, once drained.
     ready: Option<(DraftReply, Instant)>,
+    /// Whether its acknowledgements were applied when it was drained: applying the reply
+    /// again (for its blocks) must not back its requests off a second time.
+    drained: bool,
 }
 
 impl RemoteProposer {
@@ -545,6 +552,7 @@ impl RemoteProposer {
                 Ok(rep) => {
                     let mut none: Vec<Option<DraftBlock>> = Vec::new();
                     self.apply(&round, &rep, &[], &HashMap::new(), &mut none);
+                    round.drained = true;
                     round.ready = Some(rep);
                     self.prefetched.push(round);
                 }
@@ -698,6 +706,7 @@ impl RemoteProposer {
             t0: Instant::now(),
             sent,
             ready: None,
+            drained: false,
         })
     }
 
@@ -846,7 +855,7 @@ impl RemoteProposer {
                 // A worker that lost the request's state holds less than the round synced
                 // from; one that holds all of it refused the request (bad input, full): that
                 // is not healed by resending.
-                if b.have_tokens as usize >= synced_from {
+                if b.have_tokens as usize >= synced_from && !round.drained {
                     rs.back_off(cycle);
                 }
                 rs.tokens_acked = b.have_tokens as usize;
@@ -871,7 +880,9 @@ impl RemoteProposer {
             };
             if blk.tokens.is_empty() && reqs[i].k > 0 {
                 // The remote drafter sat this one out (a draft model without room for it):
-                // the local drafter may still have something.
+                // the local drafter may still have something, and this cycle asks the draft
+                // worker no more.
+                self.declined.insert(b.seq);
                 continue;
             }
             if let Some(rs) = self.reqs.get_mut(&b.seq) {
@@ -889,7 +900,7 @@ impl RemoteProposer {
             });
             out[i] = Some(blk);
         }
-        if refused {
+        if refused && !round.drained {
             // A worker whose drafter failed the round is not asked again every step: its
             // requests draft locally for 2, 4, … 256 cycles, as after a refusal of one.
             let cycle = self.cycle;
@@ -1056,6 +1067,7 @@ impl Proposer for RemoteProposer {
         self.drain_ready();
         self.cycle += 1;
         self.timed_out = false;
+        self.declined.clear();
         let deadline = Instant::now() + self.timeout;
         // 1. Rounds prefetched for these requests (sent while the other micro-batch verified).
         let ids: HashMap<u64, usize> = reqs.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
@@ -1093,7 +1105,10 @@ impl Proposer for RemoteProposer {
         if !missing.is_empty() {
             let mut sub_groups: Vec<(String, Vec<usize>)> = Vec::new();
             for (addr, idx) in self.groups(reqs) {
-                let v: Vec<usize> = idx.into_iter().filter(|i| out[*i].is_none()).collect();
+                let v: Vec<usize> = idx
+                    .into_iter()
+                    .filter(|&i| out[i].is_none() && !self.declined.contains(&reqs[i].id))
+                    .collect();
                 if !v.is_empty() {
                     sub_groups.push((addr, v));
                 }
@@ -1507,6 +1522,7 @@ mod tests {
             t0: Instant::now(),
             sent: HashMap::from([(1, (4, 0, 2, 0)), (2, (4, 0, 2, 0))]),
             ready: None,
+            drained: false,
         };
         let ctx = [1u32, 2, 3, 4];
         let sampled = kernels::sampling::SamplingParams {
@@ -1608,6 +1624,7 @@ mod tests {
             t0: Instant::now(),
             sent: HashMap::from([(1, (4, 0, 2, 0)), (2, (4, 0, 2, 3))]),
             ready: None,
+            drained: false,
         };
         let need_sync = |seq: u64| dspark_proto::DraftBlock {
             seq,
@@ -1633,6 +1650,21 @@ mod tests {
             assert_eq!(p.reqs[&1].skip_until, p.cycle + (1 << twice));
             assert_eq!(p.reqs[&2].refusals, 0, "lost state is no refusal");
         }
+        // A prefetched round's reply is applied when drained (acknowledgements) and again when
+        // its blocks are collected: the refusal counts once.
+        let drained = Round {
+            drained: true,
+            ..synced
+        };
+        let mut out: Vec<Option<DraftBlock>> = vec![None, None];
+        p.apply(
+            &drained,
+            &(rep.clone(), Instant::now()),
+            &reqs,
+            &ids,
+            &mut out,
+        );
+        assert_eq!(p.reqs[&1].refusals, 2);
         // A dense q row of another width is refused even when its mass is 1.
         let wide = dense(vec![1], &[0.25, 0.75, 0.0, 0.0], 4);
         assert!(dense_rows(&wide, 1, 4).is_some());
@@ -1689,6 +1721,7 @@ mod tests {
             t0: Instant::now(),
             sent: HashMap::from([(1, (4, 0, 2, 0))]),
             ready: None,
+            drained: false,
         };
         let rep = DraftReply {
             step: 1,
