@@ -135,6 +135,10 @@ pub struct App {
 /// Failovers per request before giving up.
 const MAX_FAILOVERS: usize = 2;
 
+/// Before a request goes back to the worker whose engine just failed it (no other is up): a
+/// link lost and back, say, has a moment to come back.
+const SAME_WORKER_PAUSE: Duration = Duration::from_millis(100);
+
 /// max_tokens of a chat request that gives none (less when the context has less room).
 const CHAT_DEFAULT_MAX_TOKENS: usize = 512;
 /// Largest request body.
@@ -818,7 +822,11 @@ async fn open_once(
         if s.code() == tonic::Code::Unavailable {
             Unopened::Unavailable(target.id.clone(), s)
         } else {
-            refused(status_to_api(&s))
+            let mut e = status_to_api(&s);
+            if s.code() == tonic::Code::Internal {
+                e.worker = Some(target.id.clone());
+            }
+            refused(e)
         }
     };
     let mut stream = match client.generate(req).await {
@@ -970,26 +978,34 @@ async fn drive(
                 // The prompt's log-probabilities come with the first tokens: ask again only
                 // when none arrived.
                 let again = first_token && job.settings.echo && job.settings.logprobs.is_some();
-                let mut opened = open(&app, &job, prompt.clone(), left, &failed, again, true).await;
-                if alive && matches!(&opened, Err(e) if e.status == StatusCode::SERVICE_UNAVAILABLE)
-                {
-                    // No other worker is up (a one-worker cluster): the one whose engine
-                    // failed is tried again, within the same failover budget, rather than
-                    // the request lost to what may have been one failed step.
-                    let others: Vec<String> = failed
-                        .iter()
-                        .filter(|f| **f != target.id)
-                        .cloned()
-                        .collect();
-                    opened = open(&app, &job, prompt.clone(), left, &others, again, true).await;
-                    // Failing there again before its first event costs the same budget as
-                    // failing mid-stream.
-                    while matches!(&opened, Err(e) if e.status == StatusCode::INTERNAL_SERVER_ERROR)
-                        && failed.len() < MAX_FAILOVERS
+                // A live worker whose engine failed the request: where no other worker is up
+                // (a one-worker cluster) it is tried again, within the same failover budget,
+                // rather than the request lost to what may have been one failed step.
+                let mut live = alive.then(|| target.id.clone());
+                let mut opened;
+                loop {
+                    opened = open(&app, &job, prompt.clone(), left, &failed, again, true).await;
+                    if let Some(w) = &live
+                        && matches!(&opened, Err(e) if e.status == StatusCode::SERVICE_UNAVAILABLE)
                     {
-                        failed.push(target.id.clone());
-                        Metrics::add(&app.metrics.failovers, 1);
+                        let others: Vec<String> =
+                            failed.iter().filter(|f| *f != w).cloned().collect();
+                        tokio::time::sleep(SAME_WORKER_PAUSE).await;
                         opened = open(&app, &job, prompt.clone(), left, &others, again, true).await;
+                    }
+                    // A worker whose engine fails the reopened request before its first event:
+                    // one more failure, as mid-stream.
+                    match &opened {
+                        Err(e)
+                            if e.status == StatusCode::INTERNAL_SERVER_ERROR
+                                && failed.len() < MAX_FAILOVERS =>
+                        {
+                            let w = e.worker.clone().unwrap_or_default();
+                            failed.push(w.clone());
+                            Metrics::add(&app.metrics.failovers, 1);
+                            live = Some(w);
+                        }
+                        _ => break,
                     }
                 }
                 match opened {

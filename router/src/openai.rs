@@ -14,6 +14,9 @@ pub struct ApiError {
     pub param: Option<&'static str>,
     pub code: Option<&'static str>,
     pub retry_after: Option<u64>,
+    /// The target worker whose engine failed the request (a gRPC `INTERNAL` while opening), for
+    /// the router's failover; never sent to the client.
+    pub worker: Option<String>,
 }
 
 impl ApiError {
@@ -25,6 +28,7 @@ impl ApiError {
             param,
             code: None,
             retry_after: None,
+            worker: None,
         }
     }
     pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
@@ -35,6 +39,7 @@ impl ApiError {
             param: None,
             code: None,
             retry_after: None,
+            worker: None,
         }
     }
     pub fn body(&self) -> Value {

@@ -93,6 +93,22 @@ fn draft_model(f: &Fixture, kv: usize) -> DraftModelProposer {
     .unwrap()
 }
 
+/// Plain greedy decoding of `p` for `max_tokens` tokens: what every engine run must equal.
+fn plain_greedy(f: &Fixture, p: &[u32], max_tokens: usize) -> Vec<u32> {
+    generate(
+        &f.target,
+        &f.tok,
+        p,
+        &GenerateParams {
+            max_tokens,
+            ..Default::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap()
+    .token_ids
+}
+
 fn prompts(f: &Fixture, n: usize) -> Vec<Vec<u32>> {
     let words = [
         "the", "theater", "in", "there", "inner", "rather", "then", "bit", "tin",
@@ -188,20 +204,7 @@ fn assert_greedy_parity(
     let want: Vec<Vec<u32>> = ps
         .iter()
         .enumerate()
-        .map(|(i, p)| {
-            generate(
-                &f.target,
-                &f.tok,
-                p,
-                &GenerateParams {
-                    max_tokens: max_tokens(i),
-                    ..Default::default()
-                },
-                &mut |_| {},
-            )
-            .unwrap()
-            .token_ids
-        })
+        .map(|(i, p)| plain_greedy(f, p, max_tokens(i)))
         .collect();
     for &(name, gamma) in runs {
         let mut e = Engine::with_cost(
@@ -329,18 +332,7 @@ fn a_failing_drafter_leaves_every_request_served() {
     }
     let got = collect(e.run_to_completion().unwrap());
     for (i, p) in ps.iter().enumerate() {
-        let want = generate(
-            &f.target,
-            &f.tok,
-            p,
-            &GenerateParams {
-                max_tokens: 30,
-                ..Default::default()
-            },
-            &mut |_| {},
-        )
-        .unwrap();
-        assert_eq!(got[&(i as u64)].0, want.token_ids, "prompt {i}");
+        assert_eq!(got[&(i as u64)].0, plain_greedy(&f, p, 30), "prompt {i}");
     }
     assert!(
         e.draft_failures > 0,
@@ -1718,18 +1710,7 @@ fn the_proposer_hears_how_many_drafts_of_each_block_were_verified() {
     }
     let got = collect(e.run_to_completion().unwrap());
     for (i, p) in ps.iter().enumerate() {
-        let want = generate(
-            &f.target,
-            &f.tok,
-            p,
-            &GenerateParams {
-                max_tokens: 20,
-                ..Default::default()
-            },
-            &mut |_| {},
-        )
-        .unwrap();
-        assert_eq!(got[&(i as u64)].0, want.token_ids, "prompt {i}");
+        assert_eq!(got[&(i as u64)].0, plain_greedy(&f, p, 20), "prompt {i}");
     }
     let (drafted, verdicts) = log.lock().unwrap().clone();
     // Every block is drafted whole: after a block trimmed to none whose first draft the

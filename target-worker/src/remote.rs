@@ -1315,29 +1315,43 @@ mod tests {
         }
     }
 
-    #[test]
-    fn copy_runs_published_by_a_draft_worker_are_drafted_locally_for_free() {
-        let rt = tokio::runtime::Builder::new_current_thread()
+    fn test_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .expect("runtime");
-        let shared = Arc::new(RemoteShared::default());
+            .expect("runtime")
+    }
+
+    /// A remote proposer for a 4-layer target of width 4 and `vocab` tokens, whose fallback
+    /// drafts nothing.
+    fn test_proposer(
+        rt: &tokio::runtime::Runtime,
+        shared: Arc<RemoteShared>,
+        vocab: usize,
+    ) -> RemoteProposer {
         let hello = Hello {
             worker: "t".into(),
             model: "m".into(),
             vocab_hash: "h".into(),
             n_layers: 4,
         };
-        let mut p = RemoteProposer::new(
+        RemoteProposer::new(
             rt.handle().clone(),
-            shared.clone(),
+            shared,
             hello,
             Box::new(specdec::proposer::NoProposer),
             Duration::from_millis(10),
             Dtype::F16,
             4,
-            100,
-        );
+            vocab,
+        )
+    }
+
+    #[test]
+    fn copy_runs_published_by_a_draft_worker_are_drafted_locally_for_free() {
+        let rt = test_runtime();
+        let shared = Arc::new(RemoteShared::default());
+        let mut p = test_proposer(&rt, shared.clone(), 100);
         // Request 1 is placed on a draft worker that is up and published its rates (a link
         // to nowhere: only its shared state matters here).
         let addr = "127.0.0.1:9".to_string();
@@ -1493,26 +1507,8 @@ mod tests {
     /// locally); a refused round still records what the draft worker acknowledged.
     #[test]
     fn unusable_blocks_and_refused_rounds_keep_the_others_acknowledged() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let hello = Hello {
-            worker: "t".into(),
-            model: "m".into(),
-            vocab_hash: "h".into(),
-            n_layers: 4,
-        };
-        let mut p = RemoteProposer::new(
-            rt.handle().clone(),
-            Arc::new(RemoteShared::default()),
-            hello,
-            Box::new(specdec::proposer::NoProposer),
-            Duration::from_millis(10),
-            Dtype::F16,
-            4,
-            10,
-        );
+        let rt = test_runtime();
+        let mut p = test_proposer(&rt, Arc::new(RemoteShared::default()), 10);
         let (_tx, rx) = std::sync::mpsc::channel();
         let round = Round {
             addr: "a".into(),
@@ -1677,26 +1673,8 @@ mod tests {
     /// drafts); once, and nothing about blocks of an earlier stream.
     #[test]
     fn the_next_item_says_how_many_of_the_remote_drafts_were_verified() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let hello = Hello {
-            worker: "t".into(),
-            model: "m".into(),
-            vocab_hash: "h".into(),
-            n_layers: 4,
-        };
-        let mut p = RemoteProposer::new(
-            rt.handle().clone(),
-            Arc::new(RemoteShared::default()),
-            hello,
-            Box::new(specdec::proposer::NoProposer),
-            Duration::from_millis(10),
-            Dtype::F16,
-            4,
-            10,
-        );
+        let rt = test_runtime();
+        let mut p = test_proposer(&rt, Arc::new(RemoteShared::default()), 10);
         let greedy = kernels::sampling::SamplingParams::greedy();
         let mut rng = kernels::rng::Rng::new(1);
         // The first item: no block before it, no verdict.
