@@ -1285,23 +1285,7 @@ impl Proposer for Prefetching {
 fn pipelined_ping_pong_keeps_greedy_parity_and_uses_prefetched_drafts() {
     let f = fixture();
     let ps = prompts(&f, 12);
-    let want: Vec<Vec<u32>> = ps
-        .iter()
-        .map(|p| {
-            generate(
-                &f.target,
-                &f.tok,
-                p,
-                &GenerateParams {
-                    max_tokens: 20,
-                    ..Default::default()
-                },
-                &mut |_| {},
-            )
-            .unwrap()
-            .token_ids
-        })
-        .collect();
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| plain_greedy(&f, p, 20)).collect();
     let prefetches = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let p = Prefetching {
@@ -2232,20 +2216,7 @@ fn prefix_cache_reuses_shared_prompts_and_changes_no_output() {
     let (a, b) = (other(15), other(20));
     ps.extend([a, b]);
     let n = ps.len();
-    let plain = |p: &[u32], n: usize| {
-        generate(
-            &f.target,
-            &f.tok,
-            p,
-            &GenerateParams {
-                max_tokens: n,
-                ..Default::default()
-            },
-            &mut |_| {},
-        )
-        .unwrap()
-        .token_ids
-    };
+    let plain = |p: &[u32], n: usize| plain_greedy(&f, p, n);
     for name in ["none", "ngram", "draft-model"] {
         let gamma = if name == "none" { 0 } else { 3 };
         let engine = |on: bool| {
@@ -2339,23 +2310,7 @@ fn shared_prompt_prefixes_are_charged_once_at_admission() {
     let f = fixture();
     let (system, ps) = shared_system_prompts(&f, 6, 80);
     let max_tokens = 16;
-    let want: Vec<Vec<u32>> = ps
-        .iter()
-        .map(|p| {
-            generate(
-                &f.target,
-                &f.tok,
-                p,
-                &GenerateParams {
-                    max_tokens,
-                    ..Default::default()
-                },
-                &mut |_| {},
-            )
-            .unwrap()
-            .token_ids
-        })
-        .collect();
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| plain_greedy(&f, p, max_tokens)).collect();
     for (name, gamma) in [("none", 0), ("ngram", 3), ("draft-model", 3)] {
         let bs = 16;
         let longest = ps.iter().map(|p| p.len()).max().unwrap();
