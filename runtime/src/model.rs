@@ -165,6 +165,8 @@ pub struct Model {
     pub(crate) local: Local,
     /// On rank 0 of a group: the links to the other ranks, which every forward drives.
     group: Option<std::sync::Mutex<Group>>,
+    /// Signalled when a redial outside the lock ends ([`Self::tp_redial`]).
+    redialled: std::sync::Condvar,
     /// Their state, readable while a forward holds the links.
     links: Option<Arc<crate::tp::LinkState>>,
 }
@@ -656,6 +658,7 @@ impl Model {
             shard,
             local,
             group: None,
+            redialled: std::sync::Condvar::new(),
             links: None,
         })
     }
@@ -690,13 +693,35 @@ impl Model {
     /// On rank 0: dials the other ranks again if the links are down, so a worker whose rank
     /// came back serves again before a request has to find out. `Ok(true)` when it relinked.
     pub fn tp_redial(&self) -> Result<bool> {
-        match &self.group {
-            None => Ok(false),
-            Some(g) => g
-                .lock()
-                .map_err(|_| RuntimeError::Tp("the shard links' lock is poisoned".into()))?
-                .redial(),
+        let Some(g) = &self.group else {
+            return Ok(false);
+        };
+        let lock = || {
+            g.lock()
+                .map_err(|_| RuntimeError::Tp("the shard links' lock is poisoned".into()))
+        };
+        let Some(dialer) = lock()?.start_redial() else {
+            return Ok(false);
+        };
+        // Clears the flag if the dial panics, or forwards would read "being dialled" for ever.
+        struct Abandon<'a>(Option<&'a std::sync::Mutex<Group>>);
+        impl Drop for Abandon<'_> {
+            fn drop(&mut self) {
+                if let Some(g) = self.0 {
+                    g.lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .abandon_redial();
+                }
+            }
         }
+        let mut abandon = Abandon(Some(g));
+        // Dialled without the lock: a rank that is slow to answer (up to its hello timeout per
+        // rank) holds up neither admission nor forwards, which wait a moment and then fail.
+        let dialled = dialer.dial();
+        abandon.0 = None;
+        let r = lock()?.finish_redial(dialled);
+        self.redialled.notify_all();
+        r
     }
 
     /// On rank 0, before new sequences adopt cached prefix blocks: if the ranks went down or
@@ -1115,11 +1140,24 @@ impl Model {
             blocks,
             cache.config().block_size,
         );
+        fn poisoned<T>(_: T) -> RuntimeError {
+            RuntimeError::Tp("the shard links' lock is poisoned".into())
+        }
         let mut group = match &self.group {
-            Some(g) => Some(
-                g.lock()
-                    .map_err(|_| RuntimeError::Tp("the shard links' lock is poisoned".into()))?,
-            ),
+            Some(g) => {
+                let mut g = g.lock().map_err(poisoned)?;
+                // A redial under way usually ends within milliseconds: worth waiting for
+                // rather than failing the step (a hung rank's, up to its timeout, is not).
+                let until = Instant::now() + std::time::Duration::from_millis(500);
+                while g.dialing() {
+                    let left = until.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    g = self.redialled.wait_timeout(g, left).map_err(poisoned)?.0;
+                }
+                Some(g)
+            }
             None => None,
         };
         if let Some(g) = group.as_deref_mut() {

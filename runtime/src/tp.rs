@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Bumped whenever the frames below change; ranks of different versions refuse each other.
@@ -390,6 +390,116 @@ struct Hello {
     world: usize,
     config: ModelConfig,
     fingerprint: u64,
+    /// This leader's identity, random per group (0 from leaders before it was sent): a rank
+    /// that another leader took from this one refuses it back while that other is linked.
+    #[serde(default)]
+    leader: u64,
+}
+
+/// How long a rank has to answer a leader's hello: it answers from its accept loop at once,
+/// so one that does not within this is hung, whatever the exchanges' timeout. Well above
+/// [`HANDSHAKE_TIMEOUT`], which one silent connection ahead in the rank's accept loop may take.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a rank waits for a connection's hello (a leader sends it at once).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How a rank's refusal of a leader it was taken from begins: a wait, not a mismatch, so the
+/// leader goes on trying (at load too) instead of giving up.
+const TAKEN_OVER: &str = "taken over:";
+
+/// TCP keep-alive on a link, so a peer whose host vanished (no FIN, no RST) shows as gone in
+/// about 25 s, however long the link sits idle: a rank otherwise counts such a leader as
+/// holding it for ever, and an idle leader would only learn at its next forward's timeout.
+fn keep_alive(s: &TcpStream) {
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(10))
+        .with_interval(Duration::from_secs(5))
+        .with_retries(3);
+    if let Err(e) = socket2::SockRef::from(s).set_tcp_keepalive(&ka) {
+        tracing::debug!("TCP keep-alive not set: {e}");
+    }
+}
+
+/// What dialling the ranks takes, apart from the links: the redial thread dials with a copy,
+/// without holding the group's lock, so a rank that accepts and never answers holds up
+/// neither forwards nor admission while it is dialled.
+#[derive(Clone)]
+pub(crate) struct Dialer {
+    opts: TpOptions,
+    hello: Vec<Vec<u8>>,
+}
+
+impl Dialer {
+    /// Connects every other rank and checks it holds the same checkpoint in the same place.
+    pub(crate) fn dial(&self) -> Result<Vec<TcpStream>> {
+        let mut buf = Vec::new();
+        let mut links = Vec::with_capacity(self.opts.peers.len());
+        for (i, addr) in self.opts.peers.iter().enumerate() {
+            let rank = i + 1;
+            let unreachable = |e: String| RuntimeError::Tp(format!("rank {rank} at {addr}: {e}"));
+            // `host:port` written wrong will not resolve later either.
+            if !crate::tp::is_host_port(addr) {
+                return Err(RuntimeError::Config(format!(
+                    "tensor-parallel rank {rank}: `{addr}` is not HOST:PORT"
+                )));
+            }
+            // Every address the name resolves to, in order (`localhost` may give ::1 first
+            // to a rank listening on 127.0.0.1), as `TcpStream::connect` would.
+            let addrs: Vec<std::net::SocketAddr> = addr
+                .to_socket_addrs()
+                .map_err(|e| unreachable(e.to_string()))?
+                .collect();
+            let mut last = unreachable("no address".into());
+            let mut conn = None;
+            for sa in &addrs {
+                match TcpStream::connect_timeout(sa, Duration::from_secs(5)) {
+                    Ok(s) => {
+                        conn = Some(s);
+                        break;
+                    }
+                    Err(e) => last = unreachable(e.to_string()),
+                }
+            }
+            let Some(mut s) = conn else {
+                return Err(last);
+            };
+            s.set_nodelay(true)?;
+            keep_alive(&s);
+            s.set_read_timeout(Some(self.opts.io_timeout.min(HELLO_TIMEOUT)))?;
+            s.set_write_timeout(Some(self.opts.io_timeout))?;
+            write_frame(&mut s, HELLO, &self.hello[i], &mut buf)
+                .map_err(|e| unreachable(e.to_string()))?;
+            match read_frame(&mut s, &mut buf).map_err(|e| unreachable(e.to_string()))? {
+                OK => {
+                    s.set_read_timeout(Some(self.opts.io_timeout))?;
+                    links.push(s)
+                }
+                ERR => {
+                    let why = String::from_utf8_lossy(&buf);
+                    let msg = format!("tensor-parallel rank {rank} at {addr} refused: {why}");
+                    return Err(if why.starts_with(TAKEN_OVER) {
+                        RuntimeError::Tp(msg)
+                    } else {
+                        RuntimeError::Config(msg)
+                    });
+                }
+                k => return Err(unreachable(format!("answered frame {k} to hello"))),
+            }
+        }
+        Ok(links)
+    }
+}
+
+/// A random identity for a leader (no two groups share one, across processes and restarts).
+fn leader_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish().max(1)
 }
 
 fn write_frame(
@@ -493,8 +603,10 @@ impl LinkState {
 /// Rank 0's links to the other ranks.
 pub(crate) struct Group {
     pub(crate) state: Arc<LinkState>,
-    opts: TpOptions,
-    hello: Vec<Vec<u8>>,
+    dialer: Dialer,
+    /// A redial runs outside the lock ([`Self::start_redial`]): forwards fail at once meanwhile
+    /// rather than dial too (a second dial would take the ranks from the first).
+    dialing: bool,
     links: Vec<TcpStream>,
     /// Bumped at every (re)connection: caches synced under an older one are stale.
     epoch: u64,
@@ -519,6 +631,7 @@ impl Group {
                 t.peers.len()
             )));
         }
+        let leader = leader_id();
         let hello = (1..t.world)
             .map(|rank| {
                 serde_json::to_vec(&Hello {
@@ -527,14 +640,18 @@ impl Group {
                     world: t.world,
                     config: cfg.clone(),
                     fingerprint,
+                    leader,
                 })
                 .map_err(|e| RuntimeError::Tp(e.to_string()))
             })
             .collect::<Result<_>>()?;
         let mut g = Group {
             state: Arc::default(),
-            opts: t.clone(),
-            hello,
+            dialer: Dialer {
+                opts: t.clone(),
+                hello,
+            },
+            dialing: false,
             links: Vec::new(),
             epoch: 0,
             next_cache: 0,
@@ -566,52 +683,13 @@ impl Group {
     /// Connects every other rank and checks it holds the same checkpoint in the same place.
     fn dial(&mut self) -> Result<()> {
         self.reset();
-        let mut links = Vec::with_capacity(self.opts.peers.len());
-        for (i, addr) in self.opts.peers.iter().enumerate() {
-            let rank = i + 1;
-            let unreachable = |e: String| RuntimeError::Tp(format!("rank {rank} at {addr}: {e}"));
-            // `host:port` written wrong will not resolve later either.
-            if !crate::tp::is_host_port(addr) {
-                return Err(RuntimeError::Config(format!(
-                    "tensor-parallel rank {rank}: `{addr}` is not HOST:PORT"
-                )));
-            }
-            // Every address the name resolves to, in order (`localhost` may give ::1 first
-            // to a rank listening on 127.0.0.1), as `TcpStream::connect` would.
-            let addrs: Vec<std::net::SocketAddr> = addr
-                .to_socket_addrs()
-                .map_err(|e| unreachable(e.to_string()))?
-                .collect();
-            let mut last = unreachable("no address".into());
-            let mut conn = None;
-            for sa in &addrs {
-                match TcpStream::connect_timeout(sa, Duration::from_secs(5)) {
-                    Ok(s) => {
-                        conn = Some(s);
-                        break;
-                    }
-                    Err(e) => last = unreachable(e.to_string()),
-                }
-            }
-            let Some(mut s) = conn else {
-                return Err(last);
-            };
-            s.set_nodelay(true)?;
-            s.set_read_timeout(Some(self.opts.io_timeout))?;
-            s.set_write_timeout(Some(self.opts.io_timeout))?;
-            write_frame(&mut s, HELLO, &self.hello[i], &mut self.buf)
-                .map_err(|e| unreachable(e.to_string()))?;
-            match read_frame(&mut s, &mut self.buf).map_err(|e| unreachable(e.to_string()))? {
-                OK => links.push(s),
-                ERR => {
-                    return Err(RuntimeError::Config(format!(
-                        "tensor-parallel rank {rank} at {addr} refused: {}",
-                        String::from_utf8_lossy(&self.buf)
-                    )));
-                }
-                k => return Err(unreachable(format!("answered frame {k} to hello"))),
-            }
-        }
+        let links = self.dialer.dial()?;
+        self.install(links);
+        Ok(())
+    }
+
+    /// Takes freshly dialled links: a new epoch.
+    fn install(&mut self, links: Vec<TcpStream>) {
         self.links = links;
         self.epoch += 1;
         self.live.clear();
@@ -621,7 +699,6 @@ impl Group {
         self.state
             .up
             .store(true, std::sync::atomic::Ordering::SeqCst);
-        Ok(())
     }
 
     /// Between forwards nothing may arrive on a link: a link that reads as closed, failed or
@@ -648,12 +725,34 @@ impl Group {
         !self.links.is_empty() && cache.tp_tag().map(|(e, _)| e) == Some(self.epoch)
     }
 
-    /// Dials the ranks if the links are down (no cache is touched: the next forward syncs).
-    pub(crate) fn redial(&mut self) -> Result<bool> {
-        if !self.links.is_empty() {
-            return Ok(false);
+    /// Begins a redial if the links are down and none is under way: the dialer to dial with,
+    /// outside the lock, handing the result to [`Self::finish_redial`].
+    pub(crate) fn start_redial(&mut self) -> Option<Dialer> {
+        if !self.links.is_empty() || self.dialing {
+            return None;
         }
-        self.dial().map(|()| true)
+        self.dialing = true;
+        Some(self.dialer.clone())
+    }
+
+    /// Ends a redial: `Ok(true)` when it relinked (no cache is touched: the next forward
+    /// syncs).
+    pub(crate) fn finish_redial(&mut self, dialled: Result<Vec<TcpStream>>) -> Result<bool> {
+        self.dialing = false;
+        // (Links installed meanwhile, which nothing does, are dead now: the ranks took this
+        // leader's new hello over them.)
+        self.install(dialled?);
+        Ok(true)
+    }
+
+    /// Whether a redial is under way outside the lock.
+    pub(crate) fn dialing(&self) -> bool {
+        self.dialing
+    }
+
+    /// Clears the dialling flag (a redial that did not finish: its dial panicked).
+    pub(crate) fn abandon_redial(&mut self) {
+        self.dialing = false;
     }
 
     /// Drops the links (a forward stopped half way: the ranks' frames are out of step).
@@ -676,12 +775,19 @@ impl Group {
     /// Starts a forward on every rank: cache identity and shape, pending block copies, and the
     /// batch layout.
     pub(crate) fn begin(&mut self, cache: &mut KvCache, meta: &BatchMeta) -> Result<()> {
-        if self.links.is_empty()
-            && let Err(e) = self.dial()
-        {
-            // Whatever the ranks held went with them: a reconnect starts a new epoch.
-            cache.mark_tp_lost();
-            return Err(e);
+        if self.links.is_empty() {
+            let dialled = if self.dialing {
+                Err(RuntimeError::Tp(
+                    "the shard ranks are down and being dialled again".into(),
+                ))
+            } else {
+                self.dial()
+            };
+            if let Err(e) = dialled {
+                // Whatever the ranks held went with them: a reconnect starts a new epoch.
+                cache.mark_tp_lost();
+                return Err(e);
+            }
         }
         let fresh = cache.tp_tag().map(|(e, _)| e) != Some(self.epoch);
         if fresh {
@@ -826,8 +932,10 @@ impl ShardState {
 
 /// Serves one shard rank (`model` loaded with [`TpOptions::shard`]) on `listener` until the
 /// listener fails. One leader at a time: a new connection that passes the handshake (a
-/// restarted target worker) replaces the one being served; one that does not (a port probe,
-/// another checkpoint) is refused and changes nothing.
+/// restarted target worker) replaces the one being served, and the leader it replaced is
+/// refused while the new one holds the rank (two leaders given the same ranks would otherwise
+/// take them from each other every second); one that does not pass (a port probe, another
+/// checkpoint) is refused and changes nothing.
 pub fn serve(model: Arc<Model>, listener: TcpListener) -> Result<()> {
     serve_with(model, listener, Arc::default())
 }
@@ -840,19 +948,22 @@ pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardStat
             "rank 0 is the target worker itself; shard ranks are 1 and up".into(),
         ));
     }
-    let (tx, rx) = std::sync::mpsc::channel::<TcpStream>();
-    let current: Arc<Mutex<Option<TcpStream>>> = Arc::default();
+    use std::sync::atomic::{AtomicU64, Ordering};
+    // Sessions are numbered as accepted; `ended` is the last one the compute thread finished.
+    let (tx, rx) = std::sync::mpsc::channel::<(TcpStream, u64)>();
+    let ended = Arc::new(AtomicU64::new(0));
     let m = Arc::clone(&model);
+    let done = Arc::clone(&ended);
     std::thread::Builder::new()
         .name(format!("tp-rank-{}", shard.rank))
         .spawn(move || {
-            use std::sync::atomic::Ordering;
-            for s in rx {
+            for (s, session) in rx {
                 let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
                 let keep = s.try_clone();
                 state.leader.store(true, Ordering::SeqCst);
                 let r = serve_leader(&m, s, &state.forwards);
                 state.leader.store(false, Ordering::SeqCst);
+                done.store(session, Ordering::SeqCst);
                 // Closed for good, so a leader blocked on this link fails at once.
                 if let Ok(k) = keep {
                     let _ = k.shutdown(Shutdown::Both);
@@ -864,6 +975,13 @@ pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardStat
             }
         })?;
     let mut buf = Vec::new();
+    // The last leader accepted: its link, identity, address and session.
+    let mut current: Option<(TcpStream, u64, String, u64)> = None;
+    // Leaders another leader took this rank from: they do not take it back while that one is
+    // linked, so two leaders given the same ranks do not take them from each other every
+    // second, failing each other's requests; the newer one keeps them.
+    let mut taken_from: std::collections::VecDeque<u64> = std::collections::VecDeque::new();
+    let mut sessions = 0u64;
     loop {
         let mut s = match listener.accept() {
             Ok((s, _)) => s,
@@ -875,18 +993,56 @@ pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardStat
             }
         };
         let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-        if let Err(e) = handshake(&model, &mut s, &mut buf) {
-            tracing::warn!(%peer, "tensor-parallel connection refused: {e}");
-            continue;
-        }
-        if let Ok(mut cur) = current.lock() {
-            if let Some(old) = cur.take() {
-                tracing::info!(%peer, "a new tensor-parallel leader connected; dropping the previous one");
-                let _ = old.shutdown(Shutdown::Both);
+        let holder = |id: u64| {
+            current
+                .as_ref()
+                .filter(|c| c.1 != id && ended.load(Ordering::SeqCst) < c.3)
+                .map(|c| c.2.clone())
+        };
+        let gate = |id: u64| {
+            if id == 0 || !taken_from.contains(&id) {
+                return None;
             }
-            *cur = s.try_clone().ok();
+            holder(id).map(|other| {
+                format!(
+                    "{TAKEN_OVER} rank {} was taken over by another leader ({other}), which \
+                     still holds it",
+                    shard.rank
+                )
+            })
+        };
+        let id = match handshake(&model, &mut s, &mut buf, &gate) {
+            Ok(id) => id,
+            Err(e) => {
+                tracing::warn!(%peer, "tensor-parallel connection refused: {e}");
+                continue;
+            }
+        };
+        let took_over = holder(id).is_some();
+        if let Some((old, old_id, old_peer, _)) = current.take() {
+            if took_over {
+                tracing::warn!(
+                    %peer,
+                    previous = %old_peer,
+                    "a new tensor-parallel leader connected; dropping the previous one"
+                );
+                if old_id != 0 && !taken_from.contains(&old_id) {
+                    // Bounded: a rank outlives any number of restarted leaders.
+                    if taken_from.len() >= 64 {
+                        taken_from.pop_front();
+                    }
+                    taken_from.push_back(old_id);
+                }
+            }
+            let _ = old.shutdown(Shutdown::Both);
         }
-        if tx.send(s).is_err() {
+        taken_from.retain(|&t| t != id);
+        keep_alive(&s);
+        sessions += 1;
+        if let Ok(k) = s.try_clone() {
+            current = Some((k, id, peer, sessions));
+        }
+        if tx.send((s, sessions)).is_err() {
             return Err(RuntimeError::Tp(
                 "the shard's compute thread stopped".into(),
             ));
@@ -894,15 +1050,21 @@ pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardStat
     }
 }
 
-/// Reads and checks a leader's hello (within 10 s), answering OK or why not.
-fn handshake(model: &Model, s: &mut TcpStream, buf: &mut Vec<u8>) -> Result<()> {
+/// Reads and checks a leader's hello (within [`HANDSHAKE_TIMEOUT`]), answering OK or why not; the leader's
+/// identity. `gate` refuses a leader, saying why.
+fn handshake(
+    model: &Model,
+    s: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    gate: &dyn Fn(u64) -> Option<String>,
+) -> Result<u64> {
     s.set_nodelay(true)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     let mut out = Vec::new();
     if read_frame_max(s, buf, MAX_HELLO)? != HELLO {
         return Err(RuntimeError::Tp("the first frame was not a hello".into()));
     }
-    let refuse = |s: &mut TcpStream, why: String, out: &mut Vec<u8>| -> Result<()> {
+    let refuse = |s: &mut TcpStream, why: String, out: &mut Vec<u8>| -> Result<u64> {
         write_frame(s, ERR, why.as_bytes(), out)?;
         Err(RuntimeError::Tp(why))
     };
@@ -938,10 +1100,13 @@ fn handshake(model: &Model, s: &mut TcpStream, buf: &mut Vec<u8>) -> Result<()> 
             &mut out,
         );
     }
+    if let Some(why) = gate(h.leader) {
+        return refuse(s, why, &mut out);
+    }
     // A forward may come after any idle time.
     s.set_read_timeout(None)?;
     write_frame(s, OK, &[], &mut out)?;
-    Ok(())
+    Ok(h.leader)
 }
 
 /// One leader's session after its handshake: forwards until it leaves.

@@ -69,6 +69,45 @@ fn fwd(m: &Model, c: &mut KvCache, batch: &[(SeqId, &[u32])]) -> ForwardOutput {
     m.forward(c, &inputs, &ForwardOptions::default()).unwrap()
 }
 
+/// Waits until `m` links its ranks again (up to 10 s): a rank refuses a leader it was taken
+/// from while the leader that took it is linked, so this also waits for that one to be gone.
+fn relink(m: &Model) {
+    let t0 = std::time::Instant::now();
+    loop {
+        match m.tp_redial() {
+            Ok(_) if m.tp_links().is_some_and(|l| l.up()) => return,
+            r => assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the ranks were not linked again: {r:?}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Another leader takes the ranks at `peers` over and runs a forward through them; it, its
+/// cache and its sequence.
+fn take_over(path: &Path, peers: Vec<String>) -> (Model, KvCache, SeqId) {
+    let other = leader(path, peers).unwrap();
+    let mut c = other.new_cache(64, 8).unwrap();
+    let s = c.new_seq();
+    fwd(&other, &mut c, &[(s, &[9])]);
+    (other, c, s)
+}
+
+/// Waits (up to 10 s) until `m`'s idle check sees its links gone.
+fn wait_down(m: &Model) {
+    let t0 = std::time::Instant::now();
+    while m.tp_links().is_some_and(|l| l.up()) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the lost link never showed"
+        );
+        m.tp_check();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// One sequence's step, last position's logits.
 fn last(
     m: &Model,
@@ -335,10 +374,7 @@ fn a_lost_link_fails_forwards_then_reconnects_and_starts_over() {
     c.remove(b0).unwrap();
     // A second leader takes rank 1 over (as a restarted target worker would): the first
     // one's link is cut.
-    let other = leader(&path, peers).unwrap();
-    let mut c2 = other.new_cache(64, 8).unwrap();
-    let s2 = c2.new_seq();
-    fwd(&other, &mut c2, &[(s2, &[9])]);
+    let (other, c2, _) = take_over(&path, peers);
     let step = |c: &mut KvCache, seq: SeqId, t: &[u32]| last(&m, c, seq, t);
     let e = step(&mut c, a, &[6]).unwrap_err();
     assert!(matches!(e, RuntimeError::Tp(_)), "{e}");
@@ -346,6 +382,12 @@ fn a_lost_link_fails_forwards_then_reconnects_and_starts_over() {
     let (p, hit) = c.new_seq_with_prefix(&first, 64);
     assert_eq!(hit, 0);
     c.remove(p).unwrap();
+    // While the second leader holds the rank, the first does not take it back.
+    let e = step(&mut c, a, &[6]).unwrap_err();
+    assert!(e.to_string().contains("taken over"), "{e}");
+    drop(c2);
+    drop(other);
+    relink(&m);
     // Reconnected, but rank 1 no longer holds `a`'s KV: refused rather than computed wrong.
     let e = step(&mut c, a, &[6]).unwrap_err();
     assert!(e.to_string().contains("must start over"), "{e}");
@@ -388,20 +430,11 @@ fn ranks_relinked_while_idle_leave_no_prefix_blocks_to_adopt() {
     c.remove(p).unwrap();
     // Another leader takes rank 1 over; the idle check sees the link gone and the redial
     // relinks (a new epoch), as the target worker's redial thread does between requests.
-    let other = leader(&path, peers).unwrap();
-    let mut c2 = other.new_cache(64, 8).unwrap();
-    let s2 = c2.new_seq();
-    fwd(&other, &mut c2, &[(s2, &[9])]);
-    let t0 = std::time::Instant::now();
-    while m.tp_links().is_some_and(|l| l.up()) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the lost link never showed"
-        );
-        m.tp_check();
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(m.tp_redial().unwrap());
+    let (other, c2, _) = take_over(&path, peers);
+    wait_down(&m);
+    drop(c2);
+    drop(other);
+    relink(&m);
     m.tp_sync(&mut c);
     let (b, hit) = c.new_seq_with_prefix(&first, 64);
     assert_eq!(
@@ -413,6 +446,157 @@ fn ranks_relinked_while_idle_leave_no_prefix_blocks_to_adopt() {
     let wb = wc.new_seq();
     let want = last(&whole, &mut wc, wb, &first).unwrap();
     assert!(max_rel_diff(&[got.logits], &[want.logits]) < 1e-4);
+}
+
+/// A TCP relay in front of a rank that can hang: while shut it cuts the links it relayed,
+/// and the connections it accepts then are held open and never answered.
+struct Relay {
+    addr: String,
+    open: Arc<std::sync::atomic::AtomicBool>,
+    relayed: Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+    held: Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+fn relay(to: String) -> Relay {
+    use std::net::{Shutdown, TcpStream};
+    use std::sync::atomic::Ordering;
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let r = Relay {
+        addr: l.local_addr().unwrap().to_string(),
+        open: Arc::new(true.into()),
+        relayed: Arc::default(),
+        held: Arc::default(),
+    };
+    let (open, relayed, held) = (r.open.clone(), r.relayed.clone(), r.held.clone());
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(s) = s else { continue };
+            if !open.load(Ordering::SeqCst) {
+                held.lock().unwrap().push(s);
+                continue;
+            }
+            let Ok(up) = TcpStream::connect(&to) else {
+                continue;
+            };
+            for (mut from, mut to) in [
+                (s.try_clone().unwrap(), up.try_clone().unwrap()),
+                (up.try_clone().unwrap(), s.try_clone().unwrap()),
+            ] {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(Shutdown::Both);
+                });
+            }
+            relayed.lock().unwrap().extend([s, up]);
+        }
+    });
+    r
+}
+
+impl Relay {
+    fn set(&self, open: bool) {
+        self.open.store(open, std::sync::atomic::Ordering::SeqCst);
+        for list in [&self.relayed, &self.held] {
+            for c in list.lock().unwrap().drain(..) {
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            }
+        }
+    }
+    fn held(&self) -> usize {
+        self.held.lock().unwrap().len()
+    }
+}
+
+/// The target worker's redial thread dials outside the links' lock: while it waits on a rank
+/// that accepted and does not answer, admission (`tp_sync`) goes on and a forward fails after
+/// a short wait (0.5 s), where before both waited for the dial's hello timeout (3 s here).
+#[test]
+fn a_redial_to_a_hung_rank_holds_up_neither_admission_nor_forwards() {
+    let spec = TinySpec::llama(3);
+    let path = tiny_model_path(&spec, "tp-llama").unwrap();
+    let whole = Model::load(&path, &opts(None)).unwrap();
+    let peers = start_ranks(&path, 2);
+    let r = relay(peers[0].clone());
+    let mut t = TpOptions::leader(vec![r.addr.clone()]);
+    t.connect_timeout = Duration::from_secs(10);
+    t.io_timeout = Duration::from_secs(3);
+    let m = Arc::new(Model::load(&path, &opts(Some(t))).unwrap());
+    let mut c = m.new_cache(64, 8).unwrap();
+    let a = c.new_seq();
+    fwd(&m, &mut c, &[(a, &[1, 2, 3])]);
+    c.remove(a).unwrap();
+    // The rank hangs.
+    r.set(false);
+    wait_down(&m);
+    let t0 = std::time::Instant::now();
+    let redial = {
+        let m = Arc::clone(&m);
+        std::thread::spawn(move || m.tp_redial())
+    };
+    while r.held() == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the redial never dialled"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let t1 = std::time::Instant::now();
+    m.tp_sync(&mut c);
+    let b = c.new_seq();
+    let e = last(&m, &mut c, b, &[4]).unwrap_err();
+    assert!(
+        t1.elapsed() < Duration::from_millis(1500),
+        "admission and a forward waited {:?} for the redial",
+        t1.elapsed()
+    );
+    assert!(e.to_string().contains("being dialled"), "{e}");
+    // The hello went unanswered: the redial fails on its own time.
+    let e = redial.join().unwrap().unwrap_err();
+    assert!(matches!(e, RuntimeError::Tp(_)), "{e}");
+    // The rank answers again: linked, and served.
+    r.set(true);
+    relink(&m);
+    c.remove(b).unwrap();
+    let b = c.new_seq();
+    let got = last(&m, &mut c, b, &[1, 2, 3]).unwrap();
+    let mut wc = whole.new_cache(64, 8).unwrap();
+    let wb = wc.new_seq();
+    let want = last(&whole, &mut wc, wb, &[1, 2, 3]).unwrap();
+    assert!(max_rel_diff(&[got.logits], &[want.logits]) < 1e-4);
+}
+
+/// Two leaders given the same ranks do not take them from each other back and forth (each
+/// failing the other's requests every second): the newer keeps them, the one they were taken
+/// from is refused with the reason while it holds them, and links again once it is gone.
+#[test]
+fn a_leader_does_not_take_its_ranks_back_from_a_newer_one() {
+    let spec = TinySpec::llama(3);
+    let path = tiny_model_path(&spec, "tp-llama").unwrap();
+    let peers = start_ranks(&path, 2);
+    let m = leader(&path, peers.clone()).unwrap();
+    let mut c = m.new_cache(64, 8).unwrap();
+    let a = c.new_seq();
+    fwd(&m, &mut c, &[(a, &[1, 2, 3])]);
+    c.remove(a).unwrap();
+    let (other, mut c2, s2) = take_over(&path, peers);
+    wait_down(&m);
+    for _ in 0..3 {
+        let e = m.tp_redial().unwrap_err();
+        assert!(
+            e.to_string().contains("taken over by another leader"),
+            "{e}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The newer leader kept the rank throughout.
+    fwd(&other, &mut c2, &[(s2, &[10])]);
+    assert_eq!(other.tp_links().unwrap().connects(), 1);
+    drop(c2);
+    drop(other);
+    relink(&m);
+    let b = c.new_seq();
+    fwd(&m, &mut c, &[(b, &[1, 2, 3])]);
+    assert_eq!(m.tp_links().unwrap().connects(), 2);
 }
 
 /// Int8 key offsets live with each cache on the ranks, sent by rank 0 with every new cache.
@@ -442,11 +626,15 @@ fn a_reconnected_rank_gets_its_int8_key_offsets_with_the_next_cache() {
     let mut c = other.new_cache(64, 8).unwrap();
     let s = c.new_seq();
     fwd(&other, &mut c, &[(s, &[9])]);
-    // `m`'s next forward finds the link gone; the one after redials, in a new epoch.
+    // `m`'s next forward finds the link gone; once the other leader is gone, `m` relinks, in
+    // a new epoch.
     let mut c = m.new_cache(64, 8).unwrap();
     let s = c.new_seq();
     let e = last(&m, &mut c, s, &[1]).unwrap_err();
     assert!(matches!(e, RuntimeError::Tp(_)), "{e}");
+    drop(c);
+    drop(other);
+    relink(&m);
     let got = scenario(&m);
     let v = whole.cfg.vocab_size;
     assert_eq!(argmaxes(&got, v), argmaxes(&want, v));
