@@ -138,6 +138,23 @@ impl SafetensorsFile {
                 },
             );
         }
+        // Tensors whose bytes overlap are one writer's mistake (or a crafted file): reading
+        // them would give two weights the same bytes, silently.
+        let mut spans: Vec<(u64, u64, &str)> = entries
+            .iter()
+            .filter(|(_, e)| e.end > e.begin)
+            .map(|(n, e)| (e.begin, e.end, n.as_str()))
+            .collect();
+        spans.sort_unstable();
+        if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+            return Err(corrupt(format!(
+                "tensors `{}` and `{}` share bytes {}..{}",
+                w[0].2,
+                w[1].2,
+                w[1].0 - data,
+                w[0].1.min(w[1].1) - data
+            )));
+        }
         Ok(Self {
             path: path.to_path_buf(),
             file,
@@ -365,6 +382,11 @@ mod tests {
                 "outside the file",
             ),
             (r#"{"a":{"dtype":"F32","shape":[2,2]}}"#, 16, "data_offsets"),
+            (
+                r#"{"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[2],"data_offsets":[12,20]}}"#,
+                20,
+                "tensors `a` and `b` share bytes 12..16",
+            ),
             (r#"[1,2]"#, 0, "not a JSON object"),
             (r#"{"a":"#, 0, "not JSON"),
         ] {
