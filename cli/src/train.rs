@@ -3,7 +3,7 @@
 use crate::config::Global;
 use clap::Args;
 use drafter::model::{DrafterConfig, DsparkDrafter, target_tensors};
-use drafter::train::{TrainConfig, train};
+use drafter::train::{TRAINER_STATE_FILE, TrainConfig, TrainerState, train};
 use dspark_runtime::{Model, Tokenizer};
 use std::path::{Path, PathBuf};
 
@@ -54,8 +54,10 @@ pub struct TrainArgs {
     /// Weight of the auxiliary parallel-only loss (the ablation sharing the backbone); 0 = off.
     #[arg(long, default_value_t = 0.5)]
     pub parallel_weight: f64,
-    /// Continue from the checkpoint in --out (its `train_state.json` step; the optimizer's
-    /// moments start afresh, and the weights come back as saved, in f16).
+    /// Continue from the checkpoint in --out where it stopped: weights (f32), optimizer moments
+    /// and data order come back as saved, so the run ends as the uninterrupted one would. (A
+    /// checkpoint from before optimizer states were saved resumes at its step with fresh moments
+    /// and data order, and its f16 weights.)
     #[arg(long)]
     pub resume: bool,
     /// Start from the checkpoint in --out with a fresh schedule (warm-up, cosine from step 0;
@@ -158,22 +160,56 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
         );
     }
     let loaded = a.fine_tune || (a.resume && state.exists());
-    let (mut dr, start) = if loaded {
-        let step = if a.fine_tune {
+    let (mut dr, resume) = if loaded {
+        let resume = if a.fine_tune {
             eprintln!("fine-tuning the checkpoint in {}", a.out.display());
-            0
+            None
         } else {
             let st: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
             let step = st["step"].as_u64().unwrap_or(0) as usize;
-            if step >= a.steps {
-                anyhow::bail!(
-                    "the checkpoint in {} is at step {step} already; give --steps above it to \
-                     train on",
+            let ts = if a.out.join(TRAINER_STATE_FILE).exists() {
+                let ts = TrainerState::load(&a.out)?;
+                // Saved after the drafter and before train_state.json, so it is never behind:
+                // one that is was left by another run (or a build that did not save it), and
+                // its weights would roll the checkpoint back.
+                if ts.step < step {
+                    anyhow::bail!(
+                        "{} is at step {}, behind the checkpoint's step {step}: it is another \
+                         run's; remove it to resume from the checkpoint with fresh optimizer \
+                         moments",
+                        a.out.join(TRAINER_STATE_FILE).display(),
+                        ts.step
+                    );
+                }
+                // A save cut off between the two leaves the trainer state one checkpoint
+                // ahead, whole (it carries its own weights): the run goes on from there.
+                if ts.step != step {
+                    eprintln!(
+                        "train_state.json says step {step}, {TRAINER_STATE_FILE} step {}: \
+                         resuming from {TRAINER_STATE_FILE}",
+                        ts.step
+                    );
+                }
+                ts
+            } else {
+                eprintln!(
+                    "warning: {} has no {TRAINER_STATE_FILE} (saved before optimizer states \
+                     were): the optimizer's moments and the data order start afresh at step \
+                     {step}, from the checkpoint's f16 weights",
                     a.out.display()
                 );
+                TrainerState::fresh_at(step)
+            };
+            if ts.step >= a.steps {
+                anyhow::bail!(
+                    "the checkpoint in {} is at step {} already; give --steps above it to \
+                     train on",
+                    a.out.display(),
+                    ts.step
+                );
             }
-            eprintln!("resuming from step {step}");
-            step
+            eprintln!("resuming from step {}", ts.step);
+            Some(ts)
         };
         (
             DsparkDrafter::load(
@@ -183,12 +219,12 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
                 embed,
                 head,
             )?,
-            step,
+            resume,
         )
     } else {
         let cfg =
             DrafterConfig::for_target(&target.cfg, &tok.vocab_hash(), a.gamma, a.layers, a.rank);
-        (DsparkDrafter::new(cfg, embed, head, a.seed)?, 0)
+        (DsparkDrafter::new(cfg, embed, head, a.seed)?, None)
     };
     if loaded {
         // The calibration was fitted to the features these weights made; training moves them.
@@ -239,7 +275,7 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
     let mut ema: Option<f64> = None;
     let out = a.out.clone();
     let cmd = std::env::args().collect::<Vec<_>>().join(" ");
-    train(&target, &dr, &data, &tc, start, &mut |s| {
+    train(&target, &dr, &data, &tc, resume, &mut |s, snap| {
         let e = ema.map_or(s.loss, |e| 0.95 * e + 0.05 * s.loss);
         ema = Some(e);
         if s.step % 10 == 0 || s.step + 1 == tc.steps {
@@ -260,9 +296,14 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
             );
         }
         if (s.step + 1) % a.save_every == 0 || s.step + 1 == tc.steps {
+            // The drafter, then the trainer state (weights, moments, data order), then the step:
+            // each renamed into place, so a save cut off anywhere leaves a state to resume.
             dr.save(&out)?;
+            snap.save(&out)?;
             let st = serde_json::json!({"step": s.step + 1, "loss_ema": e, "command": cmd});
-            std::fs::write(out.join("train_state.json"), st.to_string())?;
+            let tmp = out.join("train_state.json.tmp");
+            std::fs::write(&tmp, st.to_string())?;
+            std::fs::rename(&tmp, out.join("train_state.json"))?;
         }
         Ok(())
     })?;

@@ -683,6 +683,81 @@ fn bench_decode_pairs_rounds_with_the_peer_and_reports_an_interval() {
     assert!(code != 0 && err.contains("--rounds"), "{err}");
 }
 
+/// `train-drafter --resume` goes on where the run stopped: 2 steps, then resumed to 5 in
+/// another process, save the weights 5 steps in one run save (the drafter's f16 file, byte
+/// for byte). A trainer state left behind by another run is refused, and a checkpoint without
+/// one resumes with a warning.
+#[test]
+fn a_resumed_drafter_training_saves_the_uninterrupted_runs_weights() {
+    let d = tmpdir("resume");
+    let m = tiny(&d);
+    let data = d.join("data.txt");
+    std::fs::write(
+        &data,
+        "fn main() { println!(\"{}\", 1 + 2); }\n".repeat(200),
+    )
+    .unwrap();
+    let data = data.display().to_string();
+    let train = |out: &Path, steps: &str, extra: &[&str]| {
+        let o = out.display().to_string();
+        let mut args = vec![
+            "train-drafter",
+            "--target",
+            &m,
+            "--data",
+            &data,
+            "--out",
+            &o,
+            "--steps",
+            steps,
+            "--gamma",
+            "4",
+            "--rank",
+            "32",
+            "--batch",
+            "4",
+            "--chunk",
+            "64",
+            "--pool",
+            "2",
+            "--reuse",
+            "2",
+            "--save-every",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        dspark(&d, &args)
+    };
+    let (straight, resumed) = (d.join("straight"), d.join("resumed"));
+    let (code, _, err) = train(&straight, "5", &[]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = train(&resumed, "2", &[]);
+    assert_eq!(code, 0, "{err}");
+    let saved = std::fs::read(resumed.join("optimizer.safetensors")).unwrap();
+    let (code, _, err) = train(&resumed, "5", &["--resume"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("resuming from step 2"), "{err}");
+    let weights = |dir: &Path| std::fs::read(dir.join("drafter.safetensors")).unwrap();
+    assert!(
+        weights(&straight) == weights(&resumed),
+        "the resumed run's weights differ from the uninterrupted run's"
+    );
+    // Another run's trainer state, behind the checkpoint: refused, the checkpoint untouched.
+    std::fs::write(resumed.join("optimizer.safetensors"), &saved).unwrap();
+    let (code, _, err) = train(&resumed, "6", &["--resume"]);
+    assert!(
+        code != 0 && err.contains("behind the checkpoint's step 5"),
+        "{err}"
+    );
+    assert!(weights(&straight) == weights(&resumed));
+    // Without a trainer state (saved before they were): resumed, with a warning.
+    std::fs::remove_file(resumed.join("optimizer.safetensors")).unwrap();
+    let (code, _, err) = train(&resumed, "6", &["--resume"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("start afresh at step 5"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 #[test]
 fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     let d = tmpdir("drafter");

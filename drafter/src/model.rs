@@ -1278,7 +1278,7 @@ pub(crate) mod tests {
         let anchors: Vec<usize> = (8..40).step_by(4).collect();
         let bt = make_batch(&ch, &dr, &anchors).unwrap();
         let before = loss(&dr, &bt, &tc).unwrap().total;
-        crate::train::train(&m, &dr, &data, &tc, 0, &mut |_| Ok(())).unwrap();
+        crate::train::train(&m, &dr, &data, &tc, None, &mut |_, _| Ok(())).unwrap();
         let after = loss(&dr, &bt, &tc).unwrap().total;
         assert!(after < 0.8 * before, "loss {before} -> {after}");
         // Save, load, same outputs; wrong target refused; corrupt checkpoint refused.

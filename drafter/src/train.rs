@@ -7,10 +7,13 @@ use crate::model::DsparkDrafter;
 use crate::{DrafterError, Result};
 use candle_core::Var;
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarMap;
 use dspark_runtime::Model;
 use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
 use kernels::rng::Rng;
+use std::collections::HashMap;
+use std::path::Path;
 
 #[derive(Clone, Debug)]
 pub struct TrainConfig {
@@ -467,9 +470,12 @@ pub fn loss(dr: &DsparkDrafter, bt: &Batch, tc: &TrainConfig) -> Result<LossPart
 
 /// AdamW (decoupled weight decay, bias-corrected moments; candle_nn's `AdamW` rule) as one
 /// pass per variable over plain vectors. candle's optimizer builds a dozen full-size temporaries
-/// per variable per step; with ~11 M parameters that was 40 % of a training step.
+/// per variable per step; with ~11 M parameters that was 40 % of a training step. Variables are
+/// kept by name: a checkpoint's moments must find their variable in another process, where the
+/// `VarMap`'s (hash map) order differs.
 pub struct FusedAdamW {
-    vars: Vec<(Var, Vec<f32>, Vec<f32>)>,
+    /// Name, variable, first and second moments.
+    vars: Vec<(String, Var, Vec<f32>, Vec<f32>)>,
     weight_decay: f32,
     step: i32,
 }
@@ -479,12 +485,35 @@ impl FusedAdamW {
     const B2: f32 = 0.999;
     const EPS: f32 = 1e-8;
 
+    /// Over unnamed variables (named by their index).
     pub fn new(vars: Vec<Var>, weight_decay: f64) -> Self {
+        let named = vars
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| (i.to_string(), v))
+            .collect();
+        Self::named(named, weight_decay)
+    }
+
+    /// Over every variable of `varmap`, by name.
+    pub fn from_varmap(varmap: &VarMap, weight_decay: f64) -> Result<Self> {
+        let mut named: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .map_err(|_| DrafterError::Invalid("variable map poisoned".into()))?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(Self::named(named, weight_decay))
+    }
+
+    fn named(vars: Vec<(String, Var)>, weight_decay: f64) -> Self {
         let vars = vars
             .into_iter()
-            .map(|v| {
+            .map(|(name, v)| {
                 let n = v.elem_count();
-                (v, vec![0f32; n], vec![0f32; n])
+                (name, v, vec![0f32; n], vec![0f32; n])
             })
             .collect();
         Self {
@@ -492,6 +521,68 @@ impl FusedAdamW {
             weight_decay: weight_decay as f32,
             step: 0,
         }
+    }
+
+    /// Sets every variable's weights and moments, and the update count, from a saved state
+    /// that must hold exactly these variables, each of its size.
+    pub fn restore(&mut self, saved: &HashMap<String, VarState>, step: i32) -> Result<()> {
+        if let Some(name) = saved
+            .keys()
+            .find(|k| !self.vars.iter().any(|(n, ..)| n == *k))
+        {
+            return Err(DrafterError::Invalid(format!(
+                "the trainer state holds variable `{name}`, which this drafter lacks"
+            )));
+        }
+        // Every variable is checked before any is written: a refused state leaves the drafter
+        // as it was.
+        for (name, var, ..) in &self.vars {
+            let s = saved.get(name.as_str()).ok_or_else(|| {
+                DrafterError::Invalid(format!("the trainer state lacks variable `{name}`"))
+            })?;
+            let n = var.elem_count();
+            if [s.weight.len(), s.m.len(), s.v.len()] != [n; 3] {
+                return Err(DrafterError::Invalid(format!(
+                    "the trainer state's `{name}` holds {} weights and moments of {} and {}; \
+                     the drafter's has {n}",
+                    s.weight.len(),
+                    s.m.len(),
+                    s.v.len()
+                )));
+            }
+        }
+        for (name, var, m, v) in &mut self.vars {
+            let Some(s) = saved.get(name.as_str()) else {
+                continue;
+            };
+            var.set(&Tensor::from_slice(
+                s.weight.as_slice(),
+                var.shape(),
+                var.device(),
+            )?)?;
+            m.copy_from_slice(&s.m);
+            v.copy_from_slice(&s.v);
+        }
+        self.step = step;
+        Ok(())
+    }
+
+    /// Every variable's weights and moments, by name (a copy, for a checkpoint).
+    pub fn var_states(&self) -> Result<HashMap<String, VarState>> {
+        self.vars
+            .iter()
+            .map(|(name, var, m, v)| {
+                let weight: Vec<f32> = var.as_tensor().flatten_all()?.to_vec1()?;
+                Ok((
+                    name.clone(),
+                    VarState {
+                        weight,
+                        m: m.clone(),
+                        v: v.clone(),
+                    },
+                ))
+            })
+            .collect::<Result<_>>()
     }
 
     /// One update at learning rate `lr`; variables without a gradient are left alone.
@@ -502,7 +593,7 @@ impl FusedAdamW {
         let c2 = 1.0 / (1.0 - Self::B2.powi(self.step));
         let decay = 1.0 - lr * self.weight_decay;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        for (var, m, v) in &mut self.vars {
+        for (_, var, m, v) in &mut self.vars {
             let Some(g) = grads.get(var.as_tensor()) else {
                 continue;
             };
@@ -532,6 +623,235 @@ impl FusedAdamW {
     }
 }
 
+/// One variable's f32 weights and AdamW moments in a [`TrainerState`]. The weights travel with
+/// the moments because the drafter checkpoint stores f16: resumed from it, a run would not be
+/// the run it continues.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VarState {
+    pub weight: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// The file a [`TrainerState`] is saved to, beside the drafter checkpoint.
+pub const TRAINER_STATE_FILE: &str = "optimizer.safetensors";
+
+/// Everything besides the config that the training loop carries from one step to the next, so
+/// that a run interrupted at a checkpoint and resumed from it ends with the weights of the
+/// uninterrupted run (bit for bit, on the same machine and thread count).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TrainerState {
+    /// The next step to run.
+    pub step: usize,
+    /// Updates the optimizer has taken (its bias correction).
+    pub adam_step: i32,
+    /// The data-order RNG; None seeds it from the config and `step` (a checkpoint from before
+    /// trainer states were saved).
+    pub rng: Option<[u64; 4]>,
+    /// Start offsets into the token stream of the pool's teacher chunks, in slot order; the
+    /// chunks are recomputed from them. Empty: the pool is drawn afresh.
+    pub pool: Vec<usize>,
+    /// Weights and moments by variable name; empty: fresh moments (and a fresh update count)
+    /// over the weights the drafter holds.
+    pub vars: HashMap<String, VarState>,
+    /// A hash of the token stream trained on ([`text_hash`]): the pool's offsets point into it.
+    pub text: Option<u64>,
+}
+
+/// FNV-1a over a token stream's length and tokens: ties a trainer state to its training text.
+pub fn text_hash(data: &[u32]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for x in std::iter::once(data.len() as u64).chain(data.iter().map(|&t| u64::from(t))) {
+        h ^= x;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+impl TrainerState {
+    /// A run that goes on at `step` with a fresh optimizer, RNG and pool: how a checkpoint from
+    /// before trainer states were saved resumes.
+    pub fn fresh_at(step: usize) -> Self {
+        Self {
+            step,
+            ..Default::default()
+        }
+    }
+
+    /// Writes [`TRAINER_STATE_FILE`] into `dir` in one file (a temporary, then renamed), so a
+    /// save interrupted midway leaves the previous state whole: f32 vectors `w.{var}`,
+    /// `m.{var}`, `v.{var}`, and i64 vectors `step`, `adam_step`, `rng` (bits), `pool`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir)?;
+        let dev = Device::Cpu;
+        let ints = |v: Vec<i64>| {
+            let n = v.len();
+            Tensor::from_vec(v, n, &dev)
+        };
+        let mut t: HashMap<String, Tensor> = HashMap::new();
+        t.insert("step".into(), ints(vec![self.step as i64])?);
+        t.insert("adam_step".into(), ints(vec![i64::from(self.adam_step)])?);
+        if let Some(rng) = self.rng {
+            t.insert("rng".into(), ints(rng.iter().map(|&x| x as i64).collect())?);
+        }
+        if !self.pool.is_empty() {
+            t.insert(
+                "pool".into(),
+                ints(self.pool.iter().map(|&x| x as i64).collect())?,
+            );
+        }
+        if let Some(h) = self.text {
+            t.insert("text".into(), ints(vec![h as i64])?);
+        }
+        for (name, s) in &self.vars {
+            for (prefix, x) in [("w", &s.weight), ("m", &s.m), ("v", &s.v)] {
+                t.insert(
+                    format!("{prefix}.{name}"),
+                    Tensor::from_slice(x.as_slice(), x.len(), &dev)?,
+                );
+            }
+        }
+        let tmp = dir.join(format!("{TRAINER_STATE_FILE}.tmp"));
+        candle_core::safetensors::save(&t, &tmp)?;
+        std::fs::rename(&tmp, dir.join(TRAINER_STATE_FILE))?;
+        Ok(())
+    }
+
+    /// Reads what [`TrainerState::save`] wrote; a missing file, entry or moment, or vectors of
+    /// unequal sizes, are errors naming the entry. Whether the variables are the drafter's is
+    /// checked when training restores them.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join(TRAINER_STATE_FILE);
+        let bad = |reason: String| DrafterError::Checkpoint {
+            path: path.display().to_string(),
+            reason,
+        };
+        let file = candle_core::safetensors::load(&path, &Device::Cpu)
+            .map_err(|e| bad(format!("{TRAINER_STATE_FILE}: {e}")))?;
+        let ints = |key: &str| -> Result<Option<Vec<i64>>> {
+            file.get(key)
+                .map(|t| t.flatten_all()?.to_vec1::<i64>())
+                .transpose()
+                .map_err(|e| bad(format!("`{key}`: {e}")))
+        };
+        let one = |key: &str| -> Result<i64> {
+            match ints(key)?.as_deref() {
+                Some(&[x]) => Ok(x),
+                _ => Err(bad(format!("`{key}` is missing or not one number"))),
+            }
+        };
+        let step = usize::try_from(one("step")?).map_err(|_| bad("`step` is negative".into()))?;
+        let text = match ints("text")? {
+            None => None,
+            Some(_) => Some(one("text")? as u64),
+        };
+        let adam_step = i32::try_from(one("adam_step")?)
+            .map_err(|_| bad("`adam_step` is out of range".into()))?;
+        let rng = match ints("rng")? {
+            None => None,
+            Some(v) => Some(
+                <[i64; 4]>::try_from(v.as_slice())
+                    .map_err(|_| bad(format!("`rng` holds {} numbers, not 4", v.len())))?
+                    .map(|x| x as u64),
+            ),
+        };
+        let pool = ints("pool")?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|x| usize::try_from(x).map_err(|_| bad(format!("`pool` holds offset {x}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let mut parts: HashMap<String, [Option<Vec<f32>>; 3]> = HashMap::new();
+        for (key, t) in &file {
+            let slot = match key.split_once('.') {
+                Some(("w", name)) => Some((0, name)),
+                Some(("m", name)) => Some((1, name)),
+                Some(("v", name)) => Some((2, name)),
+                None if matches!(key.as_str(), "step" | "adam_step" | "rng" | "pool" | "text") => {
+                    None
+                }
+                _ => return Err(bad(format!("unknown entry `{key}`"))),
+            };
+            let Some((i, name)) = slot else {
+                continue;
+            };
+            if t.dtype() != DType::F32 || t.rank() != 1 {
+                return Err(bad(format!(
+                    "`{key}` is {:?} of shape {:?}, not an f32 vector",
+                    t.dtype(),
+                    t.dims()
+                )));
+            }
+            let x = t.to_vec1().map_err(|e| bad(format!("`{key}`: {e}")))?;
+            parts.entry(name.to_string()).or_default()[i] = Some(x);
+        }
+        let mut vars = HashMap::with_capacity(parts.len());
+        for (name, [w, m, v]) in parts {
+            let (Some(weight), Some(m), Some(v)) = (w, m, v) else {
+                return Err(bad(format!(
+                    "variable `{name}` lacks its weights or a moment"
+                )));
+            };
+            if m.len() != weight.len() || v.len() != weight.len() {
+                return Err(bad(format!(
+                    "variable `{name}` has {} weights and moments of {} and {}",
+                    weight.len(),
+                    m.len(),
+                    v.len()
+                )));
+            }
+            vars.insert(name, VarState { weight, m, v });
+        }
+        // xoshiro's all-zero state draws zeros forever.
+        if rng == Some([0; 4]) {
+            return Err(bad("`rng` is all zeros".into()));
+        }
+        if vars.is_empty() {
+            return Err(bad("no variables (weights and moments)".into()));
+        }
+        Ok(Self {
+            step,
+            adam_step,
+            rng,
+            pool,
+            vars,
+            text,
+        })
+    }
+}
+
+/// The trainer's state after a step, lent to `on_step` so that a checkpoint can save it.
+pub struct Snapshot<'a> {
+    step: usize,
+    text: u64,
+    opt: &'a FusedAdamW,
+    rng: &'a Rng,
+    pool: &'a [usize],
+}
+
+impl Snapshot<'_> {
+    /// The step a run resumed from this state runs first.
+    pub fn next_step(&self) -> usize {
+        self.step
+    }
+
+    /// A copy of the state (weights and moments included: three times the parameters' bytes).
+    pub fn state(&self) -> Result<TrainerState> {
+        Ok(TrainerState {
+            step: self.step,
+            adam_step: self.opt.step,
+            rng: Some(self.rng.state()),
+            pool: self.pool.to_vec(),
+            vars: self.opt.var_states()?,
+            text: Some(self.text),
+        })
+    }
+
+    /// Saves the state into `dir` ([`TrainerState::save`]).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        self.state()?.save(dir)
+    }
+}
+
 /// Cosine schedule with linear warm-up.
 pub fn lr_at(step: usize, tc: &TrainConfig) -> f64 {
     if step < tc.warmup {
@@ -541,15 +861,17 @@ pub fn lr_at(step: usize, tc: &TrainConfig) -> f64 {
     tc.lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * p.min(1.0)).cos()))
 }
 
-/// Trains `dr` on the token stream `data` for steps `start..tc.steps`, calling `on_step` after
-/// each step (progress, checkpoints).
+/// Trains `dr` on the token stream `data` for steps `resume.step..tc.steps` (from step 0 with a
+/// fresh optimizer when `resume` is None), calling `on_step` after each step (progress;
+/// checkpoints save the [`Snapshot`]). A resumed state's weights, moments, RNG and teacher pool
+/// are restored first, so the run goes on as if it had never stopped.
 pub fn train(
     target: &Model,
     dr: &DsparkDrafter,
     data: &[u32],
     tc: &TrainConfig,
-    start: usize,
-    on_step: &mut dyn FnMut(&StepStats) -> Result<()>,
+    resume: Option<TrainerState>,
+    on_step: &mut dyn FnMut(&StepStats, &Snapshot<'_>) -> Result<()>,
 ) -> Result<()> {
     let (c, g) = (dr.cfg.context, dr.cfg.gamma);
     if data.len() < tc.chunk + 1 || tc.chunk < c + g + 2 {
@@ -560,22 +882,78 @@ pub fn train(
             tc.chunk
         )));
     }
-    let mut opt = FusedAdamW::new(dr.varmap.all_vars(), 0.01);
-    let mut rng = Rng::new(tc.seed ^ (start as u64).wrapping_mul(0x9e37_79b9));
+    let TrainerState {
+        step: first,
+        adam_step,
+        rng,
+        pool: saved_pool,
+        vars,
+        text,
+    } = resume.unwrap_or_default();
+    let text_now = text_hash(data);
+    if text.is_some_and(|h| h != text_now) {
+        return Err(DrafterError::Invalid(
+            "the trainer state was saved training on other text (its data order points into \
+             it): resume on the same --data and --max-bytes, or remove optimizer.safetensors \
+             to go on from the checkpoint with fresh optimizer moments and data order"
+                .into(),
+        ));
+    }
+    let mut opt = FusedAdamW::from_varmap(&dr.varmap, 0.01)?;
+    if !vars.is_empty() {
+        opt.restore(&vars, adam_step)?;
+    }
+    // The optimizer holds its own copy now.
+    drop(vars);
+    // Without a saved RNG (a fresh run, or a checkpoint from before trainer states) the data
+    // order is seeded from the step: a run from 0 draws from `tc.seed`.
+    let mut rng = match rng {
+        Some(s) => Rng::from_state(s),
+        None => Rng::new(tc.seed ^ (first as u64).wrapping_mul(0x9e37_79b9)),
+    };
     let th = TrainHead::new(dr)?;
     let pool = tc.pool.max(1);
+    let reuse = tc.reuse.max(1);
+    // Each pool slot's chunk and the offset it was cut at (what a checkpoint saves).
     let mut chunks: Vec<TeacherChunk> = Vec::with_capacity(pool);
-    let fresh = |rng: &mut Rng| {
-        let s0 = rng.below(data.len() - tc.chunk);
-        teacher(target, &data[s0..s0 + tc.chunk], &dr.cfg.feature_layers)
-    };
-    for step in start..tc.steps {
-        let t0 = std::time::Instant::now();
-        while chunks.len() < pool {
-            chunks.push(fresh(&mut rng)?);
+    let mut offsets: Vec<usize> = Vec::with_capacity(pool);
+    for &s0 in saved_pool.iter().take(pool) {
+        if s0 > data.len() - tc.chunk {
+            return Err(DrafterError::Invalid(format!(
+                "the trainer state's teacher chunk at token {s0} runs past the training text \
+                 ({} tokens, chunk {}): resume on the text and chunk size it was trained with",
+                data.len(),
+                tc.chunk
+            )));
         }
-        if step > start && step % tc.reuse.max(1) == 0 {
-            chunks[(step / tc.reuse.max(1)) % pool] = fresh(&mut rng)?;
+        chunks.push(teacher(
+            target,
+            &data[s0..s0 + tc.chunk],
+            &dr.cfg.feature_layers,
+        )?);
+        offsets.push(s0);
+    }
+    let fresh = |rng: &mut Rng| -> Result<(usize, TeacherChunk)> {
+        let s0 = rng.below(data.len() - tc.chunk);
+        let ch = teacher(target, &data[s0..s0 + tc.chunk], &dr.cfg.feature_layers)?;
+        Ok((s0, ch))
+    };
+    for step in first..tc.steps {
+        let t0 = std::time::Instant::now();
+        // A pool short of chunks (a fresh run) is filled; a full one has a slot replaced every
+        // `reuse` steps. Which depends on the pool and the step alone, not on where the run
+        // started, so a resumed run (its pool restored full) draws what the uninterrupted did.
+        if chunks.len() < pool {
+            while chunks.len() < pool {
+                let (s0, ch) = fresh(&mut rng)?;
+                chunks.push(ch);
+                offsets.push(s0);
+            }
+        } else if step % reuse == 0 {
+            let slot = (step / reuse) % pool;
+            let (s0, ch) = fresh(&mut rng)?;
+            chunks[slot] = ch;
+            offsets[slot] = s0;
         }
         let picks: Vec<(&TeacherChunk, usize)> = (0..tc.batch)
             .map(|_| {
@@ -599,17 +977,27 @@ pub fn train(
         let lr = lr_at(step, tc);
         opt.step(&sur.backward()?, lr)?;
         let dt = t0.elapsed().as_secs_f64();
-        on_step(&StepStats {
-            step,
-            loss: parts.total,
-            ce: parts.ce,
-            tv: parts.tv,
-            conf: parts.conf,
-            tv_parallel: parts.tv_parallel,
-            soft_ce: parts.soft_ce,
-            lr,
-            tok_s: (tc.batch * g) as f64 / dt,
-        })?;
+        let snapshot = Snapshot {
+            step: step + 1,
+            text: text_now,
+            opt: &opt,
+            rng: &rng,
+            pool: &offsets,
+        };
+        on_step(
+            &StepStats {
+                step,
+                loss: parts.total,
+                ce: parts.ce,
+                tv: parts.tv,
+                conf: parts.conf,
+                tv_parallel: parts.tv_parallel,
+                soft_ce: parts.soft_ce,
+                lr,
+                tok_s: (tc.batch * g) as f64 / dt,
+            },
+            &snapshot,
+        )?;
     }
     Ok(())
 }
@@ -752,6 +1140,143 @@ mod tests {
         }
         let moved = a_max(&(a.as_tensor() - &init).unwrap());
         assert!(moved > 1e-3, "the parameters moved ({moved})");
+    }
+
+    /// Every variable's bits, by name.
+    fn bits(dr: &DsparkDrafter) -> Vec<(String, Vec<u32>)> {
+        let mut out: Vec<(String, Vec<u32>)> = dr
+            .varmap
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| {
+                let x: Vec<f32> = v.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+                (k.clone(), x.iter().map(|f| f.to_bits()).collect())
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// A run stopped right after a checkpoint and resumed from its files (the f16 drafter and
+    /// the trainer state) ends with the uninterrupted run's weights, bit for bit, with pool
+    /// slots replaced on both sides of the stop; resumed with fresh moments it does not.
+    #[test]
+    fn a_resumed_run_ends_with_the_uninterrupted_runs_weights() {
+        use crate::model::tests::{tiny_drafter, tiny_target};
+        let (m, tok) = tiny_target(21, "drafter-resume");
+        let data = tok
+            .encode(&"the theater in there then rather inner bit tin ".repeat(20))
+            .unwrap();
+        // γ = 4 and context 6: chunk 24 > 6 + 4 + 2. Slots are replaced at steps 2 and 4.
+        let tc = TrainConfig {
+            steps: 6,
+            batch: 4,
+            chunk: 24,
+            lr: 3e-3,
+            warmup: 2,
+            seed: 7,
+            reuse: 2,
+            pool: 3,
+            ..Default::default()
+        };
+        assert!(data.len() > 2 * tc.chunk, "{} tokens", data.len());
+        let straight = tiny_drafter(&m, &tok, 6, 3);
+        train(&m, &straight, &data, &tc, None, &mut |_, _| Ok(())).unwrap();
+
+        let dir = std::env::temp_dir().join(format!("dspark-resume-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let load = || {
+            let (e, h) = target_tensors(&m).unwrap();
+            DsparkDrafter::load(&dir, m.cfg.arch.name(), &tok.vocab_hash(), e, h).unwrap()
+        };
+        // Stopped after step 2 (resumed at 3) and after step 3 (resumed at 4, a step that
+        // replaces a pool slot).
+        let mut state = TrainerState::default();
+        for stop in [3, 2] {
+            let first = tiny_drafter(&m, &tok, 6, 3);
+            let stopped = train(&m, &first, &data, &tc, None, &mut |s, snap| {
+                if s.step == stop {
+                    assert_eq!(snap.next_step(), stop + 1);
+                    first.save(&dir)?;
+                    snap.save(&dir)?;
+                    return Err(DrafterError::Invalid("stopped".into()));
+                }
+                Ok(())
+            });
+            assert!(
+                matches!(&stopped, Err(DrafterError::Invalid(e)) if e == "stopped"),
+                "{stopped:?}"
+            );
+            state = TrainerState::load(&dir).unwrap();
+            assert_eq!((state.step, state.adam_step), (stop + 1, stop as i32 + 1));
+            assert_eq!(state.pool.len(), 3);
+            assert!(state.rng.is_some());
+            let resumed = load();
+            assert_ne!(
+                bits(&resumed),
+                bits(&first),
+                "the drafter checkpoint is f16"
+            );
+            train(
+                &m,
+                &resumed,
+                &data,
+                &tc,
+                Some(state.clone()),
+                &mut |_, _| Ok(()),
+            )
+            .unwrap();
+            assert!(
+                bits(&resumed) == bits(&straight),
+                "resumed at {}: not the uninterrupted run's weights",
+                stop + 1
+            );
+        }
+
+        // The moments matter: zeroed (with the update count), the weights come out elsewhere.
+        let mut zeroed = state.clone();
+        zeroed.adam_step = 0;
+        for s in zeroed.vars.values_mut() {
+            s.m.fill(0.0);
+            s.v.fill(0.0);
+        }
+        let afresh = load();
+        train(&m, &afresh, &data, &tc, Some(zeroed), &mut |_, _| Ok(())).unwrap();
+        assert!(bits(&afresh) != bits(&straight));
+
+        // A state that lacks a variable, or a file whose moment is short, names the variable.
+        let (name, _) = state
+            .vars
+            .iter()
+            .max_by_key(|(_, s)| s.weight.len())
+            .unwrap();
+        let mut lacking = state.clone();
+        lacking.vars.remove(name);
+        let err = train(&m, &load(), &data, &tc, Some(lacking), &mut |_, _| Ok(())).unwrap_err();
+        assert!(err.to_string().contains(name.as_str()), "{err}");
+        let other: Vec<u32> = data.iter().rev().copied().collect();
+        let err = train(
+            &m,
+            &load(),
+            &other,
+            &tc,
+            Some(state.clone()),
+            &mut |_, _| Ok(()),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("other text"), "{err}");
+        let mut short = state.clone();
+        short.vars.get_mut(name).unwrap().m.pop();
+        short.save(&dir).unwrap();
+        let err = TrainerState::load(&dir).unwrap_err();
+        assert!(err.to_string().contains(name.as_str()), "{err}");
+        assert!(matches!(
+            TrainerState::load(&dir.join("nowhere")),
+            Err(DrafterError::Checkpoint { .. })
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
