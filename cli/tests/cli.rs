@@ -683,6 +683,39 @@ fn bench_decode_pairs_rounds_with_the_peer_and_reports_an_interval() {
     assert!(code != 0 && err.contains("--rounds"), "{err}");
 }
 
+/// `train-drafter` of a small drafter (γ 4, rank 32, batch 4, chunk 64) against target `m`.
+fn train_tiny(
+    home: &Path,
+    m: &str,
+    data: &str,
+    out: &Path,
+    steps: &str,
+    extra: &[&str],
+) -> (i32, String, String) {
+    let o = out.display().to_string();
+    let mut args = vec![
+        "train-drafter",
+        "--target",
+        m,
+        "--data",
+        data,
+        "--out",
+        &o,
+        "--steps",
+        steps,
+        "--gamma",
+        "4",
+        "--rank",
+        "32",
+        "--batch",
+        "4",
+        "--chunk",
+        "64",
+    ];
+    args.extend_from_slice(extra);
+    dspark(home, &args)
+}
+
 /// `train-drafter --resume` goes on where the run stopped: 2 steps, then resumed to 5 in
 /// another process, save the weights 5 steps in one run save (the drafter's f16 file, byte
 /// for byte). A trainer state left behind by another run is refused, and a checkpoint without
@@ -699,34 +732,9 @@ fn a_resumed_drafter_training_saves_the_uninterrupted_runs_weights() {
     .unwrap();
     let data = data.display().to_string();
     let train = |out: &Path, steps: &str, extra: &[&str]| {
-        let o = out.display().to_string();
-        let mut args = vec![
-            "train-drafter",
-            "--target",
-            &m,
-            "--data",
-            &data,
-            "--out",
-            &o,
-            "--steps",
-            steps,
-            "--gamma",
-            "4",
-            "--rank",
-            "32",
-            "--batch",
-            "4",
-            "--chunk",
-            "64",
-            "--pool",
-            "2",
-            "--reuse",
-            "2",
-            "--save-every",
-            "2",
-        ];
+        let mut args = vec!["--pool", "2", "--reuse", "2", "--save-every", "2"];
         args.extend_from_slice(extra);
-        dspark(&d, &args)
+        train_tiny(&d, &m, &data, out, steps, &args)
     };
     let (straight, resumed) = (d.join("straight"), d.join("resumed"));
     let (code, _, err) = train(&straight, "5", &[]);
@@ -767,30 +775,7 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
     let data = data.display().to_string();
     let dir = d.join("dr");
     let o = dir.display().to_string();
-    let (code, _, err) = dspark(
-        &d,
-        &[
-            "train-drafter",
-            "--target",
-            &m,
-            "--data",
-            &data,
-            "--out",
-            &o,
-            "--steps",
-            "3",
-            "--gamma",
-            "4",
-            "--rank",
-            "32",
-            "--batch",
-            "4",
-            "--chunk",
-            "64",
-            "--save-every",
-            "3",
-        ],
-    );
+    let (code, _, err) = train_tiny(&d, &m, &data, &dir, "3", &["--save-every", "3"]);
     assert_eq!(code, 0, "{err}");
     let calibrate = |extra: &[&str]| {
         let mut args = vec![
