@@ -534,6 +534,9 @@ struct Round {
     /// Per request: context length and feature rows covered, k, and the tokens it synced
     /// from.
     sent: HashMap<u64, (usize, usize, usize, usize)>,
+    /// Per request, the verdict its item carried: one the draft worker did not apply (it
+    /// answered need_sync) goes again with the next item.
+    verdicts: HashMap<u64, (usize, usize)>,
     /// The reply, once drained.
     ready: Option<(DraftReply, Instant)>,
     /// Whether its acknowledgements were applied when it was drained: applying the reply
@@ -647,6 +650,7 @@ impl RemoteProposer {
             .load(Ordering::SeqCst);
         let mut items = Vec::with_capacity(idx.len());
         let mut sent = HashMap::new();
+        let mut verdicts = HashMap::new();
         for &i in idx {
             let r = &mut reqs[i];
             let (item, feat_end, acked) = self.build_item(addr, generation, rl, r);
@@ -655,6 +659,9 @@ impl RemoteProposer {
                 m.entry(r.id).or_default().bytes_to_draft += bytes;
             }
             sent.insert(r.id, (r.context.len(), feat_end, r.k, acked));
+            if let Some(v) = item.verified {
+                verdicts.insert(r.id, (item.verified_at as usize, v as usize));
+            }
             items.push(item);
         }
         let finished = std::mem::take(&mut self.links.get_mut(addr)?.finished);
@@ -705,6 +712,7 @@ impl RemoteProposer {
             rx,
             t0: Instant::now(),
             sent,
+            verdicts,
             ready: None,
             drained: false,
         })
@@ -857,6 +865,11 @@ impl RemoteProposer {
                 // is not healed by resending.
                 if b.have_tokens as usize >= synced_from && !round.drained {
                     rs.back_off(cycle);
+                }
+                // The item was not applied: its verdict goes with the next one (unless a newer
+                // one is recorded), or the drafter reads its block's outcome off the context.
+                if rs.verdict.is_none() {
+                    rs.verdict = round.verdicts.get(&b.seq).copied();
                 }
                 rs.tokens_acked = b.have_tokens as usize;
                 rs.feats_acked = 0;
@@ -1503,23 +1516,33 @@ mod tests {
         }
     }
 
+    /// A round sent to "a" at `step` in cycle 0, with what each request's item covered
+    /// (context length, feature rows, k, tokens synced from) and the verdicts they carried.
+    fn test_round(
+        step: u64,
+        sent: &[(u64, (usize, usize, usize, usize))],
+        verdicts: &[(u64, (usize, usize))],
+    ) -> Round {
+        Round {
+            addr: "a".into(),
+            step,
+            cycle: 0,
+            rx: std::sync::mpsc::channel().1,
+            t0: Instant::now(),
+            sent: sent.iter().copied().collect(),
+            verdicts: verdicts.iter().copied().collect(),
+            ready: None,
+            drained: false,
+        }
+    }
+
     /// A reply's unusable block costs only its own request a remote draft (it drafts
     /// locally); a refused round still records what the draft worker acknowledged.
     #[test]
     fn unusable_blocks_and_refused_rounds_keep_the_others_acknowledged() {
         let rt = test_runtime();
         let mut p = test_proposer(&rt, Arc::new(RemoteShared::default()), 10);
-        let (_tx, rx) = std::sync::mpsc::channel();
-        let round = Round {
-            addr: "a".into(),
-            step: 1,
-            cycle: 0,
-            rx,
-            t0: Instant::now(),
-            sent: HashMap::from([(1, (4, 0, 2, 0)), (2, (4, 0, 2, 0))]),
-            ready: None,
-            drained: false,
-        };
+        let round = test_round(1, &[(1, (4, 0, 2, 0)), (2, (4, 0, 2, 0))], &[]);
         let ctx = [1u32, 2, 3, 4];
         let sampled = kernels::sampling::SamplingParams {
             temperature: 1.0,
@@ -1611,17 +1634,7 @@ mod tests {
         // need_sync from a worker that holds what the round synced from is a refusal (backs
         // off, doubling); from one that holds less, lost state (resent, no back-off).
         reset(&mut p);
-        let (_tx, rx) = std::sync::mpsc::channel();
-        let synced = Round {
-            addr: "a".into(),
-            step: 2,
-            cycle: 0,
-            rx,
-            t0: Instant::now(),
-            sent: HashMap::from([(1, (4, 0, 2, 0)), (2, (4, 0, 2, 3))]),
-            ready: None,
-            drained: false,
-        };
+        let synced = test_round(2, &[(1, (4, 0, 2, 0)), (2, (4, 0, 2, 3))], &[]);
         let need_sync = |seq: u64| dspark_proto::DraftBlock {
             seq,
             need_sync: true,
@@ -1690,17 +1703,7 @@ mod tests {
         assert_eq!(acked, 0);
         assert_eq!((item.verified_at, item.verified), (0, None));
         // Its block lands (drafted at context length 4) and the policy verifies 1 of its 2.
-        let (_tx, rx) = std::sync::mpsc::channel();
-        let round = Round {
-            addr: "a".into(),
-            step: 1,
-            cycle: 0,
-            rx,
-            t0: Instant::now(),
-            sent: HashMap::from([(1, (4, 0, 2, 0))]),
-            ready: None,
-            drained: false,
-        };
+        let round = test_round(1, &[(1, (4, 0, 2, 0))], &[]);
         let rep = DraftReply {
             step: 1,
             blocks: vec![dspark_proto::DraftBlock {
@@ -1728,6 +1731,33 @@ mod tests {
         };
         let (item, _, acked) = p.build_item("a", 0, 0, &mut r);
         assert_eq!(acked, 4, "the round acknowledged the context");
+        assert_eq!((item.verified_at, item.verified), (4, Some(1)));
+        // The draft worker answers that item need_sync (it refused the request): the verdict
+        // it did not apply goes again with the next item.
+        let refused = test_round(2, &[(1, (6, 0, 2, 4))], &[(1, (4, 1))]);
+        let rep = DraftReply {
+            step: 2,
+            blocks: vec![dspark_proto::DraftBlock {
+                seq: 1,
+                need_sync: true,
+                have_tokens: 6,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let reqs = vec![r];
+        let mut out: Vec<Option<DraftBlock>> = vec![None];
+        p.apply(&refused, &(rep, Instant::now()), &reqs, &ids, &mut out);
+        assert!(out[0].is_none());
+        drop(reqs);
+        let mut r = ProposeReq {
+            id: 1,
+            context: &ctx,
+            k: 2,
+            params: &greedy,
+            rng: &mut rng,
+        };
+        let (item, _, _) = p.build_item("a", 0, 0, &mut r);
         assert_eq!((item.verified_at, item.verified), (4, Some(1)));
         // This block (drafted at 6) is not the one verified (a late reply: the fallback's
         // was): none of its drafts verified, said once.
