@@ -109,7 +109,8 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Generate at least this many tokens before an end-of-sequence or stop token (vLLM's
     /// `min_tokens`): the engine holds those tokens back in the sampling transform, so the
-    /// output follows the target's distribution with them removed.
+    /// output follows the target's distribution with them removed. Stop strings, too, end the
+    /// request only from this many tokens on (as vLLM).
     pub min_tokens: usize,
     /// More tokens that end the request (vLLM's `stop_token_ids`); unlike end-of-sequence
     /// tokens they are part of the output.
@@ -1892,7 +1893,9 @@ fn commit_tokens(
             if let Some(delta) = s.decoder.push(tk, t)? {
                 let before = s.text.len();
                 s.text.push_str(&delta);
-                if let Some(cut) = find_stop(&s.text, &s.req.stop, before) {
+                if s.output_len() >= s.req.min_tokens
+                    && let Some(cut) = find_stop(&s.text, &s.req.stop, before)
+                {
                     s.text.truncate(cut);
                     s.finished = Some(FinishReason::Stop);
                     break;

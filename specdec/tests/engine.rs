@@ -389,6 +389,58 @@ fn stop_strings_and_eos_cut_blocks_exactly_like_plain_decoding() {
     }
 }
 
+/// As vLLM's `min_tokens`: a stop string ends a request only from that many tokens on (here
+/// the first character of the answer, which would end it at once), and the tokens are plain
+/// decoding's under the same `min_tokens`.
+#[test]
+fn min_tokens_hold_stop_strings_back_too() {
+    let f = fixture();
+    let ps = prompts(&f, 8);
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        proposer_clone(&f, "ngram"),
+        cfg(4),
+        CostModel::flat(5),
+    )
+    .unwrap();
+    let mut want = Vec::new();
+    for (i, p) in ps.iter().enumerate() {
+        let full = generate(
+            &f.target,
+            &f.tok,
+            p,
+            &GenerateParams {
+                max_tokens: 30,
+                min_tokens: 10,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+        let Some(first) = full.text.chars().next() else {
+            continue;
+        };
+        let mut r = Request::new(i as u64, p.clone(), 30);
+        r.min_tokens = 10;
+        r.stop = vec![first.to_string()];
+        want.push((i as u64, full.token_ids));
+        e.add(r).unwrap();
+    }
+    assert!(want.len() >= 4, "{} prompts with text", want.len());
+    let got = collect(e.run_to_completion().unwrap());
+    for (id, full) in want {
+        let (tokens, _, _) = &got[&id];
+        assert!(
+            tokens.len() >= 10.min(full.len()),
+            "prompt {id} stopped after {} tokens",
+            tokens.len()
+        );
+        assert_eq!(tokens[..], full[..tokens.len()], "prompt {id}");
+    }
+    e.check_kv().unwrap();
+}
+
 /// A request resumed after its worker died mid-stream (the router sends the prompt plus the
 /// tokens it received, `resumed` of them) goes on from the text its first worker held back:
 /// at every cut, the text sent before it plus the text after it is the uninterrupted answer,
