@@ -885,7 +885,14 @@ async fn drive(
     loop {
         let ev = match first.take() {
             Some(e) => Some(Ok(e)),
-            None => stream.next().await,
+            // A client that left is noticed while the worker says nothing (the request queued
+            // or prefilling there), not at its next event: returning drops the stream, which
+            // cancels the request on the worker.
+            None => tokio::select! {
+                biased;
+                _ = tx.closed() => return,
+                e = stream.next() => e,
+            },
         };
         match ev {
             Some(Ok(e)) => match e.kind {
@@ -984,14 +991,24 @@ async fn drive(
                 let mut live = alive.then(|| target.id.clone());
                 let mut opened;
                 loop {
-                    opened = open(&app, &job, prompt.clone(), left, &failed, again, true).await;
+                    // Opening waits for the new worker's prefill: a client that leaves
+                    // meanwhile ends it (dropping the opening cancels it there).
+                    opened = tokio::select! {
+                        biased;
+                        _ = tx.closed() => return,
+                        o = open(&app, &job, prompt.clone(), left, &failed, again, true) => o,
+                    };
                     if let Some(w) = &live
                         && matches!(&opened, Err(e) if e.status == StatusCode::SERVICE_UNAVAILABLE)
                     {
                         let others: Vec<String> =
                             failed.iter().filter(|f| *f != w).cloned().collect();
                         tokio::time::sleep(SAME_WORKER_PAUSE).await;
-                        opened = open(&app, &job, prompt.clone(), left, &others, again, true).await;
+                        opened = tokio::select! {
+                            biased;
+                            _ = tx.closed() => return,
+                            o = open(&app, &job, prompt.clone(), left, &others, again, true) => o,
+                        };
                     }
                     // A worker whose engine fails the reopened request before its first event:
                     // one more failure, as mid-stream.
@@ -1580,10 +1597,16 @@ async fn serve(
                 drive(Arc::clone(&app), job, target, stream, first, txi).instrument(span.clone()),
             );
             let room = Arc::clone(&room);
-            // A client that went away closes `rx`: the forwarder stops, `drive` sees its
-            // channel closed and drops the worker's stream, which cancels the request there.
+            // A client that went away closes `rx`: the forwarder stops at once (not at the
+            // next piece), `drive` sees its channel closed and drops the worker's stream, which
+            // cancels the request there.
             tokio::spawn(async move {
-                while let Some(p) = rxi.recv().await {
+                loop {
+                    let p = tokio::select! {
+                        p = rxi.recv() => p,
+                        _ = tx.closed() => None,
+                    };
+                    let Some(p) = p else { break };
                     if tx.send((i, p)).await.is_err() {
                         break;
                     }

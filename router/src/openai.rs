@@ -90,12 +90,18 @@ pub struct DetokenizeRequest {
     pub tokens: Vec<u32>,
 }
 
+/// A boolean that may be `null` (OpenAI types these flags "boolean or null", and clients that
+/// serialize every field send `"stream": null`): null reads as false, as when it is left out.
+fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
 /// Most prompts in one completions request.
 pub const MAX_PROMPTS: usize = 256;
 
 #[derive(Deserialize, Debug, Default)]
 pub struct StreamOptions {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub include_usage: bool,
 }
 
@@ -116,7 +122,7 @@ pub struct Common {
     pub stop: Option<StringOrList>,
     pub seed: Option<i64>,
     pub n: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
     /// Completions: the number of alternatives per token (0..=20); chat: `true` to report
@@ -127,18 +133,19 @@ pub struct Common {
     /// Extension: draft length for this request.
     pub gamma: Option<i64>,
     /// Extension (as in vLLM): return the generated token ids with each choice / chunk.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub return_token_ids: bool,
     /// Extension (vLLM): keep generating past the end-of-sequence token (benchmarks that
     /// want fixed output lengths).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub ignore_eos: bool,
     /// Extension (vLLM): after temperature, drop tokens less likely than `min_p` times the
     /// most likely one.
     pub min_p: Option<f64>,
     /// Token id (as a string key) -> bias in [-100, 100] added to its logit.
     pub logit_bias: Option<std::collections::HashMap<String, f64>>,
-    /// Extension (vLLM): no end-of-sequence or stop token before this many tokens.
+    /// Extension (vLLM): no end-of-sequence, stop token or stop string ends the answer before
+    /// this many tokens.
     pub min_tokens: Option<i64>,
     /// Extension (vLLM): more tokens that end the completion (they are part of it).
     pub stop_token_ids: Option<Vec<i64>>,
@@ -478,6 +485,14 @@ impl Common {
                 ));
             }
         };
+        // As OpenAI and vLLM: options of a stream on a request that does not stream are a
+        // mistake worth saying (the usage asked for would never come as a chunk).
+        if self.stream_options.is_some() && !self.stream {
+            return Err(ApiError::bad(
+                "stream_options is only allowed with stream: true",
+                Some("stream_options"),
+            ));
+        }
         let echo = self.echo == Some(true);
         let max = self.max_completion_tokens.or(self.max_tokens);
         let score_only = echo && max == Some(0);
@@ -938,6 +953,33 @@ mod tests {
         }
         let r: CompletionRequest = serde_json::from_value(v).expect("request");
         r.common.settings(16, 64, 1000)
+    }
+
+    /// Flags sent as `null` (clients that serialize every field) read as left out; stream
+    /// options without a stream are refused, as OpenAI and vLLM do.
+    #[test]
+    fn null_flags_read_as_false_and_stream_options_need_a_stream() {
+        let s = settings(json!({"stream": null, "ignore_eos": null, "return_token_ids": null}))
+            .expect("null flags");
+        assert!(!s.stream && !s.ignore_eos && !s.return_token_ids);
+        let s = settings(json!({"stream": true, "stream_options": {"include_usage": null}}))
+            .expect("null include_usage");
+        assert!(s.stream && !s.include_usage);
+        let s = settings(json!({"stream": true, "stream_options": {"include_usage": true}}))
+            .expect("usage");
+        assert!(s.include_usage);
+        for extra in [
+            json!({"stream_options": {"include_usage": true}}),
+            json!({"stream": false, "stream_options": {}}),
+        ] {
+            let e = settings(extra.clone()).err().expect("refused");
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{extra}");
+            assert!(
+                e.message.contains("stream_options"),
+                "{extra}: {}",
+                e.message
+            );
+        }
     }
 
     #[test]
