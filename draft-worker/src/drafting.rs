@@ -130,6 +130,10 @@ pub struct Drafting {
 pub const MAX_REQUESTS: usize = 16_384;
 /// Longest context one request may sync (tokens), well past any model's context here.
 pub const MAX_CONTEXT_TOKENS: usize = 1 << 18;
+/// Longest list of logit biases or held tokens one request's sampling may carry (the router
+/// allows 1024 biases and 64 stop tokens): kept with the request and read at every drafted
+/// position, on the one drafting thread every stream shares.
+pub const MAX_SAMPLING_LIST: usize = 4096;
 
 /// Largest reply to one round (encoded bytes, estimated from above): the message limit less a
 /// margin for the reply's own fields. A reply past the limit ends the stream, and the target
@@ -268,14 +272,27 @@ impl Drafting {
             .map(|s| s.to_params())
             .transpose()
             .map_err(|e| e.to_string())?;
+        if let Some(p) = &params {
+            if p.logit_bias.len() > MAX_SAMPLING_LIST || p.held_ids.len() > MAX_SAMPLING_LIST {
+                return Err(format!(
+                    "sampling with {} logit biases and {} held tokens (at most \
+                     {MAX_SAMPLING_LIST} each)",
+                    p.logit_bias.len(),
+                    p.held_ids.len()
+                ));
+            }
+            p.validate_vocab(self.host.vocab)
+                .map_err(|e| e.to_string())?;
+        }
         if let Some(f) = &it.features {
             // Validated here without decoding; decoded once when applied.
-            let (_, n) = f.check().map_err(|e| format!("features: {e}"))?;
-            if self.host.row_len > 0 && n % self.host.row_len != 0 {
-                return Err(format!(
-                    "features of {n} floats do not split into rows of {}",
-                    self.host.row_len
-                ));
+            f.check().map_err(|e| format!("features: {e}"))?;
+            // Rows of this drafter's width, as the target sends them: a target whose model
+            // has another width (one tokenizer, two sizes) would otherwise have its rows
+            // reread as garbage wherever the counts happened to divide.
+            let rl = self.host.row_len;
+            if rl > 0 && (f.shape.len() != 2 || f.shape[1] as usize != rl) {
+                return Err(format!("features of shape {:?}, not rows of {rl}", f.shape));
             }
         }
         Ok(params)
@@ -837,6 +854,38 @@ mod tests {
         // Resent well, a refused request drafts.
         let r = run(&mut d, call(2, vec![item(2, 4)]));
         assert_eq!(r.blocks[0].tokens.len(), 3);
+    }
+
+    /// Sampling lists past the limit, a logit bias outside the vocabulary and feature rows of
+    /// another width are their own request's refusal (each came through before: kept with the
+    /// request and read at every drafted position, or drafted from rows read at the wrong
+    /// width).
+    #[test]
+    fn oversized_sampling_and_features_of_another_width_are_refused() {
+        let mut d = drafting();
+        d.host.row_len = 4;
+        let mut held = item(1, 3);
+        held.sampling = Some(dspark_proto::Sampling {
+            hold_until: 5,
+            held_ids: vec![1; MAX_SAMPLING_LIST + 1],
+            ..Default::default()
+        });
+        let mut bias = item(2, 3);
+        bias.sampling = Some(dspark_proto::Sampling {
+            logit_bias: HashMap::from([(10, 1.0)]),
+            ..Default::default()
+        });
+        // 12 floats split into rows of 4, but they are 2 rows of 6.
+        let mut wide = item(3, 3);
+        wide.features = Some(Tensor::from_f32(&[0.5; 12], &[2, 6], Dtype::F32));
+        let mut fits = item(4, 3);
+        fits.features = Some(Tensor::from_f32(&[0.5; 12], &[3, 4], Dtype::F32));
+        let r = run(&mut d, call(1, vec![held, bias, wide, fits]));
+        assert!(r.error.is_empty(), "{:?}", r.error);
+        for b in &r.blocks[..3] {
+            assert!(b.need_sync && b.tokens.is_empty(), "{b:?}");
+        }
+        assert!(!r.blocks[3].need_sync, "{:?}", r.blocks[3]);
     }
 
     #[test]
