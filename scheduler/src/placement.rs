@@ -177,6 +177,15 @@ impl Cluster {
     }
 
     pub fn upsert(&mut self, info: WorkerInfo, ttl: Duration, now: Instant) {
+        // The same id at another address is another process (a pod restarted with a new IP):
+        // the prefixes placed on the old one are not in its cache.
+        if self
+            .workers
+            .get(&info.id)
+            .is_some_and(|e| e.info.address != info.address)
+        {
+            self.prefixes.remove(&info.id);
+        }
         self.workers.insert(
             info.id.clone(),
             Entry {
@@ -601,6 +610,23 @@ mod tests {
         assert_eq!(c.place("m", &[], &with(1)).unwrap().0.id, "2");
         c.set_affinity_slack(f64::NAN);
         assert_eq!(c.affinity_slack, 0.0);
+        // The same id back at another address (a restarted pod) holds none of its prefixes:
+        // prompts that followed it go by load again.
+        c.set_affinity_slack(0.25);
+        let fresh = prefix_hashes(&(5000..5084).collect::<Vec<u32>>());
+        c.upsert(w("1", ROLE_TARGET, 8, 0), ttl, now);
+        c.upsert(w("2", ROLE_TARGET, 8, 0), ttl, now);
+        assert_eq!(c.place("m", &[], &fresh).unwrap().0.id, "1");
+        c.upsert(w("1", ROLE_TARGET, 8, 1), ttl, now);
+        c.upsert(w("2", ROLE_TARGET, 8, 0), ttl, now);
+        assert_eq!(c.place("m", &[], &fresh).unwrap().0.id, "1");
+        let moved = WorkerInfo {
+            address: "127.0.0.1:29".into(),
+            ..w("1", ROLE_TARGET, 8, 1)
+        };
+        c.upsert(moved, ttl, now);
+        c.upsert(w("2", ROLE_TARGET, 8, 0), ttl, now);
+        assert_eq!(c.place("m", &[], &fresh).unwrap().0.id, "2");
     }
 
     #[test]
