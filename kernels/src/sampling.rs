@@ -107,7 +107,8 @@ impl SamplingParams {
             self.held_ids.clear();
             return;
         }
-        self.hold_until = prompt_len + min_tokens;
+        // Saturating: a library caller may ask for up to usize::MAX tokens.
+        self.hold_until = prompt_len.saturating_add(min_tokens);
         self.held_ids = end_ids.to_vec();
         self.held_ids.sort_unstable();
         self.held_ids.dedup();
@@ -831,6 +832,9 @@ mod tests {
         assert!(probs(&logits, &[7; 5], &p)[3] > 0.5);
         p.hold_end_tokens(2, 0, &[3]);
         assert!(p.hold_until == 0 && p.held_ids.is_empty() && !p.shapes_logits());
+        // As many as a caller may ask for: held for good, not wrapped to a few tokens.
+        p.hold_end_tokens(2, usize::MAX, &[3]);
+        assert_eq!(p.hold_until, usize::MAX);
     }
 
     #[test]
