@@ -285,6 +285,18 @@ fn proposer_clone(f: &Fixture, name: &str) -> Box<dyn Proposer> {
 
 /// The n-gram drafter, failing every other drafting call (as a draft model past its cache),
 /// and every other commit of request 5's context (as a drafter that cannot roll it back).
+/// An engine over the fixture's target with `proposer`, γ = 4 and a flat cost model.
+fn engine_with(f: &Fixture, proposer: Box<dyn Proposer>) -> Engine {
+    Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        proposer,
+        cfg(4),
+        CostModel::flat(5),
+    )
+    .unwrap()
+}
+
 struct Flaky(NgramProposer, usize, usize);
 impl Proposer for Flaky {
     fn commit(&mut self, id: u64, _context: &[u32]) -> specdec::Result<()> {
@@ -346,14 +358,7 @@ fn stop_strings_and_eos_cut_blocks_exactly_like_plain_decoding() {
     let f = fixture();
     let ps = prompts(&f, 20);
     for name in ["ngram", "draft-model"] {
-        let mut e = Engine::with_cost(
-            f.target.clone(),
-            Some(f.tok.clone()),
-            proposer_clone(&f, name),
-            cfg(4),
-            CostModel::flat(5),
-        )
-        .unwrap();
+        let mut e = engine_with(&f, proposer_clone(&f, name));
         let mut want = Vec::new();
         for (i, p) in ps.iter().enumerate() {
             let full = generate(
@@ -396,14 +401,7 @@ fn stop_strings_and_eos_cut_blocks_exactly_like_plain_decoding() {
 fn min_tokens_hold_stop_strings_back_too() {
     let f = fixture();
     let ps = prompts(&f, 8);
-    let mut e = Engine::with_cost(
-        f.target.clone(),
-        Some(f.tok.clone()),
-        proposer_clone(&f, "ngram"),
-        cfg(4),
-        CostModel::flat(5),
-    )
-    .unwrap();
+    let mut e = engine_with(&f, proposer_clone(&f, "ngram"));
     let mut want = Vec::new();
     for (i, p) in ps.iter().enumerate() {
         let full = generate(
@@ -1140,14 +1138,7 @@ fn sampled_tokens_match_with_speculation_on_and_off() {
 #[test]
 fn cancellation_and_bad_input() {
     let f = fixture();
-    let mut e = Engine::with_cost(
-        f.target.clone(),
-        Some(f.tok.clone()),
-        Box::new(NgramProposer::default()),
-        cfg(4),
-        CostModel::flat(5),
-    )
-    .unwrap();
+    let mut e = engine_with(&f, Box::new(NgramProposer::default()));
     let p = f.tok.encode("the theater in").unwrap();
     assert!(e.add(Request::new(1, vec![], 5)).is_err());
     assert!(e.add(Request::new(1, p.clone(), 0)).is_err());
@@ -1238,14 +1229,7 @@ fn incompatible_draft_vocabulary_is_refused() {
 #[test]
 fn metrics_count_what_happened() {
     let f = fixture();
-    let mut e = Engine::with_cost(
-        f.target.clone(),
-        Some(f.tok.clone()),
-        proposer_clone(&f, "draft-model"),
-        cfg(4),
-        CostModel::flat(5),
-    )
-    .unwrap();
+    let mut e = engine_with(&f, proposer_clone(&f, "draft-model"));
     let p = f.tok.encode("the theater in there").unwrap();
     e.add(Request::new(1, p, 30)).unwrap();
     let events = e.run_to_completion().unwrap();

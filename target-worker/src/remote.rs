@@ -1680,6 +1680,24 @@ mod tests {
         assert!(dense_rows(&wide, 1, 3).is_none());
     }
 
+    /// Request 1's next item (greedy, k = 2) at `ctx`, on stream `generation` of "a".
+    fn item_at(
+        p: &mut RemoteProposer,
+        ctx: &[u32],
+        generation: u64,
+        rng: &mut kernels::rng::Rng,
+    ) -> (DraftItem, usize, usize) {
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut r = ProposeReq {
+            id: 1,
+            context: ctx,
+            k: 2,
+            params: &greedy,
+            rng,
+        };
+        p.build_item("a", generation, 0, &mut r)
+    }
+
     /// The draft worker learns, with the request's next item, how many drafts of its previous
     /// block the engine verified: what the verify policy left of a block of its that landed,
     /// none of one the engine never verified (a block made here instead, a step without
@@ -1750,52 +1768,24 @@ mod tests {
         p.apply(&refused, &(rep, Instant::now()), &reqs, &ids, &mut out);
         assert!(out[0].is_none());
         drop(reqs);
-        let mut r = ProposeReq {
-            id: 1,
-            context: &ctx,
-            k: 2,
-            params: &greedy,
-            rng: &mut rng,
-        };
-        let (item, _, _) = p.build_item("a", 0, 0, &mut r);
+        let (item, _, _) = item_at(&mut p, &ctx, 0, &mut rng);
         assert_eq!((item.verified_at, item.verified), (4, Some(1)));
         // This block (drafted at 6) is not the one verified (a late reply: the fallback's
         // was): none of its drafts verified, said once.
         p.verified(1, 6, 2);
         let ctx = [1u32, 2, 3, 4, 3, 7, 7, 8, 9];
-        let mut r = ProposeReq {
-            id: 1,
-            context: &ctx,
-            k: 2,
-            params: &greedy,
-            rng: &mut rng,
-        };
-        let (item, _, _) = p.build_item("a", 0, 0, &mut r);
+        let (item, _, _) = item_at(&mut p, &ctx, 0, &mut rng);
         assert_eq!((item.verified_at, item.verified), (6, Some(0)));
         // A step without drafts verified nothing of the block drafted at 9 either, although
         // the engine said nothing.
         let ctx = [1u32, 2, 3, 4, 3, 7, 7, 8, 9, 9];
-        let mut r = ProposeReq {
-            id: 1,
-            context: &ctx,
-            k: 2,
-            params: &greedy,
-            rng: &mut rng,
-        };
-        let (item, _, _) = p.build_item("a", 0, 0, &mut r);
+        let (item, _, _) = item_at(&mut p, &ctx, 0, &mut rng);
         assert_eq!((item.verified_at, item.verified), (9, Some(0)));
         // A new stream (the draft worker reconnected) holds none of the old blocks: nothing
         // about them goes, and the context is resent whole.
         p.verified(1, 10, 2);
         let ctx = [1u32, 2, 3, 4, 3, 7, 7, 8, 9, 9, 4];
-        let mut r = ProposeReq {
-            id: 1,
-            context: &ctx,
-            k: 2,
-            params: &greedy,
-            rng: &mut rng,
-        };
-        let (item, _, acked) = p.build_item("a", 1, 0, &mut r);
+        let (item, _, acked) = item_at(&mut p, &ctx, 1, &mut rng);
         assert_eq!(acked, 0);
         assert_eq!((item.verified_at, item.verified), (0, None));
     }
