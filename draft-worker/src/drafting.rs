@@ -121,6 +121,8 @@ struct ReqState {
 pub struct Drafting {
     host: DraftHost,
     ids: HashMap<(u64, u64), u64>,
+    /// Requests held per stream.
+    per_stream: HashMap<u64, usize>,
     states: HashMap<u64, ReqState>,
     next_id: u64,
 }
@@ -128,6 +130,9 @@ pub struct Drafting {
 /// Requests one draft worker keeps state for, over all its streams: a target worker runs a
 /// few hundred at most, so a stream opening more is refused before it exhausts memory.
 pub const MAX_REQUESTS: usize = 16_384;
+/// Requests one stream (one target worker) may keep state for: a quarter of the worker's, so
+/// one target that never finishes its requests cannot refuse every other target's.
+pub const MAX_STREAM_REQUESTS: usize = MAX_REQUESTS / 4;
 /// Longest context one request may sync (tokens), well past any model's context here.
 pub const MAX_CONTEXT_TOKENS: usize = 1 << 18;
 /// Longest list of logit biases or held tokens one request's sampling may carry (the router
@@ -166,6 +171,7 @@ impl Drafting {
         Self {
             host,
             ids: HashMap::new(),
+            per_stream: HashMap::new(),
             states: HashMap::new(),
             next_id: 1,
         }
@@ -230,6 +236,7 @@ impl Drafting {
     }
 
     fn drop_stream(&mut self, stream: u64) {
+        self.per_stream.remove(&stream);
         let gone: Vec<(u64, u64)> = self.ids.keys().filter(|k| k.0 == stream).copied().collect();
         for k in gone {
             if let Some(g) = self.ids.remove(&k) {
@@ -244,6 +251,12 @@ impl Drafting {
             if let Some(g) = self.ids.remove(&(stream, seq)) {
                 self.states.remove(&g);
                 self.host.proposer.finish(g);
+                if let Some(n) = self.per_stream.get_mut(&stream) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.per_stream.remove(&stream);
+                    }
+                }
             }
         }
     }
@@ -356,16 +369,23 @@ impl Drafting {
                         continue;
                     }
                 };
-                if !self.ids.contains_key(&key) && self.ids.len() >= MAX_REQUESTS {
+                let mine = self.per_stream.get(stream).copied().unwrap_or(0);
+                if !self.ids.contains_key(&key)
+                    && (self.ids.len() >= MAX_REQUESTS || mine >= MAX_STREAM_REQUESTS)
+                {
                     tracing::warn!(
                         stream = *stream,
                         request = it.seq,
-                        "draft item refused: this draft worker holds {} requests already \
-                         (at most {MAX_REQUESTS})",
+                        "draft item refused: this draft worker holds {} requests already, {mine} \
+                         of them this stream's (at most {MAX_REQUESTS}, {MAX_STREAM_REQUESTS} a \
+                         stream)",
                         self.ids.len()
                     );
                     rep.blocks.push(resend_from(it.seq, 0));
                     continue;
+                }
+                if !self.ids.contains_key(&key) {
+                    *self.per_stream.entry(*stream).or_default() += 1;
                 }
                 // Past the drafter's longest block: a shorter draft (truncating is lossless).
                 let k = (it.k as usize).min(self.host.max_gamma);
@@ -854,6 +874,36 @@ mod tests {
         // Resent well, a refused request drafts.
         let r = run(&mut d, call(2, vec![item(2, 4)]));
         assert_eq!(r.blocks[0].tokens.len(), 3);
+    }
+
+    /// One stream holds at most a quarter of the worker's requests: past that its new ones are
+    /// refused (drafted at the target) while another stream's are taken, and finishing one
+    /// makes room again.
+    #[test]
+    fn one_stream_cannot_take_every_request_slot() {
+        let mut d = drafting();
+        let items: Vec<DraftItem> = (1..=MAX_STREAM_REQUESTS as u64 + 1)
+            .map(|s| item(s, 3))
+            .collect();
+        let r = run(&mut d, call(1, items));
+        assert!(r.error.is_empty(), "{:?}", r.error);
+        let last = &r.blocks[MAX_STREAM_REQUESTS];
+        assert!(last.need_sync && last.have_tokens == 0, "{last:?}");
+        assert!(!r.blocks[MAX_STREAM_REQUESTS - 1].need_sync);
+        assert_eq!(d.active(), MAX_STREAM_REQUESTS);
+        let (tx, _rx) = tokio::sync::oneshot::channel();
+        let other = d
+            .rounds(vec![(8, call(1, vec![item(1, 3)]), tx)])
+            .remove(0)
+            .1;
+        assert!(!other.blocks[0].need_sync, "{:?}", other.blocks[0]);
+        d.finish(7, &[1]);
+        let r = run(
+            &mut d,
+            call(2, vec![item(MAX_STREAM_REQUESTS as u64 + 1, 3)]),
+        );
+        assert!(!r.blocks[0].need_sync, "{:?}", r.blocks[0]);
+        assert_eq!(d.active(), MAX_STREAM_REQUESTS + 1);
     }
 
     /// Sampling lists past the limit, a logit bias outside the vocabulary and feature rows of
