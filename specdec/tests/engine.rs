@@ -2,7 +2,7 @@
 //! (including EOS, stop strings and max_tokens landing mid-block, alone and under continuous
 //! batching), the sampled distribution with speculation on vs off, KV hygiene and bad input.
 
-use dspark_runtime::generate::{GenerateParams, generate};
+use dspark_runtime::generate::{GenerateOutput, GenerateParams, generate};
 use dspark_runtime::json::Format;
 use dspark_runtime::tiny::{TinySpec, tiny_model_path};
 use dspark_runtime::{KvDtype, LoadOptions, Model, Tokenizer};
@@ -95,18 +95,20 @@ fn draft_model(f: &Fixture, kv: usize) -> DraftModelProposer {
 
 /// Plain greedy decoding of `p` for `max_tokens` tokens: what every engine run must equal.
 fn plain_greedy(f: &Fixture, p: &[u32], max_tokens: usize) -> Vec<u32> {
-    generate(
-        &f.target,
-        &f.tok,
+    plain(
+        f,
         p,
-        &GenerateParams {
+        GenerateParams {
             max_tokens,
             ..Default::default()
         },
-        &mut |_| {},
     )
-    .unwrap()
     .token_ids
+}
+
+/// Plain decoding of `p` with `params` (no engine).
+fn plain(f: &Fixture, p: &[u32], params: GenerateParams) -> GenerateOutput {
+    generate(&f.target, &f.tok, p, &params, &mut |_| {}).unwrap()
 }
 
 fn prompts(f: &Fixture, n: usize) -> Vec<Vec<u32>> {
@@ -361,17 +363,14 @@ fn stop_strings_and_eos_cut_blocks_exactly_like_plain_decoding() {
         let mut e = engine_with(&f, proposer_clone(&f, name));
         let mut want = Vec::new();
         for (i, p) in ps.iter().enumerate() {
-            let full = generate(
-                &f.target,
-                &f.tok,
+            let full = plain(
+                &f,
                 p,
-                &GenerateParams {
+                GenerateParams {
                     max_tokens: 40,
                     ..Default::default()
                 },
-                &mut |_| {},
-            )
-            .unwrap();
+            );
             // A stop string taken from the middle of the plain output.
             let stop = full.text.chars().skip(6).take(3).collect::<String>();
             let mut r = Request::new(i as u64, p.clone(), 40);
@@ -404,18 +403,15 @@ fn min_tokens_hold_stop_strings_back_too() {
     let mut e = engine_with(&f, proposer_clone(&f, "ngram"));
     let mut want = Vec::new();
     for (i, p) in ps.iter().enumerate() {
-        let full = generate(
-            &f.target,
-            &f.tok,
+        let full = plain(
+            &f,
             p,
-            &GenerateParams {
+            GenerateParams {
                 max_tokens: 30,
                 min_tokens: 10,
                 ..Default::default()
             },
-            &mut |_| {},
-        )
-        .unwrap();
+        );
         let Some(first) = full.text.chars().next() else {
             continue;
         };
