@@ -867,9 +867,14 @@ impl RemoteProposer {
                     rs.back_off(cycle);
                 }
                 // The item was not applied: its verdict goes with the next one (unless a newer
-                // one is recorded), or the drafter reads its block's outcome off the context.
+                // one is recorded), or the drafter reads its block's outcome off the context. It
+                // drafted no block at this context either: a verdict on the block drafted here
+                // instead (the local fallback's) must not replace that one.
                 if rs.verdict.is_none() {
                     rs.verdict = round.verdicts.get(&b.seq).copied();
+                }
+                if rs.sent_at == Some(ctx_len) {
+                    rs.sent_at = None;
                 }
                 rs.tokens_acked = b.have_tokens as usize;
                 rs.feats_acked = 0;
@@ -1768,6 +1773,9 @@ mod tests {
         p.apply(&refused, &(rep, Instant::now()), &reqs, &ids, &mut out);
         assert!(out[0].is_none());
         drop(reqs);
+        // The local fallback drafts instead, and the engine says how much of its block it
+        // verified: not the draft worker's business.
+        p.verified(1, 6, 2);
         let (item, _, _) = item_at(&mut p, &ctx, 0, &mut rng);
         assert_eq!((item.verified_at, item.verified), (4, Some(1)));
         // This block (drafted at 6) is not the one verified (a late reply: the fallback's
