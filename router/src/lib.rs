@@ -1637,11 +1637,18 @@ async fn serve(
                         // A full cluster (placement counts lag the workers' reports, other
                         // routers' requests hold room) is waited out, up to a limit.
                         let deadline = Instant::now() + Duration::from_secs(120);
-                        match open_when_room(&app, &job, max_tokens, echo_lps, deadline, || {
-                            tx.is_closed()
-                        })
-                        .await
-                        {
+                        let opening =
+                            open_when_room(&app, &job, max_tokens, echo_lps, deadline, || {
+                                tx.is_closed()
+                            });
+                        // A client that leaves ends the opening too (it waits for the
+                        // worker's prefill).
+                        let opened = tokio::select! {
+                            biased;
+                            _ = tx.closed() => return,
+                            o = opening => o,
+                        };
+                        match opened {
                             Ok((target, stream, first)) => run(i, job, target, stream, first, tx),
                             Err(e) => {
                                 let _ = tx.send((i, Piece::Error(e))).await;
