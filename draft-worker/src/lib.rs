@@ -148,6 +148,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         } else {
             drafter::proposer::COPY_HEAD_SPEC.into()
         },
+        instance: dspark_scheduler::discovery::instance_id(),
         ..Default::default()
     };
     let svc = service::DraftService::start(host, info.clone())?;

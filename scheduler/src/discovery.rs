@@ -175,6 +175,21 @@ pub fn check_ttl_ms(ttl_ms: u64, etcd: bool) -> std::result::Result<u32, String>
 /// The id a worker takes without `--id`: `ROLE-HOST-PORT` from its published address, in
 /// `[A-Za-z0-9._-]`. The host is part of it because ports repeat across hosts, and the
 /// scheduler refuses a second live worker under one id.
+/// A random identity for this process start, for [`WorkerInfo::instance`]: a restart keeps its
+/// id and address (same pod, same IP) but gets a new instance, so placement forgets what it
+/// placed on the old process.
+pub fn instance_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    format!("{:016x}", h.finish())
+}
+
 pub fn default_worker_id(role: &str, address: &str) -> String {
     let mut id = String::with_capacity(role.len() + address.len() + 1);
     id.push_str(role);

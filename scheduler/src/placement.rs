@@ -177,13 +177,13 @@ impl Cluster {
     }
 
     pub fn upsert(&mut self, info: WorkerInfo, ttl: Duration, now: Instant) {
-        // The same id at another address is another process (a pod restarted with a new IP):
-        // the prefixes placed on the old one are not in its cache.
-        if self
-            .workers
-            .get(&info.id)
-            .is_some_and(|e| e.info.address != info.address)
-        {
+        // The same id at another address, or with another instance, is another process (a pod
+        // restarted with a new IP, or in place): the prefixes placed on the old one are not in
+        // its cache.
+        if self.workers.get(&info.id).is_some_and(|e| {
+            e.info.address != info.address
+                || (!info.instance.is_empty() && e.info.instance != info.instance)
+        }) {
             self.prefixes.remove(&info.id);
         }
         self.workers.insert(
@@ -627,6 +627,21 @@ mod tests {
         c.upsert(moved, ttl, now);
         c.upsert(w("2", ROLE_TARGET, 8, 0), ttl, now);
         assert_eq!(c.place("m", &[], &fresh).unwrap().0.id, "2");
+        // Restarted in place (same id, same address, a new instance): forgotten too. A
+        // heartbeat of the same instance keeps them.
+        let run = |instance: &str, load| WorkerInfo {
+            instance: instance.into(),
+            ..w("2", ROLE_TARGET, 8, load)
+        };
+        c.upsert(run("a", 0), ttl, now);
+        c.upsert(w("1", ROLE_TARGET, 8, 1), ttl, now);
+        assert_eq!(c.place("m", &[], &fresh).unwrap().0.id, "2");
+        c.upsert(run("a", 1), ttl, now);
+        c.upsert(w("1", ROLE_TARGET, 8, 0), ttl, now);
+        assert_eq!(c.place("m", &[], &fresh).unwrap().0.id, "2");
+        c.upsert(run("b", 1), ttl, now);
+        c.upsert(w("1", ROLE_TARGET, 8, 0), ttl, now);
+        assert_eq!(c.place("m", &[], &fresh).unwrap().0.id, "1");
     }
 
     #[test]

@@ -198,6 +198,7 @@ pub(crate) fn check_info(i: &WorkerInfo) -> Result<(), Status> {
         ("drafter", &i.drafter),
         ("sps_key", &i.sps_key),
         ("copy_head_inputs", &i.copy_head_inputs),
+        ("instance", &i.instance),
     ] {
         if v.len() > MAX_FIELD_BYTES {
             return Err(Status::invalid_argument(format!(

@@ -234,6 +234,10 @@ async fn oversized_registrations_are_refused_and_extreme_counts_answer() {
             ..base()
         },
         WorkerInfo {
+            instance: "i".repeat(2048),
+            ..base()
+        },
+        WorkerInfo {
             sps: vec![dspark_proto::SpsStep::default(); 100_000],
             ..base()
         },

@@ -350,6 +350,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         copy_runs: Vec::new(),
         copy_head: Vec::new(),
         copy_head_inputs: String::new(),
+        instance: dspark_scheduler::discovery::instance_id(),
     };
     let counters = handles
         .as_ref()
