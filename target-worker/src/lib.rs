@@ -316,9 +316,17 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         room: room.clone(),
         metrics,
     };
-    std::thread::Builder::new()
-        .name("engine".into())
-        .spawn(move || el.run(rx))?;
+    // A worker whose engine thread is gone would stay registered (heartbeats go on, its load
+    // frozen, placement still choosing it) and refuse every request: it exits instead, so its
+    // registration ends and it is restarted. The streams it held fail over in the router.
+    spawn_or_exit(
+        "engine",
+        move || el.run(rx),
+        || {
+            tracing::error!("the engine thread panicked; exiting");
+            std::process::exit(70)
+        },
+    )?;
     let info = dspark_proto::WorkerInfo {
         id: id.clone(),
         role: dspark_scheduler::placement::ROLE_TARGET.into(),
@@ -631,4 +639,52 @@ fn spawn_budget_client(
             }
         }
     });
+}
+
+/// Spawns the thread `name` running `f`; a panic in it runs `on_panic` (which exits the
+/// process in a worker) instead of leaving the process up without it.
+pub fn spawn_or_exit(
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+    on_panic: impl FnOnce() + Send + 'static,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+                on_panic();
+            }
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_critical_thread_runs_its_exit_hook_and_a_clean_one_does_not() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = tx.clone();
+        spawn_or_exit(
+            "panics",
+            || panic!("engine bug"),
+            move || {
+                let _ = t.send("panicked");
+            },
+        )
+        .expect("spawn")
+        .join()
+        .expect("join");
+        spawn_or_exit(
+            "returns",
+            || {},
+            move || {
+                let _ = tx.send("returned");
+            },
+        )
+        .expect("spawn")
+        .join()
+        .expect("join");
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), ["panicked"]);
+    }
 }

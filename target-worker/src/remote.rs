@@ -1003,7 +1003,14 @@ impl Proposer for RemoteProposer {
         for r in &mut self.prefetched {
             r.sent.remove(&id);
         }
-        self.prefetched.retain(|r| !r.sent.is_empty());
+        // A round left with no request has nowhere to send its reply.
+        let (done, keep): (Vec<Round>, Vec<Round>) = std::mem::take(&mut self.prefetched)
+            .into_iter()
+            .partition(|r| r.sent.is_empty());
+        self.prefetched = keep;
+        for r in &done {
+            self.forget(r);
+        }
         if let Some(r) = self.reqs.remove(&id) {
             // Only a request the draft worker holds on the current stream has state to free
             // there; ids for a stream that is gone (or a worker never reached) would pile up.
@@ -1094,6 +1101,9 @@ impl Proposer for RemoteProposer {
             if !round.sent.keys().any(|id| ids.contains_key(id)) {
                 if round.cycle + 16 > self.cycle {
                     keep.push(round);
+                } else {
+                    // Its reply, should it come, has nowhere to go.
+                    self.forget(&round);
                 }
                 continue;
             }
@@ -1141,7 +1151,22 @@ impl Proposer for RemoteProposer {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match round.rx.recv_timeout(left) {
                     Ok(rep) => self.apply(&round, &rep, reqs, &ids, &mut out),
-                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => self.stall(&round),
+                    // Late only if it had the whole timeout: a round sent after another link's
+                    // prefetched one used up the cycle's time had little or none, and its link
+                    // is not to blame (it would draft locally for `STALL_RETRY`).
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                        if round.t0.elapsed() >= self.timeout =>
+                    {
+                        self.stall(&round)
+                    }
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                        tracing::debug!(
+                            draft = round.addr,
+                            step = round.step,
+                            "draft round out of time this cycle"
+                        );
+                        self.forget(&round);
+                    }
                     Err(_) => {
                         tracing::debug!(draft = round.addr, step = round.step, "draft round lost");
                         self.forget(&round);
@@ -1796,5 +1821,91 @@ mod tests {
         let (item, _, acked) = item_at(&mut p, &ctx, 1, &mut rng);
         assert_eq!(acked, 0);
         assert_eq!((item.verified_at, item.verified), (0, None));
+    }
+
+    /// A round sent after another link's prefetched round used up the cycle's time is not its
+    /// link's fault: that link is not stalled (its requests would draft locally for
+    /// `STALL_RETRY`); the late one is. Rounds that can no longer be applied leave no reply
+    /// slot behind.
+    #[test]
+    fn a_round_given_no_time_does_not_stall_its_link() {
+        let rt = test_runtime();
+        let shared = Arc::new(RemoteShared::default());
+        let mut p = test_proposer(&rt, shared.clone(), 10);
+        let (a, b) = ("127.0.0.1:9".to_string(), "127.0.0.1:10".to_string());
+        if let Ok(mut m) = shared.assign.lock() {
+            m.insert(1, a.clone());
+            m.insert(2, b.clone());
+        }
+        let (_, _) = (p.link_for(1), p.link_for(2));
+        for addr in [&a, &b] {
+            p.links[addr].shared.up.store(true, Ordering::SeqCst);
+        }
+        // "b" takes calls and never answers; "a" has a prefetched round for request 1 that
+        // never comes back.
+        let (tx, _calls) = tokio::sync::mpsc::channel::<DraftCall>(8);
+        *p.links[&b].shared.calls.lock().expect("calls") = Some(tx);
+        let (_reply_tx, rx) = std::sync::mpsc::channel();
+        p.prefetched.push(Round {
+            addr: a.clone(),
+            rx,
+            ..test_round(99, &[(1, (4, 0, 2, 0))], &[])
+        });
+        let ctx = [1u32, 2, 3, 4];
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let (mut r1, mut r2) = (kernels::rng::Rng::new(1), kernels::rng::Rng::new(2));
+        let mut reqs = vec![
+            ProposeReq {
+                id: 1,
+                context: &ctx,
+                k: 2,
+                params: &greedy,
+                rng: &mut r1,
+            },
+            ProposeReq {
+                id: 2,
+                context: &ctx,
+                k: 2,
+                params: &greedy,
+                rng: &mut r2,
+            },
+        ];
+        p.propose(&mut reqs).expect("propose");
+        assert!(p.links[&a].shared.is_stalled(), "the late link is stalled");
+        assert!(
+            !p.links[&b].shared.is_stalled(),
+            "a round with no time left is not the link's fault"
+        );
+        assert!(
+            p.links[&b]
+                .shared
+                .pending
+                .lock()
+                .expect("pending")
+                .is_empty()
+        );
+        // A prefetched round whose requests all finished frees its reply slot.
+        let (_tx2, rx2) = std::sync::mpsc::channel();
+        p.links[&b]
+            .shared
+            .pending
+            .lock()
+            .expect("pending")
+            .insert(7, std::sync::mpsc::channel().0);
+        p.prefetched.push(Round {
+            addr: b.clone(),
+            rx: rx2,
+            ..test_round(7, &[(2, (4, 0, 2, 0))], &[])
+        });
+        p.finish(2);
+        assert!(p.prefetched.is_empty());
+        assert!(
+            p.links[&b]
+                .shared
+                .pending
+                .lock()
+                .expect("pending")
+                .is_empty()
+        );
     }
 }
