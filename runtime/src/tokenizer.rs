@@ -76,13 +76,32 @@ impl Tokenizer {
                 KNOWN[..7].join(", ")
             )));
         }
-        let mut inner = if pre == "llama-bpe" {
-            // llama.cpp's name for Llama 3's, which candle reads as `llama3`.
+        if pre.is_empty() {
+            // llama.cpp reads such a file as its `default` pre-tokenizer and warns too.
+            tracing::warn!(
+                "{}: no tokenizer.ggml.pre; text is split as GPT-2's, which may not be how \
+                 this model's tokenizer splits it",
+                g.path.display()
+            );
+        }
+        // Llama 3's pre-tokenizer (llama.cpp's `llama-bpe`, candle's `llama3`): llama.cpp (and
+        // Llama 3's tokenizer.json, `ignore_merges: true`) takes a word the vocabulary holds
+        // whole as one token, even where the merges cannot build it, and adds BOS; candle does
+        // either only where the file has the key, so both default to true here.
+        let llama3 = pre == "llama-bpe" || pre == "llama3";
+        let mut inner = if llama3 {
+            use candle_core::quantized::gguf_file::Value;
             let mut metadata = g.content.metadata.clone();
             metadata.insert(
-                "tokenizer.ggml.pre".into(),
-                candle_core::quantized::gguf_file::Value::String("llama3".into()),
+                "tokenizer.ggml.pre".to_string(),
+                Value::String("llama3".to_string()),
             );
+            metadata
+                .entry("tokenizer.ggml.ignore_merges".to_string())
+                .or_insert(Value::Bool(true));
+            metadata
+                .entry("tokenizer.ggml.add_bos_token".to_string())
+                .or_insert(Value::Bool(true));
             let c = candle_core::quantized::gguf_file::Content {
                 magic: g.content.magic,
                 metadata,
@@ -113,10 +132,13 @@ impl Tokenizer {
         };
         let bos = id_tok("tokenizer.ggml.bos_token_id");
         let eos = id_tok("tokenizer.ggml.eos_token_id");
-        let add_bos = matches!(
-            g.meta("tokenizer.ggml.add_bos_token"),
-            Some(candle_core::quantized::gguf_file::Value::Bool(true))
-        );
+        // The file's word where it has one; else Llama 3's pre-tokenizer means BOS (as in
+        // llama.cpp), any other none.
+        let add_bos = match g.meta("tokenizer.ggml.add_bos_token") {
+            Some(candle_core::quantized::gguf_file::Value::Bool(b)) => *b,
+            Some(_) => false,
+            None => llama3,
+        };
         let chat_template = g.meta_str("tokenizer.chat_template");
         // llama.cpp's token types: 2 unknown, 3 control, 5 unused are not text; 4
         // (user-defined) is, as Hugging Face's `special: false` added tokens are.
@@ -407,11 +429,16 @@ impl Tokenizer {
         self.inner.id_to_token(id)
     }
 
-    /// The bytes one token stands for (byte-level BPE symbols mapped back to their bytes; a
-    /// token of another vocabulary, or a special one, as its decoded text). A token may hold
-    /// part of a UTF-8 character: these bytes are exact where its text is not.
+    /// The bytes one token stands for. Byte-level BPE: its symbols mapped back to their bytes
+    /// (a special token, or any other whose symbols are not all in the map, as its decoded
+    /// text). Another vocabulary (SentencePiece style): a byte-fallback `<0xXX>` token as that
+    /// byte, else the token's string with each `▁` a space. A token may hold part of a UTF-8
+    /// character: these bytes are exact where its text is not.
     pub fn token_bytes(&self, id: u32) -> Vec<u8> {
         if let Some(s) = self.inner.id_to_token(id) {
+            if !self.is_byte_level() {
+                return piece_bytes(&s);
+            }
             let bytes: Option<Vec<u8>> = s.chars().map(byte_of_symbol).collect();
             if let Some(b) = bytes {
                 return b;
@@ -434,6 +461,24 @@ impl Tokenizer {
         }
         format!("{:x}", h.finalize())
     }
+}
+
+/// The bytes a token of a vocabulary that is not byte-level stands for: `<0xXX>` (byte
+/// fallback) is that byte; otherwise the string, with SentencePiece's `▁` as a space.
+fn piece_bytes(s: &str) -> Vec<u8> {
+    match byte_fallback(s) {
+        Some(b) => vec![b],
+        None => s.replace('\u{2581}', " ").into_bytes(),
+    }
+}
+
+/// The byte of a byte-fallback token, `<0xXX>`.
+fn byte_fallback(s: &str) -> Option<u8> {
+    let h = s.strip_prefix("<0x")?.strip_suffix('>')?;
+    if h.len() != 2 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    u8::from_str_radix(h, 16).ok()
 }
 
 /// The byte a GPT-2 byte-level BPE symbol stands for: printable bytes stand for themselves,
@@ -489,6 +534,22 @@ impl StreamDecoder {
             Ok(None)
         }
     }
+
+    /// Releases whatever text [`Self::push`] has held back (an unfinished UTF-8 character, or
+    /// text that ends in U+FFFD, such as a token that is "�" itself), unconditionally: for the
+    /// end of a stream (EOS, a token limit), where nothing more will complete it.
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<String> {
+        let prev = tok.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = tok.decode(&self.ids[self.prefix..], true)?;
+        let new = (prev.len()..=now.len())
+            .find(|&i| now.is_char_boundary(i))
+            .and_then(|i| now.get(i..))
+            .unwrap_or("")
+            .to_string();
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        Ok(new)
+    }
 }
 
 /// A GGUF token type as a number.
@@ -504,5 +565,165 @@ fn token_type(v: &candle_core::quantized::gguf_file::Value) -> Option<i64> {
         I64(t) => Some(*t),
         U64(t) => i64::try_from(*t).ok(),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::gguf_file::{self, Value};
+    use std::str::FromStr;
+
+    /// A GGUF holding only a tokenizer: the 256 byte-level symbols, `ab` (which no merge
+    /// builds), `cd` (which the one merge does), and `<|begin_of_text|>` (BOS, a control
+    /// token); `extra` adds keys (the pre-tokenizer among them) or replaces them.
+    fn gguf_tokenizer(name: &str, extra: &[(&str, Value)]) -> Result<Tokenizer> {
+        let mut tokens: Vec<String> = crate::tiny::byte_chars()
+            .iter()
+            .map(|c| c.to_string())
+            .collect();
+        tokens.extend(["ab", "cd", "<|begin_of_text|>"].map(String::from));
+        let mut types = vec![Value::I32(1); tokens.len()];
+        if let Some(last) = types.last_mut() {
+            *last = Value::I32(3);
+        }
+        let strs =
+            |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
+        let mut md: Vec<(String, Value)> = vec![
+            ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+            ("tokenizer.ggml.tokens".into(), strs(&tokens)),
+            ("tokenizer.ggml.merges".into(), strs(&["c d".to_string()])),
+            ("tokenizer.ggml.token_type".into(), Value::Array(types)),
+            ("tokenizer.ggml.bos_token_id".into(), Value::U32(258)),
+        ];
+        for (k, v) in extra {
+            md.retain(|(key, _)| key.as_str() != *k);
+            md.push((k.to_string(), v.clone()));
+        }
+        let md_ref: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let p = std::env::temp_dir().join(format!(
+            "dspark-tok-unit-{}-{name}.gguf",
+            std::process::id()
+        ));
+        let mut f = std::fs::File::create(&p).unwrap();
+        gguf_file::write(&mut f, &md_ref, &[]).unwrap();
+        drop(f);
+        let t = Tokenizer::load(&p);
+        let _ = std::fs::remove_file(&p);
+        t
+    }
+
+    fn pre(name: &str) -> (&'static str, Value) {
+        ("tokenizer.ggml.pre", Value::String(name.to_string()))
+    }
+
+    /// Llama 3's pre-tokenizer ignores merges for a word the vocabulary holds whole and adds
+    /// BOS, as llama.cpp reads it, unless the file says otherwise; other pre-tokenizers (and a
+    /// file that names none, read as GPT-2's) keep the file's word.
+    #[test]
+    fn llama3_gguf_ignores_merges_and_adds_bos_by_default() {
+        for name in ["llama-bpe", "llama3"] {
+            let t = gguf_tokenizer(name, &[pre(name)]).unwrap();
+            assert_eq!(t.encode("ab").unwrap(), [256], "{name}");
+            assert_eq!(t.encode("cd").unwrap(), [257], "{name}");
+            assert!(t.add_bos, "{name}");
+            assert_eq!(t.encode_prompt("ab").unwrap(), [258, 256], "{name}");
+            // What the file says wins.
+            let t = gguf_tokenizer(
+                &format!("{name}-said"),
+                &[
+                    pre(name),
+                    ("tokenizer.ggml.ignore_merges", Value::Bool(false)),
+                    ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+                ],
+            )
+            .unwrap();
+            assert_eq!(t.encode("ab").unwrap(), [97, 98], "{name}");
+            assert!(!t.add_bos, "{name}");
+            assert_eq!(t.encode_prompt("ab").unwrap(), [97, 98], "{name}");
+        }
+        for (name, extra) in [("gpt2", vec![pre("gpt2")]), ("none", vec![])] {
+            let t = gguf_tokenizer(name, &extra).unwrap();
+            assert_eq!(t.encode("ab").unwrap(), [97, 98], "{name}");
+            assert_eq!(t.encode("cd").unwrap(), [257], "{name}");
+            assert!(!t.add_bos, "{name}");
+        }
+    }
+
+    /// A Llama-2-style (SentencePiece) tokenizer.json: `▁` for a space, `<0xXX>` byte
+    /// fallback, no byte-level map.
+    fn sentencepiece_tokenizer() -> Tokenizer {
+        let json = r#"{
+          "version": "1.0",
+          "truncation": null,
+          "padding": null,
+          "added_tokens": [
+            {"id": 0, "content": "<unk>", "single_word": false, "lstrip": false,
+             "rstrip": false, "normalized": false, "special": true}
+          ],
+          "normalizer": null,
+          "pre_tokenizer": null,
+          "post_processor": null,
+          "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+          ]},
+          "model": {
+            "type": "BPE", "dropout": null, "unk_token": "<unk>",
+            "continuing_subword_prefix": null, "end_of_word_suffix": null,
+            "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+            "vocab": {"<unk>": 0, "<0x0A>": 1, "<0xC3>": 2, "<0xA9>": 3, "▁": 4, "t": 5,
+                      "▁t": 6, "é": 7, "▁▁": 8, "�": 9, "<0x41>x": 10},
+            "merges": ["▁ t"]
+          }
+        }"#;
+        let inner = tokenizers::Tokenizer::from_str(json).unwrap();
+        Tokenizer::finish(inner, None, None, None, None)
+    }
+
+    #[test]
+    fn token_bytes_of_a_sentencepiece_vocabulary() {
+        let t = sentencepiece_tokenizer();
+        assert!(!t.is_byte_level());
+        let bytes = |id: u32| t.token_bytes(id);
+        assert_eq!(bytes(1), [0x0A]);
+        assert_eq!(bytes(2), [0xC3]);
+        assert_eq!(bytes(3), [0xA9]);
+        assert_eq!(bytes(4), b" ");
+        assert_eq!(bytes(5), b"t");
+        assert_eq!(bytes(6), b" t");
+        assert_eq!(bytes(7), "é".as_bytes());
+        assert_eq!(bytes(8), b"  ");
+        assert_eq!(bytes(9), "�".as_bytes());
+        assert_eq!(bytes(10), b"<0x41>x");
+        assert_eq!(bytes(0), b"<unk>");
+        // A character in byte-fallback tokens: its bytes, one a token.
+        let mut two = bytes(2);
+        two.extend(bytes(3));
+        assert_eq!(std::str::from_utf8(&two).unwrap(), "é");
+    }
+
+    #[test]
+    fn stream_decoder_finish_releases_held_text() {
+        let t = sentencepiece_tokenizer();
+        // A token that is "�" itself, then the end: push holds it, finish releases it.
+        let mut d = StreamDecoder::new();
+        assert_eq!(d.push(&t, 5).unwrap().as_deref(), Some("t"));
+        assert_eq!(d.push(&t, 9).unwrap(), None);
+        assert_eq!(d.finish(&t).unwrap(), "�");
+        assert_eq!(d.finish(&t).unwrap(), "", "released once");
+        // A character cut by the token limit: what there is of it.
+        let mut d = StreamDecoder::new();
+        assert_eq!(d.push(&t, 5).unwrap().as_deref(), Some("t"));
+        assert_eq!(d.push(&t, 2).unwrap(), None);
+        assert_eq!(d.finish(&t).unwrap(), "�");
+        // A character completed: push releases it, finish has nothing left.
+        let mut d = StreamDecoder::new();
+        assert_eq!(d.push(&t, 2).unwrap(), None);
+        assert_eq!(d.push(&t, 3).unwrap().as_deref(), Some("é"));
+        assert_eq!(d.finish(&t).unwrap(), "");
+        assert_eq!(StreamDecoder::new().finish(&t).unwrap(), "");
     }
 }
