@@ -198,6 +198,10 @@ impl ModelConfig {
             rope_scaling: Option<serde_json::Value>,
             rms_norm_eps: Option<f32>,
             max_position_embeddings: Option<usize>,
+            /// LlamaConfig: q/k/v/o projections carry biases.
+            attention_bias: Option<bool>,
+            /// LlamaConfig: the gate/up/down projections carry biases.
+            mlp_bias: Option<bool>,
         }
         let hf: Hf = serde_json::from_str(text)
             .map_err(|e| RuntimeError::Config(format!("config.json: {e}")))?;
@@ -207,6 +211,20 @@ impl ModelConfig {
             .or_else(|| hf.architectures.as_ref().and_then(|a| a.first().cloned()))
             .unwrap_or_default();
         let arch = Arch::parse(&arch_name)?;
+        // Biases the forward does not add (llama's optional attention biases, any MLP bias;
+        // qwen2's q/k/v biases are its own and always there): refused, not served without them.
+        for (key, set, refused) in [
+            ("attention_bias", hf.attention_bias, arch == Arch::Llama),
+            ("mlp_bias", hf.mlp_bias, true),
+        ] {
+            if refused && set == Some(true) {
+                return Err(RuntimeError::Config(format!(
+                    "config.json sets `{key}: true` for a {} model: biases this runtime does \
+                     not load",
+                    arch.name()
+                )));
+            }
+        }
         // Scaled RoPE moves positions this runtime does not move: refused, not served wrong.
         for v in [&hf.rope_scaling, &hf.rope_parameters]
             .into_iter()
@@ -280,11 +298,16 @@ mod tests {
     #[test]
     fn degenerate_shapes_and_numbers_are_refused() {
         for bad in [
+            r#","attention_bias":true"#,
+            r#","mlp_bias":true"#,
             r#","head_dim":0"#,
             r#","rope_theta":-1.0"#,
             r#","rms_norm_eps":0.0"#,
         ] {
             assert!(hf(bad).is_err(), "{bad}");
         }
+        let e = hf(r#","attention_bias":true"#).unwrap_err().to_string();
+        assert!(e.contains("attention_bias"), "{e}");
+        assert!(hf(r#","attention_bias":false,"mlp_bias":false"#).is_ok());
     }
 }

@@ -221,6 +221,26 @@ trait TensorSource {
     }
     fn vector(&mut self, name: &str) -> Result<Vec<f32>>;
     fn has(&self, name: &str) -> bool;
+    /// A tensor's shape as stored, whole (before any rank takes its slice), outermost first.
+    fn dims(&mut self, name: &str) -> Result<Vec<usize>>;
+    /// Checks layer `layer`'s matrix `name` is stored, whole, exactly `rows` × `cols`: a rank's
+    /// slice of a larger one would load, and silently leave the rest out.
+    fn expect_matrix(
+        &mut self,
+        layer: usize,
+        what: &str,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let dims = self.dims(name)?;
+        if dims != [rows, cols] {
+            return Err(RuntimeError::Config(format!(
+                "layer {layer}: {what} `{name}` is {dims:?}, the config expects [{rows}, {cols}]"
+            )));
+        }
+        Ok(())
+    }
 }
 
 struct GgufSource<'a> {
@@ -282,6 +302,14 @@ impl TensorSource for GgufSource<'_> {
     fn has(&self, name: &str) -> bool {
         self.g.has(name)
     }
+    fn dims(&mut self, name: &str) -> Result<Vec<usize>> {
+        self.g
+            .content
+            .tensor_infos
+            .get(name)
+            .map(|t| t.shape.dims().to_vec())
+            .ok_or_else(|| RuntimeError::MissingTensor(name.to_string()))
+    }
 }
 
 /// A Hugging Face checkpoint, read tensor by tensor (a rank's row slice reads only its rows).
@@ -342,7 +370,27 @@ impl TensorSource for SafetensorsSource {
     fn has(&self, name: &str) -> bool {
         self.ck.has(name)
     }
+    fn dims(&mut self, name: &str) -> Result<Vec<usize>> {
+        self.ck
+            .file(name)?
+            .shape(name)
+            .map(|d| d.to_vec())
+            .ok_or_else(|| RuntimeError::MissingTensor(name.to_string()))
+    }
 }
+
+/// Per-layer tensors ([`Names::layer`] keys) the forward has no place for: biases of the
+/// output projection and of the FFN, and of q/k/v unless the architecture adds them.
+/// A checkpoint that holds one is refused rather than served without it.
+const UNUSED_BIASES: [&str; 7] = [
+    "q_bias",
+    "k_bias",
+    "v_bias",
+    "o_bias",
+    "gate_bias",
+    "up_bias",
+    "down_bias",
+];
 
 /// Tensor names of one checkpoint convention.
 struct Names {
@@ -366,9 +414,13 @@ const GGUF_NAMES: Names = Names {
             "k_bias" => "attn_k.bias",
             "v_bias" => "attn_v.bias",
             "o" => "attn_output.weight",
+            "o_bias" => "attn_output.bias",
             "ffn_norm" => "ffn_norm.weight",
             "gate" => "ffn_gate.weight",
             "up" => "ffn_up.weight",
+            "gate_bias" => "ffn_gate.bias",
+            "up_bias" => "ffn_up.bias",
+            "down_bias" => "ffn_down.bias",
             _ => "ffn_down.weight",
         };
         format!("blk.{i}.{n}")
@@ -389,9 +441,13 @@ const HF_NAMES: Names = Names {
             "k_bias" => "self_attn.k_proj.bias",
             "v_bias" => "self_attn.v_proj.bias",
             "o" => "self_attn.o_proj.weight",
+            "o_bias" => "self_attn.o_proj.bias",
             "ffn_norm" => "post_attention_layernorm.weight",
             "gate" => "mlp.gate_proj.weight",
             "up" => "mlp.up_proj.weight",
+            "gate_bias" => "mlp.gate_proj.bias",
+            "up_bias" => "mlp.up_proj.bias",
+            "down_bias" => "mlp.down_proj.bias",
             _ => "mlp.down_proj.weight",
         };
         format!("model.layers.{i}.{n}")
@@ -486,6 +542,28 @@ impl Model {
         if let Some(c) = opts.max_ctx {
             cfg.max_ctx = cfg.max_ctx.min(c);
         }
+        // Biases the forward would not add: refused before anything is read, not ignored
+        // (the model would load and compute wrong logits).
+        for i in 0..cfg.n_layers {
+            for s in UNUSED_BIASES {
+                if cfg.qkv_bias && matches!(s, "q_bias" | "k_bias" | "v_bias") {
+                    continue;
+                }
+                let name = (names.layer)(i, s);
+                if src.has(&name) {
+                    let kind = if matches!(s, "gate_bias" | "up_bias" | "down_bias") {
+                        "MLP"
+                    } else {
+                        "attention"
+                    };
+                    return Err(RuntimeError::Config(format!(
+                        "{} checkpoint has {kind} biases ({name}), which this runtime does \
+                         not load",
+                        cfg.arch.name()
+                    )));
+                }
+            }
+        }
         let isa = opts.isa.unwrap_or_else(Isa::detect);
         let threads = if opts.threads == 0 {
             std::thread::available_parallelism()
@@ -544,6 +622,20 @@ impl Model {
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let n = |s: &str| (names.layer)(i, s);
+            // Whole stored shapes first, exactly: a rank's slice (or a block-aligned widening
+            // of it) is cut from these, and a larger matrix would load with its rest ignored.
+            let (d, q_dim, kv_dim, ffn) = (cfg.d_model, cfg.q_dim(), cfg.kv_dim(), cfg.ffn_dim);
+            for (what, s, r, c) in [
+                ("q/k/v projection", "q", q_dim, d),
+                ("q/k/v projection", "k", kv_dim, d),
+                ("q/k/v projection", "v", kv_dim, d),
+                ("FFN gate/up", "gate", ffn, d),
+                ("FFN gate/up", "up", ffn, d),
+                ("output projection", "o", d, q_dim),
+                ("FFN down", "down", d, ffn),
+            ] {
+                src.expect_matrix(i, what, &n(s), r, c)?;
+            }
             let q = src.linear_part(&n("q"), dense, rows(&qr))?;
             let k = src.linear_part(&n("k"), dense, rows(&kvr))?;
             let v = src.linear_part(&n("v"), dense, rows(&kvr))?;
@@ -557,14 +649,27 @@ impl Model {
                 )));
             }
             let qkv_bias = if cfg.qkv_bias {
-                let slice = |v: Vec<f32>, r: &std::ops::Range<usize>| -> Result<Vec<f32>> {
-                    v.get(r.clone()).map(|s| s.to_vec()).ok_or_else(|| {
-                        RuntimeError::Config(format!("layer {i}: a q/k/v bias is too short"))
-                    })
-                };
-                let mut b = slice(src.vector(&n("q_bias"))?, &qr)?;
-                b.extend(slice(src.vector(&n("k_bias"))?, &kvr)?);
-                b.extend(slice(src.vector(&n("v_bias"))?, &kvr)?);
+                // Each bias whole, of exactly its projection's rows; then this rank's part.
+                let mut bias =
+                    |key: &str, full: usize, r: &std::ops::Range<usize>| -> Result<Vec<f32>> {
+                        let name = n(key);
+                        let v = src.vector(&name)?;
+                        if v.len() != full {
+                            return Err(RuntimeError::Config(format!(
+                                "layer {i}: q/k/v bias `{name}` has {} values, the config \
+                                 expects {full}",
+                                v.len()
+                            )));
+                        }
+                        v.get(r.clone()).map(|p| p.to_vec()).ok_or_else(|| {
+                            RuntimeError::Invariant(format!(
+                                "layer {i}: rows {r:?} of the {full} of `{name}`"
+                            ))
+                        })
+                    };
+                let mut b = bias("q_bias", q_dim, &qr)?;
+                b.extend(bias("k_bias", kv_dim, &kvr)?);
+                b.extend(bias("v_bias", kv_dim, &kvr)?);
                 Some(b)
             } else {
                 None
@@ -581,14 +686,22 @@ impl Model {
             }
             let (wo, wo_pad) = src.linear_cols(&n("o"), dense, cols(&qr))?;
             let (down, down_pad) = src.linear_cols(&n("down"), dense, cols(&fr))?;
-            if wo.rows() != cfg.d_model
-                || down.rows() != cfg.d_model
-                || wo_pad + qr.len() > wo.cols()
-                || down_pad + fr.len() > down.cols()
-            {
-                return Err(RuntimeError::Config(format!(
-                    "layer {i}: output projection or FFN down shapes disagree with the config"
-                )));
+            // The whole matrices are exact (above); a rank's part holds its columns, widened
+            // at most to whole quantization blocks around them.
+            for (m, pad, want, s) in [
+                (&wo, wo_pad, qr.len(), "o"),
+                (&down, down_pad, fr.len(), "down"),
+            ] {
+                if m.rows() != cfg.d_model || pad + want > m.cols() {
+                    return Err(RuntimeError::Config(format!(
+                        "layer {i}: `{}` loaded as [{}, {}] (input at column {pad}), the config \
+                         expects [{}, {want}]",
+                        n(s),
+                        m.rows(),
+                        m.cols(),
+                        cfg.d_model
+                    )));
+                }
             }
             let mut norm = |s: &str| -> Result<Vec<f32>> {
                 let v = src.vector(&n(s))?;
