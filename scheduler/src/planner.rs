@@ -201,7 +201,28 @@ pub struct EngineReport {
     pub arrived: usize,
     /// Requests still waiting for a slot at the end: a queue that grows means overload.
     pub backlog: usize,
+    /// Requests waiting when the warm-up ended (the growth from there to `backlog` tells a
+    /// stable queue from one that grows).
+    pub backlog_start: usize,
+    /// An open load this worker cannot keep up with: its queue grew over the window by more
+    /// than a stable queue's noise, or passed [`backlog_cap`] and the simulation stopped there
+    /// (the report then covers the time up to the stop).
+    pub overloaded: bool,
     pub steps: usize,
+}
+
+/// Waiting requests per decoding slot at which an open load's simulation stops, judged
+/// overloaded (at least [`MIN_BACKLOG_CAP`] in all): what it queues stays bounded whatever the
+/// rate.
+pub const BACKLOG_PER_SLOT: usize = 64;
+/// The least cap on waiting requests, whatever `max_running`.
+pub const MIN_BACKLOG_CAP: usize = 4096;
+
+/// Waiting requests past which an open load's simulation stops (overloaded).
+pub fn backlog_cap(max_running: u32) -> usize {
+    (max_running as usize)
+        .saturating_mul(BACKLOG_PER_SLOT)
+        .max(MIN_BACKLOG_CAP)
 }
 
 struct Req {
@@ -343,13 +364,22 @@ pub fn simulate_engine(
     let (mut user, mut ttft, mut finished) = (Vec::new(), Vec::new(), 0usize);
     let mut conf_buf: Vec<Vec<f32>> = Vec::new();
     let mut accepted: Vec<u8> = Vec::new();
+    // Open loads: a queue past the cap is overload (a stable queue stays far below it), and
+    // keeping every arrival of an absurd rate would not fit in memory; the run stops there.
+    let max_backlog = backlog_cap(spec.max_running);
+    let mut backlog_start: Option<usize> = None;
+    let mut overloaded = false;
     while t < end {
         if let Load::Open { rate } = w.load {
-            while next_arrival <= t {
+            while next_arrival <= t && waiting.len() <= max_backlog {
                 let r = new_req(next_arrival, &mut rng);
                 arrived += usize::from(r.arrival >= time.warmup_s && r.arrival < end);
                 waiting.push_back(r);
                 next_arrival += -rng.uniform().max(1e-300).ln() / rate;
+            }
+            if waiting.len() > max_backlog {
+                overloaded = true;
+                break;
             }
             if running.is_empty() && waiting.is_empty() {
                 t = next_arrival;
@@ -559,6 +589,10 @@ pub fn simulate_engine(
                     if r.out > 1 && t > r.first_token {
                         user.push((r.out - 1) as f64 / (t - r.first_token));
                     }
+                } else if r.arrival >= time.warmup_s && r.arrival < end && t > end {
+                    // Arrived in the window, finished in the step that ran past it: its first
+                    // token is known, and counts like those still in flight (below).
+                    ttft.push(r.first_token - r.arrival);
                 }
                 running.swap_remove(i);
                 if let Load::Closed { .. } = w.load {
@@ -569,6 +603,38 @@ pub fn simulate_engine(
             } else {
                 i += 1;
             }
+        }
+        // Measured at the same point of a step as the final backlog (after it, before the
+        // arrivals it let in), so that the two compare.
+        if backlog_start.is_none() && t >= time.warmup_s {
+            backlog_start = Some(waiting.len());
+        }
+    }
+    if let Load::Open { .. } = w.load {
+        // Over the window a stable queue's backlog moves by noise: arrivals are Poisson, so
+        // their count over n arrivals is off by ~sqrt(n), and service times add a variance of
+        // the same order; the queue's drift pulls it back. An overloaded one grows linearly,
+        // by (λ − μ)·window, which passes 3·sqrt(n) once the window is long enough (n ≳
+        // 9/(1 − μ/λ)² arrivals: about 90 000 at 1 % above capacity). The end-of-window check
+        // in `evaluate` (more waiting than slots) alone let such a queue through whenever the
+        // window ended before it passed max_running.
+        let start = backlog_start.unwrap_or(0);
+        let growth = waiting.len() as f64 - start as f64;
+        if growth > 3.0 * (arrived.max(1) as f64).sqrt() {
+            overloaded = true;
+        }
+    }
+    // Time to first token over every request that arrived in the window, not only those that
+    // finished in it (which leaves out the ones that waited longest): those still in flight
+    // count with their first token, those not started with a lower bound (now − arrival).
+    let now = t.min(end);
+    for r in running.iter().chain(waiting.iter()) {
+        if r.arrival >= time.warmup_s && r.arrival < end {
+            ttft.push(if r.prompt_left == 0 {
+                r.first_token - r.arrival
+            } else {
+                (now - r.arrival).max(0.0)
+            });
         }
     }
     let span = time.measure_s.max(1e-9);
@@ -592,6 +658,8 @@ pub fn simulate_engine(
         finished,
         arrived,
         backlog: waiting.len(),
+        backlog_start: backlog_start.unwrap_or(0),
+        overloaded,
         steps,
     })
 }
@@ -647,24 +715,31 @@ pub const MAX_WAIT_S: f64 = 1.0;
 
 /// Mean queueing wait of an M/D/c queue with `c` servers, offered `a` = λ·s server-seconds
 /// per second, service time `s`: the Erlang-C wait of M/M/c halved (exact for c = 1, the
-/// usual approximation above it); infinite when a ≥ c.
+/// usual approximation above it); infinite when a ≥ c (saturated), and wherever the wait
+/// is not a finite number.
 pub fn mdc_wait(c: u32, a: f64, s: f64) -> f64 {
     if a <= 0.0 || s <= 0.0 {
         return 0.0;
     }
     let c_f = c as f64;
-    if a >= c_f {
+    if a >= c_f || a.is_nan() {
         return f64::INFINITY;
     }
-    // Σ_{k<c} a^k/k! and a^c/c!, accumulated term by term.
-    let (mut sum, mut term) = (0.0f64, 1.0f64);
-    for k in 0..c {
-        sum += term;
-        term *= a / (k as f64 + 1.0);
+    // Erlang B by its recursion, B_0 = 1, B_k = a·B_{k−1} / (k + a·B_{k−1}): every B_k lies
+    // in (0, 1], where the series Σ a^k/k! overflows (to inf/inf = NaN) once a passes ~710.
+    // Then Erlang C = c·B / (c − a·(1 − B)), the denominator > 0 since a < c.
+    let mut b = 1.0f64;
+    for k in 1..=c {
+        let ab = a * b;
+        b = ab / (k as f64 + ab);
     }
-    let tail = term * c_f / (c_f - a);
-    let erlang_c = tail / (sum + tail);
-    erlang_c * s / (c_f - a) / 2.0
+    let erlang_c = c_f * b / (c_f - a * (1.0 - b));
+    let wait = erlang_c * s / (c_f - a) / 2.0;
+    if wait.is_finite() {
+        wait
+    } else {
+        f64::INFINITY
+    }
 }
 
 /// Simulates `targets` target workers sharing `drafts` draft workers (0: no speculation, as
@@ -777,10 +852,15 @@ pub fn evaluate(sc: &Scenario<'_>, targets: u32, drafts: u32) -> Result<PoolRepo
         reason.push(format!("draft pool saturated (ρ = {util:.2})"));
     }
     let open = matches!(w.load, Load::Open { .. });
-    if open && engine.backlog > spec.max_running as usize {
+    let max_backlog = backlog_cap(spec.max_running);
+    if open && engine.backlog > max_backlog {
         reason.push(format!(
-            "queue grows ({} waiting at the end)",
-            engine.backlog
+            "queue grows without bound (over {max_backlog} waiting: simulation stopped)"
+        ));
+    } else if open && (engine.overloaded || engine.backlog > spec.max_running as usize) {
+        reason.push(format!(
+            "queue grows ({} waiting after warm-up, {} at the end)",
+            engine.backlog_start, engine.backlog
         ));
     }
     if engine.finished == 0 {
@@ -1011,6 +1091,161 @@ mod tests {
         assert!(w.windows(2).all(|p| p[1] < p[0]), "{w:?}");
         assert!(mdc_wait(2, 2.0, s).is_infinite());
         assert_eq!(mdc_wait(3, 0.0, s), 0.0);
+    }
+
+    #[test]
+    fn mdc_wait_stays_finite_for_large_pools_and_matches_the_series() {
+        // The series a^k/k! overflowed past a ≈ 710: inf/inf = NaN, read as no queue.
+        let w = mdc_wait(800, 790.0, 0.01);
+        assert!(w.is_finite() && w > 0.0, "{w}");
+        assert!(mdc_wait(800, 799.0, 0.01) > w);
+        assert!(mdc_wait(800, 800.0, 0.01).is_infinite());
+        assert!(mdc_wait(800, f64::NAN, 0.01).is_infinite());
+        // Where the series does not overflow, the recursion gives what it gave.
+        let series = |c: u32, a: f64, s: f64| {
+            let c_f = c as f64;
+            let (mut sum, mut term) = (0.0f64, 1.0f64);
+            for k in 0..c {
+                sum += term;
+                term *= a / (k as f64 + 1.0);
+            }
+            let tail = term * c_f / (c_f - a);
+            tail / (sum + tail) * s / (c_f - a) / 2.0
+        };
+        for c in 1..=20u32 {
+            for f in [0.05, 0.3, 0.6, 0.9, 0.99] {
+                let a = f * c as f64;
+                let (x, y) = (mdc_wait(c, a, 0.01), series(c, a, 0.01));
+                assert!((x / y - 1.0).abs() < 1e-9, "c {c} a {a}: {x} vs {y}");
+            }
+        }
+    }
+
+    /// A wide, cheap worker: a step costs 1 ms + 1 µs per token (linear between the two
+    /// points), `m` requests decoded at once.
+    fn wide(m: u32) -> EngineSpec {
+        let top = 16_384u32;
+        EngineSpec {
+            sps: SpsTable::new(vec![
+                (1, 1.0 / 0.001_001),
+                (top, 1.0 / (0.001 + 1e-6 * top as f64)),
+            ])
+            .unwrap(),
+            max_running: m,
+            prefill_chunk: 1,
+            max_gamma: 7,
+            verify: Verify::Scheduler,
+            hop_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn an_open_load_just_past_capacity_is_refused_and_one_below_is_served() {
+        // One-token prompts and four-token answers on 16 000 slots: a full worker steps 16 000
+        // tokens (17 ms) whatever the phase of its requests and finishes 4 000 of them a step,
+        // so its capacity μ is the closed loop's. At 1.01 μ the queue grows ~2 400 a second:
+        // ~9 500 over the 4 s window (~950 000 arrivals), well above 3·sqrt(n) ≈ 2 900, yet
+        // still under the 16 000 slots the end-of-window check alone compared it with.
+        let m = 16_000u32;
+        let s = wide(m);
+        let w = |load: Load| Workload {
+            load,
+            prompt_tokens: 1,
+            output_tokens: 4,
+            output_spread: 0.0,
+        };
+        let closed_t = SimTime {
+            warmup_s: 2.0,
+            measure_s: 20.0,
+            seed: 7,
+        };
+        let mu = simulate_engine(&s, &w(Load::Closed { concurrency: m }), None, closed_t)
+            .unwrap()
+            .tok_s
+            / 4.0;
+        assert!((mu / (4000.0 / 0.017) - 1.0).abs() < 0.01, "{mu}");
+        let free = DraftCost::flat(vec![(1, 0.0)]).unwrap();
+        let base = Scenario {
+            spec: &s,
+            workload: w(Load::Open { rate: mu }),
+            blocks: &[],
+            cost: &free,
+            time: SimTime {
+                warmup_s: 2.0,
+                measure_s: 4.0,
+                seed: 7,
+            },
+            slo: LOOSE,
+            prices: (1.0, 1.0),
+        };
+        let over = Scenario {
+            workload: w(Load::Open { rate: 1.01 * mu }),
+            ..base
+        };
+        let r = evaluate(&over, 1, 0).unwrap();
+        assert!(!r.feasible && r.engine.overloaded, "{r:?}");
+        assert!(r.reason.contains("queue grows"), "{r:?}");
+        // What the end-of-window check alone saw: fewer waiting than slots.
+        assert!(r.engine.backlog < m as usize, "{r:?}");
+        let under = Scenario {
+            workload: w(Load::Open { rate: 0.8 * mu }),
+            ..base
+        };
+        let r = evaluate(&under, 1, 0).unwrap();
+        assert!(r.feasible && !r.engine.overloaded, "{r:?}");
+    }
+
+    #[test]
+    fn requests_still_queued_at_the_end_count_in_the_ttft() {
+        // 40 requests/s on a worker that serves ~9: after 20 s of warm-up the queue holds over
+        // a minute of work, and nothing arriving in the 4 s window starts in it. Each waited
+        // at least its time in the window (p90 ≈ 0.9 × 4 s, p50 ≈ 2 s); counted from the
+        // finished ones only, the TTFT was that of none: 0.
+        let t = SimTime {
+            warmup_s: 20.0,
+            measure_s: 4.0,
+            seed: 7,
+        };
+        let w = Workload {
+            load: Load::Open { rate: 40.0 },
+            ..closed(1)
+        };
+        let r = simulate_engine(&spec(), &w, None, t).unwrap();
+        assert_eq!(r.finished, 0, "{r:?}");
+        assert!(r.ttft_p90_s > 3.0 && r.ttft_p90_s <= 4.0, "{r:?}");
+        assert!(r.ttft_p50_s > 1.5 && r.ttft_p50_s < 2.5, "{r:?}");
+    }
+
+    #[test]
+    fn an_absurd_rate_stops_at_the_backlog_cap() {
+        // 10^5 requests/s on a worker that serves ~9: kept whole, 2.2 million requests would
+        // queue over the window (220 million at 10^7/s). The run stops once the queue passes
+        // the cap, judged overloaded.
+        let w = Workload {
+            load: Load::Open { rate: 1e5 },
+            ..closed(1)
+        };
+        let r = simulate_engine(&spec(), &w, None, T).unwrap();
+        assert!(r.overloaded && r.backlog == backlog_cap(16) + 1, "{r:?}");
+        let b = blocks(0.9, 3, 8);
+        let c = DraftCost::flat(vec![(1, 0.001)]).unwrap();
+        let s = spec();
+        let sc = Scenario {
+            spec: &s,
+            workload: Workload {
+                load: Load::Open { rate: 1e7 },
+                ..closed(1)
+            },
+            blocks: &b,
+            cost: &c,
+            time: T,
+            slo: LOOSE,
+            prices: (1.0, 1.0),
+        };
+        for d in [0, 1] {
+            let p = evaluate(&sc, 1, d).unwrap();
+            assert!(!p.feasible && p.reason.contains("without bound"), "{p:?}");
+        }
     }
 
     #[test]
