@@ -410,9 +410,14 @@ async fn register_etcd(
 ) -> Result<()> {
     let mut c = etcd_connect(eps).await?;
     let lease = c
-        .lease_grant(ttl.as_secs().max(1) as i64, None)
+        .lease_grant(lease_secs(ttl), None)
         .await
         .map_err(etcd_err)?;
+    // etcd may grant more (its minimum) or, by policy, less: renewals keep to a third of it.
+    let beat = match u64::try_from(lease.ttl()) {
+        Ok(g) if g > 0 => beat.min((Duration::from_secs(g) / 3).max(ETCD_NUDGE_GAP)),
+        _ => beat,
+    };
     let (mut keeper, mut acks) = c.lease_keep_alive(lease.id()).await.map_err(etcd_err)?;
     // The lease is renewed at the heartbeat's pace; a nudged report only puts.
     let mut renewed: Option<tokio::time::Instant> = None;
@@ -454,8 +459,28 @@ async fn register_etcd(
         if due {
             renewed = Some(t);
         }
-        pause(beat, stop, Some((nudge, ETCD_NUDGE_GAP))).await;
+        // Until the next renewal is due, not a whole beat: after a nudged put the renewal
+        // would otherwise wait up to two beats, and the lease lapse under a healthy worker.
+        let wait = until_renewal(renewed, beat, tokio::time::Instant::now());
+        pause(wait, stop, Some((nudge, ETCD_NUDGE_GAP))).await;
     }
+}
+
+/// The lease asked for `ttl`, in etcd's whole seconds: rounded up (2.9 s down to 2 s left
+/// a renewal every 0.97 s too little room), at least 1.
+fn lease_secs(ttl: Duration) -> i64 {
+    i64::try_from(ttl.as_millis().div_ceil(1000).max(1)).unwrap_or(i64::MAX)
+}
+
+/// How long the registrar may sleep before the lease's renewal (every `beat`) is due.
+fn until_renewal(
+    renewed: Option<tokio::time::Instant>,
+    beat: Duration,
+    now: tokio::time::Instant,
+) -> Duration {
+    renewed.map_or(Duration::ZERO, |t| {
+        (t + beat).saturating_duration_since(now)
+    })
 }
 
 /// Takes a worker out of placement at once (a drain's first step), instead of waiting for its
@@ -677,10 +702,12 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
 #[cfg(test)]
 mod tests {
     use super::{
-        ETCD_PREFIX, advertised_address, check_ttl_ms, default_worker_id, etcd_entry, is_dialable,
+        ETCD_NUDGE_GAP, ETCD_PREFIX, advertised_address, check_ttl_ms, default_worker_id,
+        etcd_entry, is_dialable, lease_secs, until_renewal,
     };
     use dspark_proto::WorkerInfo;
     use prost::Message;
+    use std::time::Duration;
 
     /// What a worker advertises, and only that, is an address others accept (the target
     /// worker's check of a request's draft worker among them).
@@ -861,5 +888,36 @@ mod tests {
             let e = advertised_address(wild, Some(bad)).unwrap_err().to_string();
             assert!(e.contains("--advertise"), "{bad}: {e}");
         }
+    }
+
+    /// The etcd registrar's pace: a lease rounded up to whole seconds, and a renewal every
+    /// beat even when nudged puts keep waking the loop just before one is due (it then slept a
+    /// whole beat more: renewals up to two beats apart, past a 2 s lease).
+    #[test]
+    fn renewals_keep_their_beat_under_nudges_and_the_lease_rounds_up() {
+        assert_eq!(lease_secs(Duration::from_millis(2900)), 3);
+        assert_eq!(lease_secs(Duration::from_millis(3000)), 3);
+        assert_eq!(lease_secs(Duration::from_millis(1)), 1);
+        // The loop with its clock simulated: a pass renews when due, then sleeps for
+        // `until_renewal` or until the next nudge (a nudge every 950 ms, past the nudge gap).
+        let beat = Duration::from_millis(966);
+        let start = tokio::time::Instant::now();
+        let nudges = |from: tokio::time::Instant| {
+            let k = (from - start).as_millis() / 950 + 1;
+            start + Duration::from_millis((k * 950) as u64)
+        };
+        let (mut now, mut renewed, mut widest) = (start, None, Duration::ZERO);
+        while now - start < Duration::from_secs(60) {
+            if renewed.is_none_or(|t| now - t >= beat) {
+                if let Some(t) = renewed {
+                    widest = widest.max(now - t);
+                }
+                renewed = Some(now);
+            }
+            let wait = until_renewal(renewed, beat, now);
+            let nudged = nudges(now).max(now + ETCD_NUDGE_GAP.min(wait));
+            now = (now + wait).min(nudged);
+        }
+        assert!(widest <= beat, "renewals {widest:?} apart, beat {beat:?}");
     }
 }

@@ -93,6 +93,10 @@ struct Entry {
     ttl: Duration,
     /// Requests placed since the worker last reported its load (so bursts spread out).
     placed: u32,
+    /// Given a fresh TTL after a stall and not heard from since: the next stall only adds its
+    /// own length (a scheduler stalling every few seconds would otherwise keep a dead worker
+    /// for ever).
+    graced: bool,
 }
 
 #[derive(Debug)]
@@ -193,6 +197,7 @@ impl Cluster {
                 expires: now + ttl,
                 ttl,
                 placed: 0,
+                graced: false,
             },
         );
     }
@@ -247,6 +252,7 @@ impl Cluster {
 
     /// Drops workers whose TTL passed; returns their ids. After a stall (the previous sweep more
     /// than [`STALL_GAP`] ago) every worker first gets a fresh TTL: nobody could be heard then.
+    /// Once: a worker not heard from since its last grace gets only the stall's length.
     pub fn expire(&mut self, now: Instant) -> Vec<String> {
         if let Some(prev) = self.last_sweep {
             let gap = now.saturating_duration_since(prev);
@@ -257,8 +263,14 @@ impl Cluster {
                         "scheduler was not running; workers get a TTL to check in again"
                     );
                 }
+                let lost = gap.saturating_sub(SWEEP_PERIOD);
                 for e in self.workers.values_mut() {
-                    e.expires = e.expires.max(now + e.ttl);
+                    if e.graced {
+                        e.expires += lost;
+                    } else {
+                        e.expires = e.expires.max(now + e.ttl);
+                        e.graced = true;
+                    }
                 }
             }
         }
@@ -492,6 +504,26 @@ mod tests {
         }
         gone.sort();
         assert_eq!(gone, vec!["1".to_string(), "2".to_string()]);
+        // A scheduler that keeps stalling (600 ms every second) grants one fresh TTL; after
+        // that a worker that never checks in goes, late by the stalls only.
+        let mut c = Cluster::default();
+        c.upsert(w("1", ROLE_TARGET, 4, 0), ms(3000), t0);
+        let mut at = t0;
+        let mut gone_at = None;
+        for _ in 0..20 {
+            for step in [100, 100, 100, 100, 700] {
+                at += ms(step);
+                if !c.expire(at).is_empty() {
+                    gone_at.get_or_insert(at - t0);
+                }
+            }
+        }
+        let gone_at = gone_at.expect("a dead worker leaves despite the stalls");
+        assert!(
+            gone_at > ms(3600),
+            "one fresh TTL after the first stall: {gone_at:?}"
+        );
+        assert!(gone_at <= ms(9000), "{gone_at:?}");
         // Without a stall the TTL is not extended.
         let mut c = Cluster::default();
         c.upsert(w("1", ROLE_TARGET, 4, 0), ms(300), t0);
