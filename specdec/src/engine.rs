@@ -1869,6 +1869,7 @@ fn commit_tokens(
     let mut emitted = Vec::new();
     let mut logprobs = Vec::new();
     let mut consumed = 0;
+    let mut cut_at_stop = false;
     for (i, &t) in new.iter().enumerate() {
         consumed += 1;
         if !s.req.ignore_eos && tok.is_some_and(|tk| tk.is_stop(t)) {
@@ -1898,6 +1899,7 @@ fn commit_tokens(
                 {
                     s.text.truncate(cut);
                     s.finished = Some(FinishReason::Stop);
+                    cut_at_stop = true;
                     break;
                 }
             }
@@ -1909,6 +1911,24 @@ fn commit_tokens(
         if s.output_len() >= s.req.max_tokens || s.tokens.len() >= ctx {
             s.finished = Some(FinishReason::Length);
             break;
+        }
+    }
+    // The end: text the decoder held back (a character cut by the token limit, a token that
+    // decodes to U+FFFD) goes out; nothing will complete it. Not past a stop string (cut).
+    if s.finished.is_some()
+        && !cut_at_stop
+        && let Some(tk) = tok
+    {
+        let rest = s.decoder.finish(tk)?;
+        if !rest.is_empty() {
+            let before = s.text.len();
+            s.text.push_str(&rest);
+            if s.output_len() >= s.req.min_tokens
+                && let Some(cut) = find_stop(&s.text, &s.req.stop, before)
+            {
+                s.text.truncate(cut);
+                s.finished = Some(FinishReason::Stop);
+            }
         }
     }
     let safe = if s.finished.is_some() {

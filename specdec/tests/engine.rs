@@ -435,6 +435,34 @@ fn min_tokens_hold_stop_strings_back_too() {
     e.check_kv().unwrap();
 }
 
+/// The text sent is the whole decoding of the tokens sent, whatever the last one: a character
+/// cut by the token limit (the tiny vocabulary's byte tokens split characters often when
+/// sampled), or a token that decodes to U+FFFD, is released at the end, not held back.
+#[test]
+fn the_text_sent_is_the_decoding_of_the_tokens_whatever_the_last_one() {
+    let f = fixture_scaled(0.15);
+    let ps = prompts(&f, 24);
+    let mut e = engine_with(&f, proposer_clone(&f, "ngram"));
+    for (i, p) in ps.iter().enumerate() {
+        let mut r = Request::new(i as u64, p.clone(), 2 + i % 9);
+        r.params.temperature = 1.0;
+        r.seed = 1000 + i as u64;
+        e.add(r).unwrap();
+    }
+    let got = collect(e.run_to_completion().unwrap());
+    let mut cut = 0;
+    for (id, (tokens, text, _)) in &got {
+        let whole = f.tok.decode(tokens, true).unwrap();
+        cut += usize::from(whole.ends_with('\u{fffd}'));
+        assert_eq!(text, &whole, "request {id}: {tokens:?}");
+    }
+    assert!(
+        cut >= 1,
+        "no answer ended mid-character: the test shows nothing"
+    );
+    e.check_kv().unwrap();
+}
+
 /// A request resumed after its worker died mid-stream (the router sends the prompt plus the
 /// tokens it received, `resumed` of them) goes on from the text its first worker held back:
 /// at every cut, the text sent before it plus the text after it is the uninterrupted answer,
