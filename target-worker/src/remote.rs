@@ -99,6 +99,8 @@ struct Link {
     shared: Arc<LinkShared>,
     finished: Vec<u64>,
     task: tokio::task::JoinHandle<()>,
+    /// Said (once) that its drafter reads other target layers than the ones captured.
+    mismatch_said: bool,
 }
 
 impl Drop for Link {
@@ -143,6 +145,16 @@ fn check_feature_layers(layers: &[u32], n_layers: usize) -> std::result::Result<
     Ok(())
 }
 
+/// The target layers an up link's drafter reads (None: down, or not yet known).
+fn link_layers(l: &Link) -> Option<Vec<usize>> {
+    if !l.shared.up.load(Ordering::SeqCst) {
+        return None;
+    }
+    let i = l.shared.info.lock().ok()?;
+    i.as_ref()
+        .map(|i| i.feature_layers.iter().map(|&x| x as usize).collect())
+}
+
 fn spawn_link(rt: &tokio::runtime::Handle, addr: String, hello: Hello) -> Link {
     let shared = Arc::new(LinkShared::default());
     let s = Arc::clone(&shared);
@@ -175,6 +187,7 @@ fn spawn_link(rt: &tokio::runtime::Handle, addr: String, hello: Hello) -> Link {
         shared,
         finished: Vec::new(),
         task,
+        mismatch_said: false,
     }
 }
 
@@ -429,17 +442,22 @@ impl RemoteProposer {
         Some(addr)
     }
 
+    /// The target layers the forward captures for the draft workers: those of the up link
+    /// first by address (one set for every request; not whichever the map yields first).
+    /// A draft worker whose drafter reads other layers (a rolling update between drafters)
+    /// is not sent rounds: its requests draft locally, rather than its drafter read the
+    /// wrong layers' features.
     fn layers(&self) -> Vec<usize> {
-        for l in self.links.values() {
-            if l.shared.up.load(Ordering::SeqCst) {
-                if let Ok(i) = l.shared.info.lock() {
-                    if let Some(i) = i.as_ref() {
-                        return i.feature_layers.iter().map(|&x| x as usize).collect();
-                    }
-                }
+        let mut first: Option<(&String, Vec<usize>)> = None;
+        for (addr, l) in &self.links {
+            if first.as_ref().is_some_and(|(a, _)| *a <= addr) {
+                continue;
+            }
+            if let Some(ls) = link_layers(l) {
+                first = Some((addr, ls));
             }
         }
-        Vec::new()
+        first.map(|(_, ls)| ls).unwrap_or_default()
     }
 
     /// The copy-run rates the request's draft worker published (empty: none, or not known
@@ -573,6 +591,8 @@ impl RemoteProposer {
     /// [`ROUND_BYTES`] estimated each way; the rest draft locally.
     fn groups(&mut self, reqs: &[ProposeReq<'_>]) -> Vec<(String, Vec<usize>)> {
         let mut items = Vec::new();
+        let ours = self.layers();
+        let mut mismatched = Vec::new();
         for (i, r) in reqs.iter().enumerate() {
             if r.k == 0 {
                 continue;
@@ -588,9 +608,26 @@ impl RemoteProposer {
                     continue;
                 }
                 if l.up.load(Ordering::SeqCst) && !l.is_stalled() {
+                    if link_layers(&self.links[&a]).is_some_and(|ls| ls != ours) {
+                        mismatched.push(a);
+                        continue;
+                    }
                     let b = self.round_bytes(r, &a);
                     items.push((a, b, i));
                 }
+            }
+        }
+        for a in mismatched {
+            if let Some(l) = self.links.get_mut(&a)
+                && !std::mem::replace(&mut l.mismatch_said, true)
+            {
+                tracing::warn!(
+                    draft = a,
+                    layers = ?link_layers(l),
+                    captured = ?ours,
+                    "this draft worker's drafter reads other target layers than the other \
+                     draft workers': its requests draft locally until the pool agrees"
+                );
             }
         }
         pack_rounds(items, ROUND_BYTES)
@@ -1907,5 +1944,60 @@ mod tests {
                 .expect("pending")
                 .is_empty()
         );
+    }
+
+    /// Draft workers whose drafters read different target layers (a rolling update): the
+    /// layers captured are one link's, the same whichever order the links are stored in, and
+    /// the other link's requests are not sent rounds (its drafter would read the wrong
+    /// layers' features).
+    #[test]
+    fn draft_workers_reading_other_layers_get_no_rounds() {
+        let rt = test_runtime();
+        let shared = Arc::new(RemoteShared::default());
+        let mut p = test_proposer(&rt, shared.clone(), 10);
+        let (a, b) = ("127.0.0.1:10".to_string(), "127.0.0.1:9".to_string());
+        if let Ok(mut m) = shared.assign.lock() {
+            m.insert(1, a.clone());
+            m.insert(2, b.clone());
+        }
+        let (_, _) = (p.link_for(1), p.link_for(2));
+        for (addr, layers) in [(&a, vec![0, 1]), (&b, vec![2, 3])] {
+            let l = &p.links[addr].shared;
+            l.up.store(true, Ordering::SeqCst);
+            *l.info.lock().expect("info") = Some(WorkerInfo {
+                feature_layers: layers,
+                ..Default::default()
+            });
+        }
+        // "127.0.0.1:10" < "127.0.0.1:9" as strings: the first by address is `a`.
+        assert_eq!(p.feature_layers(), vec![0, 1]);
+        let ctx = [1u32, 2, 3, 4];
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let (mut r1, mut r2) = (kernels::rng::Rng::new(1), kernels::rng::Rng::new(2));
+        let reqs = vec![
+            ProposeReq {
+                id: 1,
+                context: &ctx,
+                k: 2,
+                params: &greedy,
+                rng: &mut r1,
+            },
+            ProposeReq {
+                id: 2,
+                context: &ctx,
+                k: 2,
+                params: &greedy,
+                rng: &mut r2,
+            },
+        ];
+        let groups = p.groups(&reqs);
+        assert_eq!(groups, vec![(a.clone(), vec![0])]);
+        // Once the pool agrees, both draft remotely.
+        if let Some(i) = p.links[&b].shared.info.lock().expect("info").as_mut() {
+            i.feature_layers = vec![0, 1];
+        }
+        let mut groups = p.groups(&reqs);
+        groups.sort();
+        assert_eq!(groups, vec![(a, vec![0]), (b, vec![1])]);
     }
 }

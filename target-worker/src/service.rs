@@ -114,6 +114,22 @@ impl TargetService {
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<GenerateEvent, Status>> + Send + 'static>>;
 
+/// A request's regex (when given) or JSON schema, compiled.
+fn compile_format(regex: &str, schema: &str) -> Result<dspark_runtime::json::Format, Status> {
+    if !regex.is_empty() {
+        let p = dspark_runtime::json_schema::Pattern::full_match(regex)
+            .map_err(|e| Status::invalid_argument(format!("regex: {e}")))?;
+        return Ok(dspark_runtime::json::Format::Regex(std::sync::Arc::new(p)));
+    }
+    let v: serde_json::Value = serde_json::from_str(schema)
+        .map_err(|e| Status::invalid_argument(format!("json_schema: {e}")))?;
+    let schema = dspark_runtime::json_schema::Schema::compile(&v)
+        .map_err(|e| Status::invalid_argument(format!("json_schema: {e}")))?;
+    Ok(dspark_runtime::json::Format::Schema(std::sync::Arc::new(
+        schema,
+    )))
+}
+
 #[tonic::async_trait]
 impl TargetWorker for TargetService {
     type GenerateStream = EventStream;
@@ -145,18 +161,14 @@ impl TargetWorker for TargetService {
                 "a request takes one of json, json_schema and regex",
             ));
         }
-        let json = if !r.regex.is_empty() {
-            let p = dspark_runtime::json_schema::Pattern::full_match(&r.regex)
-                .map_err(|e| Status::invalid_argument(format!("regex: {e}")))?;
-            Some(dspark_runtime::json::Format::Regex(std::sync::Arc::new(p)))
-        } else if !r.json_schema.is_empty() {
-            let v: serde_json::Value = serde_json::from_str(&r.json_schema)
-                .map_err(|e| Status::invalid_argument(format!("json_schema: {e}")))?;
-            let schema = dspark_runtime::json_schema::Schema::compile(&v)
-                .map_err(|e| Status::invalid_argument(format!("json_schema: {e}")))?;
-            Some(dspark_runtime::json::Format::Schema(std::sync::Arc::new(
-                schema,
-            )))
+        let json = if !r.regex.is_empty() || !r.json_schema.is_empty() {
+            // Building the automaton is CPU work (up to the state caps): off the async runtime,
+            // which also carries the draft links' replies.
+            let (regex, schema) = (r.regex.clone(), r.json_schema.clone());
+            let f = tokio::task::spawn_blocking(move || compile_format(&regex, &schema))
+                .await
+                .map_err(|e| Status::internal(format!("compiling the format: {e}")))??;
+            Some(f)
         } else {
             r.json.then_some(dspark_runtime::json::Format::Object)
         };
