@@ -19,5 +19,7 @@ COPY --from=build /src/target/release/dspark /usr/local/bin/dspark
 # The shipped drafters are looked up beside the source tree the binary was built from.
 COPY --from=build /src/drafters /src/drafters
 ENV DSPARK_HOME=/var/cache/dspark HOME=/tmp
+# The model cache, writable by the user the image runs as (mount a volume here to keep it).
+RUN mkdir -p /var/cache/dspark && chown 65532:65532 /var/cache/dspark
 USER 65532:65532
 ENTRYPOINT ["dspark"]

@@ -86,8 +86,44 @@ pub enum Command {
     Service(Vec<String>),
 }
 
+/// Parses a command line as [`run`] does, refusing global flags given before a role name
+/// (`dspark --home /data router`): a role parses its own flags, those after its name, so
+/// these would be dropped without a word.
+pub fn parse_from<I, T>(argv: I) -> Result<Cli, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    use clap::{CommandFactory, FromArgMatches};
+    let mut cmd = Cli::command();
+    let m = cmd.try_get_matches_from_mut(argv)?;
+    let cli = Cli::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))?;
+    if let Command::Service(role) = &cli.cmd {
+        let role = role.first().cloned().unwrap_or_default();
+        // Only what the command line gave: the same settings from the environment reach the
+        // role, which reads them itself.
+        let given: Vec<String> = cmd
+            .get_arguments()
+            .filter(|a| a.is_global_set())
+            .filter(|a| {
+                m.value_source(a.get_id().as_str()) == Some(clap::parser::ValueSource::CommandLine)
+            })
+            .map(|a| format!("--{}", a.get_long().unwrap_or(a.get_id().as_str())))
+            .collect();
+        if let Some(first) = given.first() {
+            let msg = format!(
+                "{} before the role name `{role}` would be ignored: put {first} after the role: \
+                 dspark {role} {first} ...",
+                given.join(", ")
+            );
+            return Err(cmd.error(clap::error::ErrorKind::ArgumentConflict, msg));
+        }
+    }
+    Ok(cli)
+}
+
 pub fn run() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match parse_from(std::env::args_os()) {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
@@ -245,5 +281,34 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Profile(a) => profile::run(&g, a),
         Command::Plan(a) => plan::run(a),
         Command::Service(_) => anyhow::bail!("service commands are dispatched above"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn global_flags_before_a_role_name_are_refused() {
+        let e = parse_from(["dspark", "--threads", "2", "target-worker"])
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("dspark target-worker --threads"), "{e}");
+        let e = parse_from(["dspark", "--home", "/data", "router"])
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("dspark router --home"), "{e}");
+        // After the role name they are the role's own flags.
+        let c = parse_from(["dspark", "target-worker", "--threads", "2"]).expect("parsed");
+        assert!(
+            matches!(&c.cmd, Command::Service(v) if v == &["target-worker", "--threads", "2"]),
+            "{:?}",
+            c.cmd
+        );
+        // Before any other command they apply to it.
+        let c = parse_from(["dspark", "--threads", "2", "models"]).expect("parsed");
+        assert_eq!(c.global.threads, 2);
     }
 }

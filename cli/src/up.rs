@@ -296,6 +296,9 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
     }
     anyhow::ensure!(a.target_workers >= 1, "--target-workers must be at least 1");
     anyhow::ensure!(a.tp >= 1, "--tp must be at least 1");
+    // What the target workers would refuse, refused before anything is fetched or started.
+    target_worker::check_engine_args(a.gamma, a.max_running, &a.verify_policy)
+        .map_err(anyhow::Error::msg)?;
     anyhow::ensure!(
         a.api_key.as_deref() != Some(""),
         "--api-key is empty (leave it unset to serve without a key)"
@@ -376,6 +379,15 @@ fn run_cluster(
     } else {
         vec!["--scheduler".into(), sched_url.clone()]
     };
+    // Worker ids: on a shared etcd another `up`'s `target-0` would take this one's entry, so
+    // there they name their run too (its scheduler's port, this machine's while it runs).
+    let worker_id = |role: &str, i: usize| {
+        if a.etcd.is_some() {
+            format!("{role}-{i}-{sport}")
+        } else {
+            format!("{role}-{i}")
+        }
+    };
     let drafts = if a.in_process_drafter {
         0
     } else {
@@ -389,7 +401,7 @@ fn run_cluster(
             "--drafter".into(),
             drafter.to_string(),
             "--id".into(),
-            format!("draft-{i}"),
+            worker_id("draft", i),
         ];
         d.extend(reg.clone());
         d.extend(home.clone());
@@ -408,7 +420,7 @@ fn run_cluster(
             "--model".into(),
             a.target.clone(),
             "--id".into(),
-            format!("target-{i}"),
+            worker_id("target", i),
             "--gamma".into(),
             a.gamma.to_string(),
             "--max-running".into(),
@@ -454,6 +466,11 @@ fn run_cluster(
             t.extend(["--tp-peers".to_string(), peers.join(",")]);
         }
         t.extend(reg.clone());
+        // Registered through etcd, a target worker still asks this scheduler for its central
+        // verification budgets (`--verify-policy scheduler`): etcd wins for registration.
+        if a.etcd.is_some() {
+            t.extend(["--scheduler".to_string(), sched_url.clone()]);
+        }
         t.extend(home.clone());
         t.extend(compute(tthreads));
         kids.spawn(&format!("target-worker {i}"), &t, &[])?;
@@ -466,6 +483,10 @@ fn run_cluster(
         a.target.clone(),
         "--scheduler".into(),
         sched_url,
+        // No delay before draining (a DSPARK_SHUTDOWN_DELAY_S in the environment would push
+        // the router past `up`'s grace): nothing balances load in front of it here.
+        "--shutdown-delay-s".into(),
+        "0".into(),
         "--drain-timeout-s".into(),
         UP_DRAIN_S.into(),
     ];
@@ -488,7 +509,9 @@ fn run_cluster(
         _ => listen,
     };
     let url = format!("http://{probe}");
+    // The router is on this machine: a proxy from HTTP_PROXY or ALL_PROXY would not reach it.
     let http = reqwest::Client::builder()
+        .no_proxy()
         .timeout(Duration::from_secs(5))
         .build()?;
     let t0 = Instant::now();

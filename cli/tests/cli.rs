@@ -1297,3 +1297,71 @@ fn bench_tp_times_each_degree_and_refuses_one_that_does_not_split() {
         "{err}"
     );
 }
+
+#[test]
+fn the_router_takes_host_names_in_its_static_worker_lists() {
+    let d = tmpdir("router-hosts");
+    let m = tiny(&d);
+    // Stdin is closed: a router that starts stops again at once, with status 0.
+    for (targets, drafts, ok) in [
+        ("localhost:1", "dw-0.dw.ns.svc:50052", true),
+        ("127.0.0.1:1", "[::1]:2", true),
+        ("nowhere", "", false),
+        ("localhost:0", "", false),
+    ] {
+        let mut args = vec![
+            "router",
+            "--model",
+            &m,
+            "--listen",
+            "127.0.0.1:0",
+            "--targets",
+            targets,
+            "--shutdown-delay-s",
+            "0",
+            "--drain-timeout-s",
+            "0",
+            "--exit-on-stdin-eof",
+        ];
+        if !drafts.is_empty() {
+            args.extend(["--drafts", drafts]);
+        }
+        let (code, out, err) = dspark(&d, &args);
+        if ok {
+            assert!(
+                code == 0 && out.contains("router listening"),
+                "{targets} {drafts}: {code} {out} {err}"
+            );
+        } else {
+            assert!(
+                code != 0 && err.contains("is not host:port"),
+                "{targets}: {code} {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn up_and_the_target_worker_refuse_bad_engine_settings_before_loading() {
+    let d = tmpdir("up-args");
+    let m = tiny(&d);
+    for (flag, value, want) in [
+        ("--max-running", "0", "--max-running 0"),
+        ("--verify-policy", "sched", "--verify-policy `sched`"),
+    ] {
+        // `up` refuses before it fetches or starts anything (the model is not even looked up).
+        let (code, _, err) = dspark(&d, &["up", "--target", "no-such-model", flag, value]);
+        assert!(code != 0 && err.contains(want), "up {flag} {value}: {err}");
+        let (code, _, err) = dspark(&d, &["target-worker", "--model", &m, flag, value]);
+        assert!(
+            code != 0 && err.contains(want),
+            "target-worker {flag} {value}: {err}"
+        );
+    }
+    // A global flag before a role name would be dropped: refused, with where it goes.
+    let (code, _, err) = dspark(&d, &["--threads", "2", "target-worker", "--model", &m]);
+    assert!(
+        code == 2 && err.contains("dspark target-worker --threads"),
+        "{code} {err}"
+    );
+}

@@ -177,7 +177,8 @@ impl App {
         let mut statics = Vec::new();
         for (role, list) in [("target", &args.targets), ("draft", &args.drafts)] {
             for (i, a) in list.iter().enumerate() {
-                if a.parse::<SocketAddr>().is_err() {
+                // An IP address or a host name (`localhost:50051`, a Kubernetes service).
+                if !dspark_scheduler::discovery::is_dialable(a) {
                     return Err(RouterError::Config(format!("`{a}` is not host:port")));
                 }
                 statics.push(WorkerInfo {

@@ -152,6 +152,31 @@ pub struct TargetArgs {
     pub exit_on_stdin_eof: bool,
 }
 
+/// The engine's settings checked before the model loads (the engine itself would refuse them
+/// only after minutes of loading and profiling): `--gamma` in range, `--max-running` at least
+/// 1, `--verify-policy` gate or scheduler. `dspark up` checks what it forwards with it too.
+pub fn check_engine_args(
+    gamma: usize,
+    max_running: usize,
+    verify_policy: &str,
+) -> std::result::Result<(), String> {
+    if gamma > specdec::MAX_GAMMA {
+        return Err(format!(
+            "--gamma {gamma} out of range 0..={}",
+            specdec::MAX_GAMMA
+        ));
+    }
+    if max_running == 0 {
+        return Err("--max-running 0: a worker decodes at least one request at once".into());
+    }
+    if !matches!(verify_policy, "gate" | "scheduler") {
+        return Err(format!(
+            "--verify-policy `{verify_policy}` (gate, scheduler)"
+        ));
+    }
+    Ok(())
+}
+
 fn parse_dtype(s: &str) -> Result<dspark_proto::Dtype> {
     match s {
         "f32" => Ok(dspark_proto::Dtype::F32),
@@ -168,13 +193,8 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     let kv_dtype = dspark_runtime::KvDtype::parse(&args.kv_cache_dtype)
         .map_err(|e| TargetError::Config(format!("--kv-cache-dtype: {e}")))?;
     let isa = args.isa;
-    if args.gamma > specdec::MAX_GAMMA {
-        return Err(TargetError::Config(format!(
-            "--gamma {} out of range 0..={}",
-            args.gamma,
-            specdec::MAX_GAMMA
-        )));
-    }
+    check_engine_args(args.gamma, args.max_running, &args.verify_policy)
+        .map_err(TargetError::Config)?;
     sps::check_grid(&args.sps_grid, &args.sps_ctx).map_err(TargetError::Config)?;
     let ttl_ms = dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms, args.etcd.is_some())
         .map_err(TargetError::Config)?;
@@ -660,6 +680,21 @@ pub fn spawn_or_exit(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn engine_settings_are_checked_before_the_model_loads() {
+        assert!(check_engine_args(4, 16, "gate").is_ok());
+        assert!(check_engine_args(0, 1, "scheduler").is_ok());
+        let e = check_engine_args(4, 0, "gate").unwrap_err();
+        assert!(e.contains("--max-running"), "{e}");
+        let e = check_engine_args(4, 16, "sched").unwrap_err();
+        assert!(e.contains("--verify-policy `sched`"), "{e}");
+        let e = check_engine_args(specdec::MAX_GAMMA + 1, 16, "gate").unwrap_err();
+        assert!(e.contains("--gamma"), "{e}");
+        // Parsed arguments reach the same check in `run`, before anything loads.
+        let a = TargetArgs::try_parse_from(["target-worker", "--max-running", "0"]).unwrap();
+        assert!(check_engine_args(a.gamma, a.max_running, &a.verify_policy).is_err());
+    }
 
     #[test]
     fn a_panicking_critical_thread_runs_its_exit_hook_and_a_clean_one_does_not() {

@@ -1,8 +1,8 @@
 //! `dspark tp-shard`: one of ranks 1.. of a tensor-parallel target worker. It loads its slice
-//! of the target (its heads and FFN columns, [`dspark_runtime::tp`]), opens its port once
-//! loaded, and computes its share of every forward the target worker (rank 0, started with
-//! `--tp-peers`) sends it. It holds no requests: on SIGTERM it keeps serving while its rank 0
-//! is still connected (draining), up to `--drain-timeout-s`.
+//! of the target (its heads and FFN columns, [`dspark_runtime::tp`]), binds its port at start
+//! and listens on it once loaded, and computes its share of every forward the target worker
+//! (rank 0, started with `--tp-peers`) sends it. It holds no requests: on SIGTERM it keeps
+//! serving while its rank 0 is still connected (draining), up to `--drain-timeout-s`.
 
 use crate::{Result, TargetError};
 use clap::Parser;
@@ -52,6 +52,16 @@ pub async fn run(a: ShardArgs) -> Result<()> {
             a.tp_rank, a.tp_size
         )));
     }
+    // Bound now, before the model loads (minutes): the port (`dspark up` picked it free) is
+    // this rank's from the start. Listening only once loaded: until then connections are
+    // refused, so a probe on the port reads "not ready".
+    let socket = if a.listen.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(a.listen)?;
     let isa = a.isa;
     let home = dspark_runtime::fetch::dspark_home(a.home.as_deref());
     let path =
@@ -67,8 +77,9 @@ pub async fn run(a: ShardArgs) -> Result<()> {
         .await
         .map_err(|e| TargetError::Config(format!("loader: {e}")))?
         .map_err(|e| TargetError::Config(format!("model: {e}")))?;
-    // Listening only once loaded: a probe on the port reads "not ready" until then.
-    let listener = std::net::TcpListener::bind(a.listen)?;
+    // The accept loop runs on a thread of its own and blocks.
+    let listener = socket.listen(1024)?.into_std()?;
+    listener.set_nonblocking(false)?;
     println!(
         "tensor-parallel rank {} of {} ({}, {}) listening on {}",
         a.tp_rank,
