@@ -145,12 +145,17 @@ impl BlockA32 {
     }
 
     /// [`BlockA32::quantize`] with the SIMD of `isa` where it has some (and this CPU too); the
-    /// same bits either way for finite inputs.
+    /// same bits either way (NaNs included: every path gives them code 0).
+    ///
+    /// Quantizes the first 32 values of `x`. A shorter `x` never panics: it is padded with
+    /// zeros to 32 values (the codes of the missing elements are 0).
     pub fn quantize_fast(x: &[f32], isa: Isa) -> Self {
-        if x.len() < QK {
-            return Self::quantize(x);
-        }
         let mut b = [MaybeUninit::uninit()];
+        if x.len() < QK {
+            let mut pad = [0f32; QK];
+            pad[..x.len()].copy_from_slice(x);
+            return quantize_into(&pad, isa, &mut b)[0];
+        }
         quantize_into(&x[..QK], isa, &mut b)[0]
     }
 
@@ -183,7 +188,11 @@ impl BlockA32 {
     }
 
     /// Two-level quantization of 32 values: `q1 = round(x / d1)` with `d1 = max|x| / 127`, then
-    /// the residual in steps of `d1 / 128` (at most half a `d1` step, so `|q2| ≤ 64`).
+    /// the residual in steps of `d1 / 128` (at most half a `d1` step, so `|q2| ≤ 64`). A NaN
+    /// gets code 0 and is left out of the maximum.
+    ///
+    /// # Panics
+    /// If `x` holds fewer than 32 values ([`BlockA32::quantize_fast`] pads them instead).
     pub fn quantize(x: &[f32]) -> Self {
         let mut b = Self::zero();
         let x = &x[..QK];
@@ -1158,6 +1167,16 @@ mod x86 {
         }
     }
 
+    /// `v` with its NaN lanes zeroed. The quantizers apply it on load: `vmaxps`/`vminps`
+    /// return their second operand when either is NaN, so left in, a NaN would become code
+    /// +127 through the clamp, or (in the maximum) a NaN scale that zeroes the block. The
+    /// scalar quantizer ignores a NaN in the maximum (`f32::max`) and casts it to code 0,
+    /// which is exactly what a 0 gives: so the same bits.
+    #[inline(always)]
+    unsafe fn no_nan(v: __m512) -> __m512 {
+        _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(v, v), v)
+    }
+
     /// Lane `k` of the result is `op` folded over the 16 lanes of `v[k]` (the reductions of
     /// 16 vectors at once: four levels of shuffles, each halving the lanes per input).
     #[inline(always)]
@@ -1201,8 +1220,8 @@ mod x86 {
         let (x, out) = (&x[..512], &mut out[..16]);
         let v: [[__m512; 2]; 16] = std::array::from_fn(|j| {
             [
-                _mm512_loadu_ps(x.as_ptr().add(32 * j)),
-                _mm512_loadu_ps(x.as_ptr().add(32 * j + 16)),
+                no_nan(_mm512_loadu_ps(x.as_ptr().add(32 * j))),
+                no_nan(_mm512_loadu_ps(x.as_ptr().add(32 * j + 16))),
             ]
         });
         let a: [__m512; 16] =
@@ -1287,8 +1306,8 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn quantize(x: &[f32], b: &mut MaybeUninit<BlockA32>) {
         let v = [
-            _mm512_loadu_ps(x.as_ptr()),
-            _mm512_loadu_ps(x.as_ptr().add(16)),
+            no_nan(_mm512_loadu_ps(x.as_ptr())),
+            no_nan(_mm512_loadu_ps(x.as_ptr().add(16))),
         ];
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
         if !BlockA32::quantizable(amax) {
@@ -1663,17 +1682,66 @@ mod tests {
             }
             assert_eq!(a.sum, (0..QK).map(|e| a.x16(e)).sum::<i32>());
         }
-        // NEON's quantizer keeps the scalar one's bits for a NaN too (its code is 0).
-        #[cfg(target_arch = "aarch64")]
-        {
-            let mut x: Vec<f32> = (0..QK).map(|_| rng.normal() as f32).collect();
-            x[3] = f32::NAN;
-            let a = BlockA32::quantize(&x);
-            let b = BlockA32::quantize_fast(&x, Isa::Neon);
-            assert_eq!((a.q1, a.q2, a.sum), (b.q1, b.q2, b.sum));
+        // Every SIMD quantizer keeps the scalar one's bits for a NaN too (its code is 0).
+        let mut x: Vec<f32> = (0..QK).map(|_| rng.normal() as f32).collect();
+        x[3] = f32::NAN;
+        let a = BlockA32::quantize(&x);
+        for isa in Isa::available() {
+            let b = BlockA32::quantize_fast(&x, isa);
+            assert_eq!(block_bits(&a), block_bits(&b), "NaN {isa:?}");
+        }
+    }
+
+    #[test]
+    fn a_nan_activation_gets_code_zero_on_every_path() {
+        // The largest value is not in the NaN's lanes: a NaN that knocked other lanes out of
+        // the maximum, or clamped to +127, would change the block.
+        let mut x: Vec<f32> = (0..QK).map(|i| 0.1 + 0.001 * i as f32).collect();
+        x[0] = 1.0;
+        x[8] = f32::NAN;
+        let a = BlockA32::quantize(&x);
+        assert_eq!((a.q1[8], a.q2[8]), (0, 0));
+        assert_eq!(a.q1[0], 127);
+        for isa in Isa::available() {
+            let b = BlockA32::quantize_fast(&x, isa);
+            assert_eq!(block_bits(&a), block_bits(&b), "{isa:?}");
+        }
+        // Whole rows (the AVX-512 rows go 16 blocks at a time), NaNs in some blocks, and one
+        // block of NaNs only (no codes, as the scalar quantizer).
+        let mut rng = Rng::new(5);
+        let cols = 17 * QK;
+        let mut row: Vec<f32> = (0..cols).map(|_| rng.normal() as f32).collect();
+        for (k, i) in [8, 40, 77, 200, 511, 530].into_iter().enumerate() {
+            row[i] = if k % 2 == 0 { f32::NAN } else { -f32::NAN };
+        }
+        for v in &mut row[3 * QK..4 * QK] {
+            *v = f32::NAN;
+        }
+        let want: Vec<BlockA32> = row.chunks_exact(QK).map(BlockA32::quantize).collect();
+        assert!(want[3].q1.iter().chain(&want[3].q2).all(|&q| q == 0));
+        for isa in Isa::available() {
+            let mut out: Vec<MaybeUninit<BlockA32>> = vec![MaybeUninit::uninit(); cols / QK];
+            let got = quantize_into(&row, isa, &mut out);
+            for (i, (a, b)) in want.iter().zip(got.iter()).enumerate() {
+                assert_eq!(block_bits(a), block_bits(b), "block {i} {isa:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn quantize_fast_pads_a_short_input_with_zeros() {
+        let x: Vec<f32> = (0..20).map(|i| 0.25 * i as f32 - 2.0).collect();
+        let mut padded = x.clone();
+        padded.resize(QK, 0.0);
+        let a = BlockA32::quantize(&padded);
+        for isa in Isa::available() {
             assert_eq!(
-                (a.d.to_bits(), a.neg32.to_bits()),
-                (b.d.to_bits(), b.neg32.to_bits())
+                block_bits(&BlockA32::quantize_fast(&x, isa)),
+                block_bits(&a)
+            );
+            assert_eq!(
+                block_bits(&BlockA32::quantize_fast(&[], isa)),
+                block_bits(&BlockA32::zero())
             );
         }
     }

@@ -422,17 +422,26 @@ pub(super) unsafe fn quantize_row(x: &[f32], out: &mut [MaybeUninit<BlockA32>]) 
 }
 
 /// SIMD twin of [`BlockA32::quantize`] on AVX2: the same operations in the same order per
-/// element, so the same bits (for finite inputs). Writes `b` in place (see
+/// element, so the same bits (NaN included). Writes `b` in place (see
 /// [`super::quantize_into`]).
+///
+/// A NaN lane is zeroed on load: `maxps`/`minps` return their second operand when either is
+/// NaN, so left in, a NaN would knock other lanes out of the maximum and clamp to code +127.
+/// The scalar quantizer ignores it in the maximum (`f32::max`) and casts it to code 0, which
+/// is exactly what a 0 gives.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn quantize(x: &[f32], b: &mut MaybeUninit<BlockA32>) {
-    let v = [
+    let mut v = [
         _mm256_loadu_ps(x.as_ptr()),
         _mm256_loadu_ps(x.as_ptr().add(8)),
         _mm256_loadu_ps(x.as_ptr().add(16)),
         _mm256_loadu_ps(x.as_ptr().add(24)),
     ];
+    for vi in v.iter_mut() {
+        // All ones where `vi` is not NaN (ordered with itself), zero where it is.
+        *vi = _mm256_and_ps(*vi, _mm256_cmp_ps::<_CMP_ORD_Q>(*vi, *vi));
+    }
     let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
     let m = _mm256_max_ps(
         _mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),

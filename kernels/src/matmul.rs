@@ -80,11 +80,18 @@ impl QWeights {
 }
 
 /// A quantized weight matrix (`rows` outputs, `cols` inputs).
+///
+/// Built only by [`QMatrix::new`] (and [`QMatrix::concat_rows`]), which check the shape
+/// against the weights: the fields stay readable, but a private field keeps other crates from
+/// writing a literal that skips the check. The kernels rely on it (the SIMD and portable paths
+/// index the weights by it), so [`QMatrix::matmul`] checks it again (see its panics).
 #[derive(Clone, Debug)]
 pub struct QMatrix {
     pub rows: usize,
     pub cols: usize,
     pub w: QWeights,
+    /// Private: no literal outside this module.
+    _sealed: (),
 }
 
 /// From this many tokens on, the bf16 path decodes a chunk of rows once and reuses it.
@@ -109,6 +116,19 @@ fn tile_of(isa: Isa) -> usize {
 
 impl QMatrix {
     pub fn new(rows: usize, cols: usize, w: QWeights) -> Result<Self, KernelError> {
+        Self::check_shape(rows, cols, &w)?;
+        Ok(Self {
+            rows,
+            cols,
+            w,
+            _sealed: (),
+        })
+    }
+
+    /// The invariants of a matrix (what [`QMatrix::new`] checks and the kernels rely on):
+    /// `cols` a multiple of the format's block, `rows` of [`GROUP_ROWS`] for the grouped
+    /// formats, and exactly the blocks that shape needs.
+    fn check_shape(rows: usize, cols: usize, w: &QWeights) -> Result<(), KernelError> {
         let be = w.block_elems();
         if !cols.is_multiple_of(be) {
             return Err(KernelError::Shape(format!(
@@ -116,23 +136,39 @@ impl QMatrix {
             )));
         }
         let n = w.len();
-        let need = match &w {
-            QWeights::Q4(_) | QWeights::Q8(_) => rows * cols / be,
+        // `cols` is a multiple of `be`, so these are the block counts exactly; checked, so
+        // a shape whose count overflows is an error, not a wrapped count.
+        let need = match w {
+            QWeights::Q4(_) | QWeights::Q8(_) => rows.checked_mul(cols / be),
             _ => {
                 if !rows.is_multiple_of(GROUP_ROWS) {
                     return Err(KernelError::Shape(format!(
                         "rows {rows} is not a multiple of {GROUP_ROWS}"
                     )));
                 }
-                rows / GROUP_ROWS * cols / be
+                (rows / GROUP_ROWS).checked_mul(cols / be)
             }
+        };
+        let Some(need) = need else {
+            return Err(KernelError::Shape(format!(
+                "{rows}x{cols} matrix has more blocks than a usize counts"
+            )));
         };
         if n != need {
             return Err(KernelError::Shape(format!(
                 "{rows}x{cols} matrix needs {need} blocks, got {n}"
             )));
         }
-        Ok(Self { rows, cols, w })
+        Ok(())
+    }
+
+    /// Panics unless the fields still satisfy [`QMatrix::new`]'s checks. Every constructor
+    /// checks them, so only code that assigned the public fields afterwards can fail here;
+    /// no input reaches it.
+    fn assert_shape(&self) {
+        if let Err(e) = Self::check_shape(self.rows, self.cols, &self.w) {
+            panic!("QMatrix fields changed after QMatrix::new checked them: {e}");
+        }
     }
 
     /// Blocks per row.
@@ -219,7 +255,8 @@ impl QMatrix {
                 QWeights::Q80(all)
             }
         };
-        Some(QMatrix { rows, cols, w })
+        // Valid parts stack to a valid matrix; checked anyway (a part's fields are public).
+        QMatrix::new(rows, cols, w).ok()
     }
 
     /// Dequantizes one row (embedding lookups of a tied head, references).
@@ -247,7 +284,13 @@ impl QMatrix {
     }
 
     /// `out[t * rows + r] = Σ_c W[r][c] x[t * cols + c]` for `m` tokens.
+    ///
+    /// # Panics
+    /// If `x` or `out` is too small, or if the public fields were assigned after
+    /// [`QMatrix::new`] into a shape the weights do not have (the SIMD and portable paths
+    /// would otherwise index the weights differently and disagree).
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32], isa: Isa) {
+        self.assert_shape();
         let n = self.rows;
         let kb = self.kb();
         // Checked: sizes whose product wraps would pass a wrapping check and write past `out`.
@@ -463,6 +506,7 @@ impl QMatrix {
     /// f32 summation order (and a fused multiply-add in the decode). For the K-quant formats it
     /// is the reference of their 8-bit-activation kernel: exact integer dots per super-block.
     pub fn matmul_ref(&self, x: &[f32], m: usize, out: &mut [f32]) {
+        self.assert_shape();
         if self.w.is_grouped() {
             return grouped!(&self.w, g => self.matmul_ref_grouped(g, x, m, out), _ => {});
         }
@@ -1079,5 +1123,48 @@ mod tests {
     fn bad_shapes_are_errors() {
         assert!(QMatrix::new(2, 33, QWeights::Q4(vec![])).is_err());
         assert!(QMatrix::new(2, 64, QWeights::Q4(vec![BlockQ4::default(); 3])).is_err());
+        assert!(QMatrix::new(usize::MAX, 64, QWeights::Q4(vec![])).is_err());
+    }
+
+    /// One Q4_K group of 16 rows × 256 columns, every weight 1.
+    fn one_q4k_group() -> QWeights {
+        QWeights::Q4K(vec![Q4KGroup {
+            d: [1.0; GROUP_ROWS],
+            dmin: [0.0; GROUP_ROWS],
+            sc: [[1; GROUP_ROWS]; 8],
+            mn: [[0; GROUP_ROWS]; 8],
+            qs: [[0x11; 256]; 8],
+        }])
+    }
+
+    #[test]
+    fn a_matrix_whose_fields_no_longer_fit_its_weights_is_refused() {
+        // The reviewer's shape: one Q4_K group (16 × 256) labelled 16 × 288.
+        assert!(QMatrix::new(16, 288, one_q4k_group()).is_err());
+        let good = QMatrix::new(16, 256, one_q4k_group()).unwrap();
+        let x = vec![1f32; 288];
+        let mut out = vec![0f32; 16];
+        for isa in Isa::available() {
+            good.matmul(&x[..256], 1, &mut out, isa);
+            assert!(
+                out.iter().all(|&v| (v - 256.0).abs() < 0.5),
+                "{isa:?}: {out:?}"
+            );
+        }
+        let mut bad = good.clone();
+        bad.cols = 288;
+        for isa in Isa::available() {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                bad.matmul(&x, 1, &mut out, isa)
+            }));
+            assert!(r.is_err(), "{isa:?}");
+        }
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            bad.matmul_ref(&x, 1, &mut out)
+        }));
+        assert!(r.is_err());
+        // Stacking checks the result too.
+        assert!(QMatrix::concat_rows(&[&bad]).is_none());
+        assert_eq!(QMatrix::concat_rows(&[&good, &good]).unwrap().rows, 32);
     }
 }

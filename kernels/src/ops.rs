@@ -856,8 +856,8 @@ mod attend_simd {
     /// Softmax of row `r` of block-major scores over its first `lim` positions, with the
     /// bits of `softmax_body` on the row laid out flat (the same maximum, the same sum in
     /// the same order: 16 partial sums over whole blocks, the partial block's sum added
-    /// last); the row's positions from `lim` up to `nb` blocks become exactly 0, since a
-    /// pass with a longer row reads them. Returns the row's log-sum-exp, as
+    /// last); the row's positions from `lim` up to `nb` blocks become exactly 0 (a pass with
+    /// a longer row walks them; `values_rows` skips them). Returns the row's log-sum-exp, as
     /// `softmax_body_lse`.
     #[inline(always)]
     fn softmax_row(sc: &mut [f32], r_n: usize, r: usize, lim: usize, nb: usize) -> f32 {
@@ -971,6 +971,11 @@ mod attend_simd {
 
     /// `out[r][c0..c0 + 16·NV] = Σ_p w[r][p] · V[p][c0..]` for rows `r0..r0 + R`, walking
     /// the block table block by block. Returns `R`.
+    ///
+    /// Each row sums only its own positions (below its limit), as `attend_body` does: the
+    /// pass walks up to the largest limit, and a shorter row's weight there is 0, but
+    /// 0 · ∞ is NaN (an f16 value above 65504 is ∞). Skipping a zero weight changes no bits
+    /// otherwise: the sums start at +0 and never become −0, so adding 0 · v leaves them.
     #[inline(always)]
     unsafe fn values_rows<V: Lanes, const NV: usize, const R: usize, KE: KvElem, VE: KvElem>(
         a: &AttendArgs<'_, KE, VE>,
@@ -982,7 +987,8 @@ mod attend_simd {
         let hd = a.hd;
         let kvd = a.n_kv * hd;
         let r_n = a.lims.len();
-        let lim = a.lims[r0..r0 + R].iter().copied().max().unwrap_or(0);
+        let lims: [usize; R] = std::array::from_fn(|u| a.lims[r0 + u]);
+        let lim = lims.iter().copied().max().unwrap_or(0);
         let mut acc = [[V::zero(); NV]; R];
         for (bi, &blk) in a.blocks.iter().enumerate() {
             let p0 = bi * BS;
@@ -1009,7 +1015,11 @@ mod attend_simd {
             for j in 0..BS.min(lim - p0) {
                 let vr = base.add(j * kvd);
                 let v: [V; NV] = std::array::from_fn(|i| V::load(vr.add(16 * i)));
+                let p = p0 + j;
                 for u in 0..R {
+                    if p >= lims[u] {
+                        continue;
+                    }
                     let w = V::splat(*wb.add(u * BS + j));
                     for i in 0..NV {
                         acc[u][i] = V::fmadd(w, v[i], acc[u][i]);
@@ -1351,6 +1361,78 @@ mod tests {
             attend_case::<half::f16, half::f16>(hd, bs, &lims);
             attend_case::<half::f16, i8>(hd, bs, &lims);
             attend_case::<i8, i8>(hd, bs, &lims);
+        }
+    }
+
+    #[test]
+    fn an_infinite_value_past_a_rows_limit_leaves_that_row_finite() {
+        // f16 values, one of them ∞ (a value above 65504) at position 20: rows that end
+        // before it share passes with rows that reach it, and get the scalar path's finite
+        // outputs on every path (0 · ∞ would be NaN).
+        let (hd, bs, n_kv, g) = (64usize, 16usize, 2usize, 1usize);
+        let kvd = n_kv * hd;
+        let blocks = [2u32, 0, 1];
+        let n = blocks.len() * bs;
+        let mut rng = Rng::new(13);
+        let kpool: Vec<half::f16> = (0..n * kvd)
+            .map(|_| half::f16::from_f32(rng.normal() as f32))
+            .collect();
+        let mut vpool: Vec<half::f16> = (0..n * kvd)
+            .map(|_| half::f16::from_f32(rng.normal() as f32))
+            .collect();
+        let p_inf = 20;
+        let slot = blocks[p_inf / bs] as usize * bs + p_inf % bs;
+        vpool[slot * kvd + g * hd + 5] = half::f16::INFINITY;
+        let lims = [5usize, 40, 3, 48, 16, 21, 20, 1, 33];
+        let q: Vec<f32> = (0..lims.len() * hd).map(|_| rng.normal() as f32).collect();
+        let args = AttendArgs {
+            q: &q,
+            lims: &lims,
+            kpool: &kpool,
+            vpool: &vpool,
+            kscale: &[],
+            vscale: &[],
+            blocks: &blocks,
+            bs,
+            n_kv,
+            g,
+            hd,
+            scale: 0.25,
+        };
+        let run = |isa: Isa| {
+            let mut out = vec![0f32; lims.len() * hd];
+            attend(isa, &args, &mut Vec::new(), &mut out);
+            out
+        };
+        let want = run(Isa::Scalar);
+        let mut mirror = vec![0f32; lims.len() * hd];
+        assert!(attend_mirror(&args, &mut Vec::new(), &mut mirror, &mut []));
+        let mut wide = vec![0f32; lims.len() * hd];
+        assert!(attend_mirror_wide(&args, &mut Vec::new(), &mut wide));
+        let mut paths = vec![("mirror".to_string(), mirror), ("wide".to_string(), wide)];
+        for isa in Isa::available() {
+            paths.push((format!("{isa:?}"), run(isa)));
+        }
+        for (r, &lim) in lims.iter().enumerate() {
+            let w = &want[r * hd..(r + 1) * hd];
+            if lim <= p_inf {
+                assert!(w.iter().all(|x| x.is_finite()), "scalar r{r}");
+            }
+            for (name, got) in &paths {
+                let got = &got[r * hd..(r + 1) * hd];
+                for i in 0..hd {
+                    if w[i].is_finite() {
+                        assert!(
+                            (got[i] - w[i]).abs() < 1e-4,
+                            "{name} lim {lim} r{r} i{i}: {} against {}",
+                            got[i],
+                            w[i]
+                        );
+                    } else {
+                        assert_eq!(got[i].to_bits(), w[i].to_bits(), "{name} r{r} i{i}");
+                    }
+                }
+            }
         }
     }
 
