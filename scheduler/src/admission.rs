@@ -1410,9 +1410,17 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         k
     }
 
+    /// A probe's width and depth. One position while drafting seconds count: whether a probe's
+    /// drafts are verified then turns on the expected tokens of all it drafted (the check
+    /// against plain decoding), and past the first position those are functions of the
+    /// drafted tokens (c_{j+1} reads x_j): verifying x_j would depend on x_j.
     fn probe(&self) -> Option<(usize, usize)> {
-        self.probing
-            .then_some((self.probe_width.max(1), self.probe_k.max(1)))
+        let k = if self.count_draft_cost {
+            1
+        } else {
+            self.probe_k.max(1)
+        };
+        self.probing.then_some((self.probe_width.max(1), k))
     }
 
     /// When drafting seconds count (the default: an in-process drafter's time, or a remote
@@ -2488,6 +2496,20 @@ mod tests {
         // A draft at 0.05 does not pay even for its verification.
         assert_eq!(p.planned(), None, "exploring: the next step probes too");
         assert_eq!(p.select(&[&[0.05f32][..]], 0, 0, 1 << 20), vec![0]);
+    }
+
+    /// While drafting seconds count, a probe drafts one position whatever `probe_k` says:
+    /// deeper, whether x_j is verified would turn on c_{j+1} (a function of x_j).
+    #[test]
+    fn a_probe_that_counts_drafting_cost_drafts_one_position() {
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(1, 100.0), (2, 93.0), (64, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 1);
+        p.probing = true;
+        p.probe_k = 3;
+        assert_eq!(p.probe().map(|(_, k)| k), Some(1));
+        p.count_draft_cost = false;
+        assert_eq!(p.probe().map(|(_, k)| k), Some(3));
     }
 
     #[test]

@@ -1020,6 +1020,82 @@ fn regex_and_choice_keep_greedy_parity_and_match_the_whole_answer() {
     }
 }
 
+/// Sampled with penalties, the target's p at each position of a verification window counts
+/// the drafts accepted before it, as plain decoding counts the tokens before it. At this
+/// spread the answers often repeat themselves (30–50 % of tokens from the fourth on), and a
+/// presence penalty pushes a token just drawn away: a verifier that penalized only the
+/// committed tokens let the window's drafts repeat (TV 0.07–0.10 at tokens 4–6; 0.01–0.03
+/// when correct; the bound is 0.055). Compared, per position, through whether the token
+/// repeats one earlier in the answer (a function of the output, so its distribution must
+/// match), with the bound of `sampled_tokens_match_with_speculation_on_and_off` over 3 cells.
+/// (The peaked fixture repeats whatever the penalty; the most spread one hardly repeats.)
+#[test]
+fn sampled_penalties_count_the_drafts_in_the_window() {
+    let f = fixture_scaled(0.5);
+    let prompt = f.tok.encode("the theater in there ").unwrap();
+    const POSITIONS: usize = 6;
+    let n = 10_000u64;
+    let params = SamplingParams {
+        temperature: 1.0,
+        presence_penalty: 2.0,
+        frequency_penalty: 0.5,
+        repetition_penalty: 1.2,
+        ..Default::default()
+    };
+    let mut hists = Vec::new();
+    for name in ["none", "draft-model"] {
+        let mut e = Engine::with_cost(
+            f.target.clone(),
+            Some(f.tok.clone()),
+            proposer_clone(&f, name),
+            EngineConfig {
+                max_running: 64,
+                ..cfg(3)
+            },
+            CostModel::flat(4),
+        )
+        .unwrap();
+        for seed in 0..n {
+            let mut r = Request::new(seed, prompt.clone(), POSITIONS);
+            r.params = params.clone();
+            r.seed = seed * 7919 + 1;
+            e.add(r).unwrap();
+        }
+        let got = collect(e.run_to_completion().unwrap());
+        if name == "draft-model" {
+            let t = e.totals();
+            assert!(t.accepted_tokens > 0, "no draft accepted: nothing tested");
+        }
+        // Per position: [repeats an earlier token of the answer, does not, ended before].
+        let mut at = vec![[0u64; 3]; POSITIONS];
+        for (toks, _, _) in got.values() {
+            for (i, c) in at.iter_mut().enumerate() {
+                c[match toks.get(i) {
+                    None => 2,
+                    Some(t) if toks[..i].contains(t) => 0,
+                    Some(_) => 1,
+                }] += 1;
+            }
+        }
+        hists.push(at);
+        e.check_kv().unwrap();
+    }
+    let bound = (3.0 / n as f64).sqrt() + 2.0 * ((1000f64).ln() / (2.0 * n as f64)).sqrt();
+    for i in 1..POSITIONS {
+        let (a, b) = (hists[0][i], hists[1][i]);
+        let tv: f64 = 0.5
+            * a.iter()
+                .zip(&b)
+                .map(|(&x, &y)| (x as f64 - y as f64).abs() / n as f64)
+                .sum::<f64>();
+        assert!(
+            tv < bound,
+            "token {}: TV {tv} ≥ {bound} (repeats, not, ended: {a:?} vs {b:?})",
+            i + 1
+        );
+    }
+}
+
 #[test]
 fn sampled_tokens_match_with_speculation_on_and_off() {
     // Same prompt, many seeds: the empirical distribution of the token at each of the first

@@ -519,6 +519,8 @@ impl RemoteProposer {
         } else {
             vec![Dist::OneHot; n]
         };
+        // Cut at the first unusable row.
+        let n = dists.len().min(n);
         let confidence = (b.confidence.len() >= n && n > 0).then(|| {
             b.confidence[..n]
                 .iter()
@@ -1244,15 +1246,24 @@ impl Proposer for RemoteProposer {
 /// would bias a sampled request's output.
 const Q_MASS_TOLERANCE: f64 = 1e-3;
 
-/// Whether probabilities sum to 1 (within [`Q_MASS_TOLERANCE`], summed in f64).
-fn q_mass_is_one(probs: impl Iterator<Item = f32>) -> bool {
+/// The mass of a row when it is 1 within [`Q_MASS_TOLERANCE`] (summed in f64).
+fn q_mass(probs: impl Iterator<Item = f32>) -> Option<f64> {
     let mass: f64 = probs.map(f64::from).sum();
-    (mass - 1.0).abs() <= Q_MASS_TOLERANCE
+    ((mass - 1.0).abs() <= Q_MASS_TOLERANCE).then_some(mass)
 }
 
-/// The first `n` rows of a dense q from the wire, or `None` when any is unusable: too few
-/// values, a probability that is negative or not finite, a drafted token the row gives q = 0,
-/// or a row whose mass is not 1.
+/// A row scaled to its mass: the drafter drew its token in proportion to the row (sampling
+/// scales by the total), while acceptance reads q as given; a row off by 1e-3 would bias the
+/// output by as much.
+fn normalized(row: impl Iterator<Item = f32>, mass: f64) -> impl Iterator<Item = f32> {
+    row.map(move |p| (f64::from(p) / mass) as f32)
+}
+
+/// The first `n` rows of a dense q from the wire, up to the first unusable one: a probability
+/// that is negative or not finite, a drafted token the row gives q = 0, or a row whose mass is
+/// not 1. Row k depends only on the tokens before it, so cutting the block there keeps
+/// whether a token is verified independent of the token itself. `None`: the block is
+/// unusable whole (another width, too few values, or its first row unusable).
 fn dense_rows(b: &dspark_proto::DraftBlock, n: usize, vocab: usize) -> Option<Vec<Dist>> {
     let t = b.q.as_ref()?;
     // Rows of another width (a draft worker whose model pads the same tokenizer's vocabulary
@@ -1267,24 +1278,25 @@ fn dense_rows(b: &dspark_proto::DraftBlock, n: usize, vocab: usize) -> Option<Ve
     }
     let mut out = Vec::with_capacity(n);
     for (row, &drafted) in q.chunks_exact(vocab).zip(&b.tokens).take(n) {
-        let ok = row.iter().all(|p| p.is_finite() && *p >= 0.0)
-            && row.get(drafted as usize).is_some_and(|&p| p > 0.0)
-            && q_mass_is_one(row.iter().copied());
-        if !ok {
-            return None;
-        }
-        out.push(Dist::Dense(row.to_vec()));
+        let mass = Some(())
+            .filter(|_| row.iter().all(|p| p.is_finite() && *p >= 0.0))
+            .filter(|_| row.get(drafted as usize).is_some_and(|&p| p > 0.0))
+            .and_then(|_| q_mass(row.iter().copied()));
+        let Some(mass) = mass else { break };
+        out.push(Dist::Dense(normalized(row.iter().copied(), mass).collect()));
     }
-    Some(out)
+    (!out.is_empty()).then_some(out)
 }
 
-/// The first `n` rows of a sparse q from the wire, or `None` when any is unusable: lengths that
-/// do not add up, a token outside the vocabulary or listed twice in a row, a probability that
-/// is negative or not finite, a drafted token the row gives q = 0 (it could not have been
-/// drawn from it), or a row whose mass is not 1 (every token it leaves out has q = 0, so its
-/// entries are the whole distribution).
+/// The first `n` rows of a sparse q from the wire, up to the first unusable one (as
+/// [`dense_rows`]): its length past the end, a token outside the vocabulary or listed twice
+/// in it, a probability that is negative or not finite, a drafted token the row gives q = 0
+/// (it could not have been drawn from it), or a mass that is not 1 (every token it leaves out
+/// has q = 0, so its entries are the whole distribution). `None`: the block is unusable whole
+/// (ids and probabilities of different lengths, too few row lengths, or its first row
+/// unusable).
 fn sparse_rows(b: &dspark_proto::DraftBlock, n: usize, vocab: usize) -> Option<Vec<Dist>> {
-    if b.q_lens.len() < n || b.q_ids.len() != b.q_probs.len() {
+    if b.q_lens.len() < n || b.q_ids.len() != b.q_probs.len() || b.tokens.len() < n {
         return None;
     }
     let mut seen = vec![u32::MAX; vocab];
@@ -1292,27 +1304,33 @@ fn sparse_rows(b: &dspark_proto::DraftBlock, n: usize, vocab: usize) -> Option<V
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         let len = b.q_lens[i] as usize;
-        let end = at.checked_add(len).filter(|&e| e <= b.q_ids.len())?;
-        let mut row = Vec::with_capacity(len);
-        for (&t, &p) in b.q_ids[at..end].iter().zip(&b.q_probs[at..end]) {
-            let slot = seen.get_mut(t as usize)?;
-            if *slot == i as u32 || !p.is_finite() || p < 0.0 {
+        let row = (|| {
+            let end = at.checked_add(len).filter(|&e| e <= b.q_ids.len())?;
+            let mut row = Vec::with_capacity(len);
+            for (&t, &p) in b.q_ids[at..end].iter().zip(&b.q_probs[at..end]) {
+                let slot = seen.get_mut(t as usize)?;
+                if *slot == i as u32 || !p.is_finite() || p < 0.0 {
+                    return None;
+                }
+                *slot = i as u32;
+                row.push((t, p));
+            }
+            let drafted = b.tokens[i];
+            if !row.iter().any(|&(t, p)| t == drafted && p > 0.0) {
                 return None;
             }
-            *slot = i as u32;
-            row.push((t, p));
-        }
-        let drafted = b.tokens[i];
-        if !row.iter().any(|&(t, p)| t == drafted && p > 0.0) {
-            return None;
-        }
-        if !q_mass_is_one(row.iter().map(|&(_, p)| p)) {
-            return None;
-        }
+            let mass = q_mass(row.iter().map(|&(_, p)| p))?;
+            at = end;
+            Some(
+                row.iter()
+                    .map(|&(t, p)| (t, (f64::from(p) / mass) as f32))
+                    .collect::<Vec<_>>(),
+            )
+        })();
+        let Some(row) = row else { break };
         out.push(Dist::Sparse(row));
-        at = end;
     }
-    Some(out)
+    (!out.is_empty()).then_some(out)
 }
 
 #[cfg(test)]
@@ -1545,6 +1563,22 @@ mod tests {
         for (i, b) in bad.iter().enumerate() {
             assert!(sparse_rows(b, 1, 10).is_none(), "case {i} accepted");
         }
+        // An unusable later row cuts the block there (whether token 1 is verified must not
+        // depend on the row token 1 leads to); rows are scaled to mass 1.
+        let b = block(
+            vec![3, 7],
+            vec![3, 5, 7],
+            vec![0.6, 0.4006, 0.9],
+            vec![2, 1],
+        );
+        let rows = sparse_rows(&b, 2, 10).expect("the first row");
+        assert_eq!(rows.len(), 1);
+        let Dist::Sparse(r) = &rows[0] else {
+            panic!("{rows:?}")
+        };
+        let mass: f64 = r.iter().map(|&(_, p)| f64::from(p)).sum();
+        assert!((mass - 1.0).abs() < 1e-6, "{mass}");
+        assert!((r[0].1 - 0.6 / 1.0006).abs() < 1e-6, "{r:?}");
     }
 
     fn dense(tokens: Vec<u32>, q: &[f32], vocab: usize) -> dspark_proto::DraftBlock {
@@ -1581,6 +1615,15 @@ mod tests {
             let n = b.tokens.len();
             assert!(dense_rows(b, n, 3).is_none(), "case {i} accepted");
         }
+        // A bad second row (mass 0.9) leaves a one-token block, its row scaled to mass 1.
+        let cut = dense(vec![1, 2], &[0.3, 0.7009, 0.0, 0.0, 0.0, 0.9], 3);
+        let rows = dense_rows(&cut, 2, 3).expect("the first row");
+        assert_eq!(rows.len(), 1);
+        let Dist::Dense(r) = &rows[0] else {
+            panic!("{rows:?}")
+        };
+        assert!((r[0] - (0.3 / 1.0009) as f32).abs() < 1e-7, "{r:?}");
+        assert!((r.iter().map(|&p| f64::from(p)).sum::<f64>() - 1.0).abs() < 1e-6);
     }
 
     /// A round sent to "a" at `step` in cycle 0, with what each request's item covered
