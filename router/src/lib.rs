@@ -1114,28 +1114,57 @@ enum Kind {
     Chat,
 }
 
+/// Runs a request's CPU work (parsing, tokenizing, rendering templates, compiling formats, up
+/// to the caps on each) off the async runtime, which carries every stream's events.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            format!("preparing the request: {e}"),
+        )
+    })?
+}
+
 async fn completions(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     auth(&app, &headers)?;
-    let r: CompletionRequest = parse_body(&body)?;
-    check_model(&app, &r.common.model)?;
+    let a = Arc::clone(&app);
+    let (prompts, texts, settings) = blocking(move || completion_request(&a, &body)).await?;
+    serve(app, headers, prompts, texts, settings, Kind::Completion).await
+}
+
+/// A completion request's prompts (token ids, and the text of those given as text, which an
+/// echo repeats as given) and settings.
+#[allow(clippy::type_complexity)]
+fn completion_request(
+    app: &App,
+    body: &Bytes,
+) -> Result<(Vec<Vec<u32>>, Vec<Option<String>>, GenSettings), ApiError> {
+    let r: CompletionRequest = parse_body(body)?;
+    check_model(app, &r.common.model)?;
     let settings = r.common.settings(
         app.default_max_tokens,
         app.max_tokens_limit,
         app.tok.vocab_size(),
     )?;
-    let prompts: Vec<Vec<u32>> = match r.prompt {
+    let (prompts, texts): (Vec<Vec<u32>>, Vec<Option<String>>) = match r.prompt {
         None => return Err(ApiError::bad("`prompt` is required", Some("prompt"))),
-        Some(Prompt::Text(s)) => vec![encode(&app, &s)?],
-        Some(Prompt::Texts(v)) => v
-            .iter()
-            .map(|s| encode(&app, s))
-            .collect::<Result<_, _>>()?,
-        Some(Prompt::Tokens(t)) => vec![t],
-        Some(Prompt::TokenLists(v)) => v,
+        Some(Prompt::Text(s)) => (vec![encode(app, &s)?], vec![Some(s)]),
+        Some(Prompt::Texts(v)) => {
+            let ids = v.iter().map(|s| encode(app, s)).collect::<Result<_, _>>()?;
+            (ids, v.into_iter().map(Some).collect())
+        }
+        Some(Prompt::Tokens(t)) => (vec![t], vec![None]),
+        Some(Prompt::TokenLists(v)) => {
+            let n = v.len();
+            (v, vec![None; n])
+        }
     };
     if prompts.is_empty() || prompts.len() > MAX_PROMPTS {
         return Err(ApiError::bad(
@@ -1143,7 +1172,7 @@ async fn completions(
             Some("prompt"),
         ));
     }
-    serve(app, headers, prompts, settings, Kind::Completion).await
+    Ok((prompts, texts, settings))
 }
 
 async fn chat_completions(
@@ -1152,8 +1181,15 @@ async fn chat_completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     auth(&app, &headers)?;
-    let r: ChatRequest = parse_body(&body)?;
-    check_model(&app, &r.common.model)?;
+    let a = Arc::clone(&app);
+    let (prompt, settings) = blocking(move || chat_request(&a, &body)).await?;
+    serve(app, headers, vec![prompt], Vec::new(), settings, Kind::Chat).await
+}
+
+/// A chat request's prompt (the rendered template, tokenized) and settings.
+fn chat_request(app: &App, body: &Bytes) -> Result<(Vec<u32>, GenSettings), ApiError> {
+    let r: ChatRequest = parse_body(body)?;
+    check_model(app, &r.common.model)?;
     let mode = r.tool_mode(app.auto_tools)?;
     // `tool_choice: "none"` means plain text: a template shown the tools would tell the model
     // how to call them.
@@ -1161,7 +1197,7 @@ async fn chat_completions(
         openai::ToolMode::None => None,
         _ => r.tools.as_ref(),
     };
-    let (text, plain) = render_chat(&app, &r.messages, tools)?;
+    let (text, plain) = render_chat(app, &r.messages, tools)?;
     let prompt = app
         .tok
         .encode_with_plain(&text, &plain)
@@ -1210,7 +1246,7 @@ async fn chat_completions(
             Some("logprobs"),
         ));
     }
-    serve(app, headers, vec![prompt], settings, Kind::Chat).await
+    Ok((prompt, settings))
 }
 
 /// The chat template rendered over `messages` (with the assistant's turn opened) and `tools`.
@@ -1409,10 +1445,13 @@ fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
     Ok(ids)
 }
 
+/// `texts`: per prompt, the text it was given as (an echo repeats it as given: decoding its
+/// ids would show what tokenizing added, a BOS); empty or None: decoded.
 async fn serve(
     app: Arc<App>,
     headers: HeaderMap,
     prompts: Vec<Vec<u32>>,
+    texts: Vec<Option<String>>,
     mut settings: GenSettings,
     kind: Kind,
 ) -> Result<Response, ApiError> {
@@ -1671,11 +1710,14 @@ async fn serve(
     };
     let echoes: Vec<String> = prompts
         .iter()
-        .map(|p| {
-            if settings.echo {
-                app.tok.decode(p, false).unwrap_or_default()
-            } else {
+        .enumerate()
+        .map(|(i, p)| {
+            if !settings.echo {
                 String::new()
+            } else if let Some(Some(t)) = texts.get(i) {
+                t.clone()
+            } else {
+                app.tok.decode(p, false).unwrap_or_default()
             }
         })
         .collect();
@@ -1912,7 +1954,7 @@ async fn serve(
                         offset[i] += lead_ids
                             .iter()
                             .chain(&ids)
-                            .map(|&t| app2.tok.token_bytes(t).len())
+                            .map(|&t| token_chars(&app2.tok, t))
                             .sum::<usize>();
                     }
                     if out.send(mk(c, Value::Null)).await.is_err() {
@@ -2027,6 +2069,15 @@ fn token_text(tok: &Tokenizer, id: u32) -> String {
     String::from_utf8_lossy(&tok.token_bytes(id)).into_owned()
 }
 
+/// A token's length in `text_offset`: the characters of its text (`tokens[i]`), as OpenAI's
+/// and vLLM's offsets count (Python string indices), not bytes; part of a character counts
+/// as the one U+FFFD it shows as.
+fn token_chars(tok: &Tokenizer, id: u32) -> usize {
+    String::from_utf8_lossy(&tok.token_bytes(id))
+        .chars()
+        .count()
+}
+
 /// The `logprobs` of a choice (or chunk) for `ids`: chat's `{"content": [{token, logprob,
 /// bytes, top_logprobs}]}` or completions' `{tokens, token_logprobs, top_logprobs,
 /// text_offset}` with offsets counted from `offset`, led by the echoed prompt's tokens when
@@ -2073,11 +2124,11 @@ fn logprobs_json(
         let (mut at, mut tokens, mut offsets, mut values, mut top) =
             (offset, Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (&id, l) in all_ids.zip(all_lps) {
-            // Offsets in bytes of the text: exact even where a token holds part of a character.
-            let b = tok.token_bytes(id);
+            // Offsets in characters of the tokens' texts (see `token_chars`).
+            let t = String::from_utf8_lossy(&tok.token_bytes(id)).into_owned();
             offsets.push(at);
-            at += b.len();
-            tokens.push(String::from_utf8_lossy(&b).into_owned());
+            at += t.chars().count();
+            tokens.push(t);
             values.push(l.map_or(Value::Null, |l| json!(l.logprob)));
             top.push(l.map_or(Value::Null, |l| {
                 let mut m = serde_json::Map::new();

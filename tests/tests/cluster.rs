@@ -676,7 +676,11 @@ print(json.dumps({"text": text, "usage": usage, "chunks": chunks}))
             l <= 0.0 && (l - best).abs() < 1e-6,
             "greedy token {i}: {l} vs {best}"
         );
-        assert_eq!(lp["text_offset"][i].as_u64(), Some(joined.len() as u64));
+        // In characters (Python string indices), as OpenAI's and vLLM's.
+        assert_eq!(
+            lp["text_offset"][i].as_u64(),
+            Some(joined.chars().count() as u64)
+        );
         joined.push_str(lp["tokens"][i].as_str().unwrap_or(""));
     }
     assert_eq!(joined, v["choices"][0]["text"].as_str().unwrap_or("-"));
