@@ -72,10 +72,18 @@ pub struct SpecArgs {
     #[arg(long, value_delimiter = ',', default_values_t = target_worker::sps::DEFAULT_GRID.to_vec())]
     pub sps_grid: Vec<usize>,
     /// Passes over the prompts. Prompts run in groups of `--concurrency`, each group on every
-    /// arm back to back (shuffled order); the speedup over `none` is the geometric mean of the
-    /// per-group ratios, with a 95 % interval.
+    /// arm back to back (shuffled order). A pass repeats the same work on the same prompts, so
+    /// passes are not independent samples: each group's log ratio to `none` is averaged over
+    /// the passes, and the speedup is the geometric mean over the groups, with a 95 %
+    /// t-interval over the groups (n = groups, the prompts at concurrency 1).
     #[arg(long, default_value_t = 1)]
     pub rounds: usize,
+    /// Untimed requests each arm's engine serves before round 0, on the set's prompts in turn
+    /// (default: two waves of `--concurrency`, at least 48, as `bench frontier`): the
+    /// scheduler's running estimates start from its prior and its probes settle over many
+    /// steps, and the first steps warm caches and threads.
+    #[arg(long)]
+    pub warmup: Option<usize>,
     #[arg(long)]
     pub json: Option<PathBuf>,
 }
@@ -104,7 +112,8 @@ pub struct VerifyCurveArgs {
     pub k: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     pub batch: Vec<usize>,
-    /// Timed repetitions per point (after one warm-up).
+    /// Timed repetitions per point (after four untimed forwards per k). Each repetition times
+    /// every k once, in a seeded shuffled order; the ratio column and the plot use the median.
     #[arg(long, default_value_t = 5, value_parser = crate::config::at_least_one)]
     pub reps: usize,
     /// Give every sequence a context of its own instead of forks of one: a decode of the
@@ -114,7 +123,7 @@ pub struct VerifyCurveArgs {
     pub unshared: bool,
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// SVG plot of T(k)/T(k0) per (ctx, batch), k0 the smallest --k (1 by default).
+    /// SVG plot of T(k)/T(k0) per (ctx, batch), medians, k0 the smallest --k (1 by default).
     #[arg(long)]
     pub plot: Option<PathBuf>,
 }
@@ -133,7 +142,8 @@ pub struct DecodeArgs {
     #[arg(long, env = "DSPARK_LLAMA_CPP_PYTHON")]
     pub llama_cpp_python: Option<String>,
     /// Paired rounds (ours and llama.cpp back to back, the order alternating): the ratio is the
-    /// geometric mean of the per-round ratios, with a 95 % interval.
+    /// geometric mean of the per-round ratios, with a 95 % interval. Batch 8 (no peer) is timed
+    /// once per round too; each arm's printed tok/s is its best round.
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
     #[arg(long)]
@@ -160,21 +170,100 @@ pub(crate) fn command_line() -> String {
     std::env::args().collect::<Vec<_>>().join(" ")
 }
 
+/// Writes `v` to `path` (if given), with the run's provenance (see [`provenance`]) added to an
+/// object's top level where it does not already hold those keys.
 pub(crate) fn write_json(path: &Option<PathBuf>, v: &serde_json::Value) -> anyhow::Result<()> {
     if let Some(p) = path {
         if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)?;
         }
-        std::fs::write(p, serde_json::to_string_pretty(v)?)
+        let mut v = v.clone();
+        if let (Some(obj), serde_json::Value::Object(extra)) = (v.as_object_mut(), provenance(p)) {
+            for (k, x) in extra {
+                obj.entry(k).or_insert(x);
+            }
+        }
+        std::fs::write(p, serde_json::to_string_pretty(&v)?)
             .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", p.display()))?;
         eprintln!("wrote {}", p.display());
     }
     Ok(())
 }
 
-fn stats(mut v: Vec<f64>) -> (f64, f64) {
+/// Where a result came from: `commit`, the HEAD of the git checkout holding the running binary
+/// (else of the current directory) at run time, which is the build's commit unless the
+/// checkout moved since; `dirty`, whether tracked files differ from it (untracked files, such
+/// as results being written, do not count); `commit_from`, the folder git was asked in; and
+/// `output`, the absolute path written. Each is null where git or the path cannot tell.
+pub(crate) fn provenance(out: &std::path::Path) -> serde_json::Value {
+    fn git(dir: &std::path::Path, args: &[&str]) -> Option<String> {
+        let o = std::process::Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args(args)
+            .output()
+            .ok()?;
+        if !o.status.success() {
+            return None;
+        }
+        Some(String::from_utf8_lossy(&o.stdout).trim().to_string())
+    }
+    let dirs: Vec<PathBuf> = [
+        std::env::current_exe()
+            .ok()
+            .and_then(|p| p.parent().map(|d| d.to_path_buf())),
+        std::env::current_dir().ok(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let found = dirs.iter().find_map(|d| {
+        git(d, &["rev-parse", "HEAD"])
+            .filter(|c| !c.is_empty())
+            .map(|c| (d, c))
+    });
+    let (commit, dirty, from) = match found {
+        Some((d, c)) => (
+            json!(c),
+            git(d, &["status", "--porcelain", "--untracked-files=no"])
+                .map_or(json!(null), |s| json!(!s.is_empty())),
+            json!(d.display().to_string()),
+        ),
+        None => (json!(null), json!(null), json!(null)),
+    };
+    let abs = if out.is_absolute() {
+        Some(out.to_path_buf())
+    } else {
+        std::env::current_dir().ok().map(|d| d.join(out))
+    };
+    // Links and `..` resolved through the folder (which exists by now), the file name kept.
+    let output = abs.map(|a| match (a.parent(), a.file_name()) {
+        (Some(d), Some(f)) => std::fs::canonicalize(d)
+            .map(|d| d.join(f))
+            .unwrap_or_else(|_| a.clone()),
+        _ => a.clone(),
+    });
+    json!({
+        "commit": commit, "dirty": dirty, "commit_from": from,
+        "output": output.map(|p| p.display().to_string()),
+    })
+}
+
+/// The median: the middle value, or the mean of the two middle values for an even count (0 for
+/// none).
+fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    let med = if v.is_empty() { 0.0 } else { v[v.len() / 2] };
+    let n = v.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// (median, minimum) of timings.
+fn stats(mut v: Vec<f64>) -> (f64, f64) {
+    let med = median(&mut v);
     (med, v.first().copied().unwrap_or(0.0))
 }
 
@@ -287,49 +376,61 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
             } else {
                 prefilled(&model, ctx, batch, max_k)?
             };
-            let mut base = None;
-            // A pass of three untimed forwards per k first, so that the first k measured does
-            // not alone pay for what a prefill leaves cold (buffers, caches, sleeping threads).
-            for pass in [true, false] {
-                for &k in &ks {
-                    let toks: Vec<Vec<u32>> = (0..batch)
+            let toks: Vec<Vec<Vec<u32>>> = ks
+                .iter()
+                .map(|&k| {
+                    (0..batch)
                         .map(|b| filler(k, model.cfg.vocab_size, b + 7))
-                        .collect();
-                    let mut times = Vec::new();
-                    let reps = if pass { 3 } else { a.reps };
-                    for rep in 0..=reps {
-                        let inputs: Vec<SeqInput<'_>> = seqs
-                            .iter()
-                            .zip(&toks)
-                            .map(|(&s, t)| SeqInput {
-                                seq: s,
-                                tokens: t,
-                                logits: LogitsMode::All,
-                            })
-                            .collect();
-                        let t0 = Instant::now();
-                        model.forward(&mut cache, &inputs, &ForwardOptions::default())?;
-                        let dt = t0.elapsed().as_secs_f64() * 1000.0;
-                        for &s in &seqs {
-                            cache.truncate(s, ctx)?;
-                        }
-                        if rep > 0 {
-                            times.push(dt);
-                        }
-                    }
-                    if pass {
-                        continue;
-                    }
-                    let (med, min) = stats(times);
-                    let b = *base.get_or_insert(min);
-                    out!(
-                        "{ctx:>6} {batch:>6} {k:>4} {med:>10.2} {min:>10.2} {:>8.2}",
-                        min / b
-                    )?;
-                    points.push(
-                    json!({"ctx": ctx, "batch": batch, "k": k, "ms_median": med, "ms_min": min}),
-                );
+                        .collect()
+                })
+                .collect();
+            let mut forward = |ki: usize| -> anyhow::Result<f64> {
+                let inputs: Vec<SeqInput<'_>> = seqs
+                    .iter()
+                    .zip(&toks[ki])
+                    .map(|(&s, t)| SeqInput {
+                        seq: s,
+                        tokens: t,
+                        logits: LogitsMode::All,
+                    })
+                    .collect();
+                let t0 = Instant::now();
+                model.forward(&mut cache, &inputs, &ForwardOptions::default())?;
+                let dt = t0.elapsed().as_secs_f64() * 1000.0;
+                for &s in &seqs {
+                    cache.truncate(s, ctx)?;
                 }
+                Ok(dt)
+            };
+            // Four untimed forwards per k first, so that the first k measured does not alone
+            // pay for what a prefill leaves cold (buffers, caches, sleeping threads).
+            for ki in 0..ks.len() {
+                for _ in 0..4 {
+                    forward(ki)?;
+                }
+            }
+            // Then round-robin: each repetition times every k once, in an order of its own
+            // (seeded), so a slow spell of the machine lands on several k alike instead of on
+            // whichever k was being repeated then.
+            let mut times: Vec<Vec<f64>> = vec![Vec::new(); ks.len()];
+            for rep in 0..a.reps {
+                let seed = ((ctx as u64) << 32) ^ ((batch as u64) << 16) ^ (rep as u64);
+                for ki in crate::frontier::arm_order(ks.len(), seed) {
+                    let dt = forward(ki)?;
+                    times[ki].push(dt);
+                }
+            }
+            let mut base = None;
+            for (ki, t) in times.into_iter().enumerate() {
+                let k = ks[ki];
+                let (med, min) = stats(t);
+                let b = *base.get_or_insert(med);
+                out!(
+                    "{ctx:>6} {batch:>6} {k:>4} {med:>10.2} {min:>10.2} {:>8.2}",
+                    med / b
+                )?;
+                points.push(json!({"ctx": ctx, "batch": batch, "k": k, "ms_median": med,
+                    "ms_min": min, "ratio": med / b}));
             }
         }
     }
@@ -337,6 +438,8 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
         "model": a.model, "threads": model.threads(), "isa": model.isa().name(),
         "weights": model.weights_desc, "kv_cache_dtype": model.kv_dtype().name(),
         "unshared": a.unshared, "command": command_line(), "base_k": k0, "points": points,
+        "ratio_of": "median", "reps": a.reps,
+        "order": "each repetition times every k once, in a seeded shuffled order",
     });
     if let Some(p) = &a.plot {
         let mut series = Vec::new();
@@ -348,7 +451,7 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
                     .map(|p| {
                         (
                             p["k"].as_f64().unwrap_or(0.0),
-                            p["ms_min"].as_f64().unwrap_or(0.0),
+                            p["ms_median"].as_f64().unwrap_or(0.0),
                         )
                     })
                     .collect();
@@ -494,13 +597,14 @@ fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
         if !peer_first {
             run_peer(&mut peer, &mut peer_err);
         }
+        // Batch 8 gets as many rounds as batch 1 (it has no peer to pair with).
+        ours8.push(our_decode(&model, 8, a.prompt_len, a.tokens.min(32))?);
     }
     let paired = if peer.len() == ours1.len() {
         crate::frontier::paired_ratio(&ours1, &peer)
     } else {
         None
     };
-    ours8.push(our_decode(&model, 8, a.prompt_len, a.tokens.min(32))?);
     let best = |v: &[f64]| v.iter().cloned().fold(f64::NAN, f64::max);
     let o1 = best(&ours1);
     let o8 = best(&ours8);
@@ -514,13 +618,21 @@ fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
         a.model,
         model.isa().name()
     )?;
-    out!("ours      batch 1: {o1:8.1} tok/s")?;
-    out!("ours      batch 8: {o8:8.1} tok/s")?;
+    // Each arm's best round is shown for its own speed; the arms are compared only by the
+    // paired ratio (a quotient of two maxima favours the noisier arm).
+    out!(
+        "ours      batch 1: {o1:8.1} tok/s  (best of {} rounds)",
+        ours1.len()
+    )?;
+    out!(
+        "ours      batch 8: {o8:8.1} tok/s  (best of {} rounds)",
+        ours8.len()
+    )?;
     match (&p, &peer_err) {
         (Some(v), _) => {
             out!(
-                "llama.cpp batch 1: {v:8.1} tok/s  (best of each: ours/llama.cpp = {:.2})",
-                o1 / v
+                "llama.cpp batch 1: {v:8.1} tok/s  (best of {} rounds)",
+                peer.len()
             )?;
             if let Some((m, lo, hi)) = paired {
                 out!(
@@ -535,7 +647,8 @@ fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
     let v = json!({
         "model": a.model, "threads": threads, "isa": model.isa().name(), "command": command_line(),
         "ours_tok_s": o1, "ours_batch8_tok_s": o8, "llama_cpp_tok_s": p,
-        "llama_cpp_error": peer_err, "runs": {"ours_batch1": ours1, "llama_cpp": peer},
+        "llama_cpp_error": peer_err, "runs": {"ours_batch1": ours1, "ours_batch8": ours8, "llama_cpp": peer},
+        "tok_s_note": "ours_tok_s, ours_batch8_tok_s and llama_cpp_tok_s are each the best of that arm's rounds; compare ours with llama.cpp by paired_ratio, not by their quotient",
         "paired_ratio": paired.map(|(m, lo, hi)| json!({"ratio": m, "ci95": [lo, hi], "rounds": ours1.len()})),
     });
     write_json(&a.json, &v)
@@ -802,27 +915,37 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
             ..Default::default()
         })
         .collect();
-    // Untimed: the first group once on every arm (first allocations, the drafter's first
-    // call), so round 0 is not measured cold while later rounds are warm.
-    if let Some(grp) = groups.first() {
+    // Untimed: `--warmup` requests on every arm (the set's prompts in turn, in groups of
+    // `concurrency`), so round 0 is not measured cold while later rounds are warm, and the
+    // scheduler arms are timed with settled estimates, as in a long-running server.
+    let warmup = a
+        .warmup
+        .unwrap_or_else(|| crate::frontier::default_warmup(a.concurrency));
+    if n > 0 {
         for e in engines.iter_mut() {
-            for i in grp.clone() {
-                let mut r = Request::new((rounds * n + i) as u64, ids[i].clone(), a.max_tokens);
-                r.params = sampling.clone();
-                r.seed = i as u64;
-                e.add(r)?;
-            }
-            let mut left = grp.len();
-            while left > 0 {
-                for ev in e.step()? {
-                    match ev {
-                        Event::Finished { .. } => left -= 1,
-                        Event::Failed { id, error } => {
-                            anyhow::bail!("request {id} failed: {error}")
+            let mut next = 0usize;
+            while next < warmup {
+                let end = (next + a.concurrency).min(warmup);
+                for w in next..end {
+                    let i = w % n;
+                    let mut r = Request::new((rounds * n + w) as u64, ids[i].clone(), a.max_tokens);
+                    r.params = sampling.clone();
+                    r.seed = i as u64;
+                    e.add(r)?;
+                }
+                let mut left = end - next;
+                while left > 0 {
+                    for ev in e.step()? {
+                        match ev {
+                            Event::Finished { .. } => left -= 1,
+                            Event::Failed { id, error } => {
+                                anyhow::bail!("warm-up request {id} failed: {error}")
+                            }
+                            Event::Tokens { .. } => {}
                         }
-                        Event::Tokens { .. } => {}
                     }
                 }
+                next = end;
             }
             e.reset_totals();
         }
@@ -893,9 +1016,12 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
             out!("  round {} of {rounds} done", round + 1)?;
         }
     }
-    // Per arm: tokens/s over every group, and the speedup over `none` as the geometric mean of
-    // the per-group ratios (paired: same prompts, run back to back) with its 95 % interval.
+    // Per arm: tokens/s over every group, and the speedup over `none` (paired: same prompts,
+    // run back to back). Rounds repeat the same work on the same prompts, so each group's log
+    // ratio is averaged over the rounds first; the geometric mean and the 95 % t-interval are
+    // over the groups (n = groups.len(), the prompts at concurrency 1).
     let base = acc[0].rates.clone();
+    let n_groups = groups.len();
     let mut results = Vec::new();
     for (ai, ac) in acc.into_iter().enumerate() {
         let (label, gm, sched) = (&labels[ai], arms[ai].1, arms[ai].2);
@@ -908,10 +1034,22 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
             }
         };
         let tok_s = ac.tokens as f64 / ac.secs.max(1e-9);
-        let (speedup, lo, hi) =
-            crate::frontier::paired_ratio(&ac.rates, &base).unwrap_or_else(|| {
-                let r = ac.rates.first().copied().unwrap_or(0.0)
-                    / base.first().copied().unwrap_or(1.0).max(1e-9);
+        let (speedup, lo, hi) = crate::frontier::paired_ratio_by_unit(&ac.rates, &base, n_groups)
+            .unwrap_or_else(|| {
+                // Under two groups (or a zero rate): the geometric mean of the pairs there
+                // are, with no interval.
+                let l: Vec<f64> = ac
+                    .rates
+                    .iter()
+                    .zip(&base)
+                    .filter(|(x, y)| **x > 0.0 && **y > 0.0)
+                    .map(|(x, y)| (x / y).ln())
+                    .collect();
+                let r = if l.is_empty() {
+                    0.0
+                } else {
+                    (l.iter().sum::<f64>() / l.len() as f64).exp()
+                };
                 (r, f64::NAN, f64::NAN)
             });
         let acc_pos = tot.accept_per_pos();
@@ -939,13 +1077,23 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
             "committed_per_call": tot.committed_per_call(), "accept_per_pos": acc_pos,
             "survival_per_pos": tot.survival_per_pos(), "speedup": speedup,
             "speedup_ci95": if lo.is_finite() { json!([lo, hi]) } else { json!(null) },
-            "paired_groups": ac.rates.len(), "tok_s_rounds": ac.round_rates,
+            "paired_groups": ac.rates.len(), "ci_groups": n_groups, "tok_s_rounds": ac.round_rates,
+            "tok_s_by_round_group": ac.rates.chunks(n_groups.max(1)).map(|c| c.to_vec()).collect::<Vec<_>>(),
             "drafted_tokens": tot.drafted_tokens, "accepted_tokens": tot.accepted_tokens, "wasted_tokens": tot.wasted_tokens,
             "accepted_prefix_hist": tot.prefix_hist, "draft_s": tot.draft_s, "verify_s": tot.verify_s, "wall_s": ac.secs,
             "output_tokens": ac.tokens,
         });
         results.push((label.clone(), gm, ac.outputs, arm));
     }
+    let unit = if a.concurrency == 1 {
+        "prompts".to_string()
+    } else {
+        format!("groups of {} prompts", a.concurrency)
+    };
+    out!(
+        "speedup vs none: geometric mean over {n_groups} {unit} (each one's log ratio averaged \
+         over its {rounds} round(s)), 95 % t-interval over the {n_groups}"
+    )?;
     // Greedy runs must agree token for token across arms (lossless check on real prompts).
     let greedy_identical = a.temperature == 0.0 && results.iter().all(|r| r.2 == results[0].2);
     if a.temperature == 0.0 {
@@ -955,6 +1103,10 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         "model": a.model, "drafters": a.drafter, "prompts": a.prompts, "n_prompts": ids.len(), "concurrency": a.concurrency,
         "temperature": a.temperature, "max_tokens": a.max_tokens, "gate": !a.no_gate, "threads": target.model.threads(),
         "rounds": a.rounds.max(1), "command": command_line(), "greedy_outputs_identical": if a.temperature == 0.0 { json!(greedy_identical) } else { json!(null) },
+        "warmup_requests": warmup,
+        "groups": groups.iter().map(|g| [g.start, g.end]).collect::<Vec<_>>(),
+        "speedup_method": "per arm, each prompt group's log ratio of tok/s to none averaged over the rounds; speedup = exp of the mean over the groups, speedup_ci95 = 95 % t-interval over the groups (n = ci_groups); paired_groups counts the (round, group) ratios",
+        "tok_s_by_round_group_layout": "tok_s_by_round_group[round][group], group g = prompts groups[g][0]..groups[g][1] (end exclusive)",
         "arms": results.iter().map(|r| r.3.clone()).collect::<Vec<_>>(),
     });
     write_json(&a.json, &v)?;
@@ -1066,10 +1218,6 @@ pub fn mask_bench(g: &Global, a: MaskArgs) -> anyhow::Result<()> {
             allowed[0] == allowed[1],
             "{name}: the paths allow different tokens"
         );
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(|x, y| x.total_cmp(y));
-            v[v.len() / 2]
-        };
         let n_allowed = allowed[0].iter().filter(|&&x| x).count();
         out_cases.push(serde_json::json!({"case": name, "allowed": n_allowed,
             "fast_us": median(&mut times[0]), "validator_us": median(&mut times[1])}));
@@ -1218,6 +1366,34 @@ mod tests {
         assert_eq!(prompt_sets("code-heldout"), vec!["code-heldout"]);
         let err = prompt_set("poetry").unwrap_err().to_string();
         assert!(err.contains("chat-heldout"), "{err}");
+    }
+
+    #[test]
+    fn medians_average_the_two_middle_values_of_an_even_count() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&mut []), 0.0);
+        assert_eq!(stats(vec![5.0, 1.0, 4.0, 2.0]), (3.0, 1.0));
+    }
+
+    #[test]
+    fn provenance_gives_the_absolute_output_and_a_commit_or_null() {
+        let v = provenance(std::path::Path::new("some-dir/result.json"));
+        let out = v["output"].as_str().expect("a path");
+        assert!(
+            std::path::Path::new(out).is_absolute() && out.ends_with("result.json"),
+            "{v}"
+        );
+        match v["commit"].as_str() {
+            Some(c) => {
+                assert!(
+                    c.len() >= 40 && c.chars().all(|x| x.is_ascii_hexdigit()),
+                    "{v}"
+                );
+                assert!(v["dirty"].is_boolean() || v["dirty"].is_null(), "{v}");
+            }
+            None => assert!(v["commit"].is_null() && v["dirty"].is_null(), "{v}"),
+        }
     }
 
     #[test]

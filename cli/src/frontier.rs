@@ -165,7 +165,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
                         ),
                     )));
                 }
-                let warm = a.warmup.unwrap_or((2 * c).max(48));
+                let warm = a.warmup.unwrap_or(default_warmup(c));
                 let mut w = Driver::new(e, 0, warm, c);
                 w.run_for(&ids, lengths, f64::INFINITY)?;
                 let n = (c * a.waves).max(a.min_requests).max(1);
@@ -728,6 +728,51 @@ impl Driver {
 /// Geometric mean of the paired ratios a_i / b_i and its 95 % t-interval (on the log ratios);
 /// `None` for fewer than two pairs or a non-positive value.
 pub(crate) fn paired_ratio(a: &[f64], b: &[f64]) -> Option<(f64, f64, f64)> {
+    let n = a.len().min(b.len());
+    if n < 2 || a.iter().chain(b).any(|&x| x.is_nan() || x <= 0.0) {
+        return None;
+    }
+    let l: Vec<f64> = a.iter().zip(b).map(|(x, y)| (x / y).ln()).collect();
+    log_interval(&l)
+}
+
+/// Paired ratio of units (prompts, or groups of prompts run together) each measured in several
+/// rounds: `a` and `b` hold `rounds × units` rates, round-major (round r's unit u at
+/// `r * units + u`). The rounds of one unit repeat the same work (greedy, or seeded sampling),
+/// so they are not independent samples: each unit's log ratios are averaged over its rounds,
+/// and the geometric mean and the 95 % t-interval are over the units (n = `units`). `None`
+/// for fewer than two units, a length that is not a multiple of `units`, or a non-positive
+/// value.
+pub(crate) fn paired_ratio_by_unit(a: &[f64], b: &[f64], units: usize) -> Option<(f64, f64, f64)> {
+    if units < 2
+        || a.is_empty()
+        || a.len() != b.len()
+        || a.len() % units != 0
+        || a.iter().chain(b).any(|&x| x.is_nan() || x <= 0.0)
+    {
+        return None;
+    }
+    let rounds = a.len() / units;
+    let l: Vec<f64> = (0..units)
+        .map(|u| {
+            (0..rounds)
+                .map(|r| (a[r * units + u] / b[r * units + u]).ln())
+                .sum::<f64>()
+                / rounds as f64
+        })
+        .collect();
+    log_interval(&l)
+}
+
+/// Warm-up requests per arm before timing, at concurrency `c`: two waves, at least 48 (see
+/// `FrontierArgs::warmup`).
+pub(crate) fn default_warmup(c: usize) -> usize {
+    (2 * c).max(48)
+}
+
+/// exp of the mean of the log ratios `l` and the exp of its 95 % t-interval's ends; `None` for
+/// fewer than two values or a non-finite one.
+fn log_interval(l: &[f64]) -> Option<(f64, f64, f64)> {
     // Two-sided 95 % Student t quantiles for 1..=30 degrees of freedom; past 30, the
     // Cornish–Fisher expansion z + (z³ + z)/4ν + (5z⁵ + 16z³ + 3z)/96ν² (within 1e-4 there).
     const T95: [f64; 30] = [
@@ -735,11 +780,10 @@ pub(crate) fn paired_ratio(a: &[f64], b: &[f64]) -> Option<(f64, f64, f64)> {
         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
         2.052, 2.048, 2.045, 2.042,
     ];
-    let n = a.len().min(b.len());
-    if n < 2 || a.iter().chain(b).any(|&x| x.is_nan() || x <= 0.0) {
+    let n = l.len();
+    if n < 2 || l.iter().any(|x| !x.is_finite()) {
         return None;
     }
-    let l: Vec<f64> = a.iter().zip(b).map(|(x, y)| (x / y).ln()).collect();
     let mean = l.iter().sum::<f64>() / n as f64;
     let var = l.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
     let t = T95.get(n - 2).copied().unwrap_or_else(|| {
@@ -918,6 +962,46 @@ mod tests {
         let t = (hi.ln() - lo.ln()) / 2.0 / (sd / 32f64.sqrt());
         assert!((t - 2.0395).abs() < 1e-3, "{t}");
         assert!(paired_ratio(&[1.0, 0.0], &[1.0, 1.0]).is_none());
+    }
+
+    #[test]
+    fn repeated_rounds_of_the_same_prompts_are_one_sample_per_prompt() {
+        // Four prompts (units), one round: the same as the plain paired ratio.
+        let a1 = [110.0, 95.0, 130.0, 100.0];
+        let b1 = [100.0; 4];
+        let one = paired_ratio_by_unit(&a1, &b1, 4).unwrap();
+        let plain = paired_ratio(&a1, &b1).unwrap();
+        assert!((one.0 - plain.0).abs() < 1e-12 && (one.1 - plain.1).abs() < 1e-12);
+        assert!((one.2 - plain.2).abs() < 1e-12);
+        // Three identical rounds give the same estimate and interval as one round (n = 4
+        // prompts, not 12 samples); pooling the 12 as independent would narrow it.
+        let (a3, b3) = (a1.repeat(3), b1.repeat(3));
+        let three = paired_ratio_by_unit(&a3, &b3, 4).unwrap();
+        for (x, y) in [(one.0, three.0), (one.1, three.1), (one.2, three.2)] {
+            assert!((x - y).abs() < 1e-12, "{one:?} {three:?}");
+        }
+        let pooled = paired_ratio(&a3, &b3).unwrap();
+        assert!(pooled.2 - pooled.1 < three.2 - three.1);
+        // Rounds that differ: each prompt's log ratios are averaged over its rounds (round-major
+        // layout), and the t-interval has n − 1 = 2 degrees of freedom (3 prompts).
+        let a = [110.0, 90.0, 120.0, 130.0, 100.0, 120.0];
+        let b = [100.0; 6];
+        let (m, lo, hi) = paired_ratio_by_unit(&a, &b, 3).unwrap();
+        let l = [
+            (1.1f64.ln() + 1.3f64.ln()) / 2.0,
+            (0.9f64.ln() + 1.0f64.ln()) / 2.0,
+            1.2f64.ln(),
+        ];
+        let mean = l.iter().sum::<f64>() / 3.0;
+        let sd = (l.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / 2.0).sqrt();
+        assert!((m.ln() - mean).abs() < 1e-12, "{m}");
+        assert!(((hi.ln() - lo.ln()) / 2.0 - 4.303 * sd / 3f64.sqrt()).abs() < 1e-9);
+        // Not a whole number of rounds, one prompt, or a zero rate: no interval.
+        assert!(paired_ratio_by_unit(&a[..5], &b[..5], 3).is_none());
+        assert!(paired_ratio_by_unit(&a, &b, 1).is_none());
+        assert!(paired_ratio_by_unit(&[1.0, 0.0], &[1.0, 1.0], 2).is_none());
+        assert_eq!(default_warmup(1), 48);
+        assert_eq!(default_warmup(32), 64);
     }
 
     #[test]
