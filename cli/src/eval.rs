@@ -198,6 +198,16 @@ fn static_calibration(
     (Some(b), Some(af), Some(auc), Some(floor), Some(means))
 }
 
+/// Whether the engine decodes at `temperature` greedily ([`kernels::sampling::GREEDY_BELOW`]):
+/// the calibration a run reads and fits is the one of the requests the engine serves.
+pub(crate) fn is_greedy(temperature: f32) -> bool {
+    kernels::sampling::SamplingParams {
+        temperature,
+        ..Default::default()
+    }
+    .is_greedy()
+}
+
 fn load_dspark(
     target: &crate::spec::Loaded,
     dir: &std::path::Path,
@@ -205,7 +215,7 @@ fn load_dspark(
     let (e, h) = drafter::model::target_tensors(&target.model)?;
     Ok(DsparkDrafter::load(
         dir,
-        target.model.cfg.arch.name(),
+        &target.model.cfg,
         &target.tok.vocab_hash(),
         e,
         h,
@@ -235,9 +245,10 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             probe.cfg.gamma
         );
     }
-    let sts = probe.cfg.calibration_for(a.temperature == 0.0);
+    let greedy = is_greedy(a.temperature);
+    let sts = probe.cfg.calibration_for(greedy);
     let has_markov = probe.is_markov() && probe.cfg.parallel_trained;
-    let has_copy = !probe.cfg.copy_bias_for(a.temperature == 0.0).is_empty();
+    let has_copy = !probe.cfg.copy_bias_for(greedy).is_empty();
     drop(probe);
     let sets = crate::bench::prompt_sets(&a.prompts);
     let draft_model = crate::spec::default_draft_for(&target.name);

@@ -212,13 +212,7 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
             Some(ts)
         };
         (
-            DsparkDrafter::load(
-                &a.out,
-                target.cfg.arch.name(),
-                &tok.vocab_hash(),
-                embed,
-                head,
-            )?,
+            DsparkDrafter::load(&a.out, &target.cfg, &tok.vocab_hash(), embed, head)?,
             resume,
         )
     } else {
@@ -365,24 +359,30 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     }
     let target = crate::spec::load_target(g, &a.target)?;
     let (e, h) = drafter::model::target_tensors(&target.model)?;
-    let load = || -> anyhow::Result<DsparkDrafter> {
-        let mut dr = DsparkDrafter::load(
+    let load_stored = || -> anyhow::Result<DsparkDrafter> {
+        Ok(DsparkDrafter::load(
             &a.drafter,
-            target.model.cfg.arch.name(),
+            &target.model.cfg,
             &target.tok.vocab_hash(),
             e.clone(),
             h.clone(),
-        )?;
+        )?)
+    };
+    let serve = |mut dr: DsparkDrafter| {
         if let Some(b) = a.serve_bits {
             dr.cfg.serve_bits = b;
         }
-        Ok(dr)
+        dr
     };
-    let mut dr = load()?;
+    let load = || -> anyhow::Result<DsparkDrafter> { Ok(serve(load_stored()?)) };
+    let stored = load_stored()?;
+    let stored_bits = stored.cfg.serve_bits;
+    let mut dr = serve(stored);
     let gamma = dr.cfg.gamma;
     let cfg_before = dr.cfg.clone();
     dr.cfg = dr.cfg.uncalibrated().without_copy();
-    let greedy = a.temperature == 0.0;
+    // The engine's threshold: a temperature it decodes greedily is calibrated as greedy.
+    let greedy = crate::eval::is_greedy(a.temperature);
     let sets = crate::bench::prompt_sets(&a.prompts);
     let mut prompts = Vec::new();
     for set in sets {
@@ -610,6 +610,17 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     cal.copy_head_inputs = copy_head_inputs;
     cal.copy_head = copy_head;
     cfg.set_calibration(greedy, cal);
+    // The other kind of request's calibration was fitted on the forward of the old width: it
+    // would read confidences this forward does not make, under a file that names the new one.
+    if cfg.serve_bits != stored_bits && cfg.drop_calibration(!greedy) {
+        out!(
+            "the calibration of {} requests was fitted on the {stored_bits}-bit forward and is \
+             dropped: run calibrate-drafter --temperature {} to fit it for {} bits",
+            if greedy { "sampled" } else { "greedy" },
+            if greedy { "1" } else { "0" },
+            cfg.serve_bits
+        )?;
+    }
     let tmp = a.drafter.join("drafter.json.tmp");
     std::fs::write(&tmp, serde_json::to_string_pretty(&cfg)?)?;
     std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
@@ -835,7 +846,7 @@ pub fn drafter_vocab(g: &Global, a: VocabArgs) -> anyhow::Result<()> {
     let tok = Tokenizer::load(&path)?;
     let target = Model::load(&path, &g.load_opts())?;
     let (e, h) = drafter::model::target_tensors(&target)?;
-    let mut dr = DsparkDrafter::load(&a.drafter, target.cfg.arch.name(), &tok.vocab_hash(), e, h)?;
+    let mut dr = DsparkDrafter::load(&a.drafter, &target.cfg, &tok.vocab_hash(), e, h)?;
     let vocab = target.cfg.vocab_size;
     if a.size == 0 {
         dr.set_draft_vocab(None)?;

@@ -885,9 +885,22 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
         assert_eq!(c1[key], c2[key], "{key}");
     }
     // Calibrating for the 4-bit serving forward stores that width in the checkpoint (the
-    // evaluation below serves it); other widths are refused before anything loads.
-    calibrate(&["--serve-bits", "4"]);
-    assert_eq!(read_json(&dir.join("drafter.json"))["serve_bits"], 4);
+    // evaluation below serves it); other widths are refused before anything loads. The other
+    // kind of request's calibration (here a sampled one, written in) was fitted on the 8-bit
+    // forward: dropped, and said so.
+    let mut cfg = read_json(&dir.join("drafter.json"));
+    let gamma = cfg["gamma"].as_u64().expect("gamma") as usize;
+    cfg["sts"] = serde_json::json!(vec![0.9; gamma]);
+    std::fs::write(dir.join("drafter.json"), cfg.to_string()).unwrap();
+    let (out, _) = calibrate(&["--serve-bits", "4"]);
+    assert!(
+        out.contains("sampled requests was fitted on the 8-bit forward"),
+        "{out}"
+    );
+    let cfg = read_json(&dir.join("drafter.json"));
+    assert_eq!(cfg["serve_bits"], 4);
+    assert_eq!(cfg["sts"], serde_json::json!(vec![1.0; gamma]), "{cfg}");
+    assert!(cfg["greedy_calibration"]["sts"].is_array(), "{cfg}");
     // More prompts, and no copy runs (which draft every block of this repetitive target once
     // their rates are fitted), on a copy of the checkpoint: a greedy head is fitted and stored,
     // one weight per input of the trained head, and served.

@@ -71,6 +71,9 @@ impl DraftHost {
                 )
             };
         let feature_layers = proposer.feature_layers();
+        // A trained drafter drafts at most the block it was trained for: advertised, so a
+        // target worker asking for longer blocks is refused as it is in process.
+        let max_gamma = advertised_max_gamma(&*proposer);
         Ok(Self {
             copy_runs: proposer.copy_runs(),
             copy_head: proposer.copy_head(),
@@ -80,9 +83,15 @@ impl DraftHost {
             vocab,
             vocab_hash,
             proposer,
-            max_gamma: MAX_GAMMA,
+            max_gamma,
         })
     }
+}
+
+/// The longest block a draft worker hosting `proposer` drafts: its trained γ
+/// ([`Proposer::max_gamma`]), any length the protocol allows ([`MAX_GAMMA`]) otherwise.
+pub fn advertised_max_gamma(proposer: &dyn Proposer) -> usize {
+    proposer.max_gamma().map_or(MAX_GAMMA, |g| g.min(MAX_GAMMA))
 }
 
 /// The model's vocabulary (its embedding rows) from its configuration alone, without loading

@@ -111,33 +111,19 @@ pub fn build_proposer(
                 })?,
             };
             let (e, h) = crate::model::target_tensors(&target.model)?;
-            let dr = DsparkDrafter::load(
-                &dir,
-                target.model.cfg.arch.name(),
-                &target.tok.vocab_hash(),
-                e,
-                h,
-            )?;
-            // Same architecture and tokenizer is not the same model: a drafter of SmolLM2-135M
-            // loads against the 360M (a shape error later, or poor drafts from another
-            // model's features).
-            let tc = &target.model.cfg;
-            if dr.cfg.target_layers != tc.n_layers
-                || dr.cfg.d_model != tc.d_model
-                || dr.cfg.feature_layers.iter().any(|&l| l >= tc.n_layers)
-            {
-                return Err(DrafterError::WrongTarget(format!(
-                    "the drafter in {} was trained on a target of {} layers × {} (features of \
-                     layers {:?}); `{}` has {} × {}",
-                    dir.display(),
-                    dr.cfg.target_layers,
-                    dr.cfg.d_model,
-                    dr.cfg.feature_layers,
-                    target.name,
-                    tc.n_layers,
-                    tc.d_model
-                )));
-            }
+            // Refuses a drafter of another target, including one of the same architecture and
+            // tokenizer at another depth or width (`DsparkDrafter::load` checks the shapes).
+            let loaded =
+                DsparkDrafter::load(&dir, &target.model.cfg, &target.tok.vocab_hash(), e, h);
+            let dr = match loaded {
+                Err(DrafterError::WrongTarget(m)) => {
+                    return Err(DrafterError::WrongTarget(format!(
+                        "{m} (target `{}`)",
+                        target.name
+                    )));
+                }
+                r => r?,
+            };
             Box::new(DsparkProposer::new(dr, &kind.label())?.with_target_head(target.model.clone()))
         }
         ProposerKind::DraftModel(name) => {
@@ -271,6 +257,32 @@ mod tests {
             .err()
             .expect("refused");
         assert!(e.to_string().contains("trained on a target of"), "{e}");
+        // Every path loads through `DsparkDrafter::load` (eval-drafter, calibrate-drafter,
+        // train-drafter --resume, drafter-vocab): the check is there, not only here.
+        let wider = TinySpec {
+            d_model: 2 * TinySpec::llama(21).d_model,
+            ffn_dim: 2 * TinySpec::llama(21).ffn_dim,
+            ..TinySpec::llama(21)
+        };
+        let c = load(&wider, "drafter-target-wider");
+        assert_eq!(a.tok.vocab_hash(), c.tok.vocab_hash());
+        let direct = |t: &Loaded| {
+            let (e, h) = crate::model::target_tensors(&t.model).unwrap();
+            DsparkDrafter::load(&dir, &t.model.cfg, &t.tok.vocab_hash(), e, h)
+        };
+        assert!(direct(&a).is_ok());
+        for t in [&b, &c] {
+            match direct(t) {
+                Err(DrafterError::WrongTarget(m)) => {
+                    assert!(m.contains("trained on a target of"), "{m}");
+                    // Both shapes are named: the drafter's width and the target's.
+                    assert!(m.contains(&format!("× {}", a.model.cfg.d_model)), "{m}");
+                    assert!(m.contains(&format!("× {}", t.model.cfg.d_model)), "{m}");
+                }
+                Err(e) => panic!("{}: refused, but not as another target: {e}", t.name),
+                Ok(_) => panic!("{}: a drafter of another shape loaded", t.name),
+            }
+        }
         std::fs::remove_dir_all(&dir).ok();
     }
 }

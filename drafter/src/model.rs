@@ -379,6 +379,38 @@ impl DrafterConfig {
         self
     }
 
+    /// Drops the confidence calibration of greedy (`true`) or sampled requests, keeping the
+    /// other kind's and each kind's copy prior (what [`Self::uncalibrated`] does for both): for
+    /// when the forward it was fitted on changes (`dspark calibrate-drafter --serve-bits`).
+    /// Greedy requests without a calibration of their own read the sampled one (so dropping the
+    /// sampled one drops theirs too). Returns whether a fitted calibration was dropped.
+    pub fn drop_calibration(&mut self, greedy: bool) -> bool {
+        if greedy {
+            let Some(g) = self.greedy_calibration.take() else {
+                return false;
+            };
+            let fitted = g.sts.iter().any(|&t| t != 1.0)
+                || !g.sts_shift.is_empty()
+                || !g.conf_mix.is_empty()
+                || g.head.is_some()
+                || !g.copy_runs.is_empty()
+                || g.copy_head.is_some();
+            // Greedy requests read the sampled calibration again, with their own copy prior.
+            if g.copy_bias != self.copy_bias {
+                self.set_copy_bias(true, g.copy_bias);
+            }
+            fitted
+        } else {
+            let fitted = self.sts.iter().any(|&t| t != 1.0)
+                || !self.sts_shift.is_empty()
+                || !self.conf_mix.is_empty();
+            self.sts = vec![1.0; self.gamma];
+            self.sts_shift = Vec::new();
+            self.conf_mix = Vec::new();
+            fitted
+        }
+    }
+
     /// Defaults for a target: features from layers n/6, n/2 and n−2, one layer at the target's
     /// width, rank min(256, vocab/64).
     pub fn for_target(
@@ -862,15 +894,18 @@ impl DsparkDrafter {
         Ok(())
     }
 
-    /// Loads a checkpoint for a target (identified by architecture and vocabulary hash); refuses
-    /// a checkpoint trained for another target.
+    /// Loads a checkpoint for a target (its configuration, its tokenizer's vocabulary hash and
+    /// its embedding and head, [`target_tensors`]); refuses a checkpoint trained for another
+    /// target: another architecture or vocabulary, or the same ones at another depth or width
+    /// (a drafter of SmolLM2-135M against the 360M), whose features it would misread.
     pub fn load(
         dir: &Path,
-        target_arch: &str,
+        target: &dspark_runtime::ModelConfig,
         vocab_hash: &str,
         embed: Tensor,
         head: Tensor,
     ) -> Result<Self> {
+        let target_arch = target.arch.name();
         let bad = |reason: String| DrafterError::Checkpoint {
             path: dir.display().to_string(),
             reason,
@@ -899,6 +934,9 @@ impl DsparkDrafter {
                 vocab_hash.chars().take(12).collect::<String>()
             )));
         }
+        check_target_shape(&cfg, target, &embed, &head).map_err(|why| {
+            DrafterError::WrongTarget(format!("the drafter in {} {why}", dir.display()))
+        })?;
         let varmap = VarMap::new();
         let m = Self::build(cfg, &varmap, embed, head)?;
         // Loading sets the values of the variables the model already holds (f16 or f32 on disk).
@@ -957,6 +995,45 @@ impl DsparkDrafter {
         self.draft_vocab = ids;
         Ok(())
     }
+}
+
+/// Whether a drafter configured by `cfg` reads `target`'s features and tokens: the target has
+/// the depth the drafter was trained on (every feature layer among its layers), its width and
+/// its vocabulary, and `embed`/`head` are its `(vocab, d_model)` matrices. Same architecture
+/// and tokenizer is not the same model. The error ("was trained on …", to follow the drafter's
+/// name) names both shapes.
+pub fn check_target_shape(
+    cfg: &DrafterConfig,
+    target: &dspark_runtime::ModelConfig,
+    embed: &Tensor,
+    head: &Tensor,
+) -> std::result::Result<(), String> {
+    let (e, h) = (embed.dims(), head.dims());
+    let want = [cfg.vocab, cfg.d_model];
+    if cfg.target_layers == target.n_layers
+        && cfg.feature_layers.iter().all(|&l| l < target.n_layers)
+        && cfg.d_model == target.d_model
+        && cfg.vocab == target.vocab_size
+        && e == want.as_slice()
+        && h == want.as_slice()
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "was trained on a target of {} layers × {} with a vocabulary of {} (features of \
+         layers {:?}); this {} target has {} layers × {} with a vocabulary of {} (embedding \
+         {:?}, head {:?})",
+        cfg.target_layers,
+        cfg.d_model,
+        cfg.vocab,
+        cfg.feature_layers,
+        target.arch.name(),
+        target.n_layers,
+        target.d_model,
+        target.vocab_size,
+        e,
+        h
+    ))
 }
 
 /// The draft vocabulary's file in a checkpoint directory (a JSON list of token ids).
@@ -1198,6 +1275,39 @@ pub(crate) mod tests {
         assert!(p.cfg.greedy_calibration.unwrap().head.is_none());
     }
 
+    /// `calibrate-drafter --serve-bits` drops the other kind of request's calibration: a
+    /// greedy one goes back to reading the sampled one (its copy prior kept), a sampled one
+    /// to the identity; each says whether something fitted was dropped.
+    #[test]
+    fn one_kind_of_requests_calibration_is_dropped_and_the_other_kept() {
+        let (m, tok) = tiny();
+        let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 1, 8);
+        assert!(!cfg.drop_calibration(true));
+        assert!(!cfg.drop_calibration(false));
+        cfg.sts = vec![0.8; 4];
+        cfg.copy_bias = vec![1.0];
+        cfg.set_calibration(
+            true,
+            CalibrationCfg {
+                sts: vec![0.5; 4],
+                copy_bias: vec![2.0],
+                copy_runs: vec![0.9],
+                ..Default::default()
+            },
+        );
+        let sampled = cfg.sampled_calibration();
+        assert!(cfg.drop_calibration(true));
+        let g = cfg.greedy_calibration.clone().expect("its own copy prior");
+        assert_eq!(g.copy_bias, vec![2.0]);
+        assert_eq!((g.sts, g.copy_runs), (vec![0.8; 4], Vec::new()));
+        assert_eq!(cfg.sampled_calibration(), sampled);
+        assert!(cfg.drop_calibration(false));
+        assert_eq!(
+            (cfg.sts.clone(), cfg.copy_bias.clone()),
+            (vec![1.0; 4], vec![1.0])
+        );
+    }
+
     #[test]
     fn a_draft_vocabulary_round_trips_and_bad_ones_are_refused() {
         let (m, tok) = tiny();
@@ -1208,7 +1318,7 @@ pub(crate) mod tests {
         dr.save(&dir).unwrap();
         let load = || {
             let (e, h) = target_tensors(&m).unwrap();
-            DsparkDrafter::load(&dir, m.cfg.arch.name(), &tok.vocab_hash(), e, h)
+            DsparkDrafter::load(&dir, &m.cfg, &tok.vocab_hash(), e, h)
         };
         let back = load().unwrap();
         assert_eq!(back.draft_vocab.as_deref(), Some(&ids[..]));
@@ -1285,7 +1395,7 @@ pub(crate) mod tests {
         let dir = std::env::temp_dir().join(format!("dspark-drafter-{}", std::process::id()));
         dr.save(&dir).unwrap();
         let back =
-            DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e.clone(), h.clone()).unwrap();
+            DsparkDrafter::load(&dir, &m.cfg, &tok.vocab_hash(), e.clone(), h.clone()).unwrap();
         let (a, _) = dr.forward_train(&bt.feats, &bt.anchors, &bt.prev).unwrap();
         let (b, _) = back
             .forward_train(&bt.feats, &bt.anchors, &bt.prev)
@@ -1303,13 +1413,13 @@ pub(crate) mod tests {
         assert!(diff <= 1e-2 * scale + 1e-3, "{diff} vs scale {scale}");
         back.save(&dir).unwrap();
         let again =
-            DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e.clone(), h.clone()).unwrap();
+            DsparkDrafter::load(&dir, &m.cfg, &tok.vocab_hash(), e.clone(), h.clone()).unwrap();
         let (c, _) = again
             .forward_train(&bt.feats, &bt.anchors, &bt.prev)
             .unwrap();
         assert_eq!(a_max(&(b - c).unwrap()), 0.0);
         assert!(matches!(
-            DsparkDrafter::load(&dir, "llama", "another-vocab", e.clone(), h.clone()),
+            DsparkDrafter::load(&dir, &m.cfg, "another-vocab", e.clone(), h.clone()),
             Err(DrafterError::WrongTarget(_))
         ));
         // A copy-run head over another release's inputs is dropped at load (its rates serve,
@@ -1326,8 +1436,8 @@ pub(crate) mod tests {
             cfg.greedy_calibration = Some(g);
             let json = serde_json::to_string(&cfg).unwrap();
             std::fs::write(dir.join("drafter.json"), json).unwrap();
-            let got = DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e.clone(), h.clone())
-                .unwrap();
+            let got =
+                DsparkDrafter::load(&dir, &m.cfg, &tok.vocab_hash(), e.clone(), h.clone()).unwrap();
             assert_eq!(got.cfg.copy_head().is_some(), kept, "{tag}");
             assert_eq!(got.cfg.copy_runs(), &[0.3, 0.6]);
         }
@@ -1347,7 +1457,7 @@ pub(crate) mod tests {
             let mut c = base.clone();
             c[key] = v;
             std::fs::write(dir.join("drafter.json"), c.to_string()).unwrap();
-            let err = DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e.clone(), h.clone())
+            let err = DsparkDrafter::load(&dir, &m.cfg, &tok.vocab_hash(), e.clone(), h.clone())
                 .err()
                 .expect("refused");
             assert!(err.to_string().contains(says), "{key}: {err}");
@@ -1355,7 +1465,7 @@ pub(crate) mod tests {
         std::fs::write(dir.join("drafter.json"), base.to_string()).unwrap();
         std::fs::write(dir.join("drafter.safetensors"), b"garbage").unwrap();
         assert!(matches!(
-            DsparkDrafter::load(&dir, "llama", &tok.vocab_hash(), e, h),
+            DsparkDrafter::load(&dir, &m.cfg, &tok.vocab_hash(), e, h),
             Err(DrafterError::Checkpoint { .. })
         ));
         let _ = std::fs::remove_dir_all(dir);

@@ -1189,7 +1189,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let load = || {
             let (e, h) = target_tensors(&m).unwrap();
-            DsparkDrafter::load(&dir, m.cfg.arch.name(), &tok.vocab_hash(), e, h).unwrap()
+            DsparkDrafter::load(&dir, &m.cfg, &tok.vocab_hash(), e, h).unwrap()
         };
         // Stopped after step 2 (resumed at 3) and after step 3 (resumed at 4, a step that
         // replaces a pool slot).

@@ -41,7 +41,7 @@ fn shipped() -> Box<dyn Proposer> {
     let (m, t) = real();
     let dir = drafter::build::default_dspark_for("smollm2-135m").expect("shipped drafter");
     let (e, h) = target_tensors(m).unwrap();
-    let dr = DsparkDrafter::load(&dir, m.cfg.arch.name(), &t.vocab_hash(), e, h).unwrap();
+    let dr = DsparkDrafter::load(&dir, &m.cfg, &t.vocab_hash(), e, h).unwrap();
     assert!(dr.is_markov());
     Box::new(
         DsparkProposer::new(dr, "dspark")
