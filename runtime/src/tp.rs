@@ -491,6 +491,12 @@ impl Dialer {
 
 /// A random identity for a leader (no two groups share one, across processes and restarts).
 fn leader_id() -> u64 {
+    random_id()
+}
+
+/// A random, nonzero 64-bit identity (this process, this instant, a randomly keyed hash): for
+/// identities that must differ across processes and restarts, not for secrets.
+pub fn random_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u32(std::process::id());

@@ -179,15 +179,7 @@ pub fn check_ttl_ms(ttl_ms: u64, etcd: bool) -> std::result::Result<u32, String>
 /// id and address (same pod, same IP) but gets a new instance, so placement forgets what it
 /// placed on the old process.
 pub fn instance_id() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(std::process::id());
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    format!("{:016x}", h.finish())
+    format!("{:016x}", dspark_runtime::tp::random_id())
 }
 
 pub fn default_worker_id(role: &str, address: &str) -> String {

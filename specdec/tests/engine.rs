@@ -1020,6 +1020,21 @@ fn regex_and_choice_keep_greedy_parity_and_match_the_whole_answer() {
     }
 }
 
+/// An engine for the sampling-distribution tests: `name`'s proposer, γ = 3, 64 at once.
+fn sampling_engine(f: &Fixture, name: &str) -> Engine {
+    Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        proposer_clone(f, name),
+        EngineConfig {
+            max_running: 64,
+            ..cfg(3)
+        },
+        CostModel::flat(4),
+    )
+    .unwrap()
+}
+
 /// Sampled with penalties, the target's p at each position of a verification window counts
 /// the drafts accepted before it, as plain decoding counts the tokens before it. At this
 /// spread the answers often repeat themselves (30–50 % of tokens from the fourth on), and a
@@ -1044,17 +1059,7 @@ fn sampled_penalties_count_the_drafts_in_the_window() {
     };
     let mut hists = Vec::new();
     for name in ["none", "draft-model"] {
-        let mut e = Engine::with_cost(
-            f.target.clone(),
-            Some(f.tok.clone()),
-            proposer_clone(&f, name),
-            EngineConfig {
-                max_running: 64,
-                ..cfg(3)
-            },
-            CostModel::flat(4),
-        )
-        .unwrap();
+        let mut e = sampling_engine(&f, name);
         for seed in 0..n {
             let mut r = Request::new(seed, prompt.clone(), POSITIONS);
             r.params = params.clone();
@@ -1144,17 +1149,7 @@ fn sampled_tokens_match_with_speculation_on_and_off() {
         // draw 4000 (bound 0.116, for the test's time): they catch gross errors only, and
         // the plain run is the one that holds the residual to account.
         for (name, seeds) in [("none", 0..n), ("draft-model", 0..n), ("none", n..n + 4000)] {
-            let mut e = Engine::with_cost(
-                f.target.clone(),
-                Some(f.tok.clone()),
-                proposer_clone(&f, name),
-                EngineConfig {
-                    max_running: 64,
-                    ..cfg(3)
-                },
-                CostModel::flat(4),
-            )
-            .unwrap();
+            let mut e = sampling_engine(&f, name);
             for seed in seeds.clone() {
                 let mut r = Request::new(seed, prompt.clone(), POSITIONS);
                 r.params = params.clone();

@@ -1626,6 +1626,47 @@ mod tests {
         assert!((r.iter().map(|&p| f64::from(p)).sum::<f64>() - 1.0).abs() < 1e-6);
     }
 
+    /// A proposer (10 tokens) with request 1 placed on draft worker `a` and request 2 on `b`,
+    /// both links up (links to nowhere: only their shared state is used).
+    fn two_links(rt: &tokio::runtime::Runtime, a: &str, b: &str) -> RemoteProposer {
+        let shared = Arc::new(RemoteShared::default());
+        let mut p = test_proposer(rt, shared.clone(), 10);
+        if let Ok(mut m) = shared.assign.lock() {
+            m.insert(1, a.to_string());
+            m.insert(2, b.to_string());
+        }
+        let (_, _) = (p.link_for(1), p.link_for(2));
+        for addr in [a, b] {
+            p.links[addr].shared.up.store(true, Ordering::SeqCst);
+        }
+        p
+    }
+
+    /// Requests 1 and 2 at `ctx`, k = 2.
+    fn two_reqs<'a>(
+        ctx: &'a [u32],
+        params: &'a kernels::sampling::SamplingParams,
+        rngs: &'a mut [kernels::rng::Rng; 2],
+    ) -> Vec<ProposeReq<'a>> {
+        let [r1, r2] = rngs;
+        vec![
+            ProposeReq {
+                id: 1,
+                context: ctx,
+                k: 2,
+                params,
+                rng: r1,
+            },
+            ProposeReq {
+                id: 2,
+                context: ctx,
+                k: 2,
+                params,
+                rng: r2,
+            },
+        ]
+    }
+
     /// A round sent to "a" at `step` in cycle 0, with what each request's item covered
     /// (context length, feature rows, k, tokens synced from) and the verdicts they carried.
     fn test_round(
@@ -1910,17 +1951,8 @@ mod tests {
     #[test]
     fn a_round_given_no_time_does_not_stall_its_link() {
         let rt = test_runtime();
-        let shared = Arc::new(RemoteShared::default());
-        let mut p = test_proposer(&rt, shared.clone(), 10);
         let (a, b) = ("127.0.0.1:9".to_string(), "127.0.0.1:10".to_string());
-        if let Ok(mut m) = shared.assign.lock() {
-            m.insert(1, a.clone());
-            m.insert(2, b.clone());
-        }
-        let (_, _) = (p.link_for(1), p.link_for(2));
-        for addr in [&a, &b] {
-            p.links[addr].shared.up.store(true, Ordering::SeqCst);
-        }
+        let mut p = two_links(&rt, &a, &b);
         // "b" takes calls and never answers; "a" has a prefetched round for request 1 that
         // never comes back.
         let (tx, _calls) = tokio::sync::mpsc::channel::<DraftCall>(8);
@@ -1933,23 +1965,8 @@ mod tests {
         });
         let ctx = [1u32, 2, 3, 4];
         let greedy = kernels::sampling::SamplingParams::greedy();
-        let (mut r1, mut r2) = (kernels::rng::Rng::new(1), kernels::rng::Rng::new(2));
-        let mut reqs = vec![
-            ProposeReq {
-                id: 1,
-                context: &ctx,
-                k: 2,
-                params: &greedy,
-                rng: &mut r1,
-            },
-            ProposeReq {
-                id: 2,
-                context: &ctx,
-                k: 2,
-                params: &greedy,
-                rng: &mut r2,
-            },
-        ];
+        let mut rngs = [kernels::rng::Rng::new(1), kernels::rng::Rng::new(2)];
+        let mut reqs = two_reqs(&ctx, &greedy, &mut rngs);
         p.propose(&mut reqs).expect("propose");
         assert!(p.links[&a].shared.is_stalled(), "the late link is stalled");
         assert!(
@@ -1996,18 +2013,10 @@ mod tests {
     #[test]
     fn draft_workers_reading_other_layers_get_no_rounds() {
         let rt = test_runtime();
-        let shared = Arc::new(RemoteShared::default());
-        let mut p = test_proposer(&rt, shared.clone(), 10);
         let (a, b) = ("127.0.0.1:10".to_string(), "127.0.0.1:9".to_string());
-        if let Ok(mut m) = shared.assign.lock() {
-            m.insert(1, a.clone());
-            m.insert(2, b.clone());
-        }
-        let (_, _) = (p.link_for(1), p.link_for(2));
+        let mut p = two_links(&rt, &a, &b);
         for (addr, layers) in [(&a, vec![0, 1]), (&b, vec![2, 3])] {
-            let l = &p.links[addr].shared;
-            l.up.store(true, Ordering::SeqCst);
-            *l.info.lock().expect("info") = Some(WorkerInfo {
+            *p.links[addr].shared.info.lock().expect("info") = Some(WorkerInfo {
                 feature_layers: layers,
                 ..Default::default()
             });
@@ -2016,23 +2025,8 @@ mod tests {
         assert_eq!(p.feature_layers(), vec![0, 1]);
         let ctx = [1u32, 2, 3, 4];
         let greedy = kernels::sampling::SamplingParams::greedy();
-        let (mut r1, mut r2) = (kernels::rng::Rng::new(1), kernels::rng::Rng::new(2));
-        let reqs = vec![
-            ProposeReq {
-                id: 1,
-                context: &ctx,
-                k: 2,
-                params: &greedy,
-                rng: &mut r1,
-            },
-            ProposeReq {
-                id: 2,
-                context: &ctx,
-                k: 2,
-                params: &greedy,
-                rng: &mut r2,
-            },
-        ];
+        let mut rngs = [kernels::rng::Rng::new(1), kernels::rng::Rng::new(2)];
+        let reqs = two_reqs(&ctx, &greedy, &mut rngs);
         let groups = p.groups(&reqs);
         assert_eq!(groups, vec![(a.clone(), vec![0])]);
         // Once the pool agrees, both draft remotely.
