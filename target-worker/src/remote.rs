@@ -453,7 +453,8 @@ impl RemoteProposer {
             if first.as_ref().is_some_and(|(a, _)| *a <= addr) {
                 continue;
             }
-            if let Some(ls) = link_layers(l) {
+            // A drafter that reads no features (a draft model, n-gram) takes any.
+            if let Some(ls) = link_layers(l).filter(|ls| !ls.is_empty()) {
                 first = Some((addr, ls));
             }
         }
@@ -610,7 +611,7 @@ impl RemoteProposer {
                     continue;
                 }
                 if l.up.load(Ordering::SeqCst) && !l.is_stalled() {
-                    if link_layers(&self.links[&a]).is_some_and(|ls| ls != ours) {
+                    if link_layers(&self.links[&a]).is_some_and(|ls| !ls.is_empty() && ls != ours) {
                         mismatched.push(a);
                         continue;
                     }
@@ -1190,11 +1191,13 @@ impl Proposer for RemoteProposer {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match round.rx.recv_timeout(left) {
                     Ok(rep) => self.apply(&round, &rep, reqs, &ids, &mut out),
-                    // Late only if it had the whole timeout: a round sent after another link's
-                    // prefetched one used up the cycle's time had little or none, and its link
-                    // is not to blame (it would draft locally for `STALL_RETRY`).
+                    // Late only if it had most of the timeout (the deadline was set before the
+                    // round was built and sent): a round sent after another link's prefetched
+                    // one used up the cycle's time had little or none, and its link is not to
+                    // blame (it would draft locally for `STALL_RETRY`). Either way the cycle
+                    // waited out a timeout, not a drafting cost.
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout)
-                        if round.t0.elapsed() >= self.timeout =>
+                        if deadline.saturating_duration_since(round.t0) >= self.timeout / 2 =>
                     {
                         self.stall(&round)
                     }
@@ -1204,6 +1207,7 @@ impl Proposer for RemoteProposer {
                             step = round.step,
                             "draft round out of time this cycle"
                         );
+                        self.timed_out = true;
                         self.forget(&round);
                     }
                     Err(_) => {
@@ -2035,6 +2039,19 @@ mod tests {
         }
         let mut groups = p.groups(&reqs);
         groups.sort();
-        assert_eq!(groups, vec![(a, vec![0]), (b, vec![1])]);
+        assert_eq!(groups, vec![(a.clone(), vec![0]), (b.clone(), vec![1])]);
+        // A drafter that reads no features (a draft model) takes any and sets none, first by
+        // address or not.
+        for (none, other) in [(&a, &b), (&b, &a)] {
+            for (addr, layers) in [(none, vec![]), (other, vec![2, 3])] {
+                if let Some(i) = p.links[addr].shared.info.lock().expect("info").as_mut() {
+                    i.feature_layers = layers;
+                }
+            }
+            assert_eq!(p.feature_layers(), vec![2, 3]);
+            let mut groups = p.groups(&reqs);
+            groups.sort();
+            assert_eq!(groups, vec![(a.clone(), vec![0]), (b.clone(), vec![1])]);
+        }
     }
 }
