@@ -429,7 +429,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             "results": results,
             "command": std::env::args().collect::<Vec<_>>().join(" "),
         });
-        std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
+        crate::bench::write_json(&Some(p.clone()), &v)?;
     }
     Ok(())
 }

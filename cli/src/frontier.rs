@@ -241,13 +241,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         "threads": target.model.threads(), "sps_table": sps.points, "points": points,
         "checks": checks, "paired_vs_none": paired,
     });
-    if let Some(p) = &a.json {
-        if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(d)?;
-        }
-        std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
-        eprintln!("wrote {}", p.display());
-    }
+    crate::bench::write_json(&a.json, &v)?;
     if let Some(p) = &a.plot {
         let series: Vec<crate::plot::Series> = arms
             .iter()

@@ -271,13 +271,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         anyhow::Ok(summarize(&a, &model, mode, samples, wall))
     })?;
     out!("{}", serde_json::to_string_pretty(&out)?)?;
-    if let Some(p) = &a.json {
-        if let Some(d) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(d)?;
-        }
-        std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
-        eprintln!("wrote {}", p.display());
-    }
+    crate::bench::write_json(&a.json, &out)?;
     // A run in which nothing was served measured nothing (a wrong URL, a refused key).
     if out["ok"].as_u64() == Some(0) {
         anyhow::bail!(

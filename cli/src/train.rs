@@ -627,9 +627,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     let v = serde_json::json!({"in_sample": true, "blocks": obs.len(), "copy_run_blocks": copy_run_blocks, "tau": tau, "auc": auc, "auc_head_only": auc_head, "auc_oracle": oracle, "ece_after_head_only": ece_head, "ece_before": before, "ece_after": after,
         "ece_floor": floor.iter().map(|f| f.0).collect::<Vec<_>>(), "ece_floor_q95": floor.iter().map(|f| f.1).collect::<Vec<_>>(),
         "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "copy_runs": copy_runs, "greedy_head": head_fit, "copy_head": copy_head_fit, "command": std::env::args().collect::<Vec<_>>().join(" ")});
-    if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
-    }
+    crate::bench::write_json(&a.json, &v)?;
     Ok(())
 }
 

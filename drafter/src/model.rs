@@ -958,7 +958,20 @@ impl DsparkDrafter {
                         var.dims()
                     )));
                 }
-                var.set(&t.to_dtype(DType::F32)?)?;
+                let t = t.to_dtype(DType::F32)?;
+                // A checkpoint with NaN or inf weights (a diverged run, a corrupt write)
+                // drafts garbage confidences and q rows: refused here, named.
+                if let Some(bad_at) = t
+                    .flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .position(|x| !x.is_finite())
+                {
+                    return Err(bad(format!(
+                        "`{name}` holds a non-finite value (at flat index {bad_at})"
+                    )));
+                }
+                var.set(&t)?;
             }
         }
         let draft_vocab = if m.cfg.draft_vocab > 0 {
@@ -1463,6 +1476,27 @@ pub(crate) mod tests {
             assert!(err.to_string().contains(says), "{key}: {err}");
         }
         std::fs::write(dir.join("drafter.json"), base.to_string()).unwrap();
+        // A weight that went NaN (a diverged run) is refused by name, not served.
+        let st = dir.join("drafter.safetensors");
+        let mut ts = candle_core::safetensors::load(&st, &Device::Cpu).unwrap();
+        let (name, t) = ts
+            .iter()
+            .next()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .unwrap();
+        let n = t.elem_count();
+        let mut vals = vec![0f32; n];
+        vals[n / 2] = f32::NAN;
+        let poisoned = Tensor::from_vec(vals, t.dims(), &Device::Cpu).unwrap();
+        ts.insert(name.clone(), poisoned.to_dtype(t.dtype()).unwrap());
+        candle_core::safetensors::save(&ts, &st).unwrap();
+        let err = DsparkDrafter::load(&dir, &m.cfg, &tok.vocab_hash(), e.clone(), h.clone())
+            .err()
+            .expect("NaN weight refused");
+        assert!(
+            err.to_string().contains("non-finite") && err.to_string().contains(&name),
+            "{err}"
+        );
         std::fs::write(dir.join("drafter.safetensors"), b"garbage").unwrap();
         assert!(matches!(
             DsparkDrafter::load(&dir, &m.cfg, &tok.vocab_hash(), e, h),

@@ -1858,6 +1858,24 @@ fn sample_one(logits: &[f32], seen: &[u32], p: &SamplingParams, rng: &mut Rng) -
 /// start of a stop string is held back until it is not (or the request ends).
 /// Commits `new` (token i produced by logits row i of `rows`: `(rows, vocab)`), up to a stop
 /// condition; returns how many were consumed.
+/// Appends decoded text and cuts it at the first stop string it completes (once `min_tokens`
+/// are out). True when cut: the request is finished and nothing after the stop is sent.
+fn append_text(s: &mut Seq, delta: &str) -> bool {
+    if delta.is_empty() {
+        return false;
+    }
+    let before = s.text.len();
+    s.text.push_str(delta);
+    if s.output_len() >= s.req.min_tokens
+        && let Some(cut) = find_stop(&s.text, &s.req.stop, before)
+    {
+        s.text.truncate(cut);
+        s.finished = Some(FinishReason::Stop);
+        return true;
+    }
+    false
+}
+
 fn commit_tokens(
     s: &mut Seq,
     new: &[u32],
@@ -1891,17 +1909,11 @@ fn commit_tokens(
             logprobs.push(TokenLogprob::of(row, t, top));
         }
         if let Some(tk) = tok {
-            if let Some(delta) = s.decoder.push(tk, t)? {
-                let before = s.text.len();
-                s.text.push_str(&delta);
-                if s.output_len() >= s.req.min_tokens
-                    && let Some(cut) = find_stop(&s.text, &s.req.stop, before)
-                {
-                    s.text.truncate(cut);
-                    s.finished = Some(FinishReason::Stop);
-                    cut_at_stop = true;
-                    break;
-                }
+            if let Some(delta) = s.decoder.push(tk, t)?
+                && append_text(s, &delta)
+            {
+                cut_at_stop = true;
+                break;
             }
         }
         if stop_token {
@@ -1920,16 +1932,7 @@ fn commit_tokens(
         && let Some(tk) = tok
     {
         let rest = s.decoder.finish(tk)?;
-        if !rest.is_empty() {
-            let before = s.text.len();
-            s.text.push_str(&rest);
-            if s.output_len() >= s.req.min_tokens
-                && let Some(cut) = find_stop(&s.text, &s.req.stop, before)
-            {
-                s.text.truncate(cut);
-                s.finished = Some(FinishReason::Stop);
-            }
-        }
+        append_text(s, &rest);
     }
     let safe = if s.finished.is_some() {
         s.text.len()
