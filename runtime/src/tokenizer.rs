@@ -28,6 +28,11 @@ pub struct Tokenizer {
     /// Control tokens, which text leaves out: not GGUF's user-defined tokens, which candle
     /// marks special too but are text (Qwen2.5's `<tool_call>`, which tool parsers look for).
     hidden: std::collections::HashSet<u32>,
+    /// Added tokens the inner tokenizer marks special but that are text (GGUF's
+    /// user-defined tokens), longest first, with their ids: `plain` would split them into
+    /// characters, where Hugging Face's tokenizer (`special: false`) keeps them whole.
+    visible: Vec<(String, u32)>,
+    find_visible: Option<aho_corasick::AhoCorasick>,
     /// Token ids that end generation (the model's EOS and end-of-turn markers).
     pub stop_ids: Vec<u32>,
     pub bos: Option<(u32, String)>,
@@ -285,12 +290,29 @@ impl Tokenizer {
             .match_kind(aho_corasick::MatchKind::LeftmostLongest)
             .build(&specials)
             .ok();
+        let mut visible: Vec<(String, u32)> = added
+            .iter()
+            .filter(|(id, t)| !hidden.contains(id) && t.special && !t.content.is_empty())
+            .map(|(&id, t)| (t.content.clone(), id))
+            .collect();
+        visible.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.cmp(b)));
+        visible.dedup_by(|a, b| a.0 == b.0);
+        let find_visible = (!visible.is_empty())
+            .then(|| {
+                aho_corasick::AhoCorasick::builder()
+                    .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                    .build(visible.iter().map(|v| v.0.as_str()))
+                    .ok()
+            })
+            .flatten();
         Self {
             inner,
             plain,
             specials,
             find_special,
             hidden,
+            visible,
+            find_visible,
             stop_ids,
             bos,
             eos,
@@ -345,7 +367,19 @@ impl Tokenizer {
                 return Err(tok_err(format!("plain range {r:?} is not within the text")));
             };
             piece(&self.inner, before, &mut ids)?;
-            piece(&self.plain, inside, &mut ids)?;
+            // Control tokens are characters here; text tokens (GGUF user-defined) stay whole.
+            let mut from = 0;
+            if let Some(ac) = &self.find_visible {
+                for m in ac.find_iter(inside) {
+                    let Some(&(_, id)) = self.visible.get(m.pattern().as_usize()) else {
+                        continue;
+                    };
+                    piece(&self.plain, &inside[from..m.start()], &mut ids)?;
+                    ids.push(id);
+                    from = m.end();
+                }
+            }
+            piece(&self.plain, &inside[from..], &mut ids)?;
             at = r.end;
         }
         piece(&self.inner, text.get(at..).unwrap_or(""), &mut ids)?;
@@ -620,6 +654,50 @@ mod tests {
     /// Llama 3's pre-tokenizer ignores merges for a word the vocabulary holds whole and adds
     /// BOS, as llama.cpp reads it, unless the file says otherwise; other pre-tokenizers (and a
     /// file that names none, read as GPT-2's) keep the file's word.
+    /// GGUF user-defined tokens (type 4, Qwen2.5's `<tool_call>`) are text: kept whole in a
+    /// user's plain text, as Hugging Face keeps its `special: false` added tokens, while a
+    /// control token there is characters.
+    #[test]
+    fn gguf_user_defined_tokens_stay_whole_in_plain_text() {
+        let mut tokens: Vec<String> = crate::tiny::byte_chars()
+            .iter()
+            .map(|c| c.to_string())
+            .collect();
+        tokens.extend(["ab", "cd", "<|begin_of_text|>", "<tool_call>"].map(String::from));
+        let mut types = vec![Value::I32(1); tokens.len()];
+        types[258] = Value::I32(3);
+        types[259] = Value::I32(4);
+        let strs = Value::Array(tokens.iter().map(|s| Value::String(s.clone())).collect());
+        let t = gguf_tokenizer(
+            "user-defined",
+            &[
+                ("tokenizer.ggml.tokens", strs),
+                ("tokenizer.ggml.token_type", Value::Array(types)),
+            ],
+        )
+        .unwrap();
+        let text = "x<tool_call>y<|begin_of_text|><tool_call>";
+        let whole = t.encode(text).unwrap();
+        assert_eq!(whole, [120, 259, 121, 258, 259]);
+        assert_eq!(
+            t.encode_with_plain(text, &[0..text.len()]).unwrap()[..3],
+            [120, 259, 121]
+        );
+        let plain = t.encode_with_plain(text, &[0..text.len()]).unwrap();
+        assert_eq!(plain.last(), Some(&259));
+        assert!(
+            !plain.contains(&258),
+            "a control token in plain text is characters"
+        );
+        assert_eq!(
+            t.decode(&plain, false).unwrap(),
+            text,
+            "plain text decodes to itself"
+        );
+        // Only part plain: outside it both are tokens.
+        assert_eq!(t.encode_with_plain(text, &[0..1]).unwrap(), whole);
+    }
+
     #[test]
     fn llama3_gguf_ignores_merges_and_adds_bos_by_default() {
         for name in ["llama-bpe", "llama3"] {
