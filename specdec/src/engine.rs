@@ -1028,6 +1028,23 @@ impl Engine {
                 }
             }
         }
+        // Every decoder of the step gets its one token before any gets a long window, and a
+        // waiting prefill a share: windows planned in `running` order would otherwise let the
+        // first requests' long γ (a request may ask for up to MAX_GAMMA) take the whole budget
+        // step after step, and the others wait for them to finish.
+        let mut later = self
+            .running
+            .iter()
+            .filter(|s| s.phase == Phase::Decode && !active.is_some_and(|g| s.group != g))
+            .count();
+        let reserve = if self.running.iter().any(|s| s.phase == Phase::Prefill) {
+            self.cfg
+                .prefill_chunk
+                .min(self.cfg.max_batch_tokens / 4)
+                .max(1)
+        } else {
+            0
+        };
         for (i, s) in self.running.iter_mut().enumerate() {
             if s.phase != Phase::Decode || budget == 0 {
                 continue;
@@ -1035,6 +1052,8 @@ impl Engine {
             if active.is_some_and(|g| s.group != g) {
                 continue;
             }
+            later = later.saturating_sub(1);
+            let share = budget.saturating_sub(1 + later + reserve);
             let probed = probe >= n_decode || chosen.contains(&s.req.id);
             let gamma = if probed {
                 s.req.gamma.unwrap_or(self.cfg.gamma).min(cap)
@@ -1053,7 +1072,8 @@ impl Engine {
             k = k
                 .min(remaining.saturating_sub(1))
                 .min(room.saturating_sub(1))
-                .min(budget - 1);
+                .min(budget - 1)
+                .min(share);
             ks[i] = Some(k);
             // Free drafts are verified only where the step has room after the prefill chunks
             // (they are fitted below, once made): reserving their whole block up front would
@@ -1131,19 +1151,27 @@ impl Engine {
                 }
                 b.tokens.truncate(k);
                 b.dists.truncate(k);
-                if b.dists.len() != b.tokens.len() {
-                    return Err(SpecError::Invariant(
-                        "proposer returned tokens without distributions".into(),
-                    ));
-                }
-                if let Some(&t) = b
-                    .tokens
-                    .iter()
-                    .find(|&&t| t as usize >= self.model.cfg.vocab_size)
-                {
-                    return Err(SpecError::Invariant(format!(
-                        "proposer drafted token {t} outside the vocabulary"
-                    )));
+                // A block that cannot be verified (a proposer's bug) costs its request the
+                // drafts of this step, as a failed drafter does: not the step of everyone.
+                let unusable = if b.dists.len() != b.tokens.len() {
+                    Some("tokens without distributions".to_string())
+                } else {
+                    b.tokens
+                        .iter()
+                        .find(|&&t| t as usize >= self.model.cfg.vocab_size)
+                        .map(|t| format!("token {t} outside the vocabulary"))
+                };
+                if let Some(why) = unusable {
+                    self.draft_failures += 1;
+                    if self.draft_failures.is_power_of_two() {
+                        tracing::warn!(
+                            failures = self.draft_failures,
+                            request = self.running[i].req.id,
+                            "proposer returned an unusable block ({why}); this step \
+                             verifies no drafts for the request"
+                        );
+                    }
+                    continue;
                 }
                 drafts[i] = b;
             }

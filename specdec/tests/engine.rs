@@ -355,6 +355,133 @@ fn a_failing_drafter_leaves_every_request_served() {
     e.check_kv().unwrap();
 }
 
+/// The n-gram drafter, whose block for request 3 lacks a distribution and whose block for
+/// request 4 holds a token outside the vocabulary (a proposer's bugs).
+struct Broken(NgramProposer, usize);
+impl Proposer for Broken {
+    fn name(&self) -> &str {
+        "broken"
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::proposer::DraftBlock>> {
+        let mut blocks = self.0.propose(reqs)?;
+        for (r, b) in reqs.iter().zip(blocks.iter_mut()) {
+            if r.k == 0 {
+                continue;
+            }
+            if r.id == 3 {
+                b.tokens = vec![1; r.k];
+                b.dists = vec![specdec::proposer::Dist::OneHot; r.k - 1];
+            } else if r.id == 4 {
+                b.tokens = vec![self.1 as u32; r.k];
+                b.dists = vec![specdec::proposer::Dist::OneHot; r.k];
+            }
+        }
+        Ok(blocks)
+    }
+}
+
+/// A block that cannot be verified costs its own request its drafts, not the step: every
+/// request is served, greedy output stays plain decoding's, no block leaks.
+#[test]
+fn an_unusable_draft_block_costs_only_its_request_its_drafts() {
+    let f = fixture();
+    let ps = prompts(&f, 6);
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        Box::new(Broken(NgramProposer::default(), f.target.cfg.vocab_size)),
+        cfg(3),
+        CostModel::flat(4),
+    )
+    .unwrap();
+    for (i, p) in ps.iter().enumerate() {
+        e.add(Request::new(i as u64, p.clone(), 24)).unwrap();
+    }
+    let got = collect(e.run_to_completion().unwrap());
+    for (i, p) in ps.iter().enumerate() {
+        assert_eq!(got[&(i as u64)].0, plain_greedy(&f, p, 24), "prompt {i}");
+    }
+    assert!(
+        e.draft_failures > 0,
+        "no block was unusable: the test checks nothing"
+    );
+    e.check_kv().unwrap();
+}
+
+/// With a batch budget of two full windows, three decoders asking for long windows and a
+/// prompt waiting: every decoder commits a token at every step and the prompt is prefilled
+/// meanwhile (planned in order, the first two windows took the whole budget, step after step).
+#[test]
+fn every_request_moves_whatever_the_others_windows() {
+    let f = fixture();
+    let ps = prompts(&f, 4);
+    let mut c = cfg(4);
+    c.max_batch_tokens = 10;
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        Box::new(draft_model(&f, 4096)),
+        c,
+        CostModel::flat(5),
+    )
+    .unwrap();
+    let long = |i: usize| {
+        let mut r = Request::new(i as u64, ps[i].clone(), 200);
+        r.ignore_eos = true;
+        r
+    };
+    for i in 0..3 {
+        e.add(long(i)).unwrap();
+    }
+    // Until all three decode.
+    let mut started = std::collections::HashSet::new();
+    for _ in 0..100 {
+        for ev in e.step().unwrap() {
+            if let Event::Tokens { id, .. } = ev {
+                started.insert(id);
+            }
+        }
+        if started.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(started.len(), 3, "the three requests started");
+    e.add(long(3)).unwrap();
+    let mut steps_without: HashMap<u64, usize> = HashMap::new();
+    let mut prompt_started = false;
+    let mut finished = std::collections::HashSet::new();
+    for _ in 0..40 {
+        let evs = e.step().unwrap();
+        let moved: std::collections::HashSet<u64> = evs
+            .iter()
+            .filter_map(|ev| match ev {
+                Event::Tokens { id, tokens, .. } if !tokens.is_empty() => Some(*id),
+                _ => None,
+            })
+            .collect();
+        for ev in &evs {
+            if let Event::Finished { id, .. } = ev {
+                finished.insert(*id);
+            }
+        }
+        for id in 0..3u64 {
+            if !moved.contains(&id) && !finished.contains(&id) {
+                *steps_without.entry(id).or_default() += 1;
+            }
+        }
+        prompt_started |= moved.contains(&3);
+    }
+    assert!(
+        steps_without.is_empty(),
+        "steps without a token: {steps_without:?}"
+    );
+    assert!(prompt_started, "the waiting prompt was never prefilled");
+    e.check_kv().unwrap();
+}
+
 #[test]
 fn stop_strings_and_eos_cut_blocks_exactly_like_plain_decoding() {
     let f = fixture();
