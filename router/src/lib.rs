@@ -697,17 +697,7 @@ async fn open_when_room(
 ) -> Result<Opened, ApiError> {
     let mut pause = FULL_POLL.0;
     loop {
-        match open(
-            app,
-            job,
-            job.prompt.clone(),
-            max_tokens,
-            &[],
-            prompt_logprobs,
-            false,
-        )
-        .await
-        {
+        match open_fresh(app, job, max_tokens, prompt_logprobs).await {
             Err(e)
                 if e.status == StatusCode::TOO_MANY_REQUESTS
                     && Instant::now() < deadline
@@ -719,6 +709,51 @@ async fn open_when_room(
             }
             r => return r,
         }
+    }
+}
+
+/// [`open`] for a request not started yet. A worker whose engine fails it before its first
+/// event (a failed step it shared with others) costs one more placement, as the same failure
+/// a token later costs a failover: elsewhere, or, where no other worker is up, on the same one
+/// after a pause. A second failure stands.
+async fn open_fresh(
+    app: &App,
+    job: &Job,
+    max_tokens: usize,
+    prompt_logprobs: bool,
+) -> Result<Opened, ApiError> {
+    let prompt = || job.prompt.clone();
+    let first = open(app, job, prompt(), max_tokens, &[], prompt_logprobs, false).await;
+    let w = match &first {
+        Err(e) if e.status == StatusCode::INTERNAL_SERVER_ERROR => match &e.worker {
+            Some(w) => w.clone(),
+            None => return first,
+        },
+        _ => return first,
+    };
+    tracing::warn!(
+        request_id = job.request_id,
+        target = w,
+        "target worker failed the request before its first token; placing it again"
+    );
+    Metrics::add(&app.metrics.failovers, 1);
+    let skip = [w];
+    match open(
+        app,
+        job,
+        prompt(),
+        max_tokens,
+        &skip,
+        prompt_logprobs,
+        false,
+    )
+    .await
+    {
+        Err(e) if e.status == StatusCode::SERVICE_UNAVAILABLE => {
+            tokio::time::sleep(SAME_WORKER_PAUSE).await;
+            open(app, job, prompt(), max_tokens, &[], prompt_logprobs, false).await
+        }
+        r => r,
     }
 }
 
@@ -1153,6 +1188,19 @@ fn completion_request(
         app.max_tokens_limit,
         app.tok.vocab_size(),
     )?;
+    // Counted before anything is encoded: a list of a million prompts is refused at once,
+    // not after a million tokenizer calls.
+    let count = match &r.prompt {
+        Some(Prompt::Texts(v)) => v.len(),
+        Some(Prompt::TokenLists(v)) => v.len(),
+        _ => 1,
+    };
+    if count == 0 || count > MAX_PROMPTS {
+        return Err(ApiError::bad(
+            format!("between 1 and {MAX_PROMPTS} prompts per request"),
+            Some("prompt"),
+        ));
+    }
     let (prompts, texts): (Vec<Vec<u32>>, Vec<Option<String>>) = match r.prompt {
         None => return Err(ApiError::bad("`prompt` is required", Some("prompt"))),
         Some(Prompt::Text(s)) => (vec![encode(app, &s)?], vec![Some(s)]),
@@ -1166,12 +1214,6 @@ fn completion_request(
             (v, vec![None; n])
         }
     };
-    if prompts.is_empty() || prompts.len() > MAX_PROMPTS {
-        return Err(ApiError::bad(
-            format!("between 1 and {MAX_PROMPTS} prompts per request"),
-            Some("prompt"),
-        ));
-    }
     Ok((prompts, texts, settings))
 }
 
@@ -1472,6 +1514,39 @@ async fn serve(
     } else {
         total.min((limit / 2).max(1))
     };
+    // Chat without max_tokens: what fits, up to the default cap. A max_tokens the request
+    // gave is checked against the context below, never trimmed.
+    if kind == Kind::Chat && settings.max_tokens_defaulted {
+        let ctx = app.cluster.context_for(&app.model);
+        if let Some(p) = prompts.first() {
+            let room = (ctx as usize).saturating_sub(p.len());
+            if room > 0 {
+                settings.max_tokens = settings.max_tokens.min(room);
+            }
+        }
+    }
+    // Every prompt is non-empty and fits the context, or nothing starts: checked
+    // before admission, so a request that can never fit is a 400 even when the cluster is full
+    // (a 429 would have its client retry it for ever).
+    if prompts.iter().any(|p| p.is_empty()) {
+        return Err(ApiError::bad("the prompt is empty", Some("prompt")));
+    }
+    let ctx = app.cluster.context_for(&app.model);
+    if ctx > 0 {
+        if let Some(p) = prompts
+            .iter()
+            .find(|p| p.len() + settings.max_tokens > ctx as usize)
+        {
+            return Err(ApiError::bad(
+                format!(
+                    "prompt ({} tokens) + max_tokens ({}) exceeds the model's context of {ctx} tokens",
+                    p.len(),
+                    settings.max_tokens,
+                ),
+                Some("max_tokens"),
+            ));
+        }
+    }
     // The first sequence must be admitted; the window takes as many more places as are free
     // now (at least one, so the rest still run one after another).
     let mut guards: Vec<Inflight> = vec![admit(&app)?];
@@ -1497,17 +1572,6 @@ async fn serve(
     let tp = Some(dspark_scheduler::traceparent_of(&span))
         .filter(|t| !t.is_empty())
         .unwrap_or(tp);
-    // Chat without max_tokens: what fits, up to the default cap. A max_tokens the request
-    // gave is checked against the context below, never trimmed.
-    if kind == Kind::Chat && settings.max_tokens_defaulted {
-        let ctx = app.cluster.context_for(&app.model);
-        if let Some(p) = prompts.first() {
-            let room = (ctx as usize).saturating_sub(p.len());
-            if room > 0 {
-                settings.max_tokens = settings.max_tokens.min(room);
-            }
-        }
-    }
     // Choice c samples with seed + c (greedy choices are alike, as in vLLM).
     let echo_lps = settings.echo && settings.logprobs.is_some();
     let mut jobs: std::collections::VecDeque<(usize, Job)> = (0..total)
@@ -1528,42 +1592,13 @@ async fn serve(
             (i, job)
         })
         .collect();
-    // Every prompt is non-empty and fits the context, or nothing starts.
-    if prompts.iter().any(|p| p.is_empty()) {
-        return Err(ApiError::bad("the prompt is empty", Some("prompt")));
-    }
-    let ctx = app.cluster.context_for(&app.model);
-    if ctx > 0 {
-        if let Some(p) = prompts
-            .iter()
-            .find(|p| p.len() + settings.max_tokens > ctx as usize)
-        {
-            return Err(ApiError::bad(
-                format!(
-                    "prompt ({} tokens) + max_tokens ({}) exceeds the model's context of {ctx} tokens",
-                    p.len(),
-                    settings.max_tokens,
-                ),
-                Some("max_tokens"),
-            ));
-        }
-    }
     // The first window is placed and opened together before anything is answered, so a
     // refusal is one HTTP error; a full cluster refuses the request only if not even its
     // first sequence fits, and the others wait for room. Later sequences open as earlier
     // ones finish.
     let first_window: Vec<(usize, Job)> = (0..window).filter_map(|_| jobs.pop_front()).collect();
     let results = futures::future::join_all(first_window.iter().map(|(_, job)| {
-        open(
-            &app,
-            job,
-            job.prompt.clone(),
-            settings.max_tokens,
-            &[],
-            echo_lps,
-            false,
-        )
-        .instrument(span.clone())
+        open_fresh(&app, job, settings.max_tokens, echo_lps).instrument(span.clone())
     }))
     .await;
     let mut opened = Vec::with_capacity(window);

@@ -162,6 +162,58 @@ pub struct Common {
     pub guided_grammar: Option<Value>,
     /// Extension (vLLM ≥ 0.10): `{"json" | "regex" | "choice" | "json_object": …}`.
     pub structured_outputs: Option<Value>,
+    /// Parameters that would change the answer and that this server does not implement: read
+    /// so that a request asking for them is refused by name (serde would drop them, and the
+    /// client would get an answer to another question).
+    pub suffix: Option<Value>,
+    pub best_of: Option<i64>,
+    pub include_stop_str_in_output: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+    pub truncate_prompt_tokens: Option<Value>,
+    pub prompt_logprobs: Option<Value>,
+}
+
+impl Common {
+    /// A parameter asked for with a value that would change the answer and that is not
+    /// implemented here: refused naming it (the default values pass).
+    fn check_unsupported(&self) -> Result<(), ApiError> {
+        let no = |what: &str, param: &'static str| {
+            Err(ApiError::bad(
+                format!("{what} is not supported"),
+                Some(param),
+            ))
+        };
+        if matches!(&self.suffix, Some(Value::String(s)) if !s.is_empty())
+            || matches!(&self.suffix, Some(v) if !v.is_null() && !v.is_string())
+        {
+            return no("`suffix` (fill-in-the-middle)", "suffix");
+        }
+        if let Some(b) = self.best_of
+            && b != self.n.unwrap_or(1)
+        {
+            return no("`best_of` other than `n`", "best_of");
+        }
+        if self.include_stop_str_in_output == Some(true) {
+            return no("`include_stop_str_in_output`", "include_stop_str_in_output");
+        }
+        if self.skip_special_tokens == Some(false) {
+            return no("`skip_special_tokens: false`", "skip_special_tokens");
+        }
+        if self
+            .truncate_prompt_tokens
+            .as_ref()
+            .is_some_and(|v| !v.is_null())
+        {
+            return no("`truncate_prompt_tokens`", "truncate_prompt_tokens");
+        }
+        if self.prompt_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+            return no(
+                "`prompt_logprobs` (use `echo` with `logprobs`)",
+                "prompt_logprobs",
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Most `guided_choice` strings, and the longest one in bytes.
@@ -440,6 +492,7 @@ impl Common {
         limit: usize,
         vocab: usize,
     ) -> Result<GenSettings, ApiError> {
+        self.check_unsupported()?;
         let n = match self.n {
             None => 1,
             Some(n) if (1..=MAX_N as i64).contains(&n) => n as usize,
@@ -979,6 +1032,39 @@ mod tests {
                 "{extra}: {}",
                 e.message
             );
+        }
+    }
+
+    /// Parameters that would change the answer and are not implemented are refused by name;
+    /// their default values pass (clients that send every field).
+    #[test]
+    fn unimplemented_parameters_are_refused_by_name() {
+        for (extra, param) in [
+            (json!({"suffix": "\n    return x"}), "suffix"),
+            (json!({"best_of": 3}), "best_of"),
+            (json!({"best_of": 1, "n": 2}), "best_of"),
+            (
+                json!({"include_stop_str_in_output": true}),
+                "include_stop_str_in_output",
+            ),
+            (json!({"skip_special_tokens": false}), "skip_special_tokens"),
+            (
+                json!({"truncate_prompt_tokens": 8}),
+                "truncate_prompt_tokens",
+            ),
+            (json!({"prompt_logprobs": 1}), "prompt_logprobs"),
+        ] {
+            let e = settings(extra.clone()).err().expect("refused");
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{extra}");
+            assert_eq!(e.param, Some(param), "{extra}");
+        }
+        for extra in [
+            json!({"suffix": null, "best_of": 1, "include_stop_str_in_output": false,
+                   "skip_special_tokens": true, "truncate_prompt_tokens": null,
+                   "prompt_logprobs": null}),
+            json!({"suffix": "", "best_of": 2, "n": 2}),
+        ] {
+            settings(extra.clone()).expect(&extra.to_string());
         }
     }
 

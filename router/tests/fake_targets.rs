@@ -1,0 +1,199 @@
+//! The router against target workers that misbehave on purpose (a fake of the gRPC service,
+//! which the real worker's tests cannot make fail on cue): an engine that fails every request,
+//! one that answers, one that never says anything.
+
+use axum::body::{Body, Bytes};
+use axum::http::{Request, StatusCode};
+use dspark_proto::target_worker_server::{TargetWorker, TargetWorkerServer};
+use dspark_proto::{
+    Finished, GenerateEvent, GenerateRequest, InfoRequest, SpecStats, TokenChunk, WorkerInfo,
+    generate_event,
+};
+use serde_json::{Value, json};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use tokio_stream::Stream;
+use tonic::{Request as GrpcRequest, Response, Status};
+use tower::ServiceExt;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Accepts the request, then its engine fails it (gRPC `INTERNAL`, as a failed step).
+    Fails,
+    /// Two tokens, then finished.
+    Answers,
+    /// Accepts the request and never sends an event.
+    Hangs,
+}
+
+struct Fake {
+    mode: Mode,
+    calls: Arc<AtomicUsize>,
+}
+
+type Events = Pin<Box<dyn Stream<Item = Result<GenerateEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl TargetWorker for Fake {
+    type GenerateStream = Events;
+
+    async fn generate(&self, _: GrpcRequest<GenerateRequest>) -> Result<Response<Events>, Status> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let s: Events = match self.mode {
+            Mode::Fails => Box::pin(tokio_stream::iter(vec![Err(Status::internal(
+                "engine: the step failed",
+            ))])),
+            Mode::Answers => {
+                let tokens = GenerateEvent {
+                    kind: Some(generate_event::Kind::Tokens(TokenChunk {
+                        ids: vec![104, 105],
+                        text: "hi".into(),
+                        finish_reason: "length".into(),
+                        ..Default::default()
+                    })),
+                };
+                let done = GenerateEvent {
+                    kind: Some(generate_event::Kind::Finished(Finished {
+                        reason: "length".into(),
+                        stats: Some(SpecStats::default()),
+                    })),
+                };
+                Box::pin(tokio_stream::iter(vec![Ok(tokens), Ok(done)]))
+            }
+            Mode::Hangs => Box::pin(tokio_stream::pending()),
+        };
+        Ok(Response::new(s))
+    }
+
+    async fn info(&self, _: GrpcRequest<InfoRequest>) -> Result<Response<WorkerInfo>, Status> {
+        Ok(Response::new(WorkerInfo {
+            role: "target".into(),
+            capacity: 4,
+            max_context: 64,
+            ..Default::default()
+        }))
+    }
+}
+
+/// A fake worker on a loopback port: its address and its count of `Generate` calls.
+async fn fake(mode: Mode) -> (String, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = Fake {
+        mode,
+        calls: Arc::clone(&calls),
+    };
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TargetWorkerServer::new(svc))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    (addr, calls)
+}
+
+/// A router over `targets` (static, no scheduler) serving the tiny model's tokenizer, once
+/// every target answered its first `Info` (the context limit comes from there).
+async fn router(targets: &[String], extra: &[&str]) -> axum::Router {
+    use clap::Parser;
+    let spec = dspark_runtime::tiny::TinySpec::llama(7);
+    let model = dspark_runtime::tiny::tiny_model_path(&spec, "router-fake").expect("tiny model");
+    let mut argv = vec![
+        "dspark-router".to_string(),
+        "--model".into(),
+        model.display().to_string(),
+        "--targets".into(),
+        targets.join(","),
+        "--full-wait-ms".into(),
+        "0".into(),
+        "--served-model-name".into(),
+        "fake".into(),
+    ];
+    argv.extend(extra.iter().map(|s| s.to_string()));
+    let args = router::RouterArgs::try_parse_from(argv).expect("args");
+    let app = router::App::new(&args).expect("app");
+    for _ in 0..100 {
+        if app.cluster.context_for(&app.model) == 64 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        app.cluster.context_for(&app.model),
+        64,
+        "targets answered Info"
+    );
+    router::app(app)
+}
+
+async fn post(app: &axum::Router, mut body: Value) -> (StatusCode, Value) {
+    body["model"] = json!("fake");
+    let req = Request::post("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let resp = app.clone().oneshot(req).await.expect("response");
+    let status = resp.status();
+    let bytes: Bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+/// A fresh request whose worker's engine fails it before its first token is placed again,
+/// as the same failure a token later fails over: every request is answered.
+#[tokio::test]
+async fn a_request_failed_before_its_first_token_is_placed_again() {
+    let (bad, bad_calls) = fake(Mode::Fails).await;
+    let (good, good_calls) = fake(Mode::Answers).await;
+    let app = router(&[bad, good], &[]).await;
+    for i in 0..6 {
+        let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 2})).await;
+        assert_eq!(status, StatusCode::OK, "request {i}: {body}");
+        assert_eq!(body["choices"][0]["text"], "hi", "request {i}: {body}");
+    }
+    assert!(
+        bad_calls.load(Ordering::SeqCst) > 0,
+        "the failing worker was tried"
+    );
+    assert_eq!(good_calls.load(Ordering::SeqCst), 6);
+}
+
+/// A request that can never fit the context is a 400 (`max_tokens`), even while the cluster
+/// is full: a 429 would have its client retry it for ever.
+#[tokio::test]
+async fn a_request_that_cannot_fit_is_400_even_when_the_cluster_is_full() {
+    let (slow, slow_calls) = fake(Mode::Hangs).await;
+    let app = router(&[slow], &["--max-inflight", "1"]).await;
+    let held = {
+        let app = app.clone();
+        tokio::spawn(async move { post(&app, json!({"prompt": "hello", "max_tokens": 2})).await })
+    };
+    for _ in 0..100 {
+        if slow_calls.load(Ordering::SeqCst) > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        slow_calls.load(Ordering::SeqCst),
+        1,
+        "the first request is held"
+    );
+    let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 2})).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 100})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["param"], "max_tokens", "{body}");
+    // So is a list of too many prompts, however long each is.
+    let many = vec!["a"; 257];
+    let (status, body) = post(&app, json!({"prompt": many, "max_tokens": 1})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    held.abort();
+}
