@@ -3,7 +3,8 @@
 
 1. `helm lint` (Helm 4 as a library, PyPI helm-python-sdk): no warnings or errors.
 2. values.schema.json accepts the chart's defaults and every helm/dspark-serve/ci/*-values.yaml,
-   and refuses values a user could get wrong (a test that it can fail).
+   and refuses values a user could get wrong (a test that it can fail); the templates refuse
+   the drafter/model combinations the schema cannot see.
 3. Renders the defaults and each ci values file and validates every object against the
    Kubernetes API schemas, strictly (PyPI kubernetes-validate).
 4. Cross-checks each render against the real binary and itself: every DSPARK_* variable and
@@ -119,7 +120,22 @@ def check_schema(helm, values_sets):
             except helm.HelmValuesError:
                 continue
             fail(f"values.schema.json accepts {what}: {v}")
-    print(f"schema: {len(values_sets)} values sets accepted, {len(bad)} bad ones refused")
+    # Combinations the schema takes but the templates refuse (`fail`): the worker would exit.
+    bad_renders = [
+        ({"model": "smollm2-135m", "drafter": "draft-model"}, "draft-model for a model without a default draft"),
+        ({"model": "/var/cache/dspark/own.gguf", "drafter": "draft-model"}, "draft-model for a path"),
+        ({"model": "qwen2.5-coder-1.5b", "drafter": "dspark"}, "dspark for a model without a shipped drafter"),
+    ]
+    for v, what in bad_renders:
+        try:
+            render(helm, v)
+        except helm.HelmRenderError as e:
+            if "drafter: bare" in str(e):
+                continue
+            fail(f"the chart refuses {what} for another reason: {e}")
+        fail(f"the chart renders {what}: {v}")
+    print(f"schema: {len(values_sets)} values sets accepted, {len(bad)} bad ones refused;"
+          f" templates: {len(bad_renders)} bad combinations refused")
 
 
 def check_fetch_and_policies(helm):

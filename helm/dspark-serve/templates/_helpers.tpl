@@ -102,6 +102,22 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
   mountPath: /tmp
 {{- end -}}
 
+{{- /*
+Refuses a bare drafter kind the model has no default for (the draft worker would exit at
+start): `draft-model` pairs only qwen2.5-coder-1.5b (with qwen2.5-coder-0.5b; the pairing is
+keyed on the model's name, so a path has none), `dspark` only a model with a drafter under the
+repository's drafters/ (smollm2-135m). A path is checked for draft-model only.
+*/ -}}
+{{- define "dspark.checkDrafter" -}}
+{{- $m := .Values.model -}}
+{{- if and (eq .Values.drafter "draft-model") (ne $m "qwen2.5-coder-1.5b") }}
+{{- fail (printf "drafter: bare `draft-model` has a default draft model only for qwen2.5-coder-1.5b; for model %s name one: draft-model:NAME" $m) }}
+{{- end }}
+{{- if and (eq .Values.drafter "dspark") (ne $m "smollm2-135m") (not (or (contains "/" $m) (hasSuffix ".gguf" $m))) }}
+{{- fail (printf "drafter: bare `dspark` needs the shipped drafter, which only smollm2-135m has; for model %s train one (dspark train-drafter) and set dspark:DIR, or use ngram" $m) }}
+{{- end }}
+{{- end -}}
+
 {{/* Fetches the model into the cache before the main container starts. */}}
 {{- /*
 The init container that fetches the model (and, given a drafter that loads one, its draft
