@@ -124,6 +124,12 @@ struct ReqState {
     rng: Rng,
     /// Sent with the request's first round.
     params: kernels::sampling::SamplingParams,
+    /// Times in a row the drafter failed this request drafted alone.
+    fails: u32,
+    /// Rounds it is still refused without drafting (2^fails − 1 after a failure): retried
+    /// every round, it would cost every request batched with it a failed batch and one call
+    /// each.
+    sit_out: u32,
 }
 
 /// Per-request state and the proposer; owned by the drafting thread.
@@ -148,6 +154,23 @@ pub const MAX_CONTEXT_TOKENS: usize = 1 << 18;
 /// allows 1024 biases and 64 stop tokens): kept with the request and read at every drafted
 /// position, on the one drafting thread every stream shares.
 pub const MAX_SAMPLING_LIST: usize = 4096;
+
+/// Feature rows one item may bring beyond what the drafter reads (its context rows and a
+/// block): at least the 64 a target keeps per request and resends after a resync. Only the
+/// last rows are observed, so a target sending more cannot grow the drafter's buffers.
+pub const FEATURE_ROW_MARGIN: usize = 64;
+
+/// Refuses a round whose finished list is longer than any worker holds: it is applied (or
+/// carried to the drafting thread) before anything else of the round.
+pub fn check_finished(call: &DraftCall) -> Result<(), String> {
+    if call.finished.len() > MAX_REQUESTS {
+        return Err(format!(
+            "{} finished requests in one round (at most {MAX_REQUESTS})",
+            call.finished.len()
+        ));
+    }
+    Ok(())
+}
 
 /// Largest reply to one round (encoded bytes, estimated from above): the message limit less a
 /// margin for the reply's own fields. A reply past the limit ends the stream, and the target
@@ -316,6 +339,16 @@ impl Drafting {
             if rl > 0 && (f.shape.len() != 2 || f.shape[1] as usize != rl) {
                 return Err(format!("features of shape {:?}, not rows of {rl}", f.shape));
             }
+            // Rows are of committed positions: any past the context the item leaves would be
+            // kept as the features of positions yet to come.
+            let rows = f.shape.first().map_or(0, |&r| r as usize);
+            if rl > 0 && it.feat_from as usize + rows > end {
+                return Err(format!(
+                    "features of positions {}..{} past a context of {end}",
+                    it.feat_from,
+                    it.feat_from as usize + rows
+                ));
+            }
         }
         Ok(params)
     }
@@ -346,6 +379,11 @@ impl Drafting {
                 step: call.step,
                 ..Default::default()
             };
+            if let Err(e) = check_finished(call) {
+                rep.error = e;
+                replies.push(rep);
+                continue;
+            }
             self.finish(*stream, &call.finished);
             // More requests than the worker ever holds: refused whole (their answers alone
             // could pass the message limit).
@@ -406,6 +444,8 @@ impl Drafting {
                     tokens: Vec::new(),
                     rng: Rng::new(it.seed ^ 0x5eed_d4af),
                     params: kernels::sampling::SamplingParams::greedy(),
+                    fails: 0,
+                    sit_out: 0,
                 });
                 if let Some(p) = sampling {
                     st.params = p;
@@ -416,16 +456,27 @@ impl Drafting {
                 }
                 st.tokens.truncate(it.sync_from as usize);
                 st.tokens.extend_from_slice(&it.tokens);
+                let keep_rows = self
+                    .host
+                    .proposer
+                    .context_rows()
+                    .saturating_add(self.host.max_gamma)
+                    .saturating_add(FEATURE_ROW_MARGIN);
+                let rl = self.host.row_len;
                 let r = self
                     .host
                     .proposer
                     .commit(g, &st.tokens)
                     .and_then(|_| match &it.features {
                         // A drafter that reads no features (n-gram, draft model) ignores them.
-                        Some(f) if self.host.row_len > 0 => match f.to_f32() {
+                        Some(f) if rl > 0 => match f.to_f32() {
                             Ok(mut rows) => {
-                                finite(&mut rows);
-                                self.host.proposer.observe(g, it.feat_from as usize, &rows)
+                                let skip = (rows.len() / rl).saturating_sub(keep_rows);
+                                let tail = rows.get_mut(skip * rl..).unwrap_or_default();
+                                finite(tail);
+                                self.host
+                                    .proposer
+                                    .observe(g, it.feat_from as usize + skip, tail)
                             }
                             Err(e) => Err(specdec::SpecError::Invalid(format!("features: {e}"))),
                         },
@@ -450,6 +501,13 @@ impl Drafting {
                         .proposer
                         .verified(g, it.verified_at as usize, v as usize);
                 }
+                // A request the drafter failed alone sits out its next rounds (refused, so its
+                // target drafts it locally and backs off), its sync applied.
+                if k > 0 && st.sit_out > 0 {
+                    st.sit_out -= 1;
+                    rep.blocks.push(resend_from(it.seq, st.tokens.len() as u32));
+                    continue;
+                }
                 let params = st.params.clone();
                 rep.blocks.push(DraftBlock {
                     seq: it.seq,
@@ -463,6 +521,8 @@ impl Drafting {
         // One propose over every round's requests.
         want.retain(|w| w.3 > 0);
         let mut drafted: Vec<Option<specdec::proposer::DraftBlock>> = vec![None; want.len()];
+        // Requests the drafter failed drafted alone (indices into `want`).
+        let mut failed = Vec::new();
         if !want.is_empty() {
             let by_g: HashMap<u64, usize> =
                 want.iter().enumerate().map(|(i, w)| (w.2, i)).collect();
@@ -488,14 +548,18 @@ impl Drafting {
                 }
                 // One request the drafter cannot serve (a context past the draft model's)
                 // must not cost the others their drafts: each is drafted alone, and one that
-                // fails gets an empty block (its target decodes without a draft this step).
+                // fails is refused (not an empty block, which its target would send again next
+                // cycle, costing everyone a failed batch and a call each).
                 Err(e) if reqs.len() > 1 => {
                     tracing::warn!("batched drafting failed ({e}); drafting one at a time");
                     for (wi, r) in order.into_iter().zip(reqs) {
                         match self.host.proposer.propose(&mut [r]) {
                             Ok(mut b) if b.len() == 1 => drafted[wi] = b.pop(),
                             Ok(_) => {}
-                            Err(e) => tracing::warn!(request = want[wi].2, "drafting failed: {e}"),
+                            Err(e) => {
+                                tracing::warn!(request = want[wi].2, "drafting failed: {e}");
+                                failed.push(wi);
+                            }
                         }
                     }
                 }
@@ -507,6 +571,25 @@ impl Drafting {
                         replies[w.0].error = format!("drafting failed: {e}");
                     }
                 }
+            }
+        }
+        for (w, b) in want.iter().zip(&drafted) {
+            if let (Some(_), Some(st)) = (b, self.states.get_mut(&w.2)) {
+                st.fails = 0;
+            }
+        }
+        for wi in failed {
+            let Some(&(ri, bi, g, _, _)) = want.get(wi) else {
+                continue;
+            };
+            if let Some(st) = self.states.get_mut(&g) {
+                st.fails = st.fails.saturating_add(1);
+                st.sit_out = (1u32 << st.fails.min(8)) - 1;
+            }
+            // It holds the whole context the round synced: the target backs off, resending
+            // nothing.
+            if let Some(m) = replies.get_mut(ri).and_then(|r| r.blocks.get_mut(bi)) {
+                *m = resend_from(m.seq, m.have_tokens);
             }
         }
         // The blocks go on the wire in the rounds' item order, each within what is left of its
@@ -536,18 +619,17 @@ impl Drafting {
     }
 }
 
-/// Hidden states that overflowed f16 (±∞) or came as NaN: clamped to f16's range, NaN read as
-/// 0, so one bad value does not turn a request's cached context rows into NaN.
+/// Hidden states clamped to f16's range (what the target captures them in; f32 rows past it
+/// overflow the drafter's f16 kernels), NaN read as 0, so one bad value does not turn a
+/// request's cached context rows into NaN or ∞.
 fn finite(rows: &mut [f32]) {
     const F16_MAX: f32 = 65504.0;
     for v in rows.iter_mut() {
-        if !v.is_finite() {
-            *v = if v.is_nan() {
-                0.0
-            } else {
-                v.clamp(-F16_MAX, F16_MAX)
-            };
-        }
+        *v = if v.is_nan() {
+            0.0
+        } else {
+            v.clamp(-F16_MAX, F16_MAX)
+        };
     }
 }
 
@@ -590,29 +672,34 @@ fn fill(
         })
         .count();
     let dists = b.dists.get(..ok).unwrap_or(&[]);
-    let kind = if dists.iter().all(|d| matches!(d, Dist::OneHot)) {
-        QWire::OneHot
-    } else if dists.iter().any(|d| matches!(d, Dist::Dense(_))) {
-        QWire::Dense
-    } else {
-        QWire::Sparse
-    };
+    // Position k goes when every prefix up to it fits, each priced at its own kind: whether it
+    // fits never depends on later rows (which depend on the token drafted at k), as it would
+    // if a dense row after it made the whole block dense.
+    let mut kind = QWire::OneHot;
     let mut used = 0usize;
     let mut n = 0usize;
-    for d in dists {
-        let q = match (kind, d) {
-            (QWire::OneHot, _) => 0,
-            // Its length (a varint), then a varint id and a float per entry.
-            (QWire::Sparse, Dist::Sparse(v)) => 5usize.saturating_add(v.len().saturating_mul(9)),
-            (QWire::Sparse, _) => 5 + 9,
-            (QWire::Dense, _) => vocab.saturating_mul(4),
+    // The prefix's q as sparse rows: a length (a varint), then a varint id and a float each.
+    let mut sparse = 0usize;
+    for (i, d) in dists.iter().enumerate() {
+        let k = match (kind, d) {
+            (QWire::Dense, _) | (_, Dist::Dense(_)) => QWire::Dense,
+            (QWire::Sparse, _) | (_, Dist::Sparse(_)) => QWire::Sparse,
+            (QWire::OneHot, Dist::OneHot) => QWire::OneHot,
         };
-        let next = used.saturating_add(POSITION_BYTES).saturating_add(q);
+        sparse = sparse.saturating_add(match d {
+            Dist::Sparse(v) => 5usize.saturating_add(v.len().saturating_mul(9)),
+            _ => 5 + 9,
+        });
+        let q = match k {
+            QWire::OneHot => 0,
+            QWire::Sparse => sparse,
+            QWire::Dense => vocab.saturating_mul(4).saturating_mul(i + 1),
+        };
+        let next = POSITION_BYTES.saturating_mul(i + 1).saturating_add(q);
         if next > budget {
             break;
         }
-        used = next;
-        n += 1;
+        (kind, used, n) = (k, next, i + 1);
     }
     let tokens = b.tokens.get(..n).unwrap_or(&[]).to_vec();
     let dists = dists.get(..n).unwrap_or(&[]);
@@ -748,14 +835,16 @@ mod tests {
         }
     }
 
-    /// One request the drafter cannot serve leaves its block empty; the others in the same
-    /// batch still get theirs.
+    /// One request the drafter cannot serve is refused; the others in the same batch still
+    /// get theirs.
     #[test]
     fn one_request_the_drafter_fails_costs_the_others_nothing() {
         let r = round(vec![item(1, 4), item(2, 20), item(3, 5)]);
         assert!(r[0].error.is_empty(), "{:?}", r[0].error);
         let lens: Vec<usize> = r[0].blocks.iter().map(|b| b.tokens.len()).collect();
         assert_eq!(lens, vec![3, 0, 3]);
+        let b = &r[0].blocks[1];
+        assert!(b.need_sync && b.have_tokens == 20, "{b:?}");
         // Alone, the failure is the round's error: the target drafts locally.
         let r = round(vec![item(2, 20)]);
         assert!(r[0].error.contains("drafting failed"), "{:?}", r[0].error);
@@ -821,10 +910,108 @@ mod tests {
     }
 
     #[test]
-    fn non_finite_features_are_clamped() {
-        let mut v = vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1.5];
+    fn features_are_clamped_to_f16() {
+        let mut v = vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1.5, 3e38, -1e5];
         finite(&mut v);
-        assert_eq!(v, vec![0.0, 65504.0, -65504.0, 1.5]);
+        assert_eq!(v, vec![0.0, 65504.0, -65504.0, 1.5, 65504.0, -65504.0]);
+    }
+
+    /// Counts the `propose` calls of the drafter it wraps.
+    struct Counted(
+        Box<dyn Proposer>,
+        std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    );
+    impl Proposer for Counted {
+        fn name(&self) -> &str {
+            "counted"
+        }
+        fn commit(&mut self, id: u64, context: &[u32]) -> specdec::Result<()> {
+            self.0.commit(id, context)
+        }
+        fn propose(
+            &mut self,
+            reqs: &mut [ProposeReq<'_>],
+        ) -> specdec::Result<Vec<specdec::proposer::DraftBlock>> {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.0.propose(reqs)
+        }
+    }
+
+    /// A request the drafter fails alone is refused (its target backs off) and sits out its
+    /// next round: that round is one batched call, not a failed batch and one call each.
+    #[test]
+    fn a_request_the_drafter_fails_sits_out_the_next_round() {
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut d = drafting();
+        d.host.proposer = Box::new(Counted(Box::new(Short), calls.clone()));
+        let count = || calls.swap(0, std::sync::atomic::Ordering::Relaxed);
+        let r = run(&mut d, call(1, vec![item(1, 4), item(2, 20), item(3, 5)]));
+        assert!(r.error.is_empty(), "{:?}", r.error);
+        let b = &r.blocks[1];
+        assert!(
+            b.need_sync && b.have_tokens == 20 && b.tokens.is_empty(),
+            "{b:?}"
+        );
+        assert_eq!(count(), 4, "a failed batch, then each alone");
+        // The target sends the same requests again, nothing new synced.
+        let again = |seq, at| DraftItem {
+            sync_from: at,
+            ..item(seq, 0)
+        };
+        let r = run(
+            &mut d,
+            call(2, vec![again(1, 4), again(2, 20), again(3, 5)]),
+        );
+        assert!(r.error.is_empty(), "{:?}", r.error);
+        let lens: Vec<usize> = r.blocks.iter().map(|b| b.tokens.len()).collect();
+        assert_eq!(lens, vec![3, 0, 3]);
+        let b = &r.blocks[1];
+        assert!(b.need_sync && b.have_tokens == 20, "{b:?}");
+        assert_eq!(count(), 1, "one batch without the failing request");
+    }
+
+    /// Feature rows past the context the item leaves (positions not yet committed) refuse
+    /// that request; rows up to its end are taken.
+    #[test]
+    fn features_ahead_of_the_context_are_refused() {
+        let mut d = drafting();
+        d.host.row_len = 2;
+        let with_rows = |seq, from| DraftItem {
+            feat_from: from,
+            features: Some(Tensor::from_f32(&[0.5; 6], &[3, 2], Dtype::F32)),
+            ..item(seq, 4)
+        };
+        let r = run(&mut d, call(1, vec![with_rows(1, 2), with_rows(2, 1)]));
+        assert!(r.error.is_empty(), "{:?}", r.error);
+        let b = &r.blocks[0];
+        assert!(
+            b.need_sync && b.have_tokens == 0 && b.tokens.is_empty(),
+            "{b:?}"
+        );
+        assert!(!r.blocks[1].need_sync && r.blocks[1].tokens.len() == 3);
+    }
+
+    /// A finished list longer than the requests any worker holds refuses the round before
+    /// any of it is applied.
+    #[test]
+    fn a_round_finishing_too_many_requests_is_refused() {
+        let mut d = drafting();
+        run(&mut d, call(1, vec![item(1, 4)]));
+        let c = DraftCall {
+            finished: (0..=MAX_REQUESTS as u64).collect(),
+            ..call(2, vec![item(2, 4)])
+        };
+        let r = run(&mut d, c);
+        assert!(r.error.contains("finished"), "{:?}", r.error);
+        assert!(r.blocks.is_empty(), "{r:?}");
+        assert_eq!(d.active(), 1, "request 1 still held");
+        assert!(
+            check_finished(&DraftCall {
+                finished: vec![1; MAX_REQUESTS],
+                ..Default::default()
+            })
+            .is_ok()
+        );
     }
 
     /// A context past [`MAX_CONTEXT_TOKENS`] refuses that request alone: it is asked to resend
@@ -964,6 +1151,33 @@ mod tests {
         assert_eq!(m.q_kind, QKind::OneHot as i32);
     }
 
+    /// Whether position 1 fits does not depend on the row after it: [sparse, sparse] and
+    /// [sparse, dense] at one budget send the same first position (sparse), the dense row
+    /// cut.
+    #[test]
+    fn the_cut_of_a_position_does_not_depend_on_later_rows() {
+        let sparse = || Dist::Sparse(vec![(1, 1.0)]);
+        let mut dense = vec![0f32; 100];
+        dense[1] = 1.0;
+        let mut sent = Vec::new();
+        for second in [sparse(), Dist::Dense(dense)] {
+            let b = specdec::proposer::DraftBlock {
+                tokens: vec![1, 1],
+                dists: vec![sparse(), second],
+                ..Default::default()
+            };
+            let mut m = DraftBlock::default();
+            fill(&mut m, b, 2, 100, 100);
+            assert_eq!(m.q_kind, QKind::Sparse as i32, "{m:?}");
+            sent.push(m);
+        }
+        assert_eq!(sent[0].tokens, vec![1, 1]);
+        assert_eq!(sent[1].tokens, vec![1]);
+        assert_eq!(sent[1].q_ids[..], sent[0].q_ids[..1]);
+        assert_eq!(sent[1].q_probs[..], sent[0].q_probs[..1]);
+        assert_eq!(sent[1].q_lens[..], sent[0].q_lens[..1]);
+    }
+
     /// Qwen2.5's vocabulary: a dense q row is 608 KB.
     const WIDE: usize = 151_936;
 
@@ -1097,6 +1311,10 @@ mod tests {
         fn verified(&mut self, id: u64, at: usize, k: usize) {
             self.log(format!("verified {id} {at} {k}"));
         }
+        fn observe(&mut self, id: u64, start: usize, rows: &[f32]) -> specdec::Result<()> {
+            self.log(format!("observe {id} {start} {}", rows.len()));
+            Ok(())
+        }
         fn propose(
             &mut self,
             reqs: &mut [ProposeReq<'_>],
@@ -1113,6 +1331,50 @@ mod tests {
                 })
                 .collect())
         }
+    }
+
+    /// Of more feature rows than the drafter reads (its context rows, a block and
+    /// [`FEATURE_ROW_MARGIN`]), only the last are observed; fewer go whole.
+    #[test]
+    fn only_the_last_feature_rows_are_observed() {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut d = Drafting::new(DraftHost {
+            proposer: Box::new(Recording(log.clone())),
+            drafter: "recording".into(),
+            vocab: 10,
+            vocab_hash: "v".into(),
+            feature_layers: vec![1],
+            row_len: 2,
+            max_gamma: 4,
+            copy_runs: Vec::new(),
+            copy_head: Vec::new(),
+        });
+        let keep = 4 + FEATURE_ROW_MARGIN;
+        let big = DraftItem {
+            features: Some(Tensor::from_f32(&[0.5; 200], &[100, 2], Dtype::F32)),
+            ..item(5, 100)
+        };
+        let r = run(&mut d, call(1, vec![big]));
+        assert_eq!(r.blocks[0].tokens.len(), 3, "{:?}", r.blocks[0]);
+        let g = d.ids[&(7u64, 5u64)];
+        let observed = |log: &std::sync::Mutex<Vec<String>>| {
+            std::mem::take(&mut *log.lock().expect("log"))
+                .into_iter()
+                .filter(|e| e.starts_with("observe"))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            observed(&log),
+            vec![format!("observe {g} {} {}", 100 - keep, keep * 2)]
+        );
+        let next = DraftItem {
+            sync_from: 100,
+            feat_from: 100,
+            features: Some(Tensor::from_f32(&[0.5; 6], &[3, 2], Dtype::F32)),
+            ..item(5, 3)
+        };
+        run(&mut d, call(2, vec![next]));
+        assert_eq!(observed(&log), vec![format!("observe {g} 100 6")]);
     }
 
     /// The target's verdict on the previous block reaches the drafter after the context it

@@ -1,6 +1,6 @@
 //! `dspark.v1.DraftWorker`: one bidirectional stream per target worker.
 
-use crate::drafting::{DraftHost, Drafting, Job};
+use crate::drafting::{DraftHost, Drafting, Job, check_finished};
 use crate::metrics::DraftMetrics;
 use dspark_proto::draft_worker_server::DraftWorker;
 use dspark_proto::{DraftCall, DraftReply, InfoRequest, WorkerInfo};
@@ -137,6 +137,20 @@ impl DraftWorker for DraftService {
                         target = call.target_worker,
                         "target worker connected"
                     );
+                }
+                // Refused before its finished ids reach the drafting thread (a stale round's
+                // are freed too), unbounded otherwise.
+                if let Err(error) = check_finished(&call) {
+                    tracing::warn!(stream = stream_no, "draft round refused: {error}");
+                    let rep = DraftReply {
+                        step: call.step,
+                        error,
+                        ..Default::default()
+                    };
+                    if tx.send(Ok(rep)).await.is_err() {
+                        break;
+                    }
+                    continue;
                 }
                 if let Some(last) = last_step.filter(|&l| call.step <= l) {
                     // Its drafting is refused; the requests it says are finished are freed.

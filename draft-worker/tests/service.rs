@@ -156,3 +156,46 @@ async fn one_bad_request_leaves_the_round_drafting() {
     assert_eq!(r.blocks[2].tokens, vec![1, 1, 1]);
     assert_eq!(r.blocks[2].have_tokens, 2);
 }
+
+/// A finished list longer than any worker holds is refused with the round, a stale one too
+/// (whose finished ids would otherwise be freed): the requests it names stay held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_finishing_too_many_requests_is_refused() {
+    let url = serve().await;
+    let (tx, mut replies) = open(&url).await;
+    tx.send(DraftCall {
+        step: 1,
+        target_worker: "t".into(),
+        vocab_hash: HASH.into(),
+        items: vec![item(1, vec![2, 3, 4])],
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    let r = replies.message().await.expect("reply").expect("open");
+    assert_eq!(r.blocks[0].tokens, vec![1, 1, 1]);
+    // A stale step, finishing request 1 among too many.
+    tx.send(DraftCall {
+        step: 1,
+        finished: (1..=draft_worker::drafting::MAX_REQUESTS as u64 + 1).collect(),
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    let r = replies.message().await.expect("reply").expect("open");
+    assert!(r.error.contains("finished"), "{r:?}");
+    tx.send(DraftCall {
+        step: 2,
+        items: vec![DraftItem {
+            sync_from: 3,
+            ..item(1, Vec::new())
+        }],
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    let r = replies.message().await.expect("reply").expect("open");
+    assert!(r.error.is_empty(), "{r:?}");
+    assert!(!r.blocks[0].need_sync, "request 1 freed: {r:?}");
+    assert_eq!(r.blocks[0].tokens, vec![1, 1, 1]);
+}

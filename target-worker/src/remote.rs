@@ -502,23 +502,28 @@ impl RemoteProposer {
         if b.tokens[..n].iter().any(|&t| t as usize >= self.vocab) {
             return None;
         }
+        // Only an explicit one-hot kind reads as one-hot: an unspecified or unknown kind may
+        // carry drafts sampled from a real q, and verifying those as one-hot is not lossless.
         let dists = if n == 0 {
             Vec::new()
-        } else if b.q_kind == QKind::Dense as i32 || b.q_kind == QKind::Sparse as i32 {
+        } else if b.q_kind == QKind::OneHot as i32 {
+            vec![Dist::OneHot; n]
+        } else {
             let rows = if b.q_kind == QKind::Dense as i32 {
                 dense_rows(b, n, self.vocab)
-            } else {
+            } else if b.q_kind == QKind::Sparse as i32 {
                 sparse_rows(b, n, self.vocab)
+            } else {
+                None
             };
             if rows.is_none() {
                 tracing::debug!(
                     request = b.seq,
+                    q_kind = b.q_kind,
                     "q rows unusable: the request drafts locally"
                 );
             }
             rows?
-        } else {
-            vec![Dist::OneHot; n]
         };
         // Cut at the first unusable row.
         let n = dists.len().min(n);
@@ -1585,6 +1590,40 @@ mod tests {
         assert!((r[0].1 - 0.6 / 1.0006).abs() < 1e-6, "{r:?}");
     }
 
+    /// Drafts whose q kind is unspecified or unknown are unusable (the request drafts
+    /// locally), never read as one-hot; an explicit one-hot kind is.
+    #[test]
+    fn only_an_explicit_one_hot_kind_reads_as_one_hot() {
+        let rt = test_runtime();
+        let p = test_proposer(&rt, Arc::new(RemoteShared::default()), 10);
+        let with_kind = |q_kind: i32| dspark_proto::DraftBlock {
+            seq: 1,
+            tokens: vec![3, 4],
+            q_kind,
+            ..Default::default()
+        };
+        for kind in [QKind::Unspecified as i32, 7] {
+            assert!(
+                p.block_from_wire(&with_kind(kind), 2).is_none(),
+                "q kind {kind} read"
+            );
+            // No drafts: nothing to misread.
+            let empty = dspark_proto::DraftBlock {
+                tokens: Vec::new(),
+                ..with_kind(kind)
+            };
+            assert!(
+                p.block_from_wire(&empty, 2)
+                    .is_some_and(|b| b.tokens.is_empty())
+            );
+        }
+        let b = p
+            .block_from_wire(&with_kind(QKind::OneHot as i32), 2)
+            .expect("one-hot drafts");
+        assert_eq!(b.tokens, vec![3, 4]);
+        assert!(matches!(b.dists[..], [Dist::OneHot, Dist::OneHot]));
+    }
+
     fn dense(tokens: Vec<u32>, q: &[f32], vocab: usize) -> dspark_proto::DraftBlock {
         dspark_proto::DraftBlock {
             q_kind: QKind::Dense as i32,
@@ -1882,6 +1921,7 @@ mod tests {
             blocks: vec![dspark_proto::DraftBlock {
                 seq: 1,
                 tokens: vec![3, 5],
+                q_kind: QKind::OneHot as i32,
                 ..Default::default()
             }],
             ..Default::default()
