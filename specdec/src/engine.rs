@@ -465,6 +465,8 @@ struct Seq {
     /// Set when committing its tokens failed this step: it leaves the batch with
     /// [`Event::Failed`] at the step's end, and the others go on.
     failed: Option<String>,
+    /// Its state broke an engine invariant: its KV is not cached when it leaves.
+    poisoned: bool,
 }
 
 impl Seq {
@@ -821,8 +823,11 @@ impl Engine {
         // The drafter forgets the request first: a KV error below must not leave its state
         // (a remote draft worker's context) held until the link closes.
         self.proposer.finish(s.req.id);
-        self.cache
-            .register(s.kv, &s.tokens[..written.min(s.tokens.len())])?;
+        // Not one whose state broke an invariant: its KV may not hold its tokens.
+        if !s.poisoned {
+            self.cache
+                .register(s.kv, &s.tokens[..written.min(s.tokens.len())])?;
+        }
         self.cache.remove(s.kv)?;
         Ok(())
     }
@@ -913,6 +918,7 @@ impl Engine {
                 group: (self.admitted % 2) as u8,
                 json: resumed_json(self.json_vocab.as_deref(), &req),
                 failed: None,
+                poisoned: false,
                 req,
             });
             self.admitted += 1;
@@ -1590,7 +1596,21 @@ impl Engine {
             .map(|i| self.running[i].req.id)
             .collect();
         stepped.sort_unstable();
-        // 5. Proposer state, finished requests, invariants.
+        // 5. Proposer state, finished requests, invariants. A request whose own state broke
+        // an invariant (an engine bug) fails alone, before anything of it is cached: the
+        // step's other requests, those that finished in it included, go on.
+        if self.cfg.check_invariants {
+            for i in 0..self.running.len() {
+                let s = &self.running[i];
+                if s.finished.is_some() || s.failed.is_some() {
+                    continue;
+                }
+                if let Some(why) = self.violation(s)? {
+                    self.running[i].failed = Some(format!("engine invariant: {why}"));
+                    self.running[i].poisoned = true;
+                }
+            }
+        }
         let mut i = 0;
         while i < self.running.len() {
             if let Some(error) = self.running[i].failed.take() {
@@ -1664,7 +1684,7 @@ impl Engine {
             }
         }
         if self.cfg.check_invariants {
-            self.check_invariants()?;
+            self.check_promised()?;
         }
         tracing::trace!(
             total_s = t_step.elapsed().as_secs_f64(),
@@ -1688,37 +1708,41 @@ impl Engine {
     /// request outgrows its reservation and the cache is not promised more blocks than it has.
     pub fn check_invariants(&self) -> Result<()> {
         for s in &self.running {
-            let kv = self.cache.len(s.kv)?;
-            let want = match s.phase {
-                Phase::Prefill => s.prefilled,
-                Phase::Decode => s.tokens.len() - 1,
-            };
-            if kv != want {
-                return Err(SpecError::Invariant(format!(
-                    "request {}: KV length {kv}, expected {want}",
-                    s.req.id
-                )));
-            }
-            if s.tokens[..s.req.prompt.len()] != s.req.prompt[..] {
-                return Err(SpecError::Invariant(format!(
-                    "request {}: prompt tokens changed",
-                    s.req.id
-                )));
-            }
-            if s.output_len() > s.req.max_tokens {
-                return Err(SpecError::Invariant(format!(
-                    "request {}: more than max_tokens committed",
-                    s.req.id
-                )));
-            }
-            let blocks = self.cache.blocks(s.kv)?.len();
-            if blocks > s.reserved_blocks {
-                return Err(SpecError::Invariant(format!(
-                    "request {}: {blocks} KV blocks, {} reserved",
-                    s.req.id, s.reserved_blocks
-                )));
+            if let Some(why) = self.violation(s)? {
+                return Err(SpecError::Invariant(format!("request {}: {why}", s.req.id)));
             }
         }
+        self.check_promised()
+    }
+
+    /// What of the per-request invariants `s` breaks, if any.
+    fn violation(&self, s: &Seq) -> Result<Option<String>> {
+        let kv = self.cache.len(s.kv)?;
+        let want = match s.phase {
+            Phase::Prefill => s.prefilled,
+            Phase::Decode => s.tokens.len().saturating_sub(1),
+        };
+        if kv != want {
+            return Ok(Some(format!("KV length {kv}, expected {want}")));
+        }
+        if s.tokens.get(..s.req.prompt.len()) != Some(&s.req.prompt[..]) {
+            return Ok(Some("prompt tokens changed".into()));
+        }
+        if s.output_len() > s.req.max_tokens {
+            return Ok(Some("more than max_tokens committed".into()));
+        }
+        let blocks = self.cache.blocks(s.kv)?.len();
+        if blocks > s.reserved_blocks {
+            return Ok(Some(format!(
+                "{blocks} KV blocks, {} reserved",
+                s.reserved_blocks
+            )));
+        }
+        Ok(None)
+    }
+
+    /// The cache is not promised more blocks than it has (see [`Self::committed_blocks`]).
+    fn check_promised(&self) -> Result<()> {
         let (committed, total) = (self.committed_blocks(), self.cache.config().num_blocks);
         if committed > total {
             return Err(SpecError::Invariant(format!(
@@ -2027,4 +2051,73 @@ fn find_stop(text: &str, stops: &[String], from: usize) -> Option<usize> {
             text[start..].find(st.as_str()).map(|p| start + p)
         })
         .min()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proposer::NoProposer;
+    use dspark_runtime::LoadOptions;
+    use dspark_runtime::tiny::{TinySpec, tiny_model_path};
+
+    /// A request whose state breaks an invariant fails alone: the step goes on, a request
+    /// finishing in the same step is answered, the others run to the end, no block leaks,
+    /// and nothing of the broken request enters the prefix cache.
+    #[test]
+    fn a_request_that_breaks_an_invariant_fails_alone() {
+        let p = tiny_model_path(&TinySpec::llama(11), "engine-unit").unwrap();
+        let opts = LoadOptions {
+            threads: 1,
+            ..Default::default()
+        };
+        let model = Arc::new(Model::load(&p, &opts).unwrap());
+        let tok = Arc::new(Tokenizer::load(&p).unwrap());
+        let mut e = Engine::with_cost(
+            model,
+            Some(tok.clone()),
+            Box::new(NoProposer),
+            EngineConfig::default(),
+            CostModel::flat(4),
+        )
+        .unwrap();
+        let prompt = tok
+            .encode("the theater in there then rather inner")
+            .unwrap();
+        for (id, max) in [(0u64, 2usize), (1, 20), (2, 20)] {
+            let mut r = Request::new(id, prompt.clone(), max);
+            r.ignore_eos = true;
+            e.add(r).unwrap();
+        }
+        let first = e.step().unwrap();
+        assert_eq!(
+            first
+                .iter()
+                .filter(|ev| matches!(ev, Event::Tokens { .. }))
+                .count(),
+            3,
+            "all three prefilled in one step"
+        );
+        // Request 1's prompt no longer what its KV holds (as an engine bug would leave it).
+        let s = e.running.iter_mut().find(|s| s.req.id == 1).unwrap();
+        s.tokens[1] ^= 1;
+        let evs = e.step().unwrap();
+        assert!(
+            evs.iter().any(
+                |ev| matches!(ev, Event::Failed { id: 1, error } if error.contains("invariant"))
+            ),
+            "{evs:?}"
+        );
+        assert!(
+            evs.iter()
+                .any(|ev| matches!(ev, Event::Finished { id: 0, .. })),
+            "{evs:?}"
+        );
+        let rest = e.run_to_completion().unwrap();
+        assert!(
+            rest.iter()
+                .any(|ev| matches!(ev, Event::Finished { id: 2, .. })),
+            "{rest:?}"
+        );
+        e.check_kv().unwrap();
+    }
 }
