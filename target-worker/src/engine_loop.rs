@@ -7,7 +7,8 @@ use dspark_proto::{Finished, GenerateEvent, SpecStats, TokenChunk, generate_even
 use specdec::{Engine, Event};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use tonic::Status;
 
@@ -21,7 +22,74 @@ pub enum Cmd {
     },
 }
 
+/// When the engine step in progress started, for [`spawn_watchdog`]: a step is bounded (a
+/// prefill chunk, a verification window per request), so one that runs for minutes is a
+/// wedged engine, which nothing else notices (the gRPC side answers, heartbeats go on).
+#[derive(Clone)]
+pub struct StepClock {
+    base: std::time::Instant,
+    /// Milliseconds since `base` at the step's start, plus one; 0 between steps.
+    started: Arc<AtomicU64>,
+}
+
+impl Default for StepClock {
+    fn default() -> Self {
+        Self {
+            base: std::time::Instant::now(),
+            started: Arc::new(AtomicU64::new(0)),
+        }
+    }
+}
+
+impl StepClock {
+    pub fn begin(&self) {
+        let ms = self.base.elapsed().as_millis() as u64;
+        self.started.store(ms.saturating_add(1), Ordering::Relaxed);
+    }
+
+    pub fn end(&self) {
+        self.started.store(0, Ordering::Relaxed);
+    }
+
+    /// How long the step in progress has run; `None` between steps.
+    pub fn running_for(&self) -> Option<Duration> {
+        match self.started.load(Ordering::Relaxed) {
+            0 => None,
+            t => {
+                let now = self.base.elapsed().as_millis() as u64;
+                Some(Duration::from_millis(now.saturating_sub(t - 1)))
+            }
+        }
+    }
+}
+
+/// Looks at `clock` every `period`; once a step has run past `limit`, calls `on_stuck` with its
+/// duration and stops. The worker exits there: its streams fail over in the router, and the
+/// process is restarted (a wedged engine would hold its requests for ever).
+pub fn spawn_watchdog(
+    clock: StepClock,
+    limit: Duration,
+    period: Duration,
+    on_stuck: impl FnOnce(Duration) + Send + 'static,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("engine-watchdog".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(period);
+                if let Some(d) = clock.running_for()
+                    && d > limit
+                {
+                    on_stuck(d);
+                    return;
+                }
+            }
+        })
+}
+
 pub struct EngineLoop {
+    /// Marks each step's start and end for the watchdog.
+    pub clock: StepClock,
     pub engine: Engine,
     pub shared: Arc<RemoteShared>,
     pub load: Arc<AtomicUsize>,
@@ -63,7 +131,9 @@ impl EngineLoop {
             let span = tracing::info_span!("cycle", step = self.engine.steps);
             let _g = span.enter();
             let t0 = std::time::Instant::now();
+            self.clock.begin();
             let stepped = self.engine.step();
+            self.clock.end();
             self.metrics
                 .step_seconds
                 .observe(t0.elapsed().as_secs_f64());
@@ -250,7 +320,7 @@ fn ending(events: &[Event]) -> HashMap<u64, &'static str> {
 
 #[cfg(test)]
 mod tests {
-    use super::ending;
+    use super::{Duration, StepClock, ending, spawn_watchdog};
     use specdec::{Event, FinishReason, RequestMetrics};
 
     #[test]
@@ -281,5 +351,38 @@ mod tests {
         assert_eq!(e.get(&3), Some(&"length"));
         assert_eq!(e.get(&4), Some(&"cancelled"));
         assert_eq!(e.len(), 3);
+    }
+
+    /// A step that runs past the limit is reported once, with its duration; steps that end in
+    /// time, and the time between steps, never are.
+    #[test]
+    fn the_watchdog_reports_a_step_that_never_ends() {
+        let clock = StepClock::default();
+        assert_eq!(clock.running_for(), None);
+        let (tx, rx) = std::sync::mpsc::channel();
+        spawn_watchdog(
+            clock.clone(),
+            Duration::from_millis(400),
+            Duration::from_millis(10),
+            move |d| {
+                let _ = tx.send(d);
+            },
+        )
+        .unwrap();
+        // Short steps and idle time: nothing.
+        for _ in 0..20 {
+            clock.begin();
+            std::thread::sleep(Duration::from_millis(5));
+            clock.end();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(rx.try_recv().is_err(), "a step in time was reported");
+        // A step that does not end.
+        clock.begin();
+        let d = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the stuck step reported");
+        assert!(d > Duration::from_millis(400), "{d:?}");
+        assert!(clock.running_for().is_some_and(|r| r >= d));
     }
 }

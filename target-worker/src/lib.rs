@@ -123,6 +123,12 @@ pub struct TargetArgs {
     /// Compute threads (0 = all cores).
     #[arg(long, env = "DSPARK_THREADS", default_value_t = 0)]
     pub threads: usize,
+    /// Seconds one engine step may run before the worker takes its engine for wedged and exits
+    /// (code 70; the router resumes its requests elsewhere and the process is restarted). A
+    /// step is one prefill chunk and one verification window per request: seconds, not
+    /// minutes. 0: never.
+    #[arg(long, env = "DSPARK_STEP_TIMEOUT_S", default_value_t = 300)]
+    pub step_timeout_s: u64,
     /// Tensor parallelism: the addresses of this worker's other ranks (`dspark tp-shard`),
     /// rank 1 first, comma-separated. This worker is rank 0 of a group of one more than
     /// listed; each rank holds its share of the heads and FFN columns.
@@ -329,7 +335,21 @@ pub async fn run(args: TargetArgs) -> Result<()> {
             })?;
     }
     let (tx, rx) = std::sync::mpsc::channel();
+    let clock = engine_loop::StepClock::default();
+    if args.step_timeout_s > 0 {
+        let limit = Duration::from_secs(args.step_timeout_s);
+        engine_loop::spawn_watchdog(clock.clone(), limit, Duration::from_secs(1), move |d| {
+            tracing::error!(
+                "an engine step has run for {:.0} s (--step-timeout-s {}): the engine is \
+                 wedged; exiting so that its requests resume elsewhere",
+                d.as_secs_f64(),
+                limit.as_secs()
+            );
+            std::process::exit(70)
+        })?;
+    }
     let el = engine_loop::EngineLoop {
+        clock,
         engine,
         shared,
         load: Arc::clone(&load),
