@@ -49,6 +49,10 @@ pub struct EvalArgs {
     /// finished: enough to replay the online recalibration offline.
     #[arg(long)]
     pub blocks: Option<PathBuf>,
+    /// Evaluate on prompts the drafter was calibrated on (in-sample figures; refused
+    /// otherwise).
+    #[arg(long)]
+    pub allow_calibration_prompts: bool,
 }
 
 /// What one drafter did on one prompt set.
@@ -244,6 +248,33 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             a.gamma,
             probe.cfg.gamma
         );
+    }
+    // Held-out figures (ECE after STS above all) mean nothing on the calibration's own
+    // prompts: refused unless asked for.
+    let calibrated: std::collections::HashSet<u64> =
+        probe.cfg.calibration_prompts.iter().copied().collect();
+    if !calibrated.is_empty() && !a.allow_calibration_prompts {
+        for set in crate::bench::prompt_sets(&a.prompts) {
+            let prompts = crate::bench::prompt_set(set)?;
+            let shared: Vec<usize> = prompts
+                .iter()
+                .enumerate()
+                .skip(a.offset)
+                .take(a.limit)
+                .filter(|(_, p)| calibrated.contains(&drafter::model::prompt_hash(p)))
+                .map(|(i, _)| i)
+                .collect();
+            if let Some(first) = shared.first() {
+                anyhow::bail!(
+                    "{} of the `{set}` prompts evaluated ({}..{}) calibrated this drafter (the \
+                     first: prompt {first}); evaluate on others (--offset, or the -heldout \
+                     sets), or pass --allow-calibration-prompts for in-sample figures",
+                    shared.len(),
+                    a.offset,
+                    a.offset + a.limit.min(prompts.len().saturating_sub(a.offset))
+                );
+            }
+        }
     }
     let greedy = is_greedy(a.temperature);
     let sts = probe.cfg.calibration_for(greedy);

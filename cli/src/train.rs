@@ -610,6 +610,13 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     cal.copy_head_inputs = copy_head_inputs;
     cal.copy_head = copy_head;
     cfg.set_calibration(greedy, cal);
+    // What it was fitted on, so that evaluation keeps to other prompts.
+    for p in &prompts {
+        let h = drafter::model::prompt_hash(p);
+        if !cfg.calibration_prompts.contains(&h) {
+            cfg.calibration_prompts.push(h);
+        }
+    }
     // The other kind of request's calibration was fitted on the forward of the old width: it
     // would read confidences this forward does not make, under a file that names the new one.
     if cfg.serve_bits != stored_bits && cfg.drop_calibration(!greedy) {

@@ -965,6 +965,34 @@ fn a_drafter_trains_calibrates_its_copy_prior_and_evaluates_on_a_tiny_model() {
         ],
     );
     assert_eq!(code, 0, "{err}");
+    // On the prompts it was calibrated on (the first 8 of each set): refused, naming them.
+    let stored = read_json(&headed.join("drafter.json"))["calibration_prompts"]
+        .as_array()
+        .map_or(0, |a| a.len());
+    assert_eq!(stored, 24, "8 prompts of each of the 3 sets");
+    let (code, _, err) = dspark(
+        &d,
+        &[
+            "eval-drafter",
+            "--target",
+            &m,
+            "--drafter",
+            &ho,
+            "--prompts",
+            "code",
+            "--gamma",
+            "4",
+            "--offset",
+            "6",
+            "--limit",
+            "4",
+        ],
+    );
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("2 of the `code` prompts evaluated (6..10) calibrated this drafter"),
+        "{err}"
+    );
     let (code, _, err) = dspark(
         &d,
         &[

@@ -74,6 +74,18 @@ pub struct DrafterConfig {
     /// its cost follows their bytes. Training and the candle forward stay in f32.
     #[serde(default = "eight", skip_serializing_if = "is_eight")]
     pub serve_bits: u8,
+    /// Hashes ([`prompt_hash`]) of the prompts `dspark calibrate-drafter` fitted on, either
+    /// kind of request: `dspark eval-drafter` refuses to report held-out figures on them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub calibration_prompts: Vec<u64>,
+}
+
+/// A prompt's identity for [`DrafterConfig::calibration_prompts`]: FNV-1a over its UTF-8
+/// bytes (stable across builds and platforms, unlike the standard library's hasher).
+pub fn prompt_hash(prompt: &str) -> u64 {
+    prompt.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 fn is_zero(n: &usize) -> bool {
@@ -444,6 +456,7 @@ impl DrafterConfig {
             greedy_calibration: None,
             draft_vocab: 0,
             serve_bits: 8,
+            calibration_prompts: Vec::new(),
         }
     }
 
