@@ -37,20 +37,31 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Bumped whenever the frames below change; ranks of different versions refuse each other.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// 3: the leader claims its ranks (CLAIM) once every one answered its hello, and always sends
+/// its identity.
+pub const PROTOCOL_VERSION: u32 = 3;
 
 const HELLO: u8 = 1;
 const OK: u8 = 2;
 const ERR: u8 = 3;
 const BEGIN: u8 = 4;
 const DATA: u8 = 5;
+/// After every rank answered its hello: the leader's session starts. Until then a rank keeps
+/// serving the leader it has, so a leader that reaches some ranks and not the others takes none.
+const CLAIM: u8 = 6;
 /// Largest frame either side accepts (a prefill chunk of 64k tokens × d 4096 fits).
 const MAX_FRAME: usize = 1 << 30;
 /// Largest hello (read before the peer is known).
 const MAX_HELLO: usize = 1 << 16;
 /// Most tokens one forward may carry.
 const MAX_TOKENS: usize = 1 << 18;
+/// Most sequences one forward may carry.
+const MAX_SEQS: usize = 1 << 20;
+/// Most slots (blocks × block size) of one KV cache on a rank.
+const MAX_CACHE_SLOTS: usize = 1 << 28;
 /// KV caches one shard rank keeps for its leader (the engine's, plus profiling and benches).
+/// Rank 0 refuses to start one more while this many are live, so a rank never has to drop one
+/// it still uses.
 const MAX_CACHES: usize = 4;
 
 /// This rank and the size of its group.
@@ -140,6 +151,9 @@ impl Shard {
     }
 }
 
+/// [`TpOptions::io_timeout`] unless set.
+pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// How a tensor-parallel rank loads and links.
 #[derive(Clone, Debug)]
 pub struct TpOptions {
@@ -150,7 +164,9 @@ pub struct TpOptions {
     /// How long rank 0 waits at load for the other ranks to come up (they load the same
     /// checkpoint at the same time).
     pub connect_timeout: Duration,
-    /// How long one exchange may take before the link counts as lost.
+    /// How long one exchange (one read or write on a link) may take before the link counts as
+    /// lost: a rank that hangs (stopped, swapping) holds rank 0's forward, and the engine
+    /// waiting on it, this long. Not zero.
     pub io_timeout: Duration,
 }
 
@@ -162,7 +178,7 @@ impl TpOptions {
             world: peers.len() + 1,
             peers,
             connect_timeout: Duration::from_secs(600),
-            io_timeout: Duration::from_secs(120),
+            io_timeout: DEFAULT_IO_TIMEOUT,
         }
     }
 
@@ -173,7 +189,7 @@ impl TpOptions {
             world,
             peers: Vec::new(),
             connect_timeout: Duration::ZERO,
-            io_timeout: Duration::from_secs(120),
+            io_timeout: DEFAULT_IO_TIMEOUT,
         }
     }
 }
@@ -325,7 +341,7 @@ impl BatchMeta {
     /// and the context, since it arrives over the wire.
     fn decode(w: &mut Words<'_>, bs: usize, num_blocks: usize, max_ctx: usize) -> Result<Self> {
         let n_seqs = w.next()? as usize;
-        if n_seqs > 1 << 20 {
+        if n_seqs > MAX_SEQS {
             return Err(bad(format!("{n_seqs} sequences")));
         }
         let mut pos_len = Vec::with_capacity(n_seqs);
@@ -390,8 +406,9 @@ struct Hello {
     world: usize,
     config: ModelConfig,
     fingerprint: u64,
-    /// This leader's identity, random per group (0 from leaders before it was sent): a rank
-    /// that another leader took from this one refuses it back while that other is linked.
+    /// This leader's identity, random per group and never 0 (0: none sent, which a rank
+    /// refuses): a rank that another leader took from this one refuses it back while that
+    /// other is linked.
     #[serde(default)]
     leader: u64,
 }
@@ -400,8 +417,13 @@ struct Hello {
 /// so one that does not within this is hung, whatever the exchanges' timeout. Well above
 /// [`HANDSHAKE_TIMEOUT`], which one silent connection ahead in the rank's accept loop may take.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a rank waits for a connection's hello (a leader sends it at once).
+/// How long a rank gives a connection to send its whole hello (a leader sends it at once), not
+/// per read: one that trickles it in holds up the rank's accept loop no longer than this.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a rank waits, after it answered a leader's hello, for that leader's claim: the
+/// leader sends it once every other rank answered too, each within its connect and hello
+/// timeouts.
+const CLAIM_TIMEOUT: Duration = Duration::from_secs(120);
 /// How a rank's refusal of a leader it was taken from begins: a wait, not a mismatch, so the
 /// leader goes on trying (at load too) instead of giving up.
 const TAKEN_OVER: &str = "taken over:";
@@ -464,11 +486,20 @@ impl Dialer {
             };
             s.set_nodelay(true)?;
             keep_alive(&s);
-            s.set_read_timeout(Some(self.opts.io_timeout.min(HELLO_TIMEOUT)))?;
+            let answer_by = Instant::now() + self.opts.io_timeout.min(HELLO_TIMEOUT);
             s.set_write_timeout(Some(self.opts.io_timeout))?;
             write_frame(&mut s, HELLO, &self.hello[i], &mut buf)
                 .map_err(|e| unreachable(e.to_string()))?;
-            match read_frame(&mut s, &mut buf).map_err(|e| unreachable(e.to_string()))? {
+            // The answer is a hello's size: whatever else listens at a stale address (an HTTP
+            // port answers `HTTP/1.1 400`, read as a frame of 790 MB) is refused unread.
+            let answer = read_frame_by(&mut s, &mut buf, MAX_HELLO, answer_by).map_err(|e| {
+                unreachable(if e.kind() == std::io::ErrorKind::InvalidData {
+                    format!("answered the hello with {e}: not a `dspark tp-shard` port?")
+                } else {
+                    e.to_string()
+                })
+            })?;
+            match answer {
                 OK => {
                     s.set_read_timeout(Some(self.opts.io_timeout))?;
                     links.push(s)
@@ -484,6 +515,12 @@ impl Dialer {
                 }
                 k => return Err(unreachable(format!("answered frame {k} to hello"))),
             }
+        }
+        // Every rank answered: only now do they drop the leader they serve for this one.
+        for (i, s) in links.iter_mut().enumerate() {
+            write_frame(s, CLAIM, &[], &mut buf).map_err(|e| {
+                RuntimeError::Tp(format!("rank {} at {}: {e}", i + 1, self.opts.peers[i]))
+            })?;
         }
         Ok(links)
     }
@@ -552,16 +589,65 @@ fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<u8> {
 fn read_frame_max(s: &mut TcpStream, buf: &mut Vec<u8>, max: usize) -> std::io::Result<u8> {
     let mut h = [0u8; 5];
     s.read_exact(&mut h)?;
+    let len = frame_len(&h, max)?;
+    buf.resize(len, 0);
+    s.read_exact(buf)?;
+    Ok(h[0])
+}
+
+/// A frame header's length, refused past `max`.
+fn frame_len(h: &[u8; 5], max: usize) -> std::io::Result<usize> {
     let len = u32::from_le_bytes([h[1], h[2], h[3], h[4]]) as usize;
     if len > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("a frame of {len} bytes"),
+            format!("a frame of {len} bytes (at most {max} here)"),
         ));
     }
+    Ok(len)
+}
+
+/// [`read_frame_max`] by `deadline`, however slowly the bytes come (each read waits only what
+/// is left); leaves the stream's read timeout set.
+fn read_frame_by(
+    s: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    max: usize,
+    deadline: Instant,
+) -> std::io::Result<u8> {
+    let mut h = [0u8; 5];
+    read_exact_by(s, &mut h, deadline)?;
+    let len = frame_len(&h, max)?;
     buf.resize(len, 0);
-    s.read_exact(buf)?;
+    read_exact_by(s, buf, deadline)?;
     Ok(h[0])
+}
+
+fn read_exact_by(s: &mut TcpStream, mut b: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    while !b.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the peer did not send a whole frame in time",
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(b) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(k) => b = &mut b[k..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            // The read timeout (what was left) ran out.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the peer did not send a whole frame in time",
+                ));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Reads a DATA frame of exactly `out.len()` floats; an ERR frame's text becomes the error.
@@ -625,6 +711,8 @@ pub(crate) struct Group {
     pub(crate) calibrate: bool,
     /// Per other rank, the key offsets its new `int8` caches get (empty: none).
     pub(crate) key_offsets: Vec<Vec<f32>>,
+    /// The model's width: a forward's frames carry `n × d_model` floats.
+    d_model: usize,
 }
 
 impl Group {
@@ -637,6 +725,12 @@ impl Group {
                 t.peers.len()
             )));
         }
+        if t.io_timeout.is_zero() {
+            return Err(RuntimeError::Config(
+                "the tensor-parallel links' I/O timeout must be above zero".into(),
+            ));
+        }
+        let d_model = cfg.d_model;
         let leader = leader_id();
         let hello = (1..t.world)
             .map(|rank| {
@@ -666,6 +760,7 @@ impl Group {
             words: Vec::new(),
             calibrate: false,
             key_offsets: Vec::new(),
+            d_model,
         };
         let deadline = Instant::now() + t.connect_timeout;
         let mut said: Option<Instant> = None;
@@ -778,9 +873,47 @@ impl Group {
         }
     }
 
+    /// Refuses a forward the ranks would refuse, before anything is sent: refused by a rank, it
+    /// would cost the links and the KV every cache holds on the ranks, failing every request.
+    fn check_fits(&self, cache: &KvCache, meta: &BatchMeta) -> Result<()> {
+        let n = meta.tok_pos.len();
+        let bytes = n.saturating_mul(self.d_model).saturating_mul(4);
+        let kc = cache.config();
+        let why = if n > MAX_TOKENS {
+            format!(
+                "{n} tokens in one forward; a tensor-parallel forward carries at most \
+                 {MAX_TOKENS}: use smaller prefill chunks"
+            )
+        } else if bytes > MAX_FRAME {
+            format!(
+                "{n} rows of activations ({bytes} bytes) exceed a frame of {MAX_FRAME} bytes; \
+                 use smaller prefill chunks"
+            )
+        } else if meta.seqs.len() > MAX_SEQS {
+            format!(
+                "{} sequences in one forward; a tensor-parallel forward carries at most \
+                 {MAX_SEQS}",
+                meta.seqs.len()
+            )
+        } else if kc.num_blocks == 0
+            || kc.block_size == 0
+            || kc.num_blocks.saturating_mul(kc.block_size) > MAX_CACHE_SLOTS
+        {
+            format!(
+                "a KV cache of {} blocks of {}; a shard rank holds at most {MAX_CACHE_SLOTS} \
+                 slots",
+                kc.num_blocks, kc.block_size
+            )
+        } else {
+            return Ok(());
+        };
+        Err(RuntimeError::Invalid(why))
+    }
+
     /// Starts a forward on every rank: cache identity and shape, pending block copies, and the
     /// batch layout.
     pub(crate) fn begin(&mut self, cache: &mut KvCache, meta: &BatchMeta) -> Result<()> {
+        self.check_fits(cache, meta)?;
         if self.links.is_empty() {
             let dialled = if self.dialing {
                 Err(RuntimeError::Tp(
@@ -804,6 +937,20 @@ impl Group {
                      those sequences must start over"
                         .into(),
                 ));
+            }
+            // The ranks keep MAX_CACHES caches, dropping the least recently used one for a new
+            // one: refused here instead, or the engine's could be the one dropped (and its
+            // next forward would cost the links and every cache's KV).
+            let live = self
+                .live
+                .iter()
+                .filter(|(_, w)| w.strong_count() > 0)
+                .count();
+            if live >= MAX_CACHES {
+                return Err(RuntimeError::Tp(format!(
+                    "the shard ranks hold at most {MAX_CACHES} KV caches per leader, and \
+                     {live} are in use: drop one before forwarding through another"
+                )));
             }
             cache.clear_prefix_cache();
             self.next_cache += 1;
@@ -938,12 +1085,55 @@ impl ShardState {
 
 /// Serves one shard rank (`model` loaded with [`TpOptions::shard`]) on `listener` until the
 /// listener fails. One leader at a time: a new connection that passes the handshake (a
-/// restarted target worker) replaces the one being served, and the leader it replaced is
-/// refused while the new one holds the rank (two leaders given the same ranks would otherwise
-/// take them from each other every second); one that does not pass (a port probe, another
-/// checkpoint) is refused and changes nothing.
+/// restarted target worker) and then claims the rank (once all its ranks answered) replaces
+/// the one being served, and the leader it replaced is refused while the new one holds the
+/// rank (two leaders given the same ranks would otherwise take them from each other every
+/// second); one that does not pass (a port probe, another checkpoint) or never claims (a
+/// leader that could not reach its other ranks) is refused and changes nothing.
 pub fn serve(model: Arc<Model>, listener: TcpListener) -> Result<()> {
     serve_with(model, listener, Arc::default())
+}
+
+/// Who holds a serving rank: shared by its accept loop and the threads that wait for the
+/// claims of the leaders it answered.
+#[derive(Default)]
+struct Holders {
+    /// The last leader that claimed the rank: its link, identity, address and session.
+    current: Option<(TcpStream, u64, String, u64)>,
+    /// Leaders another leader took this rank from: they do not take it back while that one
+    /// is linked, so two leaders given the same ranks do not take them from each other every
+    /// second, failing each other's requests; the newer one keeps them.
+    taken_from: std::collections::VecDeque<u64>,
+    /// Sessions are numbered as claimed.
+    sessions: u64,
+}
+
+impl Holders {
+    /// The address of the leader other than `id` this rank serves, if its session (the
+    /// compute thread finished those up to `ended`) goes on.
+    fn holder(&self, id: u64, ended: u64) -> Option<String> {
+        self.current
+            .as_ref()
+            .filter(|c| c.1 != id && ended < c.3)
+            .map(|c| c.2.clone())
+    }
+
+    /// Why leader `id` may not have this rank now, if it may not.
+    fn gate(&self, id: u64, ended: u64, rank: usize) -> Option<String> {
+        if !self.taken_from.contains(&id) {
+            return None;
+        }
+        self.holder(id, ended).map(|other| {
+            format!(
+                "{TAKEN_OVER} rank {rank} was taken over by another leader ({other}), which \
+                 still holds it"
+            )
+        })
+    }
+}
+
+fn lock_holders(h: &std::sync::Mutex<Holders>) -> std::sync::MutexGuard<'_, Holders> {
+    h.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// [`serve`], reporting into `state`.
@@ -955,12 +1145,12 @@ pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardStat
         ));
     }
     use std::sync::atomic::{AtomicU64, Ordering};
-    // Sessions are numbered as accepted; `ended` is the last one the compute thread finished.
+    // `ended` is the last session the compute thread finished.
     let (tx, rx) = std::sync::mpsc::channel::<(TcpStream, u64)>();
     let ended = Arc::new(AtomicU64::new(0));
     let m = Arc::clone(&model);
     let done = Arc::clone(&ended);
-    std::thread::Builder::new()
+    let compute = std::thread::Builder::new()
         .name(format!("tp-rank-{}", shard.rank))
         .spawn(move || {
             for (s, session) in rx {
@@ -981,15 +1171,15 @@ pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardStat
             }
         })?;
     let mut buf = Vec::new();
-    // The last leader accepted: its link, identity, address and session.
-    let mut current: Option<(TcpStream, u64, String, u64)> = None;
-    // Leaders another leader took this rank from: they do not take it back while that one is
-    // linked, so two leaders given the same ranks do not take them from each other every
-    // second, failing each other's requests; the newer one keeps them.
-    let mut taken_from: std::collections::VecDeque<u64> = std::collections::VecDeque::new();
-    let mut sessions = 0u64;
+    let holders = Arc::new(std::sync::Mutex::new(Holders::default()));
     loop {
-        let mut s = match listener.accept() {
+        let accepted = listener.accept();
+        if compute.is_finished() {
+            return Err(RuntimeError::Tp(
+                "the shard's compute thread stopped".into(),
+            ));
+        }
+        let mut s = match accepted {
             Ok((s, _)) => s,
             Err(e) => {
                 // Aborted handshakes, a full descriptor table: wait and go on listening.
@@ -999,24 +1189,8 @@ pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardStat
             }
         };
         let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-        let holder = |id: u64| {
-            current
-                .as_ref()
-                .filter(|c| c.1 != id && ended.load(Ordering::SeqCst) < c.3)
-                .map(|c| c.2.clone())
-        };
-        let gate = |id: u64| {
-            if id == 0 || !taken_from.contains(&id) {
-                return None;
-            }
-            holder(id).map(|other| {
-                format!(
-                    "{TAKEN_OVER} rank {} was taken over by another leader ({other}), which \
-                     still holds it",
-                    shard.rank
-                )
-            })
-        };
+        let gate =
+            |id: u64| lock_holders(&holders).gate(id, ended.load(Ordering::SeqCst), shard.rank);
         let id = match handshake(&model, &mut s, &mut buf, &gate) {
             Ok(id) => id,
             Err(e) => {
@@ -1024,50 +1198,107 @@ pub fn serve_with(model: Arc<Model>, listener: TcpListener, state: Arc<ShardStat
                 continue;
             }
         };
-        let took_over = holder(id).is_some();
-        if let Some((old, old_id, old_peer, _)) = current.take() {
-            if took_over {
-                tracing::warn!(
-                    %peer,
-                    previous = %old_peer,
-                    "a new tensor-parallel leader connected; dropping the previous one"
-                );
-                if old_id != 0 && !taken_from.contains(&old_id) {
-                    // Bounded: a rank outlives any number of restarted leaders.
-                    if taken_from.len() >= 64 {
-                        taken_from.pop_front();
-                    }
-                    taken_from.push_back(old_id);
-                }
-            }
-            let _ = old.shutdown(Shutdown::Both);
-        }
-        taken_from.retain(|&t| t != id);
-        keep_alive(&s);
-        sessions += 1;
-        if let Ok(k) = s.try_clone() {
-            current = Some((k, id, peer, sessions));
-        }
-        if tx.send((s, sessions)).is_err() {
-            return Err(RuntimeError::Tp(
-                "the shard's compute thread stopped".into(),
-            ));
+        // The leader's claim comes once its other ranks answered too (seconds, for one that
+        // dials a rank that is down): waited for aside, so this loop goes on answering.
+        let (holders, ended, tx) = (Arc::clone(&holders), Arc::clone(&ended), tx.clone());
+        let spawned = std::thread::Builder::new()
+            .name(format!("tp-claim-{}", shard.rank))
+            .spawn(move || claim(s, id, peer, shard.rank, &holders, &ended, &tx));
+        if let Err(e) = spawned {
+            tracing::warn!("tensor-parallel leader dropped: no thread to wait for its claim: {e}");
         }
     }
 }
 
-/// Reads and checks a leader's hello (within [`HANDSHAKE_TIMEOUT`]), answering OK or why not; the leader's
-/// identity. `gate` refuses a leader, saying why.
+/// Waits for the claim of a leader whose hello this rank answered, then serves it instead of
+/// the one it serves: not before, so a leader that could not reach its other ranks takes this
+/// one from nobody.
+fn claim(
+    mut s: TcpStream,
+    id: u64,
+    peer: String,
+    rank: usize,
+    holders: &std::sync::Mutex<Holders>,
+    ended: &std::sync::atomic::AtomicU64,
+    tx: &std::sync::mpsc::Sender<(TcpStream, u64)>,
+) {
+    use std::sync::atomic::Ordering;
+    let mut buf = Vec::new();
+    match read_frame_by(&mut s, &mut buf, MAX_HELLO, Instant::now() + CLAIM_TIMEOUT) {
+        Ok(CLAIM) => {}
+        Ok(k) => {
+            let why = format!("expected the leader's claim, got frame {k}");
+            let _ = write_frame(&mut s, ERR, why.as_bytes(), &mut buf);
+            tracing::warn!(%peer, "tensor-parallel connection refused: {why}");
+            return;
+        }
+        Err(e) => {
+            tracing::info!(
+                %peer,
+                "a tensor-parallel leader did not claim this rank (one of its other ranks \
+                 failed?): {e}"
+            );
+            return;
+        }
+    }
+    // A forward may come after any idle time.
+    if let Err(e) = s.set_read_timeout(None) {
+        tracing::warn!(%peer, "tensor-parallel connection dropped: {e}");
+        return;
+    }
+    let mut h = lock_holders(holders);
+    let ended = ended.load(Ordering::SeqCst);
+    // Checked again: another leader may have taken the rank since the hello.
+    if let Some(why) = h.gate(id, ended, rank) {
+        let _ = write_frame(&mut s, ERR, why.as_bytes(), &mut buf);
+        tracing::warn!(%peer, "tensor-parallel connection refused: {why}");
+        return;
+    }
+    let took_over = h.holder(id, ended).is_some();
+    if let Some((old, old_id, old_peer, _)) = h.current.take() {
+        if took_over {
+            tracing::warn!(
+                %peer,
+                previous = %old_peer,
+                "a new tensor-parallel leader connected; dropping the previous one"
+            );
+            if !h.taken_from.contains(&old_id) {
+                // Bounded: a rank outlives any number of restarted leaders.
+                if h.taken_from.len() >= 64 {
+                    h.taken_from.pop_front();
+                }
+                h.taken_from.push_back(old_id);
+            }
+        }
+        let _ = old.shutdown(Shutdown::Both);
+    }
+    h.taken_from.retain(|&t| t != id);
+    keep_alive(&s);
+    h.sessions += 1;
+    let session = h.sessions;
+    if let Ok(k) = s.try_clone() {
+        h.current = Some((k, id, peer, session));
+    }
+    // Sent under the lock: the compute thread gets sessions in their order.
+    if tx.send((s, session)).is_err() {
+        tracing::error!("the shard's compute thread stopped");
+    }
+}
+
+/// Reads and checks a leader's hello (all of it within [`HANDSHAKE_TIMEOUT`]), answering OK
+/// or why not; the leader's identity. `gate` refuses a leader, saying why.
 fn handshake(
     model: &Model,
     s: &mut TcpStream,
     buf: &mut Vec<u8>,
     gate: &dyn Fn(u64) -> Option<String>,
 ) -> Result<u64> {
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
     s.set_nodelay(true)?;
-    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    // The answer is small, but a peer that reads nothing must not hold the accept loop either.
+    s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
     let mut out = Vec::new();
-    if read_frame_max(s, buf, MAX_HELLO)? != HELLO {
+    if read_frame_by(s, buf, MAX_HELLO, deadline)? != HELLO {
         return Err(RuntimeError::Tp("the first frame was not a hello".into()));
     }
     let refuse = |s: &mut TcpStream, why: String, out: &mut Vec<u8>| -> Result<u64> {
@@ -1086,6 +1317,14 @@ fn handshake(
                 "protocol version {} here, {} there",
                 PROTOCOL_VERSION, h.version
             ),
+            &mut out,
+        );
+    }
+    // Every leader sends a nonzero identity, which the take-over fencing goes by.
+    if h.leader == 0 {
+        return refuse(
+            s,
+            "the leader sent no identity (an older build?); this rank needs one".into(),
             &mut out,
         );
     }
@@ -1109,9 +1348,9 @@ fn handshake(
     if let Some(why) = gate(h.leader) {
         return refuse(s, why, &mut out);
     }
-    // A forward may come after any idle time.
-    s.set_read_timeout(None)?;
     write_frame(s, OK, &[], &mut out)?;
+    // Forwards may take longer to read than a handshake.
+    s.set_write_timeout(None)?;
     Ok(h.leader)
 }
 
@@ -1186,7 +1425,7 @@ fn forward(
         let r = r[0] as u64 | (r[1] as u64) << 32;
         caches.retain(|(i, _, _)| *i != r);
     }
-    if nb == 0 || bs == 0 || nb.saturating_mul(bs) > 1 << 28 {
+    if nb == 0 || bs == 0 || nb.saturating_mul(bs) > MAX_CACHE_SLOTS {
         return Err(bad(format!("a cache of {nb} blocks of {bs}")));
     }
     let meta = BatchMeta::decode(&mut w, bs, nb, cfg.max_ctx)?;
@@ -1400,5 +1639,353 @@ mod tests {
         assert!(BatchMeta::decode(&mut Words(&short), 4, 8, 64).is_err());
         assert!(BatchMeta::decode(&mut Words(&w), 4, 8, 4).is_err());
         assert!(BatchMeta::decode(&mut Words(&w[..w.len() - 1]), 4, 8, 64).is_err());
+    }
+
+    // Links over loopback: shard ranks served on threads, fake ranks and relays.
+
+    use crate::model::{ForwardOptions, ForwardOutput, LogitsMode, SeqInput};
+    use crate::tiny::{TinySpec, tiny_model_path};
+    use crate::{LoadOptions, SeqId};
+    use std::net::TcpListener;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    fn load(spec: &TinySpec, name: &str, tp: Option<TpOptions>) -> Model {
+        let path = tiny_model_path(spec, name).unwrap();
+        let o = LoadOptions {
+            threads: 1,
+            tp,
+            ..Default::default()
+        };
+        Model::load(&path, &o).unwrap()
+    }
+
+    /// Ranks 1.. of `world` served on loopback: their addresses, and rank 1's model.
+    fn ranks(spec: &TinySpec, name: &str, world: usize) -> (Vec<String>, Arc<Model>) {
+        let mut first = None;
+        let peers = (1..world)
+            .map(|r| {
+                let m = Arc::new(load(spec, name, Some(TpOptions::shard(r, world))));
+                first.get_or_insert_with(|| Arc::clone(&m));
+                let l = TcpListener::bind("127.0.0.1:0").unwrap();
+                let a = l.local_addr().unwrap().to_string();
+                std::thread::spawn(move || serve(m, l));
+                a
+            })
+            .collect();
+        (peers, first.unwrap())
+    }
+
+    fn leader_opts(peers: Vec<String>) -> TpOptions {
+        let mut t = TpOptions::leader(peers);
+        t.connect_timeout = Duration::from_secs(10);
+        t.io_timeout = Duration::from_secs(20);
+        t
+    }
+
+    /// One new sequence's forward over `tokens` in `c`; the sequence is removed after.
+    fn step(m: &Model, c: &mut KvCache, tokens: &[u32]) -> Result<ForwardOutput> {
+        let seq: SeqId = c.new_seq();
+        let r = m.forward(
+            c,
+            &[SeqInput {
+                seq,
+                tokens,
+                logits: LogitsMode::Last,
+            }],
+            &ForwardOptions::default(),
+        );
+        c.remove(seq).unwrap();
+        r
+    }
+
+    /// A rank that answers every hello OK and records the kinds of the frames that follow.
+    fn fake_rank() -> (String, Arc<Mutex<Vec<u8>>>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let kinds: Arc<Mutex<Vec<u8>>> = Arc::default();
+        let k = Arc::clone(&kinds);
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { continue };
+                let k = Arc::clone(&k);
+                std::thread::spawn(move || {
+                    let (mut buf, mut out) = (Vec::new(), Vec::new());
+                    if read_frame_max(&mut s, &mut buf, MAX_HELLO).is_err()
+                        || write_frame(&mut s, OK, &[], &mut out).is_err()
+                    {
+                        return;
+                    }
+                    while let Ok(kind) = read_frame(&mut s, &mut buf) {
+                        k.lock().unwrap().push(kind);
+                    }
+                });
+            }
+        });
+        (addr, kinds)
+    }
+
+    /// A relay in front of a rank whose answers stop while `hung` is set (the rank stopped
+    /// mid-forward: what it was sent arrives, nothing comes back).
+    fn hanging_relay(to: String) -> (String, Arc<AtomicBool>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let hung = Arc::new(AtomicBool::new(false));
+        let h = Arc::clone(&hung);
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(s) = s else { continue };
+                let Ok(up) = TcpStream::connect(&to) else {
+                    continue;
+                };
+                let pumps = [
+                    (s.try_clone().unwrap(), up.try_clone().unwrap(), None),
+                    (up, s, Some(Arc::clone(&h))),
+                ];
+                for (mut from, mut to, hold) in pumps {
+                    std::thread::spawn(move || {
+                        let mut b = vec![0u8; 1 << 16];
+                        while let Ok(k @ 1..) = from.read(&mut b) {
+                            while hold.as_ref().is_some_and(|h| h.load(Ordering::SeqCst)) {
+                                std::thread::sleep(Duration::from_millis(10));
+                            }
+                            if to.write_all(&b[..k]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+            }
+        });
+        (addr, hung)
+    }
+
+    /// A stale rank address now served by HTTP: the answer to the hello reads as a frame of
+    /// 790 MB, refused at once instead of allocated.
+    #[test]
+    fn a_non_rank_answering_the_hello_is_refused_without_reading_its_frame() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { continue };
+                let mut b = [0u8; 4096];
+                let _ = s.read(&mut b);
+                let _ = s.write_all(
+                    b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                );
+                let _ = s.shutdown(Shutdown::Write);
+                // Drained until the leader hangs up: closing with its bytes unread would reset
+                // the connection before the leader reads the answer.
+                let _ = std::io::copy(&mut s, &mut std::io::sink());
+            }
+        });
+        let mut t = leader_opts(vec![addr]);
+        t.connect_timeout = Duration::ZERO;
+        let t0 = Instant::now();
+        let e = Group::connect(&t, cfg(4, 8, 96), 0)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        let len = u32::from_le_bytes(*b"TTP/");
+        assert!(e.contains(&format!("a frame of {len} bytes")), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    }
+
+    /// A rank that stops answering mid-forward fails the forward within the links' I/O
+    /// timeout (30 s unless set), not two minutes later.
+    #[test]
+    fn a_hung_rank_fails_a_forward_within_the_io_timeout() {
+        assert_eq!(
+            TpOptions::leader(vec![]).io_timeout,
+            Duration::from_secs(30)
+        );
+        let spec = TinySpec::llama(3);
+        let (peers, _) = ranks(&spec, "tp-unit-llama", 2);
+        let (addr, hung) = hanging_relay(peers[0].clone());
+        let mut t = leader_opts(vec![addr]);
+        t.io_timeout = Duration::from_secs(1);
+        let m = load(&spec, "tp-unit-llama", Some(t));
+        let mut c = m.new_cache(64, 8).unwrap();
+        step(&m, &mut c, &[1, 2, 3]).unwrap();
+        hung.store(true, Ordering::SeqCst);
+        let t0 = Instant::now();
+        let e = step(&m, &mut c, &[4, 5]).unwrap_err();
+        let took = t0.elapsed();
+        assert!(matches!(e, RuntimeError::Tp(_)), "{e}");
+        assert!(
+            took >= Duration::from_millis(900) && took < Duration::from_secs(4),
+            "the forward failed after {took:?}"
+        );
+        let mut t = leader_opts(vec!["127.0.0.1:1".into()]);
+        t.io_timeout = Duration::ZERO;
+        assert!(matches!(
+            Group::connect(&t, cfg(4, 8, 96), 0).map(|_| ()),
+            Err(RuntimeError::Config(_))
+        ));
+    }
+
+    /// A forward too large for the links is refused before anything is sent: the links, and
+    /// the KV the ranks hold for every cache, stay.
+    #[test]
+    fn an_oversized_forward_is_refused_before_it_is_sent() {
+        let (addr, kinds) = fake_rank();
+        let wide = ModelConfig {
+            d_model: 4096,
+            ..cfg(4, 8, 96)
+        };
+        let mut g = Group::connect(&leader_opts(vec![addr]), wide, 0).unwrap();
+        let mut c = KvCache::new(KvConfig {
+            n_layers: 1,
+            n_kv_heads: 4,
+            head_dim: 16,
+            block_size: 16,
+            num_blocks: 4,
+            dtype: KvDtype::F16,
+        })
+        .unwrap();
+        let meta = |n: usize| BatchMeta::new(vec![(0, n)], vec![vec![0; n.div_ceil(16)]], 16);
+        // Past the tokens a forward carries; past a frame's bytes (n × 4096 floats).
+        for n in [MAX_TOKENS + 1, MAX_FRAME / (4 * 4096) + 1] {
+            let e = g.begin(&mut c, &meta(n)).unwrap_err();
+            assert!(matches!(e, RuntimeError::Invalid(_)), "{e}");
+            assert!(e.to_string().contains(&n.to_string()), "{e}");
+        }
+        assert!(c.tp_tag().is_none());
+        assert_eq!((g.state.connects(), g.state.up()), (1, true));
+        // The links still carry forwards.
+        g.begin(&mut c, &meta(3)).unwrap();
+        let t0 = Instant::now();
+        while kinds.lock().unwrap().len() < 2 && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(*kinds.lock().unwrap(), vec![CLAIM, BEGIN]);
+        assert_eq!(g.state.connects(), 1);
+    }
+
+    /// Rank 0 refuses a KV cache past the ranks' MAX_CACHES (they would drop the least
+    /// recently used one, maybe the engine's, whose next forward would then reset the group):
+    /// the others go on, and a cache dropped makes room.
+    #[test]
+    fn a_cache_past_what_the_ranks_keep_is_refused_and_the_others_go_on() {
+        let spec = TinySpec::llama(3);
+        let (peers, _) = ranks(&spec, "tp-unit-llama", 2);
+        let m = load(&spec, "tp-unit-llama", Some(leader_opts(peers)));
+        let mut caches: Vec<KvCache> = (0..MAX_CACHES)
+            .map(|_| m.new_cache(64, 8).unwrap())
+            .collect();
+        for c in &mut caches {
+            step(&m, c, &[1, 2]).unwrap();
+        }
+        let mut extra = m.new_cache(64, 8).unwrap();
+        let e = step(&m, &mut extra, &[3]).unwrap_err().to_string();
+        assert!(e.contains("at most 4 KV caches"), "{e}");
+        // The engine's cache (the least recently used) is still on the ranks.
+        for c in &mut caches {
+            step(&m, c, &[4]).unwrap();
+        }
+        caches.pop();
+        step(&m, &mut extra, &[3]).unwrap();
+        step(&m, &mut caches[0], &[5]).unwrap();
+        assert_eq!(m.tp_links().unwrap().connects(), 1);
+    }
+
+    /// A connection that trickles its hello in (a byte every 2 s, each within the read
+    /// timeout) is dropped at the handshake's deadline: a leader behind it links in seconds.
+    #[test]
+    fn a_trickling_connection_does_not_hold_the_accept_loop() {
+        let spec = TinySpec::llama(3);
+        let (peers, rank) = ranks(&spec, "tp-unit-llama", 2);
+        let mut slow = TcpStream::connect(&peers[0]).unwrap();
+        std::thread::spawn(move || {
+            for b in [HELLO, 100, 0, 0, 0].into_iter().chain([b' '; 100]) {
+                if slow.write_all(&[b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_secs(2));
+            }
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        let t0 = Instant::now();
+        let g = Group::connect(&leader_opts(peers), rank.cfg.clone(), rank.fingerprint());
+        assert!(g.is_ok(), "{:?}", g.map(|_| ()).unwrap_err());
+        assert!(
+            t0.elapsed() < HANDSHAKE_TIMEOUT + Duration::from_secs(2),
+            "linked after {:?}",
+            t0.elapsed()
+        );
+    }
+
+    /// A hello without a leader identity (builds before fencing sent none) is refused, or it
+    /// would pass every take-over check and never be fenced.
+    #[test]
+    fn a_leader_without_an_identity_is_refused() {
+        let spec = TinySpec::llama(3);
+        let (peers, rank) = ranks(&spec, "tp-unit-llama", 2);
+        let hello = |leader: u64| {
+            serde_json::to_vec(&Hello {
+                version: PROTOCOL_VERSION,
+                rank: 1,
+                world: 2,
+                config: rank.cfg.clone(),
+                fingerprint: rank.fingerprint(),
+                leader,
+            })
+            .unwrap()
+        };
+        let answer = |h: Vec<u8>| {
+            let mut s = TcpStream::connect(&peers[0]).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut buf = Vec::new();
+            write_frame(&mut s, HELLO, &h, &mut buf).unwrap();
+            let k = read_frame_max(&mut s, &mut buf, MAX_HELLO).unwrap();
+            (k, String::from_utf8_lossy(&buf).into_owned())
+        };
+        let (k, why) = answer(hello(0));
+        assert_eq!(k, ERR);
+        assert!(why.contains("no identity"), "{why}");
+        // Nor does a hello leave the field out.
+        let mut v: serde_json::Value = serde_json::from_slice(&hello(7)).unwrap();
+        v.as_object_mut().unwrap().remove("leader");
+        let (k, why) = answer(serde_json::to_vec(&v).unwrap());
+        assert_eq!((k, why.contains("no identity")), (ERR, true), "{why}");
+        assert_eq!(answer(hello(7)).0, OK);
+    }
+
+    /// A leader that reaches one of its ranks and not another takes neither: the leader
+    /// serving them keeps its links while the other retries every 250 ms.
+    #[test]
+    fn a_leader_that_cannot_reach_every_rank_takes_none() {
+        // Three ranks: six heads over three KV heads, an FFN of 3 × 64.
+        let spec = TinySpec {
+            d_model: 96,
+            n_heads: 6,
+            n_kv_heads: 3,
+            ffn_dim: 192,
+            ..TinySpec::llama(4)
+        };
+        let (peers, rank) = ranks(&spec, "tp-unit-llama3", 3);
+        let a = load(&spec, "tp-unit-llama3", Some(leader_opts(peers.clone())));
+        let mut c = a.new_cache(64, 8).unwrap();
+        step(&a, &mut c, &[1, 2, 3]).unwrap();
+        let closed = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        };
+        let mut t = leader_opts(vec![peers[0].clone(), closed]);
+        t.connect_timeout = Duration::from_secs(3);
+        let (cfg, fp) = (rank.cfg.clone(), rank.fingerprint());
+        let b = std::thread::spawn(move || Group::connect(&t, cfg, fp).map(|_| ()));
+        let mut n = 0;
+        while !b.is_finished() {
+            step(&a, &mut c, &[4, 5]).unwrap();
+            n += 1;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(b.join().unwrap().is_err());
+        assert!(n > 10, "{n} forwards");
+        step(&a, &mut c, &[6]).unwrap();
+        assert_eq!(a.tp_links().unwrap().connects(), 1);
     }
 }

@@ -32,7 +32,7 @@ pub enum TargetError {
     Spec(#[from] specdec::SpecError),
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
-    #[error("io: {0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
 }
 
@@ -137,6 +137,13 @@ pub struct TargetArgs {
     /// How long to wait at start for the other ranks to come up.
     #[arg(long, env = "DSPARK_TP_CONNECT_TIMEOUT_S", default_value_t = 600)]
     pub tp_connect_timeout_s: u64,
+    /// Seconds one exchange with a tensor-parallel rank (one read or write on its link) may
+    /// take before the link counts as lost and is dialled again: a rank that hangs (stopped,
+    /// swapping) holds the engine this long. Above the slowest layer of the largest prefill
+    /// chunk on a rank.
+    #[arg(long, env = "DSPARK_TP_IO_TIMEOUT_S", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub tp_io_timeout_s: u64,
     /// KV cache element type: f16 (half the bytes attention reads), f32, int8v (f16 keys,
     /// 8-bit values: 77 % of f16's bytes) or int8 (8-bit keys, rotated, and values: 53 %).
     #[arg(long, env = "DSPARK_KV_CACHE_DTYPE", default_value = "f16")]
@@ -250,7 +257,9 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         tokio::net::TcpSocket::new_v6()?
     };
     socket.set_reuseaddr(true)?;
-    socket.bind(args.listen)?;
+    socket.bind(args.listen).map_err(|e| {
+        std::io::Error::new(e.kind(), format!("cannot listen on {}: {e}", args.listen))
+    })?;
     let addr = socket.local_addr()?;
     let advertised = advertise(addr)?;
     let id = args.id.clone().unwrap_or_else(|| {
@@ -283,7 +292,9 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         .map(|l| (engine.model().tp_degree(), l));
     let metrics = Arc::new(wm);
     if let Some(a) = args.metrics_listen {
-        let l = tokio::net::TcpListener::bind(a).await?;
+        let l = tokio::net::TcpListener::bind(a)
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {a}: {e}")))?;
         println!(
             "target worker metrics at http://{}/metrics",
             l.local_addr()?
@@ -520,6 +531,7 @@ fn build_engine(
     } else {
         let mut tp = dspark_runtime::tp::TpOptions::leader(a.tp_peers.clone());
         tp.connect_timeout = Duration::from_secs(a.tp_connect_timeout_s);
+        tp.io_timeout = Duration::from_secs(a.tp_io_timeout_s);
         let mut h = hub.clone();
         h.opts.tp = Some(tp);
         let t = h.load(&a.model)?;
