@@ -58,7 +58,7 @@ pub struct SpecArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
     pub gammas: Vec<usize>,
     /// Use only the first N prompts of the set.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::config::at_least_one)]
     pub limit: Option<usize>,
     /// Fixed γ (no per-request gate).
     #[arg(long)]
@@ -76,7 +76,7 @@ pub struct SpecArgs {
     /// passes are not independent samples: each group's log ratio to `none` is averaged over
     /// the passes, and the speedup is the geometric mean over the groups, with a 95 %
     /// t-interval over the groups (n = groups, the prompts at concurrency 1).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = crate::config::at_least_one)]
     pub rounds: usize,
     /// Untimed requests each arm's engine serves before round 0, on the set's prompts in turn
     /// (default: two waves of `--concurrency`, at least 48, as `bench frontier`): the
@@ -110,7 +110,7 @@ pub struct VerifyCurveArgs {
     pub ctx: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,6,8,12,16,24,32")]
     pub k: Vec<usize>,
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16", value_parser = crate::config::at_least_one)]
     pub batch: Vec<usize>,
     /// Timed repetitions per point (after four untimed forwards per k). Each repetition times
     /// every k once, in a seeded shuffled order; the ratio column and the plot use the median.
@@ -144,7 +144,7 @@ pub struct DecodeArgs {
     /// Paired rounds (ours and llama.cpp back to back, the order alternating): the ratio is the
     /// geometric mean of the per-round ratios, with a 95 % interval. Batch 8 (no peer) is timed
     /// once per round too; each arm's printed tok/s is its best round.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = crate::config::at_least_one)]
     pub rounds: usize,
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -175,7 +175,8 @@ pub(crate) fn command_line() -> String {
 pub(crate) fn write_json(path: &Option<PathBuf>, v: &serde_json::Value) -> anyhow::Result<()> {
     if let Some(p) = path {
         if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| anyhow::anyhow!("cannot create the folder of {}: {e}", p.display()))?;
         }
         let mut v = v.clone();
         if let (Some(obj), serde_json::Value::Object(extra)) = (v.as_object_mut(), provenance(p)) {
@@ -359,6 +360,17 @@ fn verify_curve(g: &Global, a: VerifyCurveArgs) -> anyhow::Result<()> {
         },
     )?;
     let max_k = ks.iter().max().copied().unwrap_or(1);
+    // Checked before minutes of prefill: the longest context plus the largest k must fit.
+    if let Some(&ctx) = a.ctx.iter().max()
+        && ctx + max_k > model.cfg.max_ctx
+    {
+        anyhow::bail!(
+            "--ctx {ctx} with --k {max_k} needs {} positions, more than the model's context of \
+             {} tokens",
+            ctx + max_k,
+            model.cfg.max_ctx
+        );
+    }
     let mut points = Vec::new();
     out!(
         "{:>6} {:>6} {:>4} {:>10} {:>10} {:>8}",
@@ -564,12 +576,10 @@ fn llama_cpp_decode(
 }
 
 fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
+    crate::config::check_outputs(&[a.json.as_deref()])?;
     let path = g.resolve_model(&a.model)?;
     let model = Model::load(&path, &g.load_opts())?;
     let threads = model.threads();
-    if a.rounds == 0 {
-        anyhow::bail!("--rounds must be at least 1");
-    }
     // Arms paired per round, the order alternating (ours first, then llama.cpp first), so
     // drift on a shared machine hits both.
     let python = a
@@ -657,11 +667,13 @@ fn decode(g: &Global, a: DecodeArgs) -> anyhow::Result<()> {
 const EVAL_TEXT: &str = include_str!("../../runtime/tests/data/eval_text.txt");
 
 fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
-    let path = g.resolve_model(&a.model)?;
+    crate::config::check_outputs(&[a.json.as_deref()])?;
     let text = match &a.text {
-        Some(p) => std::fs::read_to_string(p)?,
+        Some(p) => std::fs::read_to_string(p)
+            .map_err(|e| anyhow::anyhow!("--text {}: {e}", p.display()))?,
         None => EVAL_TEXT.to_string(),
     };
+    let path = g.resolve_model(&a.model)?;
     let tok = dspark_runtime::Tokenizer::load(&path)?;
     let mut ids = tok.encode(&text)?;
     if ids.is_empty() {
@@ -799,6 +811,7 @@ pub fn prompt_sets(name: &str) -> Vec<&str> {
 
 fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
     use specdec::{Event, ProposerKind, Request};
+    crate::config::check_outputs(&[a.json.as_deref()])?;
     if a.concurrency == 0 {
         anyhow::bail!("--concurrency must be at least 1");
     }
@@ -858,7 +871,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
         "ttft_ms",
         "per_call"
     )?;
-    let rounds = a.rounds.max(1);
+    let rounds = a.rounds;
     // Every arm's engine is built first (setup is not timed). The prompts then go in groups of
     // `concurrency`, and each group runs on every arm back to back, in a seeded shuffled order:
     // arms are compared on the same prompts within seconds of each other, so a slow spell of
@@ -1102,7 +1115,7 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
     let v = json!({
         "model": a.model, "drafters": a.drafter, "prompts": a.prompts, "n_prompts": ids.len(), "concurrency": a.concurrency,
         "temperature": a.temperature, "max_tokens": a.max_tokens, "gate": !a.no_gate, "threads": target.model.threads(),
-        "rounds": a.rounds.max(1), "command": command_line(), "greedy_outputs_identical": if a.temperature == 0.0 { json!(greedy_identical) } else { json!(null) },
+        "rounds": a.rounds, "command": command_line(), "greedy_outputs_identical": if a.temperature == 0.0 { json!(greedy_identical) } else { json!(null) },
         "warmup_requests": warmup,
         "groups": groups.iter().map(|g| [g.start, g.end]).collect::<Vec<_>>(),
         "speedup_method": "per arm, each prompt group's log ratio of tok/s to none averaged over the rounds; speedup = exp of the mean over the groups, speedup_ci95 = 95 % t-interval over the groups (n = ci_groups); paired_groups counts the (round, group) ratios",
@@ -1137,6 +1150,7 @@ pub fn mask_bench(g: &Global, a: MaskArgs) -> anyhow::Result<()> {
     use dspark_runtime::json_schema::{Pattern, Schema};
     use std::sync::Arc;
     anyhow::ensure!(a.iters >= 1, "--iters must be at least 1");
+    crate::config::check_outputs(&[a.json.as_deref()])?;
     let path = g.resolve_model(&a.model)?;
     let tok = dspark_runtime::Tokenizer::load(&path)?;
     let jv = JsonVocab::new(&tok);
@@ -1236,7 +1250,7 @@ pub struct SchedArgs {
     pub requests: usize,
     #[arg(long, default_value_t = 16)]
     pub gamma: usize,
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, value_parser = crate::config::at_least_one)]
     pub iters: usize,
     /// SPS table (a `dspark profile` JSON); default: a synthetic 2-core-CPU-like staircase.
     #[arg(long)]
@@ -1251,6 +1265,7 @@ pub struct SchedArgs {
 /// expensive case). The headline figures are the slower case.
 pub fn sched_bench(a: SchedArgs) -> anyhow::Result<()> {
     use dspark_scheduler::admission::{Admission, ReqLimits, Rule, SpsTable, StepLimits};
+    crate::config::check_outputs(&[a.json.as_deref()])?;
     anyhow::ensure!(
         a.requests >= 1 && a.requests <= dspark_scheduler::admission::MAX_REQUESTS,
         "--requests must be in 1..={}",
@@ -1303,7 +1318,7 @@ pub fn sched_bench(a: SchedArgs) -> anyhow::Result<()> {
         let mut rng = kernels::rng::Rng::new(5);
         let mut adm = Admission::default();
         let (mut times, mut lag_times, mut chosen) = (Vec::new(), Vec::new(), 0u64);
-        for _ in 0..a.iters.max(1) {
+        for _ in 0..a.iters {
             let conf: Vec<Vec<f32>> = (0..a.requests)
                 .map(|_| {
                     (0..a.gamma)
@@ -1328,7 +1343,7 @@ pub fn sched_bench(a: SchedArgs) -> anyhow::Result<()> {
         cases.push(serde_json::json!({
             "table": name, "median_us": med, "p99_us": p99,
             "select_top_median_us": pct(&mut lag_times, 0.5),
-            "mean_k_total": chosen as f64 / a.iters.max(1) as f64,
+            "mean_k_total": chosen as f64 / a.iters as f64,
         }));
     }
     let out = serde_json::json!({

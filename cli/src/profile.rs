@@ -34,6 +34,7 @@ pub struct ProfileArgs {
 pub fn run(g: &Global, a: ProfileArgs) -> anyhow::Result<()> {
     target_worker::sps::check_grid(&a.batch, &a.ctx).map_err(anyhow::Error::msg)?;
     anyhow::ensure!(a.reps >= 1, "--reps takes a value ≥ 1");
+    crate::config::check_outputs(&[a.json.as_deref()])?;
     let path = g.resolve_model(&a.model)?;
     let model = dspark_runtime::Model::load(
         &path,

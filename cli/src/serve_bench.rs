@@ -19,17 +19,17 @@ pub struct ServeArgs {
     #[arg(long, default_value = "chat")]
     pub prompts: String,
     /// Open loop: Poisson arrivals per second.
-    #[arg(long, conflicts_with = "concurrency")]
+    #[arg(long, conflicts_with = "concurrency", allow_negative_numbers = true, value_parser = crate::config::positive)]
     pub rate: Option<f64>,
     /// Closed loop: users sending back to back.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::config::at_least_one)]
     pub concurrency: Option<usize>,
     /// Seconds of load (requests in flight at the end are awaited and counted).
     #[arg(long, default_value_t = 30.0, value_parser = crate::config::seconds)]
     pub duration: f64,
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = crate::config::non_negative)]
     pub temperature: f64,
     /// Label stored with the result (e.g. the arm's name).
     #[arg(long, default_value = "")]
@@ -165,7 +165,7 @@ async fn one(client: &reqwest::Client, a: &ServeArgs, model: &str, prompt: &str)
     let resp = match req.send().await {
         Ok(r) => r,
         Err(e) => {
-            s.error = e.to_string();
+            s.error = error_chain(&e);
             return s;
         }
     };
@@ -178,9 +178,12 @@ async fn one(client: &reqwest::Client, a: &ServeArgs, model: &str, prompt: &str)
     let mut p = StreamParse::default();
     while let Some(chunk) = stream.next().await {
         let at = t0.elapsed().as_secs_f64();
-        let Ok(chunk) = chunk else {
-            p.s.error = "stream broke".into();
-            return p.s;
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                p.s.error = format!("stream broke: {}", error_chain(&e));
+                return p.s;
+            }
         };
         if p.read(at, &chunk) {
             return p.s;
@@ -188,6 +191,22 @@ async fn one(client: &reqwest::Client, a: &ServeArgs, model: &str, prompt: &str)
     }
     p.s.error = "stream ended without [DONE]".into();
     p.s
+}
+
+/// An error and its causes on one line (`error sending request: …: connection refused`), each
+/// cause left out where the message before already holds it.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        cause = c.source();
+    }
+    s
 }
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
@@ -200,6 +219,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.duration > 0.0, "--duration must be positive");
+    crate::config::check_outputs(&[a.json.as_deref()])?;
     let prompts = crate::bench::prompt_set(&a.prompts)?;
     let rt = tokio::runtime::Runtime::new()?;
     let out = rt.block_on(async {
@@ -248,7 +268,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
                 next += Duration::from_secs_f64(-u.ln() / rate);
             }
         } else {
-            let c = a.concurrency.unwrap_or(1).max(1);
+            let c = a.concurrency.unwrap_or(1);
             mode = json!({"mode": "closed", "concurrency": c});
             for u in 0..c {
                 let (a, cl, m, p) = (a2.clone(), client.clone(), model.clone(), prompts.clone());
@@ -424,6 +444,40 @@ mod tests {
         assert_eq!(s.itl_token.len(), 2);
         assert_eq!(s.itl_token[0], 0.0);
         assert!((s.itl_token[1] - 0.3).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_request_that_cannot_connect_reports_the_cause() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let a = ServeArgs {
+            url: format!("http://127.0.0.1:{port}"),
+            model: None,
+            prompts: "chat".into(),
+            rate: None,
+            concurrency: None,
+            duration: 1.0,
+            max_tokens: 4,
+            temperature: 0.0,
+            label: String::new(),
+            api_key: None,
+            warmup: 0,
+            json: None,
+        };
+        let client = reqwest::Client::builder().no_proxy().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let s = rt.block_on(one(&client, &a, "m", "hi"));
+        assert!(
+            !s.ok && s.error.to_lowercase().contains("refused"),
+            "{}",
+            s.error
+        );
     }
 
     #[test]

@@ -24,7 +24,7 @@ pub struct TpArgs {
     #[arg(long, value_delimiter = ',', default_value = "1,3", value_parser = crate::config::at_least_one)]
     pub degrees: Vec<usize>,
     /// Sequences per forward, one new token each (decode steps), at `--ctx` tokens of context.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32", value_parser = crate::config::at_least_one)]
     pub batch: Vec<usize>,
     #[arg(long, default_value_t = 256)]
     pub ctx: usize,
@@ -75,6 +75,7 @@ pub fn run(g: &Global, a: TpArgs) -> anyhow::Result<()> {
         !a.degrees.is_empty() && !a.batch.is_empty() && a.reps > 0 && a.rounds > 0,
         "--degrees, --batch, --reps and --rounds must not be empty or zero"
     );
+    crate::config::check_outputs(&[a.json.as_deref()])?;
     let path = g.resolve_model(&a.model)?;
     let tok = Tokenizer::load(&path)?;
     let splits = a

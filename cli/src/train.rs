@@ -32,7 +32,8 @@ pub struct TrainArgs {
     /// Tokens per target forward.
     #[arg(long, default_value_t = 192)]
     pub chunk: usize,
-    #[arg(long, default_value_t = 2e-3)]
+    /// Peak learning rate (finite, > 0).
+    #[arg(long, default_value_t = 2e-3, allow_negative_numbers = true, value_parser = crate::config::positive)]
     pub lr: f64,
     /// Stop reading training text after this many bytes.
     #[arg(long, default_value_t = 20_000_000)]
@@ -49,10 +50,10 @@ pub struct TrainArgs {
     pub pool: usize,
     /// Weight of the distillation term H(p_t, p_d) added to the CE/TV/confidence objective
     /// (0 = the objective alone).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = crate::config::non_negative)]
     pub alpha_kl: f64,
     /// Weight of the auxiliary parallel-only loss (the ablation sharing the backbone); 0 = off.
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true, value_parser = crate::config::non_negative)]
     pub parallel_weight: f64,
     /// Continue from the checkpoint in --out where it stopped: weights (f32), optimizer moments
     /// and data order come back as saved, so the run ends as the uninterrupted one would. (A
@@ -321,13 +322,13 @@ pub struct CalibrateArgs {
     /// takes the second half by default, so the two never share prompts).
     #[arg(long, default_value_t = 0)]
     pub offset: usize,
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = crate::config::at_least_one)]
     pub limit: usize,
     #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
     /// Decoding temperature of the calibration run: 0 fits the calibration greedy requests
     /// use, anything else the one sampled requests use (the other is kept).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = crate::config::non_negative_f32)]
     pub temperature: f32,
     /// Calibrate the confidence head's logit alone (the paper's STS), without mixing in the
     /// draft distribution's top probability and entropy.
@@ -651,7 +652,7 @@ pub struct GenDataArgs {
     pub out: PathBuf,
     #[arg(long, default_value_t = 192)]
     pub max_tokens: usize,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = crate::config::non_negative_f32)]
     pub temperature: f32,
     /// Requests decoded together.
     #[arg(long, default_value_t = 32, value_parser = crate::config::at_least_one)]

@@ -17,8 +17,9 @@ pub struct UpArgs {
     /// (default: the shipped DSpark drafter for the target, else ngram).
     #[arg(long)]
     pub drafter: Option<String>,
-    #[arg(long, default_value_t = 1)]
-    pub draft_workers: usize,
+    /// Draft workers (default 1; with --in-process-drafter none start, so it takes none).
+    #[arg(long)]
+    pub draft_workers: Option<usize>,
     #[arg(long, default_value_t = 1)]
     pub target_workers: usize,
     /// Tensor-parallel degree of each target worker: it runs as rank 0 with this many minus
@@ -290,12 +291,39 @@ fn check_free(addr: SocketAddr) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether the model at `path` splits into `tp` tensor-parallel ranks, from its configuration
+/// alone (no weights read).
+fn check_tp(path: &std::path::Path, tp: usize) -> anyhow::Result<()> {
+    let cfg = if path.is_dir() {
+        let p = path.join("config.json");
+        let text = std::fs::read_to_string(&p)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", p.display()))?;
+        dspark_runtime::ModelConfig::from_hf_json(&text)?
+    } else {
+        dspark_runtime::ModelConfig::from_gguf(&dspark_runtime::gguf::GgufFile::open(path)?)?
+    };
+    dspark_runtime::tp::Shard { rank: 0, world: tp }
+        .local(&cfg)
+        .map_err(|e| anyhow::anyhow!("--tp {tp}: {e}"))?;
+    Ok(())
+}
+
 pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
-    if a.draft_workers == 0 && !a.in_process_drafter {
+    if let (true, Some(n @ 1..)) = (a.in_process_drafter, a.draft_workers) {
+        anyhow::bail!(
+            "--draft-workers {n} with --in-process-drafter: the drafter runs inside each target \
+             worker, so no draft worker would start; give one or the other"
+        );
+    }
+    if a.draft_workers == Some(0) && !a.in_process_drafter {
         eprintln!("no draft workers: target workers decode with their local fallback drafter");
     }
     anyhow::ensure!(a.target_workers >= 1, "--target-workers must be at least 1");
     anyhow::ensure!(a.tp >= 1, "--tp must be at least 1");
+    anyhow::ensure!(
+        a.startup_timeout >= 1,
+        "--startup-timeout must be at least 1 second (the cluster needs time to load and start)"
+    );
     // What the target workers would refuse, refused before anything is fetched or started.
     target_worker::check_engine_args(a.gamma, a.max_running, &a.verify_policy)
         .map_err(anyhow::Error::msg)?;
@@ -305,7 +333,11 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
     );
     let listen = router_listen(&a.host, a.port)?;
     // Fetch once here so the children do not race for the download.
-    g.resolve_model(&a.target)?;
+    let path = g.resolve_model(&a.target)?;
+    // A degree the model does not split into, refused before any rank starts.
+    if a.tp > 1 {
+        check_tp(&path, a.tp)?;
+    }
     let drafter = a
         .drafter
         .clone()
@@ -391,7 +423,7 @@ fn run_cluster(
     let drafts = if a.in_process_drafter {
         0
     } else {
-        a.draft_workers
+        a.draft_workers.unwrap_or(1)
     };
     for i in 0..drafts {
         let mut d = vec![

@@ -33,7 +33,7 @@ pub enum DraftError {
     Sched(#[from] dspark_scheduler::SchedError),
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
-    #[error("io: {0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
 }
 
@@ -119,7 +119,9 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     let host = tokio::task::spawn_blocking(move || drafting::DraftHost::load(&hub2, &a2))
         .await
         .map_err(|e| DraftError::Config(format!("loader: {e}")))??;
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| DraftError::Config(format!("cannot listen on {}: {e}", args.listen)))?;
     let addr = listener.local_addr()?;
     let advertised = advertise(addr)?;
     let id = args.id.clone().unwrap_or_else(|| {
@@ -154,7 +156,9 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     let svc = service::DraftService::start(host, info.clone())?;
     let load = svc.load_counter();
     if let Some(a) = args.metrics_listen {
-        let l = tokio::net::TcpListener::bind(a).await?;
+        let l = tokio::net::TcpListener::bind(a)
+            .await
+            .map_err(|e| DraftError::Config(format!("cannot listen on {a}: {e}")))?;
         println!("draft worker metrics at http://{}/metrics", l.local_addr()?);
         let m = svc.metrics();
         tokio::spawn(dspark_scheduler::prom::serve(

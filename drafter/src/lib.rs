@@ -24,12 +24,19 @@ pub enum DrafterError {
     WrongTarget(String),
     #[error("invalid: {0}")]
     Invalid(String),
-    #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    /// Candle's own text, without the backtrace it carries under RUST_BACKTRACE.
+    #[error("{}", dspark_runtime::error::candle_message(.0))]
+    Candle(candle_core::Error),
     #[error(transparent)]
     Runtime(#[from] dspark_runtime::RuntimeError),
-    #[error("io: {0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
+}
+
+impl From<candle_core::Error> for DrafterError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Candle(e)
+    }
 }
 
 pub type Result<T, E = DrafterError> = std::result::Result<T, E>;

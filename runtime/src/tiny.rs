@@ -299,7 +299,7 @@ fn write_file(
 pub fn slice_gguf(src: &Path, dst: &Path, layers: usize) -> Result<()> {
     let corrupt = |e: candle_core::Error| crate::RuntimeError::Corrupt {
         path: src.display().to_string(),
-        reason: e.to_string(),
+        reason: crate::error::candle_message(&e),
     };
     let mut f = std::fs::File::open(src)
         .map_err(|_| crate::RuntimeError::NotFound(src.display().to_string()))?;
@@ -354,17 +354,37 @@ pub fn slice_gguf(src: &Path, dst: &Path, layers: usize) -> Result<()> {
     write_file(dst, &metadata, &tensors)
 }
 
-/// Writes (once per process and path) and returns the path of a tiny model in the temp dir.
+/// Writes (once per process, name and spec) and returns the path of a tiny model in the temp
+/// dir. The file is named by `name` and a hash of every field of `spec`, so two specs never
+/// share one; it is written by this process before its first use here (never taken from disk:
+/// a file left by an earlier process of the same id may come from another generator, or be cut
+/// short by a crash), through a temporary file renamed into place, so it is whole once it
+/// exists.
 pub fn tiny_model_path(spec: &TinySpec, name: &str) -> Result<std::path::PathBuf> {
-    // Tests run in parallel threads: one writer at a time.
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    use std::collections::HashSet;
+    use std::path::PathBuf;
+    // Tests run in parallel threads: one writer at a time, and the paths this process wrote.
+    static WRITTEN: std::sync::Mutex<Option<HashSet<PathBuf>>> = std::sync::Mutex::new(None);
+    let mut written = WRITTEN.lock().unwrap_or_else(|e| e.into_inner());
+    let written = written.get_or_insert_with(HashSet::new);
     let dir = std::env::temp_dir().join(format!("dspark-tiny-{}", std::process::id()));
-    let path = dir.join(format!("{name}.gguf"));
-    if !path.exists() {
+    let path = dir.join(format!("{name}-{:016x}.gguf", spec_hash(spec)));
+    if !written.contains(&path) {
+        // Through a temporary file renamed into place (`write_file`).
         write_gguf(spec, &path)?;
+        written.insert(path.clone());
     }
     Ok(path)
+}
+
+/// A stable hash (FNV-1a, 64-bit) of every field of `spec`, through its `Debug` form (floats
+/// print exactly there): the same across processes and builds, unlike `std`'s hasher.
+fn spec_hash(spec: &TinySpec) -> u64 {
+    format!("{spec:?}")
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+        })
 }
 
 trait MinFor {
@@ -441,4 +461,46 @@ pub fn fingerprint(bits: &[u32]) -> u64 {
             .iter()
             .fold(h, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file already on the path (left by an earlier process of the same id, cut short by a
+    /// crash) is written over on first use; the same name with another spec is another file.
+    #[test]
+    fn tiny_model_path_writes_its_own_file_per_spec() {
+        let spec = TinySpec::llama(71);
+        let dir = std::env::temp_dir().join(format!("dspark-tiny-{}", std::process::id()));
+        let stale = dir.join(format!("tiny-path-test-{:016x}.gguf", spec_hash(&spec)));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(&stale, b"GGUF truncated").unwrap();
+        let p = tiny_model_path(&spec, "tiny-path-test").unwrap();
+        assert_eq!(p, stale);
+        let whole = std::fs::read(&p).unwrap();
+        assert!(
+            whole.len() > 1000 && whole.starts_with(b"GGUF"),
+            "{}",
+            whole.len()
+        );
+        let opts = crate::LoadOptions {
+            threads: 1,
+            ..Default::default()
+        };
+        crate::Model::load(&p, &opts).unwrap();
+        // Once written, the same spec is the same file, not written again.
+        let modified = std::fs::metadata(&p).unwrap().modified().unwrap();
+        assert_eq!(tiny_model_path(&spec, "tiny-path-test").unwrap(), p);
+        assert_eq!(std::fs::metadata(&p).unwrap().modified().unwrap(), modified);
+        // Any field changed (here the last one): another file.
+        let other = TinySpec {
+            embed_scale: 0.5,
+            ..spec.clone()
+        };
+        let q = tiny_model_path(&other, "tiny-path-test").unwrap();
+        assert_ne!(q, p);
+        assert_ne!(std::fs::read(&q).unwrap(), whole);
+        assert_ne!(spec_hash(&spec), spec_hash(&TinySpec::llama(72)));
+    }
 }

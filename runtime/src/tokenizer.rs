@@ -117,7 +117,7 @@ impl Tokenizer {
         } else {
             tokenizers::Tokenizer::from_gguf(&g.content)
         }
-        .map_err(tok_err)?;
+        .map_err(|e| tok_err(crate::error::candle_message(&e)))?;
         if pre == "gpt2" || pre.is_empty() {
             // GPT-2's own tokenizer adds no space in front (candle's default does).
             inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));

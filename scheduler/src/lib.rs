@@ -27,7 +27,7 @@ pub enum SchedError {
     Poisoned,
     #[error("transport: {0}")]
     Transport(#[from] tonic::transport::Error),
-    #[error("io: {0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
 }
 
@@ -83,10 +83,16 @@ pub async fn serve(
         let eps = e.split(',').map(|s| s.trim().to_string()).collect();
         discovery::spawn_etcd_watcher(eps, Arc::clone(&svc.cluster));
     }
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot listen on {}: {e}", args.listen))
+        })?;
     let addr = listener.local_addr()?;
     if let Some(a) = args.metrics_listen {
-        let l = tokio::net::TcpListener::bind(a).await?;
+        let l = tokio::net::TcpListener::bind(a)
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {a}: {e}")))?;
         println!("scheduler metrics at http://{}/metrics", l.local_addr()?);
         let s = svc.clone();
         tokio::spawn(prom::serve(l, Arc::new(move || s.render_metrics())));

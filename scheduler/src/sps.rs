@@ -73,20 +73,25 @@ pub enum SpsError {
     },
     #[error(transparent)]
     Table(#[from] AdmissionError),
-    #[error("io: {0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
+}
+
+/// An io error that names the file it was about (its kind kept).
+fn at(e: std::io::Error, what: &str, path: &Path) -> std::io::Error {
+    std::io::Error::new(e.kind(), format!("{what} {}: {e}", path.display()))
 }
 
 impl SpsArtifact {
     pub fn save(&self, path: &Path) -> Result<(), SpsError> {
         if let Some(d) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(d)?;
+            std::fs::create_dir_all(d).map_err(|e| at(e, "cannot create", d))?;
         }
         let text = serde_json::to_string_pretty(self).map_err(|e| SpsError::Invalid {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        std::fs::write(path, text)?;
+        std::fs::write(path, text).map_err(|e| at(e, "cannot write", path))?;
         Ok(())
     }
 
@@ -96,7 +101,7 @@ impl SpsArtifact {
             path: path.display().to_string(),
             reason,
         };
-        let text = std::fs::read_to_string(path)?;
+        let text = std::fs::read_to_string(path).map_err(|e| at(e, "cannot read", path))?;
         let a: SpsArtifact = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
         if a.version != ARTIFACT_VERSION {
             return Err(bad(format!(
