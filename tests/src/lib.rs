@@ -69,16 +69,34 @@ pub async fn exits_within(
     }
 }
 
-/// A counter or gauge from a Prometheus `/metrics` page (0 when absent).
+/// A counter or gauge from a Prometheus `/metrics` page. A page that does not answer, or
+/// lacks the sample, panics naming it: every service renders each of its metrics (counters
+/// at 0 included) on every scrape, so a missing one is a down page or a renamed metric, which
+/// must not read as a zero.
 pub async fn metric(base: &str, name: &str) -> f64 {
-    let text = match http().get(format!("{base}/metrics")).send().await {
-        Ok(r) => r.text().await.unwrap_or_default(),
-        Err(_) => String::new(),
-    };
-    text.lines()
+    try_metric(base, name)
+        .await
+        .unwrap_or_else(|e| panic!("metric {name} from {base}/metrics: {e}"))
+}
+
+/// [`metric`], the failure returned: the page unreachable or not 200, the sample missing, or
+/// its value not a number.
+pub async fn try_metric(base: &str, name: &str) -> Result<f64, String> {
+    let r = http()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .map_err(|e| format!("no answer: {e}"))?;
+    let status = r.status();
+    let text = r.text().await.map_err(|e| format!("no body: {e}"))?;
+    if !status.is_success() {
+        return Err(format!("status {status}: {text}"));
+    }
+    let v = text
+        .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
+        .ok_or_else(|| "no such sample on the page".to_string())?;
+    v.trim().parse().map_err(|_| format!("not a number: {v:?}"))
 }
 
 /// The chunks of a server-sent-events response, as JSON.
