@@ -740,7 +740,7 @@ async fn open_fresh(
     );
     Metrics::add(&app.metrics.failovers, 1);
     let skip = [w];
-    match open(
+    let again = match open(
         app,
         job,
         prompt(),
@@ -756,7 +756,10 @@ async fn open_fresh(
             open(app, job, prompt(), max_tokens, &[], prompt_logprobs, false).await
         }
         r => r,
-    }
+    };
+    // The second try failing too (the worker now reads full, say: a rank of it died), the
+    // first failure is the answer: it says what went wrong.
+    again.or(first)
 }
 
 enum Unopened {
