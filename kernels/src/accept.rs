@@ -254,39 +254,117 @@ mod tests {
         assert!(d < tv_bound(4, n), "disjoint TV {d}");
     }
 
+    /// Pearson's goodness-of-fit X² of `counts` (n draws) against `p`, with cells of expected
+    /// count under 5 pooled into one, and the χ² upper `alpha` quantile for its degrees of
+    /// freedom (Wilson–Hilferty; `specdec::stats` has the same for two samples). A draw in a
+    /// cell of probability 0 gives X² = ∞.
+    fn chi_square_gof(counts: &[u64], p: &[f64], alpha: f64) -> (f64, f64) {
+        let n: u64 = counts.iter().sum();
+        let (mut stat, mut cells) = (0.0, 0usize);
+        let (mut pooled_c, mut pooled_e) = (0u64, 0.0f64);
+        for (&c, &pi) in counts.iter().zip(p) {
+            let e = pi * n as f64;
+            if pi <= 0.0 {
+                if c > 0 {
+                    stat = f64::INFINITY;
+                }
+            } else if e < 5.0 {
+                (pooled_c, pooled_e) = (pooled_c + c, pooled_e + e);
+            } else {
+                stat += (c as f64 - e).powi(2) / e;
+                cells += 1;
+            }
+        }
+        if pooled_e > 0.0 {
+            stat += (pooled_c as f64 - pooled_e).powi(2) / pooled_e;
+            cells += 1;
+        }
+        let k = (cells - 1) as f64;
+        // z_alpha (Abramowitz & Stegun 26.2.23), then Wilson–Hilferty.
+        let t = (-2.0 * alpha.ln()).sqrt();
+        let z = t
+            - (2.515517 + 0.802853 * t + 0.010328 * t * t)
+                / (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t);
+        let v = 2.0 / (9.0 * k);
+        (stat, k * (1.0 - v + z * v.sqrt()).powi(3))
+    }
+
     #[test]
-    fn second_token_of_a_two_token_window_is_exact() {
-        // Joint distribution of the first two committed tokens equals p1(a)·p2(b | a) when the
-        // drafter proposes two tokens from q1, q2 (context-independent toy model).
+    fn two_token_window_with_its_bonus_is_exact() {
+        // The joint law of (drafts accepted A, three committed tokens a, b, c) when the drafter
+        // proposes two tokens from q1, q2 (context-independent toy model; after a rejection the
+        // target samples on by itself). Exactly: A = 2 with min(p1, q1)(a)·min(p2, q2)(b)·p3(c)
+        // (c is the bonus, from the third row); A = 1 with min(p1, q1)(a)·(p2 − q2)⁺(b)·p3(c);
+        // A = 0 with (p1 − q1)⁺(a)·p2(b)·p3(c). Summed over A, p1(a)·p2(b)·p3(c). The three
+        // rows differ, so a bonus drawn from the wrong row (here: p1 or p2 in its place, as a
+        // verifier indexing the rows off by one would) moves mass P(A = 2) = 0.3 by
+        // TV(p3, p1) = 0.6 or TV(p3, p2) = 0.4, and fails.
+        // X² over the 3 × 27 cells at α = 0.001 (54 of positive probability; the rest must stay
+        // empty): with 10⁶ draws it detects any TV δ ≥ 0.004 between the law and the target
+        // (noncentrality ≥ 4nδ² = 64 on 53 degrees of freedom: power ≥ 0.9), as the TV bound
+        // it replaces did (0.0034 at this n), and the wrong bonus rows by far (X² in the 10⁵).
         let n = 1_000_000u64;
         let p1 = [0.6f32, 0.3, 0.1];
         let p2 = [0.2f32, 0.5, 0.3];
         let q1 = [0.2f32, 0.3, 0.5];
         let q2 = [0.7f32, 0.2, 0.1];
-        let p3 = [1.0f32 / 3.0; 3];
-        let mut rng = Rng::new(5);
-        let mut counts = vec![0u64; 9];
-        for _ in 0..n {
-            let x1 = sample(&q1, &mut rng);
-            let x2 = sample(&q2, &mut rng);
-            let v = verify(
-                &[x1, x2],
-                &[DraftDist::Dense(&q1), DraftDist::Dense(&q2)],
-                &[&p1, &p2, &p3],
-                &mut rng,
-            );
-            let (a, b) = match v.accepted {
-                0 => (v.next, sample(&p2, &mut rng)), // target continues on its own
-                1 => (x1, v.next),
-                _ => (x1, x2),
-            };
-            counts[(a * 3 + b) as usize] += 1;
-        }
-        let want: Vec<f64> = (0..9)
-            .map(|i| p1[i / 3] as f64 * p2[i % 3] as f64)
+        let p3 = [0.1f32, 0.2, 0.7];
+        let (f, m, r) = (
+            |v: &[f32], i: usize| v[i] as f64,
+            |p: &[f32], q: &[f32], i: usize| p[i].min(q[i]) as f64,
+            |p: &[f32], q: &[f32], i: usize| (p[i] - q[i]).max(0.0) as f64,
+        );
+        let want: Vec<f64> = (0..81)
+            .map(|i| {
+                let (acc, a, b, c) = (i / 27, i / 9 % 3, i / 3 % 3, i % 3);
+                let (x, y) = match acc {
+                    2 => (m(&p1, &q1, a), m(&p2, &q2, b)),
+                    1 => (m(&p1, &q1, a), r(&p2, &q2, b)),
+                    _ => (r(&p1, &q1, a), f(&p2, b)),
+                };
+                x * y * f(&p3, c)
+            })
             .collect();
-        let d = tv(&counts, &want, n);
-        assert!(d < tv_bound(9, n), "joint TV {d}");
+        assert!((want.iter().sum::<f64>() - 1.0).abs() < 1e-6);
+        // `bonus_row`: where a bonus comes from (2: the right one; 0, 1: the bugs).
+        let run = |seed: u64, bonus_row: usize| {
+            let rows: [&[f32]; 3] = [&p1, &p2, &p3];
+            let mut rng = Rng::new(seed);
+            let mut counts = vec![0u64; 81];
+            for _ in 0..n {
+                let x1 = sample(&q1, &mut rng);
+                let x2 = sample(&q2, &mut rng);
+                let v = verify(
+                    &[x1, x2],
+                    &[DraftDist::Dense(&q1), DraftDist::Dense(&q2)],
+                    &[&p1, &p2, &p3],
+                    &mut rng,
+                );
+                let (a, b, c) = match v.accepted {
+                    0 => (v.next, sample(&p2, &mut rng), sample(&p3, &mut rng)),
+                    1 => (x1, v.next, sample(&p3, &mut rng)),
+                    _ => {
+                        assert!(v.bonus);
+                        let c = if bonus_row == 2 {
+                            v.next
+                        } else {
+                            sample(rows[bonus_row], &mut rng)
+                        };
+                        (x1, x2, c)
+                    }
+                };
+                counts[v.accepted * 27 + (a * 9 + b * 3 + c) as usize] += 1;
+            }
+            counts
+        };
+        let (stat, crit) = chi_square_gof(&run(5, 2), &want, 0.001);
+        eprintln!("joint X² {stat:.1} (critical {crit:.1})");
+        assert!(stat <= crit, "joint X² {stat} > {crit}");
+        for wrong in [0, 1] {
+            let (stat, crit) = chi_square_gof(&run(6 + wrong as u64, wrong), &want, 0.001);
+            eprintln!("bonus from row {wrong}: X² {stat:.1}");
+            assert!(stat > crit, "bonus from row {wrong}: X² {stat} ≤ {crit}");
+        }
     }
 
     #[test]
