@@ -17,6 +17,29 @@ pub fn position_histograms<'a>(
     h
 }
 
+/// Of requests that verified at most one block of at most one draft (a request of three
+/// tokens: the prefill's, one verified draft, the bonus), how many drafts were accepted and
+/// how many rejected: whether a sampling test exercised both branches of acceptance.
+///
+/// # Panics
+/// On a request that verified more: the test's setup is not what it assumes.
+pub fn one_draft_verdicts<'a>(events: impl IntoIterator<Item = &'a crate::Event>) -> (u64, u64) {
+    let (mut accepted, mut rejected) = (0u64, 0u64);
+    for ev in events {
+        if let crate::Event::Finished { metrics: m, .. } = ev {
+            assert!(m.spec_calls <= 1 && m.drafted_tokens <= 1, "{m:?}");
+            if m.drafted_tokens == 1 {
+                if m.accepted_tokens == 1 {
+                    accepted += 1;
+                } else {
+                    rejected += 1;
+                }
+            }
+        }
+    }
+    (accepted, rejected)
+}
+
 /// The cell of [`position_histograms_with_end`] for sequences that ended before the position.
 pub const ENDED: u32 = u32::MAX;
 

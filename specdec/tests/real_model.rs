@@ -192,19 +192,7 @@ fn sampled_distribution_matches_with_speculation_on_the_real_model() {
         }
         let events = e.run_to_completion().unwrap();
         // Drafts verified at position 2, accepted and rejected (a request has no other block).
-        let (mut accepted, mut rejected) = (0u64, 0u64);
-        for ev in &events {
-            if let Event::Finished { metrics: mt, .. } = ev {
-                assert!(mt.spec_calls <= 1 && mt.drafted_tokens <= 1, "{mt:?}");
-                if mt.drafted_tokens == 1 {
-                    *if mt.accepted_tokens == 1 {
-                        &mut accepted
-                    } else {
-                        &mut rejected
-                    } += 1;
-                }
-            }
-        }
+        let (accepted, rejected) = specdec::stats::one_draft_verdicts(&events);
         if spec {
             eprintln!("position 2: {accepted} drafts accepted, {rejected} rejected");
             assert!(
