@@ -125,9 +125,10 @@ pub struct TargetArgs {
     pub threads: usize,
     /// Seconds one engine step may run before the worker takes its engine for wedged and exits
     /// (code 70; the router resumes its requests elsewhere and the process is restarted). A
-    /// step is one prefill chunk and one verification window per request: seconds, not
+    /// step is one prefill chunk and one verification window per request (and, with an
+    /// in-process draft model, its prefill of new requests' contexts): seconds, rarely
     /// minutes. 0: never.
-    #[arg(long, env = "DSPARK_STEP_TIMEOUT_S", default_value_t = 300)]
+    #[arg(long, env = "DSPARK_STEP_TIMEOUT_S", default_value_t = 600)]
     pub step_timeout_s: u64,
     /// Tensor parallelism: the addresses of this worker's other ranks (`dspark tp-shard`),
     /// rank 1 first, comma-separated. This worker is rank 0 of a group of one more than

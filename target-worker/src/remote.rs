@@ -25,6 +25,10 @@ use std::time::{Duration, Instant};
 /// every step.
 const ROUND_BYTES: u64 = dspark_proto::MAX_MESSAGE_BYTES as u64 / 2;
 
+/// Finished request ids one round carries: well under a draft worker's per-round limit
+/// (draft-worker `MAX_REQUESTS`, 16 384), which refuses a round past it whole.
+const FINISHED_PER_ROUND: usize = 4096;
+
 /// Rounds of (link, bytes, request index) items: per link in order, a new round whenever
 /// the next item would take the round past `limit` (an item larger than `limit` goes alone).
 fn pack_rounds(items: Vec<(String, u64, usize)>, limit: u64) -> Vec<(String, Vec<usize>)> {
@@ -709,7 +713,13 @@ impl RemoteProposer {
             }
             items.push(item);
         }
-        let finished = std::mem::take(&mut self.links.get_mut(addr)?.finished);
+        // At most FINISHED_PER_ROUND of them (a draft worker refuses a round with more than
+        // its MAX_REQUESTS, and the ids would be lost with it); the rest go with the next.
+        let finished = {
+            let l = &mut self.links.get_mut(addr)?.finished;
+            let n = l.len().min(FINISHED_PER_ROUND);
+            l.drain(..n).collect::<Vec<u64>>()
+        };
         let link = &self.links[addr];
         let call = DraftCall {
             step,
@@ -1986,6 +1996,33 @@ mod tests {
         let (item, _, acked) = item_at(&mut p, &ctx, 1, &mut rng);
         assert_eq!(acked, 0);
         assert_eq!((item.verified_at, item.verified), (0, None));
+    }
+
+    /// Finished ids piled up on a link (its draft worker was slow) leave a few thousand a
+    /// round, the rest with the next rounds: a draft worker refuses a round with more than its
+    /// limit whole, and the ids it carried were lost with it.
+    #[test]
+    fn finished_ids_leave_in_rounds_a_draft_worker_takes() {
+        let rt = test_runtime();
+        let (a, b) = ("127.0.0.1:9".to_string(), "127.0.0.1:10".to_string());
+        let mut p = two_links(&rt, &a, &b);
+        let (tx, mut calls) = tokio::sync::mpsc::channel::<DraftCall>(8);
+        *p.links[&a].shared.calls.lock().expect("calls") = Some(tx);
+        let piled = FINISHED_PER_ROUND as u64 + 100;
+        p.links.get_mut(&a).expect("link").finished = (1000..1000 + piled).collect();
+        let ctx = [1u32, 2, 3, 4];
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(1), kernels::rng::Rng::new(2)];
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            let mut reqs = two_reqs(&ctx, &greedy, &mut rngs);
+            p.send_round(&a, &mut reqs, &[0]).expect("sent");
+            let call = calls.try_recv().expect("a call");
+            assert!(call.finished.len() <= FINISHED_PER_ROUND);
+            got.extend(call.finished);
+        }
+        assert_eq!(got, (1000..1000 + piled).collect::<Vec<_>>());
+        assert!(p.links[&a].finished.is_empty());
     }
 
     /// A round sent after another link's prefetched round used up the cycle's time is not its
