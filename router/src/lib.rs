@@ -850,6 +850,7 @@ async fn open_once(
         json_schema: job.settings.json_schema.clone().unwrap_or_default(),
         regex: job.settings.regex.clone().unwrap_or_default(),
         resumed: prompt_len.saturating_sub(job.prompt.len()) as u32,
+        admitted: failover,
     });
     if let Ok(v) = job.traceparent.parse()
         && !job.traceparent.is_empty()

@@ -69,6 +69,12 @@ pub struct TargetArgs {
     /// Requests decoded at once.
     #[arg(long, env = "DSPARK_MAX_RUNNING", default_value_t = 16)]
     pub max_running: usize,
+    /// Requests waiting beyond `--max-running` before new ones are refused
+    /// (`RESOURCE_EXHAUSTED`, which the router answers by waiting for room). The router's
+    /// placement keeps within the running capacity; this bounds what direct gRPC clients queue.
+    /// A failover the router admitted before is taken past it.
+    #[arg(long, env = "DSPARK_MAX_QUEUED", default_value_t = 256)]
+    pub max_queued: usize,
     /// Draft worker (host:port) for requests that arrive without one.
     #[arg(long, env = "DSPARK_DRAFT_WORKER")]
     pub draft_worker: Option<String>,
@@ -479,6 +485,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         vocab,
         max_ctx,
         default_draft: args.draft_worker.clone(),
+        max_requests: args.max_running.saturating_add(args.max_queued),
         local_drafting: local,
         draining,
         streams,

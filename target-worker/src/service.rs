@@ -27,6 +27,9 @@ pub struct TargetService {
     pub max_ctx: usize,
     /// Draft worker for requests placement did not pair (from --draft-worker).
     pub default_draft: Option<String>,
+    /// Requests running and queued at most (`--max-running` + `--max-queued`); a request past
+    /// it is refused unless the router admitted it before (a failover).
+    pub max_requests: usize,
     /// Requests never go to a remote drafter (the drafter runs in-process).
     pub local_drafting: bool,
     /// Set once a stop was asked for: new requests are refused (`UNAVAILABLE`, which the router
@@ -211,7 +214,23 @@ impl TargetWorker for TargetService {
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         // The engine loop takes the count back when the request ends or is refused.
-        self.load.fetch_add(1, Ordering::Relaxed);
+        let limit = if r.admitted {
+            usize::MAX
+        } else {
+            self.max_requests
+        };
+        if let Err(n) = self
+            .load
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < limit).then_some(n + 1)
+            })
+        {
+            return Err(Status::resource_exhausted(format!(
+                "target worker {} holds {n} requests, its limit (--max-running + --max-queued); \
+                 retry shortly or elsewhere",
+                self.info.id
+            )));
+        }
         let sent = match self.cmds.lock() {
             Ok(c) => c
                 .send(Cmd::Add {

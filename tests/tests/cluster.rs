@@ -1776,7 +1776,7 @@ async fn scheduler_load(sched: &str) -> u32 {
 async fn back_to_back_requests_find_room_and_a_full_cluster_is_waited_for() {
     let _s = serial();
     // A 30 s TTL: the regular heartbeats come 10 s apart.
-    let c = start_cluster(1, 0, &["--ttl-ms", "30000"]);
+    let c = start_cluster(1, 0, &["--ttl-ms", "30000", "--max-queued", "2"]);
     wait_for("a target worker", Duration::from_secs(120), || {
         ready(&c.url, 1, 0)
     })
@@ -1877,6 +1877,47 @@ async fn back_to_back_requests_find_room_and_a_full_cluster_is_waited_for() {
     let (st, v) = waiting.await.expect("joined");
     assert_eq!(st, 200, "{v}");
     assert_eq!(ids_of(&v), greedy(PROMPTS[1], 2).0);
+
+    // A direct client queues at most `--max-queued` (2) beyond the 4 running; the router's
+    // failovers (`admitted`) are taken past it.
+    for b in busy.drain(..) {
+        b.abort();
+    }
+    let addr = c.targets[0].addr.clone();
+    wait_for(
+        "the aborted requests ended",
+        Duration::from_secs(10),
+        || {
+            let addr = addr.clone();
+            async move { target_info(&addr).await.load == 0 }
+        },
+    )
+    .await;
+    let mut t = TargetWorkerClient::connect(format!("http://{addr}"))
+        .await
+        .expect("target worker");
+    let long = |admitted: bool| GenerateRequest {
+        prompt: prompt.clone(),
+        max_tokens: 4000,
+        ignore_eos: true,
+        admitted,
+        ..Default::default()
+    };
+    for _ in 0..6 {
+        let mut stream = t.generate(long(false)).await.expect("room").into_inner();
+        busy.push(tokio::spawn(async move {
+            while let Ok(Some(_)) = stream.message().await {}
+        }));
+    }
+    let e = t
+        .generate(long(false))
+        .await
+        .expect_err("past the queue limit");
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("--max-queued"), "{e:?}");
+    // Taken (queued: its first token waits for a running request to end).
+    let _failover = t.generate(long(true)).await.expect("a failover");
+    assert_eq!(target_info(&addr).await.load, 7);
     for b in busy {
         b.abort();
     }
