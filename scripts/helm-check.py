@@ -27,6 +27,7 @@ import argparse
 import base64
 import glob
 import json
+import math
 import os
 import re
 import signal
@@ -343,7 +344,19 @@ def run_render(helm, binary):
             s = re.sub(r"(?<![\w.-])" + re.escape(name) + r"(?=[:/]|$)", "127.0.0.1", s)
         return s
 
-    def env_of(c, pod):
+    def resource_of(spec, ref):
+        # The downward API: a container's CPU request in whole units of the divisor, rounded up
+        # (0 where it requests none).
+        assert ref["resource"] == "requests.cpu", ref
+        cs = spec.get("containers", []) + spec.get("initContainers", [])
+        c = next(c for c in cs if c["name"] == ref["containerName"])
+        cpu = str(c.get("resources", {}).get("requests", {}).get("cpu", "0"))
+        cores = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+        div = str(ref.get("divisor", "1"))
+        unit = float(div[:-1]) / 1000 if div.endswith("m") else float(div)
+        return math.ceil(cores / unit)
+
+    def env_of(c, pod, spec):
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         if os.environ.get("LD_LIBRARY_PATH"):
             env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
@@ -354,6 +367,8 @@ def run_render(helm, binary):
                 src = e["valueFrom"]
                 if "fieldRef" in src:
                     v = {"status.podIP": "127.0.0.1", "metadata.name": pod}[src["fieldRef"]["fieldPath"]]
+                elif "resourceFieldRef" in src:
+                    v = str(resource_of(spec, src["resourceFieldRef"]))
                 else:
                     ref = src["secretKeyRef"]
                     v = base64.b64decode(secrets[ref["name"]][ref["key"]]).decode()
@@ -375,12 +390,16 @@ def run_render(helm, binary):
         for w, tpl in workloads:
             pod = w["metadata"]["name"] + "-0"
             for c in tpl["spec"].get("initContainers", []):
-                r = subprocess.run(argv_of(c), env=env_of(c, pod), capture_output=True, text=True, timeout=600)
+                r = subprocess.run(argv_of(c), env=env_of(c, pod, tpl["spec"]), capture_output=True, text=True, timeout=600)
                 if r.returncode != 0:
                     fail(f"init container {pod}/{c['name']} exited {r.returncode}: {r.stderr[-2000:]}")
             for c in tpl["spec"]["containers"]:
+                # The default values request CPUs of every worker: its threads follow them.
+                threads = env_of(c, pod, tpl["spec"]).get("DSPARK_THREADS")
+                if threads is not None and threads == "0":
+                    fail(f"{pod}/{c['name']}: DSPARK_THREADS 0 despite its CPU request")
                 log = open(os.path.join(tmp, f"{pod}-{c['name']}.log"), "w")
-                p = subprocess.Popen(argv_of(c), env=env_of(c, pod), stdout=log, stderr=subprocess.STDOUT,
+                p = subprocess.Popen(argv_of(c), env=env_of(c, pod, tpl["spec"]), stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
                 procs.append((f"{pod}/{c['name']}", p, log.name))
         base = f"http://127.0.0.1:{ports['router']}"

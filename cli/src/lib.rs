@@ -316,4 +316,31 @@ mod tests {
         let c = parse_from(["dspark", "--threads", "2", "models"]).expect("parsed");
         assert_eq!(c.global.threads, 2);
     }
+
+    /// The README's promise: in a container every serving flag can be set from the
+    /// environment (hidden test-only flags aside).
+    #[test]
+    fn every_serving_flag_has_an_environment_fallback() {
+        use clap::CommandFactory;
+        let roles = [
+            ("scheduler", dspark_scheduler::SchedulerArgs::command()),
+            ("target-worker", target_worker::TargetArgs::command()),
+            ("tp-shard", target_worker::shard::ShardArgs::command()),
+            ("draft-worker", draft_worker::DraftArgs::command()),
+            ("router", router::RouterArgs::command()),
+        ];
+        let mut missing = Vec::new();
+        for (role, cmd) in roles {
+            for a in cmd.get_arguments() {
+                let builtin = matches!(a.get_id().as_str(), "help" | "version");
+                if a.get_long().is_some() && !a.is_hide_set() && !builtin && a.get_env().is_none() {
+                    missing.push(format!("{role} --{}", a.get_id()));
+                }
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "flags without an env fallback: {missing:?}"
+        );
+    }
 }

@@ -1570,6 +1570,29 @@ fn up_and_the_target_worker_refuse_bad_engine_settings_before_loading() {
             "target-worker {flag} {value}: {err}"
         );
     }
+    // The target worker's own settings, before it looks the model up (minutes with a real one).
+    for (flag, value, want) in [
+        ("--local-drafter", "ngrams", "--local-drafter: "),
+        (
+            "--calibration-half-life",
+            "NaN",
+            "--calibration-half-life: ",
+        ),
+        (
+            "--draft-worker",
+            "draft:port",
+            "--draft-worker `draft:port` is not host:port",
+        ),
+    ] {
+        let (code, _, err) = dspark(
+            &d,
+            &["target-worker", "--model", "no-such-model", flag, value],
+        );
+        assert!(
+            code != 0 && err.contains(want),
+            "target-worker {flag} {value}: {err}"
+        );
+    }
     // Refused before any process starts: no time to start in, draft workers that would not
     // start, a tensor-parallel degree the model does not split into (2 KV heads, 4 query).
     for (args, want) in [

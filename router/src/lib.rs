@@ -77,7 +77,7 @@ pub struct RouterArgs {
     pub max_tokens_limit: usize,
     /// max_tokens when a completion request gives none (chat: 512, or the room left in the
     /// context when less; at most --max-tokens-limit either way).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, env = "DSPARK_DEFAULT_MAX_TOKENS", default_value_t = 16)]
     pub default_max_tokens: usize,
     /// Requests in flight before 429 (0 = the sum of target worker capacities).
     #[arg(long, env = "DSPARK_MAX_INFLIGHT", default_value_t = 0)]
@@ -159,6 +159,20 @@ fn new_call_id() -> String {
     format!("call_{:016x}{:08x}", random_u64(), random_u64() as u32)
 }
 
+/// `--max-tokens-limit` at least 1 and `--default-max-tokens` within 1..=it, checked before
+/// the model loads: otherwise every request relying on the default would be refused.
+fn check_token_limits(default: usize, limit: usize) -> Result<(), String> {
+    if limit == 0 {
+        return Err("--max-tokens-limit 0: a request makes at least one token".into());
+    }
+    if default == 0 || default > limit {
+        return Err(format!(
+            "--default-max-tokens {default} out of range 1..={limit} (--max-tokens-limit)"
+        ));
+    }
+    Ok(())
+}
+
 fn now_s() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -168,6 +182,8 @@ fn now_s() -> u64 {
 
 impl App {
     pub fn new(args: &RouterArgs) -> Result<Arc<Self>, RouterError> {
+        check_token_limits(args.default_max_tokens, args.max_tokens_limit)
+            .map_err(RouterError::Config)?;
         let home = dspark_runtime::fetch::dspark_home(args.home.as_deref());
         let path = dspark_runtime::fetch::resolve(&args.model, &home, &args.python, &mut |m| {
             eprintln!("{m}")
@@ -2231,13 +2247,25 @@ where
 #[cfg(test)]
 mod tests {
     use super::{
-        MAX_BODY, call_finish, combine, json_errors, render_kept_apart, splice_texts,
-        tokens_per_forward, whole_before_break,
+        MAX_BODY, call_finish, check_token_limits, combine, json_errors, render_kept_apart,
+        splice_texts, tokens_per_forward, whole_before_break,
     };
     use dspark_proto::SpecStats;
 
     /// Two choices of 10 tokens, each from its prefill and 9 verify forwards: one token per
     /// forward, not (20 − 1)/18.
+    #[test]
+    fn token_limits_are_checked_at_start() {
+        assert!(check_token_limits(16, 4096).is_ok());
+        assert!(check_token_limits(4096, 4096).is_ok());
+        let e = check_token_limits(0, 4096).unwrap_err();
+        assert!(e.contains("--default-max-tokens 0"), "{e}");
+        let e = check_token_limits(5000, 4096).unwrap_err();
+        assert!(e.contains("1..=4096"), "{e}");
+        let e = check_token_limits(16, 0).unwrap_err();
+        assert!(e.contains("--max-tokens-limit 0"), "{e}");
+    }
+
     #[test]
     fn tokens_per_forward_leave_out_every_sequence_s_first_token() {
         let one = SpecStats {

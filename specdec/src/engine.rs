@@ -767,7 +767,11 @@ impl Engine {
             }));
         }
         if let Some(i) = self.running.iter().position(|s| s.req.id == id) {
-            let s = self.running.swap_remove(i);
+            let mut s = self.running.swap_remove(i);
+            s.metrics.completion_tokens = s.output_len();
+            // The work done for it counts in the totals (the workers' token counters) as a
+            // finished request's does: its client leaving does not undo the forwards.
+            self.totals.merge(&s.metrics);
             let m = s.metrics.clone();
             self.release(s)?;
             return Ok(Some(Event::Finished {
@@ -1614,8 +1618,10 @@ impl Engine {
         let mut i = 0;
         while i < self.running.len() {
             if let Some(error) = self.running[i].failed.take() {
-                let s = self.running.swap_remove(i);
+                let mut s = self.running.swap_remove(i);
                 tracing::error!(request = s.req.id, "request failed: {error}");
+                s.metrics.completion_tokens = s.output_len();
+                self.totals.merge(&s.metrics);
                 events.push(Event::Failed {
                     id: s.req.id,
                     error,

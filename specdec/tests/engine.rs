@@ -1496,13 +1496,26 @@ fn cancellation_and_bad_input() {
     );
     e.step().unwrap();
     e.step().unwrap();
-    assert!(matches!(
-        e.cancel(7).unwrap(),
-        Some(Event::Finished {
-            reason: FinishReason::Cancelled,
-            ..
-        })
-    ));
+    let before = e.totals().clone();
+    let Some(Event::Finished {
+        reason: FinishReason::Cancelled,
+        metrics,
+        ..
+    }) = e.cancel(7).unwrap()
+    else {
+        panic!("request 7 cancelled");
+    };
+    assert!(metrics.completion_tokens > 0 && metrics.target_calls > 0);
+    // What was done for it counts in the totals (the workers' token counters).
+    let after = e.totals();
+    assert_eq!(
+        after.completion_tokens,
+        before.completion_tokens + metrics.completion_tokens
+    );
+    assert_eq!(
+        after.target_calls,
+        before.target_calls + metrics.target_calls
+    );
     assert!(e.cancel(7).is_err());
     e.run_to_completion().unwrap();
     e.check_kv().unwrap();

@@ -92,7 +92,7 @@ pub struct TargetArgs {
     #[arg(long, env = "DSPARK_FEATURE_DTYPE", default_value = "f16")]
     pub feature_dtype: String,
     /// Turn off the per-request speculation gate.
-    #[arg(long)]
+    #[arg(long, env = "DSPARK_NO_GATE")]
     pub no_gate: bool,
     /// Verify two micro-batches in ping-pong so drafting rounds travel while the other
     /// micro-batch verifies (pays when the drafting hop costs more than an extra weight pass).
@@ -117,10 +117,12 @@ pub struct TargetArgs {
     #[arg(long, env = "DSPARK_BUDGET_LAG", default_value_t = 2)]
     pub budget_lag: usize,
     /// SPS(B) profiling grid (total batch tokens) when no cached profile matches.
-    #[arg(long, value_delimiter = ',', default_values_t = sps::DEFAULT_GRID.to_vec())]
+    #[arg(long, env = "DSPARK_SPS_GRID", value_delimiter = ',',
+          default_values_t = sps::DEFAULT_GRID.to_vec())]
     pub sps_grid: Vec<usize>,
     /// SPS(B) profiling context lengths.
-    #[arg(long, value_delimiter = ',', default_values_t = sps::DEFAULT_CTXS.to_vec())]
+    #[arg(long, env = "DSPARK_SPS_CTX", value_delimiter = ',',
+          default_values_t = sps::DEFAULT_CTXS.to_vec())]
     pub sps_ctx: Vec<usize>,
     #[arg(long, env = "DSPARK_HOME")]
     pub home: Option<PathBuf>,
@@ -215,6 +217,20 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     let isa = args.isa;
     check_engine_args(args.gamma, args.max_running, &args.verify_policy)
         .map_err(TargetError::Config)?;
+    // Before the model loads (minutes): a typo must not cost a load per restart.
+    if let Some(k) = &args.local_drafter {
+        specdec::ProposerKind::parse(k, drafter::build::default_draft_for(&args.model))
+            .map_err(|e| TargetError::Config(format!("--local-drafter: {e}")))?;
+    }
+    specdec::recal::RecalConfig::with_half_life(args.calibration_half_life)
+        .map_err(|e| TargetError::Config(format!("--calibration-half-life: {e}")))?;
+    if let Some(d) = &args.draft_worker
+        && !dspark_scheduler::discovery::is_dialable(d)
+    {
+        return Err(TargetError::Config(format!(
+            "--draft-worker `{d}` is not host:port"
+        )));
+    }
     sps::check_grid(&args.sps_grid, &args.sps_ctx).map_err(TargetError::Config)?;
     let ttl_ms = dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms, args.etcd.is_some())
         .map_err(TargetError::Config)?;
@@ -626,8 +642,12 @@ fn build_engine(
             );
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             let budget = Arc::new(std::sync::Mutex::new(Default::default()));
-            p.report = Some(tx);
-            p.external = Some(Arc::clone(&budget));
+            // Without a central scheduler nothing reads the reports: the engine does not
+            // build them (a copy of every confidence row and the step's prices, each step).
+            if a.scheduler.is_some() {
+                p.report = Some(tx);
+                p.external = Some(Arc::clone(&budget));
+            }
             let h = PolicyHandles {
                 table: table.points.clone(),
                 key: key_s,
@@ -667,7 +687,12 @@ fn spawn_budget_client(
             .tcp_nodelay(true)
             .connect_lazy();
         let mut client = dspark_proto::scheduler_client::SchedulerClient::new(ch);
-        while let Some(r) = reports.recv().await {
+        while let Some(mut r) = reports.recv().await {
+            // Reports queued while the last call was out are stale: only the newest can
+            // still get a budget in time.
+            while let Ok(newer) = reports.try_recv() {
+                r = newer;
+            }
             let req = dspark_proto::BudgetRequest {
                 worker_id: worker.clone(),
                 step: r.step,

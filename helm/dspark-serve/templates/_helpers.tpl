@@ -162,3 +162,22 @@ affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
+
+{{/*
+DSPARK_THREADS: the value given, or with 0 the container's CPU request rounded up to whole
+cores (the downward API; 0 again where it requests none). Without it a worker whose container
+has no CPU limit would size its thread pool to every core of the node and contend with the
+other pods there.
+*/}}
+{{- define "dspark.threadsEnv" -}}
+- name: DSPARK_THREADS
+{{- if gt (int .threads) 0 }}
+  value: {{ .threads | quote }}
+{{- else }}
+  valueFrom:
+    resourceFieldRef:
+      containerName: {{ .container }}
+      resource: requests.cpu
+      divisor: "1"
+{{- end }}
+{{- end -}}
