@@ -24,14 +24,12 @@ pub enum DraftDist<'a> {
 }
 
 impl DraftDist<'_> {
+    /// q(tok). A sparse support that repeats a token counts every entry, as
+    /// [`sample_residual`] subtracts every entry: the two must see the same q to stay lossless.
     fn q_of(&self, tok: u32, draft: u32) -> f32 {
         match self {
             DraftDist::Dense(q) => q.get(tok as usize).copied().unwrap_or(0.0),
-            DraftDist::Sparse(s) => s
-                .iter()
-                .find(|(t, _)| *t == tok)
-                .map(|(_, v)| *v)
-                .unwrap_or(0.0),
+            DraftDist::Sparse(s) => s.iter().filter(|(t, _)| *t == tok).map(|(_, v)| *v).sum(),
             DraftDist::OneHot => (tok == draft) as u32 as f32,
         }
     }
@@ -80,10 +78,15 @@ pub fn sample_residual(p: &[f32], q: &DraftDist<'_>, draft: u32, rng: &mut Rng) 
 
 /// Verifies a window of `draft.len() = K` tokens. `p` holds K+1 target distributions (the last
 /// one for the bonus), `q` the K draft distributions.
+///
+/// Total on short inputs (a caller bug, but no reason to panic a server): only the first
+/// `n = min(K, q.len(), p.len() − 1)` drafts are verified, and `next` is sampled from `p[n]`
+/// (the target's own distribution after the accepted prefix, so still lossless), with
+/// `bonus` false when `n < K`. With no `p` at all nothing can be sampled: `next` is token 0,
+/// as [`sample`] gives for an empty distribution.
 pub fn verify(draft: &[u32], q: &[DraftDist<'_>], p: &[&[f32]], rng: &mut Rng) -> Verdict {
-    debug_assert_eq!(q.len(), draft.len());
-    debug_assert_eq!(p.len(), draft.len() + 1);
-    for (k, &x) in draft.iter().enumerate() {
+    let n = draft.len().min(q.len()).min(p.len().saturating_sub(1));
+    for (k, &x) in draft[..n].iter().enumerate() {
         let px = p[k].get(x as usize).copied().unwrap_or(0.0);
         let qx = q[k].q_of(x, x);
         // u < p/q with u ∈ [0, 1): a token the drafter could not have proposed (q = 0) is
@@ -99,19 +102,22 @@ pub fn verify(draft: &[u32], q: &[DraftDist<'_>], p: &[&[f32]], rng: &mut Rng) -
             };
         }
     }
-    let next = sample(p[draft.len()], rng);
+    let next = sample(p.get(n).copied().unwrap_or(&[]), rng);
     Verdict {
-        accepted: draft.len(),
+        accepted: n,
         next,
-        bonus: true,
+        bonus: n == draft.len(),
     }
 }
 
 /// Greedy verification: accept while x_k equals the target's argmax; the next token is the
 /// target's argmax at the first mismatch (or after the last draft).
+///
+/// Total like [`verify`]: with fewer than K+1 argmaxes only the drafts that have a following
+/// argmax are checked, and an empty `target_argmax` gives token 0.
 pub fn verify_greedy(draft: &[u32], target_argmax: &[u32]) -> Verdict {
-    debug_assert_eq!(target_argmax.len(), draft.len() + 1);
-    for (k, &x) in draft.iter().enumerate() {
+    let n = draft.len().min(target_argmax.len().saturating_sub(1));
+    for (k, &x) in draft[..n].iter().enumerate() {
         if x != target_argmax[k] {
             return Verdict {
                 accepted: k,
@@ -121,9 +127,9 @@ pub fn verify_greedy(draft: &[u32], target_argmax: &[u32]) -> Verdict {
         }
     }
     Verdict {
-        accepted: draft.len(),
-        next: target_argmax[draft.len()],
-        bonus: true,
+        accepted: n,
+        next: target_argmax.get(n).copied().unwrap_or(0),
+        bonus: n == draft.len(),
     }
 }
 
@@ -394,6 +400,73 @@ mod tests {
             }] += 1;
         }
         assert!(tv(&counts, &pd, n) < tv_bound(4, n));
+    }
+
+    #[test]
+    fn a_sparse_proposal_repeating_a_token_acts_as_its_summed_entry() {
+        // p(3) = 0.35 lies between the first entry (0.2) and the sum (0.5): reading only the
+        // first entry would always accept, while the residual subtracts both.
+        let p = [0.1f32, 0.2, 0.35, 0.35];
+        let pb = [0.25f32; 4];
+        let split = [(3u32, 0.2f32), (1, 0.1), (3, 0.3)];
+        let merged = [(3u32, 0.5f32), (1, 0.1)];
+        let (mut ra, mut rb) = (Rng::new(12), Rng::new(12));
+        let mut rejected = 0;
+        for _ in 0..2000 {
+            let a = verify(&[3], &[DraftDist::Sparse(&split)], &[&p, &pb], &mut ra);
+            let b = verify(&[3], &[DraftDist::Sparse(&merged)], &[&p, &pb], &mut rb);
+            assert_eq!(a, b);
+            rejected += (a.accepted == 0) as usize;
+        }
+        assert!(rejected > 0);
+    }
+
+    #[test]
+    fn short_inputs_verify_only_the_drafts_they_have_rows_for() {
+        let p0 = [0.0f32, 1.0, 0.0];
+        let p1 = [0.0f32, 0.0, 1.0];
+        let q = [0.0f32, 1.0, 0.0];
+        let mut rng = Rng::new(4);
+        // Rows for one draft and the next token: the first draft is verified, the rest not.
+        let v = verify(
+            &[1, 1, 1],
+            &[DraftDist::Dense(&q); 3],
+            &[&p0, &p1],
+            &mut rng,
+        );
+        assert_eq!(
+            v,
+            Verdict {
+                accepted: 1,
+                next: 2,
+                bonus: false
+            }
+        );
+        // Fewer draft distributions than drafts.
+        let v = verify(&[1, 1], &[DraftDist::Dense(&q)], &[&p0, &p1, &p1], &mut rng);
+        assert_eq!((v.accepted, v.next, v.bonus), (1, 2, false));
+        // A single row: nothing verified, the next token from it.
+        let v = verify(&[1, 1], &[DraftDist::OneHot; 2], &[&p1], &mut rng);
+        assert_eq!((v.accepted, v.next, v.bonus), (0, 2, false));
+        // No row at all.
+        let v = verify(&[1], &[DraftDist::OneHot], &[], &mut rng);
+        assert_eq!((v.accepted, v.next, v.bonus), (0, 0, false));
+        assert_eq!(
+            verify_greedy(&[3, 4, 5], &[3, 4]),
+            Verdict {
+                accepted: 1,
+                next: 4,
+                bonus: false
+            }
+        );
+        assert_eq!(
+            verify_greedy(&[3], &[]),
+            Verdict {
+                accepted: 0,
+                next: 0,
+                bonus: false
+            }
+        );
     }
 
     #[test]

@@ -235,7 +235,8 @@ impl BlockA32 {
 }
 
 /// A batch of activations ready for the kernels: `cols / 32` blocks per token, and per token
-/// the outliers split off them as `(column, value)`.
+/// the outliers split off them as `(column, value)` (non-finite values among them, so that
+/// they reach the outputs).
 pub struct QuantRows {
     pub blocks: Vec<BlockA32>,
     pub outliers: Vec<Vec<(usize, f32)>>,
@@ -346,13 +347,20 @@ pub fn quantize_rows(x: &[f32], m: usize, cols: usize, isa: Isa) -> QuantRows {
 }
 
 /// One row of [`quantize_rows`]: its blocks into `out`, and its outliers.
+///
+/// Non-finite activations are split off as outliers too, whatever their size: a block
+/// quantizer has no code for them (a NaN gets code 0, an infinity leaves its block without
+/// codes), and through the f32 half of the product they reach the row's outputs as they would
+/// through an f32 dot (±∞ or NaN) instead of vanishing.
 fn quantize_row(row: &[f32], isa: Isa, out: &mut [MaybeUninit<BlockA32>]) -> Vec<(usize, f32)> {
     let mut o = Vec::new();
-    // A row is copied only to split outliers off (none of the default models has any).
-    if row
-        .chunks(QKK)
-        .any(|span| outlier_threshold(span, isa).is_some())
-    {
+    // A row is copied only to split values off (none of the default models has any). Every
+    // span is scanned, so a non-finite value after an outlier is still seen.
+    let mut split = false;
+    for span in row.chunks(QKK) {
+        split |= !matches!(scan_span(span, isa), Span::Plain);
+    }
+    if split {
         let mut rest = row.to_vec();
         for (c, span) in rest.chunks_mut(QKK).enumerate() {
             split_outliers(span, c * QKK, isa, &mut o);
@@ -364,41 +372,52 @@ fn quantize_row(row: &[f32], isa: Isa, out: &mut [MaybeUninit<BlockA32>]) -> Vec
     o
 }
 
-/// Partial sums (and maxima) of [`outlier_threshold`]: independent enough that the adds of a
+/// Partial sums (and maxima) of [`scan_span`]: independent enough that the adds of a
 /// 256-value span are not one chain of 32 (eight lanes left it latency-bound, a quarter of a
 /// row's quantization).
 const OUTLIER_LANES: usize = 32;
 
-/// [`OUTLIER_RATIO`] × the span's mean |x|, when some value of the span is above it: the same
-/// bits on every path (the same function, with the SIMD of `isa` where this CPU has it).
-fn outlier_threshold(span: &[f32], isa: Isa) -> Option<f32> {
+/// What [`scan_span`] finds in a span of activations.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Span {
+    /// Nothing to split off.
+    Plain,
+    /// Values above this threshold ([`OUTLIER_RATIO`] × the span's mean |x|).
+    Outliers(f32),
+    /// A NaN or an infinity (all of them are split off, whatever else the span holds).
+    NonFinite,
+}
+
+/// Whether a span has values to split off: the same answer on every path (the same function,
+/// with the SIMD of `isa` where this CPU has it).
+fn scan_span(span: &[f32], isa: Isa) -> Span {
     #[cfg(target_arch = "x86_64")]
     if isa.is_supported() {
         match isa {
             // SAFETY: `is_supported` checked this CPU has the features.
-            Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { outlier_threshold_avx512(span) },
-            Isa::Avx2 | Isa::Avx2Vnni => return unsafe { outlier_threshold_avx2(span) },
+            Isa::Avx512 | Isa::Avx512Bf16 => return unsafe { scan_span_avx512(span) },
+            Isa::Avx2 | Isa::Avx2Vnni => return unsafe { scan_span_avx2(span) },
             Isa::Scalar | Isa::Neon | Isa::NeonDot => {}
         }
     }
     let _ = isa;
-    outlier_threshold_body(span)
+    scan_span_body(span)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn outlier_threshold_avx512(span: &[f32]) -> Option<f32> {
-    outlier_threshold_body(span)
+unsafe fn scan_span_avx512(span: &[f32]) -> Span {
+    scan_span_body(span)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn outlier_threshold_avx2(span: &[f32]) -> Option<f32> {
-    outlier_threshold_body(span)
+unsafe fn scan_span_avx2(span: &[f32]) -> Span {
+    scan_span_body(span)
 }
 
 #[inline(always)]
-fn outlier_threshold_body(span: &[f32]) -> Option<f32> {
+fn scan_span_body(span: &[f32]) -> Span {
     // Fixed partial sums (vectorizable, and the same bits on every path: Rust neither
     // reassociates nor fuses float arithmetic) and the largest |x| per lane: one pass, with
     // no early exit to keep it from vectorizing.
@@ -419,20 +438,36 @@ fn outlier_threshold_body(span: &[f32]) -> Option<f32> {
     }
     let mean = part.iter().sum::<f32>() / span.len() as f32;
     let thr = OUTLIER_RATIO * mean;
-    // A NaN or an infinity makes the mean, and so the threshold, non-finite.
-    (thr.is_finite() && top.iter().any(|&t| t > thr)).then_some(thr)
+    if !thr.is_finite() {
+        // A NaN or an infinity makes the mean, and so the threshold, non-finite; so can a sum
+        // of huge finite values, which the exact check (off the finite path) tells apart.
+        return if span.iter().any(|v| !v.is_finite()) {
+            Span::NonFinite
+        } else {
+            Span::Plain
+        };
+    }
+    if top.iter().any(|&t| t > thr) {
+        Span::Outliers(thr)
+    } else {
+        Span::Plain
+    }
 }
 
-/// Moves values above [`OUTLIER_RATIO`] × the span's mean |x| (at most [`MAX_OUTLIERS`], the
-/// largest) from `span` to `out`.
+/// Moves from `span` to `out` its non-finite values, or else those above [`OUTLIER_RATIO`] ×
+/// its mean |x| (at most [`MAX_OUTLIERS`], the largest).
 fn split_outliers(span: &mut [f32], base: usize, isa: Isa, out: &mut Vec<(usize, f32)>) {
-    let Some(thr) = outlier_threshold(span, isa) else {
-        return;
+    let big: Vec<usize> = match scan_span(span, isa) {
+        Span::Plain => return,
+        Span::NonFinite => (0..span.len()).filter(|&e| !span[e].is_finite()).collect(),
+        Span::Outliers(thr) => {
+            let mut big: Vec<usize> = (0..span.len()).filter(|&e| span[e].abs() > thr).collect();
+            big.sort_by(|&a, &b| span[b].abs().total_cmp(&span[a].abs()).then(a.cmp(&b)));
+            big.truncate(MAX_OUTLIERS);
+            big.sort_unstable();
+            big
+        }
     };
-    let mut big: Vec<usize> = (0..span.len()).filter(|&e| span[e].abs() > thr).collect();
-    big.sort_by(|&a, &b| span[b].abs().total_cmp(&span[a].abs()).then(a.cmp(&b)));
-    big.truncate(MAX_OUTLIERS);
-    big.sort_unstable();
     for e in big {
         out.push((base + e, span[e]));
         span[e] = 0.0;
@@ -632,11 +667,20 @@ fn check_shape(ty: GgmlType, raw: &[u8], rows: usize, cols: usize) -> Result<usi
         )));
     }
     let nb = cols / ty.block_elems();
-    if raw.len() != rows * nb * ty.block_bytes() {
+    // Checked: the shape comes from a file header, and a wrapped product could match `raw`.
+    let need = rows
+        .checked_mul(nb)
+        .and_then(|v| v.checked_mul(ty.block_bytes()))
+        .ok_or_else(|| {
+            KernelError::Shape(format!(
+                "{} matrix {rows}x{cols} overflows its byte size",
+                ty.name()
+            ))
+        })?;
+    if raw.len() != need {
         return Err(KernelError::Shape(format!(
-            "{} matrix {rows}x{cols} needs {} bytes, got {}",
+            "{} matrix {rows}x{cols} needs {need} bytes, got {}",
             ty.name(),
-            rows * nb * ty.block_bytes(),
             raw.len()
         )));
     }
@@ -1940,6 +1984,39 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_non_finite_activation_reaches_its_row_outputs_only() {
+        let mut rng = Rng::new(17);
+        let (rows, cols, m) = (32, 512, 3);
+        for ty in TYPES {
+            let (_, mat) = random_matrix(&mut rng, ty, rows, cols);
+            let clean: Vec<f32> = (0..m * cols).map(|_| rng.normal() as f32).collect();
+            let mut x = clean.clone();
+            x[cols + 100] = f32::INFINITY; // token 1
+            x[2 * cols + 300] = f32::NAN; // token 2
+            x[2 * cols + 7] = 5e4; // and an outlier of another span
+            for isa in std::iter::once(None).chain(Isa::available().into_iter().map(Some)) {
+                let run = |x: &[f32]| {
+                    let mut out = vec![0f32; m * rows];
+                    match isa {
+                        Some(isa) => mat.matmul(x, m, &mut out, isa),
+                        None => mat.matmul_ref(x, m, &mut out),
+                    }
+                    out
+                };
+                let (want, got) = (run(&clean), run(&x));
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got[..rows]), bits(&want[..rows]), "{ty:?} {isa:?}");
+                assert!(
+                    got[rows..2 * rows].iter().all(|v| !v.is_finite()),
+                    "{ty:?} {isa:?}: {:?}",
+                    &got[rows..2 * rows]
+                );
+                assert!(got[2 * rows..].iter().all(|v| v.is_nan()), "{ty:?} {isa:?}");
+            }
+        }
+    }
+
     /// Raw bytes with every code byte `fill` (the largest codes for 0xff; Q8_0's −128 for
     /// 0x80) and small finite scales.
     fn filled_raw(ty: GgmlType, n_blocks: usize, fill: u8) -> Vec<u8> {
@@ -2017,5 +2094,19 @@ mod tests {
         assert!(!fits(GgmlType::Q4K, 8, 256) && !fits(GgmlType::Q4K, 16, 128));
         assert!(fits(GgmlType::Q4_1, 16, 576) && !fits(GgmlType::Q5_0, 16, 577));
         assert!(!fits(GgmlType::F16, 16, 576));
+    }
+
+    #[test]
+    fn a_byte_size_past_usize_is_a_shape_error() {
+        // 2^(B−2) rows of one 20-byte block are 5·2^B bytes: wrapped, 0, as an empty tensor.
+        let huge = 1usize << (usize::BITS - 2);
+        assert!(matches!(
+            repack_q41(&[], huge, 32),
+            Err(KernelError::Shape(_))
+        ));
+        assert!(matches!(
+            repack_q80(&[], huge, 32 * 7),
+            Err(KernelError::Shape(_))
+        ));
     }
 }

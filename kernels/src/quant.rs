@@ -155,7 +155,13 @@ fn check_len(ty: GgmlType, raw: &[u8], n_elems: usize) -> Result<usize, KernelEr
         )));
     }
     let n_blocks = n_elems / be;
-    let need = n_blocks * ty.block_bytes();
+    // Checked: `n_elems` comes from a file header, and a wrapped product could match `raw`.
+    let need = n_blocks.checked_mul(ty.block_bytes()).ok_or_else(|| {
+        KernelError::Shape(format!(
+            "{} tensor of {n_elems} elements overflows its byte size",
+            ty.name()
+        ))
+    })?;
     if raw.len() != need {
         return Err(KernelError::Shape(format!(
             "{} tensor of {n_elems} elements needs {need} bytes, got {}",
@@ -371,5 +377,19 @@ mod tests {
         assert!(repack_q4(GgmlType::Q4_1, &[0u8; 19], 32).is_err());
         assert!(repack_q8(GgmlType::Q8_0, &[0u8; 34], 31).is_err());
         assert!(repack_q8(GgmlType::Q4_1, &[0u8; 20], 32).is_err());
+    }
+
+    #[test]
+    fn a_byte_size_past_usize_is_a_shape_error() {
+        // 2^(B−2) f32s are 2^B bytes: wrapped, 0, which an empty tensor would match.
+        let huge = 1usize << (usize::BITS - 2);
+        assert!(matches!(
+            dequantize(GgmlType::F32, &[], huge),
+            Err(KernelError::Shape(_))
+        ));
+        assert!(matches!(
+            repack_q4(GgmlType::Q4_1, &[], huge),
+            Err(KernelError::Shape(_))
+        ));
     }
 }

@@ -27,7 +27,14 @@ impl Rng {
     }
 
     /// A generator continuing from a saved [`Rng::state`] (training resume).
+    ///
+    /// The all-zero state, which no generator reaches (xoshiro's fixed point: it would draw
+    /// only zeros), can only come from a corrupt save; it is replaced by the state of
+    /// `Rng::new(0)`.
     pub fn from_state(s: [u64; 4]) -> Self {
+        if s == [0; 4] {
+            return Self::new(0);
+        }
         Self { s }
     }
 
@@ -71,6 +78,15 @@ mod tests {
         assert_eq!(a.next_u64(), b.next_u64());
         let mean: f64 = (0..100_000).map(|_| a.uniform()).sum::<f64>() / 100_000.0;
         assert!((mean - 0.5).abs() < 0.01);
+    }
+
+    #[test]
+    fn an_all_zero_state_draws_as_seed_zero() {
+        let mut a = Rng::from_state([0; 4]);
+        let mut b = Rng::new(0);
+        let draws: Vec<u64> = (0..4).map(|_| a.next_u64()).collect();
+        assert!(draws.iter().any(|&v| v != 0));
+        assert_eq!(draws, (0..4).map(|_| b.next_u64()).collect::<Vec<_>>());
     }
 
     #[test]
