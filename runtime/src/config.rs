@@ -156,6 +156,33 @@ impl ModelConfig {
                 }
             )));
         }
+        // llama.cpp reads a factor without a type as linear scaling (`rope.scale_linear`, the
+        // older key, and `rope.scaling.factor`; 0 and 1 scale nothing).
+        if scaling.is_empty() {
+            for key in [
+                format!("{a}.rope.scaling.factor"),
+                format!("{a}.rope.scale_linear"),
+            ] {
+                if let Some(f) = g.meta_f32(&key)
+                    && f != 0.0
+                    && f != 1.0
+                {
+                    return Err(RuntimeError::Config(format!(
+                        "this GGUF scales RoPE linearly ({key} = {f}), which this runtime does \
+                         not implement"
+                    )));
+                }
+            }
+        }
+        // Partial rotary (RoPE over part of each head) would rotate channels it must not.
+        if let Some(n) = g.meta_u64(&format!("{a}.rope.dimension_count"))
+            && n != head_dim as u64
+        {
+            return Err(RuntimeError::Config(format!(
+                "this GGUF rotates {n} of each head's {head_dim} channels \
+                 ({a}.rope.dimension_count); this runtime rotates them all"
+            )));
+        }
         let cfg = Self {
             arch,
             n_layers: need("block_count")?,
@@ -202,6 +229,16 @@ impl ModelConfig {
             attention_bias: Option<bool>,
             /// LlamaConfig: the gate/up/down projections carry biases.
             mlp_bias: Option<bool>,
+            /// Qwen2Config: layers from `max_window_layers` on attend to the last
+            /// `sliding_window` positions only.
+            use_sliding_window: Option<bool>,
+            sliding_window: Option<usize>,
+            max_window_layers: Option<usize>,
+            /// Newer transformers: each layer's attention, `sliding_attention` or full.
+            layer_types: Option<Vec<String>>,
+            /// The FFN's activation (`hidden_activation` in some configs).
+            hidden_act: Option<String>,
+            hidden_activation: Option<String>,
         }
         let hf: Hf = serde_json::from_str(text)
             .map_err(|e| RuntimeError::Config(format!("config.json: {e}")))?;
@@ -240,6 +277,46 @@ impl ModelConfig {
                 )));
             }
         }
+        // Sliding-window attention hides keys past the window, which this runtime attends to:
+        // refused, not served with other logits. A window no shorter than the context, or
+        // layers all below `max_window_layers`, never slide.
+        let ctx = hf.max_position_embeddings.unwrap_or(2048);
+        let slides = hf.use_sliding_window == Some(true)
+            && hf.sliding_window.is_some_and(|w| w < ctx)
+            && hf.max_window_layers.unwrap_or(0) < hf.num_hidden_layers;
+        let sliding_layer = hf
+            .layer_types
+            .iter()
+            .flatten()
+            .any(|t| t == "sliding_attention");
+        if slides || sliding_layer {
+            return Err(RuntimeError::Config(format!(
+                "config.json asks for sliding-window attention ({}), which this runtime does not \
+                 implement",
+                if sliding_layer {
+                    "`layer_types` has `sliding_attention`".to_string()
+                } else {
+                    format!(
+                        "`use_sliding_window: true`, `sliding_window: {}`",
+                        hf.sliding_window.unwrap_or_default()
+                    )
+                }
+            )));
+        }
+        // The FFN computes SiLU (transformers' `swish` is the same function).
+        for (key, act) in [
+            ("hidden_act", &hf.hidden_act),
+            ("hidden_activation", &hf.hidden_activation),
+        ] {
+            if let Some(act) = act
+                && act != "silu"
+                && act != "swish"
+            {
+                return Err(RuntimeError::Config(format!(
+                    "config.json sets `{key}: {act}`; this runtime's FFN computes silu only"
+                )));
+            }
+        }
         let rope_theta = hf
             .rope_parameters
             .as_ref()
@@ -259,7 +336,7 @@ impl ModelConfig {
             vocab_size: hf.vocab_size,
             rope_theta: rope_theta.unwrap_or(10000.0),
             rms_eps: hf.rms_norm_eps.unwrap_or(1e-6),
-            max_ctx: hf.max_position_embeddings.unwrap_or(2048),
+            max_ctx: ctx,
             qkv_bias: arch == Arch::Qwen2,
             rope_interleaved: false,
         };
@@ -271,6 +348,7 @@ impl ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::quantized::gguf_file;
 
     fn hf(extra: &str) -> Result<ModelConfig> {
         ModelConfig::from_hf_json(&format!(
@@ -292,6 +370,96 @@ mod tests {
         ] {
             let e = hf(scaled).unwrap_err().to_string();
             assert!(e.contains("scales RoPE"), "{scaled}: {e}");
+        }
+    }
+
+    /// `from_gguf` on a metadata-only GGUF: a llama of width 64, 4 heads, plus `extra`.
+    fn gguf(name: &str, extra: &[(&str, gguf_file::Value)]) -> Result<ModelConfig> {
+        use gguf_file::Value as V;
+        let mut md: Vec<(String, V)> = vec![
+            ("general.architecture".into(), V::String("llama".into())),
+            ("llama.embedding_length".into(), V::U32(64)),
+            ("llama.attention.head_count".into(), V::U32(4)),
+            ("llama.block_count".into(), V::U32(2)),
+            ("llama.feed_forward_length".into(), V::U32(128)),
+            ("llama.context_length".into(), V::U32(256)),
+            ("llama.vocab_size".into(), V::U32(100)),
+        ];
+        md.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+        let refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let p = std::env::temp_dir().join(format!(
+            "dspark-config-unit-{}-{name}.gguf",
+            std::process::id()
+        ));
+        let mut f = std::fs::File::create(&p).unwrap();
+        gguf_file::write(&mut f, &refs, &[]).unwrap();
+        drop(f);
+        let g = GgufFile::open(&p).unwrap();
+        let _ = std::fs::remove_file(&p);
+        ModelConfig::from_gguf(&g)
+    }
+
+    #[test]
+    fn gguf_linear_rope_factor_without_a_type_and_partial_rotary_are_refused() {
+        use gguf_file::Value as V;
+        assert_eq!(gguf("plain", &[]).unwrap().head_dim, 16);
+        // Factors that scale nothing, a type of none, a full rotary dimension: served.
+        for (name, k, v) in [
+            ("factor-1", "llama.rope.scaling.factor", V::F32(1.0)),
+            ("linear-0", "llama.rope.scale_linear", V::F32(0.0)),
+            ("dims-16", "llama.rope.dimension_count", V::U32(16)),
+        ] {
+            assert!(gguf(name, &[(k, v)]).is_ok(), "{name}");
+        }
+        let typed_none = [
+            ("llama.rope.scaling.type", V::String("none".into())),
+            ("llama.rope.scaling.factor", V::F32(1.0)),
+        ];
+        assert!(gguf("none", &typed_none).is_ok());
+        for (name, k, v) in [
+            ("factor-4", "llama.rope.scaling.factor", V::F32(4.0)),
+            ("linear-2", "llama.rope.scale_linear", V::F32(2.0)),
+            ("dims-8", "llama.rope.dimension_count", V::U32(8)),
+        ] {
+            let e = gguf(name, &[(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(k), "{name}: {e}");
+        }
+    }
+
+    #[test]
+    fn sliding_window_attention_and_other_activations_are_refused() {
+        // Qwen2.5's own configs: the window is off, or longer than the context.
+        for ok in [
+            r#","use_sliding_window":false,"sliding_window":4096"#,
+            r#","use_sliding_window":true,"sliding_window":null"#,
+            r#","use_sliding_window":true,"sliding_window":4096,"max_position_embeddings":4096"#,
+            r#","use_sliding_window":true,"sliding_window":64,"max_window_layers":2"#,
+            r#","layer_types":["full_attention","full_attention"]"#,
+            r#","hidden_act":"silu","hidden_activation":"silu""#,
+        ] {
+            assert!(hf(ok).is_ok(), "{ok}");
+        }
+        for (bad, says) in [
+            (
+                r#","use_sliding_window":true,"sliding_window":64"#,
+                "sliding_window: 64",
+            ),
+            (
+                r#","use_sliding_window":true,"sliding_window":64,"max_window_layers":1"#,
+                "sliding_window: 64",
+            ),
+            (
+                r#","layer_types":["full_attention","sliding_attention"]"#,
+                "sliding_attention",
+            ),
+            (r#","hidden_act":"gelu""#, "hidden_act: gelu"),
+            (
+                r#","hidden_activation":"gelu_pytorch_tanh""#,
+                "hidden_activation",
+            ),
+        ] {
+            let e = hf(bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{bad}: {e}");
         }
     }
 

@@ -96,7 +96,11 @@ pub fn generate(
             "structured output needs a byte-level BPE tokenizer; this model's is not".into(),
         ));
     }
-    let total = (prompt.len() + p.max_tokens).min(model.cfg.max_ctx);
+    // Saturating: a max_tokens past the context (a client's usize::MAX) means "to the end".
+    let total = prompt
+        .len()
+        .saturating_add(p.max_tokens)
+        .min(model.cfg.max_ctx);
     let mut cache = model.new_cache(total, 16)?;
     let seq = cache.new_seq();
     let t0 = Instant::now();
@@ -186,4 +190,34 @@ pub fn generate(
         prefill_s,
         decode_s,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::LoadOptions;
+    use crate::gguf::GgufFile;
+    use crate::tiny::{TinySpec, tiny_model_path};
+
+    #[test]
+    fn max_tokens_past_any_context_generates_to_the_context_end() {
+        let p = tiny_model_path(&TinySpec::llama(4), "generate-unit").unwrap();
+        let opts = LoadOptions {
+            threads: 1,
+            max_ctx: Some(24),
+            ..Default::default()
+        };
+        let model = Model::load(&p, &opts).unwrap();
+        let tok = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap();
+        let prompt = [1u32, 2, 3, 4];
+        let params = GenerateParams {
+            max_tokens: usize::MAX,
+            ..Default::default()
+        };
+        let out = generate(&model, &tok, &prompt, &params, &mut |_| {}).unwrap();
+        assert!(out.token_ids.len() <= 24 - prompt.len(), "{out:?}");
+        if out.finish_reason == "length" {
+            assert_eq!(out.token_ids.len(), 24 - prompt.len());
+        }
+    }
 }

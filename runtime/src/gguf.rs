@@ -175,6 +175,38 @@ fn zero_alignment(file: &mut File, len: u64) -> bool {
     walk().unwrap_or(false)
 }
 
+/// Two tensors whose data share bytes, described: one writer's mistake (or a crafted file) that
+/// would give two weights the same bytes, silently. A tensor whose size overflows is left to
+/// [`GgufFile::read`], which refuses it.
+fn overlap(content: &gguf_file::Content) -> Option<String> {
+    let mut spans: Vec<(u64, u64, &str)> = content
+        .tensor_infos
+        .iter()
+        .filter_map(|(name, t)| {
+            let elems = t
+                .shape
+                .dims()
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))?;
+            let dt = t.ggml_dtype;
+            let bytes = elems
+                .div_ceil(dt.block_size())
+                .checked_mul(dt.type_size())?;
+            let end = t.offset.checked_add(u64::try_from(bytes).ok()?)?;
+            (end > t.offset).then_some((t.offset, end, name.as_str()))
+        })
+        .collect();
+    spans.sort_unstable();
+    let w = spans.windows(2).find(|w| w[1].0 < w[0].1)?;
+    Some(format!(
+        "tensors `{}` and `{}` share bytes {}..{} of the tensor data",
+        w[0].2,
+        w[1].2,
+        w[1].0,
+        w[0].1.min(w[1].1)
+    ))
+}
+
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
         if !path.exists() {
@@ -218,6 +250,9 @@ impl GgufFile {
                 ));
             }
         };
+        if let Some(m) = overlap(&content) {
+            return Err(corrupt(m));
+        }
         Ok(Self {
             path: path.to_path_buf(),
             content,
@@ -362,6 +397,46 @@ mod tests {
             assert_eq!(g.meta_str("general.architecture").as_deref(), Some("llama"));
             let _ = std::fs::remove_file(&p);
         }
+    }
+
+    #[test]
+    fn tensors_sharing_bytes_are_refused() {
+        use candle_core::quantized::QTensor;
+        let p = std::env::temp_dir().join(format!(
+            "dspark-gguf-unit-{}-overlap.gguf",
+            std::process::id()
+        ));
+        let t = |v: f32| {
+            let t = candle_core::Tensor::full(v, 8, &candle_core::Device::Cpu).unwrap();
+            QTensor::quantize(&t, GgmlDType::F32).unwrap()
+        };
+        let (a, b) = (t(1.0), t(2.0));
+        let mut f = File::create(&p).unwrap();
+        gguf_file::write(&mut f, &[], &[("tensor.alpha", &a), ("tensor.beta", &b)]).unwrap();
+        drop(f);
+        let mut g = GgufFile::open(&p).unwrap();
+        assert_eq!(
+            g.read("tensor.beta").unwrap().data,
+            2f32.to_le_bytes().repeat(8)
+        );
+        // `tensor.beta`'s data offset (after its name, 1 dim, the dim and its type) moved
+        // to 16: its first 16 bytes are `tensor.alpha`'s last.
+        let mut bytes = std::fs::read(&p).unwrap();
+        let name = b"tensor.beta";
+        let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+        let off = at + 4 + 8 + 4;
+        assert_eq!(bytes[off..off + 8], 32u64.to_le_bytes());
+        bytes[off..off + 8].copy_from_slice(&16u64.to_le_bytes());
+        std::fs::write(&p, bytes).unwrap();
+        let e = match GgufFile::open(&p) {
+            Ok(_) => panic!("opened"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains("tensor.alpha") && e.contains("tensor.beta") && e.contains("16..32"),
+            "{e}"
+        );
+        let _ = std::fs::remove_file(&p);
     }
 
     #[test]

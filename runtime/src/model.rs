@@ -75,10 +75,34 @@ pub struct ForwardOutput {
 
 impl ForwardOutput {
     /// Logits row `j` of sequence `i`.
+    ///
+    /// # Panics
+    /// When sequence `i` has no row `j` ([`Self::try_row`] returns the error instead): a row
+    /// past its own would be the next sequence's, silently.
     pub fn row(&self, i: usize, j: usize) -> &[f32] {
-        let (start, _) = self.logit_rows[i];
+        match self.try_row(i, j) {
+            Ok(r) => r,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    /// Logits row `j` of sequence `i`; an error when the sequence has no such row (it asked
+    /// for none, or for the last position only).
+    pub fn try_row(&self, i: usize, j: usize) -> Result<&[f32]> {
+        let missing = || {
+            RuntimeError::Invariant(format!(
+                "logits row {j} of sequence {i}: the forward returned {:?} (first row, count) \
+                 per sequence",
+                self.logit_rows
+            ))
+        };
+        let &(start, n) = self.logit_rows.get(i).ok_or_else(missing)?;
+        if j >= n {
+            return Err(missing());
+        }
         let r = start + j;
-        &self.logits[r * self.vocab..(r + 1) * self.vocab]
+        self.logits
+            .get(r * self.vocab..(r + 1) * self.vocab)
+            .ok_or_else(missing)
     }
     /// All logits rows of sequence `i`.
     pub fn rows_of(&self, i: usize) -> &[f32] {
@@ -221,6 +245,11 @@ trait TensorSource {
     }
     fn vector(&mut self, name: &str) -> Result<Vec<f32>>;
     fn has(&self, name: &str) -> bool;
+    /// The checkpoint ties the LM head to the embedding: a stored head is not read
+    /// (transformers ties it over whatever is stored).
+    fn tied_head(&self) -> bool {
+        false
+    }
     /// A tensor's shape as stored, whole (before any rank takes its slice), outermost first.
     fn dims(&mut self, name: &str) -> Result<Vec<usize>>;
     /// Checks layer `layer`'s matrix `name` is stored, whole, exactly `rows` × `cols`: a rank's
@@ -315,6 +344,8 @@ impl TensorSource for GgufSource<'_> {
 /// A Hugging Face checkpoint, read tensor by tensor (a rank's row slice reads only its rows).
 struct SafetensorsSource {
     ck: crate::safetensors::Checkpoint,
+    /// config.json sets `tie_word_embeddings: true`.
+    tied: bool,
     /// The matrices' fingerprint, as [`GgufSource`] keeps it.
     fp: u64,
 }
@@ -369,6 +400,9 @@ impl TensorSource for SafetensorsSource {
     }
     fn has(&self, name: &str) -> bool {
         self.ck.has(name)
+    }
+    fn tied_head(&self) -> bool {
+        self.tied
     }
     fn dims(&mut self, name: &str) -> Result<Vec<usize>> {
         self.ck
@@ -500,10 +534,10 @@ impl Model {
         })?;
         let cfg = ModelConfig::from_hf_json(&text)?;
         // An untied head that is missing must not be replaced by the embedding (wrong logits).
-        let tied = serde_json::from_str::<serde_json::Value>(&text)
+        let tie = serde_json::from_str::<serde_json::Value>(&text)
             .ok()
-            .and_then(|v| v["tie_word_embeddings"].as_bool())
-            .unwrap_or(true);
+            .and_then(|v| v["tie_word_embeddings"].as_bool());
+        let tied = tie.unwrap_or(true);
         let mut files = safetensors_files(dir)?;
         files.sort();
         if files.is_empty() {
@@ -521,6 +555,7 @@ impl Model {
         }
         let mut src = SafetensorsSource {
             ck,
+            tied: tie == Some(true),
             fp: 0xcbf2_9ce4_8422_2325,
         };
         let mut m = Self::build(cfg, &mut src, &HF_NAMES, opts)?;
@@ -597,7 +632,7 @@ impl Model {
                 cfg.d_model
             )));
         }
-        let head = if !shard_rank && src.has(names.head) {
+        let head = if !shard_rank && !src.tied_head() && src.has(names.head) {
             Some(src.linear(names.head, dense)?)
         } else {
             None
@@ -1160,6 +1195,16 @@ impl Model {
                     self.cfg.n_layers
                 )));
             }
+        }
+        // A sequence twice would have both entries write their K/V from the same start, each
+        // over the other's.
+        let mut seqs: Vec<SeqId> = batch.iter().map(|s| s.seq).collect();
+        seqs.sort_unstable();
+        if let Some(w) = seqs.windows(2).find(|w| w[0] == w[1]) {
+            return Err(RuntimeError::Invalid(format!(
+                "sequence {} appears twice in one forward batch",
+                w[0].0
+            )));
         }
         // Positions and validation first, then all-or-nothing KV reservation.
         let mut starts = Vec::with_capacity(batch.len());
@@ -1795,4 +1840,121 @@ fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
         )));
     }
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tiny::{TinySpec, tiny_model_path};
+
+    fn opts() -> LoadOptions {
+        LoadOptions {
+            threads: 1,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_logits_row_past_its_sequence_is_refused() {
+        // Two sequences of one row each (vocabulary 2): row 1 of the first is not the second's.
+        let o = ForwardOutput {
+            logits: vec![1.0, 2.0, 3.0, 4.0],
+            logit_rows: vec![(0, 1), (1, 1)],
+            vocab: 2,
+            ..Default::default()
+        };
+        assert_eq!(o.row(1, 0), [3.0, 4.0]);
+        assert_eq!(o.try_row(0, 0).unwrap(), [1.0, 2.0]);
+        for (i, j) in [(0, 1), (1, 1), (2, 0)] {
+            let e = o.try_row(i, j).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("logits row {j} of sequence {i}")),
+                "{e}"
+            );
+            let r = std::panic::catch_unwind(|| o.row(i, j).to_vec());
+            assert!(r.is_err(), "row({i}, {j}) gave {r:?}");
+        }
+    }
+
+    #[test]
+    fn one_sequence_twice_in_a_batch_is_refused() {
+        let p = tiny_model_path(&TinySpec::llama(3), "model-unit-dup").unwrap();
+        let m = Model::load(&p, &opts()).unwrap();
+        let mut c = m.new_cache(64, 16).unwrap();
+        let (s, t) = (c.new_seq(), c.new_seq());
+        let input = |seq, tokens| SeqInput {
+            seq,
+            tokens,
+            logits: LogitsMode::Last,
+        };
+        let batch = [input(s, &[1u32, 2][..]), input(t, &[3]), input(s, &[4])];
+        let e = m
+            .forward(&mut c, &batch, &ForwardOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("appears twice"), "{e}");
+        assert_eq!((c.len(s).unwrap(), c.len(t).unwrap()), (0, 0));
+        let o = m
+            .forward(&mut c, &batch[..2], &ForwardOptions::default())
+            .unwrap();
+        assert_eq!(o.logit_rows.len(), 2);
+        assert_eq!((c.len(s).unwrap(), c.len(t).unwrap()), (2, 1));
+    }
+
+    /// A one-layer Hugging Face llama directory whose stored `lm_head.weight` (zeros) differs
+    /// from its embedding (ones), with `extra` added to its config.json.
+    fn hf_with_head(name: &str, extra: &str) -> std::path::PathBuf {
+        let (d, heads, kvh, ffn, vocab) = (64usize, 4usize, 2usize, 96usize, 300usize);
+        let kvd = kvh * d / heads;
+        let dir =
+            std::env::temp_dir().join(format!("dspark-model-unit-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let m = |r: usize, c: usize| Tensor::ones((r, c), DType::F32, &Device::Cpu).unwrap();
+        let v = |n: usize| Tensor::ones(n, DType::F32, &Device::Cpu).unwrap();
+        let mut ts: HashMap<String, Tensor> = HashMap::new();
+        ts.insert("model.embed_tokens.weight".into(), m(vocab, d));
+        ts.insert(
+            "lm_head.weight".into(),
+            Tensor::zeros((vocab, d), DType::F32, &Device::Cpu).unwrap(),
+        );
+        ts.insert("model.norm.weight".into(), v(d));
+        for (n, t) in [
+            ("input_layernorm.weight", v(d)),
+            ("post_attention_layernorm.weight", v(d)),
+            ("self_attn.q_proj.weight", m(d, d)),
+            ("self_attn.k_proj.weight", m(kvd, d)),
+            ("self_attn.v_proj.weight", m(kvd, d)),
+            ("self_attn.o_proj.weight", m(d, d)),
+            ("mlp.gate_proj.weight", m(ffn, d)),
+            ("mlp.up_proj.weight", m(ffn, d)),
+            ("mlp.down_proj.weight", m(d, ffn)),
+        ] {
+            ts.insert(format!("model.layers.0.{n}"), t);
+        }
+        candle_core::safetensors::save(&ts, dir.join("model.safetensors")).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            format!(
+                r#"{{"model_type":"llama","hidden_size":{d},"intermediate_size":{ffn},"num_hidden_layers":1,"num_attention_heads":{heads},"num_key_value_heads":{kvh},"vocab_size":{vocab},"max_position_embeddings":256{extra}}}"#
+            ),
+        )
+        .unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_tied_head_is_the_embedding_even_when_one_is_stored() {
+        for (name, extra, tied) in [
+            ("tied", r#","tie_word_embeddings":true"#, true),
+            ("untied", r#","tie_word_embeddings":false"#, false),
+            ("unset", "", false),
+        ] {
+            let dir = hf_with_head(name, extra);
+            let m = Model::load(&dir, &opts()).unwrap();
+            let head = m.head_f32().unwrap();
+            assert_eq!(head == m.embedding_f32().unwrap(), tied, "{name}");
+            assert_eq!(head.iter().all(|&x| x == 0.0), !tied, "{name}");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
 }
