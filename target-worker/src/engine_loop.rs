@@ -19,6 +19,9 @@ pub enum Cmd {
         req: specdec::Request,
         draft: Option<String>,
         events: EventTx,
+        /// The request's span: each engine cycle links to the spans of the requests it
+        /// holds, so a trace backend leads from a slow cycle to its requests.
+        span: tracing::Span,
     },
 }
 
@@ -97,6 +100,8 @@ pub struct EngineLoop {
     /// counts its own placements only until then).
     pub room: dspark_scheduler::discovery::Nudge,
     pub metrics: Arc<WorkerMetrics>,
+    /// Spans of the requests held (see [`Cmd::Add`]).
+    pub spans: HashMap<u64, tracing::Span>,
 }
 
 impl EngineLoop {
@@ -128,7 +133,14 @@ impl EngineLoop {
                 continue;
             }
             // Info, as the exporter passes (per-cycle spans are part of what it promises).
-            let span = tracing::info_span!("cycle", step = self.engine.steps);
+            let span = tracing::info_span!(
+                "cycle",
+                step = self.engine.steps,
+                requests = self.spans.len()
+            );
+            for s in self.spans.values() {
+                span.follows_from(s.id());
+            }
             let _g = span.enter();
             let t0 = std::time::Instant::now();
             self.clock.begin();
@@ -174,11 +186,17 @@ impl EngineLoop {
         if let Ok(mut s) = self.shared.stats.lock() {
             s.remove(&id);
         }
+        self.spans.remove(&id);
     }
 
     fn handle(&mut self, c: Cmd, senders: &mut HashMap<u64, EventTx>) {
         match c {
-            Cmd::Add { req, draft, events } => {
+            Cmd::Add {
+                req,
+                draft,
+                events,
+                span,
+            } => {
                 let id = req.id;
                 if let Some(d) = draft {
                     if let Ok(mut a) = self.shared.assign.lock() {
@@ -189,6 +207,7 @@ impl EngineLoop {
                     // Counted in `load` when the service took it.
                     Ok(()) => {
                         senders.insert(id, events);
+                        self.spans.insert(id, span);
                     }
                     Err(e) => {
                         self.load.fetch_sub(1, Ordering::Relaxed);

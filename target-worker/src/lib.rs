@@ -389,6 +389,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         load: Arc::clone(&load),
         room: room.clone(),
         metrics,
+        spans: Default::default(),
     };
     // A worker whose engine thread is gone would stay registered (heartbeats go on, its load
     // frozen, placement still choosing it) and refuse every request: it exits instead, so its

@@ -237,6 +237,7 @@ impl TargetWorker for TargetService {
                     req,
                     draft,
                     events: tx,
+                    span: span.clone(),
                 })
                 .map_err(|_| Status::unavailable("the engine thread stopped")),
             Err(_) => Err(Status::internal("engine channel poisoned")),

@@ -2645,6 +2645,8 @@ struct Got {
     trace: String,
     id: String,
     parent: String,
+    /// Span ids this span links to.
+    links: Vec<String>,
 }
 
 /// A minimal OTLP/gRPC trace collector: records every span it is sent.
@@ -2684,6 +2686,7 @@ impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::Tra
                         trace: hex(&sp.trace_id),
                         id: hex(&sp.span_id),
                         parent: hex(&sp.parent_span_id),
+                        links: sp.links.iter().map(|l| hex(&l.span_id)).collect(),
                         name: sp.name,
                     });
                 }
@@ -2770,6 +2773,15 @@ async fn spans_reach_an_otlp_collector_under_the_callers_trace() {
         generate.parent, request.id,
         "{generate:?} under {request:?}"
     );
+    // The engine cycles that served it link to its span.
+    let linked = col
+        .0
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter(|g| g.name == "cycle" && g.links.contains(&generate.id))
+        .count();
+    assert!(linked >= 1, "no cycle links to {generate:?}");
 }
 
 /// Greedy decoding in this process with the target split three ways (ranks 1 and 2 on threads
