@@ -503,6 +503,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         max_ctx,
         default_draft: args.draft_worker.clone(),
         max_requests: args.max_running.saturating_add(args.max_queued),
+        formats: Default::default(),
         local_drafting: local,
         draining,
         streams,

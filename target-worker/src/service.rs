@@ -3,6 +3,7 @@
 use crate::engine_loop::Cmd;
 use dspark_proto::target_worker_server::TargetWorker;
 use dspark_proto::{GenerateEvent, GenerateRequest, InfoRequest, WorkerInfo};
+use dspark_runtime::json::Format;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,6 +31,8 @@ pub struct TargetService {
     /// Requests running and queued at most (`--max-running` + `--max-queued`); a request past
     /// it is refused unless the router admitted it before (a failover).
     pub max_requests: usize,
+    /// Formats compiled for earlier requests.
+    pub formats: FormatCache,
     /// Requests never go to a remote drafter (the drafter runs in-process).
     pub local_drafting: bool,
     /// Set once a stop was asked for: new requests are refused (`UNAVAILABLE`, which the router
@@ -50,6 +53,18 @@ impl Drop for StreamGuard {
 
 /// Longest request id accepted (they are logged and echoed).
 const MAX_ID_LEN: usize = 256;
+/// Logit biases and held ids per request (the router allows 1024 biases; held ids are the
+/// end tokens `min_tokens` holds back).
+const MAX_BIASES: usize = 1024;
+const MAX_HELD_IDS: usize = 1024;
+/// A failover (`admitted`) is taken past the queue limit up to this many times it: bounded,
+/// so that a caller setting the flag cannot queue without end.
+const ADMITTED_HEADROOM: usize = 2;
+/// Compiled formats kept for requests that repeat a schema or regex (the `n` sequences of one
+/// request, a client sending one schema again and again); texts longer than
+/// `FORMAT_CACHE_KEY_BYTES` are compiled each time (the cache holds its keys).
+const FORMAT_CACHE: usize = 64;
+const FORMAT_CACHE_KEY_BYTES: usize = 64 << 10;
 /// Stop strings per request, and bytes each.
 const MAX_STOPS: usize = 16;
 const MAX_STOP_LEN: usize = 256;
@@ -78,6 +93,13 @@ impl TargetService {
                 r.prompt.len(),
                 r.max_tokens,
                 self.max_ctx
+            ));
+        }
+        if let Some(s) = &r.sampling
+            && (s.logit_bias.len() > MAX_BIASES || s.held_ids.len() > MAX_HELD_IDS)
+        {
+            return bad(format!(
+                "at most {MAX_BIASES} logit biases and {MAX_HELD_IDS} held ids"
             ));
         }
         if r.top_logprobs as usize > specdec::MAX_TOP_LOGPROBS {
@@ -133,6 +155,75 @@ fn compile_format(regex: &str, schema: &str) -> Result<dspark_runtime::json::For
     )))
 }
 
+/// A request counted in the worker's load; given back when dropped unless [`LoadSlot::keep`]
+/// hands it to the engine loop (which gives it back when the request ends).
+struct LoadSlot(Option<Arc<AtomicUsize>>);
+
+impl LoadSlot {
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for LoadSlot {
+    fn drop(&mut self) {
+        if let Some(l) = self.0.take() {
+            l.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl TargetService {
+    /// Counts a request in the load unless the worker holds its limit already
+    /// (`--max-running` + `--max-queued`; a failover the router admitted before, up to
+    /// [`ADMITTED_HEADROOM`] times it).
+    fn take_slot(&self, admitted: bool) -> Result<LoadSlot, Status> {
+        let limit = if admitted {
+            self.max_requests.saturating_mul(ADMITTED_HEADROOM)
+        } else {
+            self.max_requests
+        };
+        match self
+            .load
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < limit).then_some(n + 1)
+            }) {
+            Ok(_) => Ok(LoadSlot(Some(Arc::clone(&self.load)))),
+            Err(n) => Err(Status::resource_exhausted(format!(
+                "target worker {} holds {n} requests, its limit (--max-running + --max-queued); \
+                 retry shortly or elsewhere",
+                self.info.id
+            ))),
+        }
+    }
+}
+
+/// Compiled formats by their (regex, schema) text, the [`FORMAT_CACHE`] most recently used.
+#[derive(Default)]
+pub struct FormatCache(Mutex<std::collections::VecDeque<((String, String), Format)>>);
+
+impl FormatCache {
+    fn get(&self, key: &(String, String)) -> Option<Format> {
+        let mut c = self.0.lock().ok()?;
+        let i = c.iter().position(|(k, _)| k == key)?;
+        let e = c.remove(i)?;
+        let f = e.1.clone();
+        c.push_front(e);
+        Some(f)
+    }
+
+    fn put(&self, key: (String, String), f: Format) {
+        if key.0.len() + key.1.len() > FORMAT_CACHE_KEY_BYTES {
+            return;
+        }
+        if let Ok(mut c) = self.0.lock() {
+            c.retain(|(k, _)| *k != key);
+            c.push_front((key, f));
+            c.truncate(FORMAT_CACHE);
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl TargetWorker for TargetService {
     type GenerateStream = EventStream;
@@ -164,14 +255,24 @@ impl TargetWorker for TargetService {
                 "a request takes one of json, json_schema and regex",
             ));
         }
+        // Counted before the format is compiled: a request past the limit costs no compiling,
+        // and a compiled format is held only by a request the worker took.
+        let slot = self.take_slot(r.admitted)?;
         let json = if !r.regex.is_empty() || !r.json_schema.is_empty() {
-            // Building the automaton is CPU work (up to the state caps): off the async runtime,
-            // which also carries the draft links' replies.
-            let (regex, schema) = (r.regex.clone(), r.json_schema.clone());
-            let f = tokio::task::spawn_blocking(move || compile_format(&regex, &schema))
-                .await
-                .map_err(|e| Status::internal(format!("compiling the format: {e}")))??;
-            Some(f)
+            let key = (r.regex.clone(), r.json_schema.clone());
+            match self.formats.get(&key) {
+                Some(f) => Some(f),
+                None => {
+                    // Building the automaton is CPU work (up to the state caps): off the async
+                    // runtime, which also carries the draft links' replies.
+                    let (regex, schema) = key.clone();
+                    let f = tokio::task::spawn_blocking(move || compile_format(&regex, &schema))
+                        .await
+                        .map_err(|e| Status::internal(format!("compiling the format: {e}")))??;
+                    self.formats.put(key, f.clone());
+                    Some(f)
+                }
+            }
         } else {
             r.json.then_some(dspark_runtime::json::Format::Object)
         };
@@ -213,24 +314,6 @@ impl TargetWorker for TargetService {
             Some(r.draft_worker)
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        // The engine loop takes the count back when the request ends or is refused.
-        let limit = if r.admitted {
-            usize::MAX
-        } else {
-            self.max_requests
-        };
-        if let Err(n) = self
-            .load
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < limit).then_some(n + 1)
-            })
-        {
-            return Err(Status::resource_exhausted(format!(
-                "target worker {} holds {n} requests, its limit (--max-running + --max-queued); \
-                 retry shortly or elsewhere",
-                self.info.id
-            )));
-        }
         let sent = match self.cmds.lock() {
             Ok(c) => c
                 .send(Cmd::Add {
@@ -242,10 +325,9 @@ impl TargetWorker for TargetService {
                 .map_err(|_| Status::unavailable("the engine thread stopped")),
             Err(_) => Err(Status::internal("engine channel poisoned")),
         };
-        if let Err(e) = sent {
-            self.load.fetch_sub(1, Ordering::Relaxed);
-            return Err(e);
-        }
+        sent?;
+        // The engine loop takes the count back when the request ends or is refused.
+        slot.keep();
         self.room.nudge();
         let events = tokio_stream::wrappers::UnboundedReceiverStream::new(rx);
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(
@@ -265,5 +347,37 @@ impl TargetWorker for TargetService {
             i.local_budget_steps = l.load(Ordering::Relaxed);
         }
         Ok(Response::new(i))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compiled_formats_are_reused_most_recent_first_and_bounded() {
+        let c = FormatCache::default();
+        let key = |i: usize| (format!("a{{{i}}}"), String::new());
+        let f = compile_format("a{1}", "").expect("compiles");
+        c.put(key(0), f.clone());
+        let Some(Format::Regex(got)) = c.get(&key(0)) else {
+            panic!("cached");
+        };
+        let Format::Regex(want) = &f else {
+            panic!("a regex")
+        };
+        assert!(Arc::ptr_eq(&got, want), "the same compiled pattern");
+        for i in 1..FORMAT_CACHE {
+            c.put(key(i), f.clone());
+        }
+        // Key 0 was used last before the others came: the oldest now, it goes first.
+        assert!(c.get(&key(1)).is_some());
+        c.put(key(FORMAT_CACHE), f.clone());
+        assert!(c.get(&key(0)).is_none(), "the least recently used left");
+        assert!(c.get(&key(1)).is_some() && c.get(&key(FORMAT_CACHE)).is_some());
+        // Texts past the key bound are not kept.
+        let long = ("x".repeat(FORMAT_CACHE_KEY_BYTES + 1), String::new());
+        c.put(long.clone(), f);
+        assert!(c.get(&long).is_none());
     }
 }

@@ -1915,9 +1915,18 @@ async fn back_to_back_requests_find_room_and_a_full_cluster_is_waited_for() {
         .expect_err("past the queue limit");
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("--max-queued"), "{e:?}");
-    // Taken (queued: its first token waits for a running request to end).
-    let _failover = t.generate(long(true)).await.expect("a failover");
-    assert_eq!(target_info(&addr).await.load, 7);
+    // Taken (queued: its first token waits for a running request to end), up to twice the
+    // limit: a caller setting the flag cannot queue without end either.
+    let mut failovers = Vec::new();
+    for _ in 0..6 {
+        failovers.push(t.generate(long(true)).await.expect("a failover"));
+    }
+    assert_eq!(target_info(&addr).await.load, 12);
+    let e = t
+        .generate(long(true))
+        .await
+        .expect_err("past twice the limit");
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
     for b in busy {
         b.abort();
     }
