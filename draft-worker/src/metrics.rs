@@ -3,7 +3,7 @@
 //! Names: `dspark_scheduler::prom`.
 
 use dspark_scheduler::prom::names::*;
-use dspark_scheduler::prom::{Histogram, TOKEN_BUCKETS, sample};
+use dspark_scheduler::prom::{Histogram, STEP_BUCKETS, sample};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub struct DraftMetrics {
@@ -30,7 +30,7 @@ impl Default for DraftMetrics {
             round_errors: AtomicU64::new(0),
             items: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
-            call_seconds: Histogram::new(&TOKEN_BUCKETS),
+            call_seconds: Histogram::new(&STEP_BUCKETS),
         }
     }
 }

@@ -744,10 +744,21 @@ pub fn central_budget(
 }
 
 /// A budget pushed by the central scheduler for a given engine step.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct ExternalBudget {
     pub for_step: u64,
     pub k_total: u32,
+}
+
+/// No budget yet: one for no step. A default for step 0 was taken as the central budget of
+/// the first step, counted as central before the scheduler had answered.
+impl Default for ExternalBudget {
+    fn default() -> Self {
+        Self {
+            for_step: u64::MAX,
+            k_total: 0,
+        }
+    }
 }
 
 impl ConfidencePolicy {
@@ -1771,6 +1782,24 @@ mod tests {
         let (_, dear, _) = scenario(true, false);
         let tail = dear[30..].iter().filter(|&&d| d).count();
         assert!(tail > 20, "{dear:?}");
+    }
+
+    /// A worker whose scheduler has not answered runs on local budgets, and counts them so.
+    #[test]
+    fn an_unanswered_central_slot_is_no_central_budget() {
+        use specdec::VerifyPolicy;
+        use std::sync::atomic::Ordering::Relaxed;
+        let sps = SpsTable::new(vec![(64, 100.0), (256, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        p.external = Some(std::sync::Arc::new(std::sync::Mutex::new(
+            ExternalBudget::default(),
+        )));
+        for _ in 0..4 {
+            assert_eq!(p.planned(), Some(0));
+            p.select(&[], 0, 4, 1 << 20);
+        }
+        assert_eq!(p.central_steps.load(Relaxed), 0);
+        assert_eq!(p.local_steps.load(Relaxed), 4);
     }
 
     #[test]

@@ -28,15 +28,31 @@ impl Discovery {
     /// `--etcd` wins over `--scheduler`; at least one is needed.
     pub fn from_args(scheduler: Option<&str>, etcd: Option<&str>) -> Result<Self> {
         match (etcd, scheduler) {
-            (Some(e), _) if !e.is_empty() => Ok(Self::Etcd(
-                e.split(',').map(|s| s.trim().to_string()).collect(),
-            )),
+            (Some(e), _) if !e.trim().is_empty() => Ok(Self::Etcd(etcd_endpoints(e)?)),
             (_, Some(s)) if !s.is_empty() => Ok(Self::Static(normalize_url(s))),
             _ => Err(SchedError::Config(
                 "a worker needs --scheduler URL or --etcd URL to register".into(),
             )),
         }
     }
+}
+
+/// The endpoints of a comma-separated `--etcd` list, trimmed, without empty entries (`a,,b`, a
+/// trailing comma): an empty one would make the etcd client dial nothing. A list with none
+/// left is a configuration error.
+pub fn etcd_endpoints(list: &str) -> Result<Vec<String>> {
+    let eps: Vec<String> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect();
+    if eps.is_empty() {
+        return Err(SchedError::Config(format!(
+            "--etcd `{list}` names no endpoint (expected URL[,URL…])"
+        )));
+    }
+    Ok(eps)
 }
 
 /// The address a worker publishes for peers to dial: `--advertise HOST[:PORT]` when given (a
@@ -694,12 +710,32 @@ async fn watch_etcd(eps: &[String], cluster: &Arc<Mutex<crate::placement::Cluste
 #[cfg(test)]
 mod tests {
     use super::{
-        ETCD_NUDGE_GAP, ETCD_PREFIX, advertised_address, check_ttl_ms, default_worker_id,
-        etcd_entry, is_dialable, lease_secs, until_renewal,
+        Discovery, ETCD_NUDGE_GAP, ETCD_PREFIX, advertised_address, check_ttl_ms,
+        default_worker_id, etcd_endpoints, etcd_entry, is_dialable, lease_secs, until_renewal,
     };
     use dspark_proto::WorkerInfo;
     use prost::Message;
     use std::time::Duration;
+
+    #[test]
+    fn etcd_lists_drop_empty_entries_and_refuse_an_empty_one() {
+        assert_eq!(
+            etcd_endpoints(" http://a:2379,, http://b:2379 ,").unwrap(),
+            ["http://a:2379", "http://b:2379"]
+        );
+        assert!(etcd_endpoints(",").is_err());
+        assert!(etcd_endpoints(" , ,").is_err());
+        match Discovery::from_args(None, Some("http://a:2379,")).unwrap() {
+            Discovery::Etcd(eps) => assert_eq!(eps, ["http://a:2379"]),
+            d => panic!("{d:?}"),
+        }
+        assert!(Discovery::from_args(Some("http://s:1"), Some(",")).is_err());
+        // An empty flag is no flag.
+        assert!(matches!(
+            Discovery::from_args(Some("http://s:1"), Some("")),
+            Ok(Discovery::Static(_))
+        ));
+    }
 
     /// What a worker advertises, and only that, is an address others accept (the target
     /// worker's check of a request's draft worker among them).

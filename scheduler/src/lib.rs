@@ -74,13 +74,18 @@ pub async fn serve(
             args.prefix_affinity_slack
         )));
     }
+    let etcd = args
+        .etcd
+        .as_deref()
+        .filter(|e| !e.trim().is_empty())
+        .map(discovery::etcd_endpoints)
+        .transpose()?;
     let svc = service::SchedulerService::default();
     if let Ok(mut c) = svc.cluster.lock() {
         c.set_affinity_slack(args.prefix_affinity_slack);
     }
     svc.spawn_sweeper();
-    if let Some(e) = args.etcd.as_deref().filter(|e| !e.is_empty()) {
-        let eps = e.split(',').map(|s| s.trim().to_string()).collect();
+    if let Some(eps) = etcd {
         discovery::spawn_etcd_watcher(eps, Arc::clone(&svc.cluster));
     }
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -262,8 +267,9 @@ pub async fn drain(what: &str, limit: std::time::Duration, inflight: impl Fn() -
 }
 
 /// Logging for the service binaries (`DSPARK_LOG`, default info) and, when
-/// `OTEL_EXPORTER_OTLP_ENDPOINT` names a collector, span export over OTLP/gRPC as `service`
-/// (spans per request in the router and target worker, per cycle in the engine loop).
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT` names a collector, span
+/// export over OTLP/gRPC as `OTEL_SERVICE_NAME`, else `service` (spans per request in the router
+/// and target worker, per cycle in the engine loop).
 pub fn init_tracing(service: &str) {
     use tracing_subscriber::Layer;
     use tracing_subscriber::layer::SubscriberExt;
@@ -274,10 +280,9 @@ pub fn init_tracing(service: &str) {
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_filter(filter);
-    let otel = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .ok()
-        .filter(|e| !e.is_empty())
-        .and_then(|ep| match otlp_tracer(service, &ep) {
+    let var = |k: &str| std::env::var(k).ok();
+    let otel = otlp_traces_endpoint(var).and_then(|ep| {
+        match otlp_tracer(service, otel_service_name(var, service), &ep) {
             Ok(t) => Some(
                 tracing_opentelemetry::layer()
                     .with_tracer(t)
@@ -287,15 +292,43 @@ pub fn init_tracing(service: &str) {
                 eprintln!("OpenTelemetry export disabled: {e}");
                 None
             }
-        });
+        }
+    });
     let _ = tracing_subscriber::registry()
         .with(fmt)
         .with(otel)
         .try_init();
 }
 
+/// The collector the standard variables name, the traces-specific one first as the SDKs read
+/// them: the endpoint we pass the exporter hides the variables from it.
+fn otlp_traces_endpoint(var: impl Fn(&str) -> Option<String>) -> Option<String> {
+    [
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ]
+    .into_iter()
+    .find_map(|k| var(k).filter(|v| !v.trim().is_empty()))
+}
+
+/// `service` unless the deployment names the service (`OTEL_SERVICE_NAME`, or `service.name`
+/// in `OTEL_RESOURCE_ATTRIBUTES`); then `None`, and the SDK's resource detectors apply it
+/// (a name we set would override theirs).
+fn otel_service_name(var: impl Fn(&str) -> Option<String>, service: &str) -> Option<String> {
+    let named = var("OTEL_SERVICE_NAME").is_some_and(|v| !v.is_empty())
+        || var("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|a| {
+            a.split(',').any(|kv| {
+                kv.split_once('=')
+                    .is_some_and(|(k, _)| k.trim() == "service.name")
+            })
+        });
+    (!named).then(|| service.to_string())
+}
+
+/// `name`: the service name to set on the resource, `None` to keep the detected one.
 fn otlp_tracer(
     service: &str,
+    name: Option<String>,
     endpoint: &str,
 ) -> std::result::Result<opentelemetry_sdk::trace::Tracer, String> {
     use opentelemetry::trace::TracerProvider;
@@ -305,13 +338,13 @@ fn otlp_tracer(
         .with_endpoint(endpoint)
         .build()
         .map_err(|e| e.to_string())?;
+    let mut resource = opentelemetry_sdk::Resource::builder();
+    if let Some(name) = name {
+        resource = resource.with_service_name(name);
+    }
     let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
-        .with_resource(
-            opentelemetry_sdk::Resource::builder()
-                .with_service_name(service.to_string())
-                .build(),
-        )
+        .with_resource(resource.build())
         .build();
     opentelemetry::global::set_text_map_propagator(
         opentelemetry_sdk::propagation::TraceContextPropagator::new(),
@@ -337,10 +370,56 @@ pub fn set_parent(span: &tracing::Span, traceparent: &str) {
 
 #[cfg(test)]
 mod tests {
-    use super::drain;
+    use super::{drain, otel_service_name, otlp_traces_endpoint};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
+
+    fn env<'a>(vars: &'a [(&str, &str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn otel_variables_pick_the_collector_and_may_name_the_service() {
+        let both = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://all:4317"),
+            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4317"),
+        ];
+        assert_eq!(
+            otlp_traces_endpoint(env(&both)).as_deref(),
+            Some("http://traces:4317")
+        );
+        let all = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://all:4317"),
+            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""),
+        ];
+        assert_eq!(
+            otlp_traces_endpoint(env(&all)).as_deref(),
+            Some("http://all:4317")
+        );
+        assert_eq!(otlp_traces_endpoint(env(&[])), None);
+        // Ours unless the deployment names the service; the SDK then applies its name.
+        assert_eq!(
+            otel_service_name(env(&[]), "dspark-router").as_deref(),
+            Some("dspark-router")
+        );
+        assert_eq!(
+            otel_service_name(env(&[("OTEL_SERVICE_NAME", "")]), "x").as_deref(),
+            Some("x")
+        );
+        assert_eq!(
+            otel_service_name(env(&[("OTEL_SERVICE_NAME", "edge-router")]), "x"),
+            None
+        );
+        let attrs = [("OTEL_RESOURCE_ATTRIBUTES", "team=a, service.name=edge")];
+        assert_eq!(otel_service_name(env(&attrs), "x"), None);
+        let other = [("OTEL_RESOURCE_ATTRIBUTES", "team=a")];
+        assert_eq!(otel_service_name(env(&other), "x").as_deref(), Some("x"));
+    }
 
     #[tokio::test]
     async fn drain_waits_for_the_last_request_and_no_longer_than_its_limit() {

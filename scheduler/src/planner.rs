@@ -55,8 +55,9 @@ impl BlockSet {
 }
 
 /// Drafting seconds per round by block length γ and the number of requests in the round:
-/// linear in requests between measured points (the last segment's slope beyond them), linear in
-/// γ between measured lengths (the nearest one outside them).
+/// linear in requests between measured points (the last segment's slope beyond them, the first
+/// point's cost below them, proportional above a lone point), linear in γ between measured
+/// lengths (the nearest one outside them).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DraftCost {
     /// (γ, [(requests, seconds)]), γ increasing, requests increasing within each.
@@ -101,7 +102,9 @@ impl DraftCost {
             s0 + (n as f64 - n0 as f64) * (s1 - s0) / (n1 as f64 - n0 as f64)
         };
         match p.iter().position(|&(m, _)| m >= n) {
-            Some(0) => p[0].1 * n as f64 / p[0].0 as f64,
+            // Below the first measured round: its cost, not a line through the origin (a
+            // drafting call has a fixed cost that fewer requests do not shrink).
+            Some(0) => p[0].1,
             Some(i) => seg(i - 1, i),
             None if p.len() >= 2 => seg(p.len() - 2, p.len() - 1).max(p[p.len() - 1].1),
             None => p[0].1 * n as f64 / p[0].0 as f64,
@@ -420,10 +423,21 @@ pub fn simulate_engine(
                 }
             }
             let from = if width < n_dec { steps % n_dec } else { 0 };
+            // The engine's fairness rule, formula for formula: each window leaves one token
+            // for every later decoding request and, while a prompt is still prefilling, a
+            // chunk's reserve; otherwise the first requests' blocks take the whole step.
+            let mut later = n_dec as u32;
+            let reserve = if running.iter().any(|r| r.prompt_left > 0) {
+                spec.prefill_chunk.min(max_b / 4).max(1)
+            } else {
+                0
+            };
             for (di, &i) in decoding.iter().enumerate() {
                 if budget == 0 {
                     break;
                 }
+                later = later.saturating_sub(1);
+                let share = budget.saturating_sub(1 + later + reserve);
                 let probed = width >= n_dec || (di + n_dec - from) % n_dec < width;
                 let gamma = match spec.verify {
                     Verify::Fixed(k) => k as u32,
@@ -432,7 +446,8 @@ pub fn simulate_engine(
                 let r = &running[i];
                 let k = if probed { gamma.min(cap) } else { 0 }
                     .min((r.out - r.produced).saturating_sub(1))
-                    .min(budget - 1);
+                    .min(budget - 1)
+                    .min(share);
                 ks[di] = k;
                 active[di] = true;
                 budget -= if free { 1 } else { 1 + k };
@@ -1409,6 +1424,55 @@ mod tests {
         assert!((c.seconds(4, 4) - 0.006).abs() < 1e-12);
         assert!((c.seconds(9, 1) - 0.002).abs() < 1e-12);
         assert_eq!(c.seconds(3, 0), 0.0);
+    }
+
+    #[test]
+    fn draft_cost_below_the_first_point_is_its_cost() {
+        // A round of 1 costs at least the first measured round (8 requests): the call's fixed
+        // cost does not shrink with fewer requests.
+        let c = DraftCost::flat(vec![(8, 0.004), (16, 0.006)]).unwrap();
+        assert!((c.seconds(1, 1) - 0.004).abs() < 1e-12);
+        assert!((c.seconds(1, 8) - 0.004).abs() < 1e-12);
+        assert!((c.seconds(1, 12) - 0.005).abs() < 1e-12);
+        let lone = DraftCost::flat(vec![(4, 0.004)]).unwrap();
+        assert!((lone.seconds(1, 2) - 0.004).abs() < 1e-12);
+        assert!((lone.seconds(1, 8) - 0.008).abs() < 1e-12);
+    }
+
+    #[test]
+    fn long_fixed_blocks_at_saturation_leave_every_request_its_token_and_prefill_a_share() {
+        // 16 requests asking for 1 + 31 tokens each on a table that stops at 64: as in the
+        // engine, each decoder gets its token every step and a prompt still prefilling a
+        // reserve (16), rather than the first two requests' blocks taking every step.
+        let free = DraftCost::flat(vec![(1, 0.0)]).unwrap();
+        let b = BlockSet::only(vec![
+            Block {
+                conf: vec![0.9; 31],
+                accepted: 31,
+                copy_run: false,
+            };
+            4
+        ]);
+        let mut s = spec();
+        (s.verify, s.max_gamma) = (Verify::Fixed(31), 31);
+        s.sps = SpsTable::new(
+            (1u32..=64)
+                .map(|b| (b, 1.0 / (0.005 + 0.001 * b as f64)))
+                .collect(),
+        )
+        .unwrap();
+        let w = Workload {
+            output_tokens: 256,
+            output_spread: 0.5,
+            ..closed(16)
+        };
+        let r = simulate_engine(&s, &w, Some((&b, &free, 0.0)), T).unwrap();
+        // No step is longer than 69 ms, and each commits a token for every decoder.
+        let slowest_step = 0.005 + 0.001 * 64.0;
+        assert!(r.user_tok_s_p10 * slowest_step >= 0.99, "{r:?}");
+        // A 32-token prompt takes two steps at the reserve (more when several prefill at once),
+        // not the time the decoders ahead of it take to finish.
+        assert!(r.ttft_p90_s <= 8.0 * slowest_step, "{r:?}");
     }
 
     #[test]

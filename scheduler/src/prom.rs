@@ -67,9 +67,17 @@ pub mod names {
 pub const LATENCY_BUCKETS: [f64; 14] = [
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
 ];
-/// Upper bounds of per-token (and per-step) histograms' buckets, in seconds.
+/// Upper bounds of per-token histograms' buckets, in seconds.
 pub const TOKEN_BUCKETS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0,
+];
+/// Upper bounds of engine-step and drafting-call histograms' buckets, in seconds: the per-token
+/// resolution at the low end, then on to a minute, since a long prefill chunk or a
+/// tensor-parallel step may run far past a second (the watchdog allows 600 s) and would
+/// otherwise all land in +Inf.
+pub const STEP_BUCKETS: [f64; 17] = [
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
 ];
 
 /// A Prometheus histogram with fixed buckets (lock-free).
@@ -218,6 +226,19 @@ mod tests {
         assert!((sum - 503.064).abs() < 1e-6, "{sum}");
         assert!(out.contains("# TYPE x_seconds histogram"));
         well_formed(&out).unwrap();
+    }
+
+    #[test]
+    fn step_buckets_keep_the_token_resolution_and_reach_a_minute() {
+        assert_eq!(STEP_BUCKETS[..TOKEN_BUCKETS.len()], TOKEN_BUCKETS);
+        assert!(STEP_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+        // A 45 s prefill step is counted below +Inf.
+        let h = Histogram::new(&STEP_BUCKETS);
+        h.observe(45.0);
+        let mut out = String::new();
+        h.render(&mut out, "s_seconds", "A test.");
+        assert!(out.contains("s_seconds_bucket{le=\"30\"} 0\n"), "{out}");
+        assert!(out.contains("s_seconds_bucket{le=\"60\"} 1\n"), "{out}");
     }
 
     #[test]

@@ -5,7 +5,9 @@
 use crate::admission::{AdmissionError, SpsTable};
 use serde::{Deserialize, Serialize};
 use specdec::profile::SpsPoint;
+use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// 2: the key names the grid and contexts, and each point is the fastest of passes
 /// interleaved over the grid (version 1 took the median of consecutive forwards, which a
@@ -91,7 +93,27 @@ impl SpsArtifact {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        std::fs::write(path, text).map_err(|e| at(e, "cannot write", path))?;
+        // Written beside the target and renamed over it: workers sharing $DSPARK_HOME may
+        // read the cache while another writes it, and must see the old file or the new one,
+        // never a half-written one. The name is unique per process and call.
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let tmp = path.with_file_name(format!(
+            ".{}.{}-{}.tmp",
+            name.as_deref().unwrap_or("sps"),
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let written = (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(text.as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(at(e, "cannot write", path).into());
+        }
         Ok(())
     }
 
@@ -151,6 +173,63 @@ mod tests {
             grid: vec![1, 8, 64],
             ctxs: vec![256],
         }
+    }
+
+    /// Saves replace the file whole: a reader racing writers sees a complete artifact every
+    /// time, and no temporary file stays behind.
+    #[test]
+    fn saves_are_atomic_and_leave_no_temporary_file() {
+        let dir = std::env::temp_dir().join(format!("dspark-sps-atomic-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let p = dir.join("a.json");
+        let pt = |b| SpsPoint {
+            batch_tokens: b,
+            ctx: 256,
+            kind: "decode".into(),
+            ms_median: 10.0,
+            ms_min: 10.0,
+            steps_per_s: 100.0,
+        };
+        let a = SpsArtifact {
+            version: ARTIFACT_VERSION,
+            key: key(),
+            table: vec![(1, 100.0), (8, 90.0), (64, 20.0)],
+            // A file of a few hundred KB, so a write in place is seen half done.
+            points: (1..2000).map(pt).collect(),
+            command: "test".into(),
+        };
+        a.save(&p).unwrap();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let torn = std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                let mut torn = 0;
+                while !done.load(Ordering::Relaxed) {
+                    torn += usize::from(SpsArtifact::load(&p, Some(&key())).is_err());
+                }
+                torn
+            });
+            let writers: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        for _ in 0..20 {
+                            a.save(&p).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            for w in writers {
+                w.join().unwrap();
+            }
+            done.store(true, Ordering::Relaxed);
+            reader.join().unwrap()
+        });
+        assert_eq!(torn, 0, "reads of a half-written artifact");
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, ["a.json"]);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

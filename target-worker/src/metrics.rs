@@ -3,7 +3,7 @@
 //! (a lock and a few copies); a scrape renders the last one. Names: `dspark_scheduler::prom`.
 
 use dspark_scheduler::prom::names::*;
-use dspark_scheduler::prom::{Histogram, TOKEN_BUCKETS, labelled, sample};
+use dspark_scheduler::prom::{Histogram, STEP_BUCKETS, labelled, sample};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -75,7 +75,7 @@ impl WorkerMetrics {
     ) -> Self {
         Self {
             snap: Mutex::new(Snapshot::default()),
-            step_seconds: Histogram::new(&TOKEN_BUCKETS),
+            step_seconds: Histogram::new(&STEP_BUCKETS),
             finished: Mutex::new(BTreeMap::new()),
             remote_cycles: AtomicU64::new(0),
             fallback_cycles: AtomicU64::new(0),
