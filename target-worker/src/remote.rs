@@ -6,7 +6,9 @@
 //! rows since the last acknowledged position. The engine thread waits for the replies up to a
 //! deadline; a request whose draft worker is gone, late, or confused drafts locally (n-gram by
 //! default) for that cycle and resumes remote drafting when the link is back — a new link
-//! generation resends its state in full. Nothing here can fail a request.
+//! generation resends its state in full. A request whose draft worker stays down past a grace
+//! (replaced at a new address) moves to another up draft worker, which gets its state in full.
+//! Nothing here can fail a request.
 
 use dspark_proto::draft_worker_client::DraftWorkerClient;
 use dspark_proto::{DraftCall, DraftItem, DraftReply, Dtype, InfoRequest, QKind, WorkerInfo};
@@ -81,6 +83,10 @@ struct LinkShared {
     /// overloaded process) otherwise cost every step of the whole batch the full timeout.
     stalled: Mutex<Option<Instant>>,
     generation: AtomicU64,
+    /// Since when the link has been down without a break (from its spawn if it never came
+    /// up; `None` while up): a request paired with it past [`REPAIR_GRACE`] moves to
+    /// another draft worker.
+    down_since: Mutex<Option<Instant>>,
     calls: Mutex<Option<tokio::sync::mpsc::Sender<DraftCall>>>,
     pending: Mutex<HashMap<u64, std::sync::mpsc::Sender<(DraftReply, Instant)>>>,
     info: Mutex<Option<WorkerInfo>>,
@@ -89,6 +95,12 @@ struct LinkShared {
 /// How long a stalled link's requests draft locally before one round tries it again.
 const STALL_RETRY: Duration = Duration::from_secs(2);
 
+/// How long a link stays down before its requests move to another draft worker: past a
+/// reconnect after a blip (backoff reaches 1 s, plus a 500 ms connect timeout), so only a
+/// draft worker that is gone (a pod replaced at a new address in a rolling update) loses
+/// its requests; otherwise they would draft locally for the rest of their lives.
+const REPAIR_GRACE: Duration = Duration::from_secs(2);
+
 impl LinkShared {
     /// Stalled, and not yet due for another try.
     fn is_stalled(&self) -> bool {
@@ -96,6 +108,14 @@ impl LinkShared {
             .lock()
             .map(|s| s.is_some_and(|t| t.elapsed() < STALL_RETRY))
             .unwrap_or(false)
+    }
+
+    /// How long the link has been down without a break (`None`: up, or not known).
+    fn down_for(&self) -> Option<Duration> {
+        if self.up.load(Ordering::SeqCst) {
+            return None;
+        }
+        self.down_since.lock().ok()?.map(|t| t.elapsed())
     }
 }
 
@@ -159,8 +179,22 @@ fn link_layers(l: &Link) -> Option<Vec<usize>> {
         .map(|i| i.feature_layers.iter().map(|&x| x as usize).collect())
 }
 
+/// Whether an up link's drafter reads other target layers than those captured (`ours`): its
+/// requests get no rounds (a drafter that reads none takes any).
+fn reads_other_layers(l: &Link, ours: &[usize]) -> bool {
+    link_layers(l).is_some_and(|ls| !ls.is_empty() && ls != ours)
+}
+
+/// Whether a link would be sent rounds now (as [`RemoteProposer::groups`] decides).
+fn takes_rounds(l: &Link, ours: &[usize]) -> bool {
+    l.shared.up.load(Ordering::SeqCst) && !l.shared.is_stalled() && !reads_other_layers(l, ours)
+}
+
 fn spawn_link(rt: &tokio::runtime::Handle, addr: String, hello: Hello) -> Link {
-    let shared = Arc::new(LinkShared::default());
+    let shared = Arc::new(LinkShared {
+        down_since: Mutex::new(Some(Instant::now())),
+        ..Default::default()
+    });
     let s = Arc::clone(&shared);
     let task = rt.spawn(async move {
         let mut backoff = Duration::from_millis(50);
@@ -170,6 +204,9 @@ fn spawn_link(rt: &tokio::runtime::Handle, addr: String, hello: Hello) -> Link {
                 Err(e) => tracing::debug!(draft = addr, "draft link: {e}"),
             }
             let was_up = s.up.swap(false, Ordering::SeqCst);
+            if was_up && let Ok(mut d) = s.down_since.lock() {
+                *d = Some(Instant::now());
+            }
             if let Ok(mut c) = s.calls.lock() {
                 *c = None;
             }
@@ -263,6 +300,9 @@ async fn run_link(
     if let Ok(mut st) = s.stalled.lock() {
         *st = None;
     }
+    if let Ok(mut d) = s.down_since.lock() {
+        *d = None;
+    }
     s.up.store(true, Ordering::SeqCst);
     tracing::info!(draft = addr, "draft worker connected");
     while let Some(rep) = replies
@@ -335,6 +375,21 @@ impl ReqSync {
             used_at: None,
             verdict: None,
         }
+    }
+
+    /// Pairs it with stream `generation` of `link`, which holds nothing of it: its context
+    /// and feature rows go again from the start, and no block or verdict of the last stream
+    /// carries over (the drafter there starts afresh).
+    fn rebind(&mut self, link: &str, generation: u64) {
+        self.generation = generation;
+        self.link = link.to_string();
+        self.tokens_acked = 0;
+        self.feats_acked = 0;
+        self.refusals = 0;
+        self.skip_until = 0;
+        self.sent_at = None;
+        self.used_at = None;
+        self.verdict = None;
     }
 
     /// One more refusal in a row: local drafting for the next 2^refusals cycles (at most 256).
@@ -415,7 +470,7 @@ impl RemoteProposer {
     /// Drops the links that are down and that no request or pending round uses: draft pods
     /// come and go at new addresses, and each link would otherwise redial its dead address
     /// every second for the life of the worker. A request paired with it again redials.
-    fn forget_idle_links(&mut self, finished: u64) {
+    fn forget_idle_links(&mut self, finishing: Option<u64>) {
         // The request finishing now still has its pairing (the engine loop drops it after).
         let assigned: std::collections::HashSet<String> = self
             .shared
@@ -423,7 +478,7 @@ impl RemoteProposer {
             .lock()
             .map(|a| {
                 a.iter()
-                    .filter(|(id, _)| **id != finished)
+                    .filter(|(id, _)| Some(**id) != finishing)
                     .map(|(_, addr)| addr.clone())
                     .collect()
             })
@@ -435,6 +490,84 @@ impl RemoteProposer {
                 || reqs.values().any(|r| &r.link == addr)
                 || rounds.iter().any(|r| &r.addr == addr)
         });
+    }
+
+    /// Re-pairs those of `ids` whose draft worker has been down past [`REPAIR_GRACE`] with the
+    /// up link that would take their rounds (drafter reading `ours` or no layers, not stalled)
+    /// and has the fewest requests here, ties by address: a draft pod replaced in a rolling
+    /// update comes back at a new address, and the old pairing would leave them drafting
+    /// locally to the end. They start there as new requests. With no such link they stay.
+    fn repair_gone(&mut self, ids: &[u64], ours: &[usize]) {
+        let gone: std::collections::HashSet<&String> = self
+            .links
+            .iter()
+            .filter(|(_, l)| l.shared.down_for().is_some_and(|d| d > REPAIR_GRACE))
+            .map(|(a, _)| a)
+            .collect();
+        if gone.is_empty() {
+            return;
+        }
+        let mut load: HashMap<String, usize> = self
+            .links
+            .iter()
+            .filter(|(_, l)| takes_rounds(l, ours))
+            .map(|(a, _)| (a.clone(), 0))
+            .collect();
+        if load.is_empty() {
+            return;
+        }
+        let mut moves = Vec::new();
+        if let Ok(mut assign) = self.shared.assign.lock() {
+            for a in assign.values() {
+                if let Some(n) = load.get_mut(a) {
+                    *n += 1;
+                }
+            }
+            for &id in ids {
+                if !assign.get(&id).is_some_and(|a| gone.contains(a)) {
+                    continue;
+                }
+                let Some((new, n)) = load.iter_mut().min_by(|x, y| (*x.1, x.0).cmp(&(*y.1, y.0)))
+                else {
+                    break;
+                };
+                *n += 1;
+                let new = new.clone();
+                if let Some(old) = assign.insert(id, new.clone()) {
+                    moves.push((id, old, new));
+                }
+            }
+        }
+        if moves.is_empty() {
+            return;
+        }
+        for (id, old, new) in moves {
+            tracing::info!(
+                request = id,
+                from = old,
+                to = new,
+                "draft worker gone: request moved to another draft worker"
+            );
+            // A stale acknowledgement must not carry over: the new worker holds nothing of it.
+            let generation = self.links[&new].shared.generation.load(Ordering::SeqCst);
+            if let Some(rs) = self.reqs.get_mut(&id) {
+                rs.rebind(&new, generation);
+            }
+            // Nor may a late reply of the old stream be applied to it.
+            for r in self.prefetched.iter_mut().filter(|r| r.addr == old) {
+                r.sent.remove(&id);
+                r.verdicts.remove(&id);
+            }
+        }
+        let (done, keep): (Vec<Round>, Vec<Round>) = std::mem::take(&mut self.prefetched)
+            .into_iter()
+            .partition(|r| r.sent.is_empty());
+        self.prefetched = keep;
+        for r in &done {
+            self.forget(r);
+        }
+        // The gone link stops redialing once none of its requests is left.
+        self.forget_idle_links(None);
     }
 
     fn link_for(&mut self, id: u64) -> Option<String> {
@@ -599,11 +732,14 @@ impl RemoteProposer {
         }
     }
 
-    /// Requests by the (up) draft worker they are paired with, in rounds of at most
-    /// [`ROUND_BYTES`] estimated each way; the rest draft locally.
+    /// Requests by the (up) draft worker they are paired with (re-pairing those whose draft
+    /// worker is gone), in rounds of at most [`ROUND_BYTES`] estimated each way; the rest
+    /// draft locally.
     fn groups(&mut self, reqs: &[ProposeReq<'_>]) -> Vec<(String, Vec<usize>)> {
         let mut items = Vec::new();
         let ours = self.layers();
+        let drafting: Vec<u64> = reqs.iter().filter(|r| r.k > 0).map(|r| r.id).collect();
+        self.repair_gone(&drafting, &ours);
         let mut mismatched = Vec::new();
         for (i, r) in reqs.iter().enumerate() {
             if r.k == 0 {
@@ -620,7 +756,7 @@ impl RemoteProposer {
                     continue;
                 }
                 if l.up.load(Ordering::SeqCst) && !l.is_stalled() {
-                    if link_layers(&self.links[&a]).is_some_and(|ls| !ls.is_empty() && ls != ours) {
+                    if reads_other_layers(&self.links[&a], &ours) {
                         mismatched.push(a);
                         continue;
                     }
@@ -788,16 +924,7 @@ impl RemoteProposer {
             .entry(r.id)
             .or_insert_with(|| ReqSync::new(addr.to_string(), generation, 0));
         if rs.generation != generation || rs.link != addr {
-            rs.generation = generation;
-            rs.link = addr.to_string();
-            rs.tokens_acked = 0;
-            rs.feats_acked = 0;
-            rs.refusals = 0;
-            rs.skip_until = 0;
-            // A new stream holds none of the request's blocks (its drafter starts afresh).
-            rs.sent_at = None;
-            rs.used_at = None;
-            rs.verdict = None;
+            rs.rebind(addr, generation);
         }
         let verdict = rs.take_verdict();
         if r.k > 0 {
@@ -1084,7 +1211,7 @@ impl Proposer for RemoteProposer {
                 }
             }
         }
-        self.forget_idle_links(id);
+        self.forget_idle_links(Some(id));
         self.fallback.finish(id);
     }
 
@@ -2130,5 +2257,210 @@ mod tests {
             groups.sort();
             assert_eq!(groups, vec![(a.clone(), vec![0]), (b.clone(), vec![1])]);
         }
+    }
+
+    /// Takes `addr`'s link down, as if it went down `ago` ago.
+    fn take_down(p: &RemoteProposer, addr: &str, ago: Duration) {
+        let s = &p.links[addr].shared;
+        s.up.store(false, Ordering::SeqCst);
+        *s.down_since.lock().expect("down_since") =
+            Some(Instant::now().checked_sub(ago).expect("a clock past `ago`"));
+    }
+
+    /// Brings `addr`'s link up (to nowhere: only its shared state is used), its drafter
+    /// reading `layers`, and returns what is sent on it.
+    fn up_with(
+        p: &mut RemoteProposer,
+        addr: &str,
+        layers: Vec<u32>,
+    ) -> tokio::sync::mpsc::Receiver<DraftCall> {
+        if !p.links.contains_key(addr) {
+            let l = spawn_link(&p.rt, addr.to_string(), p.hello.clone());
+            p.links.insert(addr.to_string(), l);
+        }
+        let s = &p.links[addr].shared;
+        *s.info.lock().expect("info") = Some(WorkerInfo {
+            feature_layers: layers,
+            ..Default::default()
+        });
+        let (tx, rx) = tokio::sync::mpsc::channel::<DraftCall>(8);
+        *s.calls.lock().expect("calls") = Some(tx);
+        *s.down_since.lock().expect("down_since") = None;
+        s.up.store(true, Ordering::SeqCst);
+        rx
+    }
+
+    /// Requests `ids` at `ctx`, k = 2, greedy.
+    fn reqs_at<'a>(
+        ids: &[u64],
+        ctx: &'a [u32],
+        params: &'a kernels::sampling::SamplingParams,
+        rngs: &'a mut [kernels::rng::Rng],
+    ) -> Vec<ProposeReq<'a>> {
+        ids.iter()
+            .zip(rngs.iter_mut())
+            .map(|(&id, rng)| ProposeReq {
+                id,
+                context: ctx,
+                k: 2,
+                params,
+                rng,
+            })
+            .collect()
+    }
+
+    /// A draft pod replaced at a new address (a rolling update of the draft pool): its
+    /// requests move, past the grace, to the up draft workers that would take their rounds,
+    /// least loaded first (ties by address), and start there from scratch — their whole
+    /// context and the feature rows kept — rather than with what the gone one acknowledged.
+    /// Its pending round is dropped, and so is its link once nothing uses it.
+    #[test]
+    fn requests_of_a_gone_draft_worker_move_to_the_least_loaded_up_one_in_full() {
+        let rt = test_runtime();
+        let shared = Arc::new(RemoteShared::default());
+        let mut p = test_proposer(&rt, shared.clone(), 10);
+        let (gone, busy, idle) = ("127.0.0.1:9", "127.0.0.1:10", "127.0.0.1:11");
+        // Least loaded of all, but not taking rounds: another drafter's layers, or stalled.
+        let (other, late) = ("127.0.0.1:12", "127.0.0.1:13");
+        if let Ok(mut m) = shared.assign.lock() {
+            for (id, addr) in [(1, gone), (5, gone), (2, busy), (3, busy), (4, idle)] {
+                m.insert(id, addr.to_string());
+            }
+        }
+        let mut calls = HashMap::new();
+        for (addr, layers) in [
+            (gone, vec![0, 1]),
+            (busy, vec![0, 1]),
+            (idle, vec![0, 1]),
+            (other, vec![2, 3]),
+            (late, vec![0, 1]),
+        ] {
+            calls.insert(addr, up_with(&mut p, addr, layers));
+        }
+        *p.links[late].shared.stalled.lock().expect("stalled") = Some(Instant::now());
+        assert_eq!(p.feature_layers(), vec![0, 1]);
+        let rl = 2 * 4;
+        p.observe(1, 0, &[0.5; 4 * 8]).expect("observe");
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(1), kernels::rng::Rng::new(5)];
+        // Requests 1 and 5 draft on `gone`, which acknowledges their context.
+        let ctx = [1u32, 2, 3, 4];
+        let mut reqs = reqs_at(&[1, 5], &ctx, &greedy, &mut rngs);
+        assert_eq!(p.groups(&reqs), vec![(gone.to_string(), vec![0, 1])]);
+        let round = p.send_round(gone, &mut reqs, &[0, 1]).expect("sent");
+        let rep = DraftReply {
+            step: round.step,
+            blocks: [1, 5]
+                .map(|seq| dspark_proto::DraftBlock {
+                    seq,
+                    tokens: vec![3],
+                    q_kind: QKind::OneHot as i32,
+                    ..Default::default()
+                })
+                .to_vec(),
+            ..Default::default()
+        };
+        let ids = HashMap::from([(1, 0), (5, 1)]);
+        let mut out = vec![None, None];
+        p.apply(&round, &(rep, Instant::now()), &reqs, &ids, &mut out);
+        assert_eq!((p.reqs[&1].tokens_acked, p.reqs[&1].feats_acked), (4, 4));
+        drop(reqs);
+        // One more committed token; a round for it is in flight when `gone` goes.
+        let ctx = [1u32, 2, 3, 4, 5];
+        p.observe(1, 4, &[0.25; 8]).expect("observe");
+        let mut reqs = reqs_at(&[1, 5], &ctx, &greedy, &mut rngs);
+        p.prefetch(&mut reqs);
+        assert_eq!(p.prefetched.len(), 1);
+        let gone_rx = calls.get_mut(gone).expect("gone's calls");
+        let first = gone_rx.try_recv().expect("the first round");
+        assert_eq!(first.items[0].sync_from, 0);
+        let next = gone_rx.try_recv().expect("the prefetched round");
+        assert_eq!((next.items[0].sync_from, next.items[0].feat_from), (4, 4));
+        take_down(&p, gone, REPAIR_GRACE + Duration::from_secs(1));
+        // 1 goes to `idle` (1 request against 2), then 5 to `busy` (2 each: first by address).
+        let mut groups = p.groups(&reqs);
+        groups.sort();
+        assert_eq!(
+            groups,
+            vec![(busy.to_string(), vec![1]), (idle.to_string(), vec![0])]
+        );
+        let assign = shared.assign.lock().expect("assign").clone();
+        assert_eq!((assign[&1].as_str(), assign[&5].as_str()), (idle, busy));
+        assert!(
+            p.prefetched.is_empty(),
+            "the gone stream's round is dropped"
+        );
+        assert!(!p.links.contains_key(gone), "the gone link stops redialing");
+        // Its first round on `idle` carries everything, as for a new request.
+        p.send_round(idle, &mut reqs, &[0]).expect("sent");
+        let call = calls
+            .get_mut(idle)
+            .expect("idle's calls")
+            .try_recv()
+            .expect("a call");
+        let item = &call.items[0];
+        assert_eq!((item.seq, item.sync_from), (1, 0));
+        assert_eq!(item.tokens, ctx.to_vec());
+        assert!(
+            item.sampling.is_some(),
+            "sampling parameters go with a new request"
+        );
+        assert_eq!(item.verified, None, "no verdict on another worker's block");
+        assert_eq!(item.feat_from, 0);
+        let rows = item.features.as_ref().expect("feature rows");
+        assert_eq!(rows.shape, vec![5, rl as u32]);
+        assert_eq!(p.reqs[&1].link, idle);
+    }
+
+    /// A link down for less than the grace (a blip: the worker reconnects at the same
+    /// address) keeps its requests, which draft locally meanwhile; past it, they move.
+    #[test]
+    fn a_draft_worker_down_within_the_grace_keeps_its_requests() {
+        let rt = test_runtime();
+        let (a, b) = ("127.0.0.1:9".to_string(), "127.0.0.1:10".to_string());
+        let mut p = two_links(&rt, &a, &b);
+        let ctx = [1u32, 2, 3, 4];
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(1), kernels::rng::Rng::new(2)];
+        let reqs = two_reqs(&ctx, &greedy, &mut rngs);
+        take_down(&p, &a, REPAIR_GRACE / 4);
+        assert_eq!(p.groups(&reqs), vec![(b.clone(), vec![1])]);
+        assert_eq!(p.shared.assign.lock().expect("assign")[&1], a);
+        assert!(p.links.contains_key(&a));
+        take_down(&p, &a, REPAIR_GRACE + Duration::from_millis(100));
+        assert_eq!(p.groups(&reqs), vec![(b.clone(), vec![0, 1])]);
+        assert_eq!(p.shared.assign.lock().expect("assign")[&1], b);
+    }
+
+    /// With no other draft worker taking rounds (down, or stalled), a request whose draft
+    /// worker is gone keeps its pairing and drafts locally while its link redials; the first
+    /// one that answers takes it.
+    #[test]
+    fn with_no_other_draft_worker_up_a_request_stays_and_drafts_locally() {
+        let rt = test_runtime();
+        let (a, b) = ("127.0.0.1:9".to_string(), "127.0.0.1:10".to_string());
+        let mut p = two_links(&rt, &a, &b);
+        let ctx = [1u32, 2, 3, 4];
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(1), kernels::rng::Rng::new(2)];
+        let mut reqs = two_reqs(&ctx, &greedy, &mut rngs);
+        take_down(&p, &a, REPAIR_GRACE * 2);
+        take_down(&p, &b, REPAIR_GRACE * 2);
+        p.propose(&mut reqs).expect("propose");
+        let fallback =
+            |p: &RemoteProposer| p.shared.stats.lock().expect("stats")[&1].fallback_cycles;
+        assert_eq!(fallback(&p), 1);
+        assert_eq!(p.shared.assign.lock().expect("assign")[&1], a);
+        assert!(p.links.contains_key(&a), "its link keeps redialing");
+        // `b` is up but stalled: it takes no rounds, so no requests either.
+        let _b_calls = up_with(&mut p, &b, vec![]);
+        *p.links[&b].shared.stalled.lock().expect("stalled") = Some(Instant::now());
+        p.propose(&mut reqs).expect("propose");
+        assert_eq!(fallback(&p), 2);
+        assert_eq!(p.shared.assign.lock().expect("assign")[&1], a);
+        // It answers again: request 1 moves there.
+        *p.links[&b].shared.stalled.lock().expect("stalled") = None;
+        assert_eq!(p.groups(&reqs), vec![(b.clone(), vec![0, 1])]);
+        assert_eq!(p.shared.assign.lock().expect("assign")[&1], b);
     }
 }
