@@ -69,8 +69,9 @@ pub struct RouterArgs {
     /// Static draft workers (host:port, comma-separated).
     #[arg(long, env = "DSPARK_DRAFTS", value_delimiter = ',')]
     pub drafts: Vec<String>,
-    /// Require `Authorization: Bearer KEY` on /v1/*.
-    #[arg(long, env = "DSPARK_API_KEY")]
+    /// Require `Authorization: Bearer KEY` on /v1/*. (`--help` never shows the key the
+    /// environment holds.)
+    #[arg(long, env = "DSPARK_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Largest max_tokens a request may ask for.
     #[arg(long, env = "DSPARK_MAX_TOKENS_LIMIT", default_value_t = 4096)]
@@ -106,9 +107,22 @@ pub struct RouterArgs {
     /// "auto"` (as vLLM's `--enable-auto-tool-choice --tool-call-parser hermes`).
     #[arg(long, env = "DSPARK_TOOL_CALL_PARSER", value_parser = ["hermes"])]
     pub tool_call_parser: Option<String>,
+    /// Milliseconds a stream's next event may wait for its client to read before the request
+    /// ends as if the client had left (its admission places and worker slot go back). Only
+    /// tests set it shorter; 1..=3600000.
+    #[arg(long, hide = true, env = "DSPARK_CLIENT_WRITE_TIMEOUT_MS",
+          default_value_t = CLIENT_WRITE_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    pub client_write_timeout_ms: u64,
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
 }
+
+/// How long a stream waits for a client that stopped reading (its socket and the body's
+/// channel full) before ending the request as if it had left. Without a limit a few such
+/// clients would hold their admission places for ever, and the cluster would answer 429 to
+/// everyone else; a client that reads at all (even slowly) never waits this long.
+const CLIENT_WRITE_TIMEOUT_MS: u64 = 30_000;
 
 pub struct App {
     pub tok: Arc<Tokenizer>,
@@ -129,6 +143,8 @@ pub struct App {
     pub draining: std::sync::atomic::AtomicBool,
     /// `tool_choice: "auto"` is served (a tool-call parser is configured).
     pub auto_tools: bool,
+    /// How long a stream waits for its client to read (`--client-write-timeout-ms`).
+    pub client_write_timeout: Duration,
     seq: AtomicU64,
 }
 
@@ -234,6 +250,7 @@ impl App {
             full_wait: Duration::from_millis(args.full_wait_ms),
             draining: std::sync::atomic::AtomicBool::new(false),
             auto_tools: args.tool_call_parser.is_some(),
+            client_write_timeout: Duration::from_millis(args.client_write_timeout_ms),
             seq: AtomicU64::new(0),
         }))
     }
@@ -424,14 +441,19 @@ async fn tokenize(
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     auth(&app, &headers)?;
-    let r: openai::TokenizeRequest = parse_body(&body)?;
+    // Off the async threads, as chat's: rendering and tokenizing run up to the body limit.
+    blocking(move || tokenize_body(&app, &body)).await.map(Json)
+}
+
+fn tokenize_body(app: &App, body: &Bytes) -> Result<Value, ApiError> {
+    let r: openai::TokenizeRequest = parse_body(body)?;
     if r.model.is_some() {
-        check_model(&app, &r.model)?;
+        check_model(app, &r.model)?;
     }
     // As the completions and chat endpoints tokenize them.
     let (text, plain) = match (&r.prompt, &r.messages) {
         (Some(p), None) => (p.clone(), Vec::new()),
-        (None, Some(_)) => render_chat(&app, &r.messages, None)?,
+        (None, Some(_)) => render_chat(app, &r.messages, None)?,
         _ => {
             return Err(ApiError::bad(
                 "give either `prompt` or `messages`",
@@ -446,9 +468,7 @@ async fn tokenize(
     }
     .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("prompt")))?;
     let max_len = app.cluster.context_for(&app.model);
-    Ok(Json(
-        json!({"count": ids.len(), "max_model_len": max_len, "tokens": ids}),
-    ))
+    Ok(json!({"count": ids.len(), "max_model_len": max_len, "tokens": ids}))
 }
 
 /// `/detokenize`: token ids back to text.
@@ -458,9 +478,15 @@ async fn detokenize(
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     auth(&app, &headers)?;
-    let r: openai::DetokenizeRequest = parse_body(&body)?;
+    blocking(move || detokenize_body(&app, &body))
+        .await
+        .map(Json)
+}
+
+fn detokenize_body(app: &App, body: &Bytes) -> Result<Value, ApiError> {
+    let r: openai::DetokenizeRequest = parse_body(body)?;
     if r.model.is_some() {
-        check_model(&app, &r.model)?;
+        check_model(app, &r.model)?;
     }
     if let Some(&t) = r
         .tokens
@@ -476,7 +502,7 @@ async fn detokenize(
         .tok
         .decode(&r.tokens, false)
         .map_err(|e| ApiError::bad(format!("detokenization: {e}"), Some("tokens")))?;
-    Ok(Json(json!({ "prompt": text })))
+    Ok(json!({ "prompt": text }))
 }
 
 fn auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -487,7 +513,7 @@ fn auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if got == Some(key.as_str()) {
+    if got.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
         Ok(())
     } else {
         let mut e = ApiError::new(
@@ -498,6 +524,17 @@ fn auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
         e.code = Some("invalid_api_key");
         Err(e)
     }
+}
+
+/// `a == b` in a time that depends on their lengths only, not on where they first differ: a
+/// client timing answers cannot find the key a byte at a time. (A length mismatch answers at
+/// once; the length alone does not give the key away.)
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
 }
 
 fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
@@ -523,7 +560,8 @@ fn check_model(app: &App, model: &Option<String>) -> Result<(), ApiError> {
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 format!(
-                    "the model `{m}` does not exist; this server serves `{}`",
+                    "the model `{}` does not exist; this server serves `{}`",
+                    openai::clip(m),
                     app.name
                 ),
             );
@@ -1334,11 +1372,21 @@ fn render_chat(
             ));
         }
     };
+    if msgs.len() > openai::MAX_MESSAGES {
+        return Err(ApiError::bad(
+            format!(
+                "`messages` holds {} messages; at most {} are served per request",
+                msgs.len(),
+                openai::MAX_MESSAGES
+            ),
+            Some("messages"),
+        ));
+    }
     let mut conv = Vec::with_capacity(msgs.len());
     for m in msgs {
         if !["system", "user", "assistant", "developer", "tool"].contains(&m.role.as_str()) {
             return Err(ApiError::bad(
-                format!("unknown role `{}`", m.role),
+                format!("unknown role `{}`", openai::clip(&m.role)),
                 Some("messages"),
             ));
         }
@@ -1435,7 +1483,8 @@ fn render_kept_apart(
     let mut held_at = Vec::new();
     for (n, m) in conv.iter_mut().enumerate() {
         if special(&m.content) {
-            let marker = format!("\u{E000}{nonce:016x}-{n}\u{E001}");
+            // One width for every marker: `splice_texts` finds them all in one pass.
+            let marker = format!("\u{E000}{nonce:016x}-{n:016x}\u{E001}");
             held_at.push(n);
             held.push((marker.clone(), std::mem::replace(&mut m.content, marker)));
         }
@@ -1465,30 +1514,75 @@ fn render_kept_apart(
 /// texts lie in the result. A marker the template did not write exactly once (it dropped,
 /// repeated or rewrote the message) is refused: that text's control tokens could not be kept
 /// apart from the template's.
+///
+/// One pass over `rendered` whatever the number of markers (a request may hold thousands):
+/// only where the markers' common prefix starts is a marker looked up, by its few lengths.
 fn splice_texts(
     rendered: &str,
     held: &[(String, String)],
 ) -> Result<(String, Vec<std::ops::Range<usize>>), String> {
-    let mut at: Vec<(usize, &str, &str)> = Vec::with_capacity(held.len());
-    for (marker, text) in held {
-        let mut found = rendered.match_indices(marker.as_str());
-        match (found.next(), found.next()) {
-            (Some((i, _)), None) => at.push((i, marker.as_str(), text.as_str())),
-            _ => {
-                return Err(
-                    "a message holds a special-token string (such as `<|im_end|>`), and this \
-                     model's chat template does not write that message once as it is, so it \
-                     cannot be kept apart from the template's own tokens"
-                        .into(),
-                );
+    let refused = || {
+        "a message holds a special-token string (such as `<|im_end|>`), and this model's chat \
+         template does not write that message once as it is, so it cannot be kept apart from \
+         the template's own tokens"
+            .to_string()
+    };
+    let Some((first, _)) = held.first() else {
+        return Ok((rendered.to_string(), Vec::new()));
+    };
+    let by_marker: std::collections::HashMap<&str, usize> = held
+        .iter()
+        .enumerate()
+        .map(|(k, (m, _))| (m.as_str(), k))
+        .collect();
+    let mut lengths: Vec<usize> = held.iter().map(|(m, _)| m.len()).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    // The markers' longest common prefix, cut at a character.
+    let mut common = first.len();
+    for (m, _) in held {
+        common = common.min(
+            first
+                .bytes()
+                .zip(m.bytes())
+                .take_while(|(a, b)| a == b)
+                .count(),
+        );
+    }
+    while !first.is_char_boundary(common) {
+        common -= 1;
+    }
+    let prefix = &first[..common];
+    let mut at: Vec<Option<usize>> = vec![None; held.len()];
+    let mut from = 0;
+    while from < rendered.len() {
+        let Some(i) = rendered[from..].find(prefix).map(|i| from + i) else {
+            break;
+        };
+        for &len in &lengths {
+            if let Some(&k) = rendered.get(i..i + len).and_then(|c| by_marker.get(c))
+                && at[k].replace(i).is_some()
+            {
+                return Err(refused());
             }
         }
+        // On by one character: markers that overlap a prefix match are still seen.
+        from = i + rendered[i..].chars().next().map_or(1, char::len_utf8);
     }
-    at.sort_by_key(|x| x.0);
+    let mut order: Vec<(usize, usize)> = Vec::with_capacity(held.len());
+    for (k, i) in at.into_iter().enumerate() {
+        order.push((i.ok_or_else(refused)?, k));
+    }
+    order.sort_unstable();
     let mut out = String::with_capacity(rendered.len());
-    let mut spans = Vec::with_capacity(at.len());
+    let mut spans = Vec::with_capacity(order.len());
     let mut from = 0;
-    for (i, marker, text) in at {
+    for (i, k) in order {
+        let (marker, text) = &held[k];
+        // Markers that overlap cannot both be replaced.
+        if i < from {
+            return Err(refused());
+        }
         out.push_str(&rendered[from..i]);
         spans.push(out.len()..out.len() + text.len());
         out.push_str(text);
@@ -1507,6 +1601,51 @@ fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
         return Err(ApiError::bad("the prompt is empty", Some("prompt")));
     }
     Ok(ids)
+}
+
+/// Refuses, before admission, a request whose answer is too large to hold: more than
+/// [`openai::MAX_SEQUENCES`] sequences (prompts × n), or, unless it streams, more than
+/// [`openai::MAX_LOGPROB_ENTRIES`] log-probability entries (a non-streamed answer keeps every
+/// choice's text, ids and log-probabilities until the end; 256 prompts × 16 choices × echoed
+/// logprobs with 20 alternatives would be gigabytes of JSON). Counted from what was asked
+/// (max_tokens, not what will be made): a request either fits or never does.
+fn check_answer_size(
+    prompt_lens: impl Iterator<Item = usize>,
+    settings: &GenSettings,
+) -> Result<(), ApiError> {
+    let n = settings.n.max(1) as u64;
+    let mut sequences = 0u64;
+    let mut entries = 0u64;
+    // Without logprobs a choice keeps its text and ids only (bounded by max_tokens).
+    let per_entry = settings.logprobs.map_or(0, |top| top as u64 + 1);
+    let echoed = settings.echo && settings.logprobs.is_some();
+    for len in prompt_lens {
+        sequences += n;
+        let tokens = if echoed { len as u64 } else { 0 } + settings.max_tokens as u64;
+        entries = entries.saturating_add(n.saturating_mul(tokens).saturating_mul(per_entry));
+    }
+    if sequences > openai::MAX_SEQUENCES as u64 {
+        return Err(ApiError::bad(
+            format!(
+                "prompts × n is {sequences}; at most {} sequences are served per request",
+                openai::MAX_SEQUENCES
+            ),
+            Some("n"),
+        ));
+    }
+    if !settings.stream && entries > openai::MAX_LOGPROB_ENTRIES {
+        return Err(ApiError::bad(
+            format!(
+                "this request asks for up to {entries} log-probability entries (prompts × n × \
+                 (echoed prompt tokens + max_tokens) × (logprobs + 1)), over the {} a \
+                 non-streamed answer may hold; ask for fewer prompts, choices, tokens or \
+                 alternatives, or set `stream: true` to receive them as they are made",
+                openai::MAX_LOGPROB_ENTRIES
+            ),
+            Some("logprobs"),
+        ));
+    }
+    Ok(())
 }
 
 /// `texts`: per prompt, the text it was given as (an echo repeats it as given: decoding its
@@ -1569,6 +1708,7 @@ async fn serve(
             ));
         }
     }
+    check_answer_size(prompts.iter().map(Vec::len), &settings)?;
     // The first sequence must be admitted; the window takes as many more places as are free
     // now (at least one, so the rest still run one after another).
     let mut guards: Vec<Inflight> = vec![admit(&app)?];
@@ -1900,6 +2040,21 @@ async fn serve(
     let app2 = Arc::clone(&app);
     let s = async_stream(move |out| async move {
         let _guards = guards;
+        // Every event goes out through here: a client that stopped reading ends the request
+        // (`return` drops its guards and the pieces' channel, which cancels the workers' side)
+        // once one send waits past the limit. A client that left is noticed where it matters.
+        let limit = app2.client_write_timeout;
+        macro_rules! send {
+            ($ev:expr) => {
+                match send_to_client(&out, $ev, limit).await {
+                    Sent::Stalled => {
+                        client_stalled(&app2, &id, limit);
+                        return;
+                    }
+                    sent => sent,
+                }
+            };
+        }
         // As OpenAI's chunks: every choice carries `logprobs` (null when not asked for), and
         // with `include_usage` every chunk carries `usage`, null until the last.
         let mk = |mut choices: Value, usage: Value| {
@@ -1923,12 +2078,10 @@ async fn serve(
                          "function": {"name": f, "arguments": ""}}]}),
                     None => json!({"role": "assistant", "content": ""}),
                 };
-                let _ = out
-                    .send(mk(
-                        json!([{"index": i, "delta": delta, "finish_reason": null}]),
-                        Value::Null,
-                    ))
-                    .await;
+                send!(mk(
+                    json!([{"index": i, "delta": delta, "finish_reason": null}]),
+                    Value::Null,
+                ));
             }
         }
         // Per choice: text offset of its next token (completions' `text_offset`).
@@ -1985,7 +2138,7 @@ async fn serve(
                         .collect();
                     if t.is_empty() && !return_ids && !(want_logprobs && !ids.is_empty()) {
                         for chunk in call_chunks {
-                            if out.send(mk(chunk, Value::Null)).await.is_err() {
+                            if send!(mk(chunk, Value::Null)) != Sent::Ok {
                                 return;
                             }
                         }
@@ -2014,11 +2167,11 @@ async fn serve(
                             .map(|&t| token_chars(&app2.tok, t))
                             .sum::<usize>();
                     }
-                    if out.send(mk(c, Value::Null)).await.is_err() {
+                    if send!(mk(c, Value::Null)) != Sent::Ok {
                         return;
                     }
                     for chunk in call_chunks {
-                        if out.send(mk(chunk, Value::Null)).await.is_err() {
+                        if send!(mk(chunk, Value::Null)) != Sent::Ok {
                             return;
                         }
                     }
@@ -2043,7 +2196,7 @@ async fn serve(
                         .unwrap_or_default();
                     if !held.is_empty() {
                         let c = json!([{"index": i, "delta": {"content": held}, "finish_reason": null}]);
-                        let _ = out.send(mk(c, Value::Null)).await;
+                        send!(mk(c, Value::Null));
                     }
                     let called = parsers[i].as_ref().is_some_and(|p| p.calls > 0);
                     let reason = match (score_only, finish(&reason)) {
@@ -2057,7 +2210,7 @@ async fn serve(
                     } else {
                         json!([{"index": i, "text": "", "finish_reason": reason, "logprobs": null}])
                     };
-                    let _ = out.send(mk(c, Value::Null)).await;
+                    send!(mk(c, Value::Null));
                     ends[i] = Some((stats, target));
                     if ends.iter().all(|e| e.is_some()) {
                         let stats = combine(
@@ -2069,18 +2222,18 @@ async fn serve(
                         account(&app2, &stats);
                         if include_usage {
                             let target = ends[0].as_ref().map(|e| e.1.clone()).unwrap_or_default();
-                            let _ = out.send(mk(json!([]), usage(&stats, &target))).await;
+                            send!(mk(json!([]), usage(&stats, &target)));
                         }
                     }
                 }
                 Piece::Error(e) => {
                     Metrics::add(&app2.metrics.errors, 1);
-                    let _ = out.send(Event::default().data(e.body().to_string())).await;
+                    send!(Event::default().data(e.body().to_string()));
                     break;
                 }
             }
         }
-        let _ = out.send(Event::default().data("[DONE]")).await;
+        send!(Event::default().data("[DONE]"));
     });
     let mut r = Sse::new(s).keep_alive(KeepAlive::default()).into_response();
     if let Ok(v) = tp.parse()
@@ -2089,6 +2242,39 @@ async fn serve(
         r.headers_mut().insert("traceparent", v);
     }
     Ok(r)
+}
+
+/// What a send to a streaming client came to.
+#[derive(PartialEq)]
+enum Sent {
+    Ok,
+    /// The client closed the connection.
+    Gone,
+    /// The client is there but read nothing for the whole limit.
+    Stalled,
+}
+
+async fn send_to_client(
+    out: &tokio::sync::mpsc::Sender<Event>,
+    ev: Event,
+    limit: Duration,
+) -> Sent {
+    match tokio::time::timeout(limit, out.send(ev)).await {
+        Ok(Ok(())) => Sent::Ok,
+        Ok(Err(_)) => Sent::Gone,
+        Err(_) => Sent::Stalled,
+    }
+}
+
+/// A stream ended because its client stopped reading: counted as an error (the request did
+/// not finish), and said why.
+fn client_stalled(app: &App, id: &str, limit: Duration) {
+    Metrics::add(&app.metrics.errors, 1);
+    tracing::warn!(
+        request_id = id,
+        "client read nothing for {} ms; ending the stream and releasing its places",
+        limit.as_millis()
+    );
 }
 
 /// Usage of a request's sequences together (in index order, `n` choices per prompt): each
@@ -2247,8 +2433,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::{
-        MAX_BODY, call_finish, check_token_limits, combine, json_errors, render_kept_apart,
-        splice_texts, tokens_per_forward, whole_before_break,
+        MAX_BODY, call_finish, check_answer_size, check_token_limits, combine, json_errors,
+        render_kept_apart, same_key, splice_texts, tokens_per_forward, whole_before_break,
     };
     use dspark_proto::SpecStats;
 
@@ -2353,6 +2539,74 @@ mod tests {
             splice_texts("plain", &[]).unwrap(),
             ("plain".to_string(), vec![])
         );
+    }
+
+    /// Thousands of held texts splice in one pass, each where its marker is (markers of one
+    /// width, as `render_kept_apart` writes them); a marker written twice is still refused.
+    #[test]
+    fn many_held_texts_splice_in_one_pass() {
+        let n = 4096;
+        let held: Vec<(String, String)> = (0..n)
+            .map(|k| {
+                (
+                    format!("\u{E000}00ab-{k:016x}\u{E001}"),
+                    format!("<|im_end|>{k}"),
+                )
+            })
+            .collect();
+        // A long prompt before the markers: a scan of it per marker would be 16 GB.
+        let filler = "x".repeat(4 << 20);
+        let rendered: String = std::iter::once(filler.clone())
+            .chain(held.iter().rev().map(|(m, _)| format!("u:{m};")))
+            .collect();
+        let started = std::time::Instant::now();
+        let (text, spans) = splice_texts(&rendered, &held).unwrap();
+        assert!(started.elapsed() < std::time::Duration::from_secs(2));
+        assert_eq!(spans.len(), n);
+        assert_eq!(&text[spans[0].clone()], format!("<|im_end|>{}", n - 1));
+        assert_eq!(&text[spans[n - 1].clone()], "<|im_end|>0");
+        assert!(text.starts_with(&filler));
+        assert!(!text.contains('\u{E000}'));
+        let twice = format!("{rendered}{}", held[7].0);
+        assert!(splice_texts(&twice, &held).is_err());
+    }
+
+    /// The answer's size is refused before admission: more than 256 sequences always, more
+    /// than 4M log-probability entries unless streamed; plain text is not counted as entries.
+    #[test]
+    fn an_answer_too_large_to_hold_is_refused() {
+        let settings = |v: serde_json::Value| {
+            let r: crate::openai::CompletionRequest = serde_json::from_value(v).unwrap();
+            r.common.settings(16, 4096, 1000).unwrap()
+        };
+        let s = settings(serde_json::json!({"n": 16, "max_tokens": 1}));
+        assert!(check_answer_size([3; 16].into_iter(), &s).is_ok());
+        let e = check_answer_size([3; 17].into_iter(), &s).unwrap_err();
+        assert_eq!(e.param, Some("n"));
+        // 256 sequences × (1000 echoed + 4000) × 21: 26.9M entries.
+        let big = serde_json::json!({"n": 16, "max_tokens": 4000, "echo": true, "logprobs": 20});
+        let e = check_answer_size([1000; 16].into_iter(), &settings(big.clone())).unwrap_err();
+        assert_eq!(e.param, Some("logprobs"));
+        assert!(e.message.contains("stream"), "{}", e.message);
+        let mut streamed = big.clone();
+        streamed["stream"] = serde_json::json!(true);
+        assert!(check_answer_size([1000; 16].into_iter(), &settings(streamed)).is_ok());
+        // Just under the budget: 16 × 1 × (1000 + 4000) × 21 = 1.68M.
+        let mut one = big.clone();
+        one["n"] = serde_json::json!(1);
+        assert!(check_answer_size([1000; 16].into_iter(), &settings(one)).is_ok());
+        let plain = serde_json::json!({"n": 16, "max_tokens": 4096});
+        assert!(check_answer_size([10; 16].into_iter(), &settings(plain)).is_ok());
+    }
+
+    #[test]
+    fn keys_compare_whole() {
+        assert!(same_key(b"sekrit", b"sekrit"));
+        assert!(!same_key(b"sekrit", b"sekriT"));
+        assert!(!same_key(b"Sekrit", b"sekrit"));
+        assert!(!same_key(b"sekri", b"sekrit"));
+        assert!(!same_key(b"", b"sekrit"));
+        assert!(same_key(b"", b""));
     }
 
     /// A stream that breaks after the chunk that said "stop" ends the answer there; one that

@@ -99,6 +99,35 @@ fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Erro
 /// Most prompts in one completions request.
 pub const MAX_PROMPTS: usize = 256;
 
+/// Most sequences (prompts × n) in one request: each is placed, admitted and kept as a
+/// request of its own.
+pub const MAX_SEQUENCES: usize = 256;
+
+/// Most log-probability entries (token or alternative, prompt or output) a request that does
+/// not stream may ask for: its whole answer is built in memory before any byte is sent, and a
+/// few million entries are already hundreds of MB of JSON. A stream sends them as they come.
+pub const MAX_LOGPROB_ENTRIES: u64 = 4_000_000;
+
+/// Most chat `messages` in one request: each is rendered, scanned for special tokens and kept
+/// apart on its own; a real conversation is far shorter.
+pub const MAX_MESSAGES: usize = 4096;
+
+/// Most bytes of a client's own value an error message repeats.
+const ECHO_LIMIT: usize = 128;
+
+/// `s` as an error message quotes it: at most [`ECHO_LIMIT`] bytes (cut at a character) and
+/// `…` when cut, so a megabyte `model` or key is not sent back (and logged) whole.
+pub fn clip(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.len() <= ECHO_LIMIT {
+        return s.into();
+    }
+    let mut end = ECHO_LIMIT;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end]).into()
+}
+
 #[derive(Deserialize, Debug, Default)]
 pub struct StreamOptions {
     #[serde(default, deserialize_with = "null_is_false")]
@@ -650,7 +679,7 @@ impl Common {
             for (k, &b) in m {
                 let t = k.trim().parse::<i64>().map_err(|_| {
                     ApiError::bad(
-                        format!("logit_bias keys are token ids, got {k:?}"),
+                        format!("logit_bias keys are token ids, got {:?}", clip(k)),
                         Some("logit_bias"),
                     )
                 })?;
@@ -928,7 +957,10 @@ fn choices(v: &Value, param: &'static str) -> Result<Vec<String>, ApiError> {
         .find(|c| c.is_empty() || c.len() > MAX_CHOICE_BYTES)
     {
         return Err(ApiError::bad(
-            format!("{param}: each choice is 1 to {MAX_CHOICE_BYTES} bytes, got {c:?}"),
+            format!(
+                "{param}: each choice is 1 to {MAX_CHOICE_BYTES} bytes, got {:?}",
+                clip(c)
+            ),
             Some(param),
         ));
     }
@@ -967,6 +999,21 @@ impl ChatMessage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Echoed values are cut to 128 bytes at a character, marked as cut; short ones pass.
+    #[test]
+    fn errors_clip_what_they_echo() {
+        assert_eq!(clip("gpt-4"), "gpt-4");
+        let long = "é".repeat(200);
+        let c = clip(&long);
+        assert!(c.len() <= ECHO_LIMIT + '…'.len_utf8(), "{}", c.len());
+        assert!(c.ends_with('…') && c.starts_with("éé"));
+        let v = json!({"messages": [{"role": "user", "content": "hi"}],
+            "logit_bias": {"x".repeat(10_000): 1}});
+        let cr: ChatRequest = serde_json::from_value(v).unwrap();
+        let e = cr.common.settings(16, 4096, 1000).unwrap_err();
+        assert!(e.message.len() < 300, "{}", e.message.len());
+    }
 
     fn req(tools: Value, choice: Value) -> ChatRequest {
         let mut v = json!({"messages": [{"role": "user", "content": "hi"}]});

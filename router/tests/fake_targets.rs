@@ -25,6 +25,8 @@ enum Mode {
     Answers,
     /// Accepts the request and never sends an event.
     Hangs,
+    /// Tokens without end, as fast as they are read.
+    Floods,
 }
 
 struct Fake {
@@ -62,6 +64,15 @@ impl TargetWorker for Fake {
                 Box::pin(tokio_stream::iter(vec![Ok(tokens), Ok(done)]))
             }
             Mode::Hangs => Box::pin(tokio_stream::pending()),
+            Mode::Floods => Box::pin(tokio_stream::iter(std::iter::repeat_with(|| {
+                Ok(GenerateEvent {
+                    kind: Some(generate_event::Kind::Tokens(TokenChunk {
+                        ids: vec![104],
+                        text: "h".into(),
+                        ..Default::default()
+                    })),
+                })
+            }))),
         };
         Ok(Response::new(s))
     }
@@ -129,9 +140,15 @@ async fn router(targets: &[String], extra: &[&str]) -> axum::Router {
     router::app(app)
 }
 
-async fn post(app: &axum::Router, mut body: Value) -> (StatusCode, Value) {
-    body["model"] = json!("fake");
-    let req = Request::post("/v1/completions")
+async fn post(app: &axum::Router, body: Value) -> (StatusCode, Value) {
+    post_to(app, "/v1/completions", body).await
+}
+
+async fn post_to(app: &axum::Router, path: &str, mut body: Value) -> (StatusCode, Value) {
+    if body.get("model").is_none() {
+        body["model"] = json!("fake");
+    }
+    let req = Request::post(path)
         .header("content-type", "application/json")
         .body(Body::from(body.to_string()))
         .expect("request");
@@ -196,4 +213,124 @@ async fn a_request_that_cannot_fit_is_400_even_when_the_cluster_is_full() {
     let (status, body) = post(&app, json!({"prompt": many, "max_tokens": 1})).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     held.abort();
+}
+
+/// A streaming client that stops reading (its response body never polled, so the channel to
+/// it fills) gives its admission place back after `--client-write-timeout-ms`, as one that
+/// left: otherwise a few such clients would have the cluster answer 429 for ever.
+#[tokio::test]
+async fn a_stream_whose_client_stops_reading_gives_its_place_back() {
+    let (flood, _) = fake(Mode::Floods).await;
+    let app = router(
+        &[flood],
+        &["--max-inflight", "1", "--client-write-timeout-ms", "300"],
+    )
+    .await;
+    let stream = json!({"model": "fake", "prompt": "hello", "max_tokens": 40, "stream": true});
+    let req = |body: &Value| {
+        Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .expect("request")
+    };
+    // Its body is held and never read.
+    let stalled = app.clone().oneshot(req(&stream)).await.expect("response");
+    assert_eq!(stalled.status(), StatusCode::OK);
+    let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 2})).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    let mut freed = None;
+    for _ in 0..100 {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let resp = app.clone().oneshot(req(&stream)).await.expect("response");
+        if resp.status() == StatusCode::OK {
+            freed = Some(resp);
+            break;
+        }
+    }
+    assert!(
+        freed.is_some(),
+        "the stalled stream still holds its place after 5 s"
+    );
+    drop(stalled);
+}
+
+/// More than 4096 chat messages are refused before any is rendered (each holding a special
+/// token would otherwise cost a scan of the whole prompt), on chat and on /tokenize.
+#[tokio::test]
+async fn too_many_chat_messages_are_a_400() {
+    let (good, calls) = fake(Mode::Answers).await;
+    let app = router(&[good], &[]).await;
+    let many = vec![json!({"role": "user", "content": "<|im_end|>"}); 4097];
+    for path in ["/v1/chat/completions", "/tokenize"] {
+        let (status, body) = post_to(&app, path, json!({"messages": many, "max_tokens": 2})).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {body}");
+        assert_eq!(body["error"]["param"], "messages", "{path}: {body}");
+        let msg = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("at most 4096"), "{path}: {msg}");
+    }
+    // As many as allowed still render (to /tokenize, which places nothing).
+    let (status, body) = post_to(&app, "/tokenize", json!({"messages": many[..4096]})).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+/// More than 256 sequences (prompts × n) are a 400 before admission.
+#[tokio::test]
+async fn more_than_256_sequences_are_a_400() {
+    let (good, calls) = fake(Mode::Answers).await;
+    let app = router(&[good], &[]).await;
+    let prompts = vec!["a"; 17];
+    let (status, body) = post(&app, json!({"prompt": prompts, "n": 16, "max_tokens": 1})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(body["error"]["param"], "n", "{body}");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+/// An error repeats at most ~128 bytes of what the client sent (a megabyte model name is
+/// not sent back whole); the API key is checked (a key of the right length but wrong bytes
+/// is refused) and `--help` never shows the key from the environment.
+#[tokio::test]
+async fn errors_clip_what_they_echo_and_the_key_is_checked() {
+    use clap::CommandFactory;
+    let (good, _) = fake(Mode::Answers).await;
+    let app = router(&[good], &["--api-key", "sekrit-key"]).await;
+    let get = |key: &str| {
+        Request::get("/v1/models")
+            .header("authorization", format!("Bearer {key}"))
+            .body(Body::empty())
+            .expect("request")
+    };
+    for (key, want) in [
+        ("sekrit-key", StatusCode::OK),
+        ("sekrit-kez", StatusCode::UNAUTHORIZED),
+        ("sekrit-ke", StatusCode::UNAUTHORIZED),
+        ("sekrit-key-", StatusCode::UNAUTHORIZED),
+        ("", StatusCode::UNAUTHORIZED),
+    ] {
+        let resp = app.clone().oneshot(get(key)).await.expect("response");
+        assert_eq!(resp.status(), want, "key {key:?}");
+    }
+    let long = "m".repeat(10_000);
+    let req = Request::post("/v1/completions")
+        .header("content-type", "application/json")
+        .header("authorization", "Bearer sekrit-key")
+        .body(Body::from(
+            json!({"model": long, "prompt": "hello", "max_tokens": 2}).to_string(),
+        ))
+        .expect("request");
+    let resp = app.clone().oneshot(req).await.expect("response");
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    let body: Value = serde_json::from_slice(&bytes).expect("json");
+    let msg = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.len() < 400, "{} bytes: {msg:.200}", msg.len());
+    assert!(msg.contains(&"m".repeat(128)), "{msg}");
+    let cmd = router::RouterArgs::command();
+    let key = cmd
+        .get_arguments()
+        .find(|a| a.get_id() == "api_key")
+        .expect("the api_key arg");
+    assert!(key.is_hide_env_values_set());
 }
