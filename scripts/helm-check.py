@@ -122,16 +122,18 @@ def check_schema(helm, values_sets):
                 continue
             fail(f"values.schema.json accepts {what}: {v}")
     # Combinations the schema takes but the templates refuse (`fail`): the worker would exit.
+    bare = "drafter: bare"
     bad_renders = [
-        ({"model": "smollm2-135m", "drafter": "draft-model"}, "draft-model for a model without a default draft"),
-        ({"model": "/var/cache/dspark/own.gguf", "drafter": "draft-model"}, "draft-model for a path"),
-        ({"model": "qwen2.5-coder-1.5b", "drafter": "dspark"}, "dspark for a model without a shipped drafter"),
+        ({"model": "smollm2-135m", "drafter": "draft-model"}, "draft-model for a model without a default draft", bare),
+        ({"model": "/var/cache/dspark/own.gguf", "drafter": "draft-model"}, "draft-model for a path", bare),
+        ({"model": "qwen2.5-coder-1.5b", "drafter": "dspark"}, "dspark for a model without a shipped drafter", bare),
+        ({"router": {"service": {"type": "LoadBalancer"}}}, "a LoadBalancer without an API key", "without an API key"),
     ]
-    for v, what in bad_renders:
+    for v, what, says in bad_renders:
         try:
             render(helm, v)
         except helm.HelmRenderError as e:
-            if "drafter: bare" in str(e):
+            if says in str(e):
                 continue
             fail(f"the chart refuses {what} for another reason: {e}")
         fail(f"the chart renders {what}: {v}")
@@ -214,7 +216,9 @@ def check_wiring(docs, binary, label, external_etcd):
             for e in c.get("env", []):
                 n = e["name"]
                 if n.startswith("DSPARK_") and n not in NON_CLAP_ENV:
-                    if f"[env: {n}=" not in text:
+                    # `NAME=` with the value the environment holds; `NAME]` where the flag
+                    # hides it (the API key).
+                    if f"[env: {n}=" not in text and f"[env: {n}]" not in text:
                         fail(f"{label}: {w['metadata']['name']}/{c['name']} sets {n}, "
                              f"which `dspark {role} --help` does not list")
                     n_env += 1

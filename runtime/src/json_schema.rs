@@ -44,6 +44,10 @@ pub const MAX_WS_RUN: u8 = 32;
 pub const MAX_PATTERN_STATES: usize = 4096;
 /// Most distinct `pattern`s and `format`s of one schema (each is a DFA built per request).
 pub const MAX_PATTERNS: usize = 16;
+/// Most DFA states of all of one schema's patterns together: a table of 512 bytes a state,
+/// so 8192 states hold 4 MiB while the request runs (16 patterns of 4096 states each would
+/// hold 32 MiB, for a schema of a few hundred bytes).
+pub const MAX_SCHEMA_PATTERN_STATES: usize = 8192;
 /// Most references one `$ref` may lead through before reaching a schema that is not one.
 pub const MAX_REF_CHAIN: usize = 32;
 /// Largest `minLength`, `maxLength`, `minItems` or `maxItems`.
@@ -152,6 +156,11 @@ impl Pattern {
         regex_automata::util::syntax::parse(src)
             .map_err(|e| format!("regex {src:?} is not supported: {e}"))?;
         Self::build(&format!("(?:{src})"), &format!("regex {src:?}"), |_| true)
+    }
+
+    /// States of the automaton.
+    fn states(&self) -> usize {
+        self.accept.len()
     }
 
     /// A regex matching exactly one of `choices` (vLLM's `guided_choice`).
@@ -755,7 +764,17 @@ impl Schema {
                                 }
                                 let i = u16::try_from(self.patterns.len())
                                     .map_err(|_| "too many patterns")?;
-                                self.patterns.push(Pattern::compile(&src)?);
+                                let p = Pattern::compile(&src)?;
+                                let states: usize =
+                                    self.patterns.iter().chain([&p]).map(Pattern::states).sum();
+                                if states > MAX_SCHEMA_PATTERN_STATES {
+                                    return Err(format!(
+                                        "a schema's `pattern`s and `format`s need at most \
+                                         {MAX_SCHEMA_PATTERN_STATES} automaton states together \
+                                         ({states} here)"
+                                    ));
+                                }
+                                self.patterns.push(p);
                                 c.patterns.insert(src, i);
                                 i
                             }
@@ -1693,7 +1712,13 @@ mod tests {
         for i in 0..MAX_PATTERNS + 1 {
             pats.insert(format!("p{i}"), json!({"enum": ["a"], "pattern": "^a$"}));
         }
+        let big = json!({"type": "object", "properties": {
+            "a": {"type": "string", "pattern": "^[a-z]{3000}$"},
+            "b": {"type": "string", "pattern": "^[a-z]{2999}$"},
+            "c": {"type": "string", "pattern": "^[a-z]{2998}$"},
+        }});
         for (bad, says) in [
+            (big, "automaton states together"),
             (chain, "lead through"),
             (
                 obj(json!({"const": "a", "enum": ["b"]})),

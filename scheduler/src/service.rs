@@ -285,10 +285,16 @@ impl Scheduler for SchedulerService {
 
     async fn deregister(&self, req: Request<WorkerId>) -> Result<Response<RegisterReply>, Status> {
         let WorkerId { id, address } = req.into_inner();
+        // Only the worker at the registered address takes a registration away: a caller
+        // naming ids alone could empty placement.
+        if address.is_empty() {
+            return Err(Status::invalid_argument(format!(
+                "deregistering `{id}` needs the worker's address"
+            )));
+        }
         let mut c = self.lock()?;
         // A worker refused for another's id (ALREADY_EXISTS) leaves too: not with the live one.
         if let Some((other, _)) = c.address_of(&id)
-            && !address.is_empty()
             && other != address
         {
             return Err(Status::not_found(format!(
@@ -600,6 +606,16 @@ mod tests {
             .await
             .expect_err("not b's");
         assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+        assert_eq!(addr(&svc).as_deref(), Some(a));
+        // Nor by id alone.
+        let e = svc
+            .deregister(Request::new(WorkerId {
+                id: "target-50051".into(),
+                address: String::new(),
+            }))
+            .await
+            .expect_err("no address");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
         assert_eq!(addr(&svc).as_deref(), Some(a));
         svc.register(Request::new(target("target-50051", a)))
             .await
