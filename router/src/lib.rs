@@ -114,6 +114,13 @@ pub struct RouterArgs {
           default_value_t = CLIENT_WRITE_TIMEOUT_MS,
           value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     pub client_write_timeout_ms: u64,
+    /// Milliseconds a request's body may take to arrive whole (from when its headers were
+    /// read) before it is answered 408 and its connection closed. Only tests set it shorter;
+    /// 1..=3600000.
+    #[arg(long, hide = true, env = "DSPARK_CLIENT_BODY_TIMEOUT_MS",
+          default_value_t = CLIENT_BODY_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    pub client_body_timeout_ms: u64,
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
 }
@@ -123,6 +130,11 @@ pub struct RouterArgs {
 /// clients would hold their admission places for ever, and the cluster would answer 429 to
 /// everyone else; a client that reads at all (even slowly) never waits this long.
 const CLIENT_WRITE_TIMEOUT_MS: u64 = 30_000;
+
+/// How long a request's body may take to arrive whole. Without a limit a client could send
+/// most of a body (up to `MAX_BODY`) and stall, holding that memory and its connection for as
+/// long as it likes. Only the body is timed: a response (a stream) may run for minutes.
+const CLIENT_BODY_TIMEOUT_MS: u64 = 30_000;
 
 pub struct App {
     pub tok: Arc<Tokenizer>,
@@ -145,6 +157,8 @@ pub struct App {
     pub auto_tools: bool,
     /// How long a stream waits for its client to read (`--client-write-timeout-ms`).
     pub client_write_timeout: Duration,
+    /// How long a request's body may take to arrive (`--client-body-timeout-ms`).
+    pub client_body_timeout: Duration,
     seq: AtomicU64,
 }
 
@@ -251,6 +265,7 @@ impl App {
             draining: std::sync::atomic::AtomicBool::new(false),
             auto_tools: args.tool_call_parser.is_some(),
             client_write_timeout: Duration::from_millis(args.client_write_timeout_ms),
+            client_body_timeout: Duration::from_millis(args.client_body_timeout_ms),
             seq: AtomicU64::new(0),
         }))
     }
@@ -265,18 +280,29 @@ impl App {
 }
 
 pub fn app(state: Arc<App>) -> Router {
+    // Route layers run inside out: the key is checked before any of the body is read, and
+    // the body is read (whole, within its deadline) before the handler runs.
+    let key = axum::middleware::from_fn_with_state(Arc::clone(&state), require_key);
+    let body = axum::middleware::from_fn_with_state(Arc::clone(&state), read_body);
     let generation = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route_layer(body.clone())
+        .route_layer(key.clone())
         .route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&state),
             count_outcome,
         ));
-    Router::new()
-        .merge(generation)
+    let keyed = Router::new()
         .route("/v1/models", get(models))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route_layer(body)
+        .route_layer(key);
+    // /health, /ready and /metrics take no key and read no body.
+    Router::new()
+        .merge(generation)
+        .merge(keyed)
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics_text))
@@ -284,6 +310,55 @@ pub fn app(state: Arc<App>) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(axum::middleware::from_fn(json_errors))
         .with_state(state)
+}
+
+/// `--api-key` checked from the headers alone, before the body is read: a client without the
+/// key cannot have the router hold (up to `MAX_BODY` of) a body it sends slowly.
+async fn require_key(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match auth(&app, req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Reads the request's body whole (within `DefaultBodyLimit`, as the handler's `Bytes` would)
+/// before the handler runs, and answers 408 when it has not arrived within
+/// `--client-body-timeout-ms`: what was read is dropped and the connection closed.
+async fn read_body(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use axum::extract::FromRequest;
+    let (parts, body) = req.into_parts();
+    let whole = axum::extract::Request::from_parts(parts.clone(), body);
+    match tokio::time::timeout(app.client_body_timeout, Bytes::from_request(whole, &())).await {
+        Ok(Ok(bytes)) => {
+            let req = axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes));
+            next.run(req).await
+        }
+        // Over the limit (413) or broken off: `json_errors` gives it the OpenAI body.
+        Ok(Err(rejection)) => rejection.into_response(),
+        Err(_) => {
+            let limit = app.client_body_timeout.as_millis();
+            let mut resp = ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!("the request body did not arrive whole within {limit} ms"),
+            )
+            .into_response();
+            // The rest of the body is never read: the connection cannot serve another request.
+            resp.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+            resp
+        }
+    }
 }
 
 /// How a generation request ended, counted in one place whatever refused it: 429 (the
@@ -427,20 +502,14 @@ async fn metrics_text(State(app): State<Arc<App>>) -> String {
     app.metrics.render()
 }
 
-async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Result<Json<Value>, ApiError> {
-    auth(&app, &headers)?;
-    Ok(Json(json!({"object": "list", "data": [
-        {"id": app.name, "object": "model", "created": 0, "owned_by": "dspark"}]})))
+async fn models(State(app): State<Arc<App>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [
+        {"id": app.name, "object": "model", "created": 0, "owned_by": "dspark"}]}))
 }
 
 /// `/tokenize` (as vLLM serves it): a `prompt`, or chat `messages` rendered with the
 /// template, as the model's token ids.
-async fn tokenize(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Json<Value>, ApiError> {
-    auth(&app, &headers)?;
+async fn tokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Json<Value>, ApiError> {
     // Off the async threads, as chat's: rendering and tokenizing run up to the body limit.
     blocking(move || tokenize_body(&app, &body)).await.map(Json)
 }
@@ -472,12 +541,7 @@ fn tokenize_body(app: &App, body: &Bytes) -> Result<Value, ApiError> {
 }
 
 /// `/detokenize`: token ids back to text.
-async fn detokenize(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Result<Json<Value>, ApiError> {
-    auth(&app, &headers)?;
+async fn detokenize(State(app): State<Arc<App>>, body: Bytes) -> Result<Json<Value>, ApiError> {
     blocking(move || detokenize_body(&app, &body))
         .await
         .map(Json)
@@ -1228,7 +1292,6 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    auth(&app, &headers)?;
     let a = Arc::clone(&app);
     let (prompts, texts, settings) = blocking(move || completion_request(&a, &body)).await?;
     serve(app, headers, prompts, texts, settings, Kind::Completion).await
@@ -1282,7 +1345,6 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    auth(&app, &headers)?;
     let a = Arc::clone(&app);
     let (prompt, settings) = blocking(move || chat_request(&a, &body)).await?;
     serve(app, headers, vec![prompt], Vec::new(), settings, Kind::Chat).await

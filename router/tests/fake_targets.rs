@@ -334,3 +334,123 @@ async fn errors_clip_what_they_echo_and_the_key_is_checked() {
         .expect("the api_key arg");
     assert!(key.is_hide_env_values_set());
 }
+
+/// `app` served on a loopback port (a real connection, as a client that stalls would hold).
+async fn listen(app: axum::Router) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// Sends a completion request's headers saying `Content-Length: 8000000` (under the body
+/// limit) and a few bytes of the body, then stalls. Returns the answer's status and JSON
+/// body, how long it took, and whether the router then closed the connection (within 2 s).
+async fn stalled_body(
+    addr: std::net::SocketAddr,
+    key: Option<&str>,
+    wait: std::time::Duration,
+) -> (u16, Value, std::time::Duration, bool) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let auth = key.map_or(String::new(), |k| format!("authorization: Bearer {k}\r\n"));
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n\
+         {auth}content-length: 8000000\r\n\r\n{{\"model\": \"fake\", \"prompt\": \"aaaa"
+    );
+    let started = std::time::Instant::now();
+    conn.write_all(head.as_bytes()).await.expect("write");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Until the whole answer (its headers, then `content-length` bytes) is in.
+    let answer = tokio::time::timeout(wait, async {
+        loop {
+            let n = conn.read(&mut buf).await.expect("read");
+            assert!(n > 0, "closed without an answer");
+            got.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&got).into_owned();
+            if let Some(end) = text.find("\r\n\r\n") {
+                let len = text[..end]
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length: ")
+                            .map(|v| v.trim().parse::<usize>().expect("length"))
+                    })
+                    .expect("content-length");
+                if got.len() >= end + 4 + len {
+                    let status = text[9..12].parse::<u16>().expect("status");
+                    let body = serde_json::from_slice(&got[end + 4..end + 4 + len]).expect("json");
+                    return (status, body);
+                }
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no answer within {wait:?}"));
+    let elapsed = started.elapsed();
+    let closed = matches!(
+        tokio::time::timeout(std::time::Duration::from_secs(2), conn.read(&mut buf)).await,
+        Ok(Ok(0) | Err(_))
+    );
+    (answer.0, answer.1, elapsed, closed)
+}
+
+/// With `--api-key`, a request without the key is refused from its headers: a body that never
+/// arrives is not waited for (the body deadline here is 20 s; the answer comes at once).
+#[tokio::test]
+async fn a_request_without_the_key_is_refused_before_its_body_is_read() {
+    let (good, calls) = fake(Mode::Answers).await;
+    let app = router(
+        &[good],
+        &[
+            "--api-key",
+            "sekrit-key",
+            "--client-body-timeout-ms",
+            "20000",
+        ],
+    )
+    .await;
+    let addr = listen(app).await;
+    for key in [None, Some("wrong-key!")] {
+        let (status, body, elapsed, _) =
+            stalled_body(addr, key, std::time::Duration::from_secs(5)).await;
+        assert_eq!(status, 401, "{key:?}: {body}");
+        assert_eq!(body["error"]["type"], "authentication_error", "{body}");
+        assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+        assert!(elapsed < std::time::Duration::from_secs(2), "{elapsed:?}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+/// A body that does not arrive whole within `--client-body-timeout-ms` is answered 408 (a
+/// JSON error) and its connection closed, with the right key and with none configured.
+#[tokio::test]
+async fn a_body_that_stalls_is_a_408_and_its_connection_is_closed() {
+    let (good, calls) = fake(Mode::Answers).await;
+    let deadline = std::time::Duration::from_millis(300);
+    for (extra, key) in [
+        (vec!["--client-body-timeout-ms", "300"], None),
+        (
+            vec!["--client-body-timeout-ms", "300", "--api-key", "sekrit-key"],
+            Some("sekrit-key"),
+        ),
+    ] {
+        let addr = listen(router(&[good.clone()], &extra).await).await;
+        let (status, body, elapsed, closed) =
+            stalled_body(addr, key, std::time::Duration::from_secs(5)).await;
+        assert_eq!(status, 408, "{key:?}: {body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        let msg = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("300 ms"), "{msg}");
+        assert!(elapsed >= deadline, "{elapsed:?}");
+        assert!(closed, "the connection stays open after the 408");
+    }
+    // The deadline is the body's only: a request whose body arrives is served.
+    let app = router(&[good], &["--client-body-timeout-ms", "300"]).await;
+    let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 2})).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
