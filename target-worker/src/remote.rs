@@ -337,9 +337,12 @@ struct ReqSync {
     link: String,
     generation: u64,
     tokens_acked: usize,
-    /// Feature rows of positions `feat_base..feat_base + rows`.
+    /// Feature rows of positions `feat_base..feat_base + rows`, each of `feat_width` floats.
     feats: Vec<f32>,
     feat_base: usize,
+    /// The length of the kept rows (0: none kept yet): the captured layers times the model
+    /// width when they were observed.
+    feat_width: usize,
     feats_acked: usize,
     /// Rounds in a row whose answer for this request was a refusal (the draft worker held
     /// everything the round synced from, and still took none of it) or a block unusable here.
@@ -368,6 +371,7 @@ impl ReqSync {
             tokens_acked: 0,
             feats: Vec::new(),
             feat_base,
+            feat_width: 0,
             feats_acked: 0,
             refusals: 0,
             skip_until: 0,
@@ -390,6 +394,27 @@ impl ReqSync {
         self.sent_at = None;
         self.used_at = None;
         self.verdict = None;
+    }
+
+    /// Rows kept of `rl` floats each (none when the kept rows are of another width).
+    fn rows_of(&self, rl: usize) -> usize {
+        if rl > 0 && self.feat_width == rl {
+            self.feats.len() / rl
+        } else {
+            0
+        }
+    }
+
+    /// Keeps rows of `rl` floats from now on. Rows of another width (captured before the
+    /// feature layers changed: a rolling update between drafters reading other layers) are
+    /// dropped, never mixed with the new ones, and what the draft worker acknowledged of
+    /// features is forgotten: the rows kept from now on go from the first.
+    fn set_width(&mut self, rl: usize) {
+        if self.feat_width != rl {
+            self.feats.clear();
+            self.feats_acked = 0;
+            self.feat_width = rl;
+        }
     }
 
     /// One more refusal in a row: local drafting for the next 2^refusals cycles (at most 256).
@@ -689,6 +714,8 @@ impl RemoteProposer {
 /// A drafting round in flight: what each request's state was when it was sent.
 struct Round {
     addr: String,
+    /// The stream generation of `addr` it was sent on.
+    generation: u64,
     step: u64,
     /// The drafting cycle it was sent in.
     cycle: u64,
@@ -705,6 +732,15 @@ struct Round {
     /// Whether its acknowledgements were applied when it was drained: applying the reply
     /// again (for its blocks) must not back its requests off a second time.
     drained: bool,
+}
+
+impl Round {
+    /// Whether it went on the stream `rs` is paired with now: a round of an earlier stream
+    /// (before a reconnect, or a re-pairing with another draft worker) says nothing of what
+    /// this one holds.
+    fn is_current(&self, rs: &ReqSync) -> bool {
+        rs.link == self.addr && rs.generation == self.generation
+    }
 }
 
 impl RemoteProposer {
@@ -738,6 +774,7 @@ impl RemoteProposer {
     fn groups(&mut self, reqs: &[ProposeReq<'_>]) -> Vec<(String, Vec<usize>)> {
         let mut items = Vec::new();
         let ours = self.layers();
+        let rl = ours.len() * self.d_model;
         let drafting: Vec<u64> = reqs.iter().filter(|r| r.k > 0).map(|r| r.id).collect();
         self.repair_gone(&drafting, &ours);
         let mut mismatched = Vec::new();
@@ -760,7 +797,7 @@ impl RemoteProposer {
                         mismatched.push(a);
                         continue;
                     }
-                    let b = self.round_bytes(r, &a);
+                    let b = self.round_bytes(r, &a, rl);
                     items.push((a, b, i));
                 }
             }
@@ -783,9 +820,9 @@ impl RemoteProposer {
 
     /// What drafting `r` on `addr` puts on the wire, at most, one way: its unacknowledged
     /// tokens and feature rows going, or its drafts coming back (dense q rows of the whole
-    /// vocabulary when it samples), whichever is larger.
-    fn round_bytes(&self, r: &ProposeReq<'_>, addr: &str) -> u64 {
-        let rl = self.layers().len() * self.d_model;
+    /// vocabulary when it samples), whichever is larger. `rl`: the floats of a feature row
+    /// (the captured layers', computed once per round by the caller).
+    fn round_bytes(&self, r: &ProposeReq<'_>, addr: &str, rl: usize) -> u64 {
         let generation = self
             .links
             .get(addr)
@@ -793,13 +830,13 @@ impl RemoteProposer {
         // On a new stream (a reconnect) everything is resent, as `send_round` does.
         let (tokens, rows) = match self.reqs.get(&r.id) {
             Some(rs) if rs.link == addr && Some(rs.generation) == generation => {
-                let fed = rs.feat_base + rs.feats.len() / rl.max(1);
+                let fed = rs.feat_base + rs.rows_of(rl);
                 (
                     r.context.len().saturating_sub(rs.tokens_acked),
                     fed.saturating_sub(rs.feats_acked.max(rs.feat_base)),
                 )
             }
-            Some(rs) => (r.context.len(), rs.feats.len() / rl.max(1)),
+            Some(rs) => (r.context.len(), rs.rows_of(rl)),
             None => (r.context.len(), 0),
         };
         let elem = match self.feature_dtype {
@@ -898,6 +935,7 @@ impl RemoteProposer {
         }
         Some(Round {
             addr: addr.to_string(),
+            generation,
             step,
             cycle: self.cycle,
             rx,
@@ -931,6 +969,11 @@ impl RemoteProposer {
             rs.sent_at = Some(r.context.len());
         }
         let acked = rs.tokens_acked.min(r.context.len());
+        if rl > 0 {
+            // Rows kept at another width (the layers changed since they were observed) are
+            // not sent as rows of this one.
+            rs.set_width(rl);
+        }
         let feat_end = if rl > 0 {
             rs.feat_base + rs.feats.len() / rl
         } else {
@@ -938,8 +981,7 @@ impl RemoteProposer {
         };
         let features = if rl > 0 && !rs.feats.is_empty() {
             let from = rs.feats_acked.max(rs.feat_base);
-            // Rows of this request's width: a link whose layers differ from the last
-            // one's (another drafter) finds none here, and sends no features.
+            // All of width `rl` (`set_width`).
             let rows = rs.feats.get((from - rs.feat_base) * rl..).unwrap_or(&[]);
             (!rows.is_empty()).then(|| {
                 (
@@ -1041,7 +1083,16 @@ impl RemoteProposer {
             let Some(rs) = self.reqs.get_mut(&b.seq) else {
                 continue;
             };
+            // A reply of an earlier stream than the request's now (before a reconnect or a
+            // re-pairing) acknowledges nothing on this one, nor refuses anything: applied, it
+            // would have the stream sent tokens and rows from another offset (need_sync then
+            // costs a round) or back off for another worker's refusal. Its block, drafted for
+            // a context still current, is drafts like any other, but not this stream's.
+            let current = round.is_current(rs);
             if b.need_sync {
+                if !current {
+                    continue;
+                }
                 // A worker that lost the request's state holds less than the round synced
                 // from; one that holds all of it refused the request (bad input, full): that
                 // is not healed by resending.
@@ -1062,8 +1113,10 @@ impl RemoteProposer {
                 rs.feats_acked = 0;
                 continue;
             }
-            rs.tokens_acked = ctx_len;
-            rs.feats_acked = feat_end;
+            if current {
+                rs.tokens_acked = ctx_len;
+                rs.feats_acked = feat_end;
+            }
             if refused {
                 continue;
             }
@@ -1073,7 +1126,9 @@ impl RemoteProposer {
             }
             // A block that is not usable leaves the request to draft locally (backing off).
             let Some(blk) = self.block_from_wire(b, reqs[i].k) else {
-                if let Some(rs) = self.reqs.get_mut(&b.seq) {
+                if let Some(rs) = self.reqs.get_mut(&b.seq)
+                    && current
+                {
                     rs.back_off(cycle);
                 }
                 continue;
@@ -1081,11 +1136,16 @@ impl RemoteProposer {
             if blk.tokens.is_empty() && reqs[i].k > 0 {
                 // The remote drafter sat this one out (a draft model without room for it):
                 // the local drafter may still have something, and this cycle asks the draft
-                // worker no more.
-                self.declined.insert(b.seq);
+                // worker no more (the current stream's: an earlier one's says nothing of it).
+                if current {
+                    self.declined.insert(b.seq);
+                }
                 continue;
             }
-            if let Some(rs) = self.reqs.get_mut(&b.seq) {
+            // The verdict on it is not the current stream's block's.
+            if let Some(rs) = self.reqs.get_mut(&b.seq)
+                && current
+            {
                 rs.refusals = 0;
                 // The engine verifies this block (or what its policy leaves of it).
                 rs.used_at = Some(ctx_len);
@@ -1105,7 +1165,9 @@ impl RemoteProposer {
             // requests draft locally for 2, 4, … 256 cycles, as after a refusal of one.
             let cycle = self.cycle;
             for seq in round.sent.keys() {
-                if let Some(rs) = self.reqs.get_mut(seq) {
+                if let Some(rs) = self.reqs.get_mut(seq)
+                    && round.is_current(rs)
+                {
                     rs.back_off(cycle);
                 }
             }
@@ -1141,6 +1203,8 @@ impl Proposer for RemoteProposer {
             .reqs
             .entry(id)
             .or_insert_with(|| ReqSync::new(link, 0, start));
+        // Rows of another width are dropped, never truncated or extended at this one.
+        r.set_width(rl);
         if start < r.feat_base {
             r.feats.clear();
             r.feat_base = start;
@@ -1856,6 +1920,7 @@ mod tests {
     ) -> Round {
         Round {
             addr: "a".into(),
+            generation: 0,
             step,
             cycle: 0,
             rx: std::sync::mpsc::channel().1,
@@ -2410,6 +2475,159 @@ mod tests {
         let rows = item.features.as_ref().expect("feature rows");
         assert_eq!(rows.shape, vec![5, rl as u32]);
         assert_eq!(p.reqs[&1].link, idle);
+    }
+
+    /// The captured layers change part way through a request (a rolling update between
+    /// drafters reading different layers): the rows kept at the old width are dropped, never
+    /// mixed with rows of the new one nor sent as rows of it, and what the draft worker
+    /// acknowledged of features is forgotten, so the rows kept go from the first.
+    #[test]
+    fn a_change_of_feature_layers_drops_the_rows_of_the_old_width() {
+        let rt = test_runtime();
+        let shared = Arc::new(RemoteShared::default());
+        let mut p = test_proposer(&rt, shared.clone(), 10);
+        let a = "127.0.0.1:9";
+        if let Ok(mut m) = shared.assign.lock() {
+            m.insert(1, a.to_string());
+            m.insert(2, a.to_string());
+        }
+        let _calls = up_with(&mut p, a, vec![0, 1]);
+        let set_layers = |p: &RemoteProposer, layers: Vec<u32>| {
+            if let Some(i) = p.links[a].shared.info.lock().expect("info").as_mut() {
+                i.feature_layers = layers;
+            }
+        };
+        // Request 1: 4 rows of 2 layers × 4 floats, acknowledged.
+        p.observe(1, 0, &[0.5; 4 * 8]).expect("observe");
+        p.reqs.get_mut(&1).expect("request 1").feats_acked = 4;
+        // The drafters now read one layer: the next row is 4 floats.
+        set_layers(&p, vec![1]);
+        p.observe(1, 4, &[0.25; 4]).expect("observe");
+        let rs = &p.reqs[&1];
+        assert_eq!(rs.feats, vec![0.25; 4], "no row of the old width kept");
+        assert_eq!((rs.feat_base, rs.feats_acked), (4, 0));
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rng = kernels::rng::Rng::new(1);
+        let ctx = [1u32, 2, 3, 4, 5, 6];
+        let mut r = ProposeReq {
+            id: 1,
+            context: &ctx,
+            k: 2,
+            params: &greedy,
+            rng: &mut rng,
+        };
+        let (item, feat_end, _) = p.build_item(a, 0, 4, &mut r);
+        let f = item.features.as_ref().expect("the row kept");
+        assert_eq!(
+            (item.feat_from, f.shape.clone(), feat_end),
+            (4, vec![1, 4], 5)
+        );
+        // Request 2: 3 rows of 4 floats; the layers change back before another row comes:
+        // its rows are not sent as rows of 8.
+        p.observe(2, 0, &[0.5; 3 * 4]).expect("observe");
+        set_layers(&p, vec![0, 1]);
+        let mut r = ProposeReq { id: 2, ..r };
+        let (item, feat_end, _) = p.build_item(a, 0, 8, &mut r);
+        assert!(item.features.is_none(), "{:?}", item.features);
+        assert_eq!((feat_end, p.reqs[&2].feats_acked), (0, 0));
+        assert!(p.reqs[&2].feats.is_empty());
+    }
+
+    /// A reply of an earlier stream than the request's now (sent before a reconnect or a
+    /// re-pairing, applied after) acknowledges nothing on the current stream and backs it off
+    /// for nothing: the draft worker there would be sent tokens and rows from another offset.
+    /// A block it carries for the current context is still drafts, but the verdict on it is
+    /// not for the current stream's drafter.
+    #[test]
+    fn a_reply_of_an_earlier_stream_acknowledges_nothing_on_the_current_one() {
+        let rt = test_runtime();
+        let mut p = test_proposer(&rt, Arc::new(RemoteShared::default()), 10);
+        let ctx = [1u32, 2, 3, 4];
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(1), kernels::rng::Rng::new(2)];
+        let reqs = two_reqs(&ctx, &greedy, &mut rngs);
+        let ids: HashMap<u64, usize> = HashMap::from([(1, 0), (2, 1)]);
+        // Sent on stream 0 of "a"; since then request 1 is on stream 1 of "a" (a reconnect)
+        // and request 2 on "b" (re-paired), neither holding anything there.
+        let both =
+            |step, from| test_round(step, &[(1, (4, 4, 2, from)), (2, (4, 4, 2, from))], &[]);
+        p.reqs.insert(1, ReqSync::new("a".into(), 1, 0));
+        p.reqs.insert(2, ReqSync::new("b".into(), 0, 0));
+        let blocks = |need_sync: bool| {
+            [1, 2]
+                .map(|seq| dspark_proto::DraftBlock {
+                    seq,
+                    tokens: if need_sync { vec![] } else { vec![3] },
+                    q_kind: QKind::OneHot as i32,
+                    need_sync,
+                    have_tokens: 4,
+                    ..Default::default()
+                })
+                .to_vec()
+        };
+        let rep = DraftReply {
+            step: 1,
+            blocks: blocks(false),
+            ..Default::default()
+        };
+        let mut out: Vec<Option<DraftBlock>> = vec![None, None];
+        p.apply(
+            &both(1, 0),
+            &(rep.clone(), Instant::now()),
+            &reqs,
+            &ids,
+            &mut out,
+        );
+        for id in [1, 2] {
+            let rs = &p.reqs[&id];
+            assert_eq!((rs.tokens_acked, rs.feats_acked), (0, 0), "request {id}");
+            assert_eq!(rs.used_at, None, "request {id}");
+        }
+        assert!(
+            out.iter()
+                .all(|b| b.as_ref().is_some_and(|b| b.tokens == [3])),
+            "{out:?}"
+        );
+        // Its refusals (need_sync from a worker holding all the round synced from) and its
+        // failed rounds back nothing off and acknowledge nothing.
+        let refusal = DraftReply {
+            step: 2,
+            blocks: blocks(true),
+            ..Default::default()
+        };
+        let failed = DraftReply {
+            step: 3,
+            error: "drafting failed: test".into(),
+            ..rep.clone()
+        };
+        for (step, rep) in [(2, refusal), (3, failed)] {
+            let mut out: Vec<Option<DraftBlock>> = vec![None, None];
+            p.apply(
+                &both(step, 4),
+                &(rep, Instant::now()),
+                &reqs,
+                &ids,
+                &mut out,
+            );
+            for id in [1, 2] {
+                let rs = &p.reqs[&id];
+                assert_eq!((rs.refusals, rs.skip_until), (0, 0), "step {step}");
+                assert_eq!((rs.tokens_acked, rs.verdict), (0, None), "step {step}");
+            }
+        }
+        // The same reply on request 1's stream is its own.
+        let current = Round {
+            generation: 1,
+            ..both(1, 0)
+        };
+        let mut out: Vec<Option<DraftBlock>> = vec![None, None];
+        p.apply(&current, &(rep, Instant::now()), &reqs, &ids, &mut out);
+        let rs = &p.reqs[&1];
+        assert_eq!(
+            (rs.tokens_acked, rs.feats_acked, rs.used_at),
+            (4, 4, Some(4))
+        );
+        assert_eq!(p.reqs[&2].tokens_acked, 0);
     }
 
     /// A link down for less than the grace (a blip: the worker reconnects at the same
