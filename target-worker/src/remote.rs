@@ -584,6 +584,13 @@ impl RemoteProposer {
                 r.verdicts.remove(&id);
             }
         }
+        self.drop_empty_rounds();
+        // The gone link stops redialing once none of its requests is left.
+        self.forget_idle_links(None);
+    }
+
+    /// Drops the pending rounds left with no request: their replies have nowhere to go.
+    fn drop_empty_rounds(&mut self) {
         let (done, keep): (Vec<Round>, Vec<Round>) = std::mem::take(&mut self.prefetched)
             .into_iter()
             .partition(|r| r.sent.is_empty());
@@ -591,8 +598,6 @@ impl RemoteProposer {
         for r in &done {
             self.forget(r);
         }
-        // The gone link stops redialing once none of its requests is left.
-        self.forget_idle_links(None);
     }
 
     fn link_for(&mut self, id: u64) -> Option<String> {
@@ -1249,14 +1254,7 @@ impl Proposer for RemoteProposer {
         for r in &mut self.prefetched {
             r.sent.remove(&id);
         }
-        // A round left with no request has nowhere to send its reply.
-        let (done, keep): (Vec<Round>, Vec<Round>) = std::mem::take(&mut self.prefetched)
-            .into_iter()
-            .partition(|r| r.sent.is_empty());
-        self.prefetched = keep;
-        for r in &done {
-            self.forget(r);
-        }
+        self.drop_empty_rounds();
         if let Some(r) = self.reqs.remove(&id) {
             // Only a request the draft worker holds on the current stream has state to free
             // there; ids for a stream that is gone (or a worker never reached) would pile up.
