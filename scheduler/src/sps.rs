@@ -95,17 +95,32 @@ impl SpsArtifact {
         })?;
         // Written beside the target and renamed over it: workers sharing $DSPARK_HOME may
         // read the cache while another writes it, and must see the old file or the new one,
-        // never a half-written one. The name is unique per process and call.
+        // never a half-written one. The name is random as well as per process and call: pods
+        // on one shared volume all run as process 1; and it is created only if new, so two
+        // writers never share one.
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let random = {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+            );
+            h.finish()
+        };
         let tmp = path.with_file_name(format!(
-            ".{}.{}-{}.tmp",
+            ".{}.{}-{}-{random:016x}.tmp",
             name.as_deref().unwrap_or("sps"),
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed)
         ));
         let written = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)?;
             f.write_all(text.as_bytes())?;
             f.sync_all()?;
             std::fs::rename(&tmp, path)

@@ -61,9 +61,10 @@ const MAX_HELD_IDS: usize = 1024;
 /// so that a caller setting the flag cannot queue without end.
 const ADMITTED_HEADROOM: usize = 2;
 /// Compiled formats kept for requests that repeat a schema or regex (the `n` sequences of one
-/// request, a client sending one schema again and again); texts longer than
+/// request, which arrive together and wait for one compile; a client sending one schema again
+/// and again). Few: a schema's automata may hold 4 MiB. Texts longer than
 /// `FORMAT_CACHE_KEY_BYTES` are compiled each time (the cache holds its keys).
-const FORMAT_CACHE: usize = 64;
+const FORMAT_CACHE: usize = 8;
 const FORMAT_CACHE_KEY_BYTES: usize = 64 << 10;
 /// Stop strings per request, and bytes each.
 const MAX_STOPS: usize = 16;
@@ -199,28 +200,30 @@ impl TargetService {
 }
 
 /// Compiled formats by their (regex, schema) text, the [`FORMAT_CACHE`] most recently used.
+/// A slot is handed out before its format is compiled, so requests arriving together share
+/// one compile.
 #[derive(Default)]
-pub struct FormatCache(Mutex<std::collections::VecDeque<((String, String), Format)>>);
+pub struct FormatCache(Mutex<std::collections::VecDeque<((String, String), FormatSlot)>>);
+
+type FormatSlot = Arc<tokio::sync::OnceCell<Format>>;
 
 impl FormatCache {
-    fn get(&self, key: &(String, String)) -> Option<Format> {
-        let mut c = self.0.lock().ok()?;
-        let i = c.iter().position(|(k, _)| k == key)?;
-        let e = c.remove(i)?;
-        let f = e.1.clone();
-        c.push_front(e);
-        Some(f)
-    }
-
-    fn put(&self, key: (String, String), f: Format) {
+    /// The slot of `key`, now the most recently used; a new one where none is kept (a key
+    /// past the size bound gets one of its own each time).
+    fn slot(&self, key: &(String, String)) -> FormatSlot {
         if key.0.len() + key.1.len() > FORMAT_CACHE_KEY_BYTES {
-            return;
+            return FormatSlot::default();
         }
-        if let Ok(mut c) = self.0.lock() {
-            c.retain(|(k, _)| *k != key);
-            c.push_front((key, f));
-            c.truncate(FORMAT_CACHE);
-        }
+        let Ok(mut c) = self.0.lock() else {
+            return FormatSlot::default();
+        };
+        let slot = match c.iter().position(|(k, _)| k == key) {
+            Some(i) => c.remove(i).map(|(_, s)| s).unwrap_or_default(),
+            None => FormatSlot::default(),
+        };
+        c.push_front((key.clone(), Arc::clone(&slot)));
+        c.truncate(FORMAT_CACHE);
+        slot
     }
 }
 
@@ -260,19 +263,18 @@ impl TargetWorker for TargetService {
         let slot = self.take_slot(r.admitted)?;
         let json = if !r.regex.is_empty() || !r.json_schema.is_empty() {
             let key = (r.regex.clone(), r.json_schema.clone());
-            match self.formats.get(&key) {
-                Some(f) => Some(f),
-                None => {
+            let slot = self.formats.slot(&key);
+            let f = slot
+                .get_or_try_init(|| async move {
                     // Building the automaton is CPU work (up to the state caps): off the async
                     // runtime, which also carries the draft links' replies.
-                    let (regex, schema) = key.clone();
-                    let f = tokio::task::spawn_blocking(move || compile_format(&regex, &schema))
+                    let (regex, schema) = key;
+                    tokio::task::spawn_blocking(move || compile_format(&regex, &schema))
                         .await
-                        .map_err(|e| Status::internal(format!("compiling the format: {e}")))??;
-                    self.formats.put(key, f.clone());
-                    Some(f)
-                }
-            }
+                        .map_err(|e| Status::internal(format!("compiling the format: {e}")))?
+                })
+                .await?;
+            Some(f.clone())
         } else {
             r.json.then_some(dspark_runtime::json::Format::Object)
         };
@@ -359,25 +361,21 @@ mod tests {
         let c = FormatCache::default();
         let key = |i: usize| (format!("a{{{i}}}"), String::new());
         let f = compile_format("a{1}", "").expect("compiles");
-        c.put(key(0), f.clone());
-        let Some(Format::Regex(got)) = c.get(&key(0)) else {
-            panic!("cached");
-        };
-        let Format::Regex(want) = &f else {
-            panic!("a regex")
-        };
-        assert!(Arc::ptr_eq(&got, want), "the same compiled pattern");
+        let s0 = c.slot(&key(0));
+        assert!(s0.set(f.clone()).is_ok());
+        let again = c.slot(&key(0));
+        assert!(Arc::ptr_eq(&s0, &again), "one slot a text");
+        assert!(matches!(again.get(), Some(Format::Regex(_))));
         for i in 1..FORMAT_CACHE {
-            c.put(key(i), f.clone());
+            c.slot(&key(i));
         }
-        // Key 0 was used last before the others came: the oldest now, it goes first.
-        assert!(c.get(&key(1)).is_some());
-        c.put(key(FORMAT_CACHE), f.clone());
-        assert!(c.get(&key(0)).is_none(), "the least recently used left");
-        assert!(c.get(&key(1)).is_some() && c.get(&key(FORMAT_CACHE)).is_some());
+        // Key 0, used before the others came, is the least recently used now: it goes first.
+        let s1 = c.slot(&key(1));
+        c.slot(&key(FORMAT_CACHE));
+        assert!(!Arc::ptr_eq(&c.slot(&key(0)), &s0), "key 0 left");
+        assert!(Arc::ptr_eq(&c.slot(&key(1)), &s1), "key 1 kept");
         // Texts past the key bound are not kept.
         let long = ("x".repeat(FORMAT_CACHE_KEY_BYTES + 1), String::new());
-        c.put(long.clone(), f);
-        assert!(c.get(&long).is_none());
+        assert!(!Arc::ptr_eq(&c.slot(&long), &c.slot(&long)));
     }
 }
