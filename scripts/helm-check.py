@@ -114,6 +114,8 @@ def check_schema(helm, values_sets):
             ({"etcd": {"endpoints": ["https://etcd:2379"]}}, "a TLS etcd endpoint (the binaries speak plain HTTP/2)"),
             ({"router": {"fullWaitMs": 600001}}, "a full wait past the router's limit"),
             ({"listenHost": "::"}, "an IPv6 listen host without brackets"),
+            ({"clusterToken": {"enabled": "yes"}}, "a string for the cluster token switch"),
+            ({"clusterToken": {"value": "x"}}, "a cluster token in the values (the chart makes it)"),
         ]
         for v, what in bad:
             try:
@@ -199,6 +201,8 @@ def check_wiring(docs, binary, label, external_etcd):
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     workloads = list(pod_specs(docs))
     n_env = 0
+    # Who carries the cluster token: every process that serves or calls gRPC, or none.
+    token_of = {}
     for w, tpl in workloads:
         spec = tpl["spec"]
         containers = spec.get("initContainers", []) + spec["containers"]
@@ -213,6 +217,10 @@ def check_wiring(docs, binary, label, external_etcd):
                 continue
             role = c["args"][0]
             text = help_text(binary, role)
+            if role in ("scheduler", "target-worker", "draft-worker", "router"):
+                ref = next((e.get("valueFrom", {}).get("secretKeyRef") for e in c.get("env", [])
+                            if e["name"] == "DSPARK_CLUSTER_TOKEN"), None)
+                token_of[f"{w['metadata']['name']}/{c['name']}"] = ref and (ref["name"], ref["key"])
             for e in c.get("env", []):
                 n = e["name"]
                 if n.startswith("DSPARK_") and n not in NON_CLAP_ENV:
@@ -244,6 +252,12 @@ def check_wiring(docs, binary, label, external_etcd):
                     flag = a.split("=", 1)[0]
                     if not re.search(re.escape(flag) + r"(?![\w-])", text):
                         fail(f"{label}: {c['name']} passes {flag}, unknown to `dspark {role}`")
+    if len(set(token_of.values())) > 1:
+        fail(f"{label}: the gRPC processes do not share one cluster token: {token_of}")
+    secrets = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
+    for ref in set(token_of.values()) - {None}:
+        if ref[0].endswith("-cluster-token") and ref[0] not in secrets:
+            fail(f"{label}: the cluster token's Secret {ref[0]} is not in the render")
     # Services select pods and name their ports.
     for name, svc in services.items():
         sel = svc["spec"]["selector"]

@@ -56,6 +56,11 @@ pub struct UpArgs {
     /// a command line that `ps` shows).
     #[arg(long, env = "DSPARK_API_KEY")]
     pub api_key: Option<String>,
+    /// Shared cluster token every process's gRPC calls carry and require (at least 16 bytes
+    /// of visible ASCII); without it `up` makes a fresh random one per run. Handed to the
+    /// children in their environment, never printed.
+    #[arg(long, env = "DSPARK_CLUSTER_TOKEN", hide_env_values = true)]
+    pub cluster_token: Option<String>,
     /// Seconds to wait for the cluster to come up.
     #[arg(long, default_value_t = 600)]
     pub startup_timeout: u64,
@@ -80,11 +85,21 @@ const PER_INSTANCE_ENV: [&str; 12] = [
     "DSPARK_ETCD",
 ];
 
-struct Children(Vec<(String, Child)>);
+/// The processes started, and the cluster token each gets in `DSPARK_CLUSTER_TOKEN`.
+struct Children(Vec<(String, Child)>, String);
+
+/// A fresh cluster token: 32 hex digits from the kernel's random source.
+fn fresh_token() -> anyhow::Result<String> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .map_err(|e| anyhow::anyhow!("cannot make a cluster token (/dev/urandom): {e}"))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
 
 impl Children {
     /// Starts `dspark ARGS` with `env` on top of this process's environment, less
-    /// [`PER_INSTANCE_ENV`].
+    /// [`PER_INSTANCE_ENV`], and with the cluster token.
     fn spawn(&mut self, name: &str, args: &[String], env: &[(&str, &str)]) -> anyhow::Result<()> {
         let exe = std::env::current_exe()?;
         let mut cmd = Command::new(exe);
@@ -97,6 +112,7 @@ impl Children {
             cmd.env_remove(k);
         }
         cmd.envs(env.iter().copied());
+        cmd.env("DSPARK_CLUSTER_TOKEN", &self.1);
         // A process group of its own: a terminal's Ctrl-C reaches `up` alone, which stops the
         // children with one SIGTERM each, so they drain (a second signal would cut them).
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
@@ -331,6 +347,14 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
         a.api_key.as_deref() != Some(""),
         "--api-key is empty (leave it unset to serve without a key)"
     );
+    // The user's token (checked as the children would), else a fresh one for this run.
+    let token = match &a.cluster_token {
+        Some(t) => {
+            dspark_scheduler::auth::check_token(t).map_err(anyhow::Error::msg)?;
+            t.clone()
+        }
+        None => fresh_token()?,
+    };
     let listen = router_listen(&a.host, a.port)?;
     // Fetch once here so the children do not race for the download.
     let path = g.resolve_model(&a.target)?;
@@ -356,7 +380,7 @@ pub fn run(g: &Global, a: UpArgs) -> anyhow::Result<()> {
     // is still starting too (the default action would leave the children to notice stdin
     // closing); a second one while it stops kills what is left.
     let mut signals = rt.block_on(async { Signals::new() })?;
-    let mut kids = Children(Vec::new());
+    let mut kids = Children(Vec::new(), token);
     let ran = run_cluster(g, &a, &drafter, listen, &rt, &mut signals, &mut kids);
     if kids.stop(&mut |d: Duration| nap(&rt, &mut signals, d)) {
         if let Err(e) = &ran {
@@ -634,6 +658,15 @@ fn run_cluster(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_run_makes_a_fresh_valid_cluster_token() {
+        let (a, b) = (fresh_token().unwrap(), fresh_token().unwrap());
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+        assert!(dspark_scheduler::auth::check_token(&a).is_ok());
+        assert_ne!(a, b);
+    }
 
     #[test]
     fn the_router_listens_on_an_ip_address_and_a_fixed_free_port() {

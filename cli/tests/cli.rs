@@ -1593,6 +1593,23 @@ fn up_and_the_target_worker_refuse_bad_engine_settings_before_loading() {
             "target-worker {flag} {value}: {err}"
         );
     }
+    // A URL or an empty value (none) passes the check (and the worker goes on to the model).
+    for value in ["http://draft:50052", ""] {
+        let (code, _, err) = dspark(
+            &d,
+            &[
+                "target-worker",
+                "--model",
+                "no-such-model",
+                "--draft-worker",
+                value,
+            ],
+        );
+        assert!(
+            code != 0 && !err.contains("--draft-worker") && err.contains("no-such-model"),
+            "--draft-worker `{value}`: {err}"
+        );
+    }
     // Refused before any process starts: no time to start in, draft workers that would not
     // start, a tensor-parallel degree the model does not split into (2 KV heads, 4 query).
     for (args, want) in [

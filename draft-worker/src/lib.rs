@@ -85,6 +85,11 @@ pub struct DraftArgs {
     /// tokens, drafting-call times) on this address; off when unset.
     #[arg(long, env = "DSPARK_DRAFT_METRICS_LISTEN")]
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Shared cluster token: gRPC calls without `authorization: Bearer TOKEN` are refused, and
+    /// registration with the scheduler carries it (at least 16 bytes of visible ASCII; off when
+    /// unset). `dspark up` and the Helm chart set it.
+    #[arg(long, env = "DSPARK_CLUSTER_TOKEN", hide_env_values = true)]
+    pub cluster_token: Option<String>,
     /// Exit when stdin closes (set by `dspark up` so children never outlive it).
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
@@ -95,9 +100,14 @@ pub async fn run(args: DraftArgs) -> Result<()> {
     let isa = args.isa;
     let ttl_ms = dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms, args.etcd.is_some())
         .map_err(DraftError::Config)?;
+    let token = dspark_scheduler::auth::cluster_token(args.cluster_token.as_deref())
+        .map_err(DraftError::Config)?;
+    let auth = dspark_scheduler::ClusterAuth::new(args.cluster_token.as_deref())
+        .map_err(DraftError::Config)?;
     let disc = dspark_scheduler::discovery::Discovery::from_args(
         args.scheduler.as_deref(),
         args.etcd.as_deref(),
+        auth,
     )
     .ok();
     // Refuse an address peers cannot dial before loading the drafter.
@@ -192,7 +202,7 @@ pub async fn run(args: DraftArgs) -> Result<()> {
         }
     };
     println!("draft worker {id} ({}) listening on {addr}", info.drafter);
-    dspark_scheduler::grpc_server()
+    dspark_scheduler::grpc_server(token)
         .add_service(
             dspark_proto::draft_worker_server::DraftWorkerServer::new(svc)
                 .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES)

@@ -4,10 +4,11 @@
 use dspark_proto::scheduler_client::SchedulerClient;
 use dspark_proto::target_worker_client::TargetWorkerClient;
 use dspark_proto::{ClusterRequest, InfoRequest, PlaceRequest, WorkerInfo};
+use dspark_scheduler::{AuthChannel, ClusterAuth};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 const SCHEDULER_TIMEOUT: Duration = Duration::from_millis(300);
 
@@ -23,7 +24,9 @@ pub struct Cluster {
     scheduler: Option<String>,
     /// Static workers (`--targets`, `--drafts`) when there is no scheduler.
     view: RwLock<Vec<WorkerInfo>>,
-    channels: Mutex<HashMap<String, Channel>>,
+    /// Channels by URL, each call carrying the cluster token.
+    channels: Mutex<HashMap<String, AuthChannel>>,
+    auth: ClusterAuth,
     /// Requests this router has in flight per target address (local placement).
     local_load: Mutex<HashMap<String, u32>>,
     /// After the scheduler failed to answer, placement skips it until then (a stalled
@@ -44,10 +47,20 @@ const SCHEDULER_BACKOFF: Duration = Duration::from_secs(2);
 
 impl Cluster {
     pub fn new(scheduler: Option<String>, statics: Vec<WorkerInfo>) -> Arc<Self> {
+        Self::with_auth(scheduler, statics, ClusterAuth::default())
+    }
+
+    /// As [`Cluster::new`], every call to the scheduler and the workers carrying `auth`.
+    pub fn with_auth(
+        scheduler: Option<String>,
+        statics: Vec<WorkerInfo>,
+        auth: ClusterAuth,
+    ) -> Arc<Self> {
         Arc::new(Self {
             scheduler: scheduler.map(|s| dspark_scheduler::discovery::normalize_url(&s)),
             view: RwLock::new(statics),
             channels: Mutex::new(HashMap::new()),
+            auth,
             local_load: Mutex::new(HashMap::new()),
             skip_scheduler_until: Mutex::new(None),
             answering: Mutex::new(HashMap::new()),
@@ -219,7 +232,7 @@ impl Cluster {
         self.targets().iter().map(|t| t.capacity as usize).sum()
     }
 
-    fn channel_for_url(&self, url: &str) -> Result<Channel, String> {
+    fn channel_for_url(&self, url: &str) -> Result<AuthChannel, String> {
         let mut m = self.channels.lock().map_err(|_| "poisoned".to_string())?;
         if let Some(c) = m.get(url) {
             return Ok(c.clone());
@@ -235,11 +248,12 @@ impl Cluster {
             .keep_alive_while_idle(true)
             .tcp_keepalive(Some(Duration::from_secs(30)))
             .connect_lazy();
+        let c = self.auth.channel(c);
         m.insert(url.to_string(), c.clone());
         Ok(c)
     }
 
-    pub fn target_client(&self, addr: &str) -> Result<TargetWorkerClient<Channel>, String> {
+    pub fn target_client(&self, addr: &str) -> Result<TargetWorkerClient<AuthChannel>, String> {
         let ch = self.channel_for_url(&dspark_scheduler::discovery::normalize_url(addr))?;
         Ok(TargetWorkerClient::new(ch)
             .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES)

@@ -121,6 +121,11 @@ pub struct RouterArgs {
           default_value_t = CLIENT_BODY_TIMEOUT_MS,
           value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     pub client_body_timeout_ms: u64,
+    /// Shared cluster token: calls to the scheduler and target workers carry
+    /// `authorization: Bearer TOKEN` (at least 16 bytes of visible ASCII; none when unset).
+    /// Not the API key clients send: set it as the scheduler's and workers'.
+    #[arg(long, env = "DSPARK_CLUSTER_TOKEN", hide_env_values = true)]
+    pub cluster_token: Option<String>,
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
 }
@@ -214,6 +219,8 @@ impl App {
     pub fn new(args: &RouterArgs) -> Result<Arc<Self>, RouterError> {
         check_token_limits(args.default_max_tokens, args.max_tokens_limit)
             .map_err(RouterError::Config)?;
+        let auth = dspark_scheduler::ClusterAuth::new(args.cluster_token.as_deref())
+            .map_err(RouterError::Config)?;
         let home = dspark_runtime::fetch::dspark_home(args.home.as_deref());
         let path = dspark_runtime::fetch::resolve(&args.model, &home, &args.python, &mut |m| {
             eprintln!("{m}")
@@ -244,7 +251,7 @@ impl App {
                 "the router needs --scheduler URL or --targets host:port,...".into(),
             ));
         }
-        let cluster = cluster::Cluster::new(args.scheduler.clone(), statics);
+        let cluster = cluster::Cluster::with_auth(args.scheduler.clone(), statics, auth);
         cluster.spawn_refresh(Duration::from_millis(500));
         cluster.spawn_static_info(Duration::from_secs(10));
         Ok(Arc::new(Self {
@@ -2100,7 +2107,7 @@ async fn serve(
         })
         .collect();
     let app2 = Arc::clone(&app);
-    let s = async_stream(move |out| async move {
+    let s = async_stream(move |out, read| async move {
         let _guards = guards;
         // Every event goes out through here: a client that stopped reading ends the request
         // (`return` drops its guards and the pieces' channel, which cancels the workers' side)
@@ -2108,7 +2115,7 @@ async fn serve(
         let limit = app2.client_write_timeout;
         macro_rules! send {
             ($ev:expr) => {
-                match send_to_client(&out, $ev, limit).await {
+                match send_to_client(&out, &read, $ev, limit).await {
                     Sent::Stalled => {
                         client_stalled(&app2, &id, limit);
                         return;
@@ -2129,7 +2136,7 @@ async fn serve(
             if include_usage || !usage.is_null() {
                 v["usage"] = usage;
             }
-            Event::default().data(v.to_string())
+            v.to_string()
         };
         if kind == Kind::Chat {
             for i in 0..total {
@@ -2290,12 +2297,12 @@ async fn serve(
                 }
                 Piece::Error(e) => {
                     Metrics::add(&app2.metrics.errors, 1);
-                    send!(Event::default().data(e.body().to_string()));
+                    send!(e.body().to_string());
                     break;
                 }
             }
         }
-        send!(Event::default().data("[DONE]"));
+        send!("[DONE]".to_string());
     });
     let mut r = Sse::new(s).keep_alive(KeepAlive::default()).into_response();
     if let Ok(v) = tp.parse()
@@ -2316,15 +2323,66 @@ enum Sent {
     Stalled,
 }
 
+/// A send waits while the client keeps taking events: it is stalled only when the response
+/// took none for the whole limit (one large event, a long prompt's log-probabilities, may take
+/// a slow reader a while, and the events behind it wait meanwhile).
+/// The limit also grows by the time the largest event of the stream takes at
+/// [`SLOW_CLIENT_BYTES_PER_S`]: while the response writes it out it takes no other.
 async fn send_to_client(
     out: &tokio::sync::mpsc::Sender<Event>,
-    ev: Event,
+    read: &ClientRead,
+    data: String,
     limit: Duration,
 ) -> Sent {
-    match tokio::time::timeout(limit, out.send(ev)).await {
-        Ok(Ok(())) => Sent::Ok,
-        Ok(Err(_)) => Sent::Gone,
-        Err(_) => Sent::Stalled,
+    let largest = read
+        .largest
+        .fetch_max(data.len() as u64, std::sync::atomic::Ordering::Relaxed)
+        .max(data.len() as u64);
+    let limit = limit + Duration::from_secs_f64(largest as f64 / SLOW_CLIENT_BYTES_PER_S);
+    let permit = loop {
+        match tokio::time::timeout(limit, out.reserve()).await {
+            Ok(Ok(p)) => break p,
+            Ok(Err(_)) => return Sent::Gone,
+            Err(_) if read.since() < limit => continue,
+            Err(_) => return Sent::Stalled,
+        }
+    };
+    permit.send(Event::default().data(data));
+    Sent::Ok
+}
+
+/// The slowest reading speed a streaming client is granted for a large event before it counts
+/// as stalled.
+const SLOW_CLIENT_BYTES_PER_S: f64 = 64.0 * 1024.0;
+
+/// When the response last took an event from its stream (the client reading).
+struct ClientRead {
+    base: Instant,
+    /// Milliseconds since `base`.
+    at: AtomicU64,
+    /// Bytes of the largest event sent.
+    largest: AtomicU64,
+}
+
+impl ClientRead {
+    fn new() -> Self {
+        Self {
+            base: Instant::now(),
+            at: AtomicU64::new(0),
+            largest: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) {
+        self.at.store(
+            self.base.elapsed().as_millis() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    fn since(&self) -> Duration {
+        let at = Duration::from_millis(self.at.load(std::sync::atomic::Ordering::Relaxed));
+        self.base.elapsed().saturating_sub(at)
     }
 }
 
@@ -2479,17 +2537,22 @@ fn account(app: &App, s: &SpecStats) {
     Metrics::add(&m.forwards, s.verify_forwards as u64);
 }
 
-/// A stream of SSE events fed by an async producer.
+/// A stream of SSE events fed by an async producer, which learns when the response last took
+/// one.
 fn async_stream<F, Fut>(
     f: F,
 ) -> impl tokio_stream::Stream<Item = Result<Event, std::convert::Infallible>>
 where
-    F: FnOnce(tokio::sync::mpsc::Sender<Event>) -> Fut,
+    F: FnOnce(tokio::sync::mpsc::Sender<Event>, Arc<ClientRead>) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    tokio::spawn(f(tx));
-    tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok)
+    let read = Arc::new(ClientRead::new());
+    tokio::spawn(f(tx, Arc::clone(&read)));
+    tokio_stream::wrappers::ReceiverStream::new(rx).map(move |e| {
+        read.now();
+        Ok(e)
+    })
 }
 
 #[cfg(test)]
@@ -2499,9 +2562,37 @@ mod tests {
         render_kept_apart, same_key, splice_texts, tokens_per_forward, whole_before_break,
     };
     use dspark_proto::SpecStats;
+    use std::time::{Duration, Instant};
 
     /// Two choices of 10 tokens, each from its prefill and 9 verify forwards: one token per
     /// forward, not (20 − 1)/18.
+    #[tokio::test]
+    async fn a_stream_with_a_large_event_waits_longer_for_its_client() {
+        use super::{ClientRead, Sent, send_to_client};
+        let limit = Duration::from_millis(100);
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+        let read = ClientRead::new();
+        assert!(send_to_client(&tx, &read, "a".into(), limit).await == Sent::Ok);
+        // Nothing read: a small event stalls after the limit.
+        let t0 = Instant::now();
+        assert!(send_to_client(&tx, &read, "b".into(), limit).await == Sent::Stalled);
+        assert!(t0.elapsed() >= limit);
+        // After a 64 KiB event the client has a second more to take the next.
+        let (tx, mut rx2) = tokio::sync::mpsc::channel(1);
+        let read = ClientRead::new();
+        let big = "x".repeat(64 * 1024);
+        assert!(send_to_client(&tx, &read, big, limit).await == Sent::Ok);
+        let reader = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let got = rx2.recv().await;
+            // Open until the send is through.
+            (got, rx2)
+        });
+        assert!(send_to_client(&tx, &read, "c".into(), limit).await == Sent::Ok);
+        assert!(reader.await.expect("joined").0.is_some());
+        rx.close();
+    }
+
     #[test]
     fn token_limits_are_checked_at_start() {
         assert!(check_token_limits(16, 4096).is_ok());

@@ -18,18 +18,23 @@ pub const ETCD_PREFIX: &str = "/dspark/workers/";
 /// Where workers register.
 #[derive(Clone, Debug)]
 pub enum Discovery {
-    /// `Scheduler.Register` at this URL (http://host:port).
-    Static(String),
+    /// `Scheduler.Register` at this URL (http://host:port), with the cluster token.
+    Static(String, crate::ClusterAuth),
     /// etcd endpoints.
     Etcd(Vec<String>),
 }
 
 impl Discovery {
     /// `--etcd` wins over `--scheduler`; at least one is needed.
-    pub fn from_args(scheduler: Option<&str>, etcd: Option<&str>) -> Result<Self> {
+    /// `auth` goes with every call to the scheduler (etcd is not behind the cluster token).
+    pub fn from_args(
+        scheduler: Option<&str>,
+        etcd: Option<&str>,
+        auth: crate::ClusterAuth,
+    ) -> Result<Self> {
         match (etcd, scheduler) {
             (Some(e), _) if !e.trim().is_empty() => Ok(Self::Etcd(etcd_endpoints(e)?)),
-            (_, Some(s)) if !s.is_empty() => Ok(Self::Static(normalize_url(s))),
+            (_, Some(s)) if !s.is_empty() => Ok(Self::Static(normalize_url(s), auth)),
             _ => Err(SchedError::Config(
                 "a worker needs --scheduler URL or --etcd URL to register".into(),
             )),
@@ -285,8 +290,8 @@ pub fn spawn_registrar(
         let beat = (ttl / 3).max(Duration::from_millis(100));
         loop {
             let r = match &disc {
-                Discovery::Static(url) => {
-                    register_static(url, ttl, beat, &info, &mut rx, &nudge).await
+                Discovery::Static(url, auth) => {
+                    register_static(url, auth, ttl, beat, &info, &mut rx, &nudge).await
                 }
                 Discovery::Etcd(eps) => register_etcd(eps, ttl, beat, &info, &mut rx, &nudge).await,
             };
@@ -350,6 +355,7 @@ async fn pause(
 /// Heartbeats until asked to leave (then deregisters: Ok) or the scheduler fails (Err).
 async fn register_static(
     url: &str,
+    auth: &crate::ClusterAuth,
     ttl: Duration,
     beat: Duration,
     info: &Arc<dyn Fn() -> WorkerInfo + Send + Sync>,
@@ -366,7 +372,7 @@ async fn register_static(
         .connect()
         .await
         .map_err(|e| SchedError::Discovery(format!("scheduler {url}: {e}")))?;
-    let mut c = SchedulerClient::new(ch);
+    let mut c = SchedulerClient::new(auth.channel(ch));
     loop {
         let mut i = info();
         if *stop.borrow() {
@@ -497,14 +503,14 @@ pub async fn deregister(disc: &Discovery, id: &str, address: &str) -> Result<()>
     let limit = Duration::from_secs(2);
     let work = async {
         match disc {
-            Discovery::Static(url) => {
+            Discovery::Static(url, auth) => {
                 let ch = tonic::transport::Endpoint::from_shared(url.to_string())
                     .map_err(|e| SchedError::Discovery(format!("scheduler {url}: {e}")))?
                     .connect_timeout(limit)
                     .connect()
                     .await
                     .map_err(|e| SchedError::Discovery(format!("scheduler {url}: {e}")))?;
-                match SchedulerClient::new(ch)
+                match SchedulerClient::new(auth.channel(ch))
                     .deregister(dspark_proto::WorkerId {
                         id: id.to_string(),
                         address: address.to_string(),
@@ -725,15 +731,15 @@ mod tests {
         );
         assert!(etcd_endpoints(",").is_err());
         assert!(etcd_endpoints(" , ,").is_err());
-        match Discovery::from_args(None, Some("http://a:2379,")).unwrap() {
+        match Discovery::from_args(None, Some("http://a:2379,"), Default::default()).unwrap() {
             Discovery::Etcd(eps) => assert_eq!(eps, ["http://a:2379"]),
             d => panic!("{d:?}"),
         }
-        assert!(Discovery::from_args(Some("http://s:1"), Some(",")).is_err());
+        assert!(Discovery::from_args(Some("http://s:1"), Some(","), Default::default()).is_err());
         // An empty flag is no flag.
         assert!(matches!(
-            Discovery::from_args(Some("http://s:1"), Some("")),
-            Ok(Discovery::Static(_))
+            Discovery::from_args(Some("http://s:1"), Some(""), Default::default()),
+            Ok(Discovery::Static(..))
         ));
     }
 

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+pub mod auth;
 pub mod discovery;
 pub mod placement;
 pub mod planner;
@@ -16,6 +17,8 @@ pub mod sps;
 use clap::Parser;
 use std::net::SocketAddr;
 use std::sync::Arc;
+
+pub use auth::{AuthChannel, ClusterAuth, ClusterGate};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SchedError {
@@ -58,6 +61,11 @@ pub struct SchedulerArgs {
     /// placements by outcome, budgets) on this address; off when unset.
     #[arg(long, env = "DSPARK_SCHEDULER_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Shared cluster token: gRPC calls without `authorization: Bearer TOKEN` are refused
+    /// (at least 16 bytes of visible ASCII; off when unset). `dspark up` and the Helm chart set
+    /// it.
+    #[arg(long, env = "DSPARK_CLUSTER_TOKEN", hide_env_values = true)]
+    pub cluster_token: Option<String>,
     /// Exit when stdin closes (set by `dspark up`).
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
@@ -74,6 +82,7 @@ pub async fn serve(
             args.prefix_affinity_slack
         )));
     }
+    let token = auth::cluster_token(args.cluster_token.as_deref()).map_err(SchedError::Config)?;
     let etcd = args
         .etcd
         .as_deref()
@@ -103,7 +112,7 @@ pub async fn serve(
         tokio::spawn(prom::serve(l, Arc::new(move || s.render_metrics())));
     }
     println!("scheduler listening on {addr}");
-    grpc_server()
+    grpc_server(token)
         .add_service(
             dspark_proto::scheduler_server::SchedulerServer::new(svc)
                 .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES),
@@ -119,12 +128,19 @@ pub async fn serve(
 /// A gRPC server builder with keepalives: a peer that vanished without closing its connection
 /// (a node lost, a partition) is noticed within about half a minute, so its streams end and
 /// what the server holds for them is freed, instead of waiting forever on a dead socket.
-pub fn grpc_server() -> tonic::transport::Server {
+/// With a `token` ([`auth::cluster_token`]) every call must carry `authorization: Bearer TOKEN`
+/// ([`ClusterGate`]); without one nothing is checked.
+pub fn grpc_server(token: Option<Arc<str>>) -> GrpcServer {
     tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(20)))
         .tcp_keepalive(Some(std::time::Duration::from_secs(30)))
+        .layer(auth::GateLayer::new(ClusterGate::new(token)))
 }
+
+/// What [`grpc_server`] builds: a server with the cluster token's gate in front.
+pub type GrpcServer =
+    tonic::transport::Server<tower_layer::Stack<auth::GateLayer, tower_layer::Identity>>;
 
 /// Resolves on Ctrl-C, SIGTERM, or (with `stdin_eof`) when the parent closes our stdin. Once it
 /// fired, the process exits on its own after a short grace period even if long-lived streams

@@ -20,7 +20,7 @@ async fn scheduler() -> (String, SchedulerService) {
     let addr = listener.local_addr().expect("addr");
     let svc = SchedulerService::default();
     tokio::spawn(
-        dspark_scheduler::grpc_server()
+        dspark_scheduler::grpc_server(None)
             .add_service(SchedulerServer::new(svc.clone()))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
@@ -76,7 +76,7 @@ async fn leaving_takes_a_worker_out_at_once_and_a_dropped_handle_keeps_its_pace(
     let ttl = Duration::from_secs(30);
     let beats = Arc::new(AtomicUsize::new(0));
     let r = spawn_registrar(
-        Discovery::Static(url.clone()),
+        Discovery::Static(url.clone(), Default::default()),
         ttl,
         worker("w1", beats.clone()),
         Nudge::default(),
@@ -120,7 +120,7 @@ async fn leaving_takes_a_worker_out_at_once_and_a_dropped_handle_keeps_its_pace(
     let beats = Arc::new(AtomicUsize::new(0));
     let ttl = Duration::from_millis(600);
     drop(spawn_registrar(
-        Discovery::Static(url.clone()),
+        Discovery::Static(url.clone(), Default::default()),
         ttl,
         worker("w2", beats.clone()),
         Nudge::default(),
@@ -156,7 +156,7 @@ async fn a_nudge_reports_room_before_the_next_heartbeat() {
     };
     let nudge = Nudge::default();
     let _r = spawn_registrar(
-        Discovery::Static(url.clone()),
+        Discovery::Static(url.clone(), Default::default()),
         Duration::from_secs(30),
         info,
         nudge.clone(),
@@ -347,7 +347,7 @@ async fn heartbeats_follow_the_granted_ttl() {
         .expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     tokio::spawn(
-        dspark_scheduler::grpc_server()
+        dspark_scheduler::grpc_server(None)
             .add_service(SchedulerServer::new(Granting(
                 SchedulerService::default(),
                 600,
@@ -357,7 +357,7 @@ async fn heartbeats_follow_the_granted_ttl() {
     let beats = Arc::new(AtomicUsize::new(0));
     // Asks for 30 s: its own beat is 10 s away.
     let _r = spawn_registrar(
-        Discovery::Static(url.clone()),
+        Discovery::Static(url.clone(), Default::default()),
         Duration::from_secs(30),
         worker("w", beats.clone()),
         Nudge::default(),

@@ -170,6 +170,11 @@ pub struct TargetArgs {
     /// running on another worker). Keep it below Kubernetes' terminationGracePeriodSeconds.
     #[arg(long, env = "DSPARK_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// Shared cluster token: gRPC calls without `authorization: Bearer TOKEN` are refused, and
+    /// calls to the scheduler and draft workers carry it (at least 16 bytes of visible ASCII;
+    /// off when unset). `dspark up` and the Helm chart set it.
+    #[arg(long, env = "DSPARK_CLUSTER_TOKEN", hide_env_values = true)]
+    pub cluster_token: Option<String>,
     #[arg(long, hide = true)]
     pub exit_on_stdin_eof: bool,
 }
@@ -224,14 +229,23 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     }
     specdec::recal::RecalConfig::with_half_life(args.calibration_half_life)
         .map_err(|e| TargetError::Config(format!("--calibration-half-life: {e}")))?;
+    // An empty value (`DSPARK_DRAFT_WORKER=` in a compose file) is none; a URL is dialed
+    // as its host:port.
     if let Some(d) = &args.draft_worker
-        && !dspark_scheduler::discovery::is_dialable(d)
+        && !d.is_empty()
+        && !dspark_scheduler::discovery::is_dialable(
+            d.strip_prefix("http://").unwrap_or(d).trim_end_matches('/'),
+        )
     {
         return Err(TargetError::Config(format!(
             "--draft-worker `{d}` is not host:port"
         )));
     }
     sps::check_grid(&args.sps_grid, &args.sps_ctx).map_err(TargetError::Config)?;
+    let token = dspark_scheduler::auth::cluster_token(args.cluster_token.as_deref())
+        .map_err(TargetError::Config)?;
+    let auth = dspark_scheduler::ClusterAuth::new(args.cluster_token.as_deref())
+        .map_err(TargetError::Config)?;
     let ttl_ms = dspark_scheduler::discovery::check_ttl_ms(args.ttl_ms, args.etcd.is_some())
         .map_err(TargetError::Config)?;
     let fallback_kind = specdec::ProposerKind::parse(&args.fallback, None)?;
@@ -253,6 +267,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     let disc = dspark_scheduler::discovery::Discovery::from_args(
         args.scheduler.as_deref(),
         args.etcd.as_deref(),
+        auth.clone(),
     )
     .ok();
     // Refuse an address peers cannot dial before spending minutes loading the model.
@@ -440,7 +455,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         .map(|h| (Arc::clone(&h.central), Arc::clone(&h.local)));
     if let Some(h) = handles {
         if let Some(url) = args.scheduler.clone() {
-            spawn_budget_client(url, id.clone(), h.reports, h.budget);
+            spawn_budget_client(url, auth.clone(), id.clone(), h.reports, h.budget);
         }
     }
     let registrar = disc.map(|disc| {
@@ -501,7 +516,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         next_id: AtomicU64::new(0),
         vocab,
         max_ctx,
-        default_draft: args.draft_worker.clone(),
+        default_draft: args.draft_worker.clone().filter(|d| !d.is_empty()),
         max_requests: args.max_running.saturating_add(args.max_queued),
         formats: Default::default(),
         local_drafting: local,
@@ -509,7 +524,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
         streams,
     };
     println!("target worker {id} ({}) listening on {addr}", args.model);
-    dspark_scheduler::grpc_server()
+    dspark_scheduler::grpc_server(token)
         .add_service(
             dspark_proto::target_worker_server::TargetWorkerServer::new(svc)
                 .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES)
@@ -600,6 +615,8 @@ fn build_engine(
                         model: a.model.clone(),
                         vocab_hash: vocab_hash.clone(),
                         n_layers: target.model.cfg.n_layers,
+                        auth: dspark_scheduler::ClusterAuth::new(a.cluster_token.as_deref())
+                            .map_err(TargetError::Config)?,
                     },
                     fallback,
                     Duration::from_millis(a.draft_timeout_ms),
@@ -675,6 +692,7 @@ fn build_engine(
 /// late or missing answer just leaves it on its local (lagged) budget.
 fn spawn_budget_client(
     url: String,
+    auth: dspark_scheduler::ClusterAuth,
     worker: String,
     mut reports: tokio::sync::mpsc::Receiver<dspark_scheduler::admission::ConfReport>,
     slot: Arc<std::sync::Mutex<dspark_scheduler::admission::ExternalBudget>>,
@@ -688,7 +706,7 @@ fn spawn_budget_client(
             .connect_timeout(Duration::from_millis(300))
             .tcp_nodelay(true)
             .connect_lazy();
-        let mut client = dspark_proto::scheduler_client::SchedulerClient::new(ch);
+        let mut client = dspark_proto::scheduler_client::SchedulerClient::new(auth.channel(ch));
         while let Some(mut r) = reports.recv().await {
             // Reports queued while the last call was out are stale: only the newest can
             // still get a budget in time.

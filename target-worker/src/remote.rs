@@ -141,6 +141,8 @@ pub struct Hello {
     pub vocab_hash: String,
     /// The target's layers: a draft worker asking for the hidden states of others is refused.
     pub n_layers: usize,
+    /// The cluster token every call to a draft worker carries.
+    pub auth: dspark_scheduler::ClusterAuth,
 }
 
 /// Most target layers a drafter may condition on (DSpark's drafters take three).
@@ -250,7 +252,7 @@ async fn run_link(
         .connect()
         .await
         .map_err(|e| e.to_string())?;
-    let mut client = DraftWorkerClient::new(ch)
+    let mut client = DraftWorkerClient::new(hello.auth.channel(ch))
         .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(dspark_proto::MAX_MESSAGE_BYTES);
     let info = client
@@ -343,6 +345,8 @@ struct ReqSync {
     /// The length of the kept rows (0: none kept yet): the captured layers times the model
     /// width when they were observed.
     feat_width: usize,
+    /// The target layers the kept rows hold (two drafters may read as many layers, others).
+    feat_layers: Vec<usize>,
     feats_acked: usize,
     /// Rounds in a row whose answer for this request was a refusal (the draft worker held
     /// everything the round synced from, and still took none of it) or a block unusable here.
@@ -372,6 +376,7 @@ impl ReqSync {
             feats: Vec::new(),
             feat_base,
             feat_width: 0,
+            feat_layers: Vec::new(),
             feats_acked: 0,
             refusals: 0,
             skip_until: 0,
@@ -405,15 +410,17 @@ impl ReqSync {
         }
     }
 
-    /// Keeps rows of `rl` floats from now on. Rows of another width (captured before the
-    /// feature layers changed: a rolling update between drafters reading other layers) are
-    /// dropped, never mixed with the new ones, and what the draft worker acknowledged of
-    /// features is forgotten: the rows kept from now on go from the first.
-    fn set_width(&mut self, rl: usize) {
-        if self.feat_width != rl {
+    /// Keeps rows of `layers` (`rl` floats each) from now on. Rows of other layers (captured
+    /// before the feature layers changed: a rolling update between drafters reading other
+    /// layers, of another count or as many) are dropped, never mixed with the new ones, and
+    /// what the draft worker acknowledged of features is forgotten: the rows kept from now on
+    /// go from the first.
+    fn set_layers(&mut self, layers: &[usize], rl: usize) {
+        if self.feat_width != rl || self.feat_layers != layers {
             self.feats.clear();
             self.feats_acked = 0;
             self.feat_width = rl;
+            self.feat_layers = layers.to_vec();
         }
     }
 
@@ -868,7 +875,7 @@ impl RemoteProposer {
     ) -> Option<Round> {
         self.step += 1;
         let step = self.step;
-        let rl = self.layers().len() * self.d_model;
+        let layers = self.layers();
         let generation = self
             .links
             .get(addr)?
@@ -880,7 +887,7 @@ impl RemoteProposer {
         let mut verdicts = HashMap::new();
         for &i in idx {
             let r = &mut reqs[i];
-            let (item, feat_end, acked) = self.build_item(addr, generation, rl, r);
+            let (item, feat_end, acked) = self.build_item(addr, generation, &layers, r);
             let bytes = item.encoded_len() as u64;
             if let Ok(mut m) = self.shared.stats.lock() {
                 m.entry(r.id).or_default().bytes_to_draft += bytes;
@@ -959,9 +966,10 @@ impl RemoteProposer {
         &mut self,
         addr: &str,
         generation: u64,
-        rl: usize,
+        layers: &[usize],
         r: &mut ProposeReq<'_>,
     ) -> (DraftItem, usize, usize) {
+        let rl = layers.len() * self.d_model;
         let rs = self
             .reqs
             .entry(r.id)
@@ -975,9 +983,9 @@ impl RemoteProposer {
         }
         let acked = rs.tokens_acked.min(r.context.len());
         if rl > 0 {
-            // Rows kept at another width (the layers changed since they were observed) are
-            // not sent as rows of this one.
-            rs.set_width(rl);
+            // Rows kept of other layers (they changed since the rows were observed) are not
+            // sent as rows of these.
+            rs.set_layers(layers, rl);
         }
         let feat_end = if rl > 0 {
             rs.feat_base + rs.feats.len() / rl
@@ -986,7 +994,7 @@ impl RemoteProposer {
         };
         let features = if rl > 0 && !rs.feats.is_empty() {
             let from = rs.feats_acked.max(rs.feat_base);
-            // All of width `rl` (`set_width`).
+            // All of width `rl` (`set_layers`).
             let rows = rs.feats.get((from - rs.feat_base) * rl..).unwrap_or(&[]);
             (!rows.is_empty()).then(|| {
                 (
@@ -1199,7 +1207,8 @@ impl Proposer for RemoteProposer {
     }
 
     fn observe(&mut self, id: u64, start: usize, rows: &[f32]) -> Result<()> {
-        let rl = self.layers().len() * self.d_model;
+        let layers = self.layers();
+        let rl = layers.len() * self.d_model;
         if rl == 0 || rows.len() % rl != 0 {
             return Ok(());
         }
@@ -1208,8 +1217,8 @@ impl Proposer for RemoteProposer {
             .reqs
             .entry(id)
             .or_insert_with(|| ReqSync::new(link, 0, start));
-        // Rows of another width are dropped, never truncated or extended at this one.
-        r.set_width(rl);
+        // Rows of other layers are dropped, never truncated or extended at these.
+        r.set_layers(&layers, rl);
         if start < r.feat_base {
             r.feats.clear();
             r.feat_base = start;
@@ -1640,6 +1649,7 @@ mod tests {
             model: "m".into(),
             vocab_hash: "h".into(),
             n_layers: 4,
+            auth: Default::default(),
         };
         RemoteProposer::new(
             rt.handle().clone(),
@@ -2089,7 +2099,7 @@ mod tests {
             params: &greedy,
             rng,
         };
-        p.build_item("a", generation, 0, &mut r)
+        p.build_item("a", generation, &[], &mut r)
     }
 
     /// The draft worker learns, with the request's next item, how many drafts of its previous
@@ -2111,7 +2121,7 @@ mod tests {
             params: &greedy,
             rng: &mut rng,
         };
-        let (item, _, acked) = p.build_item("a", 0, 0, &mut r);
+        let (item, _, acked) = p.build_item("a", 0, &[], &mut r);
         assert_eq!(acked, 0);
         assert_eq!((item.verified_at, item.verified), (0, None));
         // Its block lands (drafted at context length 4) and the policy verifies 1 of its 2.
@@ -2142,7 +2152,7 @@ mod tests {
             params: &greedy,
             rng: &mut rng,
         };
-        let (item, _, acked) = p.build_item("a", 0, 0, &mut r);
+        let (item, _, acked) = p.build_item("a", 0, &[], &mut r);
         assert_eq!(acked, 4, "the round acknowledged the context");
         assert_eq!((item.verified_at, item.verified), (4, Some(1)));
         // The draft worker answers that item need_sync (it refused the request): the verdict
@@ -2514,7 +2524,7 @@ mod tests {
             params: &greedy,
             rng: &mut rng,
         };
-        let (item, feat_end, _) = p.build_item(a, 0, 4, &mut r);
+        let (item, feat_end, _) = p.build_item(a, 0, &[1], &mut r);
         let f = item.features.as_ref().expect("the row kept");
         assert_eq!(
             (item.feat_from, f.shape.clone(), feat_end),
@@ -2525,10 +2535,18 @@ mod tests {
         p.observe(2, 0, &[0.5; 3 * 4]).expect("observe");
         set_layers(&p, vec![0, 1]);
         let mut r = ProposeReq { id: 2, ..r };
-        let (item, feat_end, _) = p.build_item(a, 0, 8, &mut r);
+        let (item, feat_end, _) = p.build_item(a, 0, &[0, 1], &mut r);
         assert!(item.features.is_none(), "{:?}", item.features);
         assert_eq!((feat_end, p.reqs[&2].feats_acked), (0, 0));
         assert!(p.reqs[&2].feats.is_empty());
+        // Request 1 again, its rows of layer 1 acknowledged: a drafter reading layer 0 (as
+        // many floats a row) is not sent them either.
+        p.reqs.get_mut(&1).expect("request 1").feats_acked = 5;
+        set_layers(&p, vec![0]);
+        p.observe(1, 5, &[0.75; 4]).expect("observe");
+        let rs = &p.reqs[&1];
+        assert_eq!(rs.feats, vec![0.75; 4], "no row of the other layer kept");
+        assert_eq!((rs.feat_base, rs.feats_acked), (5, 0));
     }
 
     /// A reply of an earlier stream than the request's now (sent before a reconnect or a

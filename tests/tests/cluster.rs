@@ -2793,6 +2793,161 @@ async fn spans_reach_an_otlp_collector_under_the_callers_trace() {
     assert!(linked >= 1, "no cycle links to {generate:?}");
 }
 
+/// `msg` with `authorization: Bearer TOKEN` when a token is given.
+fn bearer<T>(token: Option<&str>, msg: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    if let Some(t) = token {
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {t}").parse().unwrap());
+    }
+    r
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_token_admits_its_members_and_refuses_everyone_else() {
+    let _s = serial();
+    const TOKEN: &str = "s3cr3t-cluster-token-0123456789";
+    let env = [("DSPARK_CLUSTER_TOKEN", TOKEN)];
+    let scheduler = spawn_env("scheduler", &["scheduler", "--listen", "127.0.0.1:0"], &env);
+    let sched = format!("http://{}", scheduler.addr);
+    let _draft = spawn_env(
+        "draft",
+        &[
+            "draft-worker",
+            "--target",
+            "smollm2-135m",
+            "--drafter",
+            "ngram",
+            "--scheduler",
+            &sched,
+            "--threads",
+            "1",
+        ],
+        &env,
+    );
+    let target = spawn_env(
+        "target",
+        &[
+            "target-worker",
+            "--model",
+            "smollm2-135m",
+            "--scheduler",
+            &sched,
+            "--threads",
+            "1",
+        ],
+        &env,
+    );
+    let router = spawn_env(
+        "router",
+        &["router", "--listen", "127.0.0.1:0", "--scheduler", &sched],
+        &env,
+    );
+    let url = format!("http://{}", router.addr);
+    // Registration (workers → scheduler) and placement (router → scheduler) carry the token.
+    wait_for("cluster", Duration::from_secs(120), || ready(&url, 1, 1)).await;
+    // Router → target worker, and target worker → draft worker: speculation goes remote.
+    let prompt = PROMPTS[0];
+    let mut remote = 0;
+    for _ in 0..40 {
+        let v = complete(&url, prompt, 24).await;
+        assert_eq!(ids_of(&v), greedy(prompt, 24).0, "{v}");
+        remote = v["usage"]["dspark"]["remote_draft_cycles"]
+            .as_u64()
+            .unwrap_or(0);
+        if remote > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(
+        remote > 0,
+        "the target worker drafts through the draft worker"
+    );
+
+    let unauth = |r: Result<(), tonic::Status>, what: &str| match r {
+        Err(s) if s.code() == tonic::Code::Unauthenticated => {
+            assert!(
+                s.message().contains("DSPARK_CLUSTER_TOKEN"),
+                "{what}: {s:?}"
+            );
+        }
+        other => panic!("{what}: {other:?}, not Unauthenticated"),
+    };
+    let intruder = dspark_proto::WorkerInfo {
+        id: "intruder".into(),
+        role: "draft".into(),
+        address: "127.0.0.1:1".into(),
+        model: "smollm2-135m".into(),
+        capacity: 4,
+        ..Default::default()
+    };
+    let mut sc = dspark_proto::scheduler_client::SchedulerClient::connect(sched.clone())
+        .await
+        .expect("scheduler");
+    let mut tc = TargetWorkerClient::connect(format!("http://{}", target.addr))
+        .await
+        .expect("target worker");
+    let job = || GenerateRequest {
+        prompt: reference().1.encode(prompt).expect("tokens"),
+        max_tokens: 2,
+        ..Default::default()
+    };
+    for (token, what) in [
+        (None, "without a token"),
+        (
+            Some("s3cr3t-cluster-token-0123456780"),
+            "with a wrong token",
+        ),
+        (Some(""), "with an empty bearer"),
+    ] {
+        let r = sc.register(bearer(token, intruder.clone())).await;
+        unauth(r.map(|_| ()), &format!("Register {what}"));
+        let r = sc
+            .deregister(bearer(
+                token,
+                dspark_proto::WorkerId {
+                    id: "target-0".into(),
+                    address: target.addr.clone(),
+                },
+            ))
+            .await;
+        unauth(r.map(|_| ()), &format!("Deregister {what}"));
+        let r = tc.generate(bearer(token, job())).await;
+        unauth(r.map(|_| ()), &format!("Generate {what}"));
+    }
+    // The cluster is as it was: one target, one draft worker, still serving.
+    assert!(ready(&url, 1, 1).await);
+    let v = complete(&url, prompt, 4).await;
+    assert_eq!(ids_of(&v), greedy(prompt, 4).0, "{v}");
+
+    // With the token the same calls are taken.
+    sc.register(bearer(Some(TOKEN), intruder.clone()))
+        .await
+        .expect("Register with the token");
+    sc.deregister(bearer(
+        Some(TOKEN),
+        dspark_proto::WorkerId {
+            id: intruder.id.clone(),
+            address: intruder.address.clone(),
+        },
+    ))
+    .await
+    .expect("Deregister with the token");
+    let mut stream = tc
+        .generate(bearer(Some(TOKEN), job()))
+        .await
+        .expect("Generate with the token")
+        .into_inner();
+    let mut tokens = 0;
+    while let Some(m) = stream.message().await.expect("stream") {
+        if let Some(dspark_proto::generate_event::Kind::Tokens(t)) = m.kind {
+            tokens += t.ids.len();
+        }
+    }
+    assert!(tokens >= 1, "the target worker generated for its member");
+}
+
 /// Greedy decoding in this process with the target split three ways (ranks 1 and 2 on threads
 /// here, over loopback TCP): the exact computation a tensor-parallel target worker makes.
 fn greedy_tp3(prompt: &str, max_tokens: usize) -> Vec<u32> {

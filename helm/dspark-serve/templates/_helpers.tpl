@@ -53,6 +53,23 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- end -}}
 
+{{/* The Secret holding the shared cluster token: the user's, or the one the chart keeps. */}}
+{{- define "dspark.clusterTokenSecret" -}}
+{{- .Values.clusterToken.existingSecret | default (include "dspark.name" (dict "root" . "component" "cluster-token")) -}}
+{{- end -}}
+
+{{/* The shared cluster token, for the containers that serve or call gRPC (the scheduler, the
+workers, the router); not the init containers or tensor-parallel ranks, which take none. */}}
+{{- define "dspark.clusterTokenEnv" -}}
+{{- if .Values.clusterToken.enabled }}
+- name: DSPARK_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "dspark.clusterTokenSecret" . }}
+      key: {{ .Values.clusterToken.key }}
+{{- end }}
+{{- end -}}
+
 {{/* Downward API: workers publish their pod IP and register under their pod name. */}}
 {{- define "dspark.workerEnv" -}}
 - name: POD_IP
