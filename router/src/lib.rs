@@ -584,7 +584,8 @@ fn auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    if got.is_some_and(|g| same_key(g.as_bytes(), key.as_bytes())) {
+    // Compared in constant time (as the cluster token): timing the answers gives no prefix away.
+    if got.is_some_and(|g| dspark_scheduler::auth::same_token(g.as_bytes(), key.as_bytes())) {
         Ok(())
     } else {
         let mut e = ApiError::new(
@@ -595,17 +596,6 @@ fn auth(app: &App, headers: &HeaderMap) -> Result<(), ApiError> {
         e.code = Some("invalid_api_key");
         Err(e)
     }
-}
-
-/// `a == b` in a time that depends on their lengths only, not on where they first differ: a
-/// client timing answers cannot find the key a byte at a time. (A length mismatch answers at
-/// once; the length alone does not give the key away.)
-fn same_key(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    std::hint::black_box(diff) == 0
 }
 
 fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
@@ -2559,7 +2549,7 @@ where
 mod tests {
     use super::{
         MAX_BODY, call_finish, check_answer_size, check_token_limits, combine, json_errors,
-        render_kept_apart, same_key, splice_texts, tokens_per_forward, whole_before_break,
+        render_kept_apart, splice_texts, tokens_per_forward, whole_before_break,
     };
     use dspark_proto::SpecStats;
     use std::time::{Duration, Instant};
@@ -2750,16 +2740,6 @@ mod tests {
         assert!(check_answer_size([1000; 16].into_iter(), &settings(one)).is_ok());
         let plain = serde_json::json!({"n": 16, "max_tokens": 4096});
         assert!(check_answer_size([10; 16].into_iter(), &settings(plain)).is_ok());
-    }
-
-    #[test]
-    fn keys_compare_whole() {
-        assert!(same_key(b"sekrit", b"sekrit"));
-        assert!(!same_key(b"sekrit", b"sekriT"));
-        assert!(!same_key(b"Sekrit", b"sekrit"));
-        assert!(!same_key(b"sekri", b"sekrit"));
-        assert!(!same_key(b"", b"sekrit"));
-        assert!(same_key(b"", b""));
     }
 
     /// A stream that breaks after the chunk that said "stop" ends the answer there; one that
