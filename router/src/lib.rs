@@ -121,6 +121,13 @@ pub struct RouterArgs {
           default_value_t = CLIENT_BODY_TIMEOUT_MS,
           value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     pub client_body_timeout_ms: u64,
+    /// Milliseconds a connection may take to send a request's headers (counted from the
+    /// first wait for them, so an idle kept-alive connection is closed after as long) before
+    /// it is closed. Only tests set it shorter; 1..=3600000.
+    #[arg(long, hide = true, env = "DSPARK_CLIENT_HEADER_TIMEOUT_MS",
+          default_value_t = CLIENT_HEADER_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    pub client_header_timeout_ms: u64,
     /// Shared cluster token: calls to the scheduler and target workers carry
     /// `authorization: Bearer TOKEN` (at least 16 bytes of visible ASCII; none when unset).
     /// Not the API key clients send: set it as the scheduler's and workers'.
@@ -140,6 +147,11 @@ const CLIENT_WRITE_TIMEOUT_MS: u64 = 30_000;
 /// most of a body (up to `MAX_BODY`) and stall, holding that memory and its connection for as
 /// long as it likes. Only the body is timed: a response (a stream) may run for minutes.
 const CLIENT_BODY_TIMEOUT_MS: u64 = 30_000;
+
+/// How long a connection may take to send a request's headers. Without a limit a client could
+/// open connections and trickle header bytes (or send none) for as long as it likes, each one
+/// a task and a socket; axum's own `serve` sets no timer, so hyper's header deadline never ran.
+const CLIENT_HEADER_TIMEOUT_MS: u64 = 30_000;
 
 pub struct App {
     pub tok: Arc<Tokenizer>,
@@ -467,10 +479,64 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
             tracing::info!("draining: {n} requests in flight");
         }
     };
-    axum::serve(listener, app(state))
-        .with_graceful_shutdown(stop)
-        .await?;
+    let headers = Duration::from_millis(args.client_header_timeout_ms);
+    serve_http(listener, app(state), headers, stop).await;
     Ok(())
+}
+
+/// Serves `app` on `listener` over HTTP/1.1 (as vLLM's uvicorn; OpenAI clients speak it)
+/// until `stop` completes, then stops accepting and waits for open connections to finish what
+/// they serve. Unlike `axum::serve` it gives hyper a timer, so a connection that does not send
+/// a request's headers within `header_timeout` is closed. (HTTP/2 is not offered: hyper's
+/// HTTP/2 has no header deadline, and its protocol sniffing waits for first bytes untimed.)
+pub async fn serve_http(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    header_timeout: Duration,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut stop => break,
+        };
+        let (socket, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                continue;
+            }
+            Err(e) => {
+                // Out of descriptors and the like: wait instead of spinning (as axum does).
+                tracing::warn!("accepting a connection failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if let Err(e) = socket.set_nodelay(true) {
+            tracing::debug!("no TCP_NODELAY for {peer}: {e}");
+        }
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = graceful.watch(builder.serve_connection(TokioIo::new(socket), service));
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("connection from {peer} ended: {e}");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
 }
 
 async fn not_found() -> ApiError {

@@ -337,12 +337,75 @@ async fn errors_clip_what_they_echo_and_the_key_is_checked() {
 
 /// `app` served on a loopback port (a real connection, as a client that stalls would hold).
 async fn listen(app: axum::Router) -> std::net::SocketAddr {
+    listen_with(app, std::time::Duration::from_secs(30)).await
+}
+
+/// The router's own HTTP server (`router::serve_http`) with a header deadline.
+async fn listen_with(app: axum::Router, headers: std::time::Duration) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    tokio::spawn(router::serve_http(
+        listener,
+        app,
+        headers,
+        std::future::pending(),
+    ));
     addr
+}
+
+/// A connection that sends part of a request's headers, or nothing, is closed once the header
+/// deadline passes (a slow-headers client held its socket and task for ever before); one that
+/// sends its request in time is served on the same server.
+#[tokio::test]
+async fn a_connection_that_stalls_in_its_headers_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (good, calls) = fake(Mode::Answers).await;
+    let deadline = std::time::Duration::from_millis(300);
+    let addr = listen_with(router(&[good], &[]).await, deadline).await;
+    for sent in [
+        "",
+        "POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-",
+    ] {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let started = std::time::Instant::now();
+        conn.write_all(sent.as_bytes()).await.expect("write");
+        let mut buf = [0u8; 1024];
+        let read = tokio::time::timeout(std::time::Duration::from_secs(5), conn.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("{sent:?}: the connection is still open after 5 s"));
+        assert!(
+            matches!(read, Ok(0) | Err(_)),
+            "{sent:?}: an answer instead of a close: {read:?}"
+        );
+        assert!(
+            started.elapsed() >= deadline,
+            "{sent:?}: {:?}",
+            started.elapsed()
+        );
+    }
+    // A request sent whole within the deadline is answered over the same server.
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let body = json!({"model": "fake", "prompt": "hello", "max_tokens": 2}).to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.expect("write");
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        conn.read_to_end(&mut answer),
+    )
+    .await
+    .expect("an answer within 10 s")
+    .expect("read");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains("\"hi\""), "{text}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
 /// Sends a completion request's headers saying `Content-Length: 8000000` (under the body
