@@ -36,7 +36,15 @@ pub struct Cluster {
     /// they missed since. The list names addresses, not live workers; readiness counts those
     /// that answered and missed fewer than [`STATIC_MISSES`] in a row.
     answering: Mutex<HashMap<String, u32>>,
+    /// Target addresses that failed to take a request (unreachable, connection broken,
+    /// draining), until when local placement tries them last. A view kept while the scheduler
+    /// is away (or a static list) can name workers that are gone; without this every request
+    /// tried them first, each costing a connect, and enough of them used up its tries.
+    suspect: Mutex<HashMap<String, std::time::Instant>>,
 }
+
+/// How long a target that failed to take a request is tried last by local placement.
+const SUSPECT_FOR: Duration = Duration::from_secs(10);
 
 /// `Info` calls in a row a static target may miss (a slow answer under load) and still count
 /// as ready.
@@ -64,6 +72,7 @@ impl Cluster {
             local_load: Mutex::new(HashMap::new()),
             skip_scheduler_until: Mutex::new(None),
             answering: Mutex::new(HashMap::new()),
+            suspect: Mutex::new(HashMap::new()),
         })
     }
 
@@ -352,10 +361,27 @@ impl Cluster {
         if targets.is_empty() {
             return Err(PlaceError::NoTarget);
         }
+        let now = std::time::Instant::now();
+        let suspect = self
+            .suspect
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, until)| now < **until)
+                    .map(|(a, _)| a.clone())
+                    .collect::<std::collections::HashSet<String>>()
+            })
+            .unwrap_or_default();
         let t = targets
             .iter()
             .filter(|t| failover || load.get(&t.address).copied().unwrap_or(0) < t.capacity.max(1))
-            .min_by_key(|t| (load.get(&t.address).copied().unwrap_or(0), t.id.clone()))
+            .min_by_key(|t| {
+                (
+                    suspect.contains(&t.address),
+                    load.get(&t.address).copied().unwrap_or(0),
+                    t.id.clone(),
+                )
+            })
             .ok_or(PlaceError::Full)?;
         let d = view
             .iter()
@@ -365,6 +391,24 @@ impl Cluster {
             .min_by_key(|w| (w.load, w.id.clone()))
             .cloned();
         Ok(((*t).clone(), d))
+    }
+
+    /// `addr` failed to take a request: local placement tries it last for a while.
+    pub fn suspect(&self, addr: &str) {
+        if let Ok(mut m) = self.suspect.lock() {
+            let now = std::time::Instant::now();
+            m.retain(|_, until| now < *until);
+            m.insert(addr.to_string(), now + SUSPECT_FOR);
+        }
+    }
+
+    /// `addr` took a request: it is no longer tried last.
+    pub fn reachable(&self, addr: &str) {
+        if let Ok(mut m) = self.suspect.lock()
+            && !m.is_empty()
+        {
+            m.remove(addr);
+        }
     }
 
     pub fn track(&self, addr: &str, delta: i32) {
@@ -447,5 +491,35 @@ mod tests {
             .await
             .expect("failover placed");
         assert_eq!(t.id, "x");
+    }
+
+    /// A target that failed to take a request is tried after every other, even less loaded
+    /// and first by id, until it takes one again; it is still placed when it is the only one.
+    #[tokio::test]
+    async fn a_target_that_failed_is_tried_last() {
+        let c = Cluster::new(
+            None,
+            vec![worker("a", ROLE_TARGET, "m"), worker("b", ROLE_TARGET, "m")],
+        );
+        c.track("b:1", 1);
+        assert_eq!(
+            c.place("m", &[], &[1], false).await.expect("placed").0.id,
+            "a"
+        );
+        c.suspect("a:1");
+        assert_eq!(
+            c.place("m", &[], &[1], false).await.expect("placed").0.id,
+            "b"
+        );
+        let b = ["b".to_string()];
+        assert_eq!(
+            c.place("m", &b, &[1], false).await.expect("placed").0.id,
+            "a"
+        );
+        c.reachable("a:1");
+        assert_eq!(
+            c.place("m", &[], &[1], false).await.expect("placed").0.id,
+            "a"
+        );
     }
 }

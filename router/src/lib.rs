@@ -815,8 +815,14 @@ impl futures::Stream for EventStream {
 /// An opened request: its worker, its event stream, and the first event.
 type Opened = (WorkerInfo, EventStream, Option<dspark_proto::GenerateEvent>);
 
-/// Workers tried per opening when they answer `UNAVAILABLE` (draining, stopped, unreachable).
+/// Workers tried per opening when they cannot take the request (draining, stopped,
+/// unreachable, the connection broken before the first event)...
 const MAX_OPEN_TRIES: usize = 4;
+
+/// ...or as many as fail within this time: a refused connection costs a millisecond, and a
+/// view naming several dead workers (kept while the scheduler is away) must not use up a
+/// request's tries on them.
+const OPEN_RETRY_WINDOW: Duration = Duration::from_secs(1);
 
 /// Places the job and opens the target's stream; the first event is awaited so that a refusal
 /// becomes an HTTP error before any response is sent. A worker that cannot take it (draining
@@ -834,6 +840,7 @@ async fn open(
     failover: bool,
 ) -> Result<Opened, ApiError> {
     let mut skip = exclude.to_vec();
+    let started = Instant::now();
     loop {
         let opened = open_once(
             app,
@@ -846,17 +853,22 @@ async fn open(
         );
         match opened.await {
             Err(Unopened::Unavailable(target, s))
-                if skip.len() < exclude.len() + MAX_OPEN_TRIES =>
+                if skip.len() < exclude.len() + MAX_OPEN_TRIES
+                    || started.elapsed() < OPEN_RETRY_WINDOW =>
             {
                 tracing::info!(
                     request_id = job.request_id,
-                    target = target,
+                    target = target.id,
                     "target worker unavailable, placing elsewhere: {}",
                     s.message()
                 );
-                skip.push(target);
+                app.cluster.suspect(&target.address);
+                skip.push(target.id);
             }
-            Err(Unopened::Unavailable(_, s)) => return Err(status_to_api(&s)),
+            Err(Unopened::Unavailable(target, s)) => {
+                app.cluster.suspect(&target.address);
+                return Err(status_to_api(&s));
+            }
             Err(Unopened::Refused(e)) => return Err(e),
             Ok(o) => return Ok(o),
         }
@@ -944,8 +956,9 @@ async fn open_fresh(
 }
 
 enum Unopened {
-    /// The worker (id) answered `UNAVAILABLE`: another may take the request.
-    Unavailable(String, tonic::Status),
+    /// The worker answered `UNAVAILABLE`, or could not be reached, or its connection broke
+    /// before the first event: another may take the request.
+    Unavailable(WorkerInfo, tonic::Status),
     Refused(ApiError),
 }
 
@@ -1042,8 +1055,8 @@ async fn open_once(
     // gives the count back too.
     let tracked = Tracked::new(Arc::clone(&app.cluster), &target.address);
     let failed = |s: tonic::Status| {
-        if s.code() == tonic::Code::Unavailable {
-            Unopened::Unavailable(target.id.clone(), s)
+        if gone_worker(&s) {
+            Unopened::Unavailable(target.clone(), s)
         } else {
             let mut e = status_to_api(&s);
             if s.code() == tonic::Code::Internal {
@@ -1064,7 +1077,25 @@ async fn open_once(
         Some(Err(s)) => return Err(failed(s)),
         None => None,
     };
+    app.cluster.reachable(&target.address);
     Ok((target, stream, first))
+}
+
+/// A status that says the worker could not take the request, not that it refused it: it is
+/// draining or stopped (`UNAVAILABLE`), or the call never reached an answer: a worker killed
+/// or its node lost while the request queued or prefilled breaks the connection, which tonic
+/// reads as `UNKNOWN` (an I/O error, no HTTP/2 code) or `CANCELLED`. The worker itself sends
+/// none of these but `UNAVAILABLE`; each costs a placement elsewhere, not the request.
+fn gone_worker(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable
+            | tonic::Code::Unknown
+            | tonic::Code::Cancelled
+            | tonic::Code::Aborted
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::DataLoss
+    )
 }
 
 /// A request counted on a target worker (local placement's load) until dropped.
@@ -1173,6 +1204,9 @@ async fn drive(
                     _ => "stream ended without finishing".into(),
                 };
                 failed.push(target.id.clone());
+                if !alive {
+                    app.cluster.suspect(&target.address);
+                }
                 tracing::warn!(
                     request_id = job.request_id,
                     target = target.id,

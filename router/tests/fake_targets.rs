@@ -488,6 +488,87 @@ async fn a_request_without_the_key_is_refused_before_its_body_is_read() {
     assert_eq!(calls.load(Ordering::SeqCst), 0);
 }
 
+/// Five listed targets that are gone (their ports refuse) ahead of one that answers: the
+/// request is served by the live one (it used up its four tries on the dead before), and the
+/// next goes there first.
+#[tokio::test]
+async fn dead_targets_listed_first_do_not_cost_the_request() {
+    let mut all: Vec<String> = (0..5)
+        .map(|_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            l.local_addr().expect("addr").to_string()
+        })
+        .collect(); // each listener dropped: its port refuses
+    let (good, calls) = fake(Mode::Answers).await;
+    all.push(good);
+    let app = router(&all, &[]).await;
+    for n in 1..=2 {
+        let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 2})).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["usage"]["dspark"]["target_worker"], "target-5", "{body}");
+        assert_eq!(calls.load(Ordering::SeqCst), n);
+    }
+}
+
+/// A TCP relay to `to` whose connections all close when the returned sender says so: a
+/// worker killed (or its node lost) while requests wait on it, as the router sees it.
+async fn relay(to: String) -> (String, tokio::sync::watch::Sender<bool>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let (cut, cut_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        while let Ok((mut a, _)) = listener.accept().await {
+            let mut cut = cut_rx.clone();
+            let to = to.clone();
+            tokio::spawn(async move {
+                let Ok(mut b) = tokio::net::TcpStream::connect(&to).await else {
+                    return;
+                };
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut a, &mut b) => {}
+                    _ = cut.wait_for(|c| *c) => {}
+                }
+            });
+        }
+    });
+    (addr, cut)
+}
+
+/// A target whose connection breaks while the request waits for its first event (queued or
+/// prefilling there; tonic reads the broken connection as `UNKNOWN`, not `UNAVAILABLE`): the
+/// request is placed on another target and answered, not refused with a 503.
+#[tokio::test]
+async fn a_target_lost_before_the_first_token_costs_a_placement_not_the_answer() {
+    let (silent, silent_calls) = fake(Mode::Hangs).await;
+    let (via, cut) = relay(silent).await;
+    let (good, calls) = fake(Mode::Answers).await;
+    // Listed first and alike in load: placement picks the relayed one (ties go by id).
+    let app = router(&[via, good], &[]).await;
+    let asked =
+        tokio::spawn(async move { post(&app, json!({"prompt": "hello", "max_tokens": 2})).await });
+    for _ in 0..100 {
+        if silent_calls.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        silent_calls.load(Ordering::SeqCst),
+        1,
+        "placed on the relayed target"
+    );
+    cut.send(true).expect("cut");
+    let (status, body) = tokio::time::timeout(std::time::Duration::from_secs(10), asked)
+        .await
+        .expect("answered within 10 s")
+        .expect("joined");
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["choices"][0]["text"], "hi", "{body}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
 /// A body that does not arrive whole within `--client-body-timeout-ms` is answered 408 (a
 /// JSON error) and its connection closed, with the right key and with none configured.
 #[tokio::test]
