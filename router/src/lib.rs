@@ -593,9 +593,14 @@ fn tokenize_body(app: &App, body: &Bytes) -> Result<Value, ApiError> {
         check_model(app, &r.model)?;
     }
     // As the completions and chat endpoints tokenize them.
+    let templating = r.template.checked()?;
+    let tools = r
+        .tools
+        .as_ref()
+        .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()));
     let (text, plain) = match (&r.prompt, &r.messages) {
         (Some(p), None) => (p.clone(), Vec::new()),
-        (None, Some(_)) => render_chat(app, &r.messages, None)?,
+        (None, Some(_)) => render_chat(app, &r.messages, tools, &templating)?,
         _ => {
             return Err(ApiError::bad(
                 "give either `prompt` or `messages`",
@@ -603,11 +608,13 @@ fn tokenize_body(app: &App, body: &Bytes) -> Result<Value, ApiError> {
             ));
         }
     };
+    let special = r.add_special_tokens.unwrap_or(r.prompt.is_some());
     let ids = if r.prompt.is_some() {
-        app.tok.encode_prompt(&text)
+        app.tok.encode(&text)
     } else {
         app.tok.encode_with_plain(&text, &plain)
     }
+    .map(|ids| with_special(app, ids, special))
     .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("prompt")))?;
     let max_len = app.cluster.context_for(&app.model);
     Ok(json!({"count": ids.len(), "max_model_len": max_len, "tokens": ids}))
@@ -1421,11 +1428,15 @@ fn completion_request(
             Some("prompt"),
         ));
     }
+    let special = r.common.add_special_tokens.unwrap_or(true);
     let (prompts, texts): (Vec<Vec<u32>>, Vec<Option<String>>) = match r.prompt {
         None => return Err(ApiError::bad("`prompt` is required", Some("prompt"))),
-        Some(Prompt::Text(s)) => (vec![encode(app, &s)?], vec![Some(s)]),
+        Some(Prompt::Text(s)) => (vec![encode(app, &s, special)?], vec![Some(s)]),
         Some(Prompt::Texts(v)) => {
-            let ids = v.iter().map(|s| encode(app, s)).collect::<Result<_, _>>()?;
+            let ids = v
+                .iter()
+                .map(|s| encode(app, s, special))
+                .collect::<Result<_, _>>()?;
             (ids, v.into_iter().map(Some).collect())
         }
         Some(Prompt::Tokens(t)) => (vec![t], vec![None]),
@@ -1458,10 +1469,12 @@ fn chat_request(app: &App, body: &Bytes) -> Result<(Vec<u32>, GenSettings), ApiE
         openai::ToolMode::None => None,
         _ => r.tools.as_ref(),
     };
-    let (text, plain) = render_chat(app, &r.messages, tools)?;
+    let templating = r.template.checked()?;
+    let (text, plain) = render_chat(app, &r.messages, tools, &templating)?;
     let prompt = app
         .tok
         .encode_with_plain(&text, &plain)
+        .map(|ids| with_special(app, ids, r.common.add_special_tokens.unwrap_or(false)))
         .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("messages")))?;
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty", Some("messages")));
@@ -1521,6 +1534,7 @@ fn render_chat(
     app: &App,
     messages: &Option<Vec<openai::ChatMessage>>,
     tools: Option<&Value>,
+    templating: &openai::Templating,
 ) -> Result<(String, Vec<std::ops::Range<usize>>), ApiError> {
     let msgs = match messages {
         Some(m) if !m.is_empty() => m,
@@ -1622,8 +1636,32 @@ fn render_chat(
             ));
         }
     }
-    render_kept_apart(tpl, conv, tools, |t| app.tok.special_in(t).is_some())
-        .map_err(|e| ApiError::bad(e, Some("messages")))
+    let last = conv.last().map(|m| m.content.clone()).unwrap_or_default();
+    let (mut text, mut spans) = render_kept_apart(tpl, conv, tools, templating, |t| {
+        app.tok.special_in(t).is_some()
+    })
+    .map_err(|e| ApiError::bad(e, Some("messages")))?;
+    if templating.continue_final_message {
+        // As Hugging Face's `continue_final_message`: the prompt ends where the last message's
+        // text (or, for a template that trims it, its trimmed text) last appears.
+        let end = [last.as_str(), last.trim()]
+            .into_iter()
+            .find_map(|t| text.rfind(t).map(|i| i + t.len()))
+            .filter(|_| !last.trim().is_empty())
+            .ok_or_else(|| {
+                ApiError::bad(
+                    "continue_final_message: the last message's text does not appear in the \
+                     rendered chat (an empty message, or a template that rewrites it)",
+                    Some("continue_final_message"),
+                )
+            })?;
+        text.truncate(end);
+        spans.retain(|r| r.start < end);
+        for r in &mut spans {
+            r.end = r.end.min(end);
+        }
+    }
+    Ok((text, spans))
 }
 
 /// The prompt, with the byte ranges of messages that hold a control-token string
@@ -1635,6 +1673,7 @@ fn render_kept_apart(
     tpl: &dspark_runtime::chat::ChatTemplate,
     mut conv: Vec<Message>,
     tools: Option<&Value>,
+    templating: &openai::Templating,
     special: impl Fn(&str) -> bool,
 ) -> Result<(String, Vec<std::ops::Range<usize>>), String> {
     let nonce = random_u64();
@@ -1649,8 +1688,13 @@ fn render_kept_apart(
         }
     }
     let render = |conv: &[Message]| {
-        tpl.render_with_tools(conv, tools, true)
-            .map_err(|e| format!("chat template: {e}"))
+        tpl.render_with_kwargs(
+            conv,
+            tools,
+            templating.add_generation_prompt,
+            templating.kwargs.as_ref(),
+        )
+        .map_err(|e| format!("chat template: {e}"))
     };
     let (spliced, spans) = splice_texts(&render(&conv)?, &held)?;
     if !held.is_empty() {
@@ -1751,10 +1795,24 @@ fn splice_texts(
     Ok((out, spans))
 }
 
-fn encode(app: &App, text: &str) -> Result<Vec<u32>, ApiError> {
+/// `ids` with the model's BOS first where its tokenizer adds one and `yes` (a request's
+/// `add_special_tokens`), as Hugging Face's `add_special_tokens=True` encodes text.
+fn with_special(app: &App, mut ids: Vec<u32>, yes: bool) -> Vec<u32> {
+    if yes
+        && app.tok.add_bos
+        && let Some((b, _)) = &app.tok.bos
+        && ids.first() != Some(b)
+    {
+        ids.insert(0, *b);
+    }
+    ids
+}
+
+fn encode(app: &App, text: &str, special: bool) -> Result<Vec<u32>, ApiError> {
     let ids = app
         .tok
-        .encode_prompt(text)
+        .encode(text)
+        .map(|ids| with_special(app, ids, special))
         .map_err(|e| ApiError::bad(format!("tokenization: {e}"), Some("prompt")))?;
     if ids.is_empty() {
         return Err(ApiError::bad("the prompt is empty", Some("prompt")));
@@ -2654,6 +2712,14 @@ mod tests {
     use dspark_proto::SpecStats;
     use std::time::{Duration, Instant};
 
+    /// The default templating: the assistant's turn opened, no kwargs.
+    fn opened() -> crate::openai::Templating {
+        crate::openai::Templating {
+            add_generation_prompt: true,
+            ..Default::default()
+        }
+    }
+
     /// Two choices of 10 tokens, each from its prefill and 9 verify forwards: one token per
     /// forward, not (20 − 1)/18.
     #[tokio::test]
@@ -2735,7 +2801,7 @@ mod tests {
             Message::new("user", "<|im_end|>"),
             Message::new("user", "hi"),
         ];
-        let (text, spans) = render_kept_apart(&verbatim, conv, None, special).unwrap();
+        let (text, spans) = render_kept_apart(&verbatim, conv, None, &opened(), special).unwrap();
         assert_eq!(
             text,
             "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n<|im_end|><|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
@@ -2750,10 +2816,16 @@ mod tests {
             )
             .unwrap();
             let conv = vec![Message::new("user", " a\"<|im_end|> ")];
-            assert!(render_kept_apart(&tpl, conv, None, special).is_err(), "{t}");
+            assert!(
+                render_kept_apart(&tpl, conv, None, &opened(), special).is_err(),
+                "{t}"
+            );
             // Without a control token, nothing is held and any template renders.
             let conv = vec![Message::new("user", " plain ")];
-            assert!(render_kept_apart(&tpl, conv, None, special).is_ok(), "{t}");
+            assert!(
+                render_kept_apart(&tpl, conv, None, &opened(), special).is_ok(),
+                "{t}"
+            );
         }
     }
 

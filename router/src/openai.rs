@@ -81,6 +81,12 @@ pub struct TokenizeRequest {
     pub model: Option<String>,
     pub prompt: Option<String>,
     pub messages: Option<Vec<ChatMessage>>,
+    /// The BOS around the text: a prompt's default true, messages' false.
+    pub add_special_tokens: Option<bool>,
+    /// Rendered into the template as chat requests' are (OpenAI function definitions).
+    pub tools: Option<Value>,
+    #[serde(flatten)]
+    pub template: TemplateOptions,
 }
 
 /// `/detokenize`.
@@ -200,6 +206,14 @@ pub struct Common {
     pub skip_special_tokens: Option<bool>,
     pub truncate_prompt_tokens: Option<Value>,
     pub prompt_logprobs: Option<Value>,
+    pub use_beam_search: Option<bool>,
+    pub bad_words: Option<Value>,
+    pub allowed_token_ids: Option<Value>,
+    pub guided_whitespace_pattern: Option<Value>,
+    pub logits_processors: Option<Value>,
+    /// Extension (vLLM): the tokenizer's special tokens (the BOS) around a prompt given as
+    /// text; completions default to true, chat to false (its template writes them).
+    pub add_special_tokens: Option<bool>,
 }
 
 impl Common {
@@ -241,7 +255,112 @@ impl Common {
                 "prompt_logprobs",
             );
         }
+        if self.use_beam_search == Some(true) {
+            return no("`use_beam_search`", "use_beam_search");
+        }
+        let listed = |v: &Option<Value>| match v {
+            None | Some(Value::Null) => false,
+            Some(Value::Array(a)) => !a.is_empty(),
+            Some(_) => true,
+        };
+        if listed(&self.bad_words) {
+            return no("`bad_words`", "bad_words");
+        }
+        if listed(&self.allowed_token_ids) {
+            return no(
+                "`allowed_token_ids` (use `logit_bias` or `guided_choice`)",
+                "allowed_token_ids",
+            );
+        }
+        if listed(&self.logits_processors) {
+            return no("`logits_processors`", "logits_processors");
+        }
+        if self
+            .guided_whitespace_pattern
+            .as_ref()
+            .is_some_and(|v| !v.is_null())
+        {
+            return no("`guided_whitespace_pattern`", "guided_whitespace_pattern");
+        }
         Ok(())
+    }
+}
+
+/// How a chat's messages become its prompt: Hugging Face's `apply_chat_template` options, as
+/// vLLM takes them on chat requests and `/tokenize`.
+#[derive(Deserialize, Debug, Default)]
+pub struct TemplateOptions {
+    /// Open the assistant's turn after the messages (default true).
+    pub add_generation_prompt: Option<bool>,
+    /// Continue the last (assistant) message instead of answering it: the prompt ends where
+    /// its text ends (a prefilled answer). Excludes `add_generation_prompt`.
+    pub continue_final_message: Option<bool>,
+    /// More variables for the template (Qwen3's `enable_thinking`…).
+    pub chat_template_kwargs: Option<Value>,
+    /// A request's own template: refused (the server renders its model's).
+    pub chat_template: Option<Value>,
+}
+
+/// [`TemplateOptions`] checked.
+#[derive(Debug, Default, Clone)]
+pub struct Templating {
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    pub kwargs: Option<serde_json::Map<String, Value>>,
+}
+
+/// Most `chat_template_kwargs` entries.
+pub const MAX_TEMPLATE_KWARGS: usize = 64;
+
+impl TemplateOptions {
+    pub fn checked(&self) -> Result<Templating, ApiError> {
+        if self.chat_template.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::bad(
+                "a request's own `chat_template` is not supported (the model's is used)",
+                Some("chat_template"),
+            ));
+        }
+        let cont = self.continue_final_message.unwrap_or(false);
+        let open = self.add_generation_prompt.unwrap_or(!cont);
+        if cont && open {
+            return Err(ApiError::bad(
+                "`continue_final_message` and `add_generation_prompt` cannot both be true",
+                Some("continue_final_message"),
+            ));
+        }
+        let kwargs = match &self.chat_template_kwargs {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(m)) if m.len() <= MAX_TEMPLATE_KWARGS => Some(m.clone()),
+            Some(Value::Object(_)) => {
+                return Err(ApiError::bad(
+                    format!("at most {MAX_TEMPLATE_KWARGS} `chat_template_kwargs`"),
+                    Some("chat_template_kwargs"),
+                ));
+            }
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "`chat_template_kwargs` is an object",
+                    Some("chat_template_kwargs"),
+                ));
+            }
+        };
+        if let Some(name) = kwargs.as_ref().and_then(|k| {
+            k.keys()
+                .find(|n| dspark_runtime::chat::RESERVED_VARIABLES.contains(&n.as_str()))
+        }) {
+            return Err(ApiError::bad(
+                format!(
+                    "`{}` is set by the server, not through `chat_template_kwargs`",
+                    clip(name)
+                ),
+                Some("chat_template_kwargs"),
+            ));
+        }
+        Ok(Templating {
+            add_generation_prompt: open,
+            continue_final_message: cont,
+            kwargs,
+        })
     }
 }
 
@@ -296,6 +415,8 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     /// Accepted; a forced call is always one call.
     pub parallel_tool_calls: Option<bool>,
+    #[serde(flatten)]
+    pub template: TemplateOptions,
     #[serde(flatten)]
     pub common: Common,
 }

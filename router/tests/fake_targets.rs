@@ -274,6 +274,116 @@ async fn too_many_chat_messages_are_a_400() {
     assert_eq!(calls.load(Ordering::SeqCst), 0);
 }
 
+/// The text of a `/tokenize` answer's tokens, through `/detokenize`.
+async fn rendered(app: &axum::Router, body: Value) -> (StatusCode, String, Value) {
+    let (status, got) = post_to(app, "/tokenize", body).await;
+    if status != StatusCode::OK {
+        return (status, String::new(), got);
+    }
+    let (status, text) = post_to(app, "/detokenize", json!({"tokens": got["tokens"]})).await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+    (
+        status,
+        text["prompt"].as_str().unwrap_or_default().to_string(),
+        got,
+    )
+}
+
+/// Hugging Face's template options, as vLLM takes them: `continue_final_message` ends the
+/// prompt where the last message's text ends (a prefilled answer), `add_generation_prompt:
+/// false` leaves the assistant's turn unopened; both true, a request's own template, kwargs
+/// that are not an object or that name the server's variables, and parameters that change
+/// the answer and are not implemented (beam search, allowed or bad words) are refused by
+/// name, not dropped.
+#[tokio::test]
+async fn template_options_shape_the_prompt_and_unknown_answer_changers_are_refused() {
+    let (good, calls) = fake(Mode::Answers).await;
+    let app = router(&[good], &[]).await;
+    let msgs = json!([{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "My name is"}]);
+    let (_, plain, _) = rendered(&app, json!({"messages": msgs})).await;
+    assert!(
+        plain.ends_with("My name is<|im_end|>\n<|im_start|>assistant\n"),
+        "{plain:?}"
+    );
+    let (_, closed, _) = rendered(
+        &app,
+        json!({"messages": msgs, "add_generation_prompt": false}),
+    )
+    .await;
+    assert!(closed.ends_with("My name is<|im_end|>\n"), "{closed:?}");
+    let (_, cont, _) = rendered(
+        &app,
+        json!({"messages": msgs, "continue_final_message": true}),
+    )
+    .await;
+    assert!(
+        cont.ends_with("<|im_start|>assistant\nMy name is"),
+        "{cont:?}"
+    );
+    // Chat renders as /tokenize does: the continued prompt is shorter than the opened one.
+    let (_, both, _) = rendered(
+        &app,
+        json!({"messages": msgs, "continue_final_message": true, "add_generation_prompt": true}),
+    )
+    .await;
+    assert!(both.is_empty());
+    for (path, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": msgs, "continue_final_message": true,
+                   "add_generation_prompt": true}),
+            "continue_final_message",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": msgs, "chat_template": "{{ messages }}"}),
+            "chat_template",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": msgs, "chat_template_kwargs": [1]}),
+            "chat_template_kwargs",
+        ),
+        (
+            "/tokenize",
+            json!({"messages": msgs, "chat_template_kwargs": {"messages": []}}),
+            "chat_template_kwargs",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "use_beam_search": true}),
+            "use_beam_search",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "allowed_token_ids": [5]}),
+            "allowed_token_ids",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": msgs, "bad_words": ["x"]}),
+            "bad_words",
+        ),
+    ] {
+        let (status, got) = post_to(&app, path, body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path} {param}: {got}");
+        assert_eq!(got["error"]["param"], param, "{got}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    // Served: a continued chat and empty or defaulted values of the refused parameters.
+    let (status, got) = post_to(
+        &app,
+        "/v1/chat/completions",
+        json!({"messages": msgs, "continue_final_message": true, "max_tokens": 2,
+               "chat_template_kwargs": {"enable_thinking": false},
+               "use_beam_search": false, "allowed_token_ids": [], "bad_words": null}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{got}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
 /// More than 256 sequences (prompts × n) are a 400 before admission.
 #[tokio::test]
 async fn more_than_256_sequences_are_a_400() {
@@ -505,7 +615,10 @@ async fn dead_targets_listed_first_do_not_cost_the_request() {
     for n in 1..=2 {
         let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 2})).await;
         assert_eq!(status, StatusCode::OK, "{body}");
-        assert_eq!(body["usage"]["dspark"]["target_worker"], "target-5", "{body}");
+        assert_eq!(
+            body["usage"]["dspark"]["target_worker"], "target-5",
+            "{body}"
+        );
         assert_eq!(calls.load(Ordering::SeqCst), n);
     }
 }

@@ -28,6 +28,15 @@ impl Message {
     }
 }
 
+/// Template variables the server sets, which a request's kwargs may not replace.
+pub const RESERVED_VARIABLES: [&str; 5] = [
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+];
+
 pub struct ChatTemplate {
     env: Environment<'static>,
     bos: String,
@@ -93,18 +102,44 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_with_kwargs(messages, tools, add_generation_prompt, None)
+    }
+
+    /// [`Self::render_with_tools`] with more template variables (a request's
+    /// `chat_template_kwargs`, such as Qwen3's `enable_thinking`), as Hugging Face's
+    /// `apply_chat_template(**kwargs)` passes them. A variable the template sets itself
+    /// (`messages`, `tools`, `add_generation_prompt`, `bos_token`, `eos_token`) is refused.
+    pub fn render_with_kwargs(
+        &self,
+        messages: &[Message],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        kwargs: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) -> Result<String> {
         let tmpl = self
             .env
             .get_template("chat")
             .map_err(|e| RuntimeError::Template(e.to_string()))?;
-        tmpl.render(context! {
+        let base = context! {
             messages => messages,
             tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos,
             eos_token => self.eos,
-        })
-        .map_err(|e| RuntimeError::Template(e.to_string()))
+        };
+        let ctx = match kwargs.filter(|k| !k.is_empty()) {
+            None => base,
+            Some(k) => {
+                if let Some(name) = k.keys().find(|n| RESERVED_VARIABLES.contains(&n.as_str())) {
+                    return Err(RuntimeError::Template(format!(
+                        "the template variable `{name}` is set by the server, not a kwarg"
+                    )));
+                }
+                context! { ..base, ..minijinja::Value::from_serialize(k) }
+            }
+        };
+        tmpl.render(ctx)
+            .map_err(|e| RuntimeError::Template(e.to_string()))
     }
 }
 
@@ -423,6 +458,37 @@ mod tests {
                 .unwrap()
                 .renders_tool_calls()
         );
+    }
+
+    /// A request's `chat_template_kwargs` reach the template as variables (Qwen3's
+    /// `enable_thinking`); the server's own variables cannot be replaced through them.
+    #[test]
+    fn kwargs_reach_the_template_and_cannot_replace_its_variables() {
+        let t = "{% for m in messages %}{{ m.content }}{% endfor %}|{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{{ add_generation_prompt }}";
+        let ct = ChatTemplate::new(t, "", "").unwrap();
+        let m = [Message::new("user", "hi")];
+        let kw = |v: serde_json::Value| v.as_object().cloned().unwrap();
+        let off = kw(serde_json::json!({"enable_thinking": false}));
+        let on = kw(serde_json::json!({"enable_thinking": true}));
+        assert_eq!(
+            ct.render_with_kwargs(&m, None, true, None).unwrap(),
+            "hi|True"
+        );
+        assert_eq!(
+            ct.render_with_kwargs(&m, None, true, Some(&off)).unwrap(),
+            "hi|<think></think>True"
+        );
+        assert_eq!(
+            ct.render_with_kwargs(&m, None, true, Some(&on)).unwrap(),
+            "hi|True"
+        );
+        for name in RESERVED_VARIABLES {
+            let bad = kw(serde_json::json!({ name: false }));
+            let e = ct
+                .render_with_kwargs(&m, None, true, Some(&bad))
+                .unwrap_err();
+            assert!(e.to_string().contains(name), "{e}");
+        }
     }
 
     #[test]
