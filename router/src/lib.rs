@@ -177,6 +177,8 @@ pub struct App {
     /// How long a request's body may take to arrive (`--client-body-timeout-ms`).
     pub client_body_timeout: Duration,
     seq: AtomicU64,
+    /// When this router started (Unix seconds): the model card's `created`.
+    pub created: u64,
 }
 
 /// Failovers per request before giving up.
@@ -286,6 +288,9 @@ impl App {
             client_write_timeout: Duration::from_millis(args.client_write_timeout_ms),
             client_body_timeout: Duration::from_millis(args.client_body_timeout_ms),
             seq: AtomicU64::new(0),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
         }))
     }
 
@@ -575,9 +580,14 @@ async fn metrics_text(State(app): State<Arc<App>>) -> String {
     app.metrics.render()
 }
 
+/// The served model's card, with vLLM's fields: `max_model_len` (the context a request must
+/// fit, once a target worker published one) and `root` (the model the workers load).
 async fn models(State(app): State<Arc<App>>) -> Json<Value> {
+    let ctx = app.cluster.context_for(&app.model);
+    let max_len = if ctx > 0 { json!(ctx) } else { Value::Null };
     Json(json!({"object": "list", "data": [
-        {"id": app.name, "object": "model", "created": 0, "owned_by": "dspark"}]}))
+        {"id": app.name, "object": "model", "created": app.created, "owned_by": "dspark",
+         "root": app.model, "parent": null, "max_model_len": max_len, "permission": []}]}))
 }
 
 /// `/tokenize` (as vLLM serves it): a `prompt`, or chat `messages` rendered with the
@@ -685,9 +695,11 @@ fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiErro
     serde_json::from_value(v).map_err(|e| ApiError::bad(format!("invalid request: {e}"), None))
 }
 
+/// The request's `model` is the one served; left out (or null), it is that one, as vLLM reads
+/// it (OpenAI requires the field; curl scripts written for vLLM leave it out).
 fn check_model(app: &App, model: &Option<String>) -> Result<(), ApiError> {
     match model {
-        None => Err(ApiError::bad("`model` is required", Some("model"))),
+        None => Ok(()),
         Some(m) if *m == app.name => Ok(()),
         Some(m) => {
             let mut e = ApiError::new(
@@ -1010,13 +1022,10 @@ async fn open_once(
         max_tokens
     };
     if target.max_context > 0 && prompt.len() + max_tokens > target.max_context as usize {
-        return Err(refused(ApiError::bad(
-            format!(
-                "prompt ({} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {} tokens",
-                prompt.len(),
-                target.max_context
-            ),
-            Some("max_tokens"),
+        return Err(refused(too_long(
+            prompt.len(),
+            max_tokens,
+            target.max_context as usize,
         )));
     }
     let mut client = app.cluster.target_client(&target.address).map_err(|e| {
@@ -1086,6 +1095,21 @@ async fn open_once(
     };
     app.cluster.reachable(&target.address);
     Ok((target, stream, first))
+}
+
+/// A request whose prompt and answer do not fit the context, in the words of vLLM's (and
+/// OpenAI's) error, which clients match ("maximum context length") to fall back to a model
+/// with a longer one.
+fn too_long(prompt: usize, max_tokens: usize, ctx: usize) -> ApiError {
+    ApiError::bad(
+        format!(
+            "This model's maximum context length is {ctx} tokens. However, you requested {} \
+             tokens ({prompt} in the messages, {max_tokens} in the completion). Please reduce \
+             the length of the messages or completion.",
+            prompt + max_tokens
+        ),
+        Some("max_tokens"),
+    )
 }
 
 /// A status that says the worker could not take the request, not that it refused it: it is
@@ -1915,14 +1939,7 @@ async fn serve(
             .iter()
             .find(|p| p.len() + settings.max_tokens > ctx as usize)
         {
-            return Err(ApiError::bad(
-                format!(
-                    "prompt ({} tokens) + max_tokens ({}) exceeds the model's context of {ctx} tokens",
-                    p.len(),
-                    settings.max_tokens,
-                ),
-                Some("max_tokens"),
-            ));
+            return Err(too_long(p.len(), settings.max_tokens, ctx as usize));
         }
     }
     check_answer_size(prompts.iter().map(Vec::len), &settings)?;
@@ -2239,6 +2256,7 @@ async fn serve(
         "text_completion"
     };
     let include_usage = settings.include_usage;
+    let continuous_usage = settings.continuous_usage;
     let return_ids = settings.return_token_ids;
     let want_logprobs = settings.logprobs.is_some();
     let (echo, score_only) = (settings.echo, settings.score_only);
@@ -2307,6 +2325,16 @@ async fn serve(
         let mut args = vec![String::new(); total];
         let mut ends: Vec<Option<(SpecStats, String)>> = vec![None; total];
         let mut echoed = vec![!echo; total];
+        // Completion tokens so far, over every choice (`continuous_usage_stats`).
+        let mut completed = 0u32;
+        let so_far = |completed: u32| {
+            if continuous_usage {
+                json!({"prompt_tokens": prompt_tokens, "completion_tokens": completed,
+                       "total_tokens": prompt_tokens + completed})
+            } else {
+                Value::Null
+            }
+        };
         loop {
             // A client that leaves is noticed at once, not at the next chunk sent: text held
             // back (a tool call being written, a possible stop string) sends none for a while.
@@ -2320,6 +2348,7 @@ async fn serve(
                     if score_only {
                         (t, ids, lps) = (String::new(), Vec::new(), Vec::new());
                     }
+                    completed += ids.len() as u32;
                     // The echoed prompt leads the choice's first chunk.
                     let lead = (!echoed[i]).then(|| {
                         echoed[i] = true;
@@ -2355,7 +2384,7 @@ async fn serve(
                         .collect();
                     if t.is_empty() && !return_ids && !(want_logprobs && !ids.is_empty()) {
                         for chunk in call_chunks {
-                            if send!(mk(chunk, Value::Null)) != Sent::Ok {
+                            if send!(mk(chunk, so_far(completed))) != Sent::Ok {
                                 return;
                             }
                         }
@@ -2384,11 +2413,11 @@ async fn serve(
                             .map(|&t| token_chars(&app2.tok, t))
                             .sum::<usize>();
                     }
-                    if send!(mk(c, Value::Null)) != Sent::Ok {
+                    if send!(mk(c, so_far(completed))) != Sent::Ok {
                         return;
                     }
                     for chunk in call_chunks {
-                        if send!(mk(chunk, Value::Null)) != Sent::Ok {
+                        if send!(mk(chunk, so_far(completed))) != Sent::Ok {
                             return;
                         }
                     }
@@ -2422,12 +2451,28 @@ async fn serve(
                         (_, "stop") if called => "tool_calls",
                         (_, r) => r,
                     };
+                    if !echoed[i] {
+                        // A choice that ended before any token (the end of sequence first)
+                        // still leads with its prompt, as its non-streamed answer does.
+                        echoed[i] = true;
+                        let mut c = json!([{"index": i, "text": echoes[i / n],
+                                            "finish_reason": null, "logprobs": null}]);
+                        if return_ids {
+                            c[0]["token_ids"] = json!([]);
+                        }
+                        if want_logprobs {
+                            let lead = Some((&prompts[i / n][..], &[][..]));
+                            c[0]["logprobs"] =
+                                logprobs_json(&app2.tok, kind, &[], &[], offset[i], lead);
+                        }
+                        send!(mk(c, Value::Null));
+                    }
                     let c = if kind == Kind::Chat {
                         json!([{"index": i, "delta": {}, "finish_reason": reason}])
                     } else {
                         json!([{"index": i, "text": "", "finish_reason": reason, "logprobs": null}])
                     };
-                    send!(mk(c, Value::Null));
+                    send!(mk(c, so_far(completed)));
                     ends[i] = Some((stats, target));
                     if ends.iter().all(|e| e.is_some()) {
                         let stats = combine(
@@ -2646,6 +2691,9 @@ fn logprobs_json(
                 for (i, p) in pairs(l) {
                     m.insert(token_text(tok, i), json!(p));
                 }
+                // As vLLM's: the token itself is always among them (N + 1 entries when it is
+                // not in the top N; `logprobs: 0` gives just it).
+                m.entry(token_text(tok, id)).or_insert(json!(l.logprob));
                 Value::Object(m)
             }));
         }

@@ -134,10 +134,19 @@ pub fn clip(s: &str) -> std::borrow::Cow<'_, str> {
     format!("{}…", &s[..end]).into()
 }
 
-#[derive(Deserialize, Debug, Default)]
+/// `stream_options`, with vLLM's defaults: given at all, the stream ends with a usage chunk
+/// unless `include_usage` is false (or null); `continuous_usage_stats` puts the usage so far
+/// on every chunk.
+#[derive(Deserialize, Debug)]
 pub struct StreamOptions {
-    #[serde(default, deserialize_with = "null_is_false")]
+    #[serde(default = "yes", deserialize_with = "null_is_false")]
     pub include_usage: bool,
+    #[serde(default, deserialize_with = "null_is_false")]
+    pub continuous_usage_stats: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Fields shared by both endpoints.
@@ -459,7 +468,10 @@ impl ChatRequest {
                     return Err(bad(format!("at most {MAX_TOOLS} tools")));
                 }
                 for t in list {
-                    if t.get("type").and_then(Value::as_str) != Some("function") {
+                    // `type` left out (or null) is a function, as vLLM reads it.
+                    if !matches!(t.get("type"), None | Some(Value::Null))
+                        && t.get("type").and_then(Value::as_str) != Some("function")
+                    {
                         return Err(bad(
                             "each tool must be {\"type\": \"function\", \"function\": {...}}"
                                 .into(),
@@ -538,7 +550,10 @@ impl ChatRequest {
                     .get("function")
                     .and_then(|f| f.get("name"))
                     .and_then(Value::as_str)
-                    .filter(|_| c.get("type").and_then(Value::as_str) == Some("function"))
+                    .filter(|_| {
+                        matches!(c.get("type"), None | Some(Value::Null))
+                            || c.get("type").and_then(Value::as_str) == Some("function")
+                    })
                     .ok_or_else(|| {
                         choice_bad(
                             "tool_choice must be `none`, `auto`, `required` or \
@@ -598,6 +613,8 @@ pub struct GenSettings {
     pub seed: u64,
     pub stream: bool,
     pub include_usage: bool,
+    /// Every chunk carries the usage so far (`stream_options.continuous_usage_stats`).
+    pub continuous_usage: bool,
     pub gamma: u32,
     pub return_token_ids: bool,
     /// Log-probability of each output token and this many alternatives; None: not asked.
@@ -946,6 +963,11 @@ impl Common {
                 .stream_options
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
+            // As vLLM's: only with the final usage.
+            continuous_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage && o.continuous_usage_stats),
             gamma,
             return_token_ids: self.return_token_ids,
             logprobs,
@@ -1188,7 +1210,22 @@ mod tests {
         assert!(s.stream && !s.include_usage);
         let s = settings(json!({"stream": true, "stream_options": {"include_usage": true}}))
             .expect("usage");
+        assert!(s.include_usage && !s.continuous_usage);
+        // As vLLM's: options given, usage is on unless said off.
+        let s = settings(json!({"stream": true, "stream_options": {}})).expect("usage");
         assert!(s.include_usage);
+        let s =
+            settings(json!({"stream": true, "stream_options": {"continuous_usage_stats": true}}))
+                .expect("continuous");
+        assert!(s.include_usage && s.continuous_usage);
+        let s = settings(
+            json!({"stream": true, "stream_options": {"include_usage": false,
+                                "continuous_usage_stats": true}}),
+        )
+        .expect("off");
+        assert!(!s.include_usage && !s.continuous_usage);
+        let s = settings(json!({"stream": true})).expect("no options");
+        assert!(!s.include_usage && !s.continuous_usage);
         for extra in [
             json!({"stream_options": {"include_usage": true}}),
             json!({"stream": false, "stream_options": {}}),
@@ -1383,6 +1420,31 @@ mod tests {
             .unwrap();
         assert_eq!(f.name, "get_weather");
         assert_eq!(f.parameters["required"], json!(["city"]));
+        // `type` left out of a tool and of the choice reads as a function (as vLLM's); another
+        // type is refused.
+        let untyped = json!([{"function": {"name": "get_weather"}}, {"type": null,
+            "function": {"name": "noop"}}]);
+        let f = req(untyped.clone(), json!({"function": {"name": "noop"}}))
+            .forced_call()
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.name, "noop");
+        assert!(
+            req(
+                json!([{"type": "code_interpreter", "function": {"name": "noop"}}]),
+                json!("required")
+            )
+            .forced_call()
+            .is_err()
+        );
+        assert!(
+            req(
+                untyped,
+                json!({"type": "tool", "function": {"name": "noop"}})
+            )
+            .forced_call()
+            .is_err()
+        );
         let f = req(json!([weather()]), json!("required"))
             .forced_call()
             .unwrap()
@@ -1424,7 +1486,7 @@ mod tests {
             ),
             (
                 two.clone(),
-                json!({"function": {"name": "noop"}}),
+                json!({"type": "tool", "function": {"name": "noop"}}),
                 "tool_choice must be",
             ),
             (two.clone(), json!(3), "tool_choice must be"),

@@ -27,6 +27,8 @@ enum Mode {
     Hangs,
     /// Tokens without end, as fast as they are read.
     Floods,
+    /// Finished at once, before any token (the end of sequence sampled first).
+    Ends,
 }
 
 struct Fake {
@@ -64,6 +66,12 @@ impl TargetWorker for Fake {
                 Box::pin(tokio_stream::iter(vec![Ok(tokens), Ok(done)]))
             }
             Mode::Hangs => Box::pin(tokio_stream::pending()),
+            Mode::Ends => Box::pin(tokio_stream::iter(vec![Ok(GenerateEvent {
+                kind: Some(generate_event::Kind::Finished(Finished {
+                    reason: "stop".into(),
+                    stats: Some(SpecStats::default()),
+                })),
+            })])),
             Mode::Floods => Box::pin(tokio_stream::iter(std::iter::repeat_with(|| {
                 Ok(GenerateEvent {
                     kind: Some(generate_event::Kind::Tokens(TokenChunk {
@@ -382,6 +390,135 @@ async fn template_options_shape_the_prompt_and_unknown_answer_changers_are_refus
     .await;
     assert_eq!(status, StatusCode::OK, "{got}");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// A streamed request's events (the JSON of each `data:` line but `[DONE]`).
+async fn sse(app: &axum::Router, path: &str, body: Value) -> Vec<Value> {
+    let req = Request::post(path)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let resp = app.clone().oneshot(req).await.expect("response");
+    assert_eq!(resp.status(), StatusCode::OK);
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    String::from_utf8_lossy(&bytes)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("event JSON"))
+        .collect()
+}
+
+/// A streamed echo whose answer ends before its first token still sends the prompt (it went
+/// out only with the first token's chunk), with the prompt's tokens when log-probabilities
+/// are asked for, as the same request unstreamed answers.
+#[tokio::test]
+async fn a_streamed_echo_that_ends_at_once_still_sends_its_prompt() {
+    let (ends, _) = fake(Mode::Ends).await;
+    let app = router(&[ends], &[]).await;
+    for logprobs in [None, Some(0)] {
+        let mut body = json!({"model": "fake", "prompt": "hello", "max_tokens": 4,
+                              "echo": true, "stream": true});
+        if let Some(l) = logprobs {
+            body["logprobs"] = json!(l);
+        }
+        let events = sse(&app, "/v1/completions", body.clone()).await;
+        let text: String = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["text"].as_str())
+            .collect();
+        assert_eq!(text, "hello", "{events:?}");
+        let last = events.last().expect("events");
+        assert_eq!(last["choices"][0]["finish_reason"], "stop", "{events:?}");
+        body["stream"] = json!(false);
+        let (status, whole) = post(&app, body).await;
+        assert_eq!(status, StatusCode::OK, "{whole}");
+        assert_eq!(whole["choices"][0]["text"], "hello", "{whole}");
+        if logprobs.is_some() {
+            let tokens: String = events
+                .iter()
+                .filter_map(|e| e["choices"][0]["logprobs"]["tokens"].as_array())
+                .flatten()
+                .filter_map(|t| t.as_str())
+                .collect();
+            assert_eq!(tokens, "hello", "{events:?}");
+        }
+    }
+}
+
+/// `stream_options.continuous_usage_stats` puts the usage so far on every chunk (and the final
+/// usage chunk follows, as `stream_options` given turns it on); a request without `model` is
+/// served by the model the server serves, as vLLM's.
+#[tokio::test]
+async fn usage_on_every_chunk_and_the_model_may_be_left_out() {
+    let (good, calls) = fake(Mode::Answers).await;
+    let app = router(&[good], &[]).await;
+    let events = sse(
+        &app,
+        "/v1/completions",
+        json!({"prompt": "hello", "max_tokens": 2, "stream": true,
+               "stream_options": {"continuous_usage_stats": true}}),
+    )
+    .await;
+    let text = events
+        .iter()
+        .position(|e| e["choices"][0]["text"] == "hi")
+        .expect("the text chunk");
+    assert_eq!(events[text]["usage"]["completion_tokens"], 2, "{events:?}");
+    assert_eq!(
+        events[text]["usage"]["total_tokens"],
+        events[text]["usage"]["prompt_tokens"].as_u64().unwrap_or(0) + 2,
+        "{events:?}"
+    );
+    let last = events.last().expect("events");
+    assert_eq!(last["choices"], json!([]), "{events:?}");
+    assert_eq!(last["usage"]["completion_tokens"], 2, "{events:?}");
+    let (status, body) = post_to(
+        &app,
+        "/v1/completions",
+        json!({"model": null, "prompt": "hello", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["model"], "fake", "{body}");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+/// A prompt and answer that do not fit the context are refused in vLLM's words (clients match
+/// "maximum context length" to fall back to a longer-context model); the model card says the
+/// context, as vLLM's `max_model_len`.
+#[tokio::test]
+async fn the_context_is_on_the_card_and_in_the_refusal() {
+    let (good, calls) = fake(Mode::Answers).await;
+    let app = router(&[good], &[]).await;
+    let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 100})).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let msg = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.starts_with("This model's maximum context length is 64 tokens. However, you requested"),
+        "{msg}"
+    );
+    assert!(msg.contains("100 in the completion"), "{msg}");
+    let card = app
+        .clone()
+        .oneshot(
+            Request::get("/v1/models")
+                .body(Body::empty())
+                .expect("request"),
+        )
+        .await
+        .expect("response");
+    let bytes = axum::body::to_bytes(card.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    let card: Value = serde_json::from_slice(&bytes).expect("json");
+    let m = &card["data"][0];
+    assert_eq!(m["id"], "fake", "{card}");
+    assert_eq!(m["max_model_len"], 64, "{card}");
+    assert!(m["created"].as_u64().unwrap_or(0) > 1_700_000_000, "{card}");
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
 }
 
 /// More than 256 sequences (prompts × n) are a 400 before admission.
