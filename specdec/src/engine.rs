@@ -381,6 +381,8 @@ struct Gate {
 }
 
 const PROBE_EVERY: usize = 8;
+/// Block length of the gate's probe.
+const PROBE_K: usize = 2;
 
 impl Gate {
     fn new() -> Self {
@@ -400,7 +402,8 @@ impl Gate {
         self.alpha = (1.0 - w) * self.alpha + w * rate;
     }
 
-    fn choose(&mut self, gamma: usize, cost: &CostModel, draft_cost: f64) -> usize {
+    /// The K that maximizes E(K)/C(K) at the current α (0: speculation does not pay).
+    fn best(&self, gamma: usize, cost: &CostModel, draft_cost: f64) -> usize {
         let mut best = (1.0f64, 0usize);
         let mut e = 1.0;
         let mut ai = 1.0;
@@ -413,16 +416,31 @@ impl Gate {
                 best = (v, k);
             }
         }
-        if best.1 == 0 {
+        best.1
+    }
+
+    fn choose(&mut self, gamma: usize, cost: &CostModel, draft_cost: f64) -> usize {
+        let k = self.best(gamma, cost, draft_cost);
+        if k == 0 {
             self.off_cycles += 1;
             if self.off_cycles >= PROBE_EVERY {
                 self.off_cycles = 0;
-                return gamma.min(2);
+                return gamma.min(PROBE_K);
             }
         } else {
             self.off_cycles = 0;
         }
-        best.1
+        k
+    }
+
+    /// What the next [`Gate::choose`] returns unless α or the costs move first. A pipelined
+    /// proposer is asked to prefetch only that much: a request the gate switched off would
+    /// have a full block drafted every step for nothing (its probes are still prefetched).
+    fn peek(&self, gamma: usize, cost: &CostModel, draft_cost: f64) -> usize {
+        match self.best(gamma, cost, draft_cost) {
+            0 if self.off_cycles + 1 >= PROBE_EVERY => gamma.min(PROBE_K),
+            k => k,
+        }
     }
 }
 
@@ -1379,7 +1397,10 @@ impl Engine {
                         d_model,
                         &mut rows_buf,
                     );
-                    if let Err(e) = self.proposer.observe(s.req.id, lo, &rows_buf) {
+                    if let Err(e) =
+                        self.proposer
+                            .observe_captured(s.req.id, lo, &fopts.layers, &rows_buf)
+                    {
                         drafter_lost(self.proposer.as_mut(), &mut self.draft_failures, s, e);
                     }
                     features_s += t0.elapsed().as_secs_f64();
@@ -1559,7 +1580,10 @@ impl Engine {
                 let t0 = Instant::now();
                 let n = 1 + verdict.accepted;
                 feature_rows(&out, out.token_offsets[j], n, d_model, &mut rows_buf);
-                if let Err(e) = self.proposer.observe(s.req.id, kv_before, &rows_buf) {
+                if let Err(e) =
+                    self.proposer
+                        .observe_captured(s.req.id, kv_before, &fopts.layers, &rows_buf)
+                {
                     drafter_lost(self.proposer.as_mut(), &mut self.draft_failures, s, e);
                 }
                 features_s += t0.elapsed().as_secs_f64();
@@ -1654,8 +1678,10 @@ impl Engine {
         // unless the policy plans no drafting for its next turn (two steps on under
         // ping-pong): a draft pool asked for full blocks on every plain-decoding step did the
         // work for nothing, and its rounds queued ahead of the next probe's. Blocks are
-        // capped as this step's planned budget capped them.
+        // capped as this step's planned budget capped them; without a policy, at what each
+        // request's gate will choose (none while it has speculation off, but for a probe).
         let wanted = self.policy.as_ref().is_none_or(|p| p.drafting_within(2));
+        let gated = self.policy.is_none() && self.cfg.gate;
         if self.proposer.pipelined() && wanted {
             let ctx = self.model.cfg.max_ctx;
             let gamma = self.cfg.gamma;
@@ -1670,6 +1696,11 @@ impl Engine {
                 let g = s.req.gamma.unwrap_or(gamma);
                 let remaining = s.req.max_tokens - s.output_len();
                 let room = ctx.saturating_sub(s.tokens.len());
+                let g = if gated {
+                    s.gate.peek(g, &self.cost, self.draft_cost)
+                } else {
+                    g
+                };
                 let k = g
                     .min(remaining.saturating_sub(1))
                     .min(room.saturating_sub(1))

@@ -120,6 +120,19 @@ pub trait Proposer: Send {
     fn observe(&mut self, _id: u64, _start: usize, _rows: &[f32]) -> Result<()> {
         Ok(())
     }
+    /// [`Proposer::observe`] of rows captured at `layers` (what [`Proposer::feature_layers`]
+    /// said before the forward). The engine calls this one: a proposer whose layers can change
+    /// meanwhile (a remote one, as its draft workers come and go) labels the rows with the
+    /// layers they are of, not with those it would capture now.
+    fn observe_captured(
+        &mut self,
+        id: u64,
+        start: usize,
+        _layers: &[usize],
+        rows: &[f32],
+    ) -> Result<()> {
+        self.observe(id, start, rows)
+    }
     /// Longest block this proposer can draft (a trained drafter's γ); `None`: any length.
     fn max_gamma(&self) -> Option<usize> {
         None

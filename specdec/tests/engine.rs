@@ -1841,6 +1841,182 @@ fn prefetched_drafts_follow_the_planned_budget() {
     assert_eq!(longest.load(std::sync::atomic::Ordering::Relaxed), 2);
 }
 
+/// A pipelined drafter whose drafts the target all but never takes (each the token after the
+/// one before): counts the requests it is asked to prefetch drafts for and to draft for.
+struct Misses {
+    vocab: u32,
+    prefetched: Arc<std::sync::atomic::AtomicUsize>,
+    proposed: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Proposer for Misses {
+    fn name(&self) -> &str {
+        "misses"
+    }
+    fn pipelined(&self) -> bool {
+        true
+    }
+    fn prefetch(&mut self, reqs: &mut [specdec::proposer::ProposeReq<'_>]) {
+        self.prefetched
+            .fetch_add(reqs.len(), std::sync::atomic::Ordering::Relaxed);
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::DraftBlock>> {
+        self.proposed
+            .fetch_add(reqs.len(), std::sync::atomic::Ordering::Relaxed);
+        Ok(reqs
+            .iter()
+            .map(|r| {
+                let last = r.context.last().copied().unwrap_or(0);
+                let tokens: Vec<u32> = (1..=r.k as u32).map(|j| (last + j) % self.vocab).collect();
+                specdec::DraftBlock {
+                    dists: vec![specdec::proposer::Dist::OneHot; tokens.len()],
+                    tokens,
+                    ..Default::default()
+                }
+            })
+            .collect())
+    }
+}
+
+/// A request whose gate turned speculation off has no drafts prefetched for the steps it will
+/// not draft in (a remote draft pool drafted a full block for it every step, for nothing):
+/// only for the steps it drafts in, its gate's probes included.
+#[test]
+fn a_request_the_gate_switched_off_gets_no_drafts_prefetched() {
+    let f = fixture();
+    let ps = prompts(&f, 2);
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| plain_greedy(&f, p, 160)).collect();
+    let prefetched = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let proposed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let p = Misses {
+        vocab: f.target.cfg.vocab_size as u32,
+        prefetched: prefetched.clone(),
+        proposed: proposed.clone(),
+    };
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        Box::new(p),
+        EngineConfig {
+            gate: true,
+            ..cfg(3)
+        },
+        CostModel::flat(4),
+    )
+    .unwrap();
+    for (i, p) in ps.iter().enumerate() {
+        e.add(Request::new(i as u64, p.clone(), 160)).unwrap();
+    }
+    let got = collect(e.run_to_completion().unwrap());
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&got[&(i as u64)].0, w, "prompt {i}");
+    }
+    e.check_kv().unwrap();
+    let (pre, pro) = (
+        prefetched.load(std::sync::atomic::Ordering::Relaxed),
+        proposed.load(std::sync::atomic::Ordering::Relaxed),
+    );
+    // The gate turned drafting off for most of the 2 × 160 steps, probing now and then.
+    assert!(pro > 0 && pro < 160, "{pro} drafting calls");
+    assert!(pre > 0, "drafts were prefetched");
+    assert!(pre <= pro, "{pre} prefetched for {pro} drafting");
+}
+
+/// Draft-model drafting that asks for target layer 0, then layers 0 and 1, then 0… (its
+/// answer changes at every call, as a remote proposer's does while draft workers come and
+/// go), and checks that every hand-over is of the layers the forward captured.
+struct Shifting {
+    inner: Box<dyn Proposer>,
+    d: usize,
+    calls: std::sync::atomic::AtomicUsize,
+    said: std::sync::Mutex<Vec<usize>>,
+    handed: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Proposer for Shifting {
+    fn name(&self) -> &str {
+        "shifting"
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [specdec::proposer::ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::DraftBlock>> {
+        self.inner.propose(reqs)
+    }
+    fn commit(&mut self, id: u64, context: &[u32]) -> specdec::Result<()> {
+        self.inner.commit(id, context)
+    }
+    fn finish(&mut self, id: u64) {
+        self.inner.finish(id)
+    }
+    fn feature_layers(&self) -> Vec<usize> {
+        let n = self
+            .calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let layers = if n.is_multiple_of(2) {
+            vec![0]
+        } else {
+            vec![0, 1]
+        };
+        *self.said.lock().unwrap() = layers.clone();
+        layers
+    }
+    fn observe(&mut self, _id: u64, _start: usize, _rows: &[f32]) -> specdec::Result<()> {
+        panic!("rows handed over without the layers they are of");
+    }
+    fn observe_captured(
+        &mut self,
+        _id: u64,
+        _start: usize,
+        layers: &[usize],
+        rows: &[f32],
+    ) -> specdec::Result<()> {
+        // The proposer's answer has changed since, or not: the rows are of the forward's.
+        assert_eq!(layers, self.said.lock().unwrap().as_slice());
+        let rl = layers.len() * self.d;
+        assert!(
+            !rows.is_empty() && rows.len().is_multiple_of(rl),
+            "{} floats",
+            rows.len()
+        );
+        self.handed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[test]
+fn target_features_are_handed_over_with_the_layers_they_were_captured_at() {
+    let f = fixture();
+    let ps = prompts(&f, 3);
+    let handed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        Box::new(Shifting {
+            inner: proposer_clone(&f, "draft-model"),
+            d: f.target.cfg.d_model,
+            calls: Default::default(),
+            said: Default::default(),
+            handed: handed.clone(),
+        }),
+        cfg(3),
+        CostModel::flat(4),
+    )
+    .unwrap();
+    for (i, p) in ps.iter().enumerate() {
+        e.add(Request::new(i as u64, p.clone(), 12)).unwrap();
+    }
+    let got = collect(e.run_to_completion().unwrap());
+    for (i, p) in ps.iter().enumerate() {
+        assert_eq!(got[&(i as u64)].0, plain_greedy(&f, p, 12), "prompt {i}");
+    }
+    assert!(handed.load(std::sync::atomic::Ordering::Relaxed) > 0);
+}
+
 /// Serves `ps` (`max_tokens` each) with the draft-model proposer at γ = 3 under `policy`: the
 /// outputs and the engine's totals.
 fn with_policy(

@@ -348,10 +348,12 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     if let Some(links) = tp_links.clone() {
         let model = Arc::clone(engine.model());
         let room = room.clone();
-        // A rank that restarts is linked again within a second, not at the next request.
-        std::thread::Builder::new()
-            .name("tp-redial".into())
-            .spawn(move || {
+        // A rank that restarts is linked again within a second, not at the next request. The
+        // only redialler: were it gone, a rank that went down would leave the worker full for
+        // good, so a panic in it exits (as the engine thread's does) and the worker restarts.
+        spawn_or_exit(
+            "tp-redial",
+            move || {
                 let mut last = String::new();
                 let mut was_up = links.up();
                 loop {
@@ -381,7 +383,12 @@ pub async fn run(args: TargetArgs) -> Result<()> {
                         }
                     }
                 }
-            })?;
+            },
+            || {
+                tracing::error!("the tensor-parallel redial thread panicked; exiting");
+                std::process::exit(70)
+            },
+        )?;
     }
     let (tx, rx) = std::sync::mpsc::channel();
     let clock = engine_loop::StepClock::default();

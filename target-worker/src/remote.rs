@@ -1208,6 +1208,19 @@ impl Proposer for RemoteProposer {
 
     fn observe(&mut self, id: u64, start: usize, rows: &[f32]) -> Result<()> {
         let layers = self.layers();
+        self.observe_captured(id, start, &layers, rows)
+    }
+
+    /// Keeps the rows as rows of `layers`, those the forward captured: the links' layers may
+    /// have changed since (a link went down or came up), and rows labelled with the new ones
+    /// would reach a drafter reading those as features of layers they are not.
+    fn observe_captured(
+        &mut self,
+        id: u64,
+        start: usize,
+        layers: &[usize],
+        rows: &[f32],
+    ) -> Result<()> {
         let rl = layers.len() * self.d_model;
         if rl == 0 || rows.len() % rl != 0 {
             return Ok(());
@@ -1218,7 +1231,7 @@ impl Proposer for RemoteProposer {
             .entry(id)
             .or_insert_with(|| ReqSync::new(link, 0, start));
         // Rows of other layers are dropped, never truncated or extended at these.
-        r.set_layers(&layers, rl);
+        r.set_layers(layers, rl);
         if start < r.feat_base {
             r.feats.clear();
             r.feat_base = start;
@@ -2330,6 +2343,32 @@ mod tests {
             groups.sort();
             assert_eq!(groups, vec![(a.clone(), vec![0]), (b.clone(), vec![1])]);
         }
+    }
+
+    /// A link goes down between the forward that captured features and their hand-over:
+    /// the rows are kept as rows of the layers captured, not of those the links give now
+    /// (another drafter's, which would read them as features of its own layers).
+    #[test]
+    fn observed_rows_keep_the_layers_the_forward_captured() {
+        let rt = test_runtime();
+        let (a, b) = ("127.0.0.1:10".to_string(), "127.0.0.1:9".to_string());
+        let mut p = two_links(&rt, &a, &b);
+        for (addr, layers) in [(&a, vec![0, 1]), (&b, vec![2, 3])] {
+            *p.links[addr].shared.info.lock().expect("info") = Some(WorkerInfo {
+                feature_layers: layers,
+                ..Default::default()
+            });
+        }
+        let captured = p.feature_layers();
+        assert_eq!(captured, vec![0, 1]);
+        take_down(&p, &a, Duration::ZERO);
+        assert_eq!(p.feature_layers(), vec![2, 3], "`b`'s layers now");
+        let rl = captured.len() * p.d_model;
+        p.observe_captured(2, 0, &captured, &vec![0.5; 3 * rl])
+            .expect("observe");
+        let rs = &p.reqs[&2];
+        assert_eq!(rs.feat_layers, vec![0, 1]);
+        assert_eq!(rs.rows_of(rl), 3);
     }
 
     /// Takes `addr`'s link down, as if it went down `ago` ago.

@@ -156,20 +156,26 @@ fn compile_format(regex: &str, schema: &str) -> Result<dspark_runtime::json::For
     )))
 }
 
-/// A request counted in the worker's load; given back when dropped unless [`LoadSlot::keep`]
-/// hands it to the engine loop (which gives it back when the request ends).
-struct LoadSlot(Option<Arc<AtomicUsize>>);
+/// A request counted in the worker's load; given back when its last holder drops it unless
+/// [`LoadSlot::keep`] handed it to the engine loop (which gives it back when the request
+/// ends). Shared with the request's format compile: a cancelled request's compile runs on
+/// in the blocking pool, and stays counted until it ends, so the request limit bounds the
+/// compiles running too (a client cancelling fast would otherwise fill the pool).
+struct LoadSlot {
+    load: Arc<AtomicUsize>,
+    kept: AtomicBool,
+}
 
 impl LoadSlot {
-    fn keep(mut self) {
-        self.0 = None;
+    fn keep(&self) {
+        self.kept.store(true, Ordering::SeqCst);
     }
 }
 
 impl Drop for LoadSlot {
     fn drop(&mut self) {
-        if let Some(l) = self.0.take() {
-            l.fetch_sub(1, Ordering::Relaxed);
+        if !self.kept.load(Ordering::SeqCst) {
+            self.load.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
@@ -178,7 +184,7 @@ impl TargetService {
     /// Counts a request in the load unless the worker holds its limit already
     /// (`--max-running` + `--max-queued`; a failover the router admitted before, up to
     /// [`ADMITTED_HEADROOM`] times it).
-    fn take_slot(&self, admitted: bool) -> Result<LoadSlot, Status> {
+    fn take_slot(&self, admitted: bool) -> Result<Arc<LoadSlot>, Status> {
         let limit = if admitted {
             self.max_requests.saturating_mul(ADMITTED_HEADROOM)
         } else {
@@ -189,7 +195,10 @@ impl TargetService {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                 (n < limit).then_some(n + 1)
             }) {
-            Ok(_) => Ok(LoadSlot(Some(Arc::clone(&self.load)))),
+            Ok(_) => Ok(Arc::new(LoadSlot {
+                load: Arc::clone(&self.load),
+                kept: AtomicBool::new(false),
+            })),
             Err(n) => Err(Status::resource_exhausted(format!(
                 "target worker {} holds {n} requests, its limit (--max-running + --max-queued); \
                  retry shortly or elsewhere",
@@ -263,15 +272,20 @@ impl TargetWorker for TargetService {
         let slot = self.take_slot(r.admitted)?;
         let json = if !r.regex.is_empty() || !r.json_schema.is_empty() {
             let key = (r.regex.clone(), r.json_schema.clone());
-            let slot = self.formats.slot(&key);
-            let f = slot
+            let cell = self.formats.slot(&key);
+            let held = Arc::clone(&slot);
+            let f = cell
                 .get_or_try_init(|| async move {
                     // Building the automaton is CPU work (up to the state caps): off the async
-                    // runtime, which also carries the draft links' replies.
+                    // runtime, which also carries the draft links' replies. The compile holds
+                    // the request's load until it ends, even if the request is gone by then.
                     let (regex, schema) = key;
-                    tokio::task::spawn_blocking(move || compile_format(&regex, &schema))
-                        .await
-                        .map_err(|e| Status::internal(format!("compiling the format: {e}")))?
+                    tokio::task::spawn_blocking(move || {
+                        let _held = held;
+                        compile_format(&regex, &schema)
+                    })
+                    .await
+                    .map_err(|e| Status::internal(format!("compiling the format: {e}")))?
                 })
                 .await?;
             Some(f.clone())
@@ -377,5 +391,74 @@ mod tests {
         // Texts past the key bound are not kept.
         let long = ("x".repeat(FORMAT_CACHE_KEY_BYTES + 1), String::new());
         assert!(!Arc::ptr_eq(&c.slot(&long), &c.slot(&long)));
+    }
+
+    /// A service of `max_requests` over a vocabulary of 100 whose engine thread is
+    /// `cmds`'s receiver.
+    fn service(max_requests: usize, cmds: std::sync::mpsc::Sender<Cmd>) -> TargetService {
+        TargetService {
+            counters: None,
+            cmds: Mutex::new(cmds),
+            info: WorkerInfo::default(),
+            load: Arc::default(),
+            room: Default::default(),
+            next_id: AtomicU64::new(0),
+            vocab: 100,
+            max_ctx: 64,
+            default_draft: None,
+            max_requests,
+            formats: FormatCache::default(),
+            local_drafting: true,
+            draining: Arc::default(),
+            streams: Arc::default(),
+        }
+    }
+
+    /// A request whose caller gives up while its format compiles keeps its place in the load
+    /// until the compile ends: the request limit bounds the compiles a client cancelling
+    /// fast can leave running in the blocking pool. The pool's one thread is held, so the
+    /// compile waits for it as long as the test says.
+    #[test]
+    fn a_cancelled_request_stays_counted_until_its_format_compile_ends() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .max_blocking_threads(1)
+            .build()
+            .expect("runtime");
+        let (tx, _rx) = std::sync::mpsc::channel();
+        let svc = service(1, tx);
+        let req = |regex: &str| GenerateRequest {
+            prompt: vec![1, 2, 3],
+            max_tokens: 4,
+            regex: regex.into(),
+            ..Default::default()
+        };
+        rt.block_on(async {
+            let (release, held) = std::sync::mpsc::channel::<()>();
+            let busy = tokio::task::spawn_blocking(move || held.recv());
+            let gave_up = tokio::time::timeout(
+                std::time::Duration::from_millis(20),
+                svc.generate(Request::new(req("(a|b)*c{3}"))),
+            )
+            .await;
+            assert!(gave_up.is_err(), "the compile waits for the pool");
+            assert_eq!(svc.load.load(Ordering::SeqCst), 1, "the compile is counted");
+            let refused = svc
+                .generate(Request::new(req("")))
+                .await
+                .map(|_| ())
+                .expect_err("past the limit");
+            assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+            release.send(()).expect("release");
+            busy.await.expect("join").expect("released");
+            let t0 = std::time::Instant::now();
+            while svc.load.load(Ordering::SeqCst) != 0 {
+                assert!(
+                    t0.elapsed().as_secs() < 10,
+                    "the compile gives its load back"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        });
     }
 }

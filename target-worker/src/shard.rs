@@ -64,9 +64,14 @@ pub async fn run(a: ShardArgs) -> Result<()> {
     socket.bind(a.listen)?;
     let isa = a.isa;
     let home = dspark_runtime::fetch::dspark_home(a.home.as_deref());
-    let path =
-        dspark_runtime::fetch::resolve(&a.model, &home, &a.python, &mut |m| eprintln!("{m}"))
-            .map_err(|e| TargetError::Config(format!("model: {e}")))?;
+    // File IO, maybe a download through Python (minutes): off the async runtime, as the load.
+    let (model, python) = (a.model.clone(), a.python.clone());
+    let path = tokio::task::spawn_blocking(move || {
+        dspark_runtime::fetch::resolve(&model, &home, &python, &mut |m| eprintln!("{m}"))
+    })
+    .await
+    .map_err(|e| TargetError::Config(format!("resolver: {e}")))?
+    .map_err(|e| TargetError::Config(format!("model: {e}")))?;
     let opts = dspark_runtime::LoadOptions {
         threads: a.threads,
         isa,
@@ -105,4 +110,75 @@ pub async fn run(a: ShardArgs) -> Result<()> {
     tracing::info!(forwards = state.forwards(), "tensor-parallel rank stopping");
     dspark_scheduler::exit_after(Duration::ZERO);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Resolving the model (file IO, maybe a download through Python) leaves the async
+    /// runtime free: its cached copy's marker is a FIFO here, so the resolve blocks until a
+    /// thread writes to it, a second later, while a task on the runtime's one thread ticks.
+    #[test]
+    fn resolving_the_model_leaves_the_async_runtime_free() {
+        let home =
+            std::env::temp_dir().join(format!("dspark-shard-resolve-{}", std::process::id()));
+        let models = home.join("models");
+        std::fs::create_dir_all(&models).expect("models dir");
+        let spec = dspark_runtime::fetch::spec("smollm2-135m").expect("a known model");
+        let dest = dspark_runtime::fetch::model_path(&home, &spec);
+        std::fs::write(&dest, b"").expect("cached copy");
+        let marker = dest.with_extension("gguf.verified");
+        let _ = std::fs::remove_file(&marker);
+        let made = std::process::Command::new("mkfifo")
+            .arg(&marker)
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+        let writer = marker.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(1));
+            let _ = std::fs::write(writer, b"not the checksum");
+        });
+        let args = ShardArgs::try_parse_from([
+            "tp-shard",
+            "--model",
+            "smollm2-135m",
+            "--tp-rank",
+            "1",
+            "--tp-size",
+            "2",
+            "--home",
+            home.to_str().expect("utf-8 path"),
+            // The copy is not the model's: a fetch follows, and fails at once.
+            "--python",
+            "false",
+        ])
+        .expect("args");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let ticks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let t = Arc::clone(&ticks);
+        let res = rt.block_on(async move {
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    t.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            });
+            run(args).await
+        });
+        let _ = std::fs::remove_dir_all(&home);
+        assert!(
+            matches!(&res, Err(TargetError::Config(m)) if m.starts_with("model:")),
+            "the fetch fails: {res:?}"
+        );
+        let n = ticks.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(
+            n >= 20,
+            "the runtime ticked {n} times while the model resolved"
+        );
+    }
 }
