@@ -1043,6 +1043,7 @@ async fn open_once(
         sampling: Some((&job.settings.sampling).into()),
         seed: job.settings.seed,
         stop: job.settings.stop.clone(),
+        include_stop: job.settings.include_stop,
         gamma: job.settings.gamma,
         draft_worker: draft.map(|d| d.address).unwrap_or_default(),
         traceparent: job.traceparent.clone(),

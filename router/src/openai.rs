@@ -245,9 +245,6 @@ impl Common {
         {
             return no("`best_of` other than `n`", "best_of");
         }
-        if self.include_stop_str_in_output == Some(true) {
-            return no("`include_stop_str_in_output`", "include_stop_str_in_output");
-        }
         if self.skip_special_tokens == Some(false) {
             return no("`skip_special_tokens: false`", "skip_special_tokens");
         }
@@ -613,6 +610,9 @@ pub struct GenSettings {
     pub seed: u64,
     pub stream: bool,
     pub include_usage: bool,
+    /// The stop string that ends the answer is part of its text (vLLM's
+    /// `include_stop_str_in_output`).
+    pub include_stop: bool,
     /// Every chunk carries the usage so far (`stream_options.continuous_usage_stats`).
     pub continuous_usage: bool,
     pub gamma: u32,
@@ -959,6 +959,7 @@ impl Common {
                 .map(|s| s as u64)
                 .unwrap_or_else(crate::random_u64),
             stream: self.stream,
+            include_stop: self.include_stop_str_in_output.unwrap_or(false),
             include_usage: self
                 .stream_options
                 .as_ref()
@@ -1248,10 +1249,6 @@ mod tests {
             (json!({"suffix": "\n    return x"}), "suffix"),
             (json!({"best_of": 3}), "best_of"),
             (json!({"best_of": 1, "n": 2}), "best_of"),
-            (
-                json!({"include_stop_str_in_output": true}),
-                "include_stop_str_in_output",
-            ),
             (json!({"skip_special_tokens": false}), "skip_special_tokens"),
             (
                 json!({"truncate_prompt_tokens": 8}),
@@ -1271,6 +1268,11 @@ mod tests {
         ] {
             settings(extra.clone()).expect(&extra.to_string());
         }
+        assert!(
+            settings(json!({"include_stop_str_in_output": true}))
+                .expect("taken")
+                .include_stop
+        );
     }
 
     #[test]

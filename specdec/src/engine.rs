@@ -95,6 +95,9 @@ pub struct Request {
     pub max_tokens: usize,
     /// Stop strings (matched on the decoded output; needs a tokenizer).
     pub stop: Vec<String>,
+    /// The stop string that ends the output stays in its text (vLLM's
+    /// `include_stop_str_in_output`); otherwise the text ends where it begins.
+    pub include_stop: bool,
     pub seed: u64,
     /// Draft length for this request (default: the engine's).
     pub gamma: Option<usize>,
@@ -168,6 +171,7 @@ impl Request {
             params: SamplingParams::greedy(),
             max_tokens,
             stop: Vec::new(),
+            include_stop: false,
             seed: id,
             gamma: None,
             logprobs: None,
@@ -1956,9 +1960,10 @@ fn append_text(s: &mut Seq, delta: &str) -> bool {
     let before = s.text.len();
     s.text.push_str(delta);
     if s.output_len() >= s.req.min_tokens
-        && let Some(cut) = find_stop(&s.text, &s.req.stop, before)
+        && let Some((cut, len)) = find_stop(&s.text, &s.req.stop, before)
     {
-        s.text.truncate(cut);
+        s.text
+            .truncate(if s.req.include_stop { cut + len } else { cut });
         s.finished = Some(FinishReason::Stop);
         return true;
     }
@@ -2076,8 +2081,9 @@ fn held_back(text: &str, stops: &[String]) -> usize {
     best
 }
 
-/// Byte offset of the earliest stop string that ends after `from` (only new text can complete one).
-fn find_stop(text: &str, stops: &[String], from: usize) -> Option<usize> {
+/// Byte offset and length of the earliest stop string that ends after `from` (only new text
+/// can complete one); of two starting there, the shorter (it ends first).
+fn find_stop(text: &str, stops: &[String], from: usize) -> Option<(usize, usize)> {
     stops
         .iter()
         .filter_map(|st| {
@@ -2085,7 +2091,9 @@ fn find_stop(text: &str, stops: &[String], from: usize) -> Option<usize> {
             let start = (start..=from)
                 .find(|&i| text.is_char_boundary(i))
                 .unwrap_or(from);
-            text[start..].find(st.as_str()).map(|p| start + p)
+            text[start..]
+                .find(st.as_str())
+                .map(|p| (start + p, st.len()))
         })
         .min()
 }
@@ -2156,5 +2164,58 @@ mod tests {
             "{rest:?}"
         );
         e.check_kv().unwrap();
+    }
+
+    /// With `include_stop`, the stop string that ends the answer stays in its text; without,
+    /// the text ends where it begins. Either way nothing after it is sent and the request
+    /// stops there.
+    #[test]
+    fn the_stop_string_is_kept_when_asked() {
+        let p = tiny_model_path(&TinySpec::llama(11), "engine-unit").unwrap();
+        let opts = LoadOptions {
+            threads: 1,
+            ..Default::default()
+        };
+        let model = Arc::new(Model::load(&p, &opts).unwrap());
+        let tok = Arc::new(Tokenizer::load(&p).unwrap());
+        let mut e = Engine::with_cost(
+            model,
+            Some(tok.clone()),
+            Box::new(NoProposer),
+            EngineConfig::default(),
+            CostModel::flat(4),
+        )
+        .unwrap();
+        let prompt = tok.encode("the theater in there then").unwrap();
+        let run = |e: &mut Engine, stop: Vec<String>, include: bool| {
+            let mut r = Request::new(0, prompt.clone(), 24);
+            r.ignore_eos = true;
+            r.stop = stop;
+            r.include_stop = include;
+            e.add(r).unwrap();
+            let mut text = String::new();
+            let mut reason = None;
+            for ev in e.run_to_completion().unwrap() {
+                match ev {
+                    Event::Tokens { text: t, .. } => text.push_str(&t),
+                    Event::Finished { reason: r, .. } => reason = Some(r),
+                    _ => {}
+                }
+            }
+            (text, reason)
+        };
+        let (whole, _) = run(&mut e, Vec::new(), false);
+        let chars: Vec<(usize, char)> = whole.char_indices().collect();
+        assert!(chars.len() >= 6, "{whole:?}");
+        // A stop string of two characters from the middle, and where it first completes.
+        let (a, b) = (chars[3].0, chars[5].0);
+        let stop = whole[a..b].to_string();
+        let at = whole.find(&stop).unwrap();
+        let (cut, reason) = run(&mut e, vec![stop.clone()], false);
+        assert_eq!(cut, whole[..at], "{whole:?} / {stop:?}");
+        assert_eq!(reason, Some(FinishReason::Stop));
+        let (kept, reason) = run(&mut e, vec![stop.clone()], true);
+        assert_eq!(kept, whole[..at + stop.len()], "{whole:?} / {stop:?}");
+        assert_eq!(reason, Some(FinishReason::Stop));
     }
 }

@@ -312,6 +312,7 @@ impl TargetWorker for TargetService {
             params,
             max_tokens: r.max_tokens as usize,
             stop: r.stop,
+            include_stop: r.include_stop,
             seed: r.seed,
             gamma: (r.gamma > 0).then_some(r.gamma as usize),
             logprobs: r.logprobs.then_some(r.top_logprobs as usize),
