@@ -10,7 +10,9 @@
 4. Cross-checks each render against the real binary and itself: every DSPARK_* variable and
    --flag a dspark container gets is one `dspark <role> --help` lists; Service selectors, target
    ports, PDBs, the HPA and NetworkPolicies point at workloads and ports that exist; the
-   scheduler and etcd URLs the pods get name Services of the render. The `helm_values` of the
+   scheduler and etcd URLs the pods get name Services of the render; every pod meets Pod Security
+   "restricted" and mounts no service account token, every PDB lets a drain evict a pod, and
+   with listenHost "[::]" nothing listens on 0.0.0.0. The `helm_values` of the
    capacity planner's committed plans (bench/results/plan-*.json) are rendered and checked too.
 5. With --run: renders one replica of each component on free ports and starts every container
    of the render (init containers first) as a process on loopback, the way the kubelet would:
@@ -67,9 +69,9 @@ def deep_merge(base, over):
     return out
 
 
-def render(helm, values, name="demo", namespace="prod"):
+def render(helm, values, name="demo", namespace="prod", **opts):
     with helm.Chart.load(CHART) as c:
-        files = c.render(values, name=name, namespace=namespace)
+        files = c.render(values, name=name, namespace=namespace, **opts)
     docs = []
     for path, text in sorted(files.items()):
         if path.endswith("NOTES.txt"):
@@ -116,6 +118,9 @@ def check_schema(helm, values_sets):
             ({"listenHost": "::"}, "an IPv6 listen host without brackets"),
             ({"clusterToken": {"enabled": "yes"}}, "a string for the cluster token switch"),
             ({"clusterToken": {"value": "x"}}, "a cluster token in the values (the chart makes it)"),
+            ({"router": {"pdb": {"minAvailable": 1}}}, "a router PDB by minAvailable (blocks drains of one router)"),
+            ({"targetWorker": {"pdb": {"maxUnavailable": 0}}}, "a PDB that allows no eviction"),
+            ({"draftWorker": {"pdb": {"maxUnavailable": "0%"}}}, "a PDB that allows no eviction, in percent"),
         ]
         for v, what in bad:
             try:
@@ -130,17 +135,38 @@ def check_schema(helm, values_sets):
         ({"model": "/var/cache/dspark/own.gguf", "drafter": "draft-model"}, "draft-model for a path", bare),
         ({"model": "qwen2.5-coder-1.5b", "drafter": "dspark"}, "dspark for a model without a shipped drafter", bare),
         ({"router": {"service": {"type": "LoadBalancer"}}}, "a LoadBalancer without an API key", "without an API key"),
+        ({"router": {"service": {"type": "NodePort"}}}, "a NodePort without an API key", "without an API key"),
+        ({"networkPolicy": {"enabled": False}}, "an embedded etcd without NetworkPolicies", "etcd.allowUnprotected"),
+        # lookup finds no cluster here, as under helm template or Argo CD: an upgrade would mint
+        # a new token the running pods do not have.
+        ({}, "an upgrade that cannot read the kept cluster token", "clusterToken.existingSecret",
+         {"is_upgrade": True, "is_install": False}),
     ]
-    for v, what, says in bad_renders:
+    for v, what, says, *opts in bad_renders:
         try:
-            render(helm, v)
+            render(helm, v, **(opts[0] if opts else {}))
         except helm.HelmRenderError as e:
             if says in str(e):
                 continue
             fail(f"the chart refuses {what} for another reason: {e}")
         fail(f"the chart renders {what}: {v}")
+    # ...and still takes the ways out their messages name.
+    good_renders = [
+        ({"clusterToken": {"existingSecret": "mine"}}, "an upgrade with the user's cluster token",
+         {"is_upgrade": True, "is_install": False}),
+        ({"clusterToken": {"enabled": False}}, "an upgrade without a cluster token",
+         {"is_upgrade": True, "is_install": False}),
+        ({"networkPolicy": {"enabled": False}, "etcd": {"allowUnprotected": True}},
+         "no NetworkPolicies, etcd knowingly unprotected", {}),
+        ({"router": {"service": {"type": "NodePort"}, "apiKey": {"value": "sk-x"}}}, "a NodePort with an API key", {}),
+    ]
+    for v, what, opts in good_renders:
+        try:
+            render(helm, v, **opts)
+        except helm.HelmRenderError as e:
+            fail(f"the chart refuses {what}: {e}")
     print(f"schema: {len(values_sets)} values sets accepted, {len(bad)} bad ones refused;"
-          f" templates: {len(bad_renders)} bad combinations refused")
+          f" templates: {len(bad_renders)} bad combinations refused, {len(good_renders)} ways out taken")
 
 
 def check_fetch_and_policies(helm):
@@ -168,7 +194,64 @@ def check_fetch_and_policies(helm):
     pol = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-router"))
     if not any(r.get("from") == scraper for r in pol["spec"]["ingress"]):
         fail(f"the router's NetworkPolicy shuts out the scrapers of its /metrics: {pol['spec']['ingress']}")
-    print("fetch and policies: the draft model fetched, own files left alone, router metrics scrapable")
+    # IPv6: every listener, etcd's included, on listenHost.
+    docs = render(helm, {"listenHost": "[::]"})
+    check_hardening(docs, "listenHost [::]", "[::]")
+    # A new API key rolls the routers; the cluster token outlives the release.
+    ann = [workload(render(helm, {"router": {"apiKey": {"value": k}}}), "-router")["metadata"]["annotations"]
+           .get("checksum/api-key") for k in ("sk-one", "sk-two")]
+    if not ann[0] or ann[0] == ann[1]:
+        fail(f"the router pods do not change with the API key: {ann}")
+    tok = next(d for d in render(helm, {}) if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-cluster-token"))
+    if tok["metadata"].get("annotations", {}).get("helm.sh/resource-policy") != "keep":
+        fail("the cluster token's Secret is not kept (helm.sh/resource-policy: keep)")
+    print("fetch and policies: the draft model fetched, own files left alone, router metrics scrapable,"
+          " IPv6 listeners, routers rolled by a new API key, the cluster token kept")
+
+
+def check_hardening(docs, label, listen_host):
+    """Pod Security "restricted" on every pod, PDBs a drain gets through, IPv6 listening."""
+    for w, tpl in pod_specs(docs):
+        name, spec = w["metadata"]["name"], tpl["spec"]
+        psc = spec.get("securityContext", {})
+        if spec.get("automountServiceAccountToken") is not False:
+            fail(f"{label}: {name} mounts a service account token (no pod calls the API)")
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            csc = c.get("securityContext", {})
+            seccomp = (csc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+            if seccomp != "RuntimeDefault":
+                fail(f"{label}: {name}/{c['name']} runs with seccomp profile {seccomp}, not RuntimeDefault")
+            if csc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True or \
+                    csc.get("runAsUser", psc.get("runAsUser")) == 0:
+                fail(f"{label}: {name}/{c['name']} may run as root")
+            if csc.get("allowPrivilegeEscalation") is not False:
+                fail(f"{label}: {name}/{c['name']} allows privilege escalation")
+            if "ALL" not in csc.get("capabilities", {}).get("drop", []) or csc.get("capabilities", {}).get("add"):
+                fail(f"{label}: {name}/{c['name']} keeps capabilities: {csc.get('capabilities')}")
+            if listen_host != "0.0.0.0":
+                said = [str(a) for a in c.get("args", [])] + [str(e.get("value", "")) for e in c.get("env", [])]
+                if any("0.0.0.0" in x for x in said):
+                    fail(f"{label}: {name}/{c['name']} listens on 0.0.0.0 despite listenHost {listen_host}: {said}")
+    # A PDB must let a node drain evict one pod even at the fewest replicas the render runs.
+    hpa_min = {d["spec"]["scaleTargetRef"]["name"]: d["spec"]["minReplicas"]
+               for d in docs if d["kind"] == "HorizontalPodAutoscaler"}
+    for d in docs:
+        if d["kind"] != "PodDisruptionBudget":
+            continue
+        sel = d["spec"]["selector"]["matchLabels"]
+        for w, tpl in pod_specs(docs):
+            if not matches(sel, tpl["metadata"]["labels"]):
+                continue
+            n = hpa_min.get(w["metadata"]["name"], w["spec"].get("replicas", 1))
+            if n == 0:
+                continue
+            spec = d["spec"]
+
+            def of(x):
+                return math.ceil(n * int(x[:-1]) / 100) if isinstance(x, str) else int(x)
+            allowed = min(of(spec["maxUnavailable"]), n) if "maxUnavailable" in spec else n - of(spec["minAvailable"])
+            if allowed < 1:
+                fail(f"{label}: PDB {d['metadata']['name']} allows no eviction of {n} pod(s): {spec}")
 
 
 def check_k8s(docs, label):
@@ -517,6 +600,8 @@ def main():
         docs = render(helm, v)
         check_k8s(docs, name)
         check_wiring(docs, a.bin, name, bool(v.get("etcd", {}).get("endpoints")))
+        check_hardening(docs, name, deep_merge(defaults, v)["listenHost"])
+        print(f"{name}: pods restricted, PDBs drainable")
     if a.run:
         run_render(helm, a.bin)
     print("helm-check: ok")

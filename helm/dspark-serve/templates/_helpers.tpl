@@ -160,6 +160,8 @@ model) into the cache before the main container starts. A path (anything with a 
 {{- end -}}
 
 {{- define "dspark.podCommon" -}}
+{{- /* No pod calls the Kubernetes API: no service account token in it. */ -}}
+automountServiceAccountToken: false
 {{- with .root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
