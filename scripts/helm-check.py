@@ -11,8 +11,9 @@
    --flag a dspark container gets is one `dspark <role> --help` lists; Service selectors, target
    ports, PDBs, the HPA and NetworkPolicies point at workloads and ports that exist; the
    scheduler and etcd URLs the pods get name Services of the render; every pod meets Pod Security
-   "restricted" and mounts no service account token, every PDB lets a drain evict a pod, and
-   with listenHost "[::]" nothing listens on 0.0.0.0. The `helm_values` of the
+   "restricted" and mounts no service account token, every PDB lets a drain evict a pod, the
+   target workers are a Deployment whose rolling update surges (a new pod before an old one
+   goes, none unavailable), and with listenHost "[::]" nothing listens on 0.0.0.0. The `helm_values` of the
    capacity planner's committed plans (bench/results/plan-*.json) are rendered and checked too.
 5. With --run: renders one replica of each component on free ports and starts every container
    of the render (init containers first) as a process on loopback, the way the kubelet would:
@@ -121,6 +122,9 @@ def check_schema(helm, values_sets):
             ({"router": {"pdb": {"minAvailable": 1}}}, "a router PDB by minAvailable (blocks drains of one router)"),
             ({"targetWorker": {"pdb": {"maxUnavailable": 0}}}, "a PDB that allows no eviction"),
             ({"draftWorker": {"pdb": {"maxUnavailable": "0%"}}}, "a PDB that allows no eviction, in percent"),
+            ({"targetWorker": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": "0%"}}},
+             "a rolling update that may neither surge nor take a pod down"),
+            ({"targetWorker": {"rollingUpdate": {"maxSurge": "one"}}}, "a surge that is neither a count nor a percentage"),
         ]
         for v, what in bad:
             try:
@@ -205,8 +209,14 @@ def check_fetch_and_policies(helm):
     tok = next(d for d in render(helm, {}) if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-cluster-token"))
     if tok["metadata"].get("annotations", {}).get("helm.sh/resource-policy") != "keep":
         fail("the cluster token's Secret is not kept (helm.sh/resource-policy: keep)")
+    # The rolling update's values reach the Deployment (here: replace in place, no surge room).
+    got = check_rollout(render(helm, {"targetWorker": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}}),
+                        "in-place rollout", surge=False)
+    if got != ("RollingUpdate", 0, 1):
+        fail(f"targetWorker.rollingUpdate does not reach the Deployment: {got}")
     print("fetch and policies: the draft model fetched, own files left alone, router metrics scrapable,"
-          " IPv6 listeners, routers rolled by a new API key, the cluster token kept")
+          " IPv6 listeners, routers rolled by a new API key, the cluster token kept,"
+          " targetWorker.rollingUpdate applied")
 
 
 def check_hardening(docs, label, listen_host):
@@ -252,6 +262,35 @@ def check_hardening(docs, label, listen_host):
             allowed = min(of(spec["maxUnavailable"]), n) if "maxUnavailable" in spec else n - of(spec["minAvailable"])
             if allowed < 1:
                 fail(f"{label}: PDB {d['metadata']['name']} allows no eviction of {n} pod(s): {spec}")
+
+
+def check_rollout(docs, label, surge=True):
+    """The target workers roll by surging: the replacement is ready before an old pod drains.
+
+    A StatefulSet (or maxUnavailable > 0) would take a worker down first, so each step of an
+    update would cost one worker's capacity for a drain, a model fetch, load and profile."""
+    tw = [w for w, _ in pod_specs(docs) if w["metadata"]["name"].endswith("-target-worker")]
+    if len(tw) != 1:
+        fail(f"{label}: {len(tw)} target-worker workloads")
+    w = tw[0]
+    if w["kind"] != "Deployment":
+        fail(f"{label}: the target workers are a {w['kind']}, not a Deployment (a StatefulSet cannot surge)")
+    strat = w["spec"].get("strategy", {})
+    ru = strat.get("rollingUpdate", {})
+    n = max(w["spec"].get("replicas", 1), 1)
+
+    def count(x, up):
+        # A percentage of the replicas: maxSurge rounds up, maxUnavailable down (as the
+        # Deployment controller does); the API defaults both to 25 %.
+        x = "25%" if x is None else x
+        if isinstance(x, str):
+            f = n * int(x[:-1]) / 100
+            return math.ceil(f) if up else math.floor(f)
+        return int(x)
+    got = (strat.get("type"), count(ru.get("maxSurge"), True), count(ru.get("maxUnavailable"), False))
+    if surge and (got[0] != "RollingUpdate" or got[1] < 1 or got[2] != 0):
+        fail(f"{label}: the target workers' rolling update does not surge with none unavailable: {strat}")
+    return got
 
 
 def check_k8s(docs, label):
@@ -489,7 +528,9 @@ def run_render(helm, binary):
 
     try:
         for w, tpl in workloads:
-            pod = w["metadata"]["name"] + "-0"
+            # Pod names as the controllers make them: a StatefulSet's ordinal, a Deployment's
+            # ReplicaSet hash and random suffix (the workers register under theirs).
+            pod = w["metadata"]["name"] + ("-0" if w["kind"] == "StatefulSet" else "-5d9c7b8f4-x2k7q")
             for c in tpl["spec"].get("initContainers", []):
                 r = subprocess.run(argv_of(c), env=env_of(c, pod, tpl["spec"]), capture_output=True, text=True, timeout=600)
                 if r.returncode != 0:
@@ -601,7 +642,8 @@ def main():
         check_k8s(docs, name)
         check_wiring(docs, a.bin, name, bool(v.get("etcd", {}).get("endpoints")))
         check_hardening(docs, name, deep_merge(defaults, v)["listenHost"])
-        print(f"{name}: pods restricted, PDBs drainable")
+        check_rollout(docs, name)
+        print(f"{name}: pods restricted, PDBs drainable, target workers roll by surging")
     if a.run:
         run_render(helm, a.bin)
     print("helm-check: ok")
