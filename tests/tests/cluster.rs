@@ -2329,7 +2329,24 @@ async fn interrupt(up: &mut std::process::Child, limit: Duration) -> std::proces
 async fn dspark_up_serves_the_quick_start_and_stops_cleanly() {
     let _s = serial();
     let port = free_port();
-    let mut up = spawn_up(port, std::process::Stdio::null());
+    let mut up = spawn_up(port, std::process::Stdio::piped());
+    // Every process `up` starts writes to this pipe (its stdout, inherited): the reader sees its
+    // end only once `up` and all of them have exited. Meanwhile it passes on what each one
+    // says it listens on ("scheduler listening on ADDR", "target worker ID (MODEL) listening
+    // on ADDR", ...); `None` at the end.
+    let out = up.stdout.take().expect("piped stdout");
+    let (tx, listening) = std::sync::mpsc::channel::<Option<(String, String)>>();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if let Some(i) = line.find(" listening on ") {
+                let addr = line[i + 14..].trim().trim_start_matches("http://");
+                let _ = tx.send(Some((line[..i].to_string(), addr.to_string())));
+            }
+        }
+        let _ = tx.send(None);
+    });
     let url = format!("http://127.0.0.1:{port}");
     wait_for("dspark up", Duration::from_secs(120), || ready(&url, 1, 1)).await;
     let (st, v) = post(
@@ -2346,8 +2363,32 @@ async fn dspark_up_serves_the_quick_start_and_stops_cleanly() {
             .contains("Paris"),
         "{v}"
     );
-    interrupt(&mut up, Duration::from_secs(15)).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let status = interrupt(&mut up, Duration::from_secs(15)).await;
+    assert!(
+        status.success(),
+        "a clean stop, not death by SIGINT: {status}"
+    );
+    // `up` waits for its children: by now the pipe has no writer left.
+    let mut started = Vec::new();
+    loop {
+        match listening.recv_timeout(Duration::from_secs(10)) {
+            Ok(Some(x)) => started.push(x),
+            Ok(None) => break,
+            Err(e) => panic!("a process `up` started outlived it ({e}): {started:?}"),
+        }
+    }
+    for who in ["scheduler", "draft worker", "target worker", "router"] {
+        assert!(
+            started.iter().any(|(n, _)| n.starts_with(who)),
+            "no {who} among {started:?}"
+        );
+    }
+    for (who, addr) in &started {
+        assert!(
+            std::net::TcpStream::connect(addr).is_err(),
+            "{who} still listens on {addr}"
+        );
+    }
     assert_eq!(
         get(&format!("{url}/health")).await.0,
         0,
