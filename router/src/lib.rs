@@ -121,13 +121,13 @@ pub struct RouterArgs {
           default_value_t = CLIENT_BODY_TIMEOUT_MS,
           value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
     pub client_body_timeout_ms: u64,
-    /// Milliseconds a connection may take to send a request's headers (counted from the
-    /// first wait for them, so an idle kept-alive connection is closed after as long) before
-    /// it is closed. Only tests set it shorter; 1..=3600000.
-    #[arg(long, hide = true, env = "DSPARK_CLIENT_HEADER_TIMEOUT_MS",
-          default_value_t = CLIENT_HEADER_TIMEOUT_MS,
-          value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
-    pub client_header_timeout_ms: u64,
+    /// Seconds a connection may wait for a request's headers, idle kept-alive connections
+    /// included, before it is closed: above the upstream idle timeout of a proxy in front
+    /// (ingress-nginx and AWS ALB: 60 s), so the proxy closes first and never sends a request
+    /// on a connection being closed (a 502). 1..=3600.
+    #[arg(long, env = "DSPARK_IDLE_TIMEOUT_S", default_value_t = IDLE_TIMEOUT_S,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub idle_timeout_s: u64,
     /// Shared cluster token: calls to the scheduler and target workers carry
     /// `authorization: Bearer TOKEN` (at least 16 bytes of visible ASCII; none when unset).
     /// Not the API key clients send: set it as the scheduler's and workers'.
@@ -148,10 +148,12 @@ const CLIENT_WRITE_TIMEOUT_MS: u64 = 30_000;
 /// long as it likes. Only the body is timed: a response (a stream) may run for minutes.
 const CLIENT_BODY_TIMEOUT_MS: u64 = 30_000;
 
-/// How long a connection may take to send a request's headers. Without a limit a client could
-/// open connections and trickle header bytes (or send none) for as long as it likes, each one
-/// a task and a socket; axum's own `serve` sets no timer, so hyper's header deadline never ran.
-const CLIENT_HEADER_TIMEOUT_MS: u64 = 30_000;
+/// How long a connection may take to send a request's headers (hyper's header deadline, which
+/// also closes a kept-alive connection idle that long). Without a limit a client could open
+/// connections and trickle header bytes (or send none) for as long as it likes, each one a
+/// task and a socket; axum's own `serve` sets no timer, so hyper's deadline never ran.
+/// Longer than the 60 s proxies keep idle upstream connections.
+const IDLE_TIMEOUT_S: u64 = 75;
 
 pub struct App {
     pub tok: Arc<Tokenizer>,
@@ -484,7 +486,7 @@ pub async fn run(args: RouterArgs) -> Result<(), RouterError> {
             tracing::info!("draining: {n} requests in flight");
         }
     };
-    let headers = Duration::from_millis(args.client_header_timeout_ms);
+    let headers = Duration::from_secs(args.idle_timeout_s);
     serve_http(listener, app(state), headers, stop).await;
     Ok(())
 }
@@ -860,6 +862,10 @@ async fn open(
 ) -> Result<Opened, ApiError> {
     let mut skip = exclude.to_vec();
     let started = Instant::now();
+    // Connections that broke after the request was sent (not refused, not a draining answer):
+    // a worker killed while the request waited, or one the request itself crashes. One more
+    // worker is tried, not every one (a request that kills workers must not take the pool).
+    let mut broken = 0;
     loop {
         let opened = open_once(
             app,
@@ -871,22 +877,23 @@ async fn open(
             failover,
         );
         match opened.await {
-            Err(Unopened::Unavailable(target, s))
-                if skip.len() < exclude.len() + MAX_OPEN_TRIES
-                    || started.elapsed() < OPEN_RETRY_WINDOW =>
-            {
+            Err(Unopened::Unavailable(target, s)) => {
+                app.cluster.suspect(&target.address);
+                let refused = s.code() == tonic::Code::Unavailable;
+                broken += usize::from(!refused);
+                let more = broken <= 1
+                    && (skip.len() < exclude.len() + MAX_OPEN_TRIES
+                        || (refused && started.elapsed() < OPEN_RETRY_WINDOW));
+                if !more {
+                    return Err(status_to_api(&s));
+                }
                 tracing::info!(
                     request_id = job.request_id,
                     target = target.id,
                     "target worker unavailable, placing elsewhere: {}",
                     s.message()
                 );
-                app.cluster.suspect(&target.address);
                 skip.push(target.id);
-            }
-            Err(Unopened::Unavailable(target, s)) => {
-                app.cluster.suspect(&target.address);
-                return Err(status_to_api(&s));
             }
             Err(Unopened::Refused(e)) => return Err(e),
             Ok(o) => return Ok(o),
@@ -1635,7 +1642,10 @@ fn render_chat(
             }
         }
     }
-    let tools = tools.filter(|t| t.as_array().is_some_and(|a| !a.is_empty()));
+    let typed = tools.map(openai::typed_tools);
+    let tools = typed
+        .as_ref()
+        .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()));
     let special = |what: &str, v: &Value| match app.tok.special_in(&v.to_string()) {
         Some(s) => Err(ApiError::bad(
             format!("{what} holds the special token `{s}`"),
@@ -2305,6 +2315,17 @@ async fn serve(
             }
             v.to_string()
         };
+        // Per choice: its completion tokens so far (`continuous_usage_stats`, which reports
+        // each chunk's choice with its prompt, as vLLM's).
+        let mut completed = vec![0usize; total];
+        let so_far = |i: usize, completed: &[usize]| {
+            if continuous_usage {
+                let (p, c) = (prompts[i / n].len(), completed[i]);
+                json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+            } else {
+                Value::Null
+            }
+        };
         if kind == Kind::Chat {
             for i in 0..total {
                 // A forced call opens with its id and name; its arguments follow as deltas.
@@ -2316,7 +2337,7 @@ async fn serve(
                 };
                 send!(mk(
                     json!([{"index": i, "delta": delta, "finish_reason": null}]),
-                    Value::Null,
+                    so_far(i, &completed),
                 ));
             }
         }
@@ -2326,16 +2347,6 @@ async fn serve(
         let mut args = vec![String::new(); total];
         let mut ends: Vec<Option<(SpecStats, String)>> = vec![None; total];
         let mut echoed = vec![!echo; total];
-        // Completion tokens so far, over every choice (`continuous_usage_stats`).
-        let mut completed = 0u32;
-        let so_far = |completed: u32| {
-            if continuous_usage {
-                json!({"prompt_tokens": prompt_tokens, "completion_tokens": completed,
-                       "total_tokens": prompt_tokens + completed})
-            } else {
-                Value::Null
-            }
-        };
         loop {
             // A client that leaves is noticed at once, not at the next chunk sent: text held
             // back (a tool call being written, a possible stop string) sends none for a while.
@@ -2349,7 +2360,7 @@ async fn serve(
                     if score_only {
                         (t, ids, lps) = (String::new(), Vec::new(), Vec::new());
                     }
-                    completed += ids.len() as u32;
+                    completed[i] += ids.len();
                     // The echoed prompt leads the choice's first chunk.
                     let lead = (!echoed[i]).then(|| {
                         echoed[i] = true;
@@ -2385,7 +2396,7 @@ async fn serve(
                         .collect();
                     if t.is_empty() && !return_ids && !(want_logprobs && !ids.is_empty()) {
                         for chunk in call_chunks {
-                            if send!(mk(chunk, so_far(completed))) != Sent::Ok {
+                            if send!(mk(chunk, so_far(i, &completed))) != Sent::Ok {
                                 return;
                             }
                         }
@@ -2414,11 +2425,11 @@ async fn serve(
                             .map(|&t| token_chars(&app2.tok, t))
                             .sum::<usize>();
                     }
-                    if send!(mk(c, so_far(completed))) != Sent::Ok {
+                    if send!(mk(c, so_far(i, &completed))) != Sent::Ok {
                         return;
                     }
                     for chunk in call_chunks {
-                        if send!(mk(chunk, so_far(completed))) != Sent::Ok {
+                        if send!(mk(chunk, so_far(i, &completed))) != Sent::Ok {
                             return;
                         }
                     }
@@ -2443,7 +2454,7 @@ async fn serve(
                         .unwrap_or_default();
                     if !held.is_empty() {
                         let c = json!([{"index": i, "delta": {"content": held}, "finish_reason": null}]);
-                        send!(mk(c, Value::Null));
+                        send!(mk(c, so_far(i, &completed)));
                     }
                     let called = parsers[i].as_ref().is_some_and(|p| p.calls > 0);
                     let reason = match (score_only, finish(&reason)) {
@@ -2466,14 +2477,14 @@ async fn serve(
                             c[0]["logprobs"] =
                                 logprobs_json(&app2.tok, kind, &[], &[], offset[i], lead);
                         }
-                        send!(mk(c, Value::Null));
+                        send!(mk(c, so_far(i, &completed)));
                     }
                     let c = if kind == Kind::Chat {
                         json!([{"index": i, "delta": {}, "finish_reason": reason}])
                     } else {
                         json!([{"index": i, "text": "", "finish_reason": reason, "logprobs": null}])
                     };
-                    send!(mk(c, so_far(completed)));
+                    send!(mk(c, so_far(i, &completed)));
                     ends[i] = Some((stats, target));
                     if ends.iter().all(|e| e.is_some()) {
                         let stats = combine(
@@ -2760,6 +2771,16 @@ mod tests {
     };
     use dspark_proto::SpecStats;
     use std::time::{Duration, Instant};
+
+    /// An idle kept-alive connection outlives a proxy's idle upstream connections (60 s for
+    /// ingress-nginx and AWS ALB) by default: the proxy closes first, never sending a request
+    /// on a connection the router is closing (a 502 for its client).
+    #[test]
+    fn idle_connections_outlive_a_proxys_by_default() {
+        use clap::Parser;
+        let a = super::RouterArgs::try_parse_from(["dspark-router"]).expect("defaults");
+        assert!(a.idle_timeout_s > 60, "{}", a.idle_timeout_s);
+    }
 
     /// The default templating: the assistant's turn opened, no kwargs.
     fn opened() -> crate::openai::Templating {

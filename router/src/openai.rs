@@ -427,6 +427,30 @@ pub struct ChatRequest {
     pub common: Common,
 }
 
+/// `tools` as the template sees them: a tool without `type` (or with `null`) is a function,
+/// and says so, as vLLM fills it in before rendering (templates write `tool | tojson`).
+pub fn typed_tools(tools: &Value) -> Value {
+    let mut tools = tools.clone();
+    if let Some(list) = tools.as_array_mut() {
+        for t in list.iter_mut() {
+            if let Some(m) = t.as_object()
+                && m.get("type").is_none_or(Value::is_null)
+            {
+                // First, where a client that sends it writes it.
+                let mut typed = serde_json::Map::new();
+                typed.insert("type".into(), Value::String("function".into()));
+                typed.extend(
+                    m.iter()
+                        .filter(|(k, _)| *k != "type")
+                        .map(|(k, v)| (k.clone(), v.clone())),
+                );
+                *t = Value::Object(typed);
+            }
+        }
+    }
+    tools
+}
+
 /// Most functions a request may define.
 pub const MAX_TOOLS: usize = 128;
 
@@ -1409,6 +1433,18 @@ mod tests {
                 .unwrap(),
             ToolMode::Forced(_)
         ));
+    }
+
+    /// A tool without `type` reaches the template as the same tool with it (first, as clients
+    /// write it): `tool | tojson` renders one prompt either way, as vLLM's.
+    #[test]
+    fn untyped_tools_render_as_typed_ones() {
+        let typed = json!([{"type": "function", "function": {"name": "f"}}, {"type": "x"}]);
+        let bare = json!([{"function": {"name": "f"}}, {"type": "x"}]);
+        let null = json!([{"function": {"name": "f"}, "type": null}, {"type": "x"}]);
+        for t in [&typed, &bare, &null] {
+            assert_eq!(typed_tools(t).to_string(), typed.to_string());
+        }
     }
 
     #[test]

@@ -29,6 +29,8 @@ enum Mode {
     Floods,
     /// Finished at once, before any token (the end of sequence sampled first).
     Ends,
+    /// Answers `UNKNOWN` (as a connection broken mid-call reads: a worker the request crashed).
+    Breaks,
 }
 
 struct Fake {
@@ -66,6 +68,7 @@ impl TargetWorker for Fake {
                 Box::pin(tokio_stream::iter(vec![Ok(tokens), Ok(done)]))
             }
             Mode::Hangs => Box::pin(tokio_stream::pending()),
+            Mode::Breaks => return Err(Status::unknown("connection reset")),
             Mode::Ends => Box::pin(tokio_stream::iter(vec![Ok(GenerateEvent {
                 kind: Some(generate_event::Kind::Finished(Finished {
                     reason: "stop".into(),
@@ -521,6 +524,37 @@ async fn the_context_is_on_the_card_and_in_the_refusal() {
     assert_eq!(calls.load(Ordering::SeqCst), 0);
 }
 
+/// With `continuous_usage_stats`, every chat chunk that carries a choice carries that choice's
+/// usage so far (the role chunk first, at 0 tokens), as vLLM's.
+#[tokio::test]
+async fn continuous_usage_is_on_every_chat_chunk() {
+    let (good, _) = fake(Mode::Answers).await;
+    let app = router(&[good], &[]).await;
+    let events = sse(
+        &app,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2,
+               "stream": true, "stream_options": {"continuous_usage_stats": true}}),
+    )
+    .await;
+    let with_choices: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["choices"].as_array().is_some_and(|c| !c.is_empty()))
+        .collect();
+    assert!(with_choices.len() >= 4, "{events:?}");
+    for e in &with_choices {
+        let u = &e["usage"];
+        assert!(u["prompt_tokens"].as_u64().unwrap_or(0) > 0, "{e}");
+        let c = u["completion_tokens"].as_u64().expect("completion_tokens");
+        assert!(c <= 2, "per choice, not summed: {e}");
+        if e["choices"][0]["delta"]["role"] == "assistant" {
+            assert_eq!(c, 0, "{e}");
+        }
+    }
+    let last = events.last().expect("events");
+    assert_eq!(last["usage"]["completion_tokens"], 4, "{last}");
+}
+
 /// More than 256 sequences (prompts × n) are a 400 before admission.
 #[tokio::test]
 async fn more_than_256_sequences_are_a_400() {
@@ -758,6 +792,24 @@ async fn dead_targets_listed_first_do_not_cost_the_request() {
         );
         assert_eq!(calls.load(Ordering::SeqCst), n);
     }
+}
+
+/// A request whose workers' connections all break before its first event (it may be crashing
+/// them) is tried on two workers, not on every one in the cluster, then refused with a 503.
+#[tokio::test]
+async fn a_request_that_breaks_its_workers_is_tried_on_two() {
+    let mut all = Vec::new();
+    let mut counts = Vec::new();
+    for _ in 0..6 {
+        let (addr, calls) = fake(Mode::Breaks).await;
+        all.push(addr);
+        counts.push(calls);
+    }
+    let app = router(&all, &[]).await;
+    let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 2})).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    let calls: usize = counts.iter().map(|c| c.load(Ordering::SeqCst)).sum();
+    assert_eq!(calls, 2, "{body}");
 }
 
 /// A TCP relay to `to` whose connections all close when the returned sender says so: a
