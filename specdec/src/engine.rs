@@ -2108,8 +2108,8 @@ mod tests {
     /// A request whose state breaks an invariant fails alone: the step goes on, a request
     /// finishing in the same step is answered, the others run to the end, no block leaks,
     /// and nothing of the broken request enters the prefix cache.
-    #[test]
-    fn a_request_that_breaks_an_invariant_fails_alone() {
+    /// Plain decoding (no proposer) of the tiny llama, one thread, and its tokenizer.
+    fn tiny_engine() -> (Engine, Arc<Tokenizer>) {
         let p = tiny_model_path(&TinySpec::llama(11), "engine-unit").unwrap();
         let opts = LoadOptions {
             threads: 1,
@@ -2117,7 +2117,7 @@ mod tests {
         };
         let model = Arc::new(Model::load(&p, &opts).unwrap());
         let tok = Arc::new(Tokenizer::load(&p).unwrap());
-        let mut e = Engine::with_cost(
+        let e = Engine::with_cost(
             model,
             Some(tok.clone()),
             Box::new(NoProposer),
@@ -2125,6 +2125,12 @@ mod tests {
             CostModel::flat(4),
         )
         .unwrap();
+        (e, tok)
+    }
+
+    #[test]
+    fn a_request_that_breaks_an_invariant_fails_alone() {
+        let (mut e, tok) = tiny_engine();
         let prompt = tok
             .encode("the theater in there then rather inner")
             .unwrap();
@@ -2171,21 +2177,7 @@ mod tests {
     /// stops there.
     #[test]
     fn the_stop_string_is_kept_when_asked() {
-        let p = tiny_model_path(&TinySpec::llama(11), "engine-unit").unwrap();
-        let opts = LoadOptions {
-            threads: 1,
-            ..Default::default()
-        };
-        let model = Arc::new(Model::load(&p, &opts).unwrap());
-        let tok = Arc::new(Tokenizer::load(&p).unwrap());
-        let mut e = Engine::with_cost(
-            model,
-            Some(tok.clone()),
-            Box::new(NoProposer),
-            EngineConfig::default(),
-            CostModel::flat(4),
-        )
-        .unwrap();
+        let (mut e, tok) = tiny_engine();
         let prompt = tok.encode("the theater in there then").unwrap();
         let run = |e: &mut Engine, stop: Vec<String>, include: bool| {
             let mut r = Request::new(0, prompt.clone(), 24);

@@ -229,6 +229,35 @@ fn cfg(gamma: usize) -> EngineConfig {
     }
 }
 
+/// Runs `ps` (each to `max_tokens`) batched through an engine of `proposer` and `config`, and
+/// checks that each answer is `want`'s and that the KV cache is whole after.
+fn assert_batched_parity(
+    f: &Fixture,
+    proposer: Box<dyn Proposer>,
+    config: EngineConfig,
+    ps: &[Vec<u32>],
+    max_tokens: usize,
+    want: &[Vec<u32>],
+) {
+    let mut e = Engine::with_cost(
+        f.target.clone(),
+        Some(f.tok.clone()),
+        proposer,
+        config,
+        CostModel::flat(4),
+    )
+    .unwrap();
+    for (i, p) in ps.iter().enumerate() {
+        e.add(Request::new(i as u64, p.clone(), max_tokens))
+            .unwrap();
+    }
+    let got = collect(e.run_to_completion().unwrap());
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&got[&(i as u64)].0, w, "prompt {i}");
+    }
+    e.check_kv().unwrap();
+}
+
 /// Plain greedy decoding of every prompt (prompt `i` for `max_tokens(i)` tokens), then each
 /// (proposer, γ) of `runs` with everything queued at once (continuous batching, admitted as
 /// room allows), and, if `alone`, once more with one request at a time (each run to the end
@@ -1838,25 +1867,11 @@ fn pipelined_ping_pong_keeps_greedy_parity_and_uses_prefetched_drafts() {
         hits: hits.clone(),
         longest: Default::default(),
     };
-    let mut e = Engine::with_cost(
-        f.target.clone(),
-        Some(f.tok.clone()),
-        Box::new(p),
-        EngineConfig {
-            pingpong: true,
-            ..cfg(3)
-        },
-        CostModel::flat(4),
-    )
-    .unwrap();
-    for (i, p) in ps.iter().enumerate() {
-        e.add(Request::new(i as u64, p.clone(), 20)).unwrap();
-    }
-    let got = collect(e.run_to_completion().unwrap());
-    for (i, w) in want.iter().enumerate() {
-        assert_eq!(&got[&(i as u64)].0, w, "prompt {i}");
-    }
-    e.check_kv().unwrap();
+    let config = EngineConfig {
+        pingpong: true,
+        ..cfg(3)
+    };
+    assert_batched_parity(&f, Box::new(p), config, &ps, 20, &want);
     assert!(prefetches.load(std::sync::atomic::Ordering::Relaxed) > 0);
     assert!(
         hits.load(std::sync::atomic::Ordering::Relaxed) > 0,
@@ -2079,25 +2094,11 @@ fn a_request_the_gate_switched_off_gets_no_drafts_prefetched() {
         prefetched: prefetched.clone(),
         proposed: proposed.clone(),
     };
-    let mut e = Engine::with_cost(
-        f.target.clone(),
-        Some(f.tok.clone()),
-        Box::new(p),
-        EngineConfig {
-            gate: true,
-            ..cfg(3)
-        },
-        CostModel::flat(4),
-    )
-    .unwrap();
-    for (i, p) in ps.iter().enumerate() {
-        e.add(Request::new(i as u64, p.clone(), 160)).unwrap();
-    }
-    let got = collect(e.run_to_completion().unwrap());
-    for (i, w) in want.iter().enumerate() {
-        assert_eq!(&got[&(i as u64)].0, w, "prompt {i}");
-    }
-    e.check_kv().unwrap();
+    let config = EngineConfig {
+        gate: true,
+        ..cfg(3)
+    };
+    assert_batched_parity(&f, Box::new(p), config, &ps, 160, &want);
     let (pre, pro) = (
         prefetched.load(std::sync::atomic::Ordering::Relaxed),
         proposed.load(std::sync::atomic::Ordering::Relaxed),

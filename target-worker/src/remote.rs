@@ -2300,6 +2300,16 @@ mod tests {
         );
     }
 
+    /// Each link's draft worker described as reading these target layers.
+    fn layered(p: &RemoteProposer, links: &[(&String, Vec<u32>)]) {
+        for (addr, layers) in links {
+            *p.links[*addr].shared.info.lock().expect("info") = Some(WorkerInfo {
+                feature_layers: layers.clone(),
+                ..Default::default()
+            });
+        }
+    }
+
     /// Draft workers whose drafters read different target layers (a rolling update): the
     /// layers captured are one link's, the same whichever order the links are stored in, and
     /// the other link's requests are not sent rounds (its drafter would read the wrong
@@ -2309,12 +2319,7 @@ mod tests {
         let rt = test_runtime();
         let (a, b) = ("127.0.0.1:10".to_string(), "127.0.0.1:9".to_string());
         let mut p = two_links(&rt, &a, &b);
-        for (addr, layers) in [(&a, vec![0, 1]), (&b, vec![2, 3])] {
-            *p.links[addr].shared.info.lock().expect("info") = Some(WorkerInfo {
-                feature_layers: layers,
-                ..Default::default()
-            });
-        }
+        layered(&p, &[(&a, vec![0, 1]), (&b, vec![2, 3])]);
         // "127.0.0.1:10" < "127.0.0.1:9" as strings: the first by address is `a`.
         assert_eq!(p.feature_layers(), vec![0, 1]);
         let ctx = [1u32, 2, 3, 4];
@@ -2353,12 +2358,7 @@ mod tests {
         let rt = test_runtime();
         let (a, b) = ("127.0.0.1:10".to_string(), "127.0.0.1:9".to_string());
         let mut p = two_links(&rt, &a, &b);
-        for (addr, layers) in [(&a, vec![0, 1]), (&b, vec![2, 3])] {
-            *p.links[addr].shared.info.lock().expect("info") = Some(WorkerInfo {
-                feature_layers: layers,
-                ..Default::default()
-            });
-        }
+        layered(&p, &[(&a, vec![0, 1]), (&b, vec![2, 3])]);
         let captured = p.feature_layers();
         assert_eq!(captured, vec![0, 1]);
         take_down(&p, &a, Duration::ZERO);
