@@ -2750,6 +2750,30 @@ impl opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::Tra
     }
 }
 
+/// One target worker (one thread, the default model) and a router, both of the scheduler at
+/// `sched`, started with `env` set.
+fn target_and_router(sched: &str, env: &[(&str, &str)]) -> (Proc, Proc) {
+    let target = spawn_env(
+        "target",
+        &[
+            "target-worker",
+            "--model",
+            "smollm2-135m",
+            "--scheduler",
+            sched,
+            "--threads",
+            "1",
+        ],
+        env,
+    );
+    let router = spawn_env(
+        "router",
+        &["router", "--listen", "127.0.0.1:0", "--scheduler", sched],
+        env,
+    );
+    (target, router)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_an_otlp_collector_under_the_callers_trace() {
     let _s = serial();
@@ -2768,24 +2792,7 @@ async fn spans_reach_an_otlp_collector_under_the_callers_trace() {
     ];
     let scheduler = spawn_env("scheduler", &["scheduler", "--listen", "127.0.0.1:0"], &env);
     let sched = format!("http://{}", scheduler.addr);
-    let _target = spawn_env(
-        "target",
-        &[
-            "target-worker",
-            "--model",
-            "smollm2-135m",
-            "--scheduler",
-            &sched,
-            "--threads",
-            "1",
-        ],
-        &env,
-    );
-    let router = spawn_env(
-        "router",
-        &["router", "--listen", "127.0.0.1:0", "--scheduler", &sched],
-        &env,
-    );
+    let (_target, router) = target_and_router(&sched, &env);
     let url = format!("http://{}", router.addr);
     wait_for("cluster", Duration::from_secs(120), || ready(&url, 1, 0)).await;
     let trace = "0af7651916cd43dd8448eb211c80319c";
@@ -2870,24 +2877,7 @@ async fn a_cluster_token_admits_its_members_and_refuses_everyone_else() {
         ],
         &env,
     );
-    let target = spawn_env(
-        "target",
-        &[
-            "target-worker",
-            "--model",
-            "smollm2-135m",
-            "--scheduler",
-            &sched,
-            "--threads",
-            "1",
-        ],
-        &env,
-    );
-    let router = spawn_env(
-        "router",
-        &["router", "--listen", "127.0.0.1:0", "--scheduler", &sched],
-        &env,
-    );
+    let (target, router) = target_and_router(&sched, &env);
     let url = format!("http://{}", router.addr);
     // Registration (workers → scheduler) and placement (router → scheduler) carry the token.
     wait_for("cluster", Duration::from_secs(120), || ready(&url, 1, 1)).await;
