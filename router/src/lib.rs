@@ -1171,6 +1171,9 @@ async fn drive(
     let mut generated: Vec<u32> = Vec::new();
     let mut stats = SpecStats::default();
     let mut failed: Vec<String> = Vec::new();
+    // Where the current worker's part of `generated` starts: a worker lost mid-stream never
+    // reports the forwards behind its tokens.
+    let mut part_start = 0usize;
     let mut first_token = true;
     let mut ttft = 0.0f64;
     // Set when a chunk said it was the request's last.
@@ -1276,6 +1279,10 @@ async fn drive(
                     return;
                 }
                 Metrics::add(&app.metrics.failovers, 1);
+                // The lost worker's tokens came from forwards nobody reports: counted with the
+                // first tokens, so `tokens_per_forward` is the reporting workers' τ alone.
+                stats.first_tokens += (generated.len() - part_start) as u32;
+                part_start = generated.len();
                 let mut prompt = job.prompt.clone();
                 prompt.extend_from_slice(&generated);
                 // The prompt's log-probabilities come with the first tokens: ask again only

@@ -31,6 +31,8 @@ enum Mode {
     Ends,
     /// Answers `UNKNOWN` (as a connection broken mid-call reads: a worker the request crashed).
     Breaks,
+    /// Three tokens, then the stream breaks (`UNAVAILABLE`): a worker lost mid-answer.
+    Cuts,
 }
 
 struct Fake {
@@ -62,13 +64,28 @@ impl TargetWorker for Fake {
                 let done = GenerateEvent {
                     kind: Some(generate_event::Kind::Finished(Finished {
                         reason: "length".into(),
-                        stats: Some(SpecStats::default()),
+                        // Its first token from the prefill, the second from one verify forward.
+                        stats: Some(SpecStats {
+                            verify_forwards: 1,
+                            first_tokens: 1,
+                            ..Default::default()
+                        }),
                     })),
                 };
                 Box::pin(tokio_stream::iter(vec![Ok(tokens), Ok(done)]))
             }
             Mode::Hangs => Box::pin(tokio_stream::pending()),
             Mode::Breaks => return Err(Status::unknown("connection reset")),
+            Mode::Cuts => Box::pin(tokio_stream::iter(vec![
+                Ok(GenerateEvent {
+                    kind: Some(generate_event::Kind::Tokens(TokenChunk {
+                        ids: vec![97, 98, 99],
+                        text: "abc".into(),
+                        ..Default::default()
+                    })),
+                }),
+                Err(Status::unavailable("worker lost")),
+            ])),
             Mode::Ends => Box::pin(tokio_stream::iter(vec![Ok(GenerateEvent {
                 kind: Some(generate_event::Kind::Finished(Finished {
                     reason: "stop".into(),
@@ -191,6 +208,32 @@ async fn a_request_failed_before_its_first_token_is_placed_again() {
         "the failing worker was tried"
     );
     assert_eq!(good_calls.load(Ordering::SeqCst), 6);
+}
+
+/// After a worker is lost mid-answer, `usage.dspark.tokens_per_forward` is the τ of the
+/// forwards reported (the worker that finished): the lost worker's tokens, whose forwards
+/// nobody reports, are not spread over them.
+#[tokio::test]
+async fn tokens_per_forward_after_a_failover_counts_only_reported_forwards() {
+    let (cuts, cut_calls) = fake(Mode::Cuts).await;
+    let (good, _) = fake(Mode::Answers).await;
+    let app = router(&[cuts, good], &[]).await;
+    let mut resumed = 0;
+    for i in 0..6 {
+        let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 8})).await;
+        assert_eq!(status, StatusCode::OK, "request {i}: {body}");
+        let text = body["choices"][0]["text"].as_str().unwrap_or_default();
+        let usage = &body["usage"];
+        if text == "abchi" {
+            resumed += 1;
+            assert_eq!(usage["completion_tokens"], 5, "{body}");
+        } else {
+            assert_eq!(text, "hi", "{body}");
+        }
+        // (2 tokens - 1 from the prefill) / 1 verify forward, failed over or not.
+        assert_eq!(usage["dspark"]["tokens_per_forward"], 1.0, "{body}");
+    }
+    assert!(cut_calls.load(Ordering::SeqCst) > 0 && resumed > 0);
 }
 
 /// A request that can never fit the context is a 400 (`max_tokens`), even while the cluster
