@@ -125,6 +125,9 @@ def check_schema(helm, values_sets):
             ({"targetWorker": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": "0%"}}},
              "a rolling update that may neither surge nor take a pod down"),
             ({"targetWorker": {"rollingUpdate": {"maxSurge": "one"}}}, "a surge that is neither a count nor a percentage"),
+            # Its unsalted sha256 rolls the routers (checksum/api-key): a short key could be
+            # recovered from it by whoever may read pods.
+            ({"router": {"apiKey": {"value": "sk-short"}}}, "an API key under 16 characters"),
         ]
         for v, what in bad:
             try:
@@ -162,7 +165,7 @@ def check_schema(helm, values_sets):
          {"is_upgrade": True, "is_install": False}),
         ({"networkPolicy": {"enabled": False}, "etcd": {"allowUnprotected": True}},
          "no NetworkPolicies, etcd knowingly unprotected", {}),
-        ({"router": {"service": {"type": "NodePort"}, "apiKey": {"value": "sk-x"}}}, "a NodePort with an API key", {}),
+        ({"router": {"service": {"type": "NodePort"}, "apiKey": {"value": "sk-0123456789abcdef"}}}, "a NodePort with an API key", {}),
     ]
     for v, what, opts in good_renders:
         try:
@@ -203,7 +206,7 @@ def check_fetch_and_policies(helm):
     check_hardening(docs, "listenHost [::]", "[::]")
     # A new API key rolls the routers; the cluster token outlives the release.
     ann = [workload(render(helm, {"router": {"apiKey": {"value": k}}}), "-router")["metadata"]["annotations"]
-           .get("checksum/api-key") for k in ("sk-one", "sk-two")]
+           .get("checksum/api-key") for k in ("sk-one-0123456789", "sk-two-0123456789")]
     if not ann[0] or ann[0] == ann[1]:
         fail(f"the router pods do not change with the API key: {ann}")
     tok = next(d for d in render(helm, {}) if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-cluster-token"))
