@@ -683,6 +683,8 @@ const SCALE_BUCKETS: usize = 256;
 #[derive(Clone, Debug)]
 pub struct ConfReport {
     pub step: u64,
+    /// Steps on, the step whose budget these confidences decide (the policy's lag).
+    pub lag: u32,
     pub rows: Vec<Vec<f32>>,
     pub other_tokens: u32,
     pub plain_requests: u32,
@@ -743,11 +745,29 @@ pub fn central_budget(
     (if judged == Some(true) { 0 } else { k }, judged)
 }
 
-/// A budget pushed by the central scheduler for a given engine step.
+/// Budgets pushed by the central scheduler, each for one engine step, the last few kept by
+/// step: a budget answered for step t+2 while the one for t+1 is still to be used leaves that
+/// one in place (a single slot overwrote it, and the step before used the newer budget: a lag
+/// of one, and under ping-pong the other micro-batch's).
 #[derive(Clone, Copy, Debug)]
 pub struct ExternalBudget {
-    pub for_step: u64,
-    pub k_total: u32,
+    /// `(for_step, k_total)` at `for_step % RECENT`; `u64::MAX`: none.
+    recent: [(u64, u32); ExternalBudget::RECENT],
+}
+
+impl ExternalBudget {
+    const RECENT: usize = 8;
+
+    /// Stores the budget for `for_step`.
+    pub fn set(&mut self, for_step: u64, k_total: u32) {
+        self.recent[(for_step % Self::RECENT as u64) as usize] = (for_step, k_total);
+    }
+
+    /// The budget for `step`, when one was answered for exactly that step.
+    pub fn at(&self, step: u64) -> Option<u32> {
+        let (s, k) = self.recent[(step % Self::RECENT as u64) as usize];
+        (s == step).then_some(k)
+    }
 }
 
 /// No budget yet: one for no step. A default for step 0 was taken as the central budget of
@@ -755,8 +775,7 @@ pub struct ExternalBudget {
 impl Default for ExternalBudget {
     fn default() -> Self {
         Self {
-            for_step: u64::MAX,
-            k_total: 0,
+            recent: [(u64::MAX, 0); Self::RECENT],
         }
     }
 }
@@ -843,24 +862,22 @@ impl ConfidencePolicy {
         budget
     }
 
-    /// The central scheduler's budget when it is fresh for this step (in `select`, after
-    /// `steps` counted it).
+    /// The central scheduler's budget for this step (in `select`, after `steps` counted it).
     fn central_budget_now(&self) -> Option<u32> {
-        self.external
-            .as_ref()
-            .and_then(|e| e.lock().ok().map(|b| *b))
-            .filter(|b| b.for_step.saturating_add(1) >= self.steps && b.for_step <= self.steps + 1)
-            .map(|b| b.k_total)
+        self.central_budget_for(self.steps)
     }
 
-    /// The central scheduler's budget when it is fresh for the coming step.
+    /// The central scheduler's budget for the coming step.
     fn central_budget(&self) -> Option<u32> {
-        let next = self.steps + 1;
+        self.central_budget_for(self.steps + 1)
+    }
+
+    /// The budget answered for exactly `step`: one for a step before or after it was decided
+    /// from other confidences (under ping-pong, the other micro-batch's).
+    fn central_budget_for(&self, step: u64) -> Option<u32> {
         self.external
             .as_ref()
-            .and_then(|e| e.lock().ok().map(|b| *b))
-            .filter(|b| b.for_step.saturating_add(1) >= next && b.for_step <= next + 1)
-            .map(|b| b.k_total)
+            .and_then(|e| e.lock().ok().and_then(|b| b.at(step)))
     }
 
     /// Drafting seconds of a step that drafts blocks of `block` positions for `width`
@@ -1189,6 +1206,9 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
     ) -> Vec<usize> {
         let t0 = std::time::Instant::now();
         self.steps += 1;
+        // Whether `planned` took this step's budget from the central scheduler: only this
+        // step's (a step the engine did not plan, with no decoding request, inherited it).
+        let planned_central = std::mem::take(&mut self.planned_central);
         self.step_is_decode = other_tokens == 0 && conf.len() + plain_requests > 0;
         if conf.is_empty() && self.lag > 0 {
             // Nothing drafted (a planned zero budget, or no decoding request): no confidences to
@@ -1199,13 +1219,12 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 self.budgets.pop_front();
             }
             // The step still ran on a budget (a planned zero): count where it came from.
-            let counter = if self.planned_central {
+            let counter = if planned_central {
                 &self.central_steps
             } else {
                 &self.local_steps
             };
             counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            self.planned_central = false;
             self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
             return Vec::new();
         }
@@ -1220,7 +1239,6 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
             .saturating_add(step.other_tokens);
         if self.lag > 0 && base > self.sps.max_batch() {
             let budget = self.queue_and_take(self.last_real);
-            self.planned_central = false;
             let k = self.adm.select_top(conf, &limits, budget);
             self.last_decision_us = t0.elapsed().as_secs_f64() * 1e6;
             return k.into_iter().map(|x| x as usize).collect();
@@ -1309,10 +1327,12 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
                 prices = Some(self.step_prices(conf, reqs, step, step_plain));
             }
         }
-        if let Some(tx) = &self.report {
+        // Without a lag this step's decision is its own: no budget for a later step to ask for.
+        if let Some(tx) = self.report.as_ref().filter(|_| self.lag > 0) {
             let _ = tx.try_send(ConfReport {
                 prices,
                 step: self.steps,
+                lag: self.lag as u32,
                 rows: conf.iter().map(|c| c.to_vec()).collect(),
                 other_tokens: step.other_tokens,
                 plain_requests: step.plain_requests,
@@ -1323,6 +1343,9 @@ impl specdec::VerifyPolicy for ConfidencePolicy {
         }
         self.last_real = now;
         let k = if self.lag == 0 {
+            // Decided here, from this step's drafts: a local budget.
+            self.local_steps
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             d.k
         } else if std::mem::take(&mut self.probing) {
             // A probe drafted to refresh the confidences: its decision applies now and to the
@@ -1743,10 +1766,7 @@ mod tests {
                             let (k, judged) =
                                 central_budget(&mut adm, &refs, r.max_k, step, &sps, &prices);
                             priced |= judged.is_some();
-                            *slot.lock().unwrap() = ExternalBudget {
-                                for_step: r.step + 2,
-                                k_total: k,
-                            };
+                            slot.lock().unwrap().set(r.step + 2, k);
                         }
                         drafted
                     })
@@ -1782,6 +1802,78 @@ mod tests {
         let (_, dear, _) = scenario(true, false);
         let tail = dear[30..].iter().filter(|&&d| d).count();
         assert!(tail > 20, "{dear:?}");
+    }
+
+    /// A central budget is used at the step it was answered for, two steps after the
+    /// confidences it came from, as the local queue uses its own; under ping-pong that is the
+    /// same micro-batch's last turn. With one slot, the answer for step t+2 overwrote the one
+    /// for t+1 and was taken at t+1: each step ran on the other micro-batch's budget.
+    #[test]
+    fn central_budgets_apply_at_their_own_step_under_alternating_batches() {
+        use specdec::VerifyPolicy;
+        use std::sync::{Arc, Mutex};
+        let sps = SpsTable::new(vec![(16, 100.0), (256, 20.0)]).unwrap();
+        // Micro-batch A: four confident requests; B: one doubtful one.
+        let a = [[0.95f32; 4]; 4];
+        let b = [[0.2f32; 4]; 1];
+        let rows_a: Vec<&[f32]> = a.iter().map(|r| r.as_slice()).collect();
+        let rows_b: Vec<&[f32]> = b.iter().map(|r| r.as_slice()).collect();
+        let run = |central: bool| -> (Vec<Vec<usize>>, u64) {
+            let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 4);
+            let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+            let slot = Arc::new(Mutex::new(ExternalBudget::default()));
+            if central {
+                p.report = Some(tx);
+                p.external = Some(slot.clone());
+            }
+            let mut adm = Admission::default();
+            let mut out = Vec::new();
+            for i in 0..60 {
+                let drafted = p.planned() != Some(0);
+                let rows: &[&[f32]] = match (drafted, i % 2) {
+                    (false, _) => &[],
+                    (true, 0) => &rows_a,
+                    (true, _) => &rows_b,
+                };
+                out.push(p.select(rows, 0, 0, 1 << 20));
+                // The central scheduler answers before the next step, for the one two on.
+                while let Ok(r) = rx.try_recv() {
+                    let refs: Vec<&[f32]> = r.rows.iter().map(|c| c.as_slice()).collect();
+                    let step = StepLimits {
+                        max_batch_tokens: r.max_batch_tokens,
+                        kv_headroom: r.kv_headroom,
+                        other_tokens: r.other_tokens,
+                        plain_requests: r.plain_requests,
+                    };
+                    let (k, _) = central_budget(
+                        &mut adm,
+                        &refs,
+                        r.max_k,
+                        step,
+                        &sps,
+                        &StepPrices::default(),
+                    );
+                    slot.lock().unwrap().set(r.step + u64::from(r.lag), k);
+                }
+            }
+            (
+                out,
+                p.central_steps.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        };
+        let (central, used) = run(true);
+        let (local, _) = run(false);
+        assert!(used > 10, "central budgets were used: {used}");
+        // Both micro-batches drafted and were verified at their own budgets.
+        let verified = |ks: &[Vec<usize>], parity: usize| -> usize {
+            ks.iter()
+                .skip(parity)
+                .step_by(2)
+                .map(|k| k.iter().sum::<usize>())
+                .sum()
+        };
+        assert!(verified(&local, 0) > verified(&local, 1), "{local:?}");
+        assert_eq!(central, local);
     }
 
     /// A worker whose scheduler has not answered runs on local budgets, and counts them so.

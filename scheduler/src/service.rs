@@ -219,6 +219,18 @@ pub(crate) fn check_info(i: &WorkerInfo) -> Result<(), Status> {
             )));
         }
     }
+    // A table that cannot price a budget (empty steps/s, NaN, rising with B) is refused at
+    // registration: accepted, it failed every budget call later, the worker left on local
+    // budgets with nothing said why.
+    if !i.sps.is_empty() {
+        crate::admission::SpsTable::new(
+            i.sps
+                .iter()
+                .map(|s| (s.batch_tokens, s.steps_per_s))
+                .collect(),
+        )
+        .map_err(|e| Status::invalid_argument(format!("sps: {e}")))?;
+    }
     if i.role != crate::placement::ROLE_TARGET && i.role != crate::placement::ROLE_DRAFT {
         return Err(Status::invalid_argument(format!(
             "role must be `target` or `draft`, not `{}`",
@@ -405,7 +417,9 @@ impl Scheduler for SchedulerService {
         }
         self.counts.budgets.fetch_add(1, Ordering::Relaxed);
         Ok(Response::new(BudgetReply {
-            for_step: r.step.saturating_add(2),
+            for_step: r
+                .step
+                .saturating_add(if r.lag == 0 { 2 } else { u64::from(r.lag) }),
             k_total,
         }))
     }

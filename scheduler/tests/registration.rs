@@ -248,6 +248,30 @@ async fn oversized_registrations_are_refused_and_extreme_counts_answer() {
         assert!(e.message().contains("at most"), "{e:?}");
     }
     assert!(ids(&url).await.is_empty());
+    // A table no budget can be priced from is refused at registration, with why.
+    let step = |b: u32, s: f64| dspark_proto::SpsStep {
+        batch_tokens: b,
+        steps_per_s: s,
+    };
+    for (table, why) in [
+        (vec![step(64, f64::NAN)], "NaN steps/s"),
+        (vec![step(64, 0.0)], "zero steps/s"),
+        (
+            vec![step(16, 50.0), step(64, 100.0)],
+            "steps/s rising with B",
+        ),
+    ] {
+        let e = c
+            .register(WorkerInfo {
+                sps: table,
+                ..base()
+            })
+            .await
+            .expect_err(why);
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{why}: {e:?}");
+        assert!(e.message().starts_with("sps:"), "{why}: {e:?}");
+    }
+    assert!(ids(&url).await.is_empty());
 
     // A draft worker reporting u32::MAX load, a target to pair it with, and placements.
     let sps = vec![dspark_proto::SpsStep {

@@ -113,7 +113,8 @@ pub struct TargetArgs {
     /// when it answers in time).
     #[arg(long, env = "DSPARK_VERIFY_POLICY", default_value = "gate")]
     pub verify_policy: String,
-    /// Steps between the confidences a budget is computed from and the step it applies to.
+    /// Steps between the confidences a budget is computed from and the step it applies to
+    /// (0..=8; 0: each step decides on its own drafts, with no central budgets).
     #[arg(long, env = "DSPARK_BUDGET_LAG", default_value_t = 2)]
     pub budget_lag: usize,
     /// SPS(B) profiling grid (total batch tokens) when no cached profile matches.
@@ -204,6 +205,21 @@ pub fn check_engine_args(
     Ok(())
 }
 
+/// Most steps a budget may lag its confidences: the central scheduler's answers are kept for
+/// the last eight steps, and a budget decided from older confidences decides from stale ones.
+pub const MAX_BUDGET_LAG: usize = 8;
+
+/// `--budget-lag` within 0..=[`MAX_BUDGET_LAG`], checked before the model loads (a huge lag
+/// was a queue of that many budgets allocated after it: an abort minutes into the start).
+pub fn check_budget_lag(lag: usize) -> std::result::Result<(), String> {
+    if lag > MAX_BUDGET_LAG {
+        return Err(format!(
+            "--budget-lag {lag} out of range 0..={MAX_BUDGET_LAG}"
+        ));
+    }
+    Ok(())
+}
+
 fn parse_dtype(s: &str) -> Result<dspark_proto::Dtype> {
     match s {
         "f32" => Ok(dspark_proto::Dtype::F32),
@@ -222,6 +238,7 @@ pub async fn run(args: TargetArgs) -> Result<()> {
     let isa = args.isa;
     check_engine_args(args.gamma, args.max_running, &args.verify_policy)
         .map_err(TargetError::Config)?;
+    check_budget_lag(args.budget_lag).map_err(TargetError::Config)?;
     // Before the model loads (minutes): a typo must not cost a load per restart.
     if let Some(k) = &args.local_drafter {
         specdec::ProposerKind::parse(k, drafter::build::default_draft_for(&args.model))
@@ -714,6 +731,7 @@ fn spawn_budget_client(
             .tcp_nodelay(true)
             .connect_lazy();
         let mut client = dspark_proto::scheduler_client::SchedulerClient::new(auth.channel(ch));
+        let mut refused = false;
         while let Some(mut r) = reports.recv().await {
             // Reports queued while the last call was out are stale: only the newest can
             // still get a budget in time.
@@ -723,6 +741,7 @@ fn spawn_budget_client(
             let req = dspark_proto::BudgetRequest {
                 worker_id: worker.clone(),
                 step: r.step,
+                lag: r.lag,
                 rows: r
                     .rows
                     .into_iter()
@@ -740,11 +759,17 @@ fn spawn_budget_client(
                 Ok(Ok(b)) => {
                     let b = b.into_inner();
                     if let Ok(mut s) = slot.lock() {
-                        *s = dspark_scheduler::admission::ExternalBudget {
-                            for_step: b.for_step,
-                            k_total: b.k_total,
-                        };
+                        s.set(b.for_step, b.k_total);
                     }
+                }
+                // The first refusal is said aloud: one that repeats leaves the worker on
+                // local budgets for good.
+                Ok(Err(e)) if !refused => {
+                    refused = true;
+                    tracing::warn!(
+                        "central budget refused (local budgets meanwhile): {}",
+                        e.message()
+                    );
                 }
                 Ok(Err(e)) => tracing::debug!("central budget refused: {}", e.message()),
                 Err(_) => tracing::debug!("central budget late"),
@@ -786,6 +811,12 @@ mod tests {
         // Parsed arguments reach the same check in `run`, before anything loads.
         let a = TargetArgs::try_parse_from(["target-worker", "--max-running", "0"]).unwrap();
         assert!(check_engine_args(a.gamma, a.max_running, &a.verify_policy).is_err());
+        // A lag past the kept budgets is refused; the usual ones pass.
+        for ok in [0, 2, MAX_BUDGET_LAG] {
+            assert!(check_budget_lag(ok).is_ok(), "{ok}");
+        }
+        let e = check_budget_lag(usize::MAX).unwrap_err();
+        assert!(e.contains("--budget-lag"), "{e}");
     }
 
     #[test]
