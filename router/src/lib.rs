@@ -2113,15 +2113,21 @@ async fn serve(
         tokio::spawn(
             async move {
                 while let Some((i, job)) = jobs.pop_front() {
-                    match room.acquire().await {
+                    // A client that left (or a request that failed) while no sequence runs
+                    // gives no permit back: this waits on its channel too, or it waited for
+                    // ever, holding the prompts and the request's span open.
+                    let permit = tokio::select! {
+                        biased;
+                        _ = tx.closed() => return,
+                        p = room.acquire() => p,
+                    };
+                    match permit {
                         Ok(p) => p.forget(),
                         Err(_) => return,
                     }
-                    if tx.is_closed() {
-                        return;
-                    }
                     // Each opens on its own, so one prefill does not wait for another's.
                     let (app, tx, run) = (Arc::clone(&app), tx.clone(), run.clone());
+                    let room = Arc::clone(&room);
                     tokio::spawn(async move {
                         // A full cluster (placement counts lag the workers' reports, other
                         // routers' requests hold room) is waited out, up to a limit.
@@ -2134,14 +2140,20 @@ async fn serve(
                         // worker's prefill).
                         let opened = tokio::select! {
                             biased;
-                            _ = tx.closed() => return,
-                            o = opening => o,
+                            _ = tx.closed() => None,
+                            o = opening => Some(o),
                         };
                         match opened {
-                            Ok((target, stream, first)) => run(i, job, target, stream, first, tx),
-                            Err(e) => {
-                                let _ = tx.send((i, Piece::Error(e))).await;
+                            Some(Ok((target, stream, first))) => {
+                                run(i, job, target, stream, first, tx)
                             }
+                            // No sequence started: its place goes back (a running one gives
+                            // it back as it ends).
+                            Some(Err(e)) => {
+                                let _ = tx.send((i, Piece::Error(e))).await;
+                                room.add_permits(1);
+                            }
+                            None => room.add_permits(1),
                         }
                     });
                 }

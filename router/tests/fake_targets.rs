@@ -33,6 +33,8 @@ enum Mode {
     Breaks,
     /// Three tokens, then the stream breaks (`UNAVAILABLE`): a worker lost mid-answer.
     Cuts,
+    /// Answers its first call as `Answers`; refuses every later one (`INVALID_ARGUMENT`).
+    AnswersOnce,
 }
 
 struct Fake {
@@ -47,8 +49,15 @@ impl TargetWorker for Fake {
     type GenerateStream = Events;
 
     async fn generate(&self, _: GrpcRequest<GenerateRequest>) -> Result<Response<Events>, Status> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        let s: Events = match self.mode {
+        let nth = self.calls.fetch_add(1, Ordering::SeqCst);
+        let mode = match self.mode {
+            Mode::AnswersOnce if nth > 0 => {
+                return Err(Status::invalid_argument("refused after the first"));
+            }
+            Mode::AnswersOnce => Mode::Answers,
+            m => m,
+        };
+        let s: Events = match mode {
             Mode::Fails => Box::pin(tokio_stream::iter(vec![Err(Status::internal(
                 "engine: the step failed",
             ))])),
@@ -75,7 +84,7 @@ impl TargetWorker for Fake {
                 Box::pin(tokio_stream::iter(vec![Ok(tokens), Ok(done)]))
             }
             Mode::Hangs => Box::pin(tokio_stream::pending()),
-            Mode::Breaks => return Err(Status::unknown("connection reset")),
+            Mode::Breaks | Mode::AnswersOnce => return Err(Status::unknown("connection reset")),
             Mode::Cuts => Box::pin(tokio_stream::iter(vec![
                 Ok(GenerateEvent {
                     kind: Some(generate_event::Kind::Tokens(TokenChunk {
@@ -137,6 +146,11 @@ async fn fake(mode: Mode) -> (String, Arc<AtomicUsize>) {
 /// A router over `targets` (static, no scheduler) serving the tiny model's tokenizer, once
 /// every target answered its first `Info` (the context limit comes from there).
 async fn router(targets: &[String], extra: &[&str]) -> axum::Router {
+    router::app(state(targets, extra).await)
+}
+
+/// The router's state for [`router`].
+async fn state(targets: &[String], extra: &[&str]) -> Arc<router::App> {
     use clap::Parser;
     let spec = dspark_runtime::tiny::TinySpec::llama(7);
     let model = dspark_runtime::tiny::tiny_model_path(&spec, "router-fake").expect("tiny model");
@@ -165,7 +179,7 @@ async fn router(targets: &[String], extra: &[&str]) -> axum::Router {
         64,
         "targets answered Info"
     );
-    router::app(app)
+    app
 }
 
 async fn post(app: &axum::Router, body: Value) -> (StatusCode, Value) {
@@ -234,6 +248,32 @@ async fn tokens_per_forward_after_a_failover_counts_only_reported_forwards() {
         assert_eq!(usage["dspark"]["tokens_per_forward"], 1.0, "{body}");
     }
     assert!(cut_calls.load(Ordering::SeqCst) > 0 && resumed > 0);
+}
+
+/// A request of several sequences, run one after another (a window of one), whose second
+/// sequence fails to open ends without leaving its last sequence's task waiting for a place
+/// that nothing would give back (it held the router's state, the prompts and the span).
+#[tokio::test]
+async fn a_failed_later_sequence_leaves_no_task_waiting() {
+    let (once, calls) = fake(Mode::AnswersOnce).await;
+    let st = state(&[once], &["--max-inflight", "2"]).await;
+    let app = router::app(Arc::clone(&st));
+    let baseline = Arc::strong_count(&st);
+    let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 2, "n": 3})).await;
+    assert!(status.is_client_error(), "{status} {body}");
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "one after another");
+    let mut held = Arc::strong_count(&st);
+    for _ in 0..100 {
+        if held <= baseline {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        held = Arc::strong_count(&st);
+    }
+    assert!(
+        held <= baseline,
+        "{held} holders of the state, {baseline} before"
+    );
 }
 
 /// A request that can never fit the context is a 400 (`max_tokens`), even while the cluster
