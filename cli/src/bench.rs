@@ -166,9 +166,7 @@ pub fn run(g: &Global, cmd: BenchCmd) -> anyhow::Result<()> {
     }
 }
 
-pub(crate) fn command_line() -> String {
-    std::env::args().collect::<Vec<_>>().join(" ")
-}
+pub(crate) use crate::config::command_line;
 
 /// Writes `v` to `path` (if given), with the run's provenance (see [`provenance`]) added to an
 /// object's top level where it does not already hold those keys.
@@ -719,7 +717,13 @@ fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
             )?;
             logits.extend_from_slice(&o.logits);
         }
-        result.push((m.isa().name(), m.cfg.vocab_size, logits));
+        result.push((
+            m.isa().name(),
+            m.cfg.vocab_size,
+            logits,
+            m.kv_dtype().name(),
+            m.threads(),
+        ));
     }
     let v = result[0].1;
     let (q, d) = (&result[0].2, &result[1].2);
@@ -751,8 +755,11 @@ fn accuracy(g: &Global, a: AccuracyArgs) -> anyhow::Result<()> {
         kl_max,
         result[0].0
     )?;
+    // The forward under test's cache and threads (the reference's cache is f32).
     let out = json!({
         "model": a.model, "positions": ids.len(), "isa": result[0].0, "command": command_line(),
+        "kv_cache_dtype": result[0].3, "reference_kv_cache_dtype": result[1].3,
+        "threads": result[0].4,
         "top1_agreement": agree as f64 / n, "mean_kl": kl / n, "max_kl": kl_max,
     });
     write_json(&a.json, &out)
@@ -876,11 +883,20 @@ fn spec_bench(g: &Global, a: SpecArgs) -> anyhow::Result<()> {
     // `concurrency`, and each group runs on every arm back to back, in a seeded shuffled order:
     // arms are compared on the same prompts within seconds of each other, so a slow spell of
     // this shared machine hits them alike instead of landing on one arm.
+    // Every engine is alive at once: each one's KV cache holds this workload (the longest
+    // prompt and answer per running request), not `concurrency` whole contexts.
+    let longest = ids.iter().map(|p| p.len()).max().unwrap_or(0) + a.max_tokens;
     let mut engines = Vec::with_capacity(arms.len());
     for (k, gm, sched) in &arms {
         let proposer = crate::spec::build_proposer(g, k, &target, &mut drafts)?;
-        let mut e =
-            crate::spec::engine(&target, proposer, (*gm).max(1), !a.no_gate, a.concurrency)?;
+        let mut e = crate::spec::engine_for_workload(
+            &target,
+            proposer,
+            (*gm).max(1),
+            !a.no_gate,
+            a.concurrency,
+            longest,
+        )?;
         if let (true, Some(sps)) = (*sched, &sps) {
             e.set_policy(Some(Box::new(
                 dspark_scheduler::admission::ConfidencePolicy::new(
@@ -1237,7 +1253,7 @@ pub fn mask_bench(g: &Global, a: MaskArgs) -> anyhow::Result<()> {
             "fast_us": median(&mut times[0]), "validator_us": median(&mut times[1])}));
     }
     let out = serde_json::json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "command": crate::config::command_line(),
         "model": a.model, "vocab": vocab, "iters": a.iters, "cases": out_cases,
     });
     out!("{}", serde_json::to_string_pretty(&out)?)?;
@@ -1347,7 +1363,7 @@ pub fn sched_bench(a: SchedArgs) -> anyhow::Result<()> {
         }));
     }
     let out = serde_json::json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "command": crate::config::command_line(),
         "requests": a.requests,
         "gamma": a.gamma,
         "median_us": head_med,
@@ -1361,6 +1377,42 @@ pub fn sched_bench(a: SchedArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `bench accuracy` records the cache element type and the threads of the forward it
+    /// tested (a tiny seeded model, a few positions).
+    #[test]
+    fn accuracy_records_its_cache_type_and_threads() {
+        let dir = std::env::temp_dir().join(format!("dspark-acc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let m = dir.join("tiny.gguf");
+        dspark_runtime::tiny::write_gguf(&dspark_runtime::tiny::TinySpec::llama(3), &m).unwrap();
+        let g = crate::config::GlobalArgs {
+            home: Some(dir.clone()),
+            python: "python3".into(),
+            threads: 1,
+            isa: None,
+            kv_cache_dtype: Some("int8v".into()),
+        }
+        .validate()
+        .unwrap();
+        let out = dir.join("acc.json");
+        accuracy(
+            &g,
+            AccuracyArgs {
+                model: m.display().to_string(),
+                positions: 8,
+                text: None,
+                json: Some(out.clone()),
+            },
+        )
+        .unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        assert_eq!(v["kv_cache_dtype"], "int8v", "{v}");
+        assert_eq!(v["reference_kv_cache_dtype"], "f32", "{v}");
+        assert_eq!(v["threads"], 1, "{v}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn held_out_prompt_sets_are_distinct_from_every_other_set() {

@@ -157,6 +157,51 @@ pub fn positive(s: &str) -> Result<f64, String> {
     }
 }
 
+/// The command line that started this process, for the provenance of a result file: each
+/// argument as it was given, any that is not UTF-8 with its invalid bytes replaced (`U+FFFD`)
+/// instead of a panic.
+pub fn command_line() -> String {
+    join_args(std::env::args_os())
+}
+
+/// [`command_line`] over given arguments.
+pub fn join_args<I, T>(args: I) -> String
+where
+    I: IntoIterator<Item = T>,
+    T: AsRef<std::ffi::OsStr>,
+{
+    args.into_iter()
+        .map(|a| a.as_ref().to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The longest simulated time `dspark plan` takes for `--seconds` or `--warmup`: an hour.
+/// Closed-loop shapes simulate what these say, and a mistyped 1e7 would run for hours.
+pub const MAX_SIM_SECONDS: f64 = 3600.0;
+
+/// Value parser for `dspark plan --seconds`: finite, positive, at most [`MAX_SIM_SECONDS`].
+pub fn sim_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= MAX_SIM_SECONDS => Ok(v),
+        Ok(v) => Err(format!(
+            "{v} is not in (0, {MAX_SIM_SECONDS}] simulated seconds (at most an hour)"
+        )),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Value parser for `dspark plan --warmup`: finite, ≥ 0, at most [`MAX_SIM_SECONDS`].
+pub fn sim_warmup(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=MAX_SIM_SECONDS).contains(&v) => Ok(v),
+        Ok(v) => Err(format!(
+            "{v} is not in [0, {MAX_SIM_SECONDS}] simulated seconds (at most an hour)"
+        )),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Value parser for a duration in seconds: finite, positive, at most a day.
 pub fn seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -216,6 +261,15 @@ mod tests {
         for bad in ["0", "-1", "inf", "NaN", "1e300"] {
             assert!(seconds(bad).is_err(), "{bad}");
         }
+        assert_eq!(sim_seconds("3600"), Ok(3600.0));
+        assert_eq!(sim_warmup("0"), Ok(0.0));
+        for bad in ["0", "-1", "3600.5", "1e7", "inf", "NaN", "x"] {
+            assert!(sim_seconds(bad).is_err(), "{bad}");
+        }
+        for bad in ["-1", "3601", "1e7", "inf", "NaN"] {
+            assert!(sim_warmup(bad).is_err(), "{bad}");
+        }
+        assert!(sim_seconds("1e7").unwrap_err().contains("at most an hour"));
         let dir = std::env::temp_dir().join(format!("dspark-out-{}", std::process::id()));
         let out = dir.join("a/b.json");
         check_outputs(&[None, Some(&out)]).unwrap();
@@ -227,5 +281,20 @@ mod tests {
         let e = check_outputs(&[Some(&under_a_file)]).unwrap_err();
         assert!(format!("{e:#}").contains("c.json"), "{e:#}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// An argument that is not UTF-8 is recorded with its bad bytes replaced, not a panic.
+    #[cfg(unix)]
+    #[test]
+    fn a_command_line_that_is_not_utf8_is_recorded_lossily() {
+        use std::ffi::OsStr;
+        use std::os::unix::ffi::OsStrExt;
+        let args = [
+            OsStr::new("dspark"),
+            OsStr::new("--json"),
+            OsStr::from_bytes(b"out-\xff.json"),
+        ];
+        assert_eq!(join_args(args), "dspark --json out-\u{fffd}.json");
+        assert!(!command_line().is_empty());
     }
 }

@@ -6,7 +6,6 @@ use crate::config::Global;
 use clap::Args;
 use dspark_runtime::model::{ForwardOptions, LogitsMode, SeqInput};
 use serde_json::json;
-use specdec::ProposerKind;
 use specdec::proposer::ProposeReq;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -15,7 +14,8 @@ use std::time::Instant;
 pub struct DraftArgs {
     #[arg(long, default_value = dspark_runtime::fetch::DEFAULT_MODEL)]
     pub model: String,
-    /// dspark[:DIR] (the shipped drafter by default), ngram, draft-model[:NAME].
+    /// dspark[:DIR] (the shipped drafter by default) or a checkpoint DIR, ngram,
+    /// draft-model[:NAME].
     #[arg(long, default_value = "dspark")]
     pub drafter: String,
     /// chat | code | math
@@ -36,6 +36,15 @@ pub struct DraftArgs {
     pub json: Option<PathBuf>,
 }
 
+/// Refuses a block length outside `1..=max` (the drafter's longest block, or the engine's
+/// [`specdec::MAX_GAMMA`] for a drafter without one).
+fn check_gammas(gammas: &[usize], max: usize) -> anyhow::Result<()> {
+    if let Some(&bad) = gammas.iter().find(|&&k| k == 0 || k > max) {
+        anyhow::bail!("--gammas: gamma {bad} out of range 1..={max}");
+    }
+    Ok(())
+}
+
 pub fn run(g: &Global, a: DraftArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.steps >= 2, "--steps must be at least 2");
     crate::config::check_outputs(&[a.json.as_deref()])?;
@@ -48,20 +57,16 @@ pub fn run(g: &Global, a: DraftArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     params.validate()?;
-    let kind = ProposerKind::parse(&a.drafter, crate::spec::default_draft_for(&a.model))?;
+    let kind = crate::spec::parse_drafter(&a.drafter, crate::spec::default_draft_for(&a.model))?;
+    // Checked before the target loads against the engine's bound, then against the drafter's.
+    check_gammas(&a.gammas, specdec::MAX_GAMMA)?;
     let target = crate::spec::load_target(g, &a.model)?;
     let mut drafts = crate::spec::DraftCache::default();
     let mut proposer = crate::spec::build_proposer(g, &kind, &target, &mut drafts)?;
-    if let Some(&bad) = a
-        .gammas
-        .iter()
-        .find(|&&k| k == 0 || proposer.max_gamma().is_some_and(|m| k > m))
-    {
-        anyhow::bail!(
-            "gamma {bad} out of range 1..={}",
-            proposer.max_gamma().unwrap_or(specdec::MAX_GAMMA)
-        );
-    }
+    check_gammas(
+        &a.gammas,
+        proposer.max_gamma().unwrap_or(specdec::MAX_GAMMA),
+    )?;
     let model = &target.model;
     let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
     let prompts = crate::bench::prompt_set(&a.prompts)?;
@@ -215,4 +220,24 @@ pub fn run(g: &Global, a: DraftArgs) -> anyhow::Result<()> {
         }),
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A drafter without a longest block of its own (n-gram) is bounded by the engine's.
+    #[test]
+    fn block_lengths_are_bounded_for_every_drafter() {
+        assert!(check_gammas(&[1, 3, 7], 7).is_ok());
+        let e = check_gammas(&[1, 8], 7).unwrap_err().to_string();
+        assert!(e.contains("gamma 8 out of range 1..=7"), "{e}");
+        assert!(check_gammas(&[0], specdec::MAX_GAMMA).is_err());
+        let over = specdec::MAX_GAMMA + 1;
+        let e = check_gammas(&[2, over], specdec::MAX_GAMMA)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&format!("gamma {over}")), "{e}");
+        assert!(check_gammas(&[specdec::MAX_GAMMA], specdec::MAX_GAMMA).is_ok());
+    }
 }

@@ -458,7 +458,7 @@ pub fn run(g: &Global, a: EvalArgs) -> anyhow::Result<()> {
             "target": target.name, "drafter_dir": dir.display().to_string(),
             "offset": a.offset, "limit": a.limit, "max_tokens": a.max_tokens,
             "results": results,
-            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "command": crate::config::command_line(),
         });
         crate::bench::write_json(&Some(p.clone()), &v)?;
     }

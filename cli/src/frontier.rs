@@ -30,7 +30,7 @@ pub struct FrontierArgs {
     /// Longest block the scheduler arm may verify.
     #[arg(long, default_value_t = 7)]
     pub max_gamma: usize,
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = crate::config::at_least_one)]
     pub max_tokens: usize,
     /// Each request's answer length is `--max-tokens` × a factor in [1 − s, 1 + s], fixed per
     /// request (the same in every arm). With one length for all, a wave of requests runs in
@@ -152,7 +152,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
             for ai in arm_order(arms.len(), (c as u64) << 16 | round as u64) {
                 let (name, k, gm, sched) = &arms[ai];
                 let proposer = crate::spec::build_proposer(g, k, &target, &mut drafts)?;
-                let kv = max_c * (longest + (*gm).max(1) + 64) * 2;
+                let kv = crate::spec::workload_kv_tokens(max_c, longest, (*gm).max(1));
                 let mut e = crate::spec::engine_sized(&target, proposer, (*gm).max(1), max_c, kv)?;
                 if *sched {
                     e.set_policy(Some(Box::new(
@@ -234,7 +234,7 @@ pub fn run(g: &Global, a: FrontierArgs) -> anyhow::Result<()> {
         )?;
     }
     let v = json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "command": crate::config::command_line(),
         "target": a.target, "drafter": kind.label(), "prompts": a.prompts, "max_tokens": a.max_tokens,
         "length_spread": a.length_spread, "rounds": a.rounds,
         "prompt_tokens_mean": ids.iter().map(Vec::len).sum::<usize>() as f64 / ids.len().max(1) as f64,
@@ -881,6 +881,25 @@ mod tests {
 
     fn pt(arm: &str, c: usize, u: f64, t: f64) -> serde_json::Value {
         json!({"arm": arm, "concurrency": c, "user_tok_s": u, "tok_s": t})
+    }
+
+    /// `--max-tokens 0` would run answers of two tokens and record 0: refused at parse.
+    #[test]
+    fn a_zero_answer_length_is_refused_at_parse() {
+        let parse = |n: &str| {
+            crate::parse_from(["dspark", "bench", "frontier", "--max-tokens", n]).map(|c| {
+                match c.cmd {
+                    crate::Command::Bench(crate::bench::BenchCmd::Frontier(f)) => f.max_tokens,
+                    other => panic!("{other:?}"),
+                }
+            })
+        };
+        assert_eq!(parse("1").expect("parsed"), 1);
+        let e = parse("0").expect_err("refused").to_string();
+        assert!(
+            e.contains("--max-tokens") && e.contains("at least 1"),
+            "{e}"
+        );
     }
 
     #[test]

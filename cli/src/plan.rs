@@ -82,10 +82,12 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 0.25)]
     pub draft_price: f64,
     /// Simulated seconds measured per shape (after --warmup); under --rate, long enough for
-    /// each target worker to see 2000 arrivals, whatever this says (at most an hour).
-    #[arg(long, default_value_t = 60.0)]
+    /// each target worker to see 2000 arrivals, whatever this says (at most an hour). At most
+    /// 3600: a closed loop (--concurrency) simulates exactly this long.
+    #[arg(long, default_value_t = 60.0, allow_negative_numbers = true, value_parser = crate::config::sim_seconds)]
     pub seconds: f64,
-    #[arg(long, default_value_t = 10.0)]
+    /// Simulated seconds run before each shape is measured (at most 3600).
+    #[arg(long, default_value_t = 10.0, allow_negative_numbers = true, value_parser = crate::config::sim_warmup)]
     pub warmup: f64,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -375,7 +377,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         verify,
         hop_s: a.hop_ms / 1e3,
     };
-    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let command = crate::config::command_line();
     if let Some(f) = &a.validate {
         return validate(&a, f, spec, &blocks, &cost, time, command);
     }
@@ -731,6 +733,44 @@ mod tests {
         let e = load_blocks(&long, None, "dspark").unwrap_err().to_string();
         assert!(e.contains("256 drafts accepted"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A closed-loop plan simulates what `--seconds` and `--warmup` say: more than an hour
+    /// of either is refused when the command line is parsed, not run for hours.
+    #[test]
+    fn simulated_time_is_bounded_at_parse() {
+        let base = [
+            "dspark",
+            "plan",
+            "--sps",
+            "s.json",
+            "--blocks",
+            "b.jsonl",
+            "--draft-cost",
+            "d.json",
+            "--concurrency",
+            "4",
+        ];
+        let parse = |extra: &[&str]| {
+            crate::parse_from(base.iter().chain(extra).copied()).map(|c| match c.cmd {
+                crate::Command::Plan(p) => (p.seconds, p.warmup),
+                other => panic!("{other:?}"),
+            })
+        };
+        assert_eq!(parse(&[]).expect("defaults"), (60.0, 10.0));
+        assert_eq!(
+            parse(&["--seconds", "3600", "--warmup", "0"]).expect("bounds"),
+            (3600.0, 0.0)
+        );
+        for extra in [
+            &["--seconds", "1e7"][..],
+            &["--seconds", "0"],
+            &["--warmup", "3601"],
+            &["--warmup", "-1"],
+        ] {
+            let e = parse(extra).expect_err("refused").to_string();
+            assert!(e.contains(extra[0]), "{e}");
+        }
     }
 
     /// Without draft workers the plan was simulated without speculation: the chart's values

@@ -45,7 +45,7 @@ pub fn run(g: &Global, a: ProfileArgs) -> anyhow::Result<()> {
         },
     )?;
     let key = target_worker::sps::key_for(&a.model, &path, &model, &a.batch, &a.ctx);
-    let cmd = std::env::args().collect::<Vec<_>>().join(" ");
+    let cmd = crate::config::command_line();
     let art = target_worker::sps::profile(&model, key.clone(), a.reps, &cmd)?;
     out!(
         "{:>6} {:>12}   (staircase: slowest shape and context per B, non-increasing)",

@@ -217,15 +217,38 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
+/// Whether `url` names this machine (`localhost`, 127.0.0.0/8, `::1`): such requests must
+/// not go through a proxy.
+fn is_loopback_url(url: &str) -> bool {
+    let Some(host) = reqwest::Url::parse(url)
+        .ok()
+        .and_then(|u| u.host_str().map(str::to_ascii_lowercase))
+    else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let host = host.strip_suffix('.').unwrap_or(host);
+    host == "localhost"
+        || host.ends_with(".localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.duration > 0.0, "--duration must be positive");
     crate::config::check_outputs(&[a.json.as_deref()])?;
     let prompts = crate::bench::prompt_set(&a.prompts)?;
     let rt = tokio::runtime::Runtime::new()?;
     let out = rt.block_on(async {
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(600))
-            .build()?;
+        let mut client = reqwest::Client::builder().timeout(Duration::from_secs(600));
+        // A router on this machine is reached directly, as `dspark up` reaches it: a proxy
+        // from HTTP_PROXY or ALL_PROXY would not reach it, or would add its own latency to
+        // every figure. A router elsewhere may need the proxy the environment names.
+        if is_loopback_url(&a.url) {
+            client = client.no_proxy();
+        }
+        let client = client.build()?;
         let model = match &a.model {
             Some(m) => m.clone(),
             None => {
@@ -351,7 +374,7 @@ fn summarize(a: &ServeArgs, model: &str, mode: Value, s: Vec<Sample>, wall: f64)
     };
     let cycles = u("remote_draft_cycles");
     json!({
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "command": crate::config::command_line(),
         "label": a.label, "url": a.url, "model": model, "prompts": a.prompts,
         "load": mode, "duration_s": wall, "load_s": a.duration, "drain_s": drain,
         "max_tokens": a.max_tokens, "temperature": a.temperature,
@@ -393,6 +416,30 @@ mod tests {
 
     fn usage(n: u64) -> String {
         event(json!({"choices": [], "usage": {"completion_tokens": n}}))
+    }
+
+    /// Requests to this machine's router skip any proxy the environment names; requests
+    /// elsewhere keep it.
+    #[test]
+    fn loopback_urls_bypass_the_proxy() {
+        for u in [
+            "http://127.0.0.1:8000",
+            "http://localhost:8000/",
+            "http://LOCALHOST.:8000",
+            "http://127.1.2.3",
+            "http://[::1]:8000",
+            "https://api.localhost/v1",
+        ] {
+            assert!(is_loopback_url(u), "{u}");
+        }
+        for u in [
+            "http://10.0.0.5:8000",
+            "https://example.com",
+            "http://[::2]:80",
+            "not a url",
+        ] {
+            assert!(!is_loopback_url(u), "{u}");
+        }
     }
 
     #[test]

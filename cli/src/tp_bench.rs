@@ -35,7 +35,7 @@ pub struct TpArgs {
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// Tokens decoded greedily per degree for the agreement check.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = crate::config::at_least_one)]
     pub tokens: usize,
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -199,4 +199,21 @@ pub fn run(g: &Global, a: TpArgs) -> anyhow::Result<()> {
             "greedy": greedy,
         }),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    /// `--tokens 0` has no agreement to check: refused at parse, before the rounds are timed.
+    #[test]
+    fn zero_agreement_tokens_are_refused_at_parse() {
+        let parse = |n: &str| {
+            crate::parse_from(["dspark", "bench", "tp", "--tokens", n]).map(|c| match c.cmd {
+                crate::Command::Bench(crate::bench::BenchCmd::Tp(t)) => t.tokens,
+                other => panic!("{other:?}"),
+            })
+        };
+        assert_eq!(parse("1").expect("parsed"), 1);
+        let e = parse("0").expect_err("refused").to_string();
+        assert!(e.contains("--tokens") && e.contains("at least 1"), "{e}");
+    }
 }

@@ -133,20 +133,96 @@ pub fn load_data(
     Ok((ids, used, bytes))
 }
 
+/// Makes sure `--out` can hold a checkpoint before anything is loaded: a regular file there,
+/// or a folder that cannot be created or written in, would otherwise fail only at the first
+/// save, minutes into the run.
+fn prepare_out_dir(out: &Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    if out.exists() && !out.is_dir() {
+        anyhow::bail!(
+            "--out {} is a file, not a directory: a drafter checkpoint is a directory \
+             (drafter.json, drafter.safetensors, train_state.json); give another --out",
+            out.display()
+        );
+    }
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("--out {}: cannot create the directory", out.display()))?;
+    let probe = out.join(format!(".dspark-write-probe-{}", std::process::id()));
+    std::fs::write(&probe, b"")
+        .with_context(|| format!("--out {}: cannot write in the directory", out.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// The flags that shape a training run's trajectory, by flag name, as `train_state.json`
+/// records them (under `settings`) for `--resume` to compare. `--steps` is among them but may
+/// change (see [`check_resume_settings`]); `--data` and `--max-bytes` are checked by the
+/// trainer state's hash of the text; `--draft-vocab` does not apply to a resumed checkpoint.
+fn run_settings(a: &TrainArgs) -> serde_json::Value {
+    serde_json::json!({
+        "steps": a.steps, "batch": a.batch, "chunk": a.chunk, "lr": a.lr, "seed": a.seed,
+        "reuse": a.reuse, "pool": a.pool, "alpha-kl": a.alpha_kl,
+        "parallel-weight": a.parallel_weight, "gamma": a.gamma, "layers": a.layers,
+        "rank": a.rank,
+    })
+}
+
+/// Compares the settings a resumed run was saved with (`saved`, the state's `settings`; None
+/// for a state from before they were recorded) with this run's (`now`, from
+/// [`run_settings`]). A flag that differs (other than `--steps`) is refused, each one named
+/// with both values: the run would not end as the one it continues. Returns the warnings to
+/// print: a changed `--steps` (the learning rate's decay is spread over the new count), or no
+/// settings to compare.
+fn check_resume_settings(
+    saved: Option<&serde_json::Value>,
+    now: &serde_json::Value,
+    saved_command: Option<&str>,
+) -> Result<Vec<String>, String> {
+    let Some(saved) = saved.and_then(|v| v.as_object()) else {
+        return Ok(vec![format!(
+            "warning: train_state.json was saved before runs recorded their settings: the \
+             flags are not compared with the run being resumed; give the ones it had{}",
+            saved_command.map_or(String::new(), |c| format!(" ({c})"))
+        )]);
+    };
+    // Through the same JSON text as the saved values, so a float compares bit for bit.
+    let now: serde_json::Value =
+        serde_json::from_str(&now.to_string()).map_err(|e| e.to_string())?;
+    let (mut differ, mut warnings) = (Vec::new(), Vec::new());
+    for (flag, v) in now.as_object().into_iter().flatten() {
+        let Some(was) = saved.get(flag) else { continue };
+        // The checkpoint's shape (γ, depth, rank) is loaded from it: those flags are unused.
+        if was == v || matches!(flag.as_str(), "gamma" | "layers" | "rank") {
+            continue;
+        }
+        if flag == "steps" {
+            warnings.push(format!(
+                "warning: --steps {v} differs from the resumed run's --steps {was}: the \
+                 learning rate's decay after warm-up spans {v} steps instead of {was}, so past \
+                 warm-up the run does not end as that one would have"
+            ));
+        } else {
+            differ.push(format!("--{flag} {v} (the run being resumed had {was})"));
+        }
+    }
+    if differ.is_empty() {
+        Ok(warnings)
+    } else {
+        Err(format!(
+            "--resume: {}: a resumed run keeps the settings of the run it continues, or it \
+             would not end as that run would have; give the flags it had, or --fine-tune to \
+             train its checkpoint further from step 0",
+            differ.join(", ")
+        ))
+    }
+}
+
 pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
     if a.gamma == 0 || a.gamma > 32 {
         anyhow::bail!("--gamma must be in 1..=32");
     }
-    let path = g.resolve_model(&a.target)?;
-    let target = Model::load(&path, &g.load_opts())?;
-    let tok = Tokenizer::load(&path)?;
-    let (embed, head) = target_tensors(&target)?;
-    let (data, files, bytes) = load_data(&a.data, &tok, a.max_bytes)?;
-    eprintln!(
-        "training text: {files} files, {:.1} MB, {} tokens",
-        bytes as f64 / 1e6,
-        data.len()
-    );
+    // Everything about --out is checked before minutes of loading.
+    prepare_out_dir(&a.out)?;
     let state = a.out.join("train_state.json");
     if a.fine_tune && !a.out.join("drafter.json").exists() {
         anyhow::bail!("--fine-tune needs a checkpoint in {}", a.out.display());
@@ -160,13 +236,38 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
             a.out.display()
         );
     }
-    let loaded = a.fine_tune || (a.resume && state.exists());
+    let settings = run_settings(&a);
+    let saved_state: Option<serde_json::Value> = if a.resume && state.exists() {
+        let text = std::fs::read_to_string(&state)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", state.display()))?;
+        let st: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("{}: not JSON: {e}", state.display()))?;
+        let warnings = check_resume_settings(st.get("settings"), &settings, st["command"].as_str())
+            .map_err(anyhow::Error::msg)?;
+        for w in warnings {
+            eprintln!("{w}");
+        }
+        Some(st)
+    } else {
+        None
+    };
+    let path = g.resolve_model(&a.target)?;
+    let target = Model::load(&path, &g.load_opts())?;
+    let tok = Tokenizer::load(&path)?;
+    let (embed, head) = target_tensors(&target)?;
+    let (data, files, bytes) = load_data(&a.data, &tok, a.max_bytes)?;
+    eprintln!(
+        "training text: {files} files, {:.1} MB, {} tokens",
+        bytes as f64 / 1e6,
+        data.len()
+    );
+    let loaded = a.fine_tune || saved_state.is_some();
     let (mut dr, resume) = if loaded {
         let resume = if a.fine_tune {
             eprintln!("fine-tuning the checkpoint in {}", a.out.display());
             None
         } else {
-            let st: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state)?)?;
+            let st = saved_state.unwrap_or_default();
             let step = st["step"].as_u64().unwrap_or(0) as usize;
             let ts = if a.out.join(TRAINER_STATE_FILE).exists() {
                 let ts = TrainerState::load(&a.out)?;
@@ -269,7 +370,7 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
     let t0 = std::time::Instant::now();
     let mut ema: Option<f64> = None;
     let out = a.out.clone();
-    let cmd = std::env::args().collect::<Vec<_>>().join(" ");
+    let cmd = crate::config::command_line();
     train(&target, &dr, &data, &tc, resume, &mut |s, snap| {
         let e = ema.map_or(s.loss, |e| 0.95 * e + 0.05 * s.loss);
         ema = Some(e);
@@ -295,7 +396,8 @@ pub fn run(g: &Global, a: TrainArgs) -> anyhow::Result<()> {
             // each renamed into place, so a save cut off anywhere leaves a state to resume.
             dr.save(&out)?;
             snap.save(&out)?;
-            let st = serde_json::json!({"step": s.step + 1, "loss_ema": e, "command": cmd});
+            let st = serde_json::json!({"step": s.step + 1, "loss_ema": e, "command": cmd,
+                "settings": settings});
             let tmp = out.join("train_state.json.tmp");
             std::fs::write(&tmp, st.to_string())?;
             std::fs::rename(&tmp, out.join("train_state.json"))?;
@@ -634,7 +736,7 @@ pub fn calibrate(g: &Global, a: CalibrateArgs) -> anyhow::Result<()> {
     std::fs::rename(&tmp, a.drafter.join("drafter.json"))?;
     let v = serde_json::json!({"in_sample": true, "blocks": obs.len(), "copy_run_blocks": copy_run_blocks, "tau": tau, "auc": auc, "auc_head_only": auc_head, "auc_oracle": oracle, "ece_after_head_only": ece_head, "ece_before": before, "ece_after": after,
         "ece_floor": floor.iter().map(|f| f.0).collect::<Vec<_>>(), "ece_floor_q95": floor.iter().map(|f| f.1).collect::<Vec<_>>(),
-        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "copy_runs": copy_runs, "greedy_head": head_fit, "copy_head": copy_head_fit, "command": std::env::args().collect::<Vec<_>>().join(" ")});
+        "sts": temps, "sts_shift": sts.shifts, "conf_mix": sts.mix, "greedy": greedy, "copy_bias": copy_bias, "copy_fit": copy_fit, "copy_runs": copy_runs, "greedy_head": head_fit, "copy_head": copy_head_fit, "command": crate::config::command_line()});
     crate::bench::write_json(&a.json, &v)?;
     Ok(())
 }
@@ -737,21 +839,28 @@ pub fn gen_data(g: &Global, a: GenDataArgs) -> anyhow::Result<()> {
         anyhow::bail!("{} holds no prompts", a.prompts.display());
     }
     let tmpl = dspark_runtime::chat::ChatTemplate::from_tokenizer(&target.tok)?;
-    let mut eng = crate::spec::engine(
+    let mut rendered = Vec::with_capacity(prompts.len());
+    let mut ids = Vec::with_capacity(prompts.len());
+    for p in &prompts {
+        let r = tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?;
+        ids.push(target.tok.encode(&r)?);
+        rendered.push(r);
+    }
+    // The KV cache holds `--batch` of the longest conversation, not `--batch` whole contexts.
+    let longest = ids.iter().map(|p| p.len()).max().unwrap_or(0) + a.max_tokens;
+    let mut eng = crate::spec::engine_for_workload(
         &target,
         Box::new(specdec::proposer::NoProposer),
         1,
         false,
         a.batch.max(1),
+        longest,
     )?;
-    let mut rendered = Vec::with_capacity(prompts.len());
-    for (i, p) in prompts.iter().enumerate() {
-        let r = tmpl.render(&[dspark_runtime::chat::Message::new("user", p)], true)?;
-        let mut req = Request::new(i as u64, target.tok.encode(&r)?, a.max_tokens);
+    for (i, p) in ids.into_iter().enumerate() {
+        let mut req = Request::new(i as u64, p, a.max_tokens);
         req.params.temperature = a.temperature;
         req.seed = a.seed.wrapping_add(i as u64);
         eng.add(req)?;
-        rendered.push(r);
     }
     let mut answers = vec![String::new(); prompts.len()];
     let (t0, mut tokens, mut done) = (std::time::Instant::now(), 0usize, 0usize);
@@ -891,6 +1000,111 @@ pub fn drafter_vocab(g: &Global, a: VocabArgs) -> anyhow::Result<()> {
 mod tests {
     use super::*;
     use drafter::calibrate::HeadSample;
+
+    fn train_args(extra: &[&str]) -> TrainArgs {
+        let base = ["dspark", "train-drafter", "--data", "d.txt", "--out", "o"];
+        match crate::parse_from(base.iter().chain(extra))
+            .expect("parsed")
+            .cmd
+        {
+            crate::Command::TrainDrafter(a) => a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// `--out` at a regular file is refused before anything loads; a new folder is created.
+    #[test]
+    fn the_checkpoint_folder_is_checked_first() {
+        let dir = std::env::temp_dir().join(format!("dspark-train-out-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("file");
+        std::fs::write(&file, "x").unwrap();
+        let e = prepare_out_dir(&file).unwrap_err().to_string();
+        assert!(e.contains("is a file, not a directory"), "{e}");
+        let e = format!("{:#}", prepare_out_dir(&file.join("under")).unwrap_err());
+        assert!(e.contains("cannot create"), "{e}");
+        let nested = dir.join("a/b");
+        prepare_out_dir(&nested).unwrap();
+        assert!(nested.is_dir());
+        assert_eq!(
+            std::fs::read_dir(&nested).unwrap().count(),
+            0,
+            "probe left behind"
+        );
+        prepare_out_dir(&nested).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `--resume` compares the flags that shape the run with those saved: a difference is
+    /// refused naming the flag and both values; a longer `--steps` goes on with a warning; a
+    /// state from before settings were saved resumes with a warning.
+    #[test]
+    fn a_resumed_run_keeps_the_settings_it_was_started_with() {
+        let first = train_args(&["--lr", "0.0017", "--batch", "4", "--alpha-kl", "0.3"]);
+        // Saved, as the state file holds it (JSON text).
+        let saved: serde_json::Value =
+            serde_json::from_str(&run_settings(&first).to_string()).unwrap();
+        let same = train_args(&["--lr", "0.0017", "--batch", "4", "--alpha-kl", "0.3"]);
+        assert_eq!(
+            check_resume_settings(Some(&saved), &run_settings(&same), None),
+            Ok(vec![])
+        );
+        let longer = train_args(&[
+            "--lr",
+            "0.0017",
+            "--batch",
+            "4",
+            "--alpha-kl",
+            "0.3",
+            "--steps",
+            "5000",
+        ]);
+        let w = check_resume_settings(Some(&saved), &run_settings(&longer), None).unwrap();
+        assert!(w.len() == 1 && w[0].contains("--steps 5000"), "{w:?}");
+        let other = train_args(&["--lr", "0.002", "--batch", "8", "--alpha-kl", "0.3"]);
+        let e = check_resume_settings(Some(&saved), &run_settings(&other), None).unwrap_err();
+        assert!(
+            e.contains("--lr 0.002 (the run being resumed had 0.0017)")
+                && e.contains("--batch 8 (the run being resumed had 4)")
+                && !e.contains("--alpha-kl"),
+            "{e}"
+        );
+        for (flag, value) in [
+            ("--chunk", "100"),
+            ("--pool", "2"),
+            ("--reuse", "1"),
+            ("--parallel-weight", "0.25"),
+            ("--seed", "9"),
+        ] {
+            let mut args = vec!["--lr", "0.0017", "--batch", "4", "--alpha-kl", "0.3"];
+            args.extend([flag, value]);
+            let e = check_resume_settings(Some(&saved), &run_settings(&train_args(&args)), None)
+                .unwrap_err();
+            assert!(e.contains(&format!("{flag} {value} (")), "{e}");
+        }
+        // The checkpoint's shape comes from the checkpoint: other flags for it are not refused.
+        let shaped = train_args(&[
+            "--lr",
+            "0.0017",
+            "--batch",
+            "4",
+            "--alpha-kl",
+            "0.3",
+            "--gamma",
+            "4",
+            "--layers",
+            "2",
+            "--rank",
+            "32",
+        ]);
+        assert!(check_resume_settings(Some(&saved), &run_settings(&shaped), None).is_ok());
+        let w = check_resume_settings(None, &run_settings(&other), Some("dspark train-drafter"))
+            .unwrap();
+        assert!(
+            w.len() == 1 && w[0].contains("not compared") && w[0].contains("dspark train-drafter"),
+            "{w:?}"
+        );
+    }
 
     /// Copied positions whose outcome follows inputs 2 and 3 (the match followed back) and
     /// not the rate: the head ranks them far better than the rates, and is reported as fitted
