@@ -113,10 +113,19 @@ pub enum Job {
         call: DraftCall,
         reply: tokio::sync::oneshot::Sender<DraftReply>,
     },
+    /// A stream's first message passed: it drafts for the target worker named `target`
+    /// (empty when it named none), whose streams share one quota of requests.
+    Open { stream: u64, target: String },
     /// The stream closed: free its requests.
     Drop { stream: u64 },
-    /// Requests a stream finished, sent with a round refused as stale.
-    Finish { stream: u64, seqs: Vec<u64> },
+    /// Requests a stream finished, sent with a round refused as stale. Answered once applied:
+    /// the stream waits for it as for a round, so a client sending stale rounds faster than
+    /// the drafting thread works cannot grow the job queue without bound.
+    Finish {
+        stream: u64,
+        seqs: Vec<u64>,
+        done: tokio::sync::oneshot::Sender<()>,
+    },
 }
 
 struct ReqState {
@@ -136,20 +145,31 @@ struct ReqState {
 pub struct Drafting {
     host: DraftHost,
     ids: HashMap<(u64, u64), u64>,
-    /// Requests held per stream.
-    per_stream: HashMap<u64, usize>,
+    /// The target worker each open stream drafts for (from its first message).
+    targets: HashMap<u64, String>,
+    /// Requests held per target worker, over all its streams.
+    per_target: HashMap<String, usize>,
     states: HashMap<u64, ReqState>,
+    /// Context tokens held over every request.
+    held_tokens: usize,
+    /// At most this many ([`MAX_HELD_TOKENS`]; lowered in tests).
+    max_held_tokens: usize,
     next_id: u64,
 }
 
 /// Requests one draft worker keeps state for, over all its streams: a target worker runs a
 /// few hundred at most, so a stream opening more is refused before it exhausts memory.
 pub const MAX_REQUESTS: usize = 16_384;
-/// Requests one stream (one target worker) may keep state for: a quarter of the worker's, so
-/// one target that never finishes its requests cannot refuse every other target's.
-pub const MAX_STREAM_REQUESTS: usize = MAX_REQUESTS / 4;
+/// Requests one target worker may keep state for, over all its streams: a quarter of the
+/// worker's, so one target that never finishes its requests (or opens several streams) cannot
+/// refuse every other target's. Streams naming no target share one quota.
+pub const MAX_TARGET_REQUESTS: usize = MAX_REQUESTS / 4;
 /// Longest context one request may sync (tokens), well past any model's context here.
 pub const MAX_CONTEXT_TOKENS: usize = 1 << 18;
+/// Context tokens the worker holds over all its requests (256 MiB of ids): a request growing
+/// past it is refused (drafted at its target), as one past the request quotas is. Without it
+/// [`MAX_REQUESTS`] contexts of [`MAX_CONTEXT_TOKENS`] would hold 16 GiB.
+pub const MAX_HELD_TOKENS: usize = 1 << 26;
 /// Longest list of logit biases or held tokens one request's sampling may carry (the router
 /// allows 1024 biases and 64 stop tokens): kept with the request and read at every drafted
 /// position, on the one drafting thread every stream shares.
@@ -203,8 +223,11 @@ impl Drafting {
         Self {
             host,
             ids: HashMap::new(),
-            per_stream: HashMap::new(),
+            targets: HashMap::new(),
+            per_target: HashMap::new(),
             states: HashMap::new(),
+            held_tokens: 0,
+            max_held_tokens: MAX_HELD_TOKENS,
             next_id: 1,
         }
     }
@@ -229,8 +252,12 @@ impl Drafting {
             let mut rounds = Vec::new();
             for j in jobs {
                 match j {
+                    Job::Open { stream, target } => self.open_stream(stream, target),
                     Job::Drop { stream } => self.drop_stream(stream),
-                    Job::Finish { stream, seqs } => self.finish(stream, &seqs),
+                    Job::Finish { stream, seqs, done } => {
+                        self.finish(stream, &seqs);
+                        let _ = done.send(());
+                    }
                     Job::Round {
                         stream,
                         call,
@@ -267,28 +294,54 @@ impl Drafting {
         }
     }
 
+    /// Records the target worker `stream` drafts for: its requests count against that
+    /// target's quota. A stream never opened counts as one naming no target.
+    fn open_stream(&mut self, stream: u64, target: String) {
+        self.targets.insert(stream, target);
+    }
+
+    /// The target worker `stream` drafts for ("" when none is known).
+    fn target_of(&self, stream: u64) -> &str {
+        self.targets.get(&stream).map_or("", String::as_str)
+    }
+
+    /// Requests the target of `stream` holds, over all its streams.
+    fn target_load(&self, stream: u64) -> usize {
+        self.per_target
+            .get(self.target_of(stream))
+            .copied()
+            .unwrap_or(0)
+    }
+
     fn drop_stream(&mut self, stream: u64) {
-        self.per_stream.remove(&stream);
         let gone: Vec<(u64, u64)> = self.ids.keys().filter(|k| k.0 == stream).copied().collect();
         for k in gone {
-            if let Some(g) = self.ids.remove(&k) {
-                self.states.remove(&g);
-                self.host.proposer.finish(g);
-            }
+            self.forget(k);
         }
+        self.targets.remove(&stream);
     }
 
     fn finish(&mut self, stream: u64, seqs: &[u64]) {
         for &seq in seqs {
-            if let Some(g) = self.ids.remove(&(stream, seq)) {
-                self.states.remove(&g);
-                self.host.proposer.finish(g);
-                if let Some(n) = self.per_stream.get_mut(&stream) {
-                    *n = n.saturating_sub(1);
-                    if *n == 0 {
-                        self.per_stream.remove(&stream);
-                    }
-                }
+            self.forget((stream, seq));
+        }
+    }
+
+    /// Frees one request: its state, its drafter state, its place in its target's quota and
+    /// its tokens in the held total.
+    fn forget(&mut self, key: (u64, u64)) {
+        let Some(g) = self.ids.remove(&key) else {
+            return;
+        };
+        if let Some(st) = self.states.remove(&g) {
+            self.held_tokens = self.held_tokens.saturating_sub(st.tokens.len());
+        }
+        self.host.proposer.finish(g);
+        let target = self.target_of(key.0).to_string();
+        if let Some(n) = self.per_target.get_mut(&target) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_target.remove(&target);
             }
         }
     }
@@ -416,23 +469,47 @@ impl Drafting {
                         continue;
                     }
                 };
-                let mine = self.per_stream.get(stream).copied().unwrap_or(0);
+                let mine = self.target_load(*stream);
                 if !self.ids.contains_key(&key)
-                    && (self.ids.len() >= MAX_REQUESTS || mine >= MAX_STREAM_REQUESTS)
+                    && (self.ids.len() >= MAX_REQUESTS || mine >= MAX_TARGET_REQUESTS)
                 {
                     tracing::warn!(
                         stream = *stream,
+                        target = self.target_of(*stream),
                         request = it.seq,
                         "draft item refused: this draft worker holds {} requests already, {mine} \
-                         of them this stream's (at most {MAX_REQUESTS}, {MAX_STREAM_REQUESTS} a \
-                         stream)",
+                         of them this target's (at most {MAX_REQUESTS}, {MAX_TARGET_REQUESTS} a \
+                         target)",
                         self.ids.len()
                     );
                     rep.blocks.push(resend_from(it.seq, 0));
                     continue;
                 }
+                // The tokens this sync adds to what the worker holds (a sync past what it
+                // holds adds nothing: it is answered with a resend below).
+                let have = self.held(key, u32::MAX) as usize;
+                let end = it.sync_from as usize + it.tokens.len();
+                let grows = if it.sync_from as usize > have {
+                    0
+                } else {
+                    end.saturating_sub(have)
+                };
+                if grows > 0 && self.held_tokens.saturating_add(grows) > self.max_held_tokens {
+                    tracing::warn!(
+                        stream = *stream,
+                        request = it.seq,
+                        "draft item refused: this draft worker holds {} context tokens already, \
+                         {grows} more would pass its budget of {}",
+                        self.held_tokens,
+                        self.max_held_tokens
+                    );
+                    rep.blocks
+                        .push(resend_from(it.seq, self.held(key, it.sync_from)));
+                    continue;
+                }
                 if !self.ids.contains_key(&key) {
-                    *self.per_stream.entry(*stream).or_default() += 1;
+                    let target = self.target_of(*stream).to_string();
+                    *self.per_target.entry(target).or_default() += 1;
                 }
                 // Past the drafter's longest block: a shorter draft (truncating is lossless).
                 let k = (it.k as usize).min(self.host.max_gamma);
@@ -454,8 +531,10 @@ impl Drafting {
                     rep.blocks.push(resend_from(it.seq, st.tokens.len() as u32));
                     continue;
                 }
+                let before = st.tokens.len();
                 st.tokens.truncate(it.sync_from as usize);
                 st.tokens.extend_from_slice(&it.tokens);
+                self.held_tokens = (self.held_tokens + st.tokens.len()).saturating_sub(before);
                 let keep_rows = self
                     .host
                     .proposer
@@ -884,14 +963,18 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let load = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(99));
         let metrics = crate::metrics::DraftMetrics::default();
+        let (done, applied) = tokio::sync::oneshot::channel();
         tx.send(Job::Finish {
             stream: 7,
             seqs: vec![1],
+            done,
         })
         .unwrap();
         drop(tx);
         d.run(rx, load.clone(), &metrics);
         assert_eq!(load.load(std::sync::atomic::Ordering::Relaxed), 0);
+        // The stream waiting on it learns it was applied.
+        assert!(applied.blocking_recv().is_ok());
     }
 
     /// Features sent to a drafter that reads none are ignored, not a refused round.
@@ -1072,34 +1155,101 @@ mod tests {
         assert_eq!(r.blocks[0].tokens.len(), 3);
     }
 
-    /// One stream holds at most a quarter of the worker's requests: past that its new ones are
-    /// refused (drafted at the target) while another stream's are taken, and finishing one
-    /// makes room again.
+    /// One target worker holds at most a quarter of the worker's requests, over all its
+    /// streams: past that its new ones are refused (drafted at the target) on any of its
+    /// streams, while another target's are taken; finishing one, or closing a stream, makes
+    /// room again.
     #[test]
-    fn one_stream_cannot_take_every_request_slot() {
+    fn one_target_cannot_take_every_request_slot_over_several_streams() {
         let mut d = drafting();
-        let items: Vec<DraftItem> = (1..=MAX_STREAM_REQUESTS as u64 + 1)
+        d.open_stream(7, "a".into());
+        d.open_stream(9, "a".into());
+        d.open_stream(8, "b".into());
+        let on = |d: &mut Drafting, stream, c| {
+            let (tx, _rx) = tokio::sync::oneshot::channel();
+            d.rounds(vec![(stream, c, tx)]).remove(0).1
+        };
+        let half = MAX_TARGET_REQUESTS as u64 / 2;
+        let r = on(&mut d, 7, call(1, (1..=half).map(|s| item(s, 3)).collect()));
+        assert!(r.blocks.iter().all(|b| !b.need_sync), "{r:?}");
+        // Target a's second stream gets the rest of its quota, and no more.
+        let items = (1..=MAX_TARGET_REQUESTS as u64 - half + 1)
             .map(|s| item(s, 3))
             .collect();
-        let r = run(&mut d, call(1, items));
+        let r = on(&mut d, 9, call(1, items));
         assert!(r.error.is_empty(), "{:?}", r.error);
-        let last = &r.blocks[MAX_STREAM_REQUESTS];
+        let (last, before) = r.blocks.split_last().expect("blocks");
         assert!(last.need_sync && last.have_tokens == 0, "{last:?}");
-        assert!(!r.blocks[MAX_STREAM_REQUESTS - 1].need_sync);
-        assert_eq!(d.active(), MAX_STREAM_REQUESTS);
-        let (tx, _rx) = tokio::sync::oneshot::channel();
-        let other = d
-            .rounds(vec![(8, call(1, vec![item(1, 3)]), tx)])
-            .remove(0)
-            .1;
+        assert!(before.iter().all(|b| !b.need_sync));
+        assert_eq!(d.active(), MAX_TARGET_REQUESTS);
+        let more = on(&mut d, 7, call(2, vec![item(half + 1, 3)]));
+        assert!(more.blocks[0].need_sync, "{:?}", more.blocks[0]);
+        // Another target's request is taken.
+        let other = on(&mut d, 8, call(1, vec![item(1, 3)]));
         assert!(!other.blocks[0].need_sync, "{:?}", other.blocks[0]);
-        d.finish(7, &[1]);
-        let r = run(
-            &mut d,
-            call(2, vec![item(MAX_STREAM_REQUESTS as u64 + 1, 3)]),
-        );
+        // A finished request makes room on either of a's streams.
+        d.finish(9, &[1]);
+        let r = on(&mut d, 7, call(3, vec![item(half + 1, 3)]));
         assert!(!r.blocks[0].need_sync, "{:?}", r.blocks[0]);
-        assert_eq!(d.active(), MAX_STREAM_REQUESTS + 1);
+        assert_eq!(d.active(), MAX_TARGET_REQUESTS + 1);
+        // A closed stream frees its share of a's quota.
+        d.drop_stream(9);
+        assert_eq!(d.target_load(7), half as usize + 1);
+        let r = on(&mut d, 7, call(4, vec![item(half + 2, 3)]));
+        assert!(!r.blocks[0].need_sync, "{:?}", r.blocks[0]);
+        d.drop_stream(7);
+        d.drop_stream(8);
+        assert!(d.per_target.is_empty() && d.active() == 0 && d.held_tokens == 0);
+    }
+
+    /// Streams that name no target share one quota: opening more of them takes no more slots.
+    #[test]
+    fn streams_naming_no_target_share_one_quota() {
+        let mut d = drafting();
+        for stream in 1..=5u64 {
+            d.open_stream(stream, String::new());
+            let (tx, _rx) = tokio::sync::oneshot::channel();
+            let items = (1..=MAX_TARGET_REQUESTS as u64 / 4)
+                .map(|s| item(s, 3))
+                .collect();
+            d.rounds(vec![(stream, call(1, items), tx)]);
+        }
+        assert_eq!(d.active(), MAX_TARGET_REQUESTS);
+    }
+
+    /// Context tokens held over all requests are bounded: a sync growing past the budget is
+    /// refused (its target backs off and drafts locally), one that shrinks or stays is taken,
+    /// and finishing a request frees its tokens.
+    #[test]
+    fn held_tokens_stay_within_the_budget() {
+        let mut d = drafting();
+        d.max_held_tokens = 10;
+        let r = run(&mut d, call(1, vec![item(1, 6), item(2, 4)]));
+        assert!(r.blocks.iter().all(|b| !b.need_sync), "{r:?}");
+        assert_eq!(d.held_tokens, 10);
+        // A new request, and request 1 growing: refused, request 1 asked for nothing again.
+        let grow = DraftItem {
+            sync_from: 6,
+            ..item(1, 1)
+        };
+        let r = run(&mut d, call(2, vec![item(3, 1), grow]));
+        let (a, b) = (&r.blocks[0], &r.blocks[1]);
+        assert!(a.need_sync && a.have_tokens == 0, "{a:?}");
+        assert!(b.need_sync && b.have_tokens == 6, "{b:?}");
+        assert_eq!((d.active(), d.held_tokens), (2, 10));
+        // Rewritten shorter it is taken (the budget counts what is held after the sync).
+        let shorter = DraftItem {
+            sync_from: 2,
+            ..item(1, 3)
+        };
+        let r = run(&mut d, call(3, vec![shorter]));
+        assert!(!r.blocks[0].need_sync, "{:?}", r.blocks[0]);
+        assert_eq!(d.held_tokens, 9);
+        d.finish(7, &[2]);
+        assert_eq!(d.held_tokens, 5);
+        let r = run(&mut d, call(4, vec![item(3, 5)]));
+        assert!(!r.blocks[0].need_sync, "{:?}", r.blocks[0]);
+        assert_eq!(d.held_tokens, 10);
     }
 
     /// Sampling lists past the limit, a logit bias outside the vocabulary and feature rows of

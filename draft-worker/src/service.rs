@@ -137,6 +137,19 @@ impl DraftWorker for DraftService {
                         target = call.target_worker,
                         "target worker connected"
                     );
+                    // Its requests count against its target's quota, over all its streams.
+                    if jobs
+                        .send(Job::Open {
+                            stream: stream_no,
+                            target: call.target_worker.clone(),
+                        })
+                        .is_err()
+                    {
+                        let _ = tx
+                            .send(Err(Status::unavailable("drafting thread gone")))
+                            .await;
+                        break;
+                    }
                 }
                 // Refused before its finished ids reach the drafting thread (a stale round's
                 // are freed too), unbounded otherwise.
@@ -153,12 +166,22 @@ impl DraftWorker for DraftService {
                     continue;
                 }
                 if let Some(last) = last_step.filter(|&l| call.step <= l) {
-                    // Its drafting is refused; the requests it says are finished are freed.
+                    // Its drafting is refused; the requests it says are finished are freed. The
+                    // stream waits until they are, as for a round: stale rounds sent faster than
+                    // the drafting thread works wait their turn instead of queueing without end.
                     if !call.finished.is_empty() {
-                        let _ = jobs.send(Job::Finish {
+                        let (done, applied) = tokio::sync::oneshot::channel();
+                        let sent = jobs.send(Job::Finish {
                             stream: stream_no,
-                            seqs: call.finished.clone(),
+                            seqs: call.finished,
+                            done,
                         });
+                        if sent.is_err() || applied.await.is_err() {
+                            let _ = tx
+                                .send(Err(Status::unavailable("drafting thread gone")))
+                                .await;
+                            break;
+                        }
                     }
                     let rep = DraftReply {
                         step: call.step,

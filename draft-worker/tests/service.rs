@@ -34,8 +34,13 @@ impl Proposer for Ones {
 
 /// A draft worker on a free local port; its URL.
 async fn serve() -> String {
+    serve_with(Box::new(Ones)).await
+}
+
+/// A draft worker drafting with `proposer` on a free local port; its URL.
+async fn serve_with(proposer: Box<dyn Proposer>) -> String {
     let host = DraftHost {
-        proposer: Box::new(Ones),
+        proposer,
         drafter: "ones".into(),
         vocab: 10,
         vocab_hash: HASH.into(),
@@ -198,4 +203,139 @@ async fn a_round_finishing_too_many_requests_is_refused() {
     assert!(r.error.is_empty(), "{r:?}");
     assert!(!r.blocks[0].need_sync, "request 1 freed: {r:?}");
     assert_eq!(r.blocks[0].tokens, vec![1, 1, 1]);
+}
+
+/// Drafts like [`Ones`], but each `propose` says it started and waits to be let go: the
+/// drafting thread busy as long as a test wants.
+struct Gated {
+    started: tokio::sync::mpsc::UnboundedSender<()>,
+    go: std::sync::mpsc::Receiver<()>,
+}
+impl Proposer for Gated {
+    fn name(&self) -> &str {
+        "gated"
+    }
+    fn propose(
+        &mut self,
+        reqs: &mut [ProposeReq<'_>],
+    ) -> specdec::Result<Vec<specdec::proposer::DraftBlock>> {
+        let _ = self.started.send(());
+        let _ = self.go.recv();
+        Ones.propose(reqs)
+    }
+}
+
+/// Opens a stream for `target` and sends its hello; the stream once the hello is answered.
+async fn hello(
+    url: &str,
+    target: &str,
+) -> (tokio::sync::mpsc::Sender<DraftCall>, Streaming<DraftReply>) {
+    let (tx, mut replies) = open(url).await;
+    tx.send(DraftCall {
+        step: 1,
+        target_worker: target.into(),
+        vocab_hash: HASH.into(),
+        ..Default::default()
+    })
+    .await
+    .expect("hello");
+    let r = replies.message().await.expect("reply").expect("open");
+    assert!(r.error.is_empty(), "{r:?}");
+    (tx, replies)
+}
+
+/// A stale round's finished ids are applied before it is answered, as a round is: while the
+/// drafting thread is busy, a stream sending stale rounds gets no answer (so sends no more)
+/// instead of queueing work for the drafting thread without bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_rounds_finished_ids_wait_for_the_drafting_thread() {
+    let (started, mut busy) = tokio::sync::mpsc::unbounded_channel();
+    let (go, gate) = std::sync::mpsc::channel();
+    let url = serve_with(Box::new(Gated { started, go: gate })).await;
+    let (tx_a, mut rep_a) = hello(&url, "a").await;
+    let (tx_b, mut rep_b) = hello(&url, "b").await;
+    // Stream a's round keeps the drafting thread busy.
+    tx_a.send(DraftCall {
+        step: 2,
+        items: vec![item(1, vec![2, 3])],
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    busy.recv().await.expect("drafting");
+    // Stream b's stale round (step 1 again) finishing requests is not answered meanwhile.
+    tx_b.send(DraftCall {
+        step: 1,
+        finished: (1..=draft_worker::drafting::MAX_REQUESTS as u64).collect(),
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    let early = tokio::time::timeout(std::time::Duration::from_millis(300), rep_b.message()).await;
+    assert!(
+        early.is_err(),
+        "answered while the drafting thread was busy: {early:?}"
+    );
+    go.send(()).expect("let go");
+    let r = rep_a.message().await.expect("reply").expect("open");
+    assert_eq!(r.blocks[0].tokens, vec![1, 1, 1]);
+    let r = rep_b.message().await.expect("reply").expect("open");
+    assert!(r.error.contains("stale"), "{r:?}");
+    drop(go);
+}
+
+/// The request quota is a target worker's over all its streams (named in each stream's first
+/// message): a second stream of a target at its quota is refused new requests, another
+/// target's stream is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_targets_quota_spans_its_streams() {
+    use draft_worker::drafting::MAX_TARGET_REQUESTS;
+    let url = serve().await;
+    let (tx1, mut rep1) = hello(&url, "t").await;
+    let (tx2, mut rep2) = hello(&url, "t").await;
+    let (tx3, mut rep3) = hello(&url, "u").await;
+    tx1.send(DraftCall {
+        step: 2,
+        items: (1..=MAX_TARGET_REQUESTS as u64)
+            .map(|s| item(s, vec![2]))
+            .collect(),
+        ..Default::default()
+    })
+    .await
+    .expect("send");
+    let r = rep1.message().await.expect("reply").expect("open");
+    assert!(r.blocks.iter().all(|b| !b.need_sync), "quota taken");
+    let one = DraftCall {
+        step: 2,
+        items: vec![item(1, vec![2])],
+        ..Default::default()
+    };
+    tx2.send(one.clone()).await.expect("send");
+    let r = rep2.message().await.expect("reply").expect("open");
+    assert!(
+        r.blocks[0].need_sync && r.blocks[0].tokens.is_empty(),
+        "{r:?}"
+    );
+    tx3.send(one).await.expect("send");
+    let r = rep3.message().await.expect("reply").expect("open");
+    assert_eq!(r.blocks[0].tokens, vec![1, 1, 1], "{r:?}");
+    // Closing the first stream frees the target's quota for its second.
+    drop((tx1, rep1));
+    let mut freed = false;
+    for step in 3..200 {
+        tx2.send(DraftCall {
+            step,
+            items: vec![item(1, vec![2])],
+            ..Default::default()
+        })
+        .await
+        .expect("send");
+        let r = rep2.message().await.expect("reply").expect("open");
+        if !r.blocks[0].need_sync {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(freed, "the closed stream's requests still count");
 }

@@ -649,7 +649,11 @@ pub fn log_loss(p: &[f64], y: &[bool]) -> f64 {
 /// k ≤ drafted length). With `mix`, the per-position input mix is fitted first ([`fit_mix`])
 /// and STS calibrates the mixed logits.
 pub fn fit_sts(obs: &[Observed], gamma: usize, mix: bool) -> Sts {
-    let grid: Vec<f64> = (0..=60).map(|i| 0.25 * 1.07f64.powi(i)).collect();
+    // The geometric grid steps over T = 1 (0.967, 1.035): the identity is offered too.
+    let grid: Vec<f64> = (0..=60)
+        .map(|i| 0.25 * 1.07f64.powi(i))
+        .chain([1.0])
+        .collect();
     let shifts: Vec<f64> = (-30..=30).map(|i| i as f64 * 0.1).collect();
     let mut sts = Sts::identity(gamma);
     if mix {

@@ -489,6 +489,17 @@ impl DrafterConfig {
                 "d_model must split into even-width heads".into(),
             ));
         }
+        // The rotary tables (cos and sin, (context + γ) × head width / 2 each) are built from
+        // these sizes alone, before any weight is read.
+        let rope = (self.context + self.gamma).saturating_mul(self.d_model / self.n_heads / 2);
+        if rope > MAX_ROPE_ENTRIES {
+            return Err(DrafterError::Invalid(format!(
+                "context {} at a head width of {} needs rotary tables of {rope} entries (at \
+                 most {MAX_ROPE_ENTRIES})",
+                self.context,
+                self.d_model / self.n_heads
+            )));
+        }
         if self.feature_layers.is_empty()
             || self.feature_layers.iter().any(|&l| l >= self.target_layers)
         {
@@ -517,6 +528,109 @@ impl DrafterConfig {
         }
         Ok(())
     }
+}
+
+/// Entries of each rotary table (cos, sin) a drafter may have: 256 MiB each, far past any
+/// context a drafter attends to.
+const MAX_ROPE_ENTRIES: usize = 1 << 26;
+
+/// Largest safetensors header read (as the `safetensors` crate allows).
+const MAX_HEADER_BYTES: u64 = 100 << 20;
+
+/// The name and shape of every variable [`DsparkDrafter::build`] makes for `cfg` (a linear
+/// layer's weight is out × in).
+fn variable_shapes(cfg: &DrafterConfig) -> Vec<(String, Vec<usize>)> {
+    let (d, f) = (cfg.d_model, cfg.ffn_dim);
+    let mut v = vec![
+        (
+            "fuse.weight".to_string(),
+            vec![d, cfg.feature_layers.len().saturating_mul(d)],
+        ),
+        ("mask".to_string(), vec![d]),
+    ];
+    for i in 0..cfg.n_layers {
+        let p = format!("layer{i}");
+        v.push((format!("{p}.n1"), vec![d]));
+        for w in ["wq", "wk", "wv", "wo"] {
+            v.push((format!("{p}.{w}.weight"), vec![d, d]));
+        }
+        v.push((format!("{p}.n2"), vec![d]));
+        v.push((format!("{p}.gate.weight"), vec![f, d]));
+        v.push((format!("{p}.up.weight"), vec![f, d]));
+        v.push((format!("{p}.down.weight"), vec![d, f]));
+    }
+    v.push(("out_norm".to_string(), vec![d]));
+    if cfg.rank > 0 {
+        v.push(("markov.w1".to_string(), vec![cfg.vocab, cfg.rank]));
+        v.push(("markov.w2".to_string(), vec![cfg.rank, cfg.vocab]));
+    }
+    v.push(("conf.weight".to_string(), vec![1, d + cfg.rank]));
+    v.push(("conf.bias".to_string(), vec![1]));
+    if cfg.rank > 0 {
+        v.push(("conf_par.weight".to_string(), vec![1, d]));
+        v.push(("conf_par.bias".to_string(), vec![1]));
+    }
+    v
+}
+
+/// Compares the variables `cfg` implies with the tensors the safetensors file at `path`
+/// declares, reading its header alone (an 8-byte little-endian length, then JSON): every
+/// variable present at its shape, and their bytes within the file's data. Run before the model
+/// is built, so a corrupt drafter.json (a huge `ffn_dim` or depth) is refused instead of sizing
+/// allocations (every variable, randomly initialised) the file could never fill.
+fn check_checkpoint_shapes(cfg: &DrafterConfig, path: &Path) -> std::result::Result<(), String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let len = file.metadata().map_err(|e| e.to_string())?.len();
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n)
+        .map_err(|e| format!("no safetensors header ({e})"))?;
+    let n = u64::from_le_bytes(n);
+    let data = len.saturating_sub(8);
+    if n > MAX_HEADER_BYTES || n > data {
+        return Err(format!(
+            "a safetensors header of {n} bytes in a file of {len} bytes"
+        ));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| format!("safetensors header: {e}"))?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| format!("safetensors header: {e}"))?;
+    let data = data - n;
+    let mut need: u64 = 0;
+    for (name, shape) in variable_shapes(cfg) {
+        let t = header
+            .get(&name)
+            .ok_or_else(|| format!("lacks `{name}` (drafter.json implies it)"))?;
+        let dims: Option<Vec<u64>> = t
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| a.iter().map(|x| x.as_u64()).collect());
+        let want: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
+        if dims.as_ref() != Some(&want) {
+            return Err(format!(
+                "`{name}` has shape {}, drafter.json says {want:?}",
+                t.get("shape")
+                    .map_or_else(|| "none".to_string(), |s| s.to_string())
+            ));
+        }
+        let width: u64 = match t.get("dtype").and_then(|d| d.as_str()).unwrap_or("") {
+            "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" => 1,
+            "U16" | "I16" | "F16" | "BF16" => 2,
+            "U32" | "I32" | "F32" => 4,
+            "U64" | "I64" | "F64" => 8,
+            other => return Err(format!("`{name}` has an unknown dtype {other:?}")),
+        };
+        let bytes = want.iter().fold(width, |acc, &x| acc.saturating_mul(x));
+        need = need.saturating_add(bytes);
+    }
+    if need > data {
+        return Err(format!(
+            "drafter.json implies {need} bytes of weights, the file holds {data}"
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) struct Layer {
@@ -950,10 +1064,15 @@ impl DsparkDrafter {
         check_target_shape(&cfg, target, &embed, &head).map_err(|why| {
             DrafterError::WrongTarget(format!("the drafter in {} {why}", dir.display()))
         })?;
+        // The sizes drafter.json gives are checked against the weights file before any
+        // variable is allocated.
+        let weights = dir.join("drafter.safetensors");
+        check_checkpoint_shapes(&cfg, &weights)
+            .map_err(|why| bad(format!("drafter.safetensors: {why}")))?;
         let varmap = VarMap::new();
         let m = Self::build(cfg, &varmap, embed, head)?;
         // Loading sets the values of the variables the model already holds (f16 or f32 on disk).
-        let file = candle_core::safetensors::load(dir.join("drafter.safetensors"), &Device::Cpu)
+        let file = candle_core::safetensors::load(&weights, &Device::Cpu)
             .map_err(|e| bad(format!("drafter.safetensors: {e}")))?;
         {
             let data = varmap
@@ -1392,6 +1511,83 @@ pub(crate) mod tests {
             .unwrap()
             .to_scalar::<f32>()
             .unwrap()
+    }
+
+    /// The shapes the checkpoint check expects are the variables `build` makes, with and
+    /// without the Markov head.
+    #[test]
+    fn the_checked_shapes_are_the_built_variables() {
+        let (m, tok) = tiny();
+        for rank in [16, 0] {
+            let (e, h) = target_tensors(&m).unwrap();
+            let mut cfg = DrafterConfig::for_target(&m.cfg, &tok.vocab_hash(), 4, 2, rank);
+            cfg.feature_layers = vec![0, 1];
+            let dr = DsparkDrafter::new(cfg.clone(), e, h, 1).unwrap();
+            let mut built: Vec<(String, Vec<usize>)> = dr
+                .varmap
+                .data()
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.dims().to_vec()))
+                .collect();
+            built.sort();
+            let mut want = variable_shapes(&cfg);
+            want.sort();
+            assert_eq!(built, want, "rank {rank}");
+        }
+    }
+
+    /// A drafter.json edited to sizes its weights file does not hold (an FFN of 2^18 and the
+    /// most layers allowed: ~13 GB of variables at this tiny target's width) is refused from the file's
+    /// header, before anything is allocated; a weights file whose header claims more bytes
+    /// than it holds is refused too.
+    #[test]
+    fn a_config_larger_than_its_weights_is_refused_before_allocating() {
+        let (m, tok) = tiny();
+        let (e, h) = target_tensors(&m).unwrap();
+        let dr = tiny_drafter(&m, &tok, 8, 3);
+        let dir = std::env::temp_dir().join(format!("dspark-drafter-huge-{}", std::process::id()));
+        dr.save(&dir).unwrap();
+        let base = serde_json::to_value(&dr.cfg).unwrap();
+        let load = || DsparkDrafter::load(&dir, &m.cfg, &tok.vocab_hash(), e.clone(), h.clone());
+        assert!(load().is_ok());
+        let t0 = std::time::Instant::now();
+        let huge = [("ffn_dim", 1u64 << 18), ("n_layers", 64)];
+        for (edits, says) in [
+            (&huge[..], "layer0.gate.weight"),
+            (&huge[1..], "lacks `layer1.n1`"),
+            (&[("rank", 4096)][..], "markov.w1"),
+        ] {
+            let mut c = base.clone();
+            for &(key, v) in edits {
+                c[key] = serde_json::json!(v);
+            }
+            let key = edits[0].0;
+            std::fs::write(dir.join("drafter.json"), c.to_string()).unwrap();
+            let err = load().err().expect("refused");
+            assert!(
+                matches!(err, DrafterError::Checkpoint { .. }),
+                "{key}: {err}"
+            );
+            assert!(err.to_string().contains(says), "{key}: {err}");
+        }
+        assert!(t0.elapsed().as_secs() < 5, "{:?}", t0.elapsed());
+        // The header's shapes agree with drafter.json but the data is cut short.
+        std::fs::write(dir.join("drafter.json"), base.to_string()).unwrap();
+        let st = dir.join("drafter.safetensors");
+        let bytes = std::fs::read(&st).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        std::fs::write(&st, &bytes[..8 + n + 16]).unwrap();
+        let err = load().err().expect("refused");
+        assert!(err.to_string().contains("bytes of weights"), "{err}");
+        let _ = std::fs::remove_dir_all(dir);
+        // Rotary tables are sized from the config alone: a context each bound allows, at a
+        // wide head, is refused (8 Gi entries a table).
+        let mut wide = dr.cfg.clone();
+        (wide.d_model, wide.n_heads, wide.context) = (1 << 14, 1, 1 << 20);
+        let err = wide.validate().err().expect("refused");
+        assert!(err.to_string().contains("rotary tables"), "{err}");
     }
 
     #[test]
