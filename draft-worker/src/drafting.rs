@@ -275,6 +275,11 @@ impl Drafting {
                     M::add(&metrics.rounds, work as u64);
                     M::add(&metrics.items, items as u64);
                 }
+                // One span per drafting call (the rounds of every stream waiting, batched):
+                // its own trace, as it serves many targets' requests at once.
+                let span = (work > 0)
+                    .then(|| tracing::info_span!("draft", rounds = work, requests = items));
+                let _g = span.as_ref().map(|s| s.enter());
                 for (reply, r) in self.rounds(rounds) {
                     if !r.error.is_empty() {
                         M::add(&metrics.round_errors, 1);

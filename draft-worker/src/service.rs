@@ -155,6 +155,9 @@ impl DraftWorker for DraftService {
                 // are freed too), unbounded otherwise.
                 if let Err(error) = check_finished(&call) {
                     tracing::warn!(stream = stream_no, "draft round refused: {error}");
+                    // Answered, with an error: counted as the drafting thread counts its own.
+                    DraftMetrics::add(&metrics.rounds, 1);
+                    DraftMetrics::add(&metrics.round_errors, 1);
                     let rep = DraftReply {
                         step: call.step,
                         error,
@@ -183,6 +186,8 @@ impl DraftWorker for DraftService {
                             break;
                         }
                     }
+                    DraftMetrics::add(&metrics.rounds, 1);
+                    DraftMetrics::add(&metrics.round_errors, 1);
                     let rep = DraftReply {
                         step: call.step,
                         error: format!("stale or reordered step {} (last {last})", call.step),

@@ -39,6 +39,13 @@ async fn serve() -> String {
 
 /// A draft worker drafting with `proposer` on a free local port; its URL.
 async fn serve_with(proposer: Box<dyn Proposer>) -> String {
+    serve_counted(proposer).await.0
+}
+
+/// As [`serve_with`], with the worker's metrics.
+async fn serve_counted(
+    proposer: Box<dyn Proposer>,
+) -> (String, std::sync::Arc<draft_worker::metrics::DraftMetrics>) {
     let host = DraftHost {
         proposer,
         drafter: "ones".into(),
@@ -56,6 +63,7 @@ async fn serve_with(proposer: Box<dyn Proposer>) -> String {
         ..Default::default()
     };
     let svc = DraftService::start(host, info).expect("drafting thread");
+    let metrics = svc.metrics();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -65,7 +73,7 @@ async fn serve_with(proposer: Box<dyn Proposer>) -> String {
             .add_service(DraftWorkerServer::new(svc))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
-    format!("http://{addr}")
+    (format!("http://{addr}"), metrics)
 }
 
 /// Opens a draft stream; the sender for its calls and the replies.
@@ -282,6 +290,36 @@ async fn a_stale_rounds_finished_ids_wait_for_the_drafting_thread() {
     let r = rep_b.message().await.expect("reply").expect("open");
     assert!(r.error.contains("stale"), "{r:?}");
     drop(go);
+}
+
+/// Rounds the service refuses before the drafting thread sees them (stale steps, bad finished
+/// lists) count as rounds answered with an error, as the README's metrics say.
+#[tokio::test]
+async fn rounds_refused_by_the_service_are_counted() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (url, metrics) = serve_counted(Box::new(Ones)).await;
+    let (tx, mut rep) = hello(&url, "a").await;
+    let errors_before = metrics.round_errors.load(Relaxed);
+    let rounds_before = metrics.rounds.load(Relaxed);
+    for call in [
+        // Stale: the hello's step again.
+        DraftCall {
+            step: 1,
+            ..Default::default()
+        },
+        // A finished list longer than any round's.
+        DraftCall {
+            step: 5,
+            finished: vec![3; draft_worker::drafting::MAX_REQUESTS + 1],
+            ..Default::default()
+        },
+    ] {
+        tx.send(call).await.expect("send");
+        let r = rep.message().await.expect("reply").expect("open");
+        assert!(!r.error.is_empty(), "{r:?}");
+    }
+    assert_eq!(metrics.round_errors.load(Relaxed) - errors_before, 2);
+    assert_eq!(metrics.rounds.load(Relaxed) - rounds_before, 2);
 }
 
 /// The request quota is a target worker's over all its streams (named in each stream's first

@@ -292,16 +292,21 @@ impl Cluster {
                 if let Ok(ch) = self.channel_for_url(url) {
                     let mut c = SchedulerClient::new(ch)
                         .max_decoding_message_size(dspark_proto::MAX_MESSAGE_BYTES);
-                    let r = tokio::time::timeout(
-                        SCHEDULER_TIMEOUT,
-                        c.place(PlaceRequest {
-                            model: model.to_string(),
-                            prompt_tokens: prompt.len() as u32,
-                            prefix_hashes: dspark_scheduler::placement::prefix_hashes(prompt),
-                            ..Default::default()
-                        }),
-                    )
-                    .await;
+                    let r =
+                        tokio::time::timeout(
+                            SCHEDULER_TIMEOUT,
+                            c.place(PlaceRequest {
+                                model: model.to_string(),
+                                prompt_tokens: prompt.len() as u32,
+                                prefix_hashes: dspark_scheduler::placement::prefix_hashes(prompt),
+                                // The placement's span goes under the request's.
+                                traceparent: dspark_scheduler::traceparent_of(
+                                    &tracing::Span::current(),
+                                ),
+                                ..Default::default()
+                            }),
+                        )
+                        .await;
                     match r {
                         Ok(Ok(p)) => {
                             let p = p.into_inner();

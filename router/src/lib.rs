@@ -1435,9 +1435,13 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    // Latency counts from here, with the prompt's tokenizing (a long prompt's, or one queued
+    // behind others for the blocking pool, is part of what the client waits for).
+    let arrived = Instant::now();
     let a = Arc::clone(&app);
     let (prompts, texts, settings) = blocking(move || completion_request(&a, &body)).await?;
-    serve(app, headers, prompts, texts, settings, Kind::Completion).await
+    let req = (prompts, texts, settings, Kind::Completion);
+    serve(app, headers, req, arrived).await
 }
 
 /// A completion request's prompts (token ids, and the text of those given as text, which an
@@ -1492,9 +1496,12 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    // As in `completions`: the template's rendering and tokenizing count.
+    let arrived = Instant::now();
     let a = Arc::clone(&app);
     let (prompt, settings) = blocking(move || chat_request(&a, &body)).await?;
-    serve(app, headers, vec![prompt], Vec::new(), settings, Kind::Chat).await
+    let req = (vec![prompt], Vec::new(), settings, Kind::Chat);
+    serve(app, headers, req, arrived).await
 }
 
 /// A chat request's prompt (the rendered template, tokenized) and settings.
@@ -1909,15 +1916,13 @@ fn check_answer_size(
 
 /// `texts`: per prompt, the text it was given as (an echo repeats it as given: decoding its
 /// ids would show what tokenizing added, a BOS); empty or None: decoded.
+#[allow(clippy::type_complexity)]
 async fn serve(
     app: Arc<App>,
     headers: HeaderMap,
-    prompts: Vec<Vec<u32>>,
-    texts: Vec<Option<String>>,
-    mut settings: GenSettings,
-    kind: Kind,
+    (prompts, texts, mut settings, kind): (Vec<Vec<u32>>, Vec<Option<String>>, GenSettings, Kind),
+    arrived: Instant,
 ) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
     let n = settings.n.max(1);
     // Sequence i is choice i % n of prompt i / n (OpenAI's choice index), a request of its
     // own: placed, admitted and counted as one. A request of several sequences runs at most

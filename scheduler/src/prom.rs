@@ -64,8 +64,9 @@ pub mod names {
 }
 
 /// Upper bounds of latency histograms' buckets, in seconds (requests).
-pub const LATENCY_BUCKETS: [f64; 14] = [
-    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+pub const LATENCY_BUCKETS: [f64; 18] = [
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+    1280.0, 2560.0,
 ];
 /// Upper bounds of per-token histograms' buckets, in seconds.
 pub const TOKEN_BUCKETS: [f64; 12] = [
@@ -220,6 +221,9 @@ mod tests {
         assert_eq!(b("2.5"), "3");
         assert_eq!(b("5"), "4");
         assert_eq!(b("160"), "4");
+        // A long answer on CPU (minutes) lands in a bucket of its own, not +Inf, so a p99
+        // reads it rather than the last bound.
+        assert_eq!(b("640"), "5");
         assert_eq!(b("+Inf"), "5");
         assert_eq!(line("x_seconds_count "), "5");
         let sum: f64 = line("x_seconds_sum ").parse().unwrap();

@@ -322,6 +322,16 @@ impl Scheduler for SchedulerService {
 
     async fn place(&self, req: Request<PlaceRequest>) -> Result<Response<Placement>, Status> {
         let r = req.into_inner();
+        // Under the router's request span when it sent its context (no await below: the
+        // guard is never held across one).
+        let span = tracing::info_span!(
+            "place",
+            model = %r.model,
+            target = tracing::field::Empty,
+            draft = tracing::field::Empty
+        );
+        crate::set_parent(&span, &r.traceparent);
+        let _g = span.enter();
         if r.prefix_hashes.len() > MAX_PREFIX_HASHES {
             return Err(Status::invalid_argument(format!(
                 "{} prefix hashes (at most {MAX_PREFIX_HASHES})",
@@ -346,10 +356,16 @@ impl Scheduler for SchedulerService {
         };
         count.fetch_add(1, Ordering::Relaxed);
         match placed {
-            Ok((t, d)) => Ok(Response::new(Placement {
-                target: Some(t),
-                draft: d,
-            })),
+            Ok((t, d)) => {
+                span.record("target", t.id.as_str());
+                if let Some(d) = &d {
+                    span.record("draft", d.id.as_str());
+                }
+                Ok(Response::new(Placement {
+                    target: Some(t),
+                    draft: d,
+                }))
+            }
             Err(PlaceError::NoTarget(_)) if warming => Err(Status::unavailable(
                 "scheduler warming up (workers are registering)",
             )),

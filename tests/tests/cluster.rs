@@ -2792,9 +2792,24 @@ async fn spans_reach_an_otlp_collector_under_the_callers_trace() {
     ];
     let scheduler = spawn_env("scheduler", &["scheduler", "--listen", "127.0.0.1:0"], &env);
     let sched = format!("http://{}", scheduler.addr);
+    let _draft = spawn_env(
+        "draft",
+        &[
+            "draft-worker",
+            "--target",
+            "smollm2-135m",
+            "--drafter",
+            "ngram",
+            "--scheduler",
+            &sched,
+            "--threads",
+            "1",
+        ],
+        &env,
+    );
     let (_target, router) = target_and_router(&sched, &env);
     let url = format!("http://{}", router.addr);
-    wait_for("cluster", Duration::from_secs(120), || ready(&url, 1, 0)).await;
+    wait_for("cluster", Duration::from_secs(120), || ready(&url, 1, 1)).await;
     let trace = "0af7651916cd43dd8448eb211c80319c";
     let r = reqwest::Client::new()
         .post(format!("{url}/v1/completions"))
@@ -2843,6 +2858,25 @@ async fn spans_reach_an_otlp_collector_under_the_callers_trace() {
         .filter(|g| g.name == "cycle" && g.links.contains(&generate.id))
         .count();
     assert!(linked >= 1, "no cycle links to {generate:?}");
+    // The scheduler's placement is in the same tree, under the router's request.
+    wait_for("the placement's span", Duration::from_secs(30), || {
+        let ok = find("dspark-scheduler", "place", true).is_some();
+        async move { ok }
+    })
+    .await;
+    let place = find("dspark-scheduler", "place", true).expect("place span");
+    assert_eq!(place.parent, request.id, "{place:?} under {request:?}");
+    // The draft worker's drafting calls are exported too, once the target drafts through it.
+    let mut drafted = false;
+    for _ in 0..40 {
+        complete(&url, PROMPTS[0], 24).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if find("dspark-draft-worker", "draft", false).is_some() {
+            drafted = true;
+            break;
+        }
+    }
+    assert!(drafted, "no drafting span from the draft worker");
 }
 
 /// `msg` with `authorization: Bearer TOKEN` when a token is given.
