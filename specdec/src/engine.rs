@@ -611,6 +611,23 @@ impl Engine {
         &self.totals
     }
 
+    /// The totals with the running requests' work so far: counters that move every step (a
+    /// long answer's tokens and drafts counted as they are made, as vLLM's are), not only when
+    /// a request ends; what a running request has done moves into `totals` unchanged when it
+    /// ends, so these never go down.
+    /// Counts and sums only: no inter-token latencies (the totals keep up to 2¹⁷, a copy each
+    /// step).
+    pub fn live_totals(&self) -> RequestMetrics {
+        let mut t = RequestMetrics::default();
+        t.merge_counts(&self.totals);
+        for s in &self.running {
+            t.merge_counts(&s.metrics);
+            // Set only when a request ends: its tokens so far.
+            t.completion_tokens += s.output_len().saturating_sub(s.metrics.completion_tokens);
+        }
+        t
+    }
+
     /// Starts the totals afresh (a benchmark's warm-up is not measured).
     pub fn reset_totals(&mut self) {
         self.totals = RequestMetrics::default();
@@ -2126,6 +2143,35 @@ mod tests {
         )
         .unwrap();
         (e, tok)
+    }
+
+    /// Live totals count a running request's tokens step by step, never fall back when it
+    /// ends, and equal the totals once nothing runs.
+    #[test]
+    fn live_totals_move_every_step_and_never_go_down() {
+        let (mut e, tok) = tiny_engine();
+        let prompt = tok.encode("the theater in there").unwrap();
+        let mut r = Request::new(0, prompt, 12);
+        r.ignore_eos = true;
+        e.add(r).unwrap();
+        let mut last = 0;
+        let mut moved_while_running = false;
+        while !e.is_idle() {
+            e.step().unwrap();
+            let live = e.live_totals().completion_tokens;
+            assert!(live >= last, "{live} after {last}");
+            if !e.is_idle() && live > e.totals().completion_tokens {
+                moved_while_running = true;
+            }
+            last = live;
+        }
+        assert!(moved_while_running, "counted only at the end");
+        assert_eq!(last, 12);
+        assert_eq!(
+            e.live_totals().completion_tokens,
+            e.totals().completion_tokens
+        );
+        assert_eq!(e.live_totals().target_calls, e.totals().target_calls);
     }
 
     #[test]

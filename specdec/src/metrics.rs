@@ -156,6 +156,7 @@ impl RequestMetrics {
     /// the tokens it served.
     pub fn merge(&mut self, o: &RequestMetrics) {
         self.merge_counts(o);
+        self.itl_s.extend_from_slice(&o.itl_s);
         if self.itl_s.len() > 2 * TOTALS_ITL_CAP {
             let cut = self.itl_s.len() - TOTALS_ITL_CAP;
             let gone: f64 = self.itl_s.drain(..cut).sum();
@@ -164,7 +165,8 @@ impl RequestMetrics {
         }
     }
 
-    fn merge_counts(&mut self, o: &RequestMetrics) {
+    /// [`Self::merge`] without the inter-token latencies (counts and sums only).
+    pub(crate) fn merge_counts(&mut self, o: &RequestMetrics) {
         self.prompt_tokens += o.prompt_tokens;
         self.cached_tokens += o.cached_tokens;
         self.first_tokens = self.firsts() + o.firsts();
@@ -194,7 +196,6 @@ impl RequestMetrics {
         self.rollback_s += o.rollback_s;
         self.ttft_s += o.ttft_s;
         self.e2e_s += o.e2e_s;
-        self.itl_s.extend_from_slice(&o.itl_s);
     }
 
     /// A JSON summary (with derived rates) for CLIs and benchmarks.

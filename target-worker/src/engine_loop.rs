@@ -183,8 +183,21 @@ impl EngineLoop {
         if let Ok(mut a) = self.shared.assign.lock() {
             a.remove(&id);
         }
-        if let Ok(mut s) = self.shared.stats.lock() {
-            s.remove(&id);
+        // Every ending's drafting cycles count (a cancelled or failed request's too, as its
+        // drafted and accepted tokens do).
+        if let Some(w) = self
+            .shared
+            .stats
+            .lock()
+            .ok()
+            .and_then(|mut s| s.remove(&id))
+        {
+            self.metrics
+                .remote_cycles
+                .fetch_add(w.remote_cycles as u64, Ordering::Relaxed);
+            self.metrics
+                .fallback_cycles
+                .fetch_add(w.fallback_cycles as u64, Ordering::Relaxed);
         }
         self.spans.remove(&id);
     }
@@ -281,12 +294,6 @@ impl EngineLoop {
                     // Counted here only: a caller gone in this same step was counted as
                     // cancelled already.
                     self.metrics.finished(reason.as_str());
-                    self.metrics
-                        .remote_cycles
-                        .fetch_add(w.remote_cycles as u64, Ordering::Relaxed);
-                    self.metrics
-                        .fallback_cycles
-                        .fetch_add(w.fallback_cycles as u64, Ordering::Relaxed);
                     let stats = SpecStats {
                         prompt_tokens: metrics.prompt_tokens as u32,
                         cached_tokens: metrics.cached_tokens as u32,

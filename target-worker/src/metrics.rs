@@ -17,7 +17,7 @@ pub struct Snapshot {
     pub kv_free_blocks: usize,
     pub prefix_queried: u64,
     pub prefix_hit: u64,
-    /// Of finished requests (the engine's totals).
+    /// Of every request, running ones' work so far included ([`specdec::Engine::live_totals`]).
     pub prompt_tokens: usize,
     pub generation_tokens: usize,
     pub forwards: usize,
@@ -31,7 +31,9 @@ pub struct Snapshot {
 
 impl Snapshot {
     pub fn of(e: &specdec::Engine) -> Self {
-        let t = e.totals();
+        // Running requests' work counts as it is done (a five-minute answer is not one spike
+        // at its end).
+        let t = e.live_totals();
         let (prefix_queried, prefix_hit) = e.prefix_cache_stats();
         Self {
             running: e.num_running(),
@@ -177,29 +179,21 @@ impl WorkerMetrics {
         let rows: [(&str, &str, usize); 5] = [
             (
                 T_PROMPT_TOKENS_TOTAL,
-                "Prompt tokens of finished requests.",
+                "Prompt tokens of admitted requests.",
                 snap.prompt_tokens,
             ),
             (
                 T_GENERATION_TOKENS_TOTAL,
-                "Tokens generated for finished requests.",
+                "Tokens generated, counted as they are committed.",
                 snap.generation_tokens,
             ),
             (
                 T_FORWARDS_TOTAL,
-                "Target forwards (decode or verify) finished requests took part in, summed.",
+                "Target forwards (decode or verify) requests took part in, summed.",
                 snap.forwards,
             ),
-            (
-                T_DRAFTED_TOTAL,
-                "Draft tokens verified (finished requests).",
-                snap.drafted,
-            ),
-            (
-                T_ACCEPTED_TOTAL,
-                "Draft tokens accepted (finished requests).",
-                snap.accepted,
-            ),
+            (T_DRAFTED_TOTAL, "Draft tokens verified.", snap.drafted),
+            (T_ACCEPTED_TOTAL, "Draft tokens accepted.", snap.accepted),
         ];
         for (name, help, v) in rows {
             sample(out, name, "counter", help, v);
@@ -233,7 +227,7 @@ impl WorkerMetrics {
             out,
             T_DRAFT_CYCLES_TOTAL,
             "counter",
-            "Drafting cycles of finished requests, by where the draft came from.",
+            "Drafting cycles of ended requests (finished, cancelled or failed), by where the draft came from.",
             "source",
             [
                 ("remote", self.remote_cycles.load(Ordering::Relaxed)),
