@@ -2196,9 +2196,11 @@ async fn serve(
         let mut lps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); total];
         let mut plps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); total];
         let mut ends: Vec<Option<(String, SpecStats, String)>> = vec![None; total];
+        let mut tally = Tally::new(&app, total, n, prompt_tokens, settings.score_only);
         while let Some((i, p)) = rx.recv().await {
             match p {
                 Piece::Text(t, d, l, pl) => {
+                    tally.tokens[i] += d.len();
                     plps[i].extend(pl);
                     if !settings.score_only {
                         text[i].push_str(&t);
@@ -2210,7 +2212,10 @@ async fn serve(
                     reason,
                     stats,
                     target,
-                } => ends[i] = Some((reason, stats, target)),
+                } => {
+                    tally.done[i] = Some(stats.clone());
+                    ends[i] = Some((reason, stats, target));
+                }
                 Piece::Error(e) => return Err(e),
             }
         }
@@ -2228,7 +2233,7 @@ async fn serve(
             prompt_tokens,
             settings.score_only,
         );
-        account(&app, &stats);
+        tally.settle(&stats);
         let choices: Vec<Value> = (0..total)
             .map(|i| {
                 let reason = if settings.score_only {
@@ -2371,6 +2376,9 @@ async fn serve(
         let mut args = vec![String::new(); total];
         let mut ends: Vec<Option<(SpecStats, String)>> = vec![None; total];
         let mut echoed = vec![!echo; total];
+        // Counted however the stream ends (a client that left, a failed choice): whole, or
+        // as far as it got.
+        let mut tally = Tally::new(&app2, total, n, prompt_tokens, score_only);
         loop {
             // A client that leaves is noticed at once, not at the next chunk sent: text held
             // back (a tool call being written, a possible stop string) sends none for a while.
@@ -2381,6 +2389,7 @@ async fn serve(
             let Some((i, p)) = next else { break };
             match p {
                 Piece::Text(mut t, mut ids, mut lps, plps) => {
+                    tally.tokens[i] += ids.len();
                     if score_only {
                         (t, ids, lps) = (String::new(), Vec::new(), Vec::new());
                     }
@@ -2508,6 +2517,7 @@ async fn serve(
                     } else {
                         json!([{"index": i, "text": "", "finish_reason": reason, "logprobs": null}])
                     };
+                    tally.done[i] = Some(stats.clone());
                     send!(mk(c, so_far(i, &completed)));
                     ends[i] = Some((stats, target));
                     if ends.iter().all(|e| e.is_some()) {
@@ -2517,7 +2527,7 @@ async fn serve(
                             prompt_tokens,
                             score_only,
                         );
-                        account(&app2, &stats);
+                        tally.settle(&stats);
                         if include_usage {
                             let target = ends[0].as_ref().map(|e| e.1.clone()).unwrap_or_default();
                             send!(mk(json!([]), usage(&stats, &target)));
@@ -2756,6 +2766,64 @@ fn finish(reason: &str) -> &'static str {
     match reason {
         "length" => "length",
         _ => "stop",
+    }
+}
+
+/// A request's tokens, counted into the router's counters once: whole when its answer is
+/// complete ([`Tally::settle`]), or, dropped unsettled (a client that left, a choice that
+/// failed), as far as it got: the prompt, each ended choice's usage, the others' tokens sent.
+/// Counted only for answers complete, the counters missed every request cut short, which the
+/// workers count.
+struct Tally {
+    app: Arc<App>,
+    n: usize,
+    prompt_tokens: u32,
+    score_only: bool,
+    /// Per choice: tokens received.
+    tokens: Vec<usize>,
+    /// Per choice: its usage, once it ended.
+    done: Vec<Option<SpecStats>>,
+    settled: bool,
+}
+
+impl Tally {
+    fn new(app: &Arc<App>, total: usize, n: usize, prompt_tokens: u32, score_only: bool) -> Self {
+        Self {
+            app: Arc::clone(app),
+            n,
+            prompt_tokens,
+            score_only,
+            tokens: vec![0; total],
+            done: vec![None; total],
+            settled: false,
+        }
+    }
+
+    /// Counts the complete answer's usage.
+    fn settle(&mut self, stats: &SpecStats) {
+        account(&self.app, stats);
+        self.settled = true;
+    }
+}
+
+impl Drop for Tally {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let ended: Vec<SpecStats> = self
+            .done
+            .iter()
+            .zip(&self.tokens)
+            .map(|(d, &t)| {
+                d.clone().unwrap_or_else(|| SpecStats {
+                    completion_tokens: t as u32,
+                    ..Default::default()
+                })
+            })
+            .collect();
+        let s = combine(ended.iter(), self.n, self.prompt_tokens, self.score_only);
+        account(&self.app, &s);
     }
 }
 

@@ -276,6 +276,51 @@ async fn a_failed_later_sequence_leaves_no_task_waiting() {
     );
 }
 
+/// The router's `/metrics` value of an unlabelled sample.
+async fn metric(app: &axum::Router, name: &str) -> f64 {
+    let req = Request::get("/metrics")
+        .body(Body::empty())
+        .expect("request");
+    let resp = app.clone().oneshot(req).await.expect("response");
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    String::from_utf8_lossy(&bytes)
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing"))
+}
+
+/// A request cut short (its only worker lost after three tokens, so it fails) still counts
+/// its prompt and the tokens it got in the router's token counters, as the workers count the
+/// work; they counted only answers that completed.
+#[tokio::test]
+async fn tokens_of_a_request_cut_short_are_counted() {
+    let (cuts, _) = fake(Mode::Cuts).await;
+    let app = router(&[cuts], &[]).await;
+    for stream in [false, true] {
+        let (prompt0, done0) = (
+            metric(&app, "dspark_router_prompt_tokens_total").await,
+            metric(&app, "dspark_router_completion_tokens_total").await,
+        );
+        let body = json!({"model": "fake", "prompt": "hello", "max_tokens": 8, "stream": stream});
+        if stream {
+            let events = sse(&app, "/v1/completions", body).await;
+            assert!(
+                events.iter().any(|e| e.get("error").is_some()),
+                "{events:?}"
+            );
+        } else {
+            let (status, body) = post(&app, body).await;
+            assert!(status.is_server_error(), "{status} {body}");
+        }
+        let prompt = metric(&app, "dspark_router_prompt_tokens_total").await - prompt0;
+        let done = metric(&app, "dspark_router_completion_tokens_total").await - done0;
+        assert!(prompt > 0.0, "stream {stream}: prompt tokens {prompt}");
+        assert_eq!(done, 3.0, "stream {stream}: the three tokens sent");
+    }
+}
+
 /// A request that can never fit the context is a 400 (`max_tokens`), even while the cluster
 /// is full: a 429 would have its client retry it for ever.
 #[tokio::test]
