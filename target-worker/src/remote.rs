@@ -77,10 +77,13 @@ pub struct RemoteShared {
 #[derive(Default)]
 struct LinkShared {
     up: AtomicBool,
-    /// A round on this link ran past the drafting timeout and nothing has come back since: its
-    /// requests draft locally, without waiting, until a reply in time or a new stream shows
-    /// the worker answers again; every [`STALL_RETRY`] one more round tries it. A draft worker that stalls with its connection open (a paused or
-    /// overloaded process) otherwise cost every step of the whole batch the full timeout.
+    /// A round on this link ran past the drafting timeout and nothing has come back in time
+    /// since: its requests draft locally, without waiting, until a reply in time or a new
+    /// stream shows the worker answers again; every [`STALL_RETRY`] one more round probes it,
+    /// not waited for (its requests draft locally that cycle too). A draft worker that stalls
+    /// with its connection open (a paused or overloaded process) otherwise cost every step of
+    /// the whole batch the full timeout. Set and cleared by the engine thread (which knows
+    /// whether a reply came in time), cleared by a new stream.
     stalled: Mutex<Option<Instant>>,
     generation: AtomicU64,
     /// Since when the link has been down without a break (from its spawn if it never came
@@ -92,8 +95,18 @@ struct LinkShared {
     info: Mutex<Option<WorkerInfo>>,
 }
 
-/// How long a stalled link's requests draft locally before one round tries it again.
+/// How long a stalled link's requests draft locally before one round probes it again.
 const STALL_RETRY: Duration = Duration::from_secs(2);
+
+/// How long a round no longer waited for (late, out of time, or a probe) keeps its reply slot:
+/// its reply's acknowledgements are applied when it comes (a draft worker that answers just
+/// past the timeout would otherwise be resent the same tokens and rows every try).
+const LATE_KEEP: Duration = Duration::from_secs(30);
+
+/// How long an up link nothing uses stays open: a request placed there again soon finds it
+/// up, but a draft worker paired once does not keep a stream (and the state it holds) for
+/// the life of the worker.
+const IDLE_GRACE: Duration = Duration::from_secs(60);
 
 /// How long a link stays down before its requests move to another draft worker: past a
 /// reconnect after a blip (backoff reaches 1 s, plus a 500 ms connect timeout), so only a
@@ -108,6 +121,29 @@ impl LinkShared {
             .lock()
             .map(|s| s.is_some_and(|t| t.elapsed() < STALL_RETRY))
             .unwrap_or(false)
+    }
+
+    /// Stalled, and due for a probe (another round, not waited for).
+    fn probe_due(&self) -> bool {
+        self.stalled
+            .lock()
+            .map(|s| s.is_some_and(|t| t.elapsed() >= STALL_RETRY))
+            .unwrap_or(false)
+    }
+
+    /// Hands a reply to whoever waits for its round: the engine, or its list of rounds it no
+    /// longer waits for but still reads the acknowledgements of. A reply nobody waits for (the
+    /// hello's, or a forgotten round's) is dropped.
+    fn deliver(&self, rep: DraftReply) -> std::result::Result<(), String> {
+        let waiter = self
+            .pending
+            .lock()
+            .map_err(|e| e.to_string())?
+            .remove(&rep.step);
+        if let Some(w) = waiter {
+            let _ = w.send((rep, Instant::now()));
+        }
+        Ok(())
     }
 
     /// How long the link has been down without a break (`None`: up, or not known).
@@ -125,6 +161,9 @@ struct Link {
     task: tokio::task::JoinHandle<()>,
     /// Said (once) that its drafter reads other target layers than the ones captured.
     mismatch_said: bool,
+    /// Since when it is up with nothing using it (no request paired with it, no round in
+    /// flight): dropped past [`IDLE_GRACE`].
+    idle_since: Option<Instant>,
 }
 
 impl Drop for Link {
@@ -231,6 +270,7 @@ fn spawn_link(rt: &tokio::runtime::Handle, addr: String, hello: Hello) -> Link {
         finished: Vec::new(),
         task,
         mismatch_said: false,
+        idle_since: None,
     }
 }
 
@@ -312,25 +352,9 @@ async fn run_link(
         .await
         .map_err(|e| e.message().to_string())?
     {
-        // Replies nobody waits for any more (late, or the hello's) are dropped.
-        let waiter = s
-            .pending
-            .lock()
-            .map_err(|e| e.to_string())?
-            .remove(&rep.step);
-        if let Some(w) = waiter {
-            // Answered in time (a late answer has no waiter: a worker that always answers
-            // just past the timeout stays stalled, tried again every STALL_RETRY).
-            if s.stalled
-                .lock()
-                .map_err(|e| e.to_string())?
-                .take()
-                .is_some()
-            {
-                tracing::info!(draft = addr, "draft worker answers again");
-            }
-            let _ = w.send((rep, Instant::now()));
-        }
+        // A late reply still reaches its round (its acknowledgements hold); whether it came
+        // in time, and so ends a stall, the engine thread judges.
+        s.deliver(rep)?;
     }
     Ok(())
 }
@@ -459,6 +483,9 @@ pub struct RemoteProposer {
     timed_out: bool,
     /// Rounds sent ahead by `prefetch`, collected by a later `propose`.
     prefetched: Vec<Round>,
+    /// Rounds no longer waited for (past the timeout, out of time, probes of a stalled link):
+    /// their replies' acknowledgements are applied when they come, for up to [`LATE_KEEP`].
+    late: Vec<Round>,
     /// Requests the fallback drafted for in the last cycle, with the context length it drafted
     /// at: its blocks' verdicts are its own.
     local: HashMap<u64, usize>,
@@ -494,14 +521,17 @@ impl RemoteProposer {
             cycle: 0,
             timed_out: false,
             prefetched: Vec::new(),
+            late: Vec::new(),
             local: HashMap::new(),
             declined: std::collections::HashSet::new(),
         }
     }
 
-    /// Drops the links that are down and that no request or pending round uses: draft pods
+    /// Drops the links that no request or pending round uses: at once when down (draft pods
     /// come and go at new addresses, and each link would otherwise redial its dead address
-    /// every second for the life of the worker. A request paired with it again redials.
+    /// every second for the life of the worker), past [`IDLE_GRACE`] when up (a draft worker
+    /// paired once would otherwise keep its stream for good). A request paired with it again
+    /// redials.
     fn forget_idle_links(&mut self, finishing: Option<u64>) {
         // The request finishing now still has its pairing (the engine loop drops it after).
         let assigned: std::collections::HashSet<String> = self
@@ -515,12 +545,21 @@ impl RemoteProposer {
                     .collect()
             })
             .unwrap_or_default();
-        let (reqs, rounds) = (&self.reqs, &self.prefetched);
+        let (reqs, rounds, late) = (&self.reqs, &self.prefetched, &self.late);
+        let now = Instant::now();
         self.links.retain(|addr, l| {
-            l.shared.up.load(Ordering::SeqCst)
-                || assigned.contains(addr)
+            let used = assigned.contains(addr)
                 || reqs.values().any(|r| &r.link == addr)
-                || rounds.iter().any(|r| &r.addr == addr)
+                || rounds.iter().chain(late).any(|r| &r.addr == addr);
+            if used {
+                l.idle_since = None;
+                return true;
+            }
+            if !l.shared.up.load(Ordering::SeqCst) {
+                return false;
+            }
+            let since = *l.idle_since.get_or_insert(now);
+            now.saturating_duration_since(since) < IDLE_GRACE
         });
     }
 
@@ -586,7 +625,12 @@ impl RemoteProposer {
                 rs.rebind(&new, generation);
             }
             // Nor may a late reply of the old stream be applied to it.
-            for r in self.prefetched.iter_mut().filter(|r| r.addr == old) {
+            for r in self
+                .prefetched
+                .iter_mut()
+                .chain(self.late.iter_mut())
+                .filter(|r| r.addr == old)
+            {
                 r.sent.remove(&id);
                 r.verdicts.remove(&id);
             }
@@ -596,14 +640,22 @@ impl RemoteProposer {
         self.forget_idle_links(None);
     }
 
-    /// Drops the pending rounds left with no request: their replies have nowhere to go.
+    /// Drops the pending rounds (prefetched or late) left with no request: their replies have
+    /// nowhere to go.
     fn drop_empty_rounds(&mut self) {
-        let (done, keep): (Vec<Round>, Vec<Round>) = std::mem::take(&mut self.prefetched)
-            .into_iter()
-            .partition(|r| r.sent.is_empty());
-        self.prefetched = keep;
-        for r in &done {
-            self.forget(r);
+        for late in [false, true] {
+            let list = if late {
+                &mut self.late
+            } else {
+                &mut self.prefetched
+            };
+            let (done, keep): (Vec<Round>, Vec<Round>) = std::mem::take(list)
+                .into_iter()
+                .partition(|r| r.sent.is_empty());
+            *list = keep;
+            for r in &done {
+                self.forget(r);
+            }
         }
     }
 
@@ -617,22 +669,36 @@ impl RemoteProposer {
     }
 
     /// The target layers the forward captures for the draft workers: those of the up link
-    /// first by address (one set for every request; not whichever the map yields first).
-    /// A draft worker whose drafter reads other layers (a rolling update between drafters)
-    /// is not sent rounds: its requests draft locally, rather than its drafter read the
-    /// wrong layers' features.
+    /// first by address among those in use — a request paired with it, or syncing with it
+    /// (one set for every request; not whichever the map yields first). A link nobody uses
+    /// does not decide: a draft worker paired once with a request, whose drafter reads other
+    /// layers, would otherwise leave every other draft worker's requests without rounds for as
+    /// long as it stays up. A draft worker whose drafter reads other layers (a rolling update
+    /// between drafters) is not sent rounds: its requests draft locally, rather than its
+    /// drafter read the wrong layers' features.
     fn layers(&self) -> Vec<usize> {
-        let mut first: Option<(&String, Vec<usize>)> = None;
-        for (addr, l) in &self.links {
-            if first.as_ref().is_some_and(|(a, _)| *a <= addr) {
-                continue;
-            }
-            // A drafter that reads no features (a draft model, n-gram) takes any.
-            if let Some(ls) = link_layers(l).filter(|ls| !ls.is_empty()) {
-                first = Some((addr, ls));
-            }
+        // A drafter that reads no features (a draft model, n-gram) takes any.
+        let mut known: Vec<(&String, Vec<usize>)> = self
+            .links
+            .iter()
+            .filter_map(|(a, l)| Some((a, link_layers(l).filter(|ls| !ls.is_empty())?)))
+            .collect();
+        if known.is_empty() {
+            return Vec::new();
         }
-        first.map(|(_, ls)| ls).unwrap_or_default()
+        known.sort_unstable_by(|x, y| x.0.cmp(y.0));
+        let assign = self.shared.assign.lock().ok();
+        let in_use = |addr: &String| {
+            self.reqs.values().any(|r| &r.link == addr)
+                || assign
+                    .as_ref()
+                    .is_some_and(|a| a.values().any(|x| x == addr))
+        };
+        known
+            .into_iter()
+            .find(|(a, _)| in_use(a))
+            .map(|(_, ls)| ls)
+            .unwrap_or_default()
     }
 
     /// The copy-run rates the request's draft worker published (empty: none, or not known
@@ -744,6 +810,8 @@ struct Round {
     /// Whether its acknowledgements were applied when it was drained: applying the reply
     /// again (for its blocks) must not back its requests off a second time.
     drained: bool,
+    /// Sent to a stalled link to see whether it answers in time again, not waited for.
+    probe: bool,
 }
 
 impl Round {
@@ -756,28 +824,130 @@ impl Round {
 }
 
 impl RemoteProposer {
-    /// Applies the acknowledgements of prefetched rounds whose replies are in, for requests
-    /// that are not drafting this cycle (so their next round does not resend what the draft
-    /// worker already has); their blocks stay available for a `propose` that wants them.
+    /// Applies the acknowledgements of prefetched and late rounds whose replies are in, for
+    /// requests that are not drafting this cycle (so their next round does not resend what the
+    /// draft worker already has); prefetched rounds' blocks stay available for a `propose`
+    /// that wants them.
     fn drain_ready(&mut self) {
-        let rounds = std::mem::take(&mut self.prefetched);
-        for mut round in rounds {
-            match round.rx.try_recv() {
+        self.catch_up(None, u64::MAX);
+    }
+
+    /// Applies the acknowledgements of the replies in for rounds nobody waits on — prefetched
+    /// ones not collected yet and late ones — on `addr` (any link: `None`) and sent before step
+    /// `before`, in the order they were sent. A draft worker answers a stream's rounds in
+    /// order, so this, called before a reply is applied, applies every earlier reply of its
+    /// link first: an earlier one applied after a later need_sync would record more than the
+    /// worker (which lost the state in between) holds. A late probe's reply in time ends its
+    /// link's stall; a late round is done with once its reply is in, or past [`LATE_KEEP`].
+    fn catch_up(&mut self, addr: Option<&str>, before: u64) {
+        let late = std::mem::take(&mut self.late);
+        let prefetched = std::mem::take(&mut self.prefetched);
+        let mut rounds: Vec<(bool, Round)> = late
+            .into_iter()
+            .map(|r| (true, r))
+            .chain(prefetched.into_iter().map(|r| (false, r)))
+            .collect();
+        rounds.sort_by_key(|(_, r)| r.step);
+        for (late, mut round) in rounds {
+            let due = round.ready.is_none()
+                && round.step < before
+                && addr.is_none_or(|a| a == round.addr);
+            let rep = if due {
+                round.rx.try_recv()
+            } else {
+                Err(std::sync::mpsc::TryRecvError::Empty)
+            };
+            match rep {
                 Ok(rep) => {
                     let mut none: Vec<Option<DraftBlock>> = Vec::new();
                     self.apply(&round, &rep, &[], &HashMap::new(), &mut none);
-                    round.drained = true;
-                    round.ready = Some(rep);
-                    self.prefetched.push(round);
-                }
-                Err(std::sync::mpsc::TryRecvError::Empty) => self.prefetched.push(round),
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                    if round.ready.is_some() {
+                    if !late {
+                        // Nobody had given up on it (as for a reply collected by `propose`).
+                        self.answered(&round);
+                        round.drained = true;
+                        round.ready = Some(rep);
                         self.prefetched.push(round);
+                    } else if round.probe
+                        && rep.1.saturating_duration_since(round.t0) <= self.timeout
+                    {
+                        self.answered(&round);
                     }
                 }
+                Err(std::sync::mpsc::TryRecvError::Empty) => {
+                    if !late {
+                        self.prefetched.push(round);
+                    } else if due && round.t0.elapsed() > LATE_KEEP {
+                        self.forget(&round);
+                    } else {
+                        self.late.push(round);
+                    }
+                }
+                // Its stream ended: the new one holds nothing it acknowledges.
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {}
             }
         }
+    }
+
+    /// A reply came in time for a round on the link's current stream: a stall ends.
+    fn answered(&self, round: &Round) {
+        let Some(l) = self.links.get(&round.addr) else {
+            return;
+        };
+        if l.shared.generation.load(Ordering::SeqCst) != round.generation {
+            return;
+        }
+        if l.shared
+            .stalled
+            .lock()
+            .map(|mut s| s.take().is_some())
+            .unwrap_or(false)
+        {
+            tracing::info!(draft = round.addr, "draft worker answers again");
+        }
+    }
+
+    /// Applies a reply collected by `propose` (every earlier reply of its link first), and
+    /// ends its link's stall: it came in time.
+    fn collect(
+        &mut self,
+        round: &Round,
+        rep: &(DraftReply, Instant),
+        reqs: &[ProposeReq<'_>],
+        ids: &HashMap<u64, usize>,
+        out: &mut [Option<DraftBlock>],
+    ) {
+        self.catch_up(Some(&round.addr), round.step);
+        self.apply(round, rep, reqs, ids, out);
+        self.answered(round);
+    }
+
+    /// The links of `groups` due for a probe: stalled, and not tried for [`STALL_RETRY`].
+    fn probe_due(&self, groups: &[(String, Vec<usize>)]) -> std::collections::HashSet<String> {
+        groups
+            .iter()
+            .map(|(a, _)| a)
+            .filter(|a| self.links.get(*a).is_some_and(|l| l.shared.probe_due()))
+            .cloned()
+            .collect()
+    }
+
+    /// Sends nothing; leaves a round just sent to a stalled link as a probe: not waited for
+    /// (its requests draft locally this cycle, and the engine waits on no link that has been
+    /// late), its acknowledgements applied when its reply comes, which ends the stall if it
+    /// came within the timeout. The next probe goes [`STALL_RETRY`] from now.
+    fn probe(&mut self, mut round: Round) {
+        if let Some(l) = self.links.get(&round.addr)
+            && let Ok(mut s) = l.shared.stalled.lock()
+        {
+            *s = Some(Instant::now());
+        }
+        tracing::debug!(
+            draft = round.addr,
+            step = round.step,
+            "draft worker late: probed"
+        );
+        round.probe = true;
+        self.late.push(round);
     }
 
     /// Requests by the (up) draft worker they are paired with (re-pairing those whose draft
@@ -885,13 +1055,12 @@ impl RemoteProposer {
         let mut items = Vec::with_capacity(idx.len());
         let mut sent = HashMap::new();
         let mut verdicts = HashMap::new();
+        // Counted once the round is on its way (a refused one carried nothing).
+        let mut bytes = Vec::with_capacity(idx.len());
         for &i in idx {
             let r = &mut reqs[i];
             let (item, feat_end, acked) = self.build_item(addr, generation, &layers, r);
-            let bytes = item.encoded_len() as u64;
-            if let Ok(mut m) = self.shared.stats.lock() {
-                m.entry(r.id).or_default().bytes_to_draft += bytes;
-            }
+            bytes.push((r.id, item.encoded_len() as u64));
             sent.insert(r.id, (r.context.len(), feat_end, r.k, acked));
             if let Some(v) = item.verified {
                 verdicts.insert(r.id, (item.verified_at as usize, v as usize));
@@ -945,6 +1114,11 @@ impl RemoteProposer {
             }
             return None;
         }
+        if let Ok(mut m) = self.shared.stats.lock() {
+            for (id, b) in bytes {
+                m.entry(id).or_default().bytes_to_draft += b;
+            }
+        }
         Some(Round {
             addr: addr.to_string(),
             generation,
@@ -956,6 +1130,7 @@ impl RemoteProposer {
             verdicts,
             ready: None,
             drained: false,
+            probe: false,
         })
     }
 
@@ -1026,34 +1201,33 @@ impl RemoteProposer {
         (item, feat_end, acked)
     }
 
-    /// A round that will not be collected: stop waiting for it (a late reply is dropped).
-    /// Forgets a round that ran past the drafting timeout and marks its link stalled.
-    fn stall(&mut self, round: &Round) {
+    /// A round that ran past the drafting timeout: no longer waited for (its reply's
+    /// acknowledgements still count when it comes), and its link marked stalled.
+    fn stall(&mut self, round: Round) {
         self.timed_out = true;
-        self.forget(round);
-        let Some(l) = self.links.get(&round.addr) else {
-            return;
-        };
-        let was = l
-            .shared
-            .stalled
-            .lock()
-            .map(|mut s| s.replace(Instant::now()).is_some())
-            .unwrap_or(true);
-        if !was {
-            tracing::warn!(
-                draft = round.addr,
-                step = round.step,
-                timeout_ms = self.timeout.as_millis() as u64,
-                "draft worker late; drafting locally until it answers"
-            );
-        } else {
-            tracing::debug!(
-                draft = round.addr,
-                step = round.step,
-                "draft worker still late"
-            );
+        if let Some(l) = self.links.get(&round.addr) {
+            let was = l
+                .shared
+                .stalled
+                .lock()
+                .map(|mut s| s.replace(Instant::now()).is_some())
+                .unwrap_or(true);
+            if !was {
+                tracing::warn!(
+                    draft = round.addr,
+                    step = round.step,
+                    timeout_ms = self.timeout.as_millis() as u64,
+                    "draft worker late; drafting locally until it answers"
+                );
+            } else {
+                tracing::debug!(
+                    draft = round.addr,
+                    step = round.step,
+                    "draft worker still late"
+                );
+            }
         }
+        self.late.push(round);
     }
 
     fn forget(&self, round: &Round) {
@@ -1273,7 +1447,7 @@ impl Proposer for RemoteProposer {
 
     fn finish(&mut self, id: u64) {
         self.local.remove(&id);
-        for r in &mut self.prefetched {
+        for r in self.prefetched.iter_mut().chain(self.late.iter_mut()) {
             r.sent.remove(&id);
         }
         self.drop_empty_rounds();
@@ -1341,9 +1515,14 @@ impl Proposer for RemoteProposer {
     fn prefetch(&mut self, reqs: &mut [ProposeReq<'_>]) {
         self.drain_ready();
         let groups = self.groups(reqs);
+        let due = self.probe_due(&groups);
         for (addr, idx) in groups {
             if let Some(r) = self.send_round(&addr, reqs, &idx) {
-                self.prefetched.push(r);
+                if due.contains(&addr) {
+                    self.probe(r);
+                } else {
+                    self.prefetched.push(r);
+                }
             }
         }
     }
@@ -1361,18 +1540,32 @@ impl Proposer for RemoteProposer {
         self.declined.clear();
         let deadline = Instant::now() + self.timeout;
         // 1. Rounds prefetched for these requests (sent while the other micro-batch verified).
+        // Only one drafted at a request's context now can give it drafts: one for another
+        // micro-batch, or for contexts its requests have moved past (a cycle drafted by copy
+        // runs, or with no drafts, came between), is not waited for (waiting would only
+        // bring acknowledgements, and a slow one would stall its link); `drain_ready` applies
+        // it when it comes.
         let ids: HashMap<u64, usize> = reqs.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
+        let mut wanted = Vec::new();
         let mut keep = Vec::new();
-        for mut round in std::mem::take(&mut self.prefetched) {
-            if !round.sent.keys().any(|id| ids.contains_key(id)) {
-                if round.cycle + 16 > self.cycle {
-                    keep.push(round);
-                } else {
-                    // Its reply, should it come, has nowhere to go.
-                    self.forget(&round);
-                }
-                continue;
+        for round in std::mem::take(&mut self.prefetched) {
+            let current = round.sent.iter().any(|(id, s)| {
+                ids.get(id)
+                    .is_some_and(|&i| reqs[i].k > 0 && reqs[i].context.len() == s.0)
+            });
+            if current {
+                wanted.push(round);
+            } else if round.cycle + 16 > self.cycle {
+                keep.push(round);
+            } else if round.ready.is_some() {
+                // Applied already; its blocks have nowhere to go.
+                self.forget(&round);
+            } else {
+                self.late.push(round);
             }
+        }
+        self.prefetched = keep;
+        for mut round in wanted {
             // A stalled link's round is not waited for (a reply already in counts).
             let stalled = self
                 .links
@@ -1388,13 +1581,14 @@ impl Proposer for RemoteProposer {
                 None => round.rx.recv_timeout(left),
             };
             match rep {
-                Ok(rep) => self.apply(&round, &rep, reqs, &ids, &mut out),
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !stalled => self.stall(&round),
+                Ok(rep) => self.collect(&round, &rep, reqs, &ids, &mut out),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !stalled => self.stall(round),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => self.late.push(round),
                 Err(_) => self.forget(&round),
             }
         }
-        self.prefetched = keep;
-        // 2. The rest: one round per draft worker now.
+        // 2. The rest: one round per draft worker now (a probe, not waited for, to a stalled
+        // one due for another try).
         let missing: Vec<usize> = (0..reqs.len()).filter(|&i| out[i].is_none()).collect();
         if !missing.is_empty() {
             let mut sub_groups: Vec<(String, Vec<usize>)> = Vec::new();
@@ -1407,25 +1601,31 @@ impl Proposer for RemoteProposer {
                     sub_groups.push((addr, v));
                 }
             }
+            let due = self.probe_due(&sub_groups);
             let mut rounds = Vec::new();
             for (addr, idx) in sub_groups {
                 if let Some(r) = self.send_round(&addr, reqs, &idx) {
-                    rounds.push(r);
+                    if due.contains(&addr) {
+                        self.probe(r);
+                    } else {
+                        rounds.push(r);
+                    }
                 }
             }
             for round in rounds {
                 let left = deadline.saturating_duration_since(Instant::now());
                 match round.rx.recv_timeout(left) {
-                    Ok(rep) => self.apply(&round, &rep, reqs, &ids, &mut out),
+                    Ok(rep) => self.collect(&round, &rep, reqs, &ids, &mut out),
                     // Late only if it had most of the timeout (the deadline was set before the
                     // round was built and sent): a round sent after another link's prefetched
                     // one used up the cycle's time had little or none, and its link is not to
                     // blame (it would draft locally for `STALL_RETRY`). Either way the cycle
-                    // waited out a timeout, not a drafting cost.
+                    // waited out a timeout, not a drafting cost, and the reply's
+                    // acknowledgements still count when it comes.
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout)
                         if deadline.saturating_duration_since(round.t0) >= self.timeout / 2 =>
                     {
-                        self.stall(&round)
+                        self.stall(round)
                     }
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                         tracing::debug!(
@@ -1434,7 +1634,7 @@ impl Proposer for RemoteProposer {
                             "draft round out of time this cycle"
                         );
                         self.timed_out = true;
-                        self.forget(&round);
+                        self.late.push(round);
                     }
                     Err(_) => {
                         tracing::debug!(draft = round.addr, step = round.step, "draft round lost");
@@ -1950,6 +2150,7 @@ mod tests {
             verdicts: verdicts.iter().copied().collect(),
             ready: None,
             drained: false,
+            probe: false,
         }
     }
 
@@ -2240,8 +2441,8 @@ mod tests {
 
     /// A round sent after another link's prefetched round used up the cycle's time is not its
     /// link's fault: that link is not stalled (its requests would draft locally for
-    /// `STALL_RETRY`); the late one is. Rounds that can no longer be applied leave no reply
-    /// slot behind.
+    /// `STALL_RETRY`); the late one is. Both stay for their replies' acknowledgements; rounds
+    /// that can no longer be applied leave no reply slot behind.
     #[test]
     fn a_round_given_no_time_does_not_stall_its_link() {
         let rt = test_runtime();
@@ -2267,14 +2468,9 @@ mod tests {
             !p.links[&b].shared.is_stalled(),
             "a round with no time left is not the link's fault"
         );
-        assert!(
-            p.links[&b]
-                .shared
-                .pending
-                .lock()
-                .expect("pending")
-                .is_empty()
-        );
+        let late: Vec<&str> = p.late.iter().map(|r| r.addr.as_str()).collect();
+        assert_eq!(late, [a.as_str(), b.as_str()]);
+        assert_eq!(p.links[&b].shared.pending.lock().expect("pending").len(), 1);
         // A prefetched round whose requests all finished frees its reply slot.
         let (_tx2, rx2) = std::sync::mpsc::channel();
         p.links[&b]
@@ -2735,5 +2931,225 @@ mod tests {
         *p.links[&b].shared.stalled.lock().expect("stalled") = None;
         assert_eq!(p.groups(&reqs), vec![(b.clone(), vec![0, 1])]);
         assert_eq!(p.shared.assign.lock().expect("assign")[&1], b);
+    }
+
+    /// A draft worker behind `addr`'s link (brought up, its drafter reading no layers), on a
+    /// thread: it answers each round `delay` ms after taking it (changeable while it runs)
+    /// with k drafts of token 3 for every item, hands the reply over as `run_link` does, then
+    /// passes the call on.
+    fn fake_worker(
+        p: &mut RemoteProposer,
+        addr: &str,
+        delay: Arc<AtomicU64>,
+    ) -> std::sync::mpsc::Receiver<DraftCall> {
+        let mut calls = up_with(p, addr, vec![]);
+        let link = Arc::downgrade(&p.links[addr].shared);
+        let (seen, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            while let Some(call) = calls.blocking_recv() {
+                std::thread::sleep(Duration::from_millis(delay.load(Ordering::SeqCst)));
+                let blocks = call
+                    .items
+                    .iter()
+                    .map(|it| dspark_proto::DraftBlock {
+                        seq: it.seq,
+                        tokens: vec![3; it.k as usize],
+                        q_kind: QKind::OneHot as i32,
+                        have_tokens: it.sync_from + it.tokens.len() as u32,
+                        ..Default::default()
+                    })
+                    .collect();
+                let Some(l) = link.upgrade() else { break };
+                let _ = l.deliver(DraftReply {
+                    step: call.step,
+                    blocks,
+                    ..Default::default()
+                });
+                drop(l);
+                if seen.send(call).is_err() {
+                    break;
+                }
+            }
+        });
+        rx
+    }
+
+    /// A draft worker that answers just past the timeout: its late reply still acknowledges
+    /// what it holds (and ends no stall), and the next try is a probe the engine does not
+    /// wait for, carrying only what the worker lacks; a probe answered in time ends the stall.
+    #[test]
+    fn a_late_reply_acknowledges_and_a_stalled_link_is_probed_without_waiting() {
+        let rt = test_runtime();
+        let shared = Arc::new(RemoteShared::default());
+        let mut p = test_proposer(&rt, shared.clone(), 10);
+        let timeout = Duration::from_millis(100);
+        p.timeout = timeout;
+        let a = "127.0.0.1:9";
+        shared
+            .assign
+            .lock()
+            .expect("assign")
+            .insert(1, a.to_string());
+        let delay = Arc::new(AtomicU64::new(250));
+        let seen = fake_worker(&mut p, a, Arc::clone(&delay));
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(1)];
+        let ctx = [1u32, 2, 3, 4];
+        let mut reqs = reqs_at(&[1], &ctx, &greedy, &mut rngs);
+        p.propose(&mut reqs).expect("propose");
+        assert!(p.timed_out());
+        assert!(p.links[a].shared.is_stalled());
+        drop(reqs);
+        let call = seen.recv_timeout(Duration::from_secs(2)).expect("answered");
+        assert_eq!(call.items[0].sync_from, 0);
+        p.drain_ready();
+        assert_eq!(p.reqs[&1].tokens_acked, 4, "the late reply acknowledges");
+        assert!(p.links[a].shared.is_stalled(), "a late reply ends no stall");
+        let due = |p: &RemoteProposer| {
+            *p.links[a].shared.stalled.lock().expect("stalled") =
+                Some(Instant::now() - STALL_RETRY - Duration::from_millis(1));
+        };
+        // Due for another try: a probe with the two new tokens only, not waited for.
+        due(&p);
+        let ctx = [1u32, 2, 3, 4, 5, 6];
+        let mut reqs = reqs_at(&[1], &ctx, &greedy, &mut rngs);
+        let t = Instant::now();
+        let out = p.propose(&mut reqs).expect("propose");
+        assert!(t.elapsed() < timeout, "waited {:?}", t.elapsed());
+        assert!(!p.timed_out());
+        assert!(out[0].tokens.is_empty(), "drafted locally meanwhile");
+        drop(reqs);
+        let call = seen
+            .recv_timeout(Duration::from_secs(2))
+            .expect("the probe");
+        assert_eq!(
+            (call.items[0].sync_from, call.items[0].tokens.clone()),
+            (4, vec![5, 6])
+        );
+        p.drain_ready();
+        assert_eq!(p.reqs[&1].tokens_acked, 6);
+        assert!(p.links[a].shared.is_stalled(), "the probe was late too");
+        // A probe answered within the timeout: the link takes rounds again.
+        delay.store(0, Ordering::SeqCst);
+        due(&p);
+        let ctx = [1u32, 2, 3, 4, 5, 6, 7];
+        let mut reqs = reqs_at(&[1], &ctx, &greedy, &mut rngs);
+        p.propose(&mut reqs).expect("propose");
+        drop(reqs);
+        let call = seen
+            .recv_timeout(Duration::from_secs(2))
+            .expect("the probe");
+        assert_eq!(call.items[0].sync_from, 6);
+        p.drain_ready();
+        assert!(p.links[a].shared.stalled.lock().expect("stalled").is_none());
+        assert!(p.late.is_empty());
+    }
+
+    /// A round prefetched at a context the request has since moved past (a cycle drafted by
+    /// copy runs, or with none, came between) can give it no drafts: it is not waited for,
+    /// does not stall its link, and stays for `drain_ready`; the request drafts remotely.
+    #[test]
+    fn a_prefetched_round_for_a_context_moved_past_is_not_waited_for() {
+        let rt = test_runtime();
+        let shared = Arc::new(RemoteShared::default());
+        let mut p = test_proposer(&rt, shared.clone(), 10);
+        let timeout = Duration::from_millis(500);
+        p.timeout = timeout;
+        let a = "127.0.0.1:9";
+        shared
+            .assign
+            .lock()
+            .expect("assign")
+            .insert(1, a.to_string());
+        let _seen = fake_worker(&mut p, a, Arc::new(AtomicU64::new(0)));
+        // Drafted at context length 4; its reply never comes.
+        let (_never, rx) = std::sync::mpsc::channel();
+        p.prefetched.push(Round {
+            addr: a.to_string(),
+            rx,
+            ..test_round(0, &[(1, (4, 0, 2, 0))], &[])
+        });
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(1)];
+        let ctx = [1u32, 2, 3, 4, 5, 6];
+        let mut reqs = reqs_at(&[1], &ctx, &greedy, &mut rngs);
+        let t = Instant::now();
+        let out = p.propose(&mut reqs).expect("propose");
+        assert!(t.elapsed() < timeout, "waited {:?}", t.elapsed());
+        assert_eq!(out[0].tokens, vec![3, 3], "drafted remotely");
+        assert!(!p.links[a].shared.is_stalled());
+        assert!(!p.timed_out());
+        assert_eq!(p.prefetched.len(), 1, "left for drain_ready");
+    }
+
+    /// A round refused at the door (no stream, or its channel full) put nothing on the wire:
+    /// it counts no bytes to the draft worker.
+    #[test]
+    fn a_round_not_sent_counts_no_bytes() {
+        let rt = test_runtime();
+        let (a, b) = ("127.0.0.1:9".to_string(), "127.0.0.1:10".to_string());
+        let mut p = two_links(&rt, &a, &b);
+        let ctx = [1u32, 2, 3, 4];
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(1), kernels::rng::Rng::new(2)];
+        let sent = |p: &RemoteProposer| {
+            p.shared
+                .stats
+                .lock()
+                .expect("stats")
+                .get(&1)
+                .map_or(0, |s| s.bytes_to_draft)
+        };
+        let mut reqs = two_reqs(&ctx, &greedy, &mut rngs);
+        assert!(p.send_round(&a, &mut reqs, &[0]).is_none(), "no stream");
+        assert_eq!(sent(&p), 0);
+        let (tx, mut calls) = tokio::sync::mpsc::channel::<DraftCall>(1);
+        *p.links[&a].shared.calls.lock().expect("calls") = Some(tx);
+        assert!(p.send_round(&a, &mut reqs, &[0]).is_some());
+        let first = sent(&p);
+        let call = calls.try_recv().expect("a call");
+        assert_eq!(first, call.items[0].encoded_len() as u64);
+        // The channel full: refused.
+        assert!(p.send_round(&a, &mut reqs, &[0]).is_some());
+        assert!(p.send_round(&a, &mut reqs, &[0]).is_none(), "channel full");
+        assert_eq!(
+            sent(&p) - first,
+            calls.try_recv().expect("a call").items[0].encoded_len() as u64
+        );
+    }
+
+    /// A draft worker up with no request paired with it (one it drafted for finished) does
+    /// not decide the layers captured — its drafter's may differ from the draft workers' in
+    /// use, whose requests would get no rounds — and its link goes past a grace.
+    #[test]
+    fn idle_draft_workers_neither_decide_the_layers_nor_stay_for_good() {
+        let rt = test_runtime();
+        let shared = Arc::new(RemoteShared::default());
+        let mut p = test_proposer(&rt, shared.clone(), 10);
+        // "127.0.0.1:10" < "127.0.0.1:9" as strings: `a` is first by address.
+        let (a, b) = ("127.0.0.1:10".to_string(), "127.0.0.1:9".to_string());
+        shared.assign.lock().expect("assign").insert(2, b.clone());
+        let _ca = up_with(&mut p, &a, vec![2, 3]);
+        let _cb = up_with(&mut p, &b, vec![0, 1]);
+        assert_eq!(p.feature_layers(), vec![0, 1]);
+        let ctx = [1u32, 2, 3, 4];
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(2)];
+        let reqs = reqs_at(&[2], &ctx, &greedy, &mut rngs);
+        assert_eq!(p.groups(&reqs), vec![(b.clone(), vec![0])]);
+        drop(reqs);
+        // `a` stays open a while, then goes; `b`, in use, stays.
+        p.forget_idle_links(None);
+        assert!(p.links.contains_key(&a) && p.links.contains_key(&b));
+        p.links.get_mut(&a).expect("a").idle_since =
+            Some(Instant::now() - IDLE_GRACE - Duration::from_secs(1));
+        p.forget_idle_links(None);
+        assert!(!p.links.contains_key(&a), "the idle link went");
+        assert!(p.links.contains_key(&b));
+        assert_eq!(p.links[&b].idle_since, None);
+        // Paired with a request again, it counts (first by address).
+        shared.assign.lock().expect("assign").insert(1, a.clone());
+        let _ca = up_with(&mut p, &a, vec![2, 3]);
+        assert_eq!(p.feature_layers(), vec![2, 3]);
     }
 }
