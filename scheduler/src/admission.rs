@@ -1724,6 +1724,51 @@ mod tests {
         assert_eq!((k(0.9, &mut adm), k(0.1, &mut adm)), (2, 0));
     }
 
+    /// A central scheduler answering a policy's reports at once (before its next step), as
+    /// the service does: the budget for the step the report's lag names.
+    struct Central {
+        rx: tokio::sync::mpsc::Receiver<ConfReport>,
+        slot: std::sync::Arc<std::sync::Mutex<ExternalBudget>>,
+        adm: Admission,
+    }
+
+    impl Central {
+        /// Wires `p` to it when `on` (else `p` decides alone, and nothing is reported).
+        fn wire(p: &mut ConfidencePolicy, on: bool) -> Self {
+            let (tx, rx) = tokio::sync::mpsc::channel(64);
+            let slot = std::sync::Arc::new(std::sync::Mutex::new(ExternalBudget::default()));
+            if on {
+                p.report = Some(tx);
+                p.external = Some(slot.clone());
+            }
+            Self {
+                rx,
+                slot,
+                adm: Admission::default(),
+            }
+        }
+
+        /// Answers every report waiting, with the worker's prices when `send_prices`; whether
+        /// any answer was priced by them.
+        fn answer(&mut self, sps: &SpsTable, send_prices: bool) -> bool {
+            let mut priced = false;
+            while let Ok(r) = self.rx.try_recv() {
+                let refs: Vec<&[f32]> = r.rows.iter().map(|c| c.as_slice()).collect();
+                let step = StepLimits {
+                    max_batch_tokens: r.max_batch_tokens,
+                    kv_headroom: r.kv_headroom,
+                    other_tokens: r.other_tokens,
+                    plain_requests: r.plain_requests,
+                };
+                let prices = r.prices.filter(|_| send_prices).unwrap_or_default();
+                let (k, judged) = central_budget(&mut self.adm, &refs, r.max_k, step, sps, &prices);
+                priced |= judged.is_some();
+                self.slot.lock().unwrap().set(r.step + u64::from(r.lag), k);
+            }
+            priced
+        }
+    }
+
     /// The central scheduler decides from the worker's reports; a worker whose drafting costs
     /// more than it gains must be told 0, as its own decision would be (the table prices
     /// verification, not drafting). Answered from the table alone, the central budget kept a
@@ -1731,7 +1776,6 @@ mod tests {
     #[test]
     fn central_budgets_weigh_the_workers_drafting_as_its_own_decision_does() {
         use specdec::VerifyPolicy;
-        use std::sync::{Arc, Mutex};
         let sps = SpsTable::new(vec![(64, 100.0), (256, 20.0)]).unwrap();
         let rows = [[0.9f32; 4]; 4];
         let conf: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
@@ -1739,13 +1783,7 @@ mod tests {
         // prices sent along.
         let scenario = |central: bool, send_prices: bool| -> (Vec<bool>, Vec<bool>, u64) {
             let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 4);
-            let (tx, mut rx) = tokio::sync::mpsc::channel(64);
-            let slot = Arc::new(Mutex::new(ExternalBudget::default()));
-            if central {
-                p.report = Some(tx);
-                p.external = Some(slot.clone());
-            }
-            let mut adm = Admission::default();
+            let mut c = Central::wire(&mut p, central);
             let mut priced = false;
             let mut run = |p: &mut ConfidencePolicy, steps: usize| -> Vec<bool> {
                 (0..steps)
@@ -1753,21 +1791,7 @@ mod tests {
                         let drafted = p.planned() != Some(0);
                         let rows: &[&[f32]] = if drafted { &conf } else { &[] };
                         p.select(rows, 0, 0, 1 << 20);
-                        // The central scheduler answers at once, for the step two ahead.
-                        while let Ok(r) = rx.try_recv() {
-                            let refs: Vec<&[f32]> = r.rows.iter().map(|c| c.as_slice()).collect();
-                            let step = StepLimits {
-                                max_batch_tokens: r.max_batch_tokens,
-                                kv_headroom: r.kv_headroom,
-                                other_tokens: r.other_tokens,
-                                plain_requests: r.plain_requests,
-                            };
-                            let prices = r.prices.filter(|_| send_prices).unwrap_or_default();
-                            let (k, judged) =
-                                central_budget(&mut adm, &refs, r.max_k, step, &sps, &prices);
-                            priced |= judged.is_some();
-                            slot.lock().unwrap().set(r.step + 2, k);
-                        }
+                        priced |= c.answer(&sps, send_prices);
                         drafted
                     })
                     .collect()
@@ -1811,7 +1835,6 @@ mod tests {
     #[test]
     fn central_budgets_apply_at_their_own_step_under_alternating_batches() {
         use specdec::VerifyPolicy;
-        use std::sync::{Arc, Mutex};
         let sps = SpsTable::new(vec![(16, 100.0), (256, 20.0)]).unwrap();
         // Micro-batch A: four confident requests; B: one doubtful one.
         let a = [[0.95f32; 4]; 4];
@@ -1820,13 +1843,7 @@ mod tests {
         let rows_b: Vec<&[f32]> = b.iter().map(|r| r.as_slice()).collect();
         let run = |central: bool| -> (Vec<Vec<usize>>, u64) {
             let mut p = ConfidencePolicy::new(sps.clone(), Rule::Argmax, 2, 4096, 4);
-            let (tx, mut rx) = tokio::sync::mpsc::channel(64);
-            let slot = Arc::new(Mutex::new(ExternalBudget::default()));
-            if central {
-                p.report = Some(tx);
-                p.external = Some(slot.clone());
-            }
-            let mut adm = Admission::default();
+            let mut c = Central::wire(&mut p, central);
             let mut out = Vec::new();
             for i in 0..60 {
                 let drafted = p.planned() != Some(0);
@@ -1836,25 +1853,7 @@ mod tests {
                     (true, _) => &rows_b,
                 };
                 out.push(p.select(rows, 0, 0, 1 << 20));
-                // The central scheduler answers before the next step, for the one two on.
-                while let Ok(r) = rx.try_recv() {
-                    let refs: Vec<&[f32]> = r.rows.iter().map(|c| c.as_slice()).collect();
-                    let step = StepLimits {
-                        max_batch_tokens: r.max_batch_tokens,
-                        kv_headroom: r.kv_headroom,
-                        other_tokens: r.other_tokens,
-                        plain_requests: r.plain_requests,
-                    };
-                    let (k, _) = central_budget(
-                        &mut adm,
-                        &refs,
-                        r.max_k,
-                        step,
-                        &sps,
-                        &StepPrices::default(),
-                    );
-                    slot.lock().unwrap().set(r.step + u64::from(r.lag), k);
-                }
+                c.answer(&sps, false);
             }
             (
                 out,
