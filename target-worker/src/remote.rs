@@ -103,11 +103,6 @@ const STALL_RETRY: Duration = Duration::from_secs(2);
 /// past the timeout would otherwise be resent the same tokens and rows every try).
 const LATE_KEEP: Duration = Duration::from_secs(30);
 
-/// How long an up link nothing uses stays open: a request placed there again soon finds it
-/// up, but a draft worker paired once does not keep a stream (and the state it holds) for
-/// the life of the worker.
-const IDLE_GRACE: Duration = Duration::from_secs(60);
-
 /// How long a link stays down before its requests move to another draft worker: past a
 /// reconnect after a blip (backoff reaches 1 s, plus a 500 ms connect timeout), so only a
 /// draft worker that is gone (a pod replaced at a new address in a rolling update) loses
@@ -161,9 +156,6 @@ struct Link {
     task: tokio::task::JoinHandle<()>,
     /// Said (once) that its drafter reads other target layers than the ones captured.
     mismatch_said: bool,
-    /// Since when it is up with nothing using it (no request paired with it, no round in
-    /// flight): dropped past [`IDLE_GRACE`].
-    idle_since: Option<Instant>,
 }
 
 impl Drop for Link {
@@ -270,7 +262,6 @@ fn spawn_link(rt: &tokio::runtime::Handle, addr: String, hello: Hello) -> Link {
         finished: Vec::new(),
         task,
         mismatch_said: false,
-        idle_since: None,
     }
 }
 
@@ -527,11 +518,12 @@ impl RemoteProposer {
         }
     }
 
-    /// Drops the links that no request or pending round uses: at once when down (draft pods
+    /// Drops the links that are down and that no request or pending round uses: draft pods
     /// come and go at new addresses, and each link would otherwise redial its dead address
-    /// every second for the life of the worker), past [`IDLE_GRACE`] when up (a draft worker
-    /// paired once would otherwise keep its stream for good). A request paired with it again
-    /// redials.
+    /// every second for the life of the worker. A request paired with it again redials. An up
+    /// link stays, used or not: its draft worker's description (the layers its drafter reads)
+    /// is there for a request paired with it again, whose prefill captures the features it
+    /// needs; an idle one does not decide the layers captured (`layers`).
     fn forget_idle_links(&mut self, finishing: Option<u64>) {
         // The request finishing now still has its pairing (the engine loop drops it after).
         let assigned: std::collections::HashSet<String> = self
@@ -546,20 +538,11 @@ impl RemoteProposer {
             })
             .unwrap_or_default();
         let (reqs, rounds, late) = (&self.reqs, &self.prefetched, &self.late);
-        let now = Instant::now();
         self.links.retain(|addr, l| {
-            let used = assigned.contains(addr)
+            l.shared.up.load(Ordering::SeqCst)
+                || assigned.contains(addr)
                 || reqs.values().any(|r| &r.link == addr)
-                || rounds.iter().chain(late).any(|r| &r.addr == addr);
-            if used {
-                l.idle_since = None;
-                return true;
-            }
-            if !l.shared.up.load(Ordering::SeqCst) {
-                return false;
-            }
-            let since = *l.idle_since.get_or_insert(now);
-            now.saturating_duration_since(since) < IDLE_GRACE
+                || rounds.iter().chain(late).any(|r| &r.addr == addr)
         });
     }
 
@@ -808,7 +791,8 @@ struct Round {
     /// The reply, once drained.
     ready: Option<(DraftReply, Instant)>,
     /// Whether its acknowledgements were applied when it was drained: applying the reply
-    /// again (for its blocks) must not back its requests off a second time.
+    /// again (for its blocks) must not record them (nor a need_sync, nor a back-off) a second
+    /// time, after newer replies of its link.
     drained: bool,
     /// Sent to a stalled link to see whether it answers in time again, not waited for.
     probe: bool,
@@ -1239,7 +1223,8 @@ impl RemoteProposer {
     }
 
     /// Records acknowledgements and turns blocks for requests whose context is unchanged since
-    /// the round was sent into drafts.
+    /// the round was sent into drafts. A drained round's acknowledgements (and need_sync) were
+    /// recorded when it was drained: only its blocks are read again.
     fn apply(
         &mut self,
         round: &Round,
@@ -1277,13 +1262,16 @@ impl RemoteProposer {
             // a context still current, is drafts like any other, but not this stream's.
             let current = round.is_current(rs);
             if b.need_sync {
-                if !current {
+                // A drained round's acknowledgements and need_sync were applied when it was
+                // drained, in send order: applied again now, after newer replies of its link,
+                // they would record what the worker held then, not now.
+                if !current || round.drained {
                     continue;
                 }
                 // A worker that lost the request's state holds less than the round synced
                 // from; one that holds all of it refused the request (bad input, full): that
                 // is not healed by resending.
-                if b.have_tokens as usize >= synced_from && !round.drained {
+                if b.have_tokens as usize >= synced_from {
                     rs.back_off(cycle);
                 }
                 // The item was not applied: its verdict goes with the next one (unless a newer
@@ -1300,7 +1288,7 @@ impl RemoteProposer {
                 rs.feats_acked = 0;
                 continue;
             }
-            if current {
+            if current && !round.drained {
                 rs.tokens_acked = ctx_len;
                 rs.feats_acked = feat_end;
             }
@@ -1543,8 +1531,11 @@ impl Proposer for RemoteProposer {
         // Only one drafted at a request's context now can give it drafts: one for another
         // micro-batch, or for contexts its requests have moved past (a cycle drafted by copy
         // runs, or with no drafts, came between), is not waited for (waiting would only
-        // bring acknowledgements, and a slow one would stall its link); `drain_ready` applies
-        // it when it comes.
+        // bring acknowledgements, and a slow one would stall its link). One with a request
+        // of another micro-batch stays (for 16 cycles) for that one's `propose`; one whose
+        // requests are all here, past its contexts, never matches again (contexts only grow):
+        // done with if its reply is in (applied when drained), late (its acknowledgements
+        // applied when it comes) if not.
         let ids: HashMap<u64, usize> = reqs.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
         let mut wanted = Vec::new();
         let mut keep = Vec::new();
@@ -1553,9 +1544,10 @@ impl Proposer for RemoteProposer {
                 ids.get(id)
                     .is_some_and(|&i| reqs[i].k > 0 && reqs[i].context.len() == s.0)
             });
+            let elsewhere = round.sent.keys().any(|id| !ids.contains_key(id));
             if current {
                 wanted.push(round);
-            } else if round.cycle + 16 > self.cycle {
+            } else if elsewhere && round.cycle + 16 > self.cycle {
                 keep.push(round);
             } else if round.ready.is_some() {
                 // Applied already; its blocks have nowhere to go.
@@ -3047,7 +3039,10 @@ mod tests {
 
     /// A round prefetched at a context the request has since moved past (a cycle drafted by
     /// copy runs, or with none, came between) can give it no drafts: it is not waited for,
-    /// does not stall its link, and stays for `drain_ready`; the request drafts remotely.
+    /// does not stall its link, and — its requests all here, so it never matches again — goes
+    /// to the late rounds, whose acknowledgements are applied when the reply comes (one whose
+    /// reply is in already is done with, its reply slot freed); the request drafts remotely.
+    /// A round with a request of the other micro-batch stays for that one's `propose`.
     #[test]
     fn a_prefetched_round_for_a_context_moved_past_is_not_waited_for() {
         let rt = test_runtime();
@@ -3069,6 +3064,29 @@ mod tests {
             rx,
             ..test_round(0, &[(1, (4, 0, 2, 0))], &[])
         });
+        // Drafted at 4 too, its reply in (drained) and its slot still held.
+        let (_tx5, rx5) = std::sync::mpsc::channel();
+        p.links[a]
+            .shared
+            .pending
+            .lock()
+            .expect("pending")
+            .insert(5, std::sync::mpsc::channel().0);
+        p.prefetched.push(Round {
+            addr: a.to_string(),
+            rx: rx5,
+            ready: Some((DraftReply::default(), Instant::now())),
+            drained: true,
+            ..test_round(5, &[(1, (4, 0, 2, 0))], &[])
+        });
+        // With request 2 of the other micro-batch.
+        let (_tx6, rx6) = std::sync::mpsc::channel();
+        p.prefetched.push(Round {
+            addr: a.to_string(),
+            rx: rx6,
+            ..test_round(6, &[(1, (4, 0, 2, 0)), (2, (4, 0, 2, 0))], &[])
+        });
+        p.step = 10;
         let greedy = kernels::sampling::SamplingParams::greedy();
         let mut rngs = [kernels::rng::Rng::new(1)];
         let ctx = [1u32, 2, 3, 4, 5, 6];
@@ -3079,7 +3097,17 @@ mod tests {
         assert_eq!(out[0].tokens, vec![3, 3], "drafted remotely");
         assert!(!p.links[a].shared.is_stalled());
         assert!(!p.timed_out());
-        assert_eq!(p.prefetched.len(), 1, "left for drain_ready");
+        let steps = |l: &[Round]| l.iter().map(|r| r.step).collect::<Vec<_>>();
+        assert_eq!(steps(&p.prefetched), [6], "kept for the other micro-batch");
+        assert_eq!(steps(&p.late), [0], "its acknowledgements still count");
+        assert!(
+            !p.links[a]
+                .shared
+                .pending
+                .lock()
+                .expect("pending")
+                .contains_key(&5)
+        );
     }
 
     /// A round refused at the door (no stream, or its channel full) put nothing on the wire:
@@ -3120,9 +3148,10 @@ mod tests {
 
     /// A draft worker up with no request paired with it (one it drafted for finished) does
     /// not decide the layers captured — its drafter's may differ from the draft workers' in
-    /// use, whose requests would get no rounds — and its link goes past a grace.
+    /// use, whose requests would get no rounds — but its link stays: a request paired with it
+    /// again finds its layers known at once (its prefill captures them).
     #[test]
-    fn idle_draft_workers_neither_decide_the_layers_nor_stay_for_good() {
+    fn idle_draft_workers_do_not_decide_the_layers() {
         let rt = test_runtime();
         let shared = Arc::new(RemoteShared::default());
         let mut p = test_proposer(&rt, shared.clone(), 10);
@@ -3138,18 +3167,133 @@ mod tests {
         let reqs = reqs_at(&[2], &ctx, &greedy, &mut rngs);
         assert_eq!(p.groups(&reqs), vec![(b.clone(), vec![0])]);
         drop(reqs);
-        // `a` stays open a while, then goes; `b`, in use, stays.
+        // Both stay open, `a` idle: it still does not decide.
         p.forget_idle_links(None);
         assert!(p.links.contains_key(&a) && p.links.contains_key(&b));
-        p.links.get_mut(&a).expect("a").idle_since =
-            Some(Instant::now() - IDLE_GRACE - Duration::from_secs(1));
-        p.forget_idle_links(None);
-        assert!(!p.links.contains_key(&a), "the idle link went");
-        assert!(p.links.contains_key(&b));
-        assert_eq!(p.links[&b].idle_since, None);
-        // Paired with a request again, it counts (first by address).
+        assert_eq!(p.feature_layers(), vec![0, 1]);
+        // Paired with a request again, it counts (first by address), with nothing redialed.
         shared.assign.lock().expect("assign").insert(1, a.clone());
-        let _ca = up_with(&mut p, &a, vec![2, 3]);
         assert_eq!(p.feature_layers(), vec![2, 3]);
+    }
+
+    /// The reply of `step` for request 1: drafts of token 3 (k = 2), the draft worker holding
+    /// `have` tokens, or need_sync.
+    fn reply_for_1(step: u64, have: u32, need_sync: bool) -> (DraftReply, Instant) {
+        let mut block = dspark_proto::DraftBlock {
+            seq: 1,
+            need_sync,
+            have_tokens: have,
+            ..Default::default()
+        };
+        if !need_sync {
+            block.tokens = vec![3, 3];
+            block.q_kind = QKind::OneHot as i32;
+        }
+        let rep = DraftReply {
+            step,
+            blocks: vec![block],
+            ..Default::default()
+        };
+        (rep, Instant::now())
+    }
+
+    /// A proposer whose request 1 is paired with `a`'s link (never up) on its stream 0.
+    fn paired_with(rt: &tokio::runtime::Runtime, a: &str) -> RemoteProposer {
+        let shared = Arc::new(RemoteShared::default());
+        let mut p = test_proposer(rt, shared.clone(), 10);
+        shared
+            .assign
+            .lock()
+            .expect("assign")
+            .insert(1, a.to_string());
+        assert_eq!(p.link_for(1).as_deref(), Some(a));
+        p.reqs.insert(1, ReqSync::new(a.to_string(), 0, 0));
+        p
+    }
+
+    /// Two rounds on one link: the first given up on (late), its reply "acknowledged at 4"
+    /// coming just before the second's, collected in time, "need_sync, holds 2" (the draft
+    /// worker lost the state in between). The late one is applied first, so what is recorded
+    /// is what the worker holds (2), never the older acknowledgement over it (the next round
+    /// would sync from 4, which the worker does not have).
+    #[test]
+    fn a_late_acknowledgement_never_overrides_a_newer_need_sync() {
+        let rt = test_runtime();
+        let a = "127.0.0.1:9";
+        let mut p = paired_with(&rt, a);
+        p.timeout = Duration::from_secs(2);
+        // Step 1, at context length 4, synced from 0: late.
+        let (tx1, rx1) = std::sync::mpsc::channel();
+        p.late.push(Round {
+            addr: a.to_string(),
+            rx: rx1,
+            ..test_round(1, &[(1, (4, 0, 2, 0))], &[])
+        });
+        // Step 2, at 6, synced from 4: prefetched for this cycle.
+        let (tx2, rx2) = std::sync::mpsc::channel();
+        p.prefetched.push(Round {
+            addr: a.to_string(),
+            rx: rx2,
+            ..test_round(2, &[(1, (6, 0, 2, 4))], &[])
+        });
+        p.step = 2;
+        // Both replies come, in order, while the engine waits for step 2.
+        let worker = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            tx1.send(reply_for_1(1, 4, false)).expect("step 1's reply");
+            tx2.send(reply_for_1(2, 2, true)).expect("step 2's reply");
+        });
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(1)];
+        let ctx = [1u32, 2, 3, 4, 5, 6];
+        let mut reqs = reqs_at(&[1], &ctx, &greedy, &mut rngs);
+        let out = p.propose(&mut reqs).expect("propose");
+        worker.join().expect("worker");
+        assert!(out[0].tokens.is_empty(), "need_sync: drafted locally");
+        assert!(
+            p.late.is_empty(),
+            "the late reply was applied, before step 2's"
+        );
+        assert_eq!(p.reqs[&1].tokens_acked, 2);
+        p.drain_ready();
+        assert_eq!(p.reqs[&1].tokens_acked, 2, "what the draft worker holds");
+    }
+
+    /// A prefetched round drained before it is collected had its acknowledgements applied
+    /// then, in send order: a newer reply of its link applied since ("need_sync, holds 2")
+    /// stands when the round's blocks are collected, and the blocks are drafts still.
+    #[test]
+    fn a_drained_round_collected_later_gives_only_its_blocks() {
+        let rt = test_runtime();
+        let a = "127.0.0.1:9";
+        let mut p = paired_with(&rt, a);
+        // Step 2 at context length 6, prefetched: "acknowledged at 6", with drafts.
+        let (tx2, rx2) = std::sync::mpsc::channel();
+        tx2.send(reply_for_1(2, 6, false)).expect("step 2's reply");
+        p.prefetched.push(Round {
+            addr: a.to_string(),
+            rx: rx2,
+            ..test_round(2, &[(1, (6, 0, 2, 0))], &[])
+        });
+        // Step 3 at 6, synced from 6, late: "need_sync, holds 2".
+        let (tx3, rx3) = std::sync::mpsc::channel();
+        tx3.send(reply_for_1(3, 2, true)).expect("step 3's reply");
+        p.late.push(Round {
+            addr: a.to_string(),
+            rx: rx3,
+            ..test_round(3, &[(1, (6, 0, 2, 6))], &[])
+        });
+        p.step = 3;
+        p.drain_ready();
+        assert_eq!(p.reqs[&1].tokens_acked, 2);
+        assert!(p.prefetched.iter().all(|r| r.drained && r.ready.is_some()));
+        let greedy = kernels::sampling::SamplingParams::greedy();
+        let mut rngs = [kernels::rng::Rng::new(1)];
+        let ctx = [1u32, 2, 3, 4, 5, 6];
+        let mut reqs = reqs_at(&[1], &ctx, &greedy, &mut rngs);
+        let out = p.propose(&mut reqs).expect("propose");
+        assert_eq!(out[0].tokens, vec![3, 3], "its blocks are drafts");
+        assert_eq!(p.reqs[&1].tokens_acked, 2, "not acknowledged again at 6");
+        assert!(p.prefetched.is_empty() && p.late.is_empty());
     }
 }
