@@ -1044,21 +1044,18 @@ mod tests {
         // Saved, as the state file holds it (JSON text).
         let saved: serde_json::Value =
             serde_json::from_str(&run_settings(&first).to_string()).unwrap();
-        let same = train_args(&["--lr", "0.0017", "--batch", "4", "--alpha-kl", "0.3"]);
+        // The run's own settings, with `more` flags after them.
+        let with = |more: &[&str]| {
+            let mut args = vec!["--lr", "0.0017", "--batch", "4", "--alpha-kl", "0.3"];
+            args.extend_from_slice(more);
+            train_args(&args)
+        };
+        let same = with(&[]);
         assert_eq!(
             check_resume_settings(Some(&saved), &run_settings(&same), None),
             Ok(vec![])
         );
-        let longer = train_args(&[
-            "--lr",
-            "0.0017",
-            "--batch",
-            "4",
-            "--alpha-kl",
-            "0.3",
-            "--steps",
-            "5000",
-        ]);
+        let longer = with(&["--steps", "5000"]);
         let w = check_resume_settings(Some(&saved), &run_settings(&longer), None).unwrap();
         assert!(w.len() == 1 && w[0].contains("--steps 5000"), "{w:?}");
         let other = train_args(&["--lr", "0.002", "--batch", "8", "--alpha-kl", "0.3"]);
@@ -1076,27 +1073,12 @@ mod tests {
             ("--parallel-weight", "0.25"),
             ("--seed", "9"),
         ] {
-            let mut args = vec!["--lr", "0.0017", "--batch", "4", "--alpha-kl", "0.3"];
-            args.extend([flag, value]);
-            let e = check_resume_settings(Some(&saved), &run_settings(&train_args(&args)), None)
+            let e = check_resume_settings(Some(&saved), &run_settings(&with(&[flag, value])), None)
                 .unwrap_err();
             assert!(e.contains(&format!("{flag} {value} (")), "{e}");
         }
         // The checkpoint's shape comes from the checkpoint: other flags for it are not refused.
-        let shaped = train_args(&[
-            "--lr",
-            "0.0017",
-            "--batch",
-            "4",
-            "--alpha-kl",
-            "0.3",
-            "--gamma",
-            "4",
-            "--layers",
-            "2",
-            "--rank",
-            "32",
-        ]);
+        let shaped = with(&["--gamma", "4", "--layers", "2", "--rank", "32"]);
         assert!(check_resume_settings(Some(&saved), &run_settings(&shaped), None).is_ok());
         let w = check_resume_settings(None, &run_settings(&other), Some("dspark train-drafter"))
             .unwrap();

@@ -2972,16 +2972,9 @@ mod tests {
     #[test]
     fn a_late_reply_acknowledges_and_a_stalled_link_is_probed_without_waiting() {
         let rt = test_runtime();
-        let shared = Arc::new(RemoteShared::default());
-        let mut p = test_proposer(&rt, shared.clone(), 10);
-        let timeout = Duration::from_millis(100);
-        p.timeout = timeout;
         let a = "127.0.0.1:9";
-        shared
-            .assign
-            .lock()
-            .expect("assign")
-            .insert(1, a.to_string());
+        let timeout = Duration::from_millis(100);
+        let (_, mut p) = assigned(&rt, a, timeout);
         let delay = Arc::new(AtomicU64::new(250));
         let seen = fake_worker(&mut p, a, Arc::clone(&delay));
         let greedy = kernels::sampling::SamplingParams::greedy();
@@ -3046,16 +3039,9 @@ mod tests {
     #[test]
     fn a_prefetched_round_for_a_context_moved_past_is_not_waited_for() {
         let rt = test_runtime();
-        let shared = Arc::new(RemoteShared::default());
-        let mut p = test_proposer(&rt, shared.clone(), 10);
-        let timeout = Duration::from_millis(500);
-        p.timeout = timeout;
         let a = "127.0.0.1:9";
-        shared
-            .assign
-            .lock()
-            .expect("assign")
-            .insert(1, a.to_string());
+        let timeout = Duration::from_millis(500);
+        let (_, mut p) = assigned(&rt, a, timeout);
         let _seen = fake_worker(&mut p, a, Arc::new(AtomicU64::new(0)));
         // Drafted at context length 4; its reply never comes.
         let (_never, rx) = std::sync::mpsc::channel();
@@ -3198,14 +3184,25 @@ mod tests {
     }
 
     /// A proposer whose request 1 is paired with `a`'s link (never up) on its stream 0.
-    fn paired_with(rt: &tokio::runtime::Runtime, a: &str) -> RemoteProposer {
+    /// A proposer (vocabulary 10, drafting `timeout`) with request 1 paired with `a`.
+    fn assigned(
+        rt: &tokio::runtime::Runtime,
+        a: &str,
+        timeout: Duration,
+    ) -> (Arc<RemoteShared>, RemoteProposer) {
         let shared = Arc::new(RemoteShared::default());
         let mut p = test_proposer(rt, shared.clone(), 10);
+        p.timeout = timeout;
         shared
             .assign
             .lock()
             .expect("assign")
             .insert(1, a.to_string());
+        (shared, p)
+    }
+
+    fn paired_with(rt: &tokio::runtime::Runtime, a: &str) -> RemoteProposer {
+        let (_, mut p) = assigned(rt, a, Duration::from_millis(10));
         assert_eq!(p.link_for(1).as_deref(), Some(a));
         p.reqs.insert(1, ReqSync::new(a.to_string(), 0, 0));
         p

@@ -2444,20 +2444,7 @@ async fn scheduler_budgets_are_central_and_workers_survive_its_loss() {
     let listen = format!("127.0.0.1:{port}");
     let mut scheduler = spawn("scheduler", &["scheduler", "--listen", &listen]);
     let sched = format!("http://{listen}");
-    let _draft = spawn(
-        "draft",
-        &[
-            "draft-worker",
-            "--target",
-            "smollm2-135m",
-            "--drafter",
-            "ngram",
-            "--scheduler",
-            &sched,
-            "--threads",
-            "1",
-        ],
-    );
+    let _draft = ngram_draft_worker(&sched, &[]);
     let target = spawn(
         "target",
         &[
@@ -2792,21 +2779,7 @@ async fn spans_reach_an_otlp_collector_under_the_callers_trace() {
     ];
     let scheduler = spawn_env("scheduler", &["scheduler", "--listen", "127.0.0.1:0"], &env);
     let sched = format!("http://{}", scheduler.addr);
-    let _draft = spawn_env(
-        "draft",
-        &[
-            "draft-worker",
-            "--target",
-            "smollm2-135m",
-            "--drafter",
-            "ngram",
-            "--scheduler",
-            &sched,
-            "--threads",
-            "1",
-        ],
-        &env,
-    );
+    let _draft = ngram_draft_worker(&sched, &env);
     let (_target, router) = target_and_router(&sched, &env);
     let url = format!("http://{}", router.addr);
     wait_for("cluster", Duration::from_secs(120), || ready(&url, 1, 1)).await;
@@ -2879,6 +2852,26 @@ async fn spans_reach_an_otlp_collector_under_the_callers_trace() {
     assert!(drafted, "no drafting span from the draft worker");
 }
 
+/// A draft worker with the n-gram drafter registered with the scheduler at `sched` (one
+/// thread), with `env` set.
+fn ngram_draft_worker(sched: &str, env: &[(&str, &str)]) -> Proc {
+    spawn_env(
+        "draft",
+        &[
+            "draft-worker",
+            "--target",
+            "smollm2-135m",
+            "--drafter",
+            "ngram",
+            "--scheduler",
+            sched,
+            "--threads",
+            "1",
+        ],
+        env,
+    )
+}
+
 /// `msg` with `authorization: Bearer TOKEN` when a token is given.
 fn bearer<T>(token: Option<&str>, msg: T) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
@@ -2896,21 +2889,7 @@ async fn a_cluster_token_admits_its_members_and_refuses_everyone_else() {
     let env = [("DSPARK_CLUSTER_TOKEN", TOKEN)];
     let scheduler = spawn_env("scheduler", &["scheduler", "--listen", "127.0.0.1:0"], &env);
     let sched = format!("http://{}", scheduler.addr);
-    let _draft = spawn_env(
-        "draft",
-        &[
-            "draft-worker",
-            "--target",
-            "smollm2-135m",
-            "--drafter",
-            "ngram",
-            "--scheduler",
-            &sched,
-            "--threads",
-            "1",
-        ],
-        &env,
-    );
+    let _draft = ngram_draft_worker(&sched, &env);
     let (target, router) = target_and_router(&sched, &env);
     let url = format!("http://{}", router.addr);
     // Registration (workers → scheduler) and placement (router → scheduler) carry the token.
