@@ -1256,6 +1256,8 @@ async fn drive(
                 );
                 let left = job.settings.max_tokens.saturating_sub(generated.len());
                 if let Some(reason) = whole_before_break(said_done.as_deref(), left) {
+                    // As on a failover: the lost worker's forwards are never reported.
+                    stats.first_tokens += (generated.len() - part_start) as u32;
                     stats.prompt_tokens = job.prompt.len() as u32;
                     stats.completion_tokens = generated.len() as u32;
                     app.metrics.e2e.observe(job.arrived.elapsed().as_secs_f64());
@@ -2196,7 +2198,7 @@ async fn serve(
         let mut lps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); total];
         let mut plps: Vec<Vec<dspark_proto::TokenLogprob>> = vec![Vec::new(); total];
         let mut ends: Vec<Option<(String, SpecStats, String)>> = vec![None; total];
-        let mut tally = Tally::new(&app, total, n, prompt_tokens, settings.score_only);
+        let mut tally = Tally::new(&app, n, &prompts, settings.score_only);
         while let Some((i, p)) = rx.recv().await {
             match p {
                 Piece::Text(t, d, l, pl) => {
@@ -2378,7 +2380,7 @@ async fn serve(
         let mut echoed = vec![!echo; total];
         // Counted however the stream ends (a client that left, a failed choice): whole, or
         // as far as it got.
-        let mut tally = Tally::new(&app2, total, n, prompt_tokens, score_only);
+        let mut tally = Tally::new(&app2, n, &prompts, score_only);
         loop {
             // A client that leaves is noticed at once, not at the next chunk sent: text held
             // back (a tool call being written, a possible stop string) sends none for a while.
@@ -2777,7 +2779,8 @@ fn finish(reason: &str) -> &'static str {
 struct Tally {
     app: Arc<App>,
     n: usize,
-    prompt_tokens: u32,
+    /// Per prompt: its tokens (counted, cut short, only where one of its choices started).
+    prompts: Vec<u32>,
     score_only: bool,
     /// Per choice: tokens received.
     tokens: Vec<usize>,
@@ -2787,11 +2790,12 @@ struct Tally {
 }
 
 impl Tally {
-    fn new(app: &Arc<App>, total: usize, n: usize, prompt_tokens: u32, score_only: bool) -> Self {
+    fn new(app: &Arc<App>, n: usize, prompts: &[Vec<u32>], score_only: bool) -> Self {
+        let total = prompts.len() * n;
         Self {
             app: Arc::clone(app),
             n,
-            prompt_tokens,
+            prompts: prompts.iter().map(|p| p.len() as u32).collect(),
             score_only,
             tokens: vec![0; total],
             done: vec![None; total],
@@ -2822,7 +2826,19 @@ impl Drop for Tally {
                 })
             })
             .collect();
-        let s = combine(ended.iter(), self.n, self.prompt_tokens, self.score_only);
+        // A prompt none of whose choices started (a later sequence refused a place) was
+        // never prefilled.
+        let n = self.n.max(1);
+        let prompt_tokens = self
+            .prompts
+            .iter()
+            .enumerate()
+            .filter(|(p, _)| {
+                (p * n..(p + 1) * n).any(|i| self.tokens[i] > 0 || self.done[i].is_some())
+            })
+            .map(|(_, &len)| len)
+            .sum();
+        let s = combine(ended.iter(), self.n, prompt_tokens, self.score_only);
         account(&self.app, &s);
     }
 }

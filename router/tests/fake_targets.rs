@@ -321,6 +321,25 @@ async fn tokens_of_a_request_cut_short_are_counted() {
     }
 }
 
+/// A request of two prompts run one after the other whose second fails to open counts the
+/// prompt tokens of the first alone: the second was never prefilled.
+#[tokio::test]
+async fn a_prompt_never_started_is_not_counted() {
+    let prompt_tokens = "dspark_router_prompt_tokens_total";
+    // What "hello" counts, answered whole.
+    let (good, _) = fake(Mode::Answers).await;
+    let app = router(&[good], &[]).await;
+    let (status, body) = post(&app, json!({"prompt": "hello", "max_tokens": 2})).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let hello = metric(&app, prompt_tokens).await;
+    assert!(hello > 0.0);
+    let (once, _) = fake(Mode::AnswersOnce).await;
+    let app = router(&[once], &["--max-inflight", "2"]).await;
+    let (status, body) = post(&app, json!({"prompt": ["hello", "world"], "max_tokens": 2})).await;
+    assert!(status.is_client_error(), "{status} {body}");
+    assert_eq!(metric(&app, prompt_tokens).await, hello);
+}
+
 /// A request that can never fit the context is a 400 (`max_tokens`), even while the cluster
 /// is full: a 429 would have its client retry it for ever.
 #[tokio::test]

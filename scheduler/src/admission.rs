@@ -756,7 +756,7 @@ pub struct ExternalBudget {
 }
 
 impl ExternalBudget {
-    const RECENT: usize = 8;
+    pub(crate) const RECENT: usize = 8;
 
     /// Stores the budget for `for_step`.
     pub fn set(&mut self, for_step: u64, k_total: u32) {
@@ -1164,9 +1164,15 @@ impl ConfidencePolicy {
         if self.lag == 0 || self.probing || self.budgets.len() < self.lag {
             return Some(false);
         }
+        // Central answers held for any of the coming steps the local queue covers (or the
+        // `steps` asked about), as far as answers are kept.
+        let ahead = steps.max(self.lag).min(ExternalBudget::RECENT) as u64;
         if self.last_real > 0
             || self.budgets.iter().any(|&b| b > 0)
-            || self.central_budget().is_some_and(|b| b > 0)
+            || (1..=ahead).any(|d| {
+                self.central_budget_for(self.steps + d)
+                    .is_some_and(|b| b > 0)
+            })
         {
             return Some(false);
         }
@@ -1873,6 +1879,31 @@ mod tests {
         };
         assert!(verified(&local, 0) > verified(&local, 1), "{local:?}");
         assert_eq!(central, local);
+    }
+
+    /// A central budget answered for a step two on counts as drafting soon (the engine then
+    /// prefetches that micro-batch's round and captures its features), as a local one queued
+    /// there does; only the next step's was looked at.
+    #[test]
+    fn a_central_budget_two_steps_on_is_drafting_soon() {
+        use specdec::VerifyPolicy;
+        let sps = SpsTable::new(vec![(64, 100.0), (256, 20.0)]).unwrap();
+        let mut p = ConfidencePolicy::new(sps, Rule::Argmax, 2, 4096, 4);
+        let slot = std::sync::Arc::new(std::sync::Mutex::new(ExternalBudget::default()));
+        p.external = Some(slot.clone());
+        assert!(!p.drafting_within(2), "nothing planned, no probe due");
+        slot.lock().unwrap().set(p.steps + 2, 3);
+        assert!(p.drafting_within(2));
+        assert!(
+            p.drafting_within(1),
+            "within the lag's reach whatever is asked"
+        );
+        // An answer for a step past the lag and the question is not looked at.
+        let mut q = ConfidencePolicy::new(p.sps.clone(), Rule::Argmax, 2, 4096, 4);
+        let far = std::sync::Arc::new(std::sync::Mutex::new(ExternalBudget::default()));
+        far.lock().unwrap().set(q.steps + 5, 3);
+        q.external = Some(far);
+        assert!(!q.drafting_within(2));
     }
 
     /// A worker whose scheduler has not answered runs on local budgets, and counts them so.
